@@ -1,0 +1,51 @@
+# sandman: one entry point per task. `make test` is the README's test command and what CI runs.
+SHELL := /bin/bash
+PY ?= python3
+VENV ?= .venv
+VPY := $(VENV)/bin/python
+STAMP := $(VENV)/.deps-stamp
+PYTEST_ARGS ?=
+
+.PHONY: help deps sysdeps lint test testbed-build testbed-up testbed-down testbed-status \
+        bench-execd bench-netguard clean
+
+help:  ## list targets
+	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
+
+$(STAMP): pyproject.toml
+	@test -x $(VPY) || $(PY) -m venv $(VENV)
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	@touch $@
+
+deps: $(STAMP) sysdeps  ## install the venv, pinned PyPI deps and Debian packages the tests need
+
+sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash), when missing
+	@$(PY) tools/sysdeps.py
+
+lint: $(STAMP)  ## ruff on the tree; vermin checks execd stays python3.8-compatible
+	$(VENV)/bin/ruff check .
+	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
+
+testbed-build: $(STAMP)  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
+	$(VPY) -m tests.testbed build
+
+test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
+	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
+
+testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
+	$(VPY) -m tests.testbed up
+
+testbed-down: $(STAMP)  ## stop the test bed started by testbed-up; nothing is left running
+	$(VPY) -m tests.testbed down
+
+testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
+	$(VPY) -m tests.testbed status
+
+bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
+	$(VPY) -m execd.bench
+
+bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
+	$(VPY) -m netguard.bench
+
+clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
+	rm -rf $(VENV) .pytest_cache .ruff_cache

