@@ -1,0 +1,5 @@
+import sys
+
+from netguard.cli import main
+
+sys.exit(main())

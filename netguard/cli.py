@@ -1,0 +1,306 @@
+"""`python3 -m netguard apply|render|check`: the one entry point.
+
+Exit codes: 0 success; 1 the guard is not (verifiably) in place, with one line on stderr saying
+why; 2 bad usage. An init container that exits non-zero keeps the pod from starting: the
+sandbox never runs unguarded.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+
+from netguard import netinfo, verify, xtables
+from netguard.config import FAMILIES, IPV4, IPV6, Config, ConfigError
+from netguard.rules import LiveFilter, diff_live, render, ruleset_sha256, transaction
+from sandman.contract import NETGUARD_STATUS_PATH
+
+STATUS_VERSION = 1
+
+
+class GuardError(RuntimeError):
+    """The guard could not be installed or proven; the message is the one line printed."""
+
+
+def _ruleset_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("ruleset")
+    g.add_argument("--egress", choices=("deny", "allow"), default=None,
+                   help="deny (default): only loopback, replies and --allow-egress leave")
+    g.add_argument("--allow-egress", action="append", metavar="CIDR[:PORT[/tcp|udp]]",
+                   help="allowed destination in deny mode (repeatable, or comma-separated); "
+                        "IPv6 with a port as [CIDR]:PORT; a port without /proto means tcp+udp")
+    g.add_argument("--ingress-port", type=int, default=None,
+                   help="the port inbound callers may reach (default: execd's)")
+    g.add_argument("--ingress-from", action="append", metavar="CIDR",
+                   help="sources allowed to reach --ingress-port (repeatable or comma-separated);"
+                        " none: loopback only")
+
+
+def _config(args: argparse.Namespace) -> Config:
+    return Config.from_strings(args.egress, args.allow_egress, args.ingress_port,
+                               args.ingress_from)
+
+
+def _given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, k) is not None
+               for k in ("egress", "allow_egress", "ingress_port", "ingress_from"))
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="netguard", description=__doc__.splitlines()[0])
+    sub = p.add_subparsers(dest="cmd", required=True)
+
+    a = sub.add_parser("apply", help="install the rules in this netns, verify them, write status")
+    _ruleset_args(a)
+    a.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto",
+                   help="iptables backend; auto: whichever has rules in this netns, else nft")
+    a.add_argument("--no-verify", dest="verify", action="store_false",
+                   help="skip the self-verification probes (not for production)")
+    a.add_argument("--verify-blocked", action="append", default=[], metavar="IP:PORT",
+                   help="a TCP target that must be refused after apply (repeatable)")
+    a.add_argument("--verify-timeout", type=float, default=verify.DEFAULT_TIMEOUT,
+                   help="seconds a probe may take; a blocked probe must fail faster")
+    a.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
+                   help="where to write the status JSON ('' for none)")
+
+    r = sub.add_parser("render", help="print the restore input, touching nothing")
+    _ruleset_args(r)
+    r.add_argument("--family", choices=FAMILIES + ("all",), default="all")
+    r.add_argument("--live", action="store_true",
+                   help="render what apply would send here (reads, never writes, the kernel)")
+    r.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
+
+    c = sub.add_parser("check", help="do the live rules match the ruleset? exit 0/1")
+    _ruleset_args(c)
+    c.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
+    c.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
+                   help="options and families come from here unless given on the command line")
+    return p
+
+
+# ---------------------------------------------------------------- detection
+
+
+def detect_start(backend: str, families: tuple[str, ...] = FAMILIES) -> dict:
+    """Start reading each candidate backend's tables, in parallel subprocesses."""
+    candidates = xtables.BACKENDS if backend == "auto" else (backend,)
+    state: dict = {"backend": backend, "families": families, "tools": {}, "procs": {},
+                   "errors": {}}
+    for b in candidates:
+        for f in families:
+            try:
+                t = xtables.find_tools(b, f)
+                state["procs"][(b, f)] = xtables.start_save(t)
+                state["tools"][(b, f)] = t
+            except (xtables.XtablesError, OSError) as e:
+                state["errors"][(b, f)] = str(e)
+    return state
+
+
+def detect_finish(state: dict):
+    """Pick the backend; returns (backend, {family: Tools}, {family: LiveFilter},
+    {family: why it is unusable}). A family's problem only matters if it needs a ruleset."""
+    fams, tools, errors = state["families"], state["tools"], state["errors"]
+    dumps: dict[tuple[str, str], str] = {}
+    for key, proc in state["procs"].items():
+        try:
+            dumps[key] = xtables.finish_save(tools[key], proc)
+        except xtables.XtablesError as e:
+            errors[key] = str(e)
+    if state["backend"] == "auto":
+        # istio-iptables' rule: join the backend that already has rules here, else nft.
+        with_rules = [b for b in xtables.BACKENDS
+                      if any(xtables.has_rules(dumps.get((b, f), "")) for f in fams)]
+        chosen = "legacy" if with_rules == ["legacy"] else "nft"
+    else:
+        chosen = state["backend"]
+    found = {f: tools[(chosen, f)] for f in fams if (chosen, f) in dumps}
+    live = {f: LiveFilter.parse(dumps[(chosen, f)]) for f in found}
+    missing = {f: errors.get((chosen, f), "unknown error") for f in fams if f not in found}
+    return chosen, found, live, missing
+
+
+def detect(backend: str, families: tuple[str, ...] = FAMILIES):
+    return detect_finish(detect_start(backend, families))
+
+
+# ---------------------------------------------------------------- apply
+
+
+def _lock_env(status_file: str) -> dict[str, str]:
+    """Legacy iptables locks /run/xtables.lock. With a read-only root and no writable /run,
+    put the lock beside the status file (a pod-private emptyDir: the lock only serialises
+    writers of this netns, and netguard is the only one)."""
+    env = dict(os.environ, LC_ALL="C")
+    if "XTABLES_LOCKFILE" not in env and not os.access("/run", os.W_OK):
+        d = os.path.dirname(status_file) if status_file else ""
+        if d and os.access(d, os.W_OK):
+            env["XTABLES_LOCKFILE"] = os.path.join(d, "xtables.lock")
+    return env
+
+
+def write_status(path: str, status: dict) -> None:
+    if not path:
+        return
+    d = os.path.dirname(path) or "."
+    os.makedirs(d, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".netguard-", dir=d)
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(status, f, indent=2, sort_keys=True)
+            f.write("\n")
+        os.chmod(tmp, 0o644)  # the sandbox container (any uid) reads it; nobody else writes
+        os.replace(tmp, path)  # readers see the old or the new file, never half of one
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def cmd_apply(args: argparse.Namespace) -> int:
+    t_start = time.perf_counter()
+    timings: dict[str, float] = {}
+
+    def lap(name: str, t0: float) -> float:
+        now = time.perf_counter()
+        timings[name] = round((now - t0) * 1000, 2)
+        return now
+
+    config = _config(args)
+    blocked = [verify.parse_target(x) for x in args.verify_blocked]
+    status = {
+        "version": STATUS_VERSION, "ok": False, "mode": config.egress,
+        "ruleset_sha256": ruleset_sha256(config), "options": config.to_dict(),
+        "families": [], "backend": None, "verified": False, "probes": [], "pod_ips": [],
+        "error": None,
+    }
+    env = _lock_env(args.status_file)
+    applied: list[str] = []
+    found: dict[str, xtables.Tools] = {}
+    try:
+        t = time.perf_counter()
+        # The save processes run while pyroute2 imports and reads the addresses.
+        pending = detect_start(args.backend)
+        info = netinfo.read()
+        chosen, found, live, missing = detect_finish(pending)
+        t = lap("detect", t)
+        status.update(backend=chosen, families=list(info.families), pod_ips=info.pod_ips)
+        for family in info.families:
+            if family in missing:
+                raise GuardError(f"{family} needs a ruleset but: {missing[family]}")
+        for family in info.families:
+            xtables.restore(found[family], transaction(config, family, live[family]), env)
+            applied.append(family)
+        t = lap("apply", t)
+        if args.verify:
+            probes = verify.run(info.families, blocked, args.verify_timeout,
+                                info.has_ipv6_loopback)
+            status["probes"] = [p.to_dict() for p in probes]
+            t = lap("verify", t)
+            bad = [p for p in probes if not p.ok]
+            if bad:
+                raise GuardError("self-verify failed: " + "; ".join(
+                    f"{p.target} should be {p.want} but was {p.outcome} after {p.ms:.0f} ms"
+                    for p in bad))
+            status["verified"] = True
+        status["ok"] = True
+    except Exception as e:  # fail closed on anything, expected or not
+        msg = str(e) if isinstance(e, GuardError | xtables.XtablesError | ConfigError) else (
+            f"unexpected {type(e).__name__}: {e}")
+        if applied:
+            msg += _lock_down(config, applied, found, env)
+        status["error"] = msg
+        raise GuardError(msg) from None
+    finally:
+        timings["total"] = round((time.perf_counter() - t_start) * 1000, 2)
+        status["timings_ms"] = timings
+        status["time"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+        try:
+            write_status(args.status_file, status)
+        except OSError as e:
+            if status["ok"]:
+                raise GuardError(f"cannot write status file {args.status_file}: {e}") from None
+    print(f"netguard: egress {config.egress}, {'+'.join(status['families'])} via "
+          f"{status['backend']}, ruleset {status['ruleset_sha256'][:12]}, "
+          f"{'verified' if status['verified'] else 'NOT verified (--no-verify)'} "
+          f"in {timings['total']:.0f} ms")
+    return 0
+
+
+def _lock_down(config: Config, applied: list[str], found, env) -> str:
+    """After a failure, replace each family already applied with the lockdown ruleset (egress
+    denied, no allow entries, loopback-only ingress) so no allow rule outlives a failed apply."""
+    notes = []
+    for family in applied:
+        try:
+            live = LiveFilter.parse(xtables.save(found[family]))
+            xtables.restore(found[family], transaction(config.locked_down(), family, live), env)
+            notes.append(f"{family} locked down")
+        except (xtables.XtablesError, OSError) as e:
+            notes.append(f"{family} lockdown FAILED: {e}")
+    return " (" + ", ".join(notes) + ")"
+
+
+# ---------------------------------------------------------------- render / check
+
+
+def cmd_render(args: argparse.Namespace) -> int:
+    config = _config(args)
+    fams = FAMILIES if args.family == "all" else (args.family,)
+    if not args.live:
+        sys.stdout.write(render(config, fams))
+        return 0
+    chosen, found, live, missing = detect(args.backend, fams)
+    for family in fams:
+        if family in missing:
+            raise GuardError(missing[family])
+        sys.stdout.write(f"# {family}: {found[family].restore} --noflush ({chosen})\n")
+        sys.stdout.write(transaction(config, family, live[family]))
+    return 0
+
+
+def cmd_check(args: argparse.Namespace) -> int:
+    status = None
+    if args.status_file and os.path.exists(args.status_file):
+        with open(args.status_file) as f:
+            status = json.load(f)
+    if _given(args) or not status or "options" not in status:
+        config = _config(args)
+    else:
+        config = Config.from_dict(status["options"])
+    if status and status.get("families"):
+        fams = tuple(f for f in status["families"] if f in FAMILIES)
+    else:
+        fams = (IPV4, IPV6) if netinfo.ipv6_enabled() else (IPV4,)
+    backend = args.backend
+    if backend == "auto" and status and status.get("backend") in xtables.BACKENDS:
+        backend = status["backend"]
+    chosen, found, live, missing = detect(backend, fams)
+    problems = [f"{f}: {missing[f]}" for f in fams if f in missing]
+    for family in fams:
+        if family in live:
+            problems += diff_live(config, family, live[family])
+    sha = ruleset_sha256(config)[:12]
+    if problems:
+        for p in problems:
+            print(f"netguard check: {p}")
+        print(f"netguard check: MISMATCH with ruleset {sha} ({chosen})")
+        return 1
+    print(f"netguard check: {'+'.join(fams)} match ruleset {sha} ({chosen})")
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    handler = {"apply": cmd_apply, "render": cmd_render, "check": cmd_check}[args.cmd]
+    try:
+        return handler(args)
+    except (GuardError, ConfigError, xtables.XtablesError) as e:
+        print(f"netguard {args.cmd}: error: {e}", file=sys.stderr)
+    except Exception as e:  # anything unexpected still fails closed, in one line
+        print(f"netguard {args.cmd}: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+    return 1

@@ -1,0 +1,251 @@
+"""Golden files and unit tests of the ruleset (no kernel needed).
+
+Golden files: `render` output for a table of option sets, compared byte for byte. After an
+intended change, regenerate with `NETGUARD_UPDATE_GOLDEN=1 pytest tests/netguard` and review
+the diff: it is exactly the change to what the kernel will hold.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import os
+import re
+import shlex
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netguard.cli import main
+from netguard.config import IPV4, IPV6, Config, ConfigError, EgressAllow
+from netguard.rules import (
+    CHAIN_IN,
+    CHAIN_OUT,
+    LiveFilter,
+    chain_rules,
+    diff_live,
+    jump_rule,
+    render,
+    ruleset_sha256,
+    transaction,
+)
+from sandman.contract import EXECD_PORT
+
+TESTDATA = Path(__file__).parent / "testdata"
+ROOT = Path(__file__).resolve().parents[2]
+UPDATE = os.environ.get("NETGUARD_UPDATE_GOLDEN") == "1"
+
+# name -> `render` arguments. One case per behaviour a reviewer should be able to read.
+GOLDEN_CASES = {
+    "deny-default": [],
+    "deny-dns": ["--allow-egress", "10.96.0.10:53"],
+    "deny-allow-list": ["--allow-egress", "10.0.0.0/8", "--allow-egress", "10.96.0.10:53/udp",
+                        "--allow-egress", "[fd00:10::/64]:443/tcp,fd00:20::/64"],
+    "deny-ingress": ["--ingress-from", "10.244.0.0/16,fd00:244::/64",
+                     "--ingress-from", "10.245.1.7"],
+    "deny-ingress-port": ["--ingress-port", "8080", "--ingress-from", "10.1.2.3/16"],
+    "allow": ["--egress", "allow"],
+    "allow-ingress": ["--egress", "allow", "--ingress-from", "10.244.0.0/16"],
+    "ipv4-only": ["--family", "ipv4", "--allow-egress", "10.96.0.10:53"],
+}
+
+
+def render_cli(args: list[str]) -> str:
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        assert main(["render", *args]) == 0
+    return out.getvalue()
+
+
+def _golden(name: str, text: str) -> None:
+    path = TESTDATA / f"{name}.golden"
+    if UPDATE:
+        path.write_text(text)
+    assert path.exists(), f"{path} missing: run with NETGUARD_UPDATE_GOLDEN=1 to create it"
+    assert text == path.read_text(), (
+        f"render output differs from {path.name}; if intended, regenerate with "
+        f"NETGUARD_UPDATE_GOLDEN=1 and review the diff")
+
+
+@pytest.mark.parametrize("name", sorted(GOLDEN_CASES))
+def test_golden(name):
+    _golden(name, render_cli(GOLDEN_CASES[name]))
+
+
+def test_golden_lockdown():
+    cfg = Config.from_strings(allow_egress=["10.96.0.10:53"], ingress_from=["10.244.0.0/16"])
+    _golden("lockdown", render(cfg.locked_down()))
+
+
+def test_no_stray_golden_files():
+    names = {p.stem for p in TESTDATA.glob("*.golden")}
+    assert names == set(GOLDEN_CASES) | {"lockdown"}
+
+
+def test_module_entry_point_renders_the_same():
+    out = subprocess.run([sys.executable, "-m", "netguard", "render",
+                          *GOLDEN_CASES["deny-dns"]], capture_output=True, text=True,
+                         cwd=ROOT, timeout=30, check=True).stdout
+    assert out == (TESTDATA / "deny-dns.golden").read_text()
+
+
+# ------------------------------------------------------------------ invariants of the ruleset
+
+ALL_CONFIGS = [Config.from_strings(*a) for a in [
+    (None, None, None, None),
+    ("deny", ["10.0.0.0/8", "[fd00::/8]:53"], 9470, ["10.1.0.0/16", "fd00:1::/64"]),
+    ("allow", None, None, ["10.1.0.0/16"]),
+]] + [Config().locked_down()]
+
+
+@pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.egress + ("-lock" * c.lockdown))
+@pytest.mark.parametrize("family", [IPV4, IPV6])
+def test_ruleset_invariants(cfg, family):
+    rules = chain_rules(cfg, family)
+    for r in rules:
+        assert r.chain in (CHAIN_OUT, CHAIN_IN)  # own chains only
+        assert '--comment "sandman: ' in r.spec()  # a comment on every rule
+        shlex.split(r.spec())  # well-quoted
+    out = [r for r in rules if r.chain == CHAIN_OUT]
+    inn = [r for r in rules if r.chain == CHAIN_IN]
+    # Metadata is refused first, in every mode.
+    assert all("instance metadata" in r.comment and r.target.startswith("REJECT")
+               for r in out[:2])
+    if cfg.egress == "deny":
+        # The chain ends in an unconditional reject: nothing falls through to OUTPUT's policy.
+        assert out[-1].match == "" and out[-1].target.startswith("REJECT")
+    else:
+        assert out[-1].target == "RETURN" and len(out) == 3
+    assert inn[-1].match == "" and inn[-1].target == "DROP"
+    assert inn[0].match == "-i lo" and inn[0].target == "ACCEPT"
+    # Every inbound ACCEPT is loopback, replies, ND, or the ingress port from a listed source.
+    for r in inn[:-1]:
+        if r.target == "ACCEPT" and r.match.startswith("-s "):
+            assert f"--dport {cfg.ingress_port}" in r.match
+
+
+def test_transaction_is_one_commit_with_own_chains_and_first_place_jumps():
+    text = transaction(Config(), IPV4)
+    lines = text.splitlines()
+    assert lines[0] == "*filter" and lines[-1] == "COMMIT"
+    assert text.count("COMMIT") == 1
+    assert lines[1:3] == [":SANDMAN-IN - [0:0]", ":SANDMAN-OUT - [0:0]"]
+    assert [x for x in lines if x.startswith("-I ")] == [
+        f"-I OUTPUT 1 {jump_rule('OUTPUT', CHAIN_OUT).spec()}",
+        f"-I INPUT 1 {jump_rule('INPUT', CHAIN_IN).spec()}",
+    ]
+    # Built-in chains get nothing but the jump.
+    assert all(x.split()[1] in (CHAIN_OUT, CHAIN_IN) for x in lines if x.startswith("-A "))
+    assert not any(x.startswith(("-F", "-X", "-P", ":INPUT", ":OUTPUT")) for x in lines)
+
+
+def _save(base_rules: dict[str, list[str]]) -> str:
+    lines = ["*filter", ":INPUT ACCEPT [0:0]", ":OUTPUT ACCEPT [0:0]"]
+    lines += [f":{c} - [0:0]" for c in base_rules if c not in ("INPUT", "OUTPUT")]
+    for chain, specs in base_rules.items():
+        lines += [f"-A {chain} {s}" for s in specs]
+    return "\n".join(lines + ["COMMIT", ""])
+
+
+def test_rerun_keeps_a_first_place_jump_and_replaces_the_chains():
+    cfg = Config()
+    jo, ji = jump_rule("OUTPUT", CHAIN_OUT).spec(), jump_rule("INPUT", CHAIN_IN).spec()
+    live = LiveFilter.parse(_save({"OUTPUT": [jo, "-j ACCEPT"], "INPUT": [ji],
+                                   CHAIN_OUT: ["-j ACCEPT"], CHAIN_IN: []}))
+    text = transaction(cfg, IPV4, live)
+    assert "-I " not in text and "-D " not in text  # jumps already right: untouched
+    assert ":SANDMAN-OUT - [0:0]" in text  # the chain is emptied and refilled in this commit
+
+
+def test_rerun_removes_duplicate_and_misplaced_jumps_in_the_same_commit():
+    jo = jump_rule("OUTPUT", CHAIN_OUT).spec()
+    old = '-m comment --comment "old" -j SANDMAN-OUT'
+    live = LiveFilter.parse(_save({"OUTPUT": ["-j ACCEPT", jo, jo, old],
+                                   "INPUT": [], CHAIN_OUT: [], CHAIN_IN: []}))
+    lines = transaction(Config(), IPV4, live).splitlines()
+    assert lines.count(f"-D OUTPUT {jo}") == 2 and f"-D OUTPUT {old}" in lines
+    assert f"-I OUTPUT 1 {jo}" in lines
+    assert f"-I INPUT 1 {jump_rule('INPUT', CHAIN_IN).spec()}" in lines
+    # Deletes come before the chain rules and inserts, all inside the one COMMIT.
+    assert lines.index(f"-D OUTPUT {jo}") < lines.index(f"-I OUTPUT 1 {jo}") < lines.index(
+        "COMMIT")
+
+
+def test_diff_live_accepts_exactly_the_ruleset():
+    cfg = Config.from_strings(allow_egress=["10.0.0.10:53"])
+    base = {"OUTPUT": [jump_rule("OUTPUT", CHAIN_OUT).spec()],
+            "INPUT": [jump_rule("INPUT", CHAIN_IN).spec()]}
+    own = {c: [r.spec() for r in chain_rules(cfg, IPV4) if r.chain == c]
+           for c in (CHAIN_IN, CHAIN_OUT)}
+    assert diff_live(cfg, IPV4, LiveFilter.parse(_save({**base, **own}))) == []
+    # A missing deny, an extra jump, a misplaced jump and a missing chain are all reported.
+    broken = dict(own, **{CHAIN_OUT: own[CHAIN_OUT][:-1]})
+    assert any("SANDMAN-OUT differs" in p
+               for p in diff_live(cfg, IPV4, LiveFilter.parse(_save({**base, **broken}))))
+    two = {"OUTPUT": base["OUTPUT"] * 2, "INPUT": base["INPUT"]}
+    assert any("2 jumps" in p for p in diff_live(cfg, IPV4, LiveFilter.parse(_save({**two,
+                                                                                    **own}))))
+    late = {"OUTPUT": ["-j ACCEPT"] + base["OUTPUT"], "INPUT": base["INPUT"]}
+    assert any("not the first rule" in p
+               for p in diff_live(cfg, IPV4, LiveFilter.parse(_save({**late, **own}))))
+    assert any("missing" in p for p in diff_live(cfg, IPV4, LiveFilter.parse(_save(base))))
+
+
+def test_sha256_names_the_ruleset():
+    a = Config.from_strings(allow_egress=["10.0.0.10:53"])
+    assert ruleset_sha256(a) == ruleset_sha256(Config.from_strings(allow_egress=["10.0.0.10/32:53"]))
+    assert ruleset_sha256(a) != ruleset_sha256(Config())
+    assert re.fullmatch(r"[0-9a-f]{64}", ruleset_sha256(a))
+
+
+@pytest.mark.parametrize("text,want", [
+    ("10.0.0.10", ("10.0.0.10/32", None, None)),
+    ("10.0.0.0/8", ("10.0.0.0/8", None, None)),
+    ("10.1.2.3/16:443", ("10.1.0.0/16", 443, None)),
+    ("10.0.0.10:53/udp", ("10.0.0.10/32", 53, "udp")),
+    ("fd00::/64", ("fd00::/64", None, None)),
+    ("[fd00::1]:53/tcp", ("fd00::1/128", 53, "tcp")),
+    ("[fd00::/64]", ("fd00::/64", None, None)),
+])
+def test_allow_egress_parsing(text, want):
+    a = EgressAllow.parse(text)
+    assert (str(a.network), a.port, a.proto) == want
+    assert EgressAllow.parse(str(a)) == a  # round-trips through the status file
+
+
+@pytest.mark.parametrize("text", ["nope", "10.0.0.1:0", "10.0.0.1:70000", "10.0.0.1:53/icmp",
+                                  "[fd00::1", "[fd00::1]53", "10.0.0.300/32"])
+def test_allow_egress_rejects_bad_entries(text):
+    with pytest.raises(ConfigError):
+        EgressAllow.parse(text)
+
+
+def test_bad_options_exit_non_zero_with_one_line(capsys):
+    assert main(["render", "--egress", "allow", "--allow-egress", "10.0.0.0/8"]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "error" in err
+    assert main(["render", "--ingress-from", "not-a-cidr"]) == 1
+
+
+def test_config_round_trips_through_the_status_dict():
+    cfg = Config.from_strings("deny", ["10.0.0.10:53", "[fd00::/8]:443/tcp"], 8080,
+                              ["10.1.0.0/16"])
+    assert Config.from_dict(cfg.to_dict()) == cfg
+    assert Config().ingress_port == EXECD_PORT
+
+
+def test_docs_table_lists_every_rule():
+    """docs/netguard.md's rule table names every comment the ruleset uses."""
+    doc = (ROOT / "docs" / "netguard.md").read_text()
+    comments = set()
+    for cfg in ALL_CONFIGS:
+        for family in (IPV4, IPV6):
+            for r in chain_rules(cfg, family):
+                c = re.sub(r"^allow egress .*", "allow egress <entry>", r.comment)
+                comments.add(re.sub(r"^allow port \d+ from .*", "allow port <port> from <source>",
+                                    c))
+    comments |= {jump_rule("OUTPUT", CHAIN_OUT).comment, jump_rule("INPUT", CHAIN_IN).comment}
+    missing = sorted(c for c in comments if f"sandman: {c}" not in doc)
+    assert not missing, f"docs/netguard.md does not mention: {missing}"
