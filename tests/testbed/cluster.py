@@ -25,7 +25,7 @@ from tests.testbed import build, pki, versions
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Pod IPs are handed out from loopback, so anything that dials a pod IP (the controller's execd
 # check, a test) stays on this machine: the workplace allows no other destination.
-POD_CIDR = "127.64.0.0/16"
+POD_CIDR = "127.64.0.1/16"
 NODE_IP = "127.0.0.1"
 ZONES = ("zone-a", "zone-b", "zone-c")
 SERVICE_CIDR = "10.0.0.0/24"  # a name space for Service IPs only; nothing is ever sent there
