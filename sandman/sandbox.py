@@ -1,0 +1,595 @@
+"""What makes a pod a correct sandbox: one idempotent mutation and the checks of its result.
+
+`make_sandbox(pod, policy)` returns a mutated deep copy; the admission webhook diffs it against
+the original (jsonpatch) and the controller calls it to build its own pods, so both paths produce
+the same pod. `check_sandbox(pod, policy)` lists what is wrong with a final pod object; the
+validating webhook refuses on any entry. Pods are plain dicts in the API's JSON form.
+
+Idempotency is a requirement, not a nicety: the API server re-invokes the mutating webhook
+(`reinvocationPolicy: IfNeeded`) and defaults fields in between, so `make_sandbox` keeps values
+that already mean the right thing (equal quantities spelled differently, defaulted fields of
+injected containers) and only changes what is wrong. docs/webhook.md says why each rule exists.
+"""
+
+from __future__ import annotations
+
+import copy
+import ipaddress
+import posixpath
+from dataclasses import dataclass
+from decimal import Decimal, InvalidOperation
+
+from sandman.contract import (
+    ANNOTATION_CONTAINER,
+    ANNOTATION_INGRESS_FROM,
+    ANNOTATION_TOKEN_SHA256,
+    EGRESS_ALLOW,
+    EGRESS_DENY,
+    EXECD_DIR,
+    EXECD_INSTALL_CONTAINER,
+    EXECD_PATH,
+    EXECD_PORT,
+    EXECD_TOKEN_ENV,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+    NETGUARD_STATUS_PATH,
+    SANDBOX_TRUE,
+    SANDMAN_IMAGE,
+    SANDMAN_VOLUME,
+    is_token_sha256,
+)
+
+GUARD_ALWAYS = "always"  # every sandbox gets netguard (inbound guard on execd's port at least)
+GUARD_EGRESS_DENY = "egress-deny"  # only pods labelled egress=deny get netguard
+GUARD_MODES = (GUARD_ALWAYS, GUARD_EGRESS_DENY)
+
+RUN_DIR = posixpath.dirname(NETGUARD_STATUS_PATH)  # writable for netguard, read-only in sandbox
+EXECD_COMMAND = ["python3", EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
+EXECD_HEALTH_PATH = "/health"
+GUARD_CAPS = ("NET_ADMIN", "NET_RAW")  # netguard's only capabilities; dropped in the sandbox
+TOKEN_FIELD_PATH = f"metadata.annotations['{ANNOTATION_TOKEN_SHA256}']"
+# The service-account admission plugin runs before webhooks and has already added this volume.
+SA_TOKEN_VOLUME_PREFIX = "kube-api-access-"
+# Injected init containers are sized like the paper's tiny ramp pods (0.1 vCPU, 128 MiB): a pod's
+# effective request is max(init containers, sum of containers), so they never raise it there.
+INJECTED_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
+# Fields the API server defaults on containers: kept when re-mutating, so the patch stays empty.
+_API_DEFAULTED = ("terminationMessagePath",)
+
+# Copies execd.py out of the sandman package in the image; run/ must exist before the read-only
+# mount (netguard's subPath mount creates it too when the guard runs first).
+_INSTALL_SCRIPT = (
+    "import importlib.util, os, shutil\n"
+    "src = importlib.util.find_spec('execd.execd').origin\n"
+    f"tmp = {EXECD_PATH!r} + '.tmp'\n"
+    "shutil.copyfile(src, tmp)\n"
+    "os.chmod(tmp, 0o444)\n"
+    f"os.replace(tmp, {EXECD_PATH!r})\n"
+    f"os.makedirs({RUN_DIR!r}, exist_ok=True)\n"
+)
+
+
+@dataclass(frozen=True)
+class SandboxPolicy:
+    """The cluster-wide settings the mutation and the checks share (webhook flags)."""
+
+    image: str = SANDMAN_IMAGE
+    # The paper's reference sandbox (and the managed service's only size): 2 vCPU, 8 GiB.
+    default_cpu: str = "2"
+    default_memory: str = "8Gi"
+    guard: str = GUARD_ALWAYS
+    # Who may reach execd's port when the pod does not say (annotation). The token authenticates;
+    # this narrows who can connect. Production sets the trainers' pod CIDR.
+    ingress_from: tuple[str, ...] = ("0.0.0.0/0",)
+
+    def __post_init__(self) -> None:
+        if self.guard not in GUARD_MODES:
+            raise ValueError(f"guard must be one of {GUARD_MODES}, not {self.guard!r}")
+        parse_quantity(self.default_cpu)
+        parse_quantity(self.default_memory)
+        for cidr in self.ingress_from:
+            ipaddress.ip_network(cidr, strict=False)
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """One broken rule. `rule` is from RULES (a bounded metric label); `container` may be ''."""
+
+    rule: str
+    container: str
+    detail: str
+
+    def message(self) -> str:
+        where = f"container {self.container}: " if self.container else ""
+        return f"sandman {self.rule}: {where}{self.detail}"
+
+
+RULES = (
+    "sandbox-container-missing",
+    "ingress-from-invalid",
+    "resources-unequal",
+    "service-links",
+    "service-account-token",
+    "egress-label-invalid",
+    "guard-missing",
+    "guard-misconfigured",
+    "host-namespace",
+    "privileged",
+    "net-admin-added",
+    "token-hash",
+    "not-mutated",
+)
+
+
+class SandboxError(ValueError):
+    """The pod cannot be made a sandbox; carries the refusal."""
+
+    def __init__(self, refusal: Refusal):
+        super().__init__(refusal.message())
+        self.refusal = refusal
+
+
+# --- quantities ------------------------------------------------------------------------------
+
+_SUFFIXES = {
+    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
+    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
+    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
+    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
+    "P": Decimal("1e15"), "E": Decimal("1e18"),
+}
+
+
+def parse_quantity(value: str | int | float) -> Decimal:
+    """A Kubernetes resource quantity as a Decimal ("500m" -> 0.5, "1Gi" -> 1073741824)."""
+    text = str(value).strip()
+    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+        if suffix and text.endswith(suffix):
+            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
+            break
+    else:
+        number, factor = text, Decimal(1)
+    try:
+        return Decimal(number) * factor
+    except InvalidOperation:
+        raise ValueError(f"not a resource quantity: {value!r}") from None
+
+
+def _same_quantity(a, b) -> bool:
+    try:
+        return parse_quantity(a) == parse_quantity(b)
+    except ValueError:
+        return False
+
+
+# --- helpers ---------------------------------------------------------------------------------
+
+def is_sandbox(pod: dict) -> bool:
+    return _labels(pod).get(LABEL_SANDBOX) == SANDBOX_TRUE
+
+
+def _labels(pod: dict) -> dict:
+    return (pod.get("metadata") or {}).get("labels") or {}
+
+
+def _annotations(pod: dict) -> dict:
+    return (pod.get("metadata") or {}).get("annotations") or {}
+
+
+def _cap(name: str) -> str:
+    name = str(name).upper()
+    return name[4:] if name.startswith("CAP_") else name
+
+
+def guard_required(pod: dict, policy: SandboxPolicy) -> bool:
+    if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY:
+        return True
+    return is_sandbox(pod) and policy.guard == GUARD_ALWAYS
+
+
+def sandbox_container_index(pod: dict) -> int:
+    """Index in spec.containers of the container that runs execd."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    wanted = _annotations(pod).get(ANNOTATION_CONTAINER)
+    if wanted is None:
+        if containers:
+            return 0
+        raise SandboxError(Refusal("sandbox-container-missing", "", "the pod has no containers"))
+    for i, c in enumerate(containers):
+        if c.get("name") == wanted:
+            return i
+    raise SandboxError(Refusal(
+        "sandbox-container-missing", wanted,
+        f"annotation {ANNOTATION_CONTAINER} names a container the pod does not have"))
+
+
+def ingress_cidrs(pod: dict, policy: SandboxPolicy) -> list[str]:
+    raw = _annotations(pod).get(ANNOTATION_INGRESS_FROM)
+    if raw is None:
+        return list(policy.ingress_from)
+    cidrs = [part.strip() for part in raw.split(",") if part.strip()]
+    for cidr in cidrs:
+        try:
+            ipaddress.ip_network(cidr, strict=False)
+        except ValueError:
+            raise SandboxError(Refusal(
+                "ingress-from-invalid", "",
+                f"annotation {ANNOTATION_INGRESS_FROM} has {cidr!r}, not a CIDR")) from None
+    if not cidrs:
+        raise SandboxError(Refusal(
+            "ingress-from-invalid", "", f"annotation {ANNOTATION_INGRESS_FROM} is empty"))
+    return cidrs
+
+
+def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
+    egress = EGRESS_DENY if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY else EGRESS_ALLOW
+    args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
+    for cidr in ingress_cidrs(pod, policy):
+        args += ["--ingress-from", cidr]
+    return args
+
+
+def _injected_resources() -> dict:
+    return {"requests": dict(INJECTED_RESOURCES), "limits": dict(INJECTED_RESOURCES)}
+
+
+def netguard_container(pod: dict, policy: SandboxPolicy) -> dict:
+    return {
+        "name": NETGUARD_CONTAINER,
+        "image": policy.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-m", "netguard", "apply"],
+        "args": netguard_args(pod, policy),
+        "resources": _injected_resources(),
+        "securityContext": {
+            "capabilities": {"add": list(GUARD_CAPS), "drop": ["ALL"]},
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            # iptables needs uid 0 with the two capabilities, whatever the pod's default user.
+            "runAsUser": 0,
+            "runAsNonRoot": False,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": RUN_DIR, "subPath": "run"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def execd_install_container(policy: SandboxPolicy) -> dict:
+    return {
+        "name": EXECD_INSTALL_CONTAINER,
+        "image": policy.image,
+        "imagePullPolicy": "IfNotPresent",
+        "command": ["python3", "-c", _INSTALL_SCRIPT],
+        "resources": _injected_resources(),
+        "securityContext": {
+            "capabilities": {"drop": ["ALL"]},
+            "privileged": False,
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": EXECD_DIR}],
+        "terminationMessagePolicy": "FallbackToLogsOnError",
+    }
+
+
+def _keep_defaulted(wanted: dict, existing: dict | None) -> dict:
+    for key in _API_DEFAULTED:
+        if existing and key in existing and key not in wanted:
+            wanted[key] = existing[key]
+    return wanted
+
+
+def _is_sa_token_volume(volume: dict) -> bool:
+    sources = (volume.get("projected") or {}).get("sources") or []
+    return any("serviceAccountToken" in s for s in sources)
+
+
+def _all_containers(spec: dict) -> list[dict]:
+    return list(spec.get("initContainers") or []) + list(spec.get("containers") or [])
+
+
+# --- the mutation ----------------------------------------------------------------------------
+
+def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
+    """Return a deep copy of `pod` made into a correct sandbox. Idempotent.
+
+    Raises SandboxError when the pod cannot be one (no such sandbox container, bad CIDRs).
+    """
+    out = copy.deepcopy(pod)
+    spec = out.setdefault("spec", {})
+    index = sandbox_container_index(out)
+    guard = netguard_container(out, policy) if guard_required(out, policy) else None
+
+    spec["enableServiceLinks"] = False
+    spec["automountServiceAccountToken"] = False
+    _drop_injected_sa_token(spec)
+    _ensure_volume(spec)
+    _ensure_init_containers(spec, guard, policy)
+
+    for c in spec.get("initContainers") or []:
+        if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER):
+            _sandman_volume_read_only(c)
+    for c in spec["containers"]:
+        _sandman_volume_read_only(c)
+    _make_sandbox_container(spec["containers"][index], spec)
+
+    for c in _all_containers(spec):
+        _equalize_resources(c, policy)
+    return out
+
+
+def _drop_injected_sa_token(spec: dict) -> None:
+    volumes = spec.get("volumes") or []
+    gone = {v.get("name") for v in volumes
+            if str(v.get("name", "")).startswith(SA_TOKEN_VOLUME_PREFIX) and _is_sa_token_volume(v)}
+    if not gone:
+        return
+    spec["volumes"] = [v for v in volumes if v.get("name") not in gone]
+    for c in _all_containers(spec):
+        if "volumeMounts" in c:
+            c["volumeMounts"] = [m for m in c["volumeMounts"] if m.get("name") not in gone]
+
+
+def _ensure_volume(spec: dict) -> None:
+    volumes = spec.setdefault("volumes", [])
+    for i, v in enumerate(volumes):
+        if v.get("name") == SANDMAN_VOLUME:
+            if set(v) != {"name", "emptyDir"}:
+                volumes[i] = {"name": SANDMAN_VOLUME, "emptyDir": {}}
+            return
+    volumes.append({"name": SANDMAN_VOLUME, "emptyDir": {}})
+
+
+def _ensure_init_containers(spec: dict, guard: dict | None, policy: SandboxPolicy) -> None:
+    inits = spec.get("initContainers") or []
+    existing = {c.get("name"): c for c in inits}
+    others = [c for c in inits if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER)]
+    ours = []
+    if guard is not None:
+        ours.append(_keep_defaulted(guard, existing.get(NETGUARD_CONTAINER)))
+    ours.append(_keep_defaulted(execd_install_container(policy),
+                                existing.get(EXECD_INSTALL_CONTAINER)))
+    spec["initContainers"] = ours + others
+
+
+def _sandman_volume_read_only(c: dict) -> None:
+    for m in c.get("volumeMounts") or []:
+        if m.get("name") == SANDMAN_VOLUME and m.get("readOnly") is not True:
+            m["readOnly"] = True
+
+
+def _under_execd_dir(path: str) -> bool:
+    path = posixpath.normpath(str(path))
+    return path == EXECD_DIR or path.startswith(EXECD_DIR + "/")
+
+
+def _make_sandbox_container(c: dict, spec: dict) -> None:
+    argv = list(c.get("command") or []) + list(c.get("args") or [])
+    if EXECD_PATH not in argv:
+        c["command"] = list(EXECD_COMMAND)
+        c.pop("args", None)
+
+    # execd.py and netguard's status come only from the sandman volume, read-only.
+    mounts = c.get("volumeMounts") or []
+    kept, have = [], False
+    for m in mounts:
+        ours = (m.get("name") == SANDMAN_VOLUME and m.get("mountPath") == EXECD_DIR
+                and m.get("readOnly") is True and not m.get("subPath") and not m.get("subPathExpr"))
+        if ours and not have:
+            kept.append(m)
+            have = True
+        elif m.get("name") != SANDMAN_VOLUME and not _under_execd_dir(m.get("mountPath", "")):
+            kept.append(m)
+    if not have:
+        kept.append({"name": SANDMAN_VOLUME, "mountPath": EXECD_DIR, "readOnly": True})
+    if kept != mounts:
+        c["volumeMounts"] = kept
+
+    env = c.get("env") or []
+    token = [e for e in env if e.get("name") == EXECD_TOKEN_ENV]
+    good = (len(token) == 1 and "value" not in token[0]
+            and ((token[0].get("valueFrom") or {}).get("fieldRef") or {}).get("fieldPath")
+            == TOKEN_FIELD_PATH)
+    if not good:
+        c["env"] = [e for e in env if e.get("name") != EXECD_TOKEN_ENV] + [{
+            "name": EXECD_TOKEN_ENV,
+            "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": TOKEN_FIELD_PATH}},
+        }]
+
+    probe = c.get("readinessProbe") or {}
+    http = probe.get("httpGet") or {}
+    if not (http.get("path") == EXECD_HEALTH_PATH and http.get("port") in (EXECD_PORT, "execd")):
+        # Readiness is on every acquire's path; one loopback request a second costs little.
+        c["readinessProbe"] = {
+            "httpGet": {"path": EXECD_HEALTH_PATH, "port": EXECD_PORT},
+            "periodSeconds": 1,
+            "failureThreshold": 3,
+        }
+
+    ports = c.get("ports") or []
+    if not any(p.get("containerPort") == EXECD_PORT for p in ports):
+        port = {"containerPort": EXECD_PORT, "protocol": "TCP"}
+        if not any(p.get("name") == "execd" for p in ports):
+            port = {"name": "execd", **port}
+        c["ports"] = ports + [port]
+
+    sc = c.get("securityContext") or {}
+    caps = sc.get("capabilities") or {}
+    drop = list(caps.get("drop") or [])
+    dropped = {_cap(d) for d in drop}
+    missing = [cap for cap in GUARD_CAPS if cap not in dropped and "ALL" not in dropped]
+    if missing:
+        caps["drop"] = drop + missing
+        sc["capabilities"] = caps
+    pod_seccomp = (spec.get("securityContext") or {}).get("seccompProfile")
+    if not pod_seccomp and not sc.get("seccompProfile"):
+        sc["seccompProfile"] = {"type": "RuntimeDefault"}
+    if sc and sc != c.get("securityContext"):
+        c["securityContext"] = sc
+
+
+def _equalize_resources(c: dict, policy: SandboxPolicy) -> None:
+    """requests == limits for cpu and memory: copy the side that is set, else the default size;
+    when both are set and differ, both take the larger (a limit is never lowered)."""
+    res = c.get("resources") or {}
+    requests = dict(res.get("requests") or {})
+    limits = dict(res.get("limits") or {})
+    for name, default in (("cpu", policy.default_cpu), ("memory", policy.default_memory)):
+        req, lim = requests.get(name), limits.get(name)
+        if req is None and lim is None:
+            value = default
+        elif req is None:
+            value = lim
+        elif lim is None:
+            value = req
+        else:
+            try:
+                value = lim if parse_quantity(lim) >= parse_quantity(req) else req
+            except ValueError:
+                value = lim  # the API server rejects the malformed one with its own message
+        if req is None or not _same_quantity(req, value):
+            requests[name] = value
+        if lim is None or not _same_quantity(lim, value):
+            limits[name] = value
+    if requests != (res.get("requests") or {}) or limits != (res.get("limits") or {}):
+        c["resources"] = {**res, "requests": requests, "limits": limits}
+
+
+# --- the checks ------------------------------------------------------------------------------
+
+def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
+    """Everything that makes the final pod object not a correct sandbox (empty: admit).
+
+    Applies to pods labelled as sandboxes and to any pod carrying the egress label."""
+    labels = _labels(pod)
+    sandbox = is_sandbox(pod)
+    egress = labels.get(LABEL_EGRESS)
+    spec = pod.get("spec") or {}
+    out: list[Refusal] = []
+
+    if sandbox and not any(c.get("name") == EXECD_INSTALL_CONTAINER
+                           for c in spec.get("initContainers") or []):
+        out.append(Refusal("not-mutated", "", "sandman's mutating webhook did not run on this "
+                           "pod (is its configuration missing?); what is wrong follows"))
+    if egress is not None and egress not in (EGRESS_DENY, EGRESS_ALLOW):
+        out.append(Refusal("egress-label-invalid", "",
+                           f"label {LABEL_EGRESS}={egress!r} is neither {EGRESS_DENY!r} nor "
+                           f"{EGRESS_ALLOW!r}; a mistyped deny would leave egress open"))
+    if guard_required(pod, policy):
+        out.extend(_check_guard(pod, policy))
+    if not sandbox:
+        return out
+
+    for c in _all_containers(spec):
+        out.extend(_check_resources(c))
+    if spec.get("enableServiceLinks") is not False:
+        out.append(Refusal("service-links", "",
+                           "enableServiceLinks must be false (every Service in the namespace "
+                           "becomes environment variables in the sandbox)"))
+    if spec.get("automountServiceAccountToken") is not False:
+        out.append(Refusal("service-account-token", "",
+                           "automountServiceAccountToken must be false"))
+    for v in spec.get("volumes") or []:
+        if _is_sa_token_volume(v):
+            out.append(Refusal("service-account-token", "",
+                               f"volume {v.get('name')} projects a service-account token"))
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(Refusal("host-namespace", "", f"{key} must not be set on a sandbox"))
+    inits = spec.get("initContainers") or []
+    for i, c in enumerate(_all_containers(spec)):
+        sc = c.get("securityContext") or {}
+        name = c.get("name", "")
+        if sc.get("privileged"):
+            out.append(Refusal("privileged", name, "privileged containers are not allowed"))
+        is_guard = i == 0 and name == NETGUARD_CONTAINER
+        added = {_cap(a) for a in (sc.get("capabilities") or {}).get("add") or []}
+        bad = sorted(added & set(GUARD_CAPS))
+        if bad and not is_guard:
+            out.append(Refusal("net-admin-added", name,
+                               f"adds {','.join(bad)}; it shares the pod's network and could "
+                               "undo the guard (only initContainers[0] netguard may)"))
+        if not is_guard and name == NETGUARD_CONTAINER and inits:
+            out.append(Refusal("guard-misconfigured", name, "netguard must be initContainers[0]"))
+    token = _annotations(pod).get(ANNOTATION_TOKEN_SHA256)
+    if token is None:
+        out.append(Refusal("token-hash", "", f"annotation {ANNOTATION_TOKEN_SHA256} is missing"))
+    elif not is_token_sha256(token):
+        out.append(Refusal("token-hash", "",
+                           f"annotation {ANNOTATION_TOKEN_SHA256} must be 64 lowercase hex "
+                           f"characters (got {len(token)} characters: {token[:8]}...)"))
+
+    try:
+        mutated = make_sandbox(pod, policy)
+    except SandboxError as e:
+        out.append(e.refusal)
+        return out
+    if not out and mutated != pod:
+        out.append(Refusal("not-mutated", "", "the pod is not what sandman's mutation makes "
+                           f"(first difference at {_first_difference(pod, mutated)}); "
+                           "is the mutating webhook configuration missing?"))
+    return out
+
+
+def _check_resources(c: dict) -> list[Refusal]:
+    res = c.get("resources") or {}
+    requests, limits = res.get("requests") or {}, res.get("limits") or {}
+    out = []
+    for name in ("cpu", "memory"):
+        req, lim = requests.get(name), limits.get(name)
+        if req is None or lim is None or not _same_quantity(req, lim):
+            out.append(Refusal("resources-unequal", c.get("name", ""),
+                               f"{name} requests {req} != limits {lim}"))
+    return out
+
+
+def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or []
+    why = ("egress is denied by label" if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY
+           else "the cluster guards every sandbox")
+    if not inits or inits[0].get("name") != NETGUARD_CONTAINER:
+        first = inits[0].get("name") if inits else "absent"
+        return [Refusal("guard-missing", NETGUARD_CONTAINER,
+                        f"{why} but initContainers[0] is {first}, not netguard; "
+                        "a label alone is not enforcement")]
+    g = inits[0]
+    sc = g.get("securityContext") or {}
+    caps = sc.get("capabilities") or {}
+    problems = []
+    if g.get("image") != policy.image:
+        problems.append(f"image {g.get('image')} is not {policy.image}")
+    if {_cap(a) for a in caps.get("add") or []} != set(GUARD_CAPS):
+        problems.append(f"capabilities.add must be exactly {','.join(GUARD_CAPS)}")
+    if "ALL" not in {_cap(d) for d in caps.get("drop") or []}:
+        problems.append("capabilities.drop must be ALL")
+    if sc.get("readOnlyRootFilesystem") is not True:
+        problems.append("readOnlyRootFilesystem must be true")
+    if sc.get("privileged"):
+        problems.append("must not be privileged")
+    try:
+        wanted = netguard_args(pod, policy)
+    except SandboxError as e:
+        return [e.refusal]
+    argv = list(g.get("command") or []) + list(g.get("args") or [])
+    if argv[-len(wanted):] != wanted:
+        problems.append(f"args are not the pod's policy ({' '.join(wanted)})")
+    return [Refusal("guard-misconfigured", NETGUARD_CONTAINER, p) for p in problems]
+
+
+def _first_difference(a, b, path: str = "") -> str:
+    if isinstance(a, dict) and isinstance(b, dict):
+        for key in list(a) + [k for k in b if k not in a]:
+            if a.get(key) != b.get(key):
+                return _first_difference(a.get(key), b.get(key), f"{path}/{key}")
+    if isinstance(a, list) and isinstance(b, list):
+        for i in range(max(len(a), len(b))):
+            x = a[i] if i < len(a) else None
+            y = b[i] if i < len(b) else None
+            if x != y:
+                return _first_difference(x, y, f"{path}/{i}")
+    return path or "/"
