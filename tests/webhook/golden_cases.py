@@ -1,0 +1,203 @@
+"""The golden AdmissionReview inputs, one case per rule. `SANDMAN_GOLDEN_UPDATE=1 pytest
+tests/webhook/test_golden.py` rewrites testdata/ (inputs and expected outputs); review the diff.
+
+Names: mutate-* go to /mutate, validate-* to /validate. POLICIES holds the cases that run under a
+non-default webhook configuration.
+"""
+
+from __future__ import annotations
+
+import copy
+
+from sandman.contract import (
+    ANNOTATION_CONTAINER,
+    ANNOTATION_INGRESS_FROM,
+    ANNOTATION_TOKEN_SHA256,
+    EXECD_PATH,
+    EXECD_TOKEN_ENV,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+)
+from sandman.sandbox import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox
+
+TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+POLICIES = {"mutate-guard-mode-egress-deny-only": SandboxPolicy(guard=GUARD_EGRESS_DENY)}
+
+
+def pod(labels=None, annotations=None, containers=None, **spec) -> dict:
+    labels = {LABEL_SANDBOX: "true"} if labels is None else labels
+    annotations = {ANNOTATION_TOKEN_SHA256: TOKEN} if annotations is None else annotations
+    return {
+        "apiVersion": "v1", "kind": "Pod",
+        "metadata": {"generateName": "sbx-", "namespace": "team-a", "labels": labels,
+                     "annotations": annotations},
+        "spec": {"containers": containers or [{"name": "task", "image": "swe-task:django-11099"}],
+                 **spec},
+    }
+
+
+def review(uid: str, obj: dict, operation: str = "CREATE", old: dict | None = None,
+           dry_run: bool = False) -> dict:
+    return {
+        "apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+        "request": {
+            "uid": uid, "kind": {"group": "", "version": "v1", "kind": "Pod"},
+            "resource": {"group": "", "version": "v1", "resource": "pods"},
+            "requestKind": {"group": "", "version": "v1", "kind": "Pod"},
+            "requestResource": {"group": "", "version": "v1", "resource": "pods"},
+            "namespace": "team-a", "operation": operation,
+            "userInfo": {"username": "system:serviceaccount:team-a:trainer"},
+            "object": obj, "oldObject": old, "dryRun": dry_run,
+            "options": {"apiVersion": "meta.k8s.io/v1",
+                        "kind": "CreateOptions" if operation == "CREATE" else "UpdateOptions"},
+        },
+    }
+
+
+def good(p: dict | None = None) -> dict:
+    return make_sandbox(p or pod(), SandboxPolicy())
+
+
+def _edit(p: dict, fn) -> dict:
+    p = copy.deepcopy(p)
+    fn(p)
+    return p
+
+
+def _res(req=None, lim=None) -> dict:
+    r = {}
+    if req:
+        r["requests"] = req
+    if lim:
+        r["limits"] = lim
+    return r
+
+
+def cases() -> dict[str, dict]:
+    sa_volume = {"name": "kube-api-access-x7k2p", "projected": {"defaultMode": 420, "sources": [
+        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}},
+        {"configMap": {"name": "kube-root-ca.crt", "items": [{"key": "ca.crt", "path": "ca.crt"}]}},
+    ]}}
+    sa_mount = {"name": "kube-api-access-x7k2p", "readOnly": True,
+                "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    task = {"name": "task", "image": "swe-task:django-11099"}
+    c = {}
+    # --- mutation, one case per rule ---
+    c["mutate-minimal-default-size-and-guard"] = review("m1", pod())
+    c["mutate-unlabelled-untouched"] = review("m2", pod(labels={"app": "web"}))
+    c["mutate-sandbox-label-not-true-untouched"] = review("m3", pod(labels={LABEL_SANDBOX: "yes"}))
+    c["mutate-resources-copy-limits-to-requests"] = review("m4", pod(containers=[
+        {**task, "resources": _res(lim={"cpu": "1", "memory": "2Gi"})}]))
+    c["mutate-resources-copy-requests-to-limits"] = review("m5", pod(containers=[
+        {**task, "resources": _res(req={"cpu": "500m", "memory": "1Gi"})}]))
+    c["mutate-resources-never-lower-limit"] = review("m6", pod(containers=[
+        {**task, "resources": _res(req={"cpu": "1", "memory": "1Gi"},
+                                   lim={"cpu": "4", "memory": "16Gi"})}]))
+    c["mutate-resources-equal-spelling-kept"] = review("m7", pod(containers=[
+        {**task, "resources": _res(req={"cpu": "1000m", "memory": "1024Mi"},
+                                   lim={"cpu": "1", "memory": "1Gi"})}]))
+    c["mutate-egress-deny-guard-args"] = review("m8", pod(labels={LABEL_SANDBOX: "true",
+                                                                  LABEL_EGRESS: "deny"}))
+    c["mutate-ingress-from-annotation"] = review("m9", pod(annotations={
+        ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_INGRESS_FROM: "10.1.0.0/16, fd00::/64"}))
+    c["mutate-ingress-from-invalid-denied"] = review("m10", pod(annotations={
+        ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_INGRESS_FROM: "10.1.0.0/16,trainers"}))
+    c["mutate-named-sandbox-container"] = review("m11", pod(
+        annotations={ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_CONTAINER: "task"},
+        containers=[{"name": "proxy", "image": "envoy:1", "resources": _res(
+            lim={"cpu": "100m", "memory": "64Mi"})}, task]))
+    c["mutate-named-container-missing-denied"] = review("m12", pod(
+        annotations={ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_CONTAINER: "agent"}))
+    c["mutate-already-runs-execd-command-kept"] = review("m13", pod(containers=[
+        {**task, "command": ["/usr/bin/python3.8", EXECD_PATH, "--listen", "0.0.0.0:9470"]}]))
+    c["mutate-command-and-args-replaced"] = review("m14", pod(containers=[
+        {**task, "command": ["sleep"], "args": ["infinity"]}]))
+    c["mutate-pod-seccomp-respected"] = review("m15", pod(
+        securityContext={"seccompProfile": {"type": "Localhost",
+                                            "localhostProfile": "profiles/sandbox.json"}}))
+    c["mutate-drop-caps-merged"] = review("m16", pod(containers=[
+        {**task, "securityContext": {"capabilities": {"drop": ["SYS_PTRACE"]},
+                                     "allowPrivilegeEscalation": True}}]))
+    c["mutate-injected-sa-token-removed"] = review("m17", pod(
+        containers=[{**task, "volumeMounts": [sa_mount]}], volumes=[sa_volume],
+        serviceAccountName="default"))
+    c["mutate-service-links-and-automount-overridden"] = review("m18", pod(
+        enableServiceLinks=True, automountServiceAccountToken=True))
+    c["mutate-user-init-containers-kept-after-ours"] = review("m19", pod(initContainers=[
+        {"name": "fetch-repo", "image": "alpine/git", "resources": _res(req={"cpu": "250m"})}]))
+    c["mutate-tampered-netguard-replaced"] = review("m20", pod(initContainers=[
+        {"name": "fetch-repo", "image": "alpine/git"},
+        {"name": NETGUARD_CONTAINER, "image": "evil/netguard", "command": ["true"],
+         "securityContext": {"privileged": True}}]))
+    c["mutate-literal-token-env-replaced"] = review("m21", pod(containers=[
+        {**task, "env": [{"name": EXECD_TOKEN_ENV, "value": TOKEN}, {"name": "PIP_NO_INDEX",
+                                                                      "value": "1"}]}]))
+    c["mutate-mount-over-sandman-dir-removed"] = review("m22", pod(
+        containers=[{**task, "volumeMounts": [{"name": "fake", "mountPath": "/sandman/run"}]}],
+        volumes=[{"name": "fake", "emptyDir": {}}]))
+    c["mutate-guard-mode-egress-deny-only"] = review("m23", pod())
+    c["mutate-dry-run-same-as-real"] = review("m24", pod(), dry_run=True)
+    c["mutate-idempotent-mutated-pod-empty-patch"] = review("m25", good())
+    c["mutate-idempotent-egress-deny"] = review("m26", good(pod(labels={
+        LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"})))
+    c["mutate-update-not-mutated"] = review("m27", pod(), operation="UPDATE", old=pod())
+
+    # --- validation, one case per rule ---
+    g = good()
+    c["validate-mutated-pod-allowed"] = review("v1", g)
+    c["validate-unlabelled-allowed"] = review("v2", pod(labels={"app": "web"}, annotations={}))
+    c["validate-unmutated-refused"] = review("v3", pod())
+    c["validate-resources-unequal"] = review("v4", _edit(g, lambda p: p["spec"]["containers"][0][
+        "resources"]["requests"].update(cpu="500m")))
+    c["validate-resources-missing-init"] = review("v5", _edit(
+        g, lambda p: p["spec"]["initContainers"][1].pop("resources")))
+    c["validate-service-links"] = review("v6", _edit(
+        g, lambda p: p["spec"].pop("enableServiceLinks")))
+    c["validate-sa-token-automount"] = review("v7", _edit(
+        g, lambda p: p["spec"].update(automountServiceAccountToken=True)))
+    c["validate-sa-token-projected-volume"] = review("v8", _edit(
+        g, lambda p: p["spec"]["volumes"].append({"name": "aws-token", "projected": {
+            "sources": [{"serviceAccountToken": {"audience": "sts.amazonaws.com",
+                                                 "path": "token"}}]}})))
+    c["validate-egress-deny-without-sandbox-label"] = review("v9", pod(
+        labels={LABEL_EGRESS: "deny"}))
+    c["validate-egress-label-invalid"] = review("v10", _edit(
+        g, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "Deny"})))
+    c["validate-guard-missing"] = review("v11", _edit(
+        g, lambda p: p["spec"]["initContainers"].pop(0)))
+    c["validate-guard-not-first"] = review("v12", _edit(
+        g, lambda p: p["spec"]["initContainers"].reverse()))
+    c["validate-guard-wrong-image"] = review("v13", _edit(
+        g, lambda p: p["spec"]["initContainers"][0].update(image="ghcr.io/someone/netguard:1")))
+    c["validate-guard-extra-capability"] = review("v14", _edit(
+        g, lambda p: p["spec"]["initContainers"][0]["securityContext"]["capabilities"][
+            "add"].append("SYS_ADMIN")))
+    c["validate-guard-writable-root"] = review("v15", _edit(
+        g, lambda p: p["spec"]["initContainers"][0]["securityContext"].update(
+            readOnlyRootFilesystem=False)))
+    c["validate-guard-args-allow-under-deny-label"] = review("v16", _edit(
+        g, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "deny"})))
+    c["validate-host-network"] = review("v17", _edit(g, lambda p: p["spec"].update(
+        hostNetwork=True)))
+    c["validate-host-pid-ipc"] = review("v18", _edit(g, lambda p: p["spec"].update(
+        hostPID=True, hostIPC=True)))
+    c["validate-privileged"] = review("v19", _edit(
+        g, lambda p: p["spec"]["containers"][0]["securityContext"].update(privileged=True)))
+    c["validate-net-admin-added"] = review("v20", _edit(
+        g, lambda p: p["spec"]["containers"][0]["securityContext"]["capabilities"].update(
+            add=["NET_ADMIN"])))
+    c["validate-token-hash-missing"] = review("v21", _edit(
+        g, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_TOKEN_SHA256)))
+    c["validate-token-hash-malformed"] = review("v22", _edit(
+        g, lambda p: p["metadata"]["annotations"].update({ANNOTATION_TOKEN_SHA256: TOKEN.upper()})))
+    c["validate-not-mutated-probe-removed"] = review("v23", _edit(
+        g, lambda p: p["spec"]["containers"][0].pop("readinessProbe")))
+    c["validate-dry-run-same-as-real"] = review("v24", pod(), dry_run=True)
+    c["validate-update-old-pod-finalizer-removal-allowed"] = review(
+        "v25", pod(), operation="UPDATE",
+        old=_edit(pod(), lambda p: p["metadata"].update(finalizers=["example.com/x"])))
+    c["validate-update-egress-flipped-to-deny-refused"] = review(
+        "v26", _edit(g, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "deny"})),
+        operation="UPDATE", old=g)
+    return c

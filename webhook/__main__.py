@@ -1,0 +1,134 @@
+"""python3 -m webhook serve|certs|manifests (see docs/webhook.md)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import sys
+
+from sandman.contract import SANDMAN_IMAGE
+from sandman.sandbox import GUARD_MODES, SandboxPolicy
+
+
+def _policy_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--image", default=SANDMAN_IMAGE,
+                   help="the sandman image: netguard init container and execd.py source")
+    p.add_argument("--default-cpu", default="2", help="cpu for containers that set none")
+    p.add_argument("--default-memory", default="8Gi", help="memory for containers that set none")
+    p.add_argument("--guard", choices=GUARD_MODES, default="always",
+                   help="always: netguard in every sandbox; egress-deny: only egress=deny pods")
+    p.add_argument("--ingress-from", action="append", default=None, metavar="CIDR",
+                   help="who may reach execd when the pod has no ingress-from annotation "
+                        "(repeatable; default 0.0.0.0/0)")
+
+
+def policy_from(args: argparse.Namespace) -> SandboxPolicy:
+    return SandboxPolicy(image=args.image, default_cpu=args.default_cpu,
+                         default_memory=args.default_memory, guard=args.guard,
+                         ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)))
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python3 -m webhook")
+    sub = parser.add_subparsers(dest="verb", required=True)
+
+    serve = sub.add_parser("serve", help="serve /mutate, /validate, /healthz, /readyz, /metrics")
+    serve.add_argument("--host", default="0.0.0.0")
+    serve.add_argument("--port", type=int, default=8443, help="0 picks a free port (printed)")
+    serve.add_argument("--tls-cert", help="PEM certificate (reloaded when the file changes)")
+    serve.add_argument("--tls-key", help="PEM key (reloaded when the file changes)")
+    serve.add_argument("--self-signed-dir", metavar="DIR",
+                       help="make (or reuse) a CA and serving pair in DIR; DIR/ca.crt is the "
+                            "caBundle")
+    serve.add_argument("--dns", action="append", default=[], help="SAN for --self-signed-dir")
+    serve.add_argument("--ip", action="append", default=[], help="SAN for --self-signed-dir")
+    serve.add_argument("--log-level", default="info")
+    _policy_args(serve)
+
+    certs = sub.add_parser("certs", help="CA and serving certificate in a Secret, caBundle")
+    certs.add_argument("action", choices=["ensure", "self-signed"])
+    certs.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    certs.add_argument("--namespace", default="sandman-system")
+    certs.add_argument("--service", default="sandman-webhook")
+    certs.add_argument("--secret", default="sandman-webhook-tls")
+    certs.add_argument("--mutating-config", action="append", default=[])
+    certs.add_argument("--validating-config", action="append", default=[])
+    certs.add_argument("--dns", action="append", default=[], help="extra SAN")
+    certs.add_argument("--ip", action="append", default=[], help="extra SAN")
+    certs.add_argument("--no-service-names", action="store_true",
+                       help="do not add the service's DNS names (url: client configs)")
+    certs.add_argument("--force-ca-rotation", action="store_true")
+    certs.add_argument("--propagation-seconds", type=float, default=10.0,
+                       help="wait after patching caBundle before serving a new CA's certificate")
+    certs.add_argument("--write-dir", help="also write tls.crt, tls.key, ca.crt here")
+    certs.add_argument("--dir", help="self-signed: the directory")
+
+    man = sub.add_parser("manifests", help="print the webhook configurations as JSON")
+    man.add_argument("--name", default="sandman-webhook")
+    man.add_argument("--namespace", default="sandman-system")
+    man.add_argument("--service", default="sandman-webhook")
+    man.add_argument("--port", type=int, default=443)
+    man.add_argument("--url", help="use url: client config (base URL) instead of service:")
+    man.add_argument("--ca-file", help="PEM bundle for caBundle")
+
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
+                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+
+    if args.verb == "serve":
+        from webhook import certs as certs_mod
+        from webhook.server import serve as run
+
+        policy = policy_from(args)
+        if args.self_signed_dir:
+            d = certs_mod.self_signed_dir(args.self_signed_dir, args.dns or ["localhost"],
+                                          args.ip or ["127.0.0.1", "::1"])
+            cert, key = os.path.join(d, "tls.crt"), os.path.join(d, "tls.key")
+        elif args.tls_cert and args.tls_key:
+            cert, key = args.tls_cert, args.tls_key
+        else:
+            parser.error("serve needs --tls-cert and --tls-key, or --self-signed-dir")
+        run(policy, args.host, args.port, cert, key, log_level=args.log_level.lower())
+        return 0
+
+    if args.verb == "certs":
+        from webhook import certs as certs_mod
+
+        names = [] if args.no_service_names else certs_mod.service_dns_names(args.service,
+                                                                             args.namespace)
+        names += args.dns
+        if args.action == "self-signed":
+            if not args.dir:
+                parser.error("certs self-signed needs --dir")
+            certs_mod.self_signed_dir(args.dir, names or ["localhost"], args.ip)
+            print(os.path.join(args.dir, "ca.crt"))
+            return 0
+        from kubernetes import client, config
+
+        if args.kubeconfig:
+            config.load_kube_config(args.kubeconfig)
+        else:
+            config.load_incluster_config()
+        res = certs_mod.ensure(client.CoreV1Api(), client.AdmissionregistrationV1Api(),
+                               args.namespace, args.secret, names, args.ip,
+                               args.mutating_config, args.validating_config,
+                               args.force_ca_rotation, args.propagation_seconds, args.write_dir)
+        print(json.dumps({"ca_rotated": res.ca_rotated, "bundle_patched": res.bundle_patched,
+                          "leaf_issued": res.leaf_issued}))
+        return 0
+
+    if args.verb == "manifests":
+        from webhook.manifests import configurations
+
+        bundle = open(args.ca_file, "rb").read() if args.ca_file else None
+        service = None if args.url else (args.namespace, args.service, args.port)
+        m, v = configurations(args.name, args.namespace, bundle, url=args.url, service=service)
+        print(json.dumps({"apiVersion": "v1", "kind": "List", "items": [m, v]}, indent=2))
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
