@@ -22,7 +22,15 @@ EGRESS_DENY = "deny"
 EGRESS_ALLOW = "allow"
 STATE_WARM = "warm"
 STATE_LEASED = "leased"
-STATES = (STATE_WARM, STATE_LEASED)
+# Written just before a delete, so a delete that fails and is then lost with a controller restart
+# is still recognised and redone when the books are rebuilt from labels.
+STATE_DELETING = "deleting"
+STATES = (STATE_WARM, STATE_LEASED, STATE_DELETING)
+
+# Pods the controller created carry this (the standard label); its sweep touches no other pod,
+# so labelled pods made by other clients (admitted by the webhook) are never swept.
+LABEL_MANAGED_BY = "app.kubernetes.io/managed-by"
+MANAGED_BY_CONTROLLER = "sandman-controller"
 
 # Node-pool label the controller selects nodes by by default (a pool, never an instance type);
 # configurable with the controller's --node-pool-label.
