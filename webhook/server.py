@@ -5,8 +5,11 @@ certificate for new handshakes (established connections keep theirs). Reloading 
 event loop, the thread that runs handshakes. A half-written pair (new cert, old key) fails to
 load and is retried on the next poll while the old pair keeps serving.
 
-Nagle: asyncio's socket transport sets TCP_NODELAY on every TCP connection (uvicorn relies on
-it); tests/webhook checks the latency that would show the 40 ms stall.
+Nagle: asyncio's socket transport sets TCP_NODELAY on accepted connections, but only when the
+socket's proto is IPPROTO_TCP; a listening socket made with socket.socket(family, SOCK_STREAM)
+has proto 0, and then every response stalled ~44 ms on delayed ACKs (measured here). bind()
+passes the proto and sets the option on the listener too (Linux copies it to accepted sockets);
+tests/webhook/test_server.py::test_no_nagle_stall keeps it so.
 """
 
 from __future__ import annotations
@@ -86,8 +89,9 @@ class TLSFiles:
 
 def bind(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
     sock.bind((host, port))
     sock.listen(1024)
     sock.set_inheritable(True)

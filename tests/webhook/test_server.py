@@ -1,0 +1,121 @@
+"""The webhook as a process: real TLS on 127.0.0.1, the golden cases over HTTP, probes, metrics,
+certificate reload without a restart, Nagle."""
+
+from __future__ import annotations
+
+import json
+import socket
+import ssl
+import statistics
+import time
+
+import httpx
+from cryptography import x509
+
+from tests.webhook import golden_cases
+from tests.webhook.conftest import start_server
+from tests.webhook.test_golden import CASES, decode, load
+from webhook import certs
+
+
+def test_golden_cases_over_https(webhook_server):
+    with webhook_server.client() as c:
+        for name in CASES:
+            if name in golden_cases.POLICIES:
+                continue  # runs under another configuration than this server's
+            review, expected = load(name)
+            path = "/mutate" if name.startswith("mutate-") else "/validate"
+            r = c.post(path, json=review)
+            assert r.status_code == 200, (name, r.text)
+            assert decode(r.json()) == expected, name
+
+
+def test_probes_and_metrics(webhook_server):
+    with webhook_server.client() as c:
+        assert c.get("/healthz").status_code == 200
+        assert c.get("/readyz").status_code == 200
+        review, _ = load("validate-unmutated-refused")
+        assert c.post("/validate", json=review).status_code == 200
+        review, _ = load("mutate-minimal-default-size-and-guard")
+        assert c.post("/mutate", json=review).status_code == 200
+        assert c.post("/mutate", content=b"{not json").status_code == 400
+        assert c.post("/mutate", json={"kind": "Pod"}).status_code == 400
+        text = c.get("/metrics").text
+    assert ('sandman_webhook_requests_total{decision="denied",operation="validate",'
+            'reason="not-mutated"}') in text
+    assert ('sandman_webhook_requests_total{decision="allowed",operation="mutate",'
+            'reason="patched"}') in text
+    assert 'decision="error",operation="mutate",reason="bad-request"' in text
+    assert "sandman_webhook_handler_seconds_bucket" in text
+    assert "sandman_webhook_patch_bytes_count" in text
+    leaf = x509.load_pem_x509_certificate((webhook_server.certdir / "tls.crt").read_bytes())
+    line = next(ln for ln in text.splitlines()
+                if ln.startswith("sandman_webhook_certificate_expiry_timestamp_seconds "))
+    assert float(line.split()[1]) == leaf.not_valid_after_utc.timestamp()
+
+
+def test_oversized_body_refused(webhook_server):
+    with webhook_server.client() as c:
+        r = c.post("/validate", content=b" " * (4 * 1024 * 1024 + 1),
+                   headers={"content-type": "application/json"})
+    assert r.status_code == 413
+
+
+def test_no_nagle_stall(webhook_server):
+    """Sequential requests on one keep-alive connection: a Nagle/delayed-ACK stall would put
+    each at >= 40 ms (TESTBED-FACTS); the handler itself takes about a millisecond."""
+    review, _ = load("mutate-minimal-default-size-and-guard")
+    body = json.dumps(review).encode()
+    times = []
+    with webhook_server.client() as c:
+        c.post("/mutate", content=body)
+        for _ in range(30):
+            t = time.perf_counter()
+            assert c.post("/mutate", content=body).status_code == 200
+            times.append(time.perf_counter() - t)
+    assert statistics.median(times) < 0.030, times
+
+
+def _served_cert(port: int, ca_pem: bytes) -> x509.Certificate:
+    ctx = ssl.create_default_context(cadata=ca_pem.decode())
+    with socket.create_connection(("127.0.0.1", port), timeout=5) as raw:
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as tls:
+            return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
+
+
+def test_certificate_files_reloaded_without_restart(tmp_path):
+    certdir = tmp_path / "tls"
+    certs.self_signed_dir(str(certdir), ["localhost"], ["127.0.0.1"])
+    server = start_server(tmp_path / "srv", certdir=certdir)
+    try:
+        old_ca = (certdir / "ca.crt").read_bytes()
+        first = _served_cert(server.port, old_ca)
+        with httpx.Client(base_url=server.url, verify=ssl.create_default_context(
+                cadata=old_ca.decode())) as keep:
+            assert keep.get("/healthz").status_code == 200
+
+            # A torn write (a key that does not match the cert) is not loaded: old pair serves.
+            _, stray_key = certs.new_serving(*certs.new_ca(), ["x"], ["127.0.0.1"])
+            (certdir / "tls.key").write_bytes(stray_key)
+            time.sleep(2.5)
+            assert _served_cert(server.port, old_ca).serial_number == first.serial_number
+
+            new_ca, new_ca_key = certs.new_ca()
+            cert, key = certs.new_serving(new_ca, new_ca_key, ["localhost"], ["127.0.0.1"])
+            certs.write_pair(str(certdir), cert, key, new_ca)
+            deadline = time.monotonic() + 10
+            while True:
+                try:
+                    served = _served_cert(server.port, new_ca)
+                    break
+                except ssl.SSLError:
+                    assert time.monotonic() < deadline, "new certificate not served in 10 s"
+                    time.sleep(0.2)
+            assert served.serial_number != first.serial_number
+            # The process never restarted and the established connection still works.
+            assert server.proc.poll() is None
+            assert keep.get("/healthz").status_code == 200
+        log = server.log.read_text()
+        assert "certificate reload failed" in log
+    finally:
+        server.stop()
