@@ -139,6 +139,10 @@ def _lock_env(status_file: str) -> dict[str, str]:
     env = dict(os.environ, LC_ALL="C")
     if "XTABLES_LOCKFILE" not in env and not os.access("/run", os.W_OK):
         d = os.path.dirname(status_file) if status_file else ""
+        try:
+            os.makedirs(d, exist_ok=True)
+        except OSError:
+            pass  # then the restore fails on the lock, and says so
         if d and os.access(d, os.W_OK):
             env["XTABLES_LOCKFILE"] = os.path.join(d, "xtables.lock")
     return env
@@ -191,7 +195,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         status.update(backend=chosen, families=list(info.families), pod_ips=info.pod_ips)
         for family in info.families:
             if family in missing:
-                raise GuardError(f"{family} needs a ruleset but: {missing[family]}")
+                raise GuardError(f"cannot guard {family}: {missing[family]}")
         for family in info.families:
             xtables.restore(found[family], transaction(config, family, live[family]), env)
             applied.append(family)

@@ -53,7 +53,7 @@ def find_tools(backend: str, family: str) -> Tools:
     that backend. Raises XtablesError naming what is missing."""
     prefix = _PREFIX[family]
     found = {}
-    for verb in ("save", "restore"):
+    for verb in ("restore", "save"):
         path = shutil.which(f"{prefix}-{backend}-{verb}")
         if path is None:
             plain = shutil.which(f"{prefix}-{verb}")
