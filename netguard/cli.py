@@ -201,6 +201,15 @@ def cmd_apply(args: argparse.Namespace) -> int:
             applied.append(family)
         t = lap("apply", t)
         if args.verify:
+            # Read back: the kernel holds exactly the ruleset (saves run in parallel).
+            procs = {f: xtables.start_save(found[f], "filter") for f in info.families}
+            problems = []
+            for f, proc in procs.items():
+                problems += diff_live(config, f, LiveFilter.parse(
+                    xtables.finish_save(found[f], proc)))
+            if problems:
+                raise GuardError("read-back differs from the ruleset: " + "; ".join(problems))
+            t = lap("readback", t)
             probes = verify.run(info.families, blocked, args.verify_timeout,
                                 info.has_ipv6_loopback)
             status["probes"] = [p.to_dict() for p in probes]

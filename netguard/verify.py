@@ -23,6 +23,7 @@ BLOCKED_ERRNOS = {
     errno.EHOSTUNREACH: "host unreachable",
     errno.EACCES: "denied",
     errno.EPERM: "denied",
+    errno.EADDRNOTAVAIL: "no source address",  # e.g. IPv6 on but unaddressed: cannot leave
 }
 METADATA_PORT = 80
 DEFAULT_TIMEOUT = 1.0
