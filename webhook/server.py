@@ -47,6 +47,9 @@ class TLSFiles:
         self.context.set_alpn_protocols(["http/1.1"])
         self.not_after: datetime.datetime | None = None
         self._stamps: tuple | None = None
+        # Clients (ip, port) seen since the last load, and those seen before it.
+        self._current: set = set()
+        self._previous: set = set()
         if not self.reload():
             raise SystemExit(f"webhook: cannot load TLS certificate {cert} / key {key}")
 
@@ -68,11 +71,26 @@ class TLSFiles:
             log.warning("certificate reload failed, keeping the previous one: %s", e)
             return self._stamps is not None
         self._stamps = stamps
+        self._previous, self._current = self._current, set()
         self.not_after = leaf.not_valid_after_utc
         self.metrics.cert_expiry.set(self.not_after.timestamp())
         self.metrics.cert_reloads.labels("loaded").inc()
         log.info("serving certificate loaded, valid until %s", self.not_after.isoformat())
         return True
+
+    def predates_reload(self, client) -> bool:
+        """True (once) for a connection that sent requests before the last reload.
+
+        Clients keep a kept-alive connection, and with it the old certificate, indefinitely
+        (the API server did, measured in the rotation test); closing such connections after
+        their next response makes every client handshake with the new certificate at once."""
+        if client in self._previous:
+            self._previous.discard(client)
+            return True
+        if len(self._current) > 10_000:  # bound memory; a miss only delays one reconnect
+            self._current.clear()
+        self._current.add(client)
+        return False
 
     def not_ready(self) -> str | None:
         if self.not_after is None:
@@ -85,6 +103,25 @@ class TLSFiles:
         while True:
             await asyncio.sleep(RELOAD_POLL_SECONDS)
             self.reload()
+
+
+class CloseOnReload:
+    """ASGI wrapper: `Connection: close` on responses of connections older than the cert."""
+
+    def __init__(self, app, tls: TLSFiles):
+        self.app, self.tls = app, tls
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http" or not self.tls.predates_reload(scope.get("client")):
+            return await self.app(scope, receive, send)
+
+        async def send_close(message):
+            if message["type"] == "http.response.start":
+                headers = [h for h in message.get("headers", []) if h[0].lower() != b"connection"]
+                message = {**message, "headers": headers + [(b"connection", b"close")]}
+            await send(message)
+
+        return await self.app(scope, receive, send_close)
 
 
 def bind(host: str, port: int) -> socket.socket:
@@ -106,7 +143,7 @@ def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
 
     sock = bind(host, port)
     config = uvicorn.Config(
-        app, log_level=log_level, access_log=False, http="h11", loop="asyncio",
+        CloseOnReload(app, tls), log_level=log_level, access_log=False, http="h11", loop="asyncio",
         ssl_context_factory=lambda _config, _default: tls.context,
         # Bounded work in flight: past this, uvicorn answers 503 instead of growing memory
         # (the paper's single 384 MiB webhook replica was OOM-killed under a burst).

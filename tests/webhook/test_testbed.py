@@ -1,0 +1,273 @@
+"""The webhook against the real API server (tests/testbed): registered by `url:` with its CA,
+scoped to the test's namespace (a leftover Fail-policy configuration could not hurt other
+tests), deleted in a finalizer whatever happens."""
+
+from __future__ import annotations
+
+import secrets
+import threading
+import time
+
+import pytest
+from kubernetes.client.rest import ApiException
+
+from sandman.contract import (
+    ANNOTATION_TOKEN_SHA256,
+    EXECD_INSTALL_CONTAINER,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+    SANDMAN_VOLUME,
+)
+from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+from tests.webhook.conftest import start_server
+from webhook import certs
+from webhook.manifests import configurations
+
+TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+WEBHOOK_NAMESPACE = "sandman-system"
+
+
+def make_pod(labels=None, annotations=None, **spec) -> dict:
+    labels = {LABEL_SANDBOX: "true"} if labels is None else labels
+    annotations = {ANNOTATION_TOKEN_SHA256: TOKEN} if annotations is None else annotations
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"generateName": "sbx-", "labels": labels, "annotations": annotations},
+            "spec": {"containers": [{"name": "task", "image": "swe-task:1"}], **spec}}
+
+
+class Registration:
+    """Both configurations for one webhook URL, limited to one namespace."""
+
+    def __init__(self, cluster, namespace: str, url: str, ca: bytes):
+        self.api = cluster.admissionregistration
+        self.name = f"sandman-test-{namespace}-{secrets.token_hex(2)}"
+        self.mutating, self.validating = configurations(
+            self.name, WEBHOOK_NAMESPACE, ca, url=url, only_namespaces=[namespace])
+
+    def __enter__(self):
+        try:
+            self.api.create_mutating_webhook_configuration(self.mutating)
+            self.api.create_validating_webhook_configuration(self.validating)
+        except BaseException:
+            self.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        for delete in (self.api.delete_mutating_webhook_configuration,
+                       self.api.delete_validating_webhook_configuration):
+            try:
+                delete(self.name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+
+def create(core, namespace: str, pod: dict, dry_run: bool = False):
+    kw = {"dry_run": "All"} if dry_run else {}
+    return core.create_namespaced_pod(namespace, pod, **kw)
+
+
+def as_dict(api_client, obj) -> dict:
+    return api_client.sanitize_for_serialization(obj)
+
+
+def wait_active(core, namespace: str, timeout: float = 15) -> None:
+    """Until the API server has picked up the configurations: a dry-run create is mutated."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            got = create(core, namespace, make_pod(), dry_run=True)
+            if got.spec.init_containers and got.spec.enable_service_links is False:
+                return
+        except ApiException:
+            pass
+        assert time.monotonic() < deadline, "webhook configurations not active in time"
+        time.sleep(0.2)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    s = start_server(tmp_path_factory.mktemp("webhook-bed"))
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def registered(cluster, namespace, server):
+    with Registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
+        wait_active(cluster.core, namespace)
+        yield reg
+
+
+def test_labelled_pod_comes_out_a_sandbox_and_is_a_fixed_point(cluster, namespace, registered):
+    core = cluster.core
+    got = as_dict(cluster.api_client, create(core, namespace, make_pod(
+        labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"})))
+    spec = got["spec"]
+    assert spec["enableServiceLinks"] is False
+    assert spec["automountServiceAccountToken"] is False
+    # The service-account plugin ran before us and added the token volume; it is gone.
+    assert not any(v["name"].startswith("kube-api-access-") for v in spec["volumes"])
+    assert [c["name"] for c in spec["initContainers"]] == [NETGUARD_CONTAINER,
+                                                          EXECD_INSTALL_CONTAINER]
+    assert spec["initContainers"][0]["args"][:2] == ["--egress", "deny"]
+    assert any(v["name"] == SANDMAN_VOLUME for v in spec["volumes"])
+    for c in spec["initContainers"] + spec["containers"]:
+        assert c["resources"]["requests"] == c["resources"]["limits"], c["name"]
+    assert spec["containers"][0]["resources"]["limits"] == {"cpu": "2", "memory": "8Gi"}
+    # The stored pod went through the API server's defaulting; mutating it again is a no-op
+    # (the reinvocation path) and it passes every check.
+    stored = {k: got[k] for k in ("metadata", "spec")}
+    assert make_sandbox(stored, SandboxPolicy()) == stored
+    assert check_sandbox(stored, SandboxPolicy()) == []
+
+    plain = as_dict(cluster.api_client, create(core, namespace, make_pod(labels={"app": "x"})))
+    assert "initContainers" not in plain["spec"]
+    assert plain["spec"].get("enableServiceLinks") is not False
+    assert "resources" not in plain["spec"]["containers"][0] or not plain["spec"]["containers"][
+        0]["resources"]
+
+
+def _refusal(core, namespace: str, pod: dict, dry_run: bool = False, status: int = 403) -> str:
+    try:
+        create(core, namespace, pod, dry_run=dry_run)
+    except ApiException as e:
+        assert e.status == status, e.body
+        return e.body
+    raise AssertionError(f"created, expected a refusal: {pod['metadata']}")
+
+
+FORBIDDEN = {
+    "host-namespace": make_pod(hostNetwork=True),
+    # "privileged" is covered by the golden cases only: this API server runs without
+    # --allow-privileged, so it refuses such pods itself before admission webhooks.
+    "net-admin-added": make_pod(containers=[{"name": "task", "image": "x", "securityContext": {
+        "capabilities": {"add": ["NET_ADMIN"]}}}]),
+    "token-hash": make_pod(annotations={}),
+    "egress-label-invalid": make_pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "Deny"}),
+    # Without the sandbox label the mutation never runs: the egress entry still validates.
+    "guard-missing": make_pod(labels={LABEL_EGRESS: "deny"}),
+    "sandbox-container-missing": make_pod(annotations={ANNOTATION_TOKEN_SHA256: TOKEN,
+                                                      "sandman.dev/container": "agent"}),
+    "service-account-token": make_pod(volumes=[{"name": "aws", "projected": {"sources": [
+        {"serviceAccountToken": {"path": "token", "audience": "sts"}}]}}]),
+}
+
+
+def test_forbidden_pods_refused_with_their_rule(cluster, namespace, registered):
+    core = cluster.core
+    for rule, pod in FORBIDDEN.items():
+        body = _refusal(core, namespace, pod)
+        assert f"sandman {rule}:" in body, (rule, body)
+        # dryRun=All is answered like a real request.
+        assert f"sandman {rule}:" in _refusal(core, namespace, pod, dry_run=True), rule
+    assert core.list_namespaced_pod(namespace).items == []
+
+    # An update that flips a guarded-for-allow sandbox to egress=deny is refused...
+    pod = create(core, namespace, make_pod())
+    body = None
+    try:
+        core.patch_namespaced_pod(pod.metadata.name, namespace,
+                                  {"metadata": {"labels": {LABEL_EGRESS: "deny"}}})
+    except ApiException as e:
+        body = e.body
+    assert body and "sandman guard-misconfigured:" in body, body
+    # ...while an unrelated label change on the same sandbox is admitted.
+    core.patch_namespaced_pod(pod.metadata.name, namespace,
+                              {"metadata": {"labels": {"team": "a"}}})
+
+
+def test_dry_run_mutates_and_stores_nothing(cluster, namespace, registered):
+    got = create(cluster.core, namespace, make_pod(), dry_run=True)
+    assert got.spec.init_containers[0].name == NETGUARD_CONTAINER
+    assert got.spec.enable_service_links is False
+    assert cluster.core.list_namespaced_pod(namespace).items == []
+
+
+def test_webhook_down_refuses_sandboxes_only(cluster, namespace, tmp_path):
+    server = start_server(tmp_path / "down")
+    try:
+        with Registration(cluster, namespace, server.url, server.ca.read_bytes()):
+            wait_active(cluster.core, namespace)
+            server.stop()
+            body = _refusal(cluster.core, namespace, make_pod(), status=500)
+            assert "failed calling webhook" in body, body
+            # Unlabelled pods are never sent to the webhook: they still create.
+            cluster.core.create_namespaced_pod(namespace, make_pod(labels={"app": "web"}))
+    finally:
+        server.stop()
+
+
+def test_ca_rotation_under_a_create_loop_has_no_failed_create(cluster, namespace, tmp_path,
+                                                              figures):
+    """Kyverno's order: new CA into the bundle, caBundle patched, then the new serving cert."""
+    core = cluster.core
+    certdir = tmp_path / "tls"
+    common = dict(namespace=namespace, secret="sandman-webhook-tls", dns_names=["localhost"],
+                  ip_addresses=["127.0.0.1"], write_dir=str(certdir), propagation_seconds=2)
+    first = certs.ensure(core, cluster.admissionregistration, **common)
+    assert first.ca_rotated and first.leaf_issued
+    server = start_server(tmp_path / "srv", certdir=certdir)
+    try:
+        with Registration(cluster, namespace, server.url, first.bundle_pem) as reg:
+            names = dict(mutating=[reg.name], validating=[reg.name])
+            again = certs.ensure(core, cluster.admissionregistration, **common, **names)
+            assert not (again.ca_rotated or again.bundle_patched or again.leaf_issued)
+            wait_active(core, namespace)
+
+            stop = threading.Event()
+            results = {"ok": 0, "failed": []}
+
+            def loop():
+                deadline = time.monotonic() + 60
+                while not stop.is_set() and time.monotonic() < deadline and results["ok"] < 2000:
+                    try:
+                        create(core, namespace, make_pod())
+                        results["ok"] += 1
+                    except ApiException as e:
+                        results["failed"].append(e.body[:300])
+                    time.sleep(0.02)
+
+            worker = threading.Thread(target=loop)
+            worker.start()
+            try:
+                time.sleep(1)
+                rotated = certs.ensure(core, cluster.admissionregistration, **common, **names,
+                                       force_ca_rotation=True)
+                time.sleep(3)  # the server reloads within a second; keep creating after that
+            finally:
+                stop.set()
+                worker.join(30)
+            assert rotated.ca_rotated and rotated.bundle_patched and rotated.leaf_issued
+            assert len(certs.split_bundle(rotated.bundle_pem)) == 2
+            assert results["failed"] == [], results["failed"][:3]
+            assert results["ok"] > 20, results
+            # The server now presents the new CA's certificate.
+            new_ca = certs.split_bundle(rotated.bundle_pem)[0]
+            from tests.webhook.test_server import _served_cert
+
+            served = _served_cert(server.port, certs.join_bundle([new_ca]))
+            assert served.issuer == new_ca.subject
+            stored = core.read_namespaced_secret("sandman-webhook-tls", namespace)
+            assert stored.type == "kubernetes.io/tls"
+            figures.add(f"webhook CA rotation: {results['ok']} pod creates during the rotation, "
+                        f"{len(results['failed'])} failed")
+
+            # Control: the wrong order (a certificate whose CA is not yet in the bundle) does
+            # break creates, so the zero above measures the order, not a blind loop.
+            rogue_ca, rogue_key = certs.new_ca()
+            cert, key = certs.new_serving(rogue_ca, rogue_key, ["localhost"], ["127.0.0.1"])
+            certs.write_pair(str(certdir), cert, key, rogue_ca)
+            deadline = time.monotonic() + 15
+            while True:
+                try:
+                    create(core, namespace, make_pod(), dry_run=True)
+                except ApiException as e:
+                    assert "x509" in e.body or "certificate" in e.body, e.body
+                    break
+                assert time.monotonic() < deadline, "a certificate of an unknown CA was accepted"
+                time.sleep(0.2)
+    finally:
+        server.stop()
