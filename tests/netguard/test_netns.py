@@ -413,3 +413,50 @@ def test_runs_with_only_net_admin_and_net_raw_and_a_read_only_run(lab, backend):
     assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
     if backend == "legacy":  # the lock went beside the status file
         assert (lab.status_file.parent / "xtables.lock").exists()
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_only_own_chains_are_touched(lab, backend):
+    """Rules, chains, tables and policies that are not netguard's survive apply and re-apply
+    unchanged; the built-in chains gain exactly one line each, our jump, in first place."""
+    ipt = ("ip", "netns", "exec", lab.pod, f"iptables-{backend}")
+    nslab.sh(*ipt, "-N", "OTHER")
+    nslab.sh(*ipt, "-A", "OTHER", "-m", "comment", "--comment", "someone else", "-j", "RETURN")
+    nslab.sh(*ipt, "-A", "OUTPUT", "-j", "OTHER")
+    nslab.sh(*ipt, "-A", "INPUT", "-p", "udp", "-j", "ACCEPT")
+    nslab.sh(*ipt, "-t", "nat", "-A", "POSTROUTING", "-j", "RETURN")
+    nslab.sh(*ipt, "-P", "FORWARD", "DROP")
+    before = lab.save(4, backend).splitlines()
+    lab.apply("--backend", backend)
+    lab.apply("--backend", backend)
+    after = lab.save(4, backend).splitlines()
+    assert [x for x in after if "SANDMAN" not in x] == before
+    added = [x for x in after if x not in before]
+    assert sorted(x.split()[0] + " " + x.split()[1] for x in added if x.startswith("-A")) == [
+        "-A INPUT", "-A OUTPUT"] + ["-A SANDMAN-IN"] * 4 + ["-A SANDMAN-OUT"] * 7
+    for base, chain in (("OUTPUT", "SANDMAN-OUT"), ("INPUT", "SANDMAN-IN")):
+        first = next(x for x in after if x.startswith(f"-A {base} "))
+        assert first.endswith(f"-j {chain}")
+    # The udp ACCEPT placed in INPUT before us now sits behind our jump: our DROP wins.
+    lab.serve(lab.pod, 5353, udp=True)
+    assert nslab.udp(lab.peer, POD_PEER_V4, 5353, timeout=DROP_WAIT).what == "timeout"
+
+
+def test_render_live_shows_the_repair_and_writes_nothing(lab):
+    lab.apply()
+    jump = ('-m comment --comment "sandman: netguard egress guard, first rule of OUTPUT" '
+            '-j SANDMAN-OUT')
+    nslab.sh("ip", "netns", "exec", lab.pod, "iptables-nft", "-A", "OUTPUT", *shlex.split(jump))
+    before = lab.save(4)
+    p = lab.netguard("render", "--live", "--family", "ipv4")
+    assert p.returncode == 0, p.stderr
+    assert p.stdout.count(f"-D OUTPUT {jump}") == 2 and f"-I OUTPUT 1 {jump}" in p.stdout
+    assert "-I INPUT" not in p.stdout  # that jump is already right
+    assert lab.save(4) == before
+
+
+def test_check_without_a_status_file_uses_the_defaults(lab):
+    lab.apply()
+    lab.status_file.unlink()
+    assert lab.netguard("check").returncode == 0
+    assert lab.netguard("check", "--egress", "allow").returncode == 1
