@@ -313,7 +313,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return handler(args)
     except (GuardError, ConfigError, xtables.XtablesError) as e:
-        print(f"netguard {args.cmd}: error: {e}", file=sys.stderr)
+        msg = f"error: {e}"
     except Exception as e:  # anything unexpected still fails closed, in one line
-        print(f"netguard {args.cmd}: unexpected {type(e).__name__}: {e}", file=sys.stderr)
+        msg = f"unexpected {type(e).__name__}: {e}"
+    print(f"netguard {args.cmd}: " + " | ".join(msg.splitlines()), file=sys.stderr)
     return 1

@@ -107,6 +107,7 @@ def test_deny_refuses_tcp_udp_icmp_dns_and_metadata_quickly(lab, backend, figure
     assert st["ok"] and st["verified"] and st["mode"] == "deny" and st["backend"] == backend
     assert st["families"] == ["ipv4", "ipv6"] and POD_PEER_V4 in st["pod_ips"]
     assert {p["outcome"] for p in st["probes"] if p["want"] == "blocked"} == {"refused"}
+    assert lab.status_file.stat().st_mode & 0o777 == 0o644  # the sandbox (any uid) reads it
     assert nslab.tcp(lab.pod, "127.0.0.1", 1).what == "refused"  # loopback still answers
     worst = max(v.ms for v in probes.values())
     figures.add(f"netguard[{backend}]: slowest refused probe {worst:.2f} ms; "
