@@ -158,13 +158,16 @@ class LiveFilter:
 def transaction(config: Config, family: str, live: LiveFilter | None = None) -> str:
     """The complete `iptables-restore --noflush` input for one family: one atomic commit.
 
-    Declaring an own chain (`:SANDMAN-OUT - [0:0]`) creates it, or empties it when it exists,
-    inside the same commit that refills it: a re-run never has a moment with the deny missing.
+    Declaring an own chain (`:SANDMAN-OUT - [0:0]`) creates it, and `-F` empties it, inside
+    the same commit that refills it: a re-run never has a moment with the deny missing.
     Without `live`, the input for a fresh network namespace (what the golden files hold). With
     it, stale or duplicate jumps are deleted and the one jump re-inserted as the first rule,
     unless it already is exactly that.
     """
     lines = ["*filter"] + [f":{c} - [0:0]" for c in OWN_CHAINS]
+    # The declaration already empties an existing chain under --noflush; the explicit flush says
+    # so and keeps it true on iptables versions whose nft restore did not.
+    lines += [f"-F {c}" for c in OWN_CHAINS]
     inserts: list[str] = []
     for base, chain in JUMPS:
         jump = jump_rule(base, chain).spec()

@@ -138,7 +138,8 @@ def test_transaction_is_one_commit_with_own_chains_and_first_place_jumps():
     ]
     # Built-in chains get nothing but the jump.
     assert all(x.split()[1] in (CHAIN_OUT, CHAIN_IN) for x in lines if x.startswith("-A "))
-    assert not any(x.startswith(("-F", "-X", "-P", ":INPUT", ":OUTPUT")) for x in lines)
+    assert [x for x in lines if x.startswith("-F")] == ["-F SANDMAN-IN", "-F SANDMAN-OUT"]
+    assert not any(x.startswith(("-X", "-P", ":INPUT", ":OUTPUT")) for x in lines)
 
 
 def _save(base_rules: dict[str, list[str]]) -> str:
