@@ -435,6 +435,7 @@ def test_only_own_chains_are_touched(lab, backend):
     added = [x for x in after if x not in before]
     assert sorted(x.split()[0] + " " + x.split()[1] for x in added if x.startswith("-A")) == [
         "-A INPUT", "-A OUTPUT"] + ["-A SANDMAN-IN"] * 4 + ["-A SANDMAN-OUT"] * 7
+    assert all('--comment "sandman: ' in x for x in added if x.startswith("-A"))
     for base, chain in (("OUTPUT", "SANDMAN-OUT"), ("INPUT", "SANDMAN-IN")):
         first = next(x for x in after if x.startswith(f"-A {base} "))
         assert first.endswith(f"-j {chain}")

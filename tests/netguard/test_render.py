@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import ipaddress
 import os
 import re
 import shlex
@@ -17,6 +18,8 @@ import sys
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from netguard.cli import main
 from netguard.config import IPV4, IPV6, Config, ConfigError, EgressAllow
@@ -250,3 +253,33 @@ def test_docs_table_lists_every_rule():
     comments |= {jump_rule("OUTPUT", CHAIN_OUT).comment, jump_rule("INPUT", CHAIN_IN).comment}
     missing = sorted(c for c in comments if f"sandman: {c}" not in doc)
     assert not missing, f"docs/netguard.md does not mention: {missing}"
+
+
+# ------------------------------------------------------------------ properties
+
+_nets = st.one_of(
+    st.builds(lambda a, p: ipaddress.ip_network(f"{ipaddress.IPv4Address(a)}/{p}", strict=False),
+              st.integers(0, 2**32 - 1), st.integers(0, 32)),
+    st.builds(lambda a, p: ipaddress.ip_network(f"{ipaddress.IPv6Address(a)}/{p}", strict=False),
+              st.integers(0, 2**128 - 1), st.integers(0, 128)),
+)
+_allows = st.builds(lambda n, port, proto: EgressAllow(n, port, proto if port else None),
+                    _nets, st.one_of(st.none(), st.integers(1, 65535)),
+                    st.sampled_from([None, "tcp", "udp"]))
+
+
+@settings(max_examples=200, deadline=None)
+@given(allows=st.lists(_allows, max_size=5), sources=st.lists(_nets, max_size=4),
+       port=st.integers(1, 65535))
+def test_any_options_render_a_guarded_ruleset(allows, sources, port):
+    cfg = Config(allow_egress=tuple(allows), ingress_port=port, ingress_from=tuple(sources))
+    assert Config.from_dict(cfg.to_dict()) == cfg  # the status file round-trips
+    for family in (IPV4, IPV6):
+        rules = chain_rules(cfg, family)
+        out = [r for r in rules if r.chain == CHAIN_OUT]
+        inn = [r for r in rules if r.chain == CHAIN_IN]
+        assert "instance metadata" in out[0].comment and out[-1].match == ""
+        assert out[-1].target.startswith("REJECT") and inn[-1].target == "DROP"
+        text = transaction(cfg, family)
+        assert text.count("COMMIT") == 1 and all(
+            '--comment "sandman: ' in x for x in text.splitlines() if x.startswith(("-A", "-I")))
