@@ -25,6 +25,74 @@ MAX_BODY_BYTES = 4 * 1024 * 1024
 _JSON = "application/json"
 
 
+def answer(operation: str, body: bytes, policy: SandboxPolicy,
+           metrics: Metrics) -> tuple[int, bytes]:
+    """(HTTP status, JSON body) for one AdmissionReview; counts and times it."""
+    start = time.perf_counter()
+    try:
+        if len(body) > MAX_BODY_BYTES:
+            metrics.count(operation, "error", "bad-request")
+            return 413, b'{"error":"body too large"}'
+        try:
+            review = json.loads(body)
+            if operation == "mutate":
+                out, reason, size = admission.mutate(review, policy)
+                if size:
+                    metrics.patch_bytes.observe(size)
+            else:
+                out, reason = admission.validate(review, policy)
+        except (ValueError, admission.BadReview) as e:
+            metrics.count(operation, "error", "bad-request")
+            return 400, json.dumps({"error": str(e)}).encode()
+        except Exception:
+            log.exception("%s failed", operation)
+            metrics.count(operation, "error", "internal-error")
+            return 500, b'{"error":"internal error"}'
+        allowed = out["response"]["allowed"]
+        metrics.count(operation, "allowed" if allowed else "denied", reason)
+        if not allowed:
+            req = review["request"]
+            log.info("%s denied %s/%s: %s", operation, req.get("namespace"),
+                     (req.get("object") or {}).get("metadata", {}).get("name")
+                     or req.get("name"), out["response"]["status"]["message"])
+        return 200, json.dumps(out, separators=(",", ":")).encode()
+    finally:
+        metrics.duration.labels(operation).observe(time.perf_counter() - start)
+
+
+class AdmissionFastPath:
+    """ASGI wrapper answering POST /mutate and /validate without FastAPI's routing and request
+    objects (about 0.1 ms of the ~1 ms a call costs, measured); same `answer()` as the routes,
+    everything else goes to the FastAPI app."""
+
+    ROUTES = {"/mutate": "mutate", "/validate": "validate"}
+
+    def __init__(self, app: FastAPI, policy: SandboxPolicy, metrics: Metrics):
+        self.app, self.policy, self.metrics = app, policy, metrics
+
+    async def __call__(self, scope, receive, send):
+        operation = self.ROUTES.get(scope.get("path")) if scope["type"] == "http" else None
+        if operation is None or scope.get("method") != "POST":
+            return await self.app(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] == "http.disconnect":
+                return
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size <= MAX_BODY_BYTES + 1:
+                chunks.append(chunk)
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        status, payload = answer(operation, body, self.policy, self.metrics)
+        await send({"type": "http.response.start", "status": status,
+                    "headers": [(b"content-type", b"application/json"),
+                                (b"content-length", str(len(payload)).encode())]})
+        await send({"type": "http.response.body", "body": payload})
+
+
 def create_app(policy: SandboxPolicy, metrics: Metrics | None = None,
                ready: Callable[[], str | None] = lambda: None,
                background: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
@@ -45,37 +113,8 @@ def create_app(policy: SandboxPolicy, metrics: Metrics | None = None,
     app.state.policy = policy
 
     async def handle(request: Request, operation: str) -> Response:
-        start = time.perf_counter()
-        body = await request.body()
-        try:
-            if len(body) > MAX_BODY_BYTES:
-                metrics.count(operation, "error", "bad-request")
-                return Response(b'{"error":"body too large"}', 413, media_type=_JSON)
-            try:
-                review = json.loads(body)
-                if operation == "mutate":
-                    out, reason, size = admission.mutate(review, policy)
-                    if size:
-                        metrics.patch_bytes.observe(size)
-                else:
-                    out, reason = admission.validate(review, policy)
-            except (ValueError, admission.BadReview) as e:
-                metrics.count(operation, "error", "bad-request")
-                return Response(json.dumps({"error": str(e)}).encode(), 400, media_type=_JSON)
-            except Exception:
-                log.exception("%s failed", operation)
-                metrics.count(operation, "error", "internal-error")
-                return Response(b'{"error":"internal error"}', 500, media_type=_JSON)
-            allowed = out["response"]["allowed"]
-            metrics.count(operation, "allowed" if allowed else "denied", reason)
-            if not allowed:
-                req = review["request"]
-                log.info("%s denied %s/%s: %s", operation, req.get("namespace"),
-                         (req.get("object") or {}).get("metadata", {}).get("name")
-                         or req.get("name"), out["response"]["status"]["message"])
-            return Response(json.dumps(out, separators=(",", ":")).encode(), 200, media_type=_JSON)
-        finally:
-            metrics.duration.labels(operation).observe(time.perf_counter() - start)
+        status, payload = answer(operation, await request.body(), policy, metrics)
+        return Response(payload, status, media_type=_JSON)
 
     @app.post("/mutate")
     async def mutate(request: Request) -> Response:

@@ -26,7 +26,7 @@ import uvicorn
 from cryptography import x509
 
 from sandman.sandbox import SandboxPolicy
-from webhook.app import create_app
+from webhook.app import AdmissionFastPath, create_app
 from webhook.metrics import Metrics
 
 log = logging.getLogger("webhook")
@@ -143,7 +143,7 @@ def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
 
     sock = bind(host, port)
     config = uvicorn.Config(
-        CloseOnReload(app, tls), log_level=log_level, access_log=False, http="h11", loop="asyncio",
+        CloseOnReload(AdmissionFastPath(app, policy, metrics), tls), log_level=log_level, access_log=False, http="h11", loop="asyncio",
         ssl_context_factory=lambda _config, _default: tls.context,
         # Bounded work in flight: past this, uvicorn answers 503 instead of growing memory
         # (the paper's single 384 MiB webhook replica was OOM-killed under a burst).

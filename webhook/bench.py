@@ -1,0 +1,377 @@
+"""Benchmark: pod creates through the API server with sandman's webhooks registered vs without,
+and the handler's own latency under a threaded load of AdmissionReviews.
+
+    .venv/bin/python -m webhook.bench [--kubeconfig F] [--pods 2000] [--threads 8] [--repeats 3]
+                                      [--update-docs]
+
+Without --kubeconfig (or $KUBECONFIG) it starts its own test bed (tests/testbed) and stops it
+afterwards. Arms alternate (without, with, without, ...) so drift hits both; each arm creates
+`--pods` labelled sandbox pods into a fresh namespace from `--threads` threads, and the namespace
+is deleted (and its deletion awaited) before the next arm. Figures are medians over repeats.
+Goal: throughput with the webhooks >= 85% of without.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import re
+import secrets
+import socket
+import ssl
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_SANDBOX
+from sandman.sandbox import SandboxPolicy, make_sandbox
+from webhook.manifests import configurations
+
+POLICY = SandboxPolicy()
+
+ROOT = Path(__file__).resolve().parents[1]
+DOCS = ROOT / "docs" / "benchmarks.md"
+TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+GOAL = 0.85
+
+
+def sandbox_pod(i: int) -> dict:
+    # What a client sends: the label, the token hash, an image and a size.
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": f"sbx-{i:05d}", "labels": {LABEL_SANDBOX: "true"},
+                         "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+            "spec": {"containers": [{"name": "task", "image": "swe-task:1", "resources": {
+                "limits": {"cpu": "100m", "memory": "128Mi"}}}]}}
+
+
+def pct(values: list[float], p: float) -> float:
+    s = sorted(values)
+    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
+
+
+def start_webhook(workdir: Path) -> tuple[subprocess.Popen, int, Path]:
+    log = workdir / "webhook.log"
+    out = open(log, "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "webhook", "serve", "--host", "127.0.0.1", "--port", "0",
+         "--self-signed-dir", str(workdir / "certs"), "--ip", "127.0.0.1", "--log-level",
+         "warning"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    out.close()
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        m = re.search(r"serving https://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
+        if m:
+            time.sleep(1.0)  # uvicorn's startup after the bind
+            return proc, int(m.group(1)), workdir / "certs" / "ca.crt"
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"webhook did not start: {log.read_text()[-2000:]}")
+
+
+class Bed:
+    def __init__(self, kubeconfig: str | None):
+        from kubernetes import client, config
+
+        self.testbed = None
+        if not kubeconfig:
+            from tests.testbed.cluster import Testbed, default_state_dir
+
+            self.testbed = Testbed(default_state_dir("bench-webhook"), nodes=20).start()
+            kubeconfig = str(self.testbed.kubeconfig)
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+        cfg.connection_pool_maxsize = 16
+        self.api = client.ApiClient(cfg)
+        self.core = client.CoreV1Api(self.api)
+        self.adm = client.AdmissionregistrationV1Api(self.api)
+
+    def stop(self) -> None:
+        if self.testbed is not None:
+            self.testbed.stop()
+
+    def namespace(self, name: str) -> None:
+        from kubernetes.client.rest import ApiException
+
+        self.core.create_namespace({"metadata": {"name": name}})
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                self.core.read_namespaced_service_account("default", name)
+                return
+            except ApiException:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(0.1)
+
+    def delete_namespace(self, name: str, timeout: float = 180) -> None:
+        from kubernetes.client.rest import ApiException
+
+        try:
+            self.core.delete_collection_namespaced_pod(name, grace_period_seconds=0)
+            self.core.delete_namespace(name, grace_period_seconds=0)
+        except ApiException as e:
+            if e.status != 404:
+                raise
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            try:
+                self.core.read_namespace(name)
+            except ApiException as e:
+                if e.status == 404:
+                    return
+            time.sleep(0.5)
+        print(f"warning: namespace {name} still terminating after {timeout:.0f}s", file=sys.stderr)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+ARMS = ("without", "premutated", "with")
+ARM_TITLES = {
+    "without": "without webhooks, client's pod as sent",
+    "premutated": "without webhooks, pod already a sandbox (controller path)",
+    "with": "with webhooks, client's pod as sent",
+}
+
+
+def create_arm(bed: Bed, namespace: str, pods: int, threads: int,
+               premutated: bool = False) -> dict:
+    """`pods` creates from `threads` threads; response bodies are not deserialized, so the
+    client's CPU stays off the measurement as far as possible."""
+    from kubernetes.client.rest import ApiException
+
+    latencies: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    counter = iter(range(pods))
+
+    def worker():
+        mine, bad = [], []
+        while True:
+            with lock:
+                i = next(counter, None)
+            if i is None:
+                break
+            t = time.perf_counter()
+            try:
+                body = sandbox_pod(i)
+                if premutated:
+                    body = make_sandbox(body, POLICY)
+                r = bed.core.create_namespaced_pod(namespace, body, _preload_content=False)
+                r.read()
+                mine.append(time.perf_counter() - t)
+            except ApiException as e:
+                bad.append(f"{e.status} {str(e.body)[:200]}")
+        with lock:
+            latencies.extend(mine)
+            errors.extend(bad)
+
+    start = time.perf_counter()
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(600)
+    wall = time.perf_counter() - start
+    return {"ok": len(latencies), "errors": len(errors), "first_error": errors[:1],
+            "rate": len(latencies) / wall, "p50_ms": pct(latencies, 50) * 1000,
+            "p99_ms": pct(latencies, 99) * 1000}
+
+
+def handler_load(port: int, ca: Path, threads: int, requests: int) -> dict:
+    """Round trips of AdmissionReviews straight to the webhook, one keep-alive TLS connection
+    per thread with Nagle off (as the API server's client does)."""
+    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+              "request": {"uid": "bench", "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                          "operation": "CREATE", "namespace": "bench",
+                          "object": sandbox_pod(0)}}
+    body = json.dumps(review).encode()
+    head = (f"POST /mutate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    ctx = ssl.create_default_context(cafile=str(ca))
+    latencies: list[float] = []
+    lock = threading.Lock()
+    per = requests // threads
+
+    def worker():
+        mine = []
+        raw = socket.create_connection(("127.0.0.1", port), timeout=10)
+        raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
+            f = s.makefile("rb")
+            for _ in range(per):
+                t = time.perf_counter()
+                s.sendall(head + body)
+                status = f.readline()
+                length = 0
+                while True:
+                    line = f.readline()
+                    if line in (b"\r\n", b""):
+                        break
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":")[1])
+                f.read(length)
+                mine.append(time.perf_counter() - t)
+                if b" 200 " not in status:
+                    raise RuntimeError(f"webhook answered {status!r}")
+        with lock:
+            latencies.extend(mine)
+
+    start = time.perf_counter()
+    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    for t in ts:
+        t.start()
+    for t in ts:
+        t.join(300)
+    wall = time.perf_counter() - start
+    return {"rate": len(latencies) / wall, "p50_ms": pct(latencies, 50) * 1000,
+            "p99_ms": pct(latencies, 99) * 1000, "n": len(latencies)}
+
+
+def server_histogram_p99(port: int, ca: Path) -> str:
+    """p99 bucket bound of the server-side handler histogram for /mutate."""
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    text = urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx).read().decode()
+    buckets = []
+    for line in text.splitlines():
+        m = re.match(r'sandman_webhook_handler_seconds_bucket\{le="([^"]+)",operation="mutate"\} '
+                     r"(\S+)", line)
+        if m:
+            buckets.append((float(m.group(1)), float(m.group(2))))
+    total = buckets[-1][1] if buckets else 0
+    for le, count in buckets:
+        if total and count >= 0.99 * total:
+            return f"<= {le * 1000:g} ms"
+    return "n/a"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m webhook.bench")
+    ap.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
+    ap.add_argument("--pods", type=int, default=2000)
+    ap.add_argument("--threads", type=int, default=8)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--handler-requests", type=int, default=4000)
+    ap.add_argument("--update-docs", action="store_true")
+    args = ap.parse_args(argv)
+
+    run = secrets.token_hex(3)
+    workdir = Path(tempfile.mkdtemp(prefix="webhook-bench-"))
+    bed = Bed(args.kubeconfig)
+    proc = None
+    cfg_name = f"sandman-bench-{run}"
+    results = {arm: [] for arm in ARMS}
+    try:
+        proc, port, ca = start_webhook(workdir)
+        names = {(arm, r): f"bench-{arm}-{r}-{run}" for r in range(args.repeats)
+                 for arm in ARMS}
+        mutating, validating = configurations(
+            cfg_name, "sandman-system", ca.read_bytes(), url=f"https://127.0.0.1:{port}",
+            only_namespaces=[n for (arm, _), n in names.items() if arm == "with"])
+        bed.adm.create_mutating_webhook_configuration(mutating)
+        bed.adm.create_validating_webhook_configuration(validating)
+        time.sleep(2)  # configuration informers
+        for r in range(args.repeats):
+            for arm in ARMS:
+                ns = names[(arm, r)]
+                bed.namespace(ns)
+                cpu = cpu_seconds(proc.pid)
+                res = create_arm(bed, ns, args.pods, args.threads, arm == "premutated")
+                res["webhook_cpu_ms"] = (cpu_seconds(proc.pid) - cpu) * 1000 / max(1, res["ok"])
+                if arm == "with":
+                    sample = bed.core.read_namespaced_pod(sandbox_pod(0)["metadata"]["name"], ns)
+                    if not sample.spec.init_containers:
+                        raise SystemExit("the webhook did not mutate the pods of the 'with' arm")
+                results[arm].append(res)
+                print(f"repeat {r} {arm:10s}: {res['rate']:.0f} creates/s, p50 "
+                      f"{res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms, "
+                      f"webhook CPU {res['webhook_cpu_ms']:.2f} ms/create, "
+                      f"{res['errors']} errors {res['first_error']}", flush=True)
+                bed.delete_namespace(ns)
+        handler = handler_load(port, ca, args.threads, args.handler_requests)
+        handler["server_p99"] = server_histogram_p99(port, ca)
+        print(f"handler: {handler}")
+    finally:
+        for delete in (bed.adm.delete_mutating_webhook_configuration,
+                       bed.adm.delete_validating_webhook_configuration):
+            try:
+                delete(cfg_name)
+            except Exception as e:  # noqa: BLE001 - best effort, reported
+                print(f"cleanup: {e}", file=sys.stderr)
+        if proc is not None:
+            proc.terminate()
+            proc.wait(10)
+        bed.stop()
+
+    med = {arm: {k: statistics.median(x[k] for x in rows)
+                 for k in ("rate", "p50_ms", "p99_ms", "webhook_cpu_ms")}
+           for arm, rows in results.items()}
+    errors = {arm: sum(x["errors"] for x in rows) for arm, rows in results.items()}
+    ratio = med["with"]["rate"] / med["without"]["rate"]
+    section = render(args, med, errors, ratio, handler, results)
+    print(section)
+    if args.update_docs:
+        update_docs(section)
+    return 0 if ratio >= GOAL and not any(errors.values()) else 1
+
+
+def render(args, med, errors, ratio, handler, results) -> str:
+    rates = {arm: ", ".join(f"{x['rate']:.0f}" for x in rows) for arm, rows in results.items()}
+    verdict = "met" if ratio >= GOAL else "NOT met"
+    rows = "\n".join(
+        f"| {ARM_TITLES[arm]} | {med[arm]['rate']:.0f} ({rates[arm]}) | {med[arm]['p50_ms']:.1f} "
+        f"| {med[arm]['p99_ms']:.1f} | {med[arm]['webhook_cpu_ms']:.2f} | {errors[arm]} |"
+        for arm in ARMS)
+    ratio_pre = med["with"]["rate"] / med["premutated"]["rate"]
+    return f"""## webhook
+
+Pod creates through the API server with sandman's mutating + validating webhooks registered
+(`url:` to a local `python3 -m webhook serve`, TLS) vs without, on the test bed
+(`make bench-webhook`, i.e. `.venv/bin/python -m webhook.bench --update-docs`; starts its own
+test bed unless `KUBECONFIG` is set). {args.pods} labelled sandbox pods per arm from
+{args.threads} client threads (Python `kubernetes` client, responses not deserialized), arms
+alternated, {args.repeats} repeats, medians. Machine: {os.cpu_count()} cores
+({platform.machine()}), Python {platform.python_version()}, {datetime.date.today()}; the API
+server, etcd, kwok, the webhook and the client share the cores.
+
+| arm | creates/s (repeats) | create p50 ms | create p99 ms | webhook CPU ms per create | errors |
+|---|---|---|---|---|---|
+{rows}
+
+Throughput with webhooks: **{ratio * 100:.0f}%** of without (goal >= {GOAL * 100:.0f}%: {verdict});
+{ratio_pre * 100:.0f}% of creating the same, already mutated pod without webhooks, which
+separates the webhooks' own cost from the cost of storing and scheduling a bigger pod.
+
+Handler alone: {handler['n']} `/mutate` AdmissionReviews from {args.threads} threads, one
+keep-alive TLS connection each: {handler['rate']:.0f} reviews/s, round trip p50
+{handler['p50_ms']:.2f} ms, p99 {handler['p99_ms']:.2f} ms; server-side handler p99
+{handler['server_p99']} (histogram bucket).
+"""
+
+
+def update_docs(section: str) -> None:
+    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
+    pattern = re.compile(r"^## webhook\n.*?(?=^## |\Z)", re.S | re.M)
+    if pattern.search(text):
+        text = pattern.sub(lambda _m: section + "\n", text)
+    else:
+        text = text.rstrip("\n") + "\n\n" + section
+    DOCS.write_text(text.rstrip("\n") + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
