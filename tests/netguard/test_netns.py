@@ -462,3 +462,18 @@ def test_check_without_a_status_file_uses_the_defaults(lab):
     lab.status_file.unlink()
     assert lab.netguard("check").returncode == 0
     assert lab.netguard("check", "--egress", "allow").returncode == 1
+
+
+def test_works_with_only_unsuffixed_binaries(lab, tmp_path):
+    """Images often ship just iptables-save/-restore (whatever backend they are built for):
+    netguard asks them which backend they are and uses them."""
+    d = tmp_path / "plain-path"
+    d.mkdir()
+    for name in ("iptables-save", "iptables-restore", "ip6tables-save", "ip6tables-restore"):
+        (d / name).symlink_to(shutil.which(name))
+    lab.serve(lab.peer, 8080)
+    p = lab.netguard("apply", env=dict(os.environ, PATH=f"{d}:/usr/bin:/bin"))
+    assert p.returncode == 0, p.stderr
+    plain = nslab.sh(shutil.which("iptables-save"), "--version").stdout
+    assert status(lab)["backend"] == ("nft" if "nf_tables" in plain else "legacy")
+    assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
