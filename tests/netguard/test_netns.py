@@ -398,22 +398,28 @@ def test_ipv4_only_pod(tmp_path):
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_runs_with_only_net_admin_and_net_raw_and_a_read_only_run(lab, backend):
-    """The documented security context: all capabilities dropped but NET_ADMIN and NET_RAW,
-    and /run not writable (read-only root), with no XTABLES_LOCKFILE set."""
+def test_runs_with_only_net_admin_and_net_raw_and_a_read_only_root(lab, backend):
+    """The documented security context: every capability dropped but NET_ADMIN and NET_RAW, a
+    read-only root filesystem (so no /run/xtables.lock), a writable emptyDir for the status
+    file, and no XTABLES_LOCKFILE set. The mounts are made in a private mount namespace."""
     caps = "-all,+net_admin,+net_raw"
+    run = lab.status_file.parent
+    run.mkdir(parents=True)
     env = {k: v for k, v in os.environ.items() if k != "XTABLES_LOCKFILE"}
+    script = (f"set -e; mount -o remount,ro,bind /; mount -t tmpfs tmpfs {run}; "
+              "if touch /netguard-ro-probe 2>/dev/null; then rm /netguard-ro-probe; exit 99; fi; "
+              f'set +e; "$@"; rc=$?; ls {run}; exit $rc')
     p = lab.netguard("apply", "--backend", backend, "--ingress-from", f"{PEER_V4}/32",
                      env=env,
                      prefix=("unshare", "--mount", "--propagation", "private", "sh", "-c",
-                             'mount -t tmpfs -o ro tmpfs /run && exec "$@"', "sh",
-                             "setpriv", f"--inh-caps={caps}", f"--ambient-caps={caps}",
-                             f"--bounding-set={caps}"))
+                             script, "sh", "setpriv", f"--inh-caps={caps}",
+                             f"--ambient-caps={caps}", f"--bounding-set={caps}"))
     assert p.returncode == 0, p.stderr
-    assert lab.netguard("check").returncode == 0
-    assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
+    assert "verified" in p.stdout and "netguard.json" in p.stdout
     if backend == "legacy":  # the lock went beside the status file
-        assert (lab.status_file.parent / "xtables.lock").exists()
+        assert "xtables.lock" in p.stdout
+    assert lab.netguard("check", "--ingress-from", f"{PEER_V4}/32").returncode == 0
+    assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
