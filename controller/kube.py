@@ -1,0 +1,144 @@
+"""The controller's only door to the API server: blocking `kubernetes` client calls run in a
+bounded thread pool, plus a pod informer (list + watch) that keeps a local cache and wakes
+waiters on the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import urllib3
+from kubernetes import client, config, watch
+
+from sandman import contract
+
+log = logging.getLogger("controller.kube")
+
+# Answers after which the API server may or may not have stored the object.
+AMBIGUOUS_STATUSES = {500, 502, 503, 504}
+
+
+def load_api_client(kubeconfig: str | None, pool: int) -> client.ApiClient:
+    cfg = client.Configuration()
+    if kubeconfig:
+        config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
+    else:
+        config.load_incluster_config(client_configuration=cfg)
+    cfg.connection_pool_maxsize = pool
+    cfg.retries = False  # the controller owns every retry; hidden ones would double creates
+    return client.ApiClient(cfg)
+
+
+def is_transport_error(e: BaseException) -> bool:
+    return isinstance(e, (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError))
+
+
+class Kube:
+    def __init__(self, api: client.ApiClient, namespace: str, threads: int = 32,
+                 request_timeout: float = 15.0):
+        self.api = api
+        self.core = client.CoreV1Api(api)
+        self.ns = namespace
+        self.timeout = request_timeout
+        self._pool = ThreadPoolExecutor(threads, thread_name_prefix="kube")
+
+    async def call(self, fn: Callable, *args, **kwargs) -> Any:
+        kwargs.setdefault("_request_timeout", self.timeout)
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._pool, lambda: fn(*args, **kwargs))
+
+    async def create_pod(self, body: dict):
+        return await self.call(self.core.create_namespaced_pod, self.ns, body)
+
+    async def read_pod(self, name: str):
+        return await self.call(self.core.read_namespaced_pod, name, self.ns)
+
+    async def delete_pod(self, name: str, uid: str | None):
+        opts = client.V1DeleteOptions(grace_period_seconds=0,
+                                      preconditions=client.V1Preconditions(uid=uid) if uid else None)
+        return await self.call(self.core.delete_namespaced_pod, name, self.ns, body=opts)
+
+    async def patch_pod(self, name: str, patch: dict):
+        return await self.call(self.core.patch_namespaced_pod, name, self.ns, patch)
+
+    async def list_pods(self, selector: str):
+        return await self.call(self.core.list_namespaced_pod, self.ns, label_selector=selector)
+
+    async def pod_events(self, name: str, limit: int = 10) -> list[str]:
+        try:
+            ev = await self.call(self.core.list_namespaced_event, self.ns,
+                                 field_selector=f"involvedObject.name={name}")
+        except Exception:  # noqa: BLE001 - events are a courtesy in an error message
+            return []
+        items = sorted(ev.items, key=lambda e: (e.last_timestamp or e.event_time or 0).__str__())
+        return [f"{e.type} {e.reason}: {e.message}" for e in items[-limit:]]
+
+    def shutdown(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
+class PodInformer:
+    """List + watch of the controller's pods in a thread; `on_event(type, pod)` runs on the loop.
+
+    A watch that ends or fails is resumed from the last resourceVersion, and relisted on 410.
+    """
+
+    def __init__(self, kube: Kube, loop: asyncio.AbstractEventLoop,
+                 on_event: Callable[[str, Any], None]):
+        self.kube = kube
+        self.loop = loop
+        self.on_event = on_event
+        self.selector = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="pod-informer", daemon=True)
+        self.synced = asyncio.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _emit(self, kind: str, pod) -> None:
+        self.loop.call_soon_threadsafe(self.on_event, kind, pod)
+
+    def _run(self) -> None:
+        rv = None
+        while not self._stop.is_set():
+            try:
+                if rv is None:
+                    lst = self.kube.core.list_namespaced_pod(self.kube.ns,
+                                                             label_selector=self.selector,
+                                                             _request_timeout=60)
+                    rv = lst.metadata.resource_version
+                    self._emit("SYNC", lst.items)
+                    self.loop.call_soon_threadsafe(self.synced.set)
+                w = watch.Watch()
+                for ev in w.stream(self.kube.core.list_namespaced_pod, self.kube.ns,
+                                   label_selector=self.selector, resource_version=rv,
+                                   timeout_seconds=60, allow_watch_bookmarks=True,
+                                   _request_timeout=90):
+                    if self._stop.is_set():
+                        w.stop()
+                        return
+                    obj = ev["object"]
+                    if ev["type"] == "ERROR":
+                        rv = None
+                        break
+                    rv = obj.metadata.resource_version
+                    if ev["type"] != "BOOKMARK":
+                        self._emit(ev["type"], obj)
+            except client.ApiException as e:
+                if e.status == 410:  # resourceVersion too old: relist
+                    rv = None
+                else:
+                    log.warning("pod watch failed: %s %s; retrying", e.status, e.reason)
+                    time.sleep(1)
+            except Exception as e:  # noqa: BLE001 - keep watching whatever happened
+                log.warning("pod watch failed: %s; retrying", e)
+                time.sleep(1)

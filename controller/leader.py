@@ -1,0 +1,114 @@
+"""Leader election on a coordination.k8s.io Lease: one active replica, standbys take over
+within `duration` seconds of the leader's last renewal. Losing the lease ends the process
+(crash-only: the Deployment restarts it as a standby, whose books are rebuilt from labels)."""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import logging
+import os
+import socket
+
+from kubernetes import client
+
+from controller import metrics
+from controller.kube import Kube
+
+log = logging.getLogger("controller.leader")
+
+
+class LeaderElector:
+    def __init__(self, kube: Kube, name: str = "sandman-controller", duration: float = 10.0,
+                 renew: float = 2.0, identity: str | None = None):
+        if not 0 < renew < duration:
+            raise ValueError("renew period must be positive and shorter than the lease duration")
+        self.kube = kube
+        self.name = name
+        self.duration = duration
+        self.renew = renew
+        self.identity = identity or f"{socket.gethostname()}-{os.getpid()}"
+        self.is_leader = False
+        self._last_renew: float = 0.0
+        self.coord = client.CoordinationV1Api(kube.api)
+
+    def _now(self) -> dt.datetime:
+        return dt.datetime.now(dt.UTC)
+
+    async def _try(self) -> bool:
+        ns = self.kube.ns
+        now = self._now()
+        try:
+            lease = await self.kube.call(self.coord.read_namespaced_lease, self.name, ns)
+        except client.ApiException as e:
+            if e.status != 404:
+                raise
+            body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name), spec=client.V1LeaseSpec(
+                holder_identity=self.identity, lease_duration_seconds=int(self.duration),
+                acquire_time=now, renew_time=now, lease_transitions=0))
+            try:
+                await self.kube.call(self.coord.create_namespaced_lease, ns, body)
+                return True
+            except client.ApiException as e2:
+                if e2.status == 409:
+                    return False
+                raise
+        spec = lease.spec
+        holder = spec.holder_identity
+        renewed = spec.renew_time or spec.acquire_time
+        expired = renewed is None or (now - renewed).total_seconds() > (
+            spec.lease_duration_seconds or self.duration)
+        if holder != self.identity and not expired:
+            return False
+        if holder != self.identity:
+            spec.lease_transitions = (spec.lease_transitions or 0) + 1
+            spec.acquire_time = now
+            spec.holder_identity = self.identity
+        spec.renew_time = now
+        spec.lease_duration_seconds = int(self.duration)
+        try:
+            # replace carries resourceVersion: two candidates cannot both win.
+            await self.kube.call(self.coord.replace_namespaced_lease, self.name, ns, lease)
+            return True
+        except client.ApiException as e:
+            if e.status == 409:
+                return False
+            raise
+
+    async def run(self, on_started, on_lost) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            try:
+                ok = await self._try()
+            except Exception as e:  # noqa: BLE001 - a failed renewal is judged by the deadline
+                log.warning("lease %s: %s", self.name, e)
+                ok = False
+            t = loop.time()
+            if ok:
+                self._last_renew = t
+                if not self.is_leader:
+                    self.is_leader = True
+                    metrics.LEADER.set(1)
+                    log.info("became leader (%s)", self.identity)
+                    await on_started()
+            elif self.is_leader and t - self._last_renew > self.duration - self.renew:
+                # Stop before another replica may take over: never two active leaders.
+                self.is_leader = False
+                metrics.LEADER.set(0)
+                log.error("lost the lease %s", self.name)
+                await on_lost()
+                return
+            await asyncio.sleep(self.renew)
+
+    async def release(self) -> None:
+        """On a clean shutdown hand the lease over at once instead of after `duration`."""
+        if not self.is_leader:
+            return
+        try:
+            lease = await self.kube.call(self.coord.read_namespaced_lease, self.name, self.kube.ns)
+            if lease.spec.holder_identity == self.identity:
+                lease.spec.renew_time = self._now() - dt.timedelta(seconds=self.duration * 2)
+                await self.kube.call(self.coord.replace_namespaced_lease, self.name,
+                                     self.kube.ns, lease)
+        except Exception as e:  # noqa: BLE001
+            log.warning("lease release failed: %s", e)
