@@ -94,6 +94,7 @@ class Server:
         self.accepted = 0
         self.datagrams = 0
         self._socks: list[socket.socket] = []
+        self._conns: list[socket.socket] = []
         self._stop = threading.Event()
         for fam, addr in ((socket.AF_INET, "0.0.0.0"), (socket.AF_INET6, "::")):
             s = sock(ns, fam, socket.SOCK_DGRAM if udp else socket.SOCK_STREAM)
@@ -119,19 +120,22 @@ class Server:
             except (TimeoutError, OSError):
                 continue
             self.accepted += 1
+            self._conns.append(c)
             threading.Thread(target=self._echo, args=(c,), daemon=True).start()
 
     @staticmethod
     def _echo(c: socket.socket) -> None:
         with c:
-            c.settimeout(2)
+            c.settimeout(60)  # a test may hold a connection open across several applies
             with contextlib.suppress(OSError):
                 while data := c.recv(2048):
                     c.sendall(data)
 
     def close(self) -> None:
         self._stop.set()
-        for s in self._socks:
+        for s in self._socks + self._conns:
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_RDWR)
             s.close()
 
 
