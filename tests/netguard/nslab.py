@@ -278,9 +278,10 @@ class Lab:
             sh("ip", "netns", "add", ns)
             self.ip(ns, "link", "set", "lo", "up")
         if not ipv6:
-            sh("ip", "netns", "exec", self.pod, "sysctl", "-qw",
-               "net.ipv6.conf.all.disable_ipv6=1", "net.ipv6.conf.default.disable_ipv6=1",
-               "net.ipv6.conf.lo.disable_ipv6=1")
+            # /proc/sys/net shows the namespace of the process that opens it.
+            sh("ip", "netns", "exec", self.pod, "sh", "-c",
+               "for c in all default lo; do echo 1 > /proc/sys/net/ipv6/conf/$c/disable_ipv6; "
+               "done")
         for far, a, b, v4, v6 in ((self.peer, f"ngp{sfx}a", f"ngq{sfx}a", "1", "1"),
                                   (self.other, f"ngp{sfx}b", f"ngr{sfx}b", "2", "2")):
             sh("ip", "link", "add", a, "netns", self.pod, "type", "veth", "peer", "name", b,
