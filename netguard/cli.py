@@ -1,7 +1,7 @@
 """`python3 -m netguard apply|render|check`: the one entry point.
 
-Exit codes: 0 success; 1 the guard is not (verifiably) in place, with one line on stderr saying
-why; 2 bad usage. An init container that exits non-zero keeps the pod from starting: the
+Exit codes: 0 success; 1 the guard is not (verifiably) in place, or an option value is bad, with
+one line on stderr saying why; 2 argparse usage errors. An init container that exits non-zero keeps the pod from starting: the
 sandbox never runs unguarded.
 """
 
@@ -60,7 +60,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto",
                    help="iptables backend; auto: whichever has rules in this netns, else nft")
     a.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the self-verification probes (not for production)")
+                   help="skip the read-back and the probes (not for production)")
     a.add_argument("--verify-blocked", action="append", default=[], metavar="IP:PORT",
                    help="a TCP target that must be refused after apply (repeatable)")
     a.add_argument("--verify-timeout", type=float, default=verify.DEFAULT_TIMEOUT,
