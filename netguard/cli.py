@@ -1,8 +1,8 @@
 """`python3 -m netguard apply|render|check`: the one entry point.
 
 Exit codes: 0 success; 1 the guard is not (verifiably) in place, or an option value is bad, with
-one line on stderr saying why; 2 argparse usage errors. An init container that exits non-zero keeps the pod from starting: the
-sandbox never runs unguarded.
+one line on stderr saying why; 2 argparse usage errors. An init container that exits non-zero
+keeps the pod from starting: the sandbox never runs unguarded.
 """
 
 from __future__ import annotations
