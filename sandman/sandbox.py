@@ -122,6 +122,13 @@ RULES = (
 )
 
 
+# Besides `spec`, the only parts of a pod that make_sandbox and check_sandbox read. The webhook
+# caches their results by these (bursts of identical pods), so anything else they start reading
+# must be added here; tests/webhook/test_sandbox.py checks that nothing else changes a result.
+INPUT_LABELS = (LABEL_SANDBOX, LABEL_EGRESS)
+INPUT_ANNOTATIONS = (ANNOTATION_CONTAINER, ANNOTATION_INGRESS_FROM, ANNOTATION_TOKEN_SHA256)
+
+
 class SandboxError(ValueError):
     """The pod cannot be made a sandbox; carries the refusal."""
 

@@ -95,6 +95,13 @@ class Bed:
         self.core = client.CoreV1Api(self.api)
         self.adm = client.AdmissionregistrationV1Api(self.api)
 
+    def pids(self) -> dict[str, int]:
+        """Control-plane processes whose CPU is reported per create (own test bed only)."""
+        if self.testbed is None:
+            return {}
+        return {c.name: (c.proc.pid if c.proc else c.pid) for c in self.testbed.components
+                if c.name in ("kube-apiserver", "etcd", "kwok")}
+
     def stop(self) -> None:
         if self.testbed is not None:
             self.testbed.stop()
@@ -289,9 +296,12 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:
                 ns = names[(arm, r)]
                 bed.namespace(ns)
-                cpu = cpu_seconds(proc.pid)
+                watched = {"webhook": proc.pid, **bed.pids()}
+                cpu = {k: cpu_seconds(pid) for k, pid in watched.items()}
                 res = create_arm(bed, ns, args.pods, args.threads, arm == "premutated")
-                res["webhook_cpu_ms"] = (cpu_seconds(proc.pid) - cpu) * 1000 / max(1, res["ok"])
+                res["cpu_ms"] = {k: (cpu_seconds(pid) - cpu[k]) * 1000 / max(1, res["ok"])
+                                 for k, pid in watched.items()}
+                res["webhook_cpu_ms"] = res["cpu_ms"]["webhook"]
                 if arm == "with":
                     sample = bed.core.read_namespaced_pod(sandbox_pod(0)["metadata"]["name"], ns)
                     if not sample.spec.init_containers:
@@ -299,7 +309,8 @@ def main(argv: list[str] | None = None) -> int:
                 results[arm].append(res)
                 print(f"repeat {r} {arm:10s}: {res['rate']:.0f} creates/s, p50 "
                       f"{res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms, "
-                      f"webhook CPU {res['webhook_cpu_ms']:.2f} ms/create, "
+                      "CPU ms/create " + ", ".join(
+                          f"{k} {v:.2f}" for k, v in res["cpu_ms"].items()) + ", "
                       f"{res['errors']} errors {res['first_error']}", flush=True)
                 bed.delete_namespace(ns)
         handler = handler_load(port, ca, args.threads, args.handler_requests)

@@ -3,6 +3,8 @@ never lowered, requests == limits, and the result fails only rules a mutation ca
 
 from __future__ import annotations
 
+import json
+
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -95,3 +97,34 @@ def test_make_sandbox_properties(pod, guard):
         for name in ("cpu", "memory"):
             assert parse_quantity(r["requests"][name]) == parse_quantity(r["limits"][name])
     assert {r.rule for r in check_sandbox(once, policy)} <= UNFIXABLE
+
+
+@settings(max_examples=100, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(pods(), st.dictionaries(st.sampled_from(["sandman.dev/nonce", "sandman.dev/job", "app"]),
+                               st.text(min_size=1, max_size=5), max_size=2),
+       st.sampled_from(["a" * 64, "b" * 64, "short", None]), st.text(max_size=8))
+def test_cached_answers_equal_direct_ones(pod, extra_labels, token, name):
+    """The webhook caches by spec + INPUT_LABELS + INPUT_ANNOTATIONS: names, other labels and a
+    valid token's value must not change a result, and cached answers equal computed ones."""
+    import jsonpatch
+
+    from webhook import admission
+
+    pod["metadata"]["labels"].update(extra_labels)
+    pod["metadata"]["name"] = name
+    if token is None:
+        pod["metadata"]["annotations"].pop(ANNOTATION_TOKEN_SHA256)
+    else:
+        pod["metadata"]["annotations"][ANNOTATION_TOKEN_SHA256] = token
+    policy = SandboxPolicy()
+    for _ in range(2):  # the second round is served from the cache
+        try:
+            direct = jsonpatch.make_patch(pod, make_sandbox(pod, policy)).patch
+        except SandboxError as e:
+            assert admission.patch_for(pod, policy) == (b"", e.refusal)
+        else:
+            patch, refusal = admission.patch_for(pod, policy)
+            assert refusal is None
+            assert jsonpatch.apply_patch(pod, json.loads(patch) if patch else []) == \
+                jsonpatch.apply_patch(pod, direct)
+        assert admission.refusals_for(pod, policy) == check_sandbox(pod, policy)
