@@ -329,10 +329,17 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
     return out
 
 
+def injected_token_volumes(spec: dict) -> list[str]:
+    """Names of the token volumes the service-account plugin added (make_sandbox removes them
+    and every mount of them)."""
+    return [v["name"] for v in spec.get("volumes") or []
+            if isinstance(v, dict) and str(v.get("name", "")).startswith(SA_TOKEN_VOLUME_PREFIX)
+            and _is_sa_token_volume(v)]
+
+
 def _drop_injected_sa_token(spec: dict) -> None:
     volumes = spec.get("volumes") or []
-    gone = {v.get("name") for v in volumes
-            if str(v.get("name", "")).startswith(SA_TOKEN_VOLUME_PREFIX) and _is_sa_token_volume(v)}
+    gone = set(injected_token_volumes(spec))
     if not gone:
         return
     spec["volumes"] = [v for v in volumes if v.get("name") not in gone]

@@ -10,6 +10,7 @@ from __future__ import annotations
 import base64
 import functools
 import json
+import secrets
 
 import jsonpatch
 
@@ -21,6 +22,7 @@ from sandman.sandbox import (
     SandboxError,
     SandboxPolicy,
     check_sandbox,
+    injected_token_volumes,
     is_sandbox,
     make_sandbox,
 )
@@ -31,6 +33,10 @@ API_VERSION = "admission.k8s.io/v1"
 # cost (jsonpatch: ~0.35 of ~0.5 ms). Bounded: a few KiB per entry.
 CACHE_ENTRIES = 256
 _PLACEHOLDER_TOKEN = "0" * 64
+# The service-account plugin names its token volume kube-api-access-<random> in every pod, so
+# the essence of a pod carries a fixed placeholder instead. make_sandbox removes that volume and
+# its mounts, so the patch never holds the name; it is swapped back all the same.
+_PLACEHOLDER_VOLUME = f"kube-api-access-placeholder-{secrets.token_hex(6)}"
 
 
 def _essence(pod: dict, token_valid: bool = False) -> str | None:
@@ -80,7 +86,16 @@ def _refusals_cached(essence: str, policy: SandboxPolicy) -> tuple[Refusal, ...]
 
 def patch_for(pod: dict, policy: SandboxPolicy) -> tuple[bytes, Refusal | None]:
     essence = _essence(pod)
-    return _patch_cached(essence, policy) if essence else _patch(pod, policy)
+    if essence is None:
+        return _patch(pod, policy)
+    swaps = [(json.dumps(name), json.dumps(f"{_PLACEHOLDER_VOLUME}-{i}"))
+             for i, name in enumerate(injected_token_volumes(pod.get("spec") or {}))]
+    for real, placeholder in swaps:
+        essence = essence.replace(real, placeholder)
+    patch, refusal = _patch_cached(essence, policy)
+    for real, placeholder in swaps:
+        patch = patch.replace(placeholder.encode(), real.encode())
+    return patch, refusal
 
 
 def refusals_for(pod: dict, policy: SandboxPolicy) -> list[Refusal]:

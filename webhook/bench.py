@@ -197,30 +197,38 @@ def create_arm(bed: Bed, namespace: str, pods: int, threads: int,
             "p99_ms": pct(latencies, 99) * 1000}
 
 
-def handler_load(port: int, ca: Path, threads: int, requests: int) -> dict:
+def handler_load(port: int, ca: Path, threads: int, requests: int, distinct: bool) -> dict:
     """Round trips of AdmissionReviews straight to the webhook, one keep-alive TLS connection
-    per thread with Nagle off (as the API server's client does)."""
-    review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
-              "request": {"uid": "bench", "kind": {"group": "", "version": "v1", "kind": "Pod"},
-                          "operation": "CREATE", "namespace": "bench",
-                          "object": sandbox_pod(0)}}
-    body = json.dumps(review).encode()
-    head = (f"POST /mutate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
-            f"Content-Length: {len(body)}\r\n\r\n").encode()
+    per thread with Nagle off (as the API server's client does). `distinct`: every pod has its
+    own image, so no answer comes from the cache."""
+
+    def message(i: int) -> bytes:
+        pod = sandbox_pod(i)
+        if distinct:
+            pod["spec"]["containers"][0]["image"] = f"swe-task:{i}"
+        review = {"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview",
+                  "request": {"uid": f"bench-{i}", "operation": "CREATE", "namespace": "bench",
+                              "kind": {"group": "", "version": "v1", "kind": "Pod"},
+                              "object": pod}}
+        body = json.dumps(review).encode()
+        return (f"POST /mutate HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json"
+                f"\r\nContent-Length: {len(body)}\r\n\r\n").encode() + body
+
     ctx = ssl.create_default_context(cafile=str(ca))
     latencies: list[float] = []
     lock = threading.Lock()
     per = requests // threads
 
-    def worker():
+    def worker(w: int):
         mine = []
+        messages = [message(w * per + i) for i in range(per)]
         raw = socket.create_connection(("127.0.0.1", port), timeout=10)
         raw.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         with ctx.wrap_socket(raw, server_hostname="127.0.0.1") as s:
             f = s.makefile("rb")
-            for _ in range(per):
+            for m in messages:
                 t = time.perf_counter()
-                s.sendall(head + body)
+                s.sendall(m)
                 status = f.readline()
                 length = 0
                 while True:
@@ -237,7 +245,7 @@ def handler_load(port: int, ca: Path, threads: int, requests: int) -> dict:
             latencies.extend(mine)
 
     start = time.perf_counter()
-    ts = [threading.Thread(target=worker) for _ in range(threads)]
+    ts = [threading.Thread(target=worker, args=(w,)) for w in range(threads)]
     for t in ts:
         t.start()
     for t in ts:
@@ -247,8 +255,8 @@ def handler_load(port: int, ca: Path, threads: int, requests: int) -> dict:
             "p99_ms": pct(latencies, 99) * 1000, "n": len(latencies)}
 
 
-def server_histogram_p99(port: int, ca: Path) -> str:
-    """p99 bucket bound of the server-side handler histogram for /mutate."""
+def mutate_buckets(port: int, ca: Path) -> list[tuple[float, float]]:
+    """The server-side /mutate handler histogram: [(le, cumulative count)]."""
     import urllib.request
 
     ctx = ssl.create_default_context(cafile=str(ca))
@@ -259,8 +267,34 @@ def server_histogram_p99(port: int, ca: Path) -> str:
                      r"(\S+)", line)
         if m:
             buckets.append((float(m.group(1)), float(m.group(2))))
-    total = buckets[-1][1] if buckets else 0
-    for le, count in buckets:
+    return buckets
+
+
+def scrape(port: int, ca: Path) -> dict[str, float]:
+    """Connections and handler time/count per operation, from the webhook's /metrics."""
+    import urllib.request
+
+    ctx = ssl.create_default_context(cafile=str(ca))
+    text = urllib.request.urlopen(f"https://127.0.0.1:{port}/metrics", context=ctx).read().decode()
+    out = {}
+    for key, pattern in (
+            ("connections", r"^sandman_webhook_connections_total (\S+)$"),
+            ("mutate_s", r'^sandman_webhook_handler_seconds_sum\{operation="mutate"\} (\S+)$'),
+            ("mutate_n", r'^sandman_webhook_handler_seconds_count\{operation="mutate"\} (\S+)$'),
+            ("validate_s",
+             r'^sandman_webhook_handler_seconds_sum\{operation="validate"\} (\S+)$'),
+            ("validate_n",
+             r'^sandman_webhook_handler_seconds_count\{operation="validate"\} (\S+)$')):
+        m = re.search(pattern, text, re.M)
+        out[key] = float(m.group(1)) if m else 0.0
+    return out
+
+
+def bucket_p99(before: list, after: list) -> str:
+    """p99 of the requests between two snapshots, as the bound of its bucket."""
+    delta = [(le, a - b) for (le, a), (_, b) in zip(after, before, strict=True)]
+    total = delta[-1][1] if delta else 0
+    for le, count in delta:
         if total and count >= 0.99 * total:
             return f"<= {le * 1000:g} ms"
     return "n/a"
@@ -297,11 +331,18 @@ def main(argv: list[str] | None = None) -> int:
                 ns = names[(arm, r)]
                 bed.namespace(ns)
                 watched = {"webhook": proc.pid, **bed.pids()}
+                scraped = scrape(port, ca)
                 cpu = {k: cpu_seconds(pid) for k, pid in watched.items()}
                 res = create_arm(bed, ns, args.pods, args.threads, arm == "premutated")
                 res["cpu_ms"] = {k: (cpu_seconds(pid) - cpu[k]) * 1000 / max(1, res["ok"])
                                  for k, pid in watched.items()}
                 res["webhook_cpu_ms"] = res["cpu_ms"]["webhook"]
+                now = scrape(port, ca)
+                res["connections"] = now["connections"] - scraped["connections"]
+                for op in ("mutate", "validate"):
+                    n = now[f"{op}_n"] - scraped[f"{op}_n"]
+                    res[f"{op}_ms"] = (now[f"{op}_s"] - scraped[f"{op}_s"]) * 1000 / n if n else 0
+                res["apiserver_cpu_ms"] = res["cpu_ms"].get("kube-apiserver", float("nan"))
                 if arm == "with":
                     sample = bed.core.read_namespaced_pod(sandbox_pod(0)["metadata"]["name"], ns)
                     if not sample.spec.init_containers:
@@ -311,11 +352,16 @@ def main(argv: list[str] | None = None) -> int:
                       f"{res['p50_ms']:.1f} ms, p99 {res['p99_ms']:.1f} ms, "
                       "CPU ms/create " + ", ".join(
                           f"{k} {v:.2f}" for k, v in res["cpu_ms"].items()) + ", "
+                      f"{res['connections']:.0f} webhook connections, handler mean mutate "
+                      f"{res['mutate_ms']:.2f} ms validate {res['validate_ms']:.2f} ms, "
                       f"{res['errors']} errors {res['first_error']}", flush=True)
                 bed.delete_namespace(ns)
-        handler = handler_load(port, ca, args.threads, args.handler_requests)
-        handler["server_p99"] = server_histogram_p99(port, ca)
-        print(f"handler: {handler}")
+        handler = {}
+        for kind, distinct in (("identical", False), ("distinct", True)):
+            before = mutate_buckets(port, ca)
+            handler[kind] = handler_load(port, ca, args.threads, args.handler_requests, distinct)
+            handler[kind]["server_p99"] = bucket_p99(before, mutate_buckets(port, ca))
+            print(f"handler, {kind} pods: {handler[kind]}", flush=True)
     finally:
         for delete in (bed.adm.delete_mutating_webhook_configuration,
                        bed.adm.delete_validating_webhook_configuration):
@@ -329,7 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         bed.stop()
 
     med = {arm: {k: statistics.median(x[k] for x in rows)
-                 for k in ("rate", "p50_ms", "p99_ms", "webhook_cpu_ms")}
+                 for k in ("rate", "p50_ms", "p99_ms", "webhook_cpu_ms", "apiserver_cpu_ms")}
            for arm, rows in results.items()}
     errors = {arm: sum(x["errors"] for x in rows) for arm, rows in results.items()}
     ratio = med["with"]["rate"] / med["without"]["rate"]
@@ -345,9 +391,13 @@ def render(args, med, errors, ratio, handler, results) -> str:
     verdict = "met" if ratio >= GOAL else "NOT met"
     rows = "\n".join(
         f"| {ARM_TITLES[arm]} | {med[arm]['rate']:.0f} ({rates[arm]}) | {med[arm]['p50_ms']:.1f} "
-        f"| {med[arm]['p99_ms']:.1f} | {med[arm]['webhook_cpu_ms']:.2f} | {errors[arm]} |"
+        f"| {med[arm]['p99_ms']:.1f} | {med[arm]['webhook_cpu_ms']:.2f} "
+        f"| {med[arm]['apiserver_cpu_ms']:.2f} | {errors[arm]} |"
         for arm in ARMS)
     ratio_pre = med["with"]["rate"] / med["premutated"]["rate"]
+    handler_rows = "\n".join(
+        f"| {kind} | {h['n']} | {h['rate']:.0f} | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} "
+        f"| {h['server_p99']} |" for kind, h in handler.items())
     return f"""## webhook
 
 Pod creates through the API server with sandman's mutating + validating webhooks registered
@@ -359,18 +409,23 @@ alternated, {args.repeats} repeats, medians. Machine: {os.cpu_count()} cores
 ({platform.machine()}), Python {platform.python_version()}, {datetime.date.today()}; the API
 server, etcd, kwok, the webhook and the client share the cores.
 
-| arm | creates/s (repeats) | create p50 ms | create p99 ms | webhook CPU ms per create | errors |
-|---|---|---|---|---|---|
+| arm | creates/s (repeats) | create p50 ms | create p99 ms | webhook CPU ms/create | API server CPU ms/create | errors |
+|---|---|---|---|---|---|---|
 {rows}
 
 Throughput with webhooks: **{ratio * 100:.0f}%** of without (goal >= {GOAL * 100:.0f}%: {verdict});
 {ratio_pre * 100:.0f}% of creating the same, already mutated pod without webhooks, which
 separates the webhooks' own cost from the cost of storing and scheduling a bigger pod.
 
-Handler alone: {handler['n']} `/mutate` AdmissionReviews from {args.threads} threads, one
-keep-alive TLS connection each: {handler['rate']:.0f} reviews/s, round trip p50
-{handler['p50_ms']:.2f} ms, p99 {handler['p99_ms']:.2f} ms; server-side handler p99
-{handler['server_p99']} (histogram bucket).
+Handler alone: `/mutate` AdmissionReviews from {args.threads} threads, one keep-alive TLS
+connection each (Nagle off), sent straight to the webhook:
+
+| pods | reviews | reviews/s | round trip p50 ms | round trip p99 ms | server-side handler p99 |
+|---|---|---|---|---|---|
+{handler_rows}
+
+"identical" pods differ only in name (a burst from one job: answers come from the cache);
+"distinct" pods each have their own image (every answer computed).
 """
 
 

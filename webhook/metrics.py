@@ -33,6 +33,9 @@ class Metrics:
         self.cert_expiry = Gauge(
             "sandman_webhook_certificate_expiry_timestamp_seconds",
             "notAfter of the serving certificate in use (Unix time).", registry=self.registry)
+        self.connections = Counter(
+            "sandman_webhook_connections", "Client connections that sent a request (each one "
+            "a TLS handshake): churn here costs CPU on both sides.", registry=self.registry)
         self.cert_reloads = Counter(
             "sandman_webhook_certificate_reloads", "Serving certificate (re)loads by result.",
             ["result"], registry=self.registry)

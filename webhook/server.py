@@ -87,9 +87,12 @@ class TLSFiles:
         if client in self._previous:
             self._previous.discard(client)
             return True
-        if len(self._current) > 10_000:  # bound memory; a miss only delays one reconnect
-            self._current.clear()
-        self._current.add(client)
+        if client not in self._current:
+            # First request on this connection (or one forgotten at the bound below).
+            self.metrics.connections.inc()
+            if len(self._current) > 10_000:  # bound memory; a miss only delays one reconnect
+                self._current.clear()
+            self._current.add(client)
         return False
 
     def not_ready(self) -> str | None:
