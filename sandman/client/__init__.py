@@ -1,0 +1,62 @@
+"""The trainers' client SDK: acquire a sandbox from the controller, run commands and file
+operations in it through its execd, release it. docs/sdk.md has the guide.
+
+    from sandman.client import Client
+
+    with Client("http://sandman-controller:8080") as client:
+        with client.acquire(image="swebench/astropy-12907", job="grpo-7") as sb:
+            r = sb.exec("cd /testbed && git status --short", timeout=60)
+            src = sb.read("/testbed/setup.py")
+
+`AsyncClient` and `AsyncSandbox` are the asyncio twins, method for method.
+"""
+
+from sandman.client._async.client import AsyncClient
+from sandman.client._async.sandbox import AsyncSandbox
+from sandman.client._core import RetryPolicy
+from sandman.client._sync.client import Client
+from sandman.client._sync.sandbox import Sandbox
+from sandman.client.errors import (
+    AcquireTimeout,
+    BadRequest,
+    CommandTimeout,
+    ControllerError,
+    ControllerUnreachable,
+    ExecdError,
+    FileNotFound,
+    IntegrityError,
+    NotLeader,
+    PodFailed,
+    ProtocolError,
+    QueueFull,
+    SandboxBusy,
+    SandboxGone,
+    SandboxUnreachable,
+    SandmanError,
+    Unauthorized,
+    WriteConflict,
+)
+from sandman.client.models import (
+    AcquireTimings,
+    Conditions,
+    ExecResult,
+    FileContent,
+    Health,
+    Lease,
+    Owner,
+    ProcessInfo,
+    ResetResult,
+    SandboxInfo,
+    State,
+    WriteResult,
+)
+
+__all__ = [
+    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AsyncSandbox", "BadRequest", "Client",
+    "CommandTimeout", "Conditions", "ControllerError", "ControllerUnreachable", "ExecResult",
+    "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
+    "NotLeader", "Owner", "PodFailed", "ProcessInfo", "ProtocolError", "QueueFull",
+    "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",
+    "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
+    "WriteResult",
+]

@@ -1,0 +1,291 @@
+"""`AsyncSandbox`: one sandbox's execd, over a keep-alive connection pool of its own.
+Mirrors `sandman/client/_sync/sandbox.py`; change both together."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import TYPE_CHECKING, Any
+
+import httpx
+
+from sandman.client import _core
+from sandman.client._core import RetryPolicy
+from sandman.client.errors import (
+    CommandTimeout,
+    SandboxGone,
+    SandboxUnreachable,
+    SandmanError,
+    Unauthorized,
+    WriteConflict,
+)
+from sandman.client.models import (
+    AcquireTimings,
+    Conditions,
+    ExecResult,
+    FileContent,
+    Health,
+    ResetResult,
+    State,
+    WriteResult,
+)
+
+if TYPE_CHECKING:
+    from sandman.client._async.client import AsyncClient
+
+log = logging.getLogger("sandman.client")
+
+# Releases running on after their caller was cancelled: referenced here until they finish.
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def _keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
+
+
+class AsyncSandbox:
+    """A sandbox: run commands in its one persistent shell, read and write its files.
+
+    Get one from `AsyncClient.acquire()` (leaving `async with sandbox:` releases it) or attach
+    to a running execd with `AsyncSandbox.connect(address, port, token)`. The token is sent as
+    a bearer header and is never logged or shown by repr()."""
+
+    def __init__(self, address: str, port: int, token: str, *, id: str | None = None,
+                 pod: str | None = None, warm: bool = False,
+                 timings: AcquireTimings | None = None, retry: RetryPolicy | None = None,
+                 file_timeout_s: float = 120.0,
+                 transport: httpx.AsyncBaseTransport | None = None,
+                 _client: AsyncClient | None = None) -> None:
+        self.id = id
+        self.pod = pod
+        self.address = address
+        self.port = port
+        self.warm = warm
+        self.timings = timings or AcquireTimings()
+        self.url = _core.execd_url(address, port)
+        self._retry = retry or RetryPolicy()
+        self._file_timeout_s = file_timeout_s
+        self._client = _client
+        self._release_task: asyncio.Task[bool] | None = None
+        self._closed = False  # no execd call is sent any more
+        self._released = False  # the controller confirmed the release (or there is none)
+        self._gone = False  # the controller said the sandbox no longer exists
+        if transport is None:
+            transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
+                                                 limits=_core.limits())
+        # trust_env=False: a trainer's HTTP(S)_PROXY must never carry the token to a proxy.
+        self._http = httpx.AsyncClient(
+            base_url=self.url, transport=transport, trust_env=False, follow_redirects=False,
+            headers={"Authorization": f"Bearer {token}", "User-Agent": _core.USER_AGENT})
+
+    @classmethod
+    def connect(cls, address: str, port: int, token: str, **kw: Any) -> AsyncSandbox:
+        """A handle on a running execd with no controller behind it: release() only closes
+        the connections."""
+        return cls(address, port, token, **kw)
+
+    def __repr__(self) -> str:
+        state = "released" if self._closed else "live"
+        return (f"AsyncSandbox(id={self.id!r}, pod={self.pod!r}, address={self.address!r}, "
+                f"port={self.port}, {state})")
+
+    # ---- lifecycle
+
+    async def __aenter__(self) -> AsyncSandbox:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        if exc_type is None:
+            await self.release()
+            return
+        try:
+            await self.release()
+        except Exception as e:  # never hide the caller's own error behind ours
+            log.warning("sandbox %s: release failed while leaving on %s: %s (the client "
+                        "retries it when closed)", self.id, exc_type.__name__, e)
+
+    @property
+    def released(self) -> bool:
+        return self._released
+
+    async def release(self) -> bool:
+        """Give the sandbox back. Idempotent; True when this call released it. No execd call
+        is sent after the first release(), even if the controller's answer was lost: a
+        failed release raises and stays with the client, which retries it at aclose().
+
+        The release runs to its end even if the caller is cancelled (shielded): cleanup must
+        survive a second cancellation."""
+        self._closed = True
+        if self._released:
+            return False
+        task = self._release_task
+        first = task is None or (task.done() and (task.cancelled()
+                                                  or task.exception() is not None))
+        if first:
+            task = self._release_task = _keep(asyncio.ensure_future(self._do_release()))
+        assert task is not None
+        released = await asyncio.shield(task)
+        return released if first else False
+
+    async def _do_release(self) -> bool:
+        try:
+            released = True
+            if self._client is not None and self.id is not None:
+                released = await self._client.release(self.id)
+        finally:
+            await self._http.aclose()
+        self._released = True
+        return released
+
+    async def aclose(self) -> None:
+        """Close the connections without releasing (the sandbox stays the caller's)."""
+        await self._http.aclose()
+
+    # ---- execd calls
+
+    async def health(self) -> Health:
+        resp = await self._call("GET", "/health", read_s=10.0)
+        return Health.from_json(_core.decode_json(resp, "health"))
+
+    async def exec(self, command: str, timeout: float | None = None, *,
+                   max_output: int | None = None, request_id: str | None = None) -> ExecResult:
+        """Run `command` in the sandbox's shell (bash; cwd, variables and functions persist
+        between calls) and wait for it. `timeout` in seconds (execd's default: 300). Raises
+        CommandTimeout when execd killed it for running too long.
+
+        One request_id covers every retry of this call: execd runs the command at most once
+        and answers a retry with the stored result."""
+        rid = request_id or _core.new_request_id()
+        body = _core.exec_body(command, timeout, max_output, rid)
+        resp = await self._call("POST", "/exec", json=body,
+                                read_s=_core.exec_read_timeout(timeout), request_id=rid)
+        result = ExecResult.from_json(_core.decode_json(resp, "exec"), rid)
+        if result.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout or 'the default'} s "
+                                 f"(request {rid}): {result.error}", result)
+        return result
+
+    async def read_file(self, path: str) -> FileContent:
+        """The whole file, byte-exact; its SHA-256 was checked against execd's (fail closed:
+        IntegrityError, never unchecked bytes)."""
+        resp = await self._call("GET", "/files", params={"path": path},
+                                read_s=self._file_timeout_s, retry_409=True)
+        return _core.check_read(path, resp)
+
+    async def read(self, path: str) -> bytes:
+        return (await self.read_file(path)).data
+
+    async def write(self, path: str, data: bytes | str, *, mode: int | str | None = None,
+                    if_sha256: str | None = None) -> WriteResult:
+        """Replace the file atomically with `data` (str is written as UTF-8). `if_sha256`:
+        only if the file's current content has that SHA-256 (WriteConflict otherwise; pass
+        `FileContent.sha256` from a read to make a read-modify-write safe)."""
+        raw = _core.to_bytes(data)
+        body = _core.write_body(path, raw, mode, if_sha256)
+        attempts: list[int] = []
+        try:
+            resp = await self._call("POST", "/files/write", json=body,
+                                    read_s=self._file_timeout_s, attempts_out=attempts)
+        except WriteConflict as e:
+            # A retry after a lost answer finds our own bytes already there: that is success.
+            if attempts and attempts[0] > 1 and e.current_sha256 == _core.sha256_hex(raw):
+                log.info("sandbox %s: write %s found its own bytes after a retry", self.id,
+                         path)
+                return WriteResult(path=path, size=len(raw), sha256=e.current_sha256)
+            raise
+        result = WriteResult.from_json(_core.decode_json(resp, "write"), path)
+        return _core.check_write(path, raw, result)
+
+    async def env(self, set: dict[str, str] | None = None,
+                  unset: list[str] | None = None) -> dict[str, str]:
+        """Export `set` and unset `unset` in the shell (and in shells started later); returns
+        the shell's whole environment after the change."""
+        body = {"set": dict(set or {}), "unset": list(unset or [])}
+        resp = await self._call("POST", "/env", json=body, read_s=60.0)
+        data = _core.decode_json(resp, "env")
+        env = data.get("env") if isinstance(data, dict) else None
+        return dict(env) if isinstance(env, dict) else {}
+
+    async def reset(self, workspace: bool = False) -> ResetResult:
+        """Kill every process of the sandbox and start a fresh shell; `workspace=True` also
+        empties the workspace directory."""
+        resp = await self._call("POST", "/reset", json={"workspace": bool(workspace)},
+                                read_s=90.0)
+        return ResetResult.from_json(_core.decode_json(resp, "reset"))
+
+    async def state(self) -> State:
+        resp = await self._call("GET", "/state", read_s=30.0)
+        return State.from_json(_core.decode_json(resp, "state"))
+
+    async def conditions(self, egress_probe: str | None = None) -> Conditions:
+        """The run conditions as the sandbox reads them; `egress_probe="host:port"` also tries
+        one outbound connection (to check the egress guard)."""
+        params = {"egress_probe": egress_probe} if egress_probe else None
+        resp = await self._call("GET", "/conditions", params=params, read_s=30.0)
+        return Conditions.from_json(_core.decode_json(resp, "conditions"))
+
+    # ---- transport
+
+    async def _call(self, method: str, route: str, *, read_s: float, json: Any = None,
+                    params: dict[str, str] | None = None, request_id: str | None = None,
+                    retry_409: bool = False,
+                    attempts_out: list[int] | None = None) -> httpx.Response:
+        """One logical call: bounded retries on transport errors, then the typed error."""
+        if self._closed:
+            raise SandboxGone(f"sandbox {self.id or self.url} was released; {route} not sent")
+        if self._gone:
+            raise SandboxGone(f"sandbox {self.id} no longer exists; {route} not sent")
+        attempts = _core.Attempts(self._retry, read_s)
+        tmo = _core.timeout(self._retry, read_s)
+        while True:
+            attempts.start()
+            if attempts_out is not None:
+                attempts_out[:] = [attempts.n]
+            why: str
+            try:
+                resp = await self._http.request(method, route, json=json, params=params,
+                                                timeout=tmo)
+            except _core.RETRYABLE as e:
+                err: BaseException = e
+                why = f"{type(e).__name__}: {e}"
+            else:
+                if not (retry_409 and resp.status_code == 409):
+                    break
+                err, why = SandmanError("file changed while it was read"), "409 file changed"
+            delay = attempts.delay()
+            if delay is None:
+                if isinstance(err, httpx.TransportError):
+                    await self._unreachable(route, err, attempts.n)
+                break  # the last 409 answer goes to raise_for_execd
+            log.info("sandbox %s: %s %s attempt %d failed (%s); retrying in %.2fs%s",
+                     self.id, method, route, attempts.n, why, delay,
+                     f" with the same request_id {request_id}" if request_id else "")
+            await asyncio.sleep(delay)
+        try:
+            _core.raise_for_execd(resp, route)
+        except Unauthorized:
+            await self._check_gone(route)
+            raise
+        return resp
+
+    async def _unreachable(self, route: str, err: BaseException, n: int) -> None:
+        await self._check_gone(route)
+        raise SandboxUnreachable(f"sandbox {self.id or self.url}: {route} got no answer after "
+                                 f"{n} attempts: {type(err).__name__}: {err}") from err
+
+    async def _check_gone(self, route: str) -> None:
+        """execd did not answer, or answered as someone else's (a reused pod address): ask the
+        controller whether the sandbox still exists."""
+        if self._client is None or self.id is None:
+            return
+        try:
+            await self._client.get(self.id)
+        except SandboxGone as e:
+            self._gone = True
+            self._client._forget(self.id)
+            raise SandboxGone(f"sandbox {self.id} no longer exists ({route}): {e.message}",
+                              status=e.status, type=e.type) from e
+        except SandmanError as e:
+            log.info("sandbox %s: controller check failed: %s", self.id, e)

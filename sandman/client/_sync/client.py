@@ -1,0 +1,167 @@
+"""`Client`: the controller's acquire/release API. Mirrored by
+`sandman/client/_async/client.py`; change both together."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping
+from typing import Any
+from urllib.parse import quote
+
+import httpx
+
+from sandman.client import _core
+from sandman.client._core import RetryPolicy
+from sandman.client._sync.sandbox import Sandbox
+from sandman.client.errors import ControllerUnreachable, NotLeader, SandboxGone, SandmanError
+from sandman.client.models import Lease, Owner, SandboxInfo
+
+log = logging.getLogger("sandman.client")
+
+
+class Client:
+    """The controller at `url` (e.g. "http://sandman-controller:8080").
+
+    Leaving `with Client(...)` (or close()) releases every sandbox acquired through it that
+    was not released yet, so a crashed rollout loop does not leave pods behind."""
+
+    def __init__(self, url: str, *, timeout_s: float = 30.0, retry: RetryPolicy | None = None,
+                 file_timeout_s: float = 120.0, transport: httpx.BaseTransport | None = None,
+                 execd_transport: httpx.BaseTransport | None = None) -> None:
+        self.url = url.rstrip("/")
+        self._timeout_s = timeout_s
+        self._retry = retry or RetryPolicy()
+        self._file_timeout_s = file_timeout_s
+        self._execd_transport = execd_transport
+        if transport is None:
+            transport = httpx.HTTPTransport(socket_options=_core.SOCKET_OPTIONS)
+        self._http = httpx.Client(base_url=self.url, transport=transport, trust_env=False,
+                                  headers={"User-Agent": _core.USER_AGENT})
+        self._lock = threading.Lock()
+        self._live: dict[str, Sandbox] = {}  # acquired here, not (confirmed) released
+        self._closed = False
+
+    def __repr__(self) -> str:
+        return f"Client(url={self.url!r}, live={len(self._live)})"
+
+    def __enter__(self) -> Client:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        """Release the sandboxes still held through this client, then close. A release that
+        fails is logged (with the sandbox id) and the others still go."""
+        with self._lock:
+            self._closed = True
+            live = list(self._live.values())
+        for sb in live:
+            try:
+                sb.release()
+            except SandmanError as e:
+                log.warning("sandbox %s: release at client close failed: %s", sb.id, e)
+        self._http.close()
+
+    # ---- the API
+
+    def acquire(self, image: str, *, job: str, cpu: str | int | float = "2",
+                memory: str = "8Gi", egress: str = "deny", workspace: str | None = None,
+                owner: Owner | Mapping[str, str] | None = None,
+                labels: Mapping[str, str] | None = None, timeout_s: float = 300,
+                warm_ok: bool = True, wait: bool = True) -> Sandbox:
+        """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
+        `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
+
+        Retried only where no second sandbox can result: a standby replica's NotLeader, or a
+        connection that never opened. An acquire whose answer was lost is not repeated; list
+        the job's sandboxes (`list(job=...)`) to find it."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        body = _core.acquire_body(image=image, cpu=cpu, memory=memory, workspace=workspace,
+                                  egress=egress, job=job, owner=owner, labels=labels,
+                                  timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
+        resp = self._send("POST", "/v1/sandboxes", json=body,
+                          read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S,
+                          idempotent=False)
+        lease = Lease.from_json(_core.decode_json(resp, "acquire"))
+        sb = Sandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
+                     warm=lease.warm, timings=lease.timings, retry=self._retry,
+                     file_timeout_s=self._file_timeout_s, transport=self._execd_transport,
+                     _client=self)
+        with self._lock:
+            self._live[lease.id] = sb
+        log.info("sandbox %s acquired: pod %s at %s:%d (warm %s)", lease.id, lease.pod,
+                 lease.address, lease.port, lease.warm)
+        return sb
+
+    def release(self, sandbox_id: str) -> bool:
+        """Release by id (idempotent; True when this call released it)."""
+        resp = self._send("DELETE", f"/v1/sandboxes/{_quote(sandbox_id)}",
+                          read_s=self._timeout_s)
+        data = _core.decode_json(resp, "release")
+        self._forget(sandbox_id)
+        released = isinstance(data, dict) and data.get("released") is True
+        log.info("sandbox %s released (%s)", sandbox_id,
+                 "now" if released else "was already released")
+        return released
+
+    def get(self, sandbox_id: str) -> SandboxInfo:
+        """What the controller knows of a sandbox; SandboxGone when it does not exist."""
+        resp = self._send("GET", f"/v1/sandboxes/{_quote(sandbox_id)}", read_s=self._timeout_s)
+        return SandboxInfo.from_json(_core.decode_json(resp, "get"))
+
+    def list(self, job: str | None = None) -> list[SandboxInfo]:
+        params = {"job": job} if job else None
+        resp = self._send("GET", "/v1/sandboxes", params=params, read_s=self._timeout_s)
+        data = _core.decode_json(resp, "list")
+        if isinstance(data, dict):
+            data = data.get("sandboxes", [])
+        if not isinstance(data, list):
+            data = []
+        return [SandboxInfo.from_json(d) for d in data]
+
+    # ---- transport
+
+    def _forget(self, sandbox_id: str) -> None:
+        with self._lock:
+            self._live.pop(sandbox_id, None)
+
+    def _send(self, method: str, path: str, *, read_s: float, json: Any = None,
+              params: dict[str, str] | None = None, idempotent: bool = True) -> httpx.Response:
+        attempts = _core.Attempts(self._retry, read_s)
+        tmo = _core.timeout(self._retry, read_s)
+        while True:
+            attempts.start()
+            err: SandmanError | httpx.TransportError
+            try:
+                resp = self._http.request(method, path, json=json, params=params, timeout=tmo)
+            except _core.RETRYABLE as e:
+                if not idempotent and not isinstance(e, _core.NOT_SENT):
+                    raise ControllerUnreachable(
+                        f"{method} {path}: the request may have reached the controller but "
+                        f"its answer was lost ({type(e).__name__}: {e}); not repeated") from e
+                err = e
+            else:
+                try:
+                    _core.raise_for_controller(resp)
+                    return resp
+                except NotLeader as e:
+                    err = e
+            delay = attempts.delay()
+            if delay is None:
+                if isinstance(err, SandmanError):
+                    raise err
+                raise ControllerUnreachable(f"{method} {path}: no answer from the controller "
+                                            f"after {attempts.n} attempts: {err}") from err
+            log.info("controller %s %s attempt %d failed (%s); retrying in %.2fs", method,
+                     path, attempts.n, type(err).__name__, delay)
+            time.sleep(delay)
+
+
+def _quote(sandbox_id: str) -> str:
+    if not sandbox_id:
+        raise SandboxGone("empty sandbox id")
+    return quote(sandbox_id, safe="")

@@ -1,0 +1,172 @@
+"""Typed errors of the client SDK. Every error the SDK raises is a `SandmanError`.
+
+Errors travel as types, not strings: a trainer catches `AcquireTimeout` or `CommandTimeout`,
+never matches a message. The controller names its error in `{"error": {"type": ...}}`; execd
+answers `{"error": message, "code": status, ...}` and is mapped by status and fields.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from sandman.client.models import ExecResult
+
+
+class SandmanError(Exception):
+    """Base of every SDK error. `status` is the HTTP status when a server answered."""
+
+    def __init__(self, message: str, *, status: int | None = None,
+                 type: str | None = None, events: list[str] | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.status = status
+        self.type = type
+        self.events = list(events or [])
+
+    def __str__(self) -> str:
+        s = self.message
+        if self.status is not None:
+            s = f"{s} (HTTP {self.status})"
+        if self.events:
+            s += "; events: " + " | ".join(self.events[-10:])
+        return s
+
+
+# ---- the controller (acquire / release)
+
+class ControllerError(SandmanError):
+    """The controller answered with an error this SDK has no narrower type for."""
+
+
+class AcquireTimeout(ControllerError, TimeoutError):
+    """No sandbox was ready within the acquire's `timeout_s` (504)."""
+
+
+class QueueFull(ControllerError):
+    """`wait=False` and the job or cluster is over its cap (429)."""
+
+
+class BadRequest(SandmanError):
+    """The request was refused as invalid (400/422), by the controller or by execd."""
+
+
+class PodFailed(ControllerError):
+    """The pod failed or never became ready (502); `events` holds the pod's last events."""
+
+
+class NotLeader(ControllerError):
+    """A standby controller replica answered (503). Retried by the SDK; raised when the
+    retries are used up."""
+
+
+class SandboxGone(SandmanError):
+    """The sandbox does not exist any more: released (by this handle or by the controller),
+    or deleted. Nothing sent to it can run."""
+
+
+class ControllerUnreachable(SandmanError, ConnectionError):
+    """No answer from the controller after the retries (transport errors)."""
+
+
+# ---- execd (commands and files)
+
+class ExecdError(SandmanError):
+    """execd answered with an error this SDK has no narrower type for."""
+
+
+class Unauthorized(ExecdError):
+    """execd refused the bearer token (401). Never retried: a wrong token stays wrong."""
+
+
+class SandboxBusy(ExecdError):
+    """Another command is running in this sandbox's shell (409); commands run one at a time."""
+
+
+class CommandTimeout(SandmanError, TimeoutError):
+    """The command ran past its timeout and execd killed it (exit status 124, with execd's
+    timeout error). `result` holds what it printed; the shell may have been restarted."""
+
+    def __init__(self, message: str, result: ExecResult) -> None:
+        super().__init__(message)
+        self.result = result
+
+
+class FileNotFound(ExecdError, FileNotFoundError):
+    """The path does not exist in the sandbox (404 on a file route)."""
+
+
+class WriteConflict(ExecdError):
+    """`if_sha256` did not match the file's current content (409); `current_sha256` is what
+    the file holds now (None: it does not exist). Nothing was written."""
+
+    def __init__(self, message: str, *, current_sha256: str | None, status: int = 409) -> None:
+        super().__init__(message, status=status)
+        self.current_sha256 = current_sha256
+
+
+class IntegrityError(SandmanError):
+    """Bytes received or stored do not match their SHA-256 or length. The SDK fails closed:
+    the data is never returned."""
+
+
+class SandboxUnreachable(SandmanError, ConnectionError):
+    """No answer from execd after the retries (transport errors), and the controller did not
+    say the sandbox is gone."""
+
+
+class ProtocolError(SandmanError):
+    """A server answered something this SDK cannot parse (missing field, not JSON)."""
+
+
+_CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
+    "AcquireTimeout": AcquireTimeout,
+    "QueueFull": QueueFull,
+    "BadRequest": BadRequest,
+    "PodFailed": PodFailed,
+    "NotLeader": NotLeader,
+    "SandboxGone": SandboxGone,
+}
+
+_CONTROLLER_STATUS: dict[int, type[SandmanError]] = {
+    400: BadRequest, 404: SandboxGone, 422: BadRequest, 429: QueueFull, 502: PodFailed,
+    503: NotLeader, 504: AcquireTimeout,
+}
+
+
+def controller_error(status: int, body: Any) -> SandmanError:
+    """The typed error for a controller error answer. The `type` field decides; the status
+    only when the body is not the documented shape (a proxy's HTML page, say)."""
+    err = body.get("error") if isinstance(body, dict) else None
+    if isinstance(err, dict):
+        typ = err.get("type") if isinstance(err.get("type"), str) else None
+        msg = err.get("message") if isinstance(err.get("message"), str) else ""
+        events = err.get("events") if isinstance(err.get("events"), list) else []
+        events = [str(e) for e in events]
+        cls = _CONTROLLER_TYPES.get(typ or "")
+        if cls is None:
+            cls = ControllerError
+        return cls(msg or f"controller error {typ}", status=status, type=typ, events=events)
+    cls = _CONTROLLER_STATUS.get(status, ControllerError)
+    return cls(f"controller answered HTTP {status} without an error body", status=status)
+
+
+def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
+    """The typed error for an execd error answer (`{"error": msg, "code": status, ...}`)."""
+    msg = ""
+    if isinstance(body, dict) and isinstance(body.get("error"), str):
+        msg = body["error"]
+    msg = msg or f"execd answered HTTP {status}"
+    msg = f"{route}: {msg}"
+    if status == 401:
+        return Unauthorized(msg, status=status)
+    if status == 404 and route.startswith("/files"):
+        return FileNotFound(msg, status=status)
+    if status == 409 and route == "/files/write":
+        cur = body.get("sha256") if isinstance(body, dict) else None
+        return WriteConflict(msg, current_sha256=cur if isinstance(cur, str) else None)
+    if status == 409 and route in ("/exec", "/env", "/reset"):
+        return SandboxBusy(msg, status=status)
+    if status in (400, 413, 422):
+        return BadRequest(msg, status=status)
+    return ExecdError(msg, status=status)

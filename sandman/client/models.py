@@ -1,0 +1,310 @@
+"""Typed request and response models. Each `from_json` checks the fields the SDK relies on
+and keeps the whole answer in `raw`, so a newer server's extra fields are not lost."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from sandman.client.errors import ProtocolError
+
+
+def _obj(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise ProtocolError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _req(data: dict[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    if key not in data:
+        raise ProtocolError(f"{what}: the answer has no {key!r}")
+    v = data[key]
+    if not isinstance(v, types) or (isinstance(v, bool) and bool not in _tuple(types)):
+        raise ProtocolError(f"{what}: {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _opt(data: dict[str, Any], key: str, types: type | tuple[type, ...], what: str,
+         default: Any = None) -> Any:
+    if data.get(key) is None:
+        return default
+    return _req(data, key, types, what)
+
+
+def _tuple(t: type | tuple[type, ...]) -> tuple[type, ...]:
+    return t if isinstance(t, tuple) else (t,)
+
+
+_NUM = (int, float)
+
+
+# ---- the controller
+
+@dataclass(frozen=True)
+class Owner:
+    """Who the sandbox belongs to (the trainer's pod): the controller sets an owner reference,
+    so the garbage collector deletes the sandbox if the trainer's pod goes first."""
+
+    name: str
+    uid: str
+
+    def to_json(self) -> dict[str, str]:
+        return {"name": self.name, "uid": self.uid}
+
+
+@dataclass(frozen=True)
+class AcquireTimings:
+    queued_ms: float | None = None
+    create_ms: float | None = None
+    ready_ms: float | None = None
+
+    @classmethod
+    def from_json(cls, data: Any) -> AcquireTimings:
+        if not isinstance(data, dict):
+            return cls()
+        what = "acquire timings"
+        return cls(queued_ms=_opt(data, "queued_ms", _NUM, what),
+                   create_ms=_opt(data, "create_ms", _NUM, what),
+                   ready_ms=_opt(data, "ready_ms", _NUM, what))
+
+
+@dataclass(frozen=True)
+class Lease:
+    """The controller's answer to an acquire. Holds the token: never printed (repr=False)."""
+
+    id: str
+    pod: str
+    address: str
+    port: int
+    token: str = field(repr=False)
+    warm: bool = False
+    timings: AcquireTimings = field(default_factory=AcquireTimings)
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Lease:
+        what = "acquire answer"
+        d = _obj(data, what)
+        port = _req(d, "port", int, what)
+        if not 0 < port < 65536:
+            raise ProtocolError(f"{what}: port {port} out of range")
+        token = _req(d, "token", str, what)
+        if not token:
+            raise ProtocolError(f"{what}: empty token")
+        raw = {k: v for k, v in d.items() if k != "token"}
+        return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
+                   address=_req(d, "address", str, what), port=port, token=token,
+                   warm=bool(_opt(d, "warm", bool, what, False)),
+                   timings=AcquireTimings.from_json(d.get("timings")), raw=raw)
+
+
+@dataclass(frozen=True)
+class SandboxInfo:
+    """`GET /v1/sandboxes/{id}`: what the controller knows of a sandbox (no token)."""
+
+    id: str
+    pod: str | None
+    job: str | None
+    state: str | None
+    address: str | None
+    port: int | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> SandboxInfo:
+        what = "sandbox info"
+        d = _obj(data, what)
+        raw = {k: v for k, v in d.items() if k != "token"}
+        return cls(id=_req(d, "id", str, what), pod=_opt(d, "pod", str, what),
+                   job=_opt(d, "job", str, what), state=_opt(d, "state", str, what),
+                   address=_opt(d, "address", str, what), port=_opt(d, "port", int, what),
+                   raw=raw)
+
+
+# ---- execd
+
+@dataclass(frozen=True)
+class ExecResult:
+    """One command's outcome. `output` is stdout and stderr interleaved, at most `max_output`
+    bytes (head and tail kept; `truncated` says so). `error` is execd's note (a timeout, a
+    refused command, a restarted shell), None when the command simply ran."""
+
+    exit_code: int
+    output: str
+    truncated: bool
+    duration_ms: float
+    error: str | None
+    request_id: str
+    timed_out: bool = False  # execd killed the command at its timeout (exit_code 124)
+
+    @property
+    def ok(self) -> bool:
+        return self.exit_code == 0 and self.error is None
+
+    @classmethod
+    def from_json(cls, data: Any, request_id: str) -> ExecResult:
+        what = "exec answer"
+        d = _obj(data, what)
+        exit_code = _req(d, "exit_code", int, what)
+        error = _opt(d, "error", str, what)
+        flag = d.get("timed_out")
+        if isinstance(flag, bool):
+            timed_out = flag
+        else:
+            # execd reports its own timeout as exit 124 *and* an error that starts with
+            # "timeout"; a command that exits 124 by itself has no such error.
+            timed_out = exit_code == 124 and (error or "").startswith("timeout")
+        return cls(exit_code=exit_code, output=_req(d, "output", str, what),
+                   truncated=bool(_opt(d, "truncated", bool, what, False)),
+                   duration_ms=float(_opt(d, "duration_ms", _NUM, what, 0.0)),
+                   error=error, request_id=request_id, timed_out=timed_out)
+
+
+@dataclass(frozen=True)
+class FileContent:
+    """A whole file, byte-exact: `sha256` was checked against `data` before this existed."""
+
+    path: str
+    data: bytes = field(repr=False)
+    sha256: str
+
+    @property
+    def size(self) -> int:
+        return len(self.data)
+
+
+@dataclass(frozen=True)
+class WriteResult:
+    path: str
+    size: int
+    sha256: str
+
+    @classmethod
+    def from_json(cls, data: Any, path: str) -> WriteResult:
+        what = "write answer"
+        d = _obj(data, what)
+        return cls(path=_opt(d, "path", str, what, path), size=_req(d, "size", int, what),
+                   sha256=_req(d, "sha256", str, what))
+
+
+@dataclass(frozen=True)
+class Health:
+    ok: bool
+    version: str | None
+
+    @classmethod
+    def from_json(cls, data: Any) -> Health:
+        d = _obj(data, "health answer")
+        return cls(ok=d.get("ok") is True, version=_opt(d, "version", str, "health answer"))
+
+
+@dataclass(frozen=True)
+class ResetResult:
+    """`ok`: every process of the sandbox but the new shell is gone; `left` lists the pids
+    that would not die."""
+
+    ok: bool
+    left: list[int]
+    shell_pid: int | None
+    workspace_wiped: int | None
+    duration_ms: float
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ResetResult:
+        what = "reset answer"
+        d = _obj(data, what)
+        return cls(ok=_req(d, "ok", bool, what), left=list(_opt(d, "left", list, what, [])),
+                   shell_pid=_opt(d, "shell_pid", int, what),
+                   workspace_wiped=_opt(d, "workspace_wiped", int, what),
+                   duration_ms=float(_opt(d, "duration_ms", _NUM, what, 0.0)), raw=d)
+
+
+@dataclass(frozen=True)
+class ProcessInfo:
+    pid: int
+    ppid: int | None
+    state: str | None
+    cmd: str | None
+    shell: bool
+
+
+@dataclass(frozen=True)
+class State:
+    """execd's view of the sandbox: its shell, its cwd, whether a command runs, and every
+    process it can see."""
+
+    version: str | None
+    pid: int | None
+    shell_pid: int | None
+    cwd: str | None
+    busy: bool
+    processes: list[ProcessInfo]
+    guard: dict[str, Any] | None
+    uptime_s: float | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> State:
+        what = "state answer"
+        d = _obj(data, what)
+        procs = []
+        for p in _opt(d, "processes", list, what, []):
+            if isinstance(p, dict) and isinstance(p.get("pid"), int):
+                procs.append(ProcessInfo(pid=p["pid"], ppid=p.get("ppid"), state=p.get("state"),
+                                         cmd=p.get("cmd"), shell=p.get("shell") is True))
+        return cls(version=_opt(d, "version", str, what), pid=_opt(d, "pid", int, what),
+                   shell_pid=_opt(d, "shell_pid", int, what), cwd=_opt(d, "cwd", str, what),
+                   busy=bool(_opt(d, "busy", bool, what, False)), processes=procs,
+                   guard=_opt(d, "guard", dict, what),
+                   uptime_s=_opt(d, "uptime_s", _NUM, what), raw=d)
+
+
+@dataclass(frozen=True)
+class Conditions:
+    """The run conditions a verdict may depend on, as the sandbox itself reads them (cgroup
+    CPU quota and memory limit, visible CPUs, user, time zone, hash seed), and an optional
+    outbound-connection probe. None means execd could not read that condition."""
+
+    cpu_quota_us: int | None
+    cpu_period_us: int | None
+    cpu_unlimited: bool | None
+    visible_cpus: list[int] | None
+    visible_cpu_count: int | None
+    memory_limit_bytes: int | None
+    memory_unlimited: bool | None
+    uid: int | None
+    gid: int | None
+    user: str | None
+    tz_env: str | None
+    localtime: str | None
+    pythonhashseed: str | None
+    hostname: str | None
+    egress: dict[str, Any] | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @property
+    def cpus(self) -> float | None:
+        """The CPU limit in cores (quota / period), None when unlimited or unknown."""
+        if self.cpu_quota_us is None or not self.cpu_period_us:
+            return None
+        return self.cpu_quota_us / self.cpu_period_us
+
+    @classmethod
+    def from_json(cls, data: Any) -> Conditions:
+        what = "conditions answer"
+        d = _obj(data, what)
+        return cls(
+            cpu_quota_us=_opt(d, "cpu_quota_us", int, what),
+            cpu_period_us=_opt(d, "cpu_period_us", int, what),
+            cpu_unlimited=_opt(d, "cpu_unlimited", bool, what),
+            visible_cpus=_opt(d, "visible_cpus", list, what),
+            visible_cpu_count=_opt(d, "visible_cpu_count", int, what),
+            memory_limit_bytes=_opt(d, "memory_limit_bytes", int, what),
+            memory_unlimited=_opt(d, "memory_unlimited", bool, what),
+            uid=_opt(d, "uid", int, what), gid=_opt(d, "gid", int, what),
+            user=_opt(d, "user", str, what), tz_env=_opt(d, "tz_env", str, what),
+            localtime=_opt(d, "localtime", str, what),
+            pythonhashseed=_opt(d, "pythonhashseed", str, what),
+            hostname=_opt(d, "hostname", str, what), egress=_opt(d, "egress", dict, what),
+            raw=d)

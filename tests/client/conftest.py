@@ -1,0 +1,473 @@
+"""Fixtures for the client SDK tests, all real processes and real HTTP on 127.0.0.1:
+
+- `execd`: a real `execd/execd.py` subprocess with a random token; it and everything it
+  started are killed when the module is done (`fresh_execd`: one per test, for kill tests).
+- `CutProxy`: a TCP proxy that forwards HTTP requests to execd and, on plan, drops the
+  connection after forwarding a request (before or after execd answered) or flips a byte of
+  the answer. It records every request it forwarded.
+- `FakeController`: a minimal real HTTP server with the controller's acquire/release routes,
+  handing out a real execd's address, until controller/ lands (end-to-end tests are the
+  controller's).
+- `flavor`: "sync" or "async". Test bodies are written once, as coroutines, against the
+  async API; the sync flavor wraps the sync SDK objects so that every call runs the *sync*
+  code path and returns an already-finished awaitable.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import os
+import re
+import secrets
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Coroutine
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+
+from sandman.client import AsyncClient, AsyncSandbox, Client, RetryPolicy, Sandbox
+
+ROOT = Path(__file__).resolve().parents[2]
+EXECD = ROOT / "execd" / "execd.py"
+LOOPBACK = "127.0.0.1"
+
+# Short retries so that tests of give-up paths stay fast; still several attempts.
+FAST_RETRY = RetryPolicy(attempts=4, backoff_s=0.05, backoff_max_s=0.2, budget_s=3.0,
+                         connect_timeout_s=2.0)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind((LOOPBACK, 0))
+        return s.getsockname()[1]
+
+
+# ---------------------------------------------------------------- execd
+
+
+def _children(pid: int) -> list[int]:
+    """Every descendant of pid (from /proc), so none outlives the test even if it setsid()."""
+    parent: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        parent[int(name)] = int(data[data.rfind(b")") + 2:].split()[1])
+    out: list[int] = []
+    stack = [pid]
+    while stack:
+        p = stack.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in out:
+                out.append(c)
+                stack.append(c)
+    return out
+
+
+@dataclass
+class Execd:
+    proc: subprocess.Popen
+    port: int
+    token: str
+    workdir: Path
+    log: Path
+    address: str = LOOPBACK
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def stop(self) -> None:
+        kids = _children(self.proc.pid)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(5)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(5)
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def start_execd(workdir: Path) -> Execd:
+    workdir.mkdir(parents=True, exist_ok=True)
+    token = secrets.token_urlsafe(24)
+    digest = hashlib.sha256(token.encode()).hexdigest()
+    last = ""
+    for _ in range(3):  # a free port can be taken between probe and bind: bounded retries
+        port = free_port()
+        log = workdir / f"execd-{port}.log"
+        with open(log, "wb") as f:
+            proc = subprocess.Popen(
+                [sys.executable, str(EXECD), "--listen", f"{LOOPBACK}:{port}",
+                 "--token-sha256", digest, "--kill-grace", "0.2", "--workspace", str(workdir)],
+                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=workdir)
+        ex = Execd(proc, port, token, workdir, log)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                if httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=1,
+                             trust_env=False).status_code == 200:
+                    return ex
+            except httpx.TransportError:
+                time.sleep(0.05)
+        last = log.read_text(errors="replace")[-2000:]
+        ex.stop()
+    raise RuntimeError(f"execd did not start: {last}")
+
+
+@pytest.fixture(scope="module")
+def execd(tmp_path_factory) -> Execd:
+    ex = start_execd(tmp_path_factory.mktemp("execd"))
+    try:
+        yield ex
+    finally:
+        ex.stop()
+
+
+@pytest.fixture
+def fresh_execd(tmp_path) -> Execd:
+    ex = start_execd(tmp_path / "execd")
+    try:
+        yield ex
+    finally:
+        ex.stop()
+
+
+# ---------------------------------------------------------------- a cutting TCP proxy
+
+
+def _read_http(sock: socket.socket, buf: bytearray) -> bytes | None:
+    """One HTTP/1.1 message with a Content-Length body (all execd and httpx send); None at EOF."""
+    while b"\r\n\r\n" not in buf:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    head_end = buf.index(b"\r\n\r\n") + 4
+    m = re.search(rb"(?im)^content-length:\s*(\d+)\s*$", bytes(buf[:head_end]))
+    total = head_end + (int(m.group(1)) if m else 0)
+    while len(buf) < total:
+        chunk = sock.recv(65536)
+        if not chunk:
+            return None
+        buf += chunk
+    msg = bytes(buf[:total])
+    del buf[:total]
+    return msg
+
+
+@dataclass
+class Forwarded:
+    method: str
+    path: str
+    body: bytes
+
+    def json(self) -> Any:
+        return json.loads(self.body)
+
+
+class CutProxy:
+    """Forwards 127.0.0.1:port to execd. `plan` entries are consumed by matching requests:
+    ("after_answer", path): execd answers, the proxy drops the answer and both connections;
+    ("before_answer", path): the proxy drops the client as soon as the request is forwarded;
+    ("corrupt", path): one byte of the answer's body is flipped."""
+
+    def __init__(self, upstream_port: int) -> None:
+        self.upstream = (LOOPBACK, upstream_port)
+        self.plan: list[tuple[str, str]] = []
+        self.forwarded: list[Forwarded] = []
+        self.connections = 0
+        self.cuts = 0
+        self._lock = threading.Lock()
+        self._srv = socket.socket()
+        self._srv.bind((LOOPBACK, 0))
+        self._srv.listen(64)
+        self.port = self._srv.getsockname()[1]
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        t = threading.Thread(target=self._accept, daemon=True)
+        t.start()
+        self._threads.append(t)
+
+    def _accept(self) -> None:
+        self._srv.settimeout(0.2)
+        while not self._stop.is_set():
+            try:
+                c, _ = self._srv.accept()
+            except (TimeoutError, OSError):
+                continue
+            with self._lock:
+                self.connections += 1
+            t = threading.Thread(target=self._serve, args=(c,), daemon=True)
+            t.start()
+            self._threads.append(t)
+
+    def _take(self, path: str) -> str | None:
+        with self._lock:
+            for i, (action, p) in enumerate(self.plan):
+                if path.startswith(p):
+                    del self.plan[i]
+                    self.cuts += 1
+                    return action
+        return None
+
+    def _serve(self, c: socket.socket) -> None:
+        c.settimeout(60)
+        try:
+            u = socket.create_connection(self.upstream, timeout=60)
+        except OSError:
+            c.close()
+            return
+        cbuf, ubuf = bytearray(), bytearray()
+        try:
+            while not self._stop.is_set():
+                req = _read_http(c, cbuf)
+                if req is None:
+                    return
+                line = req.split(b"\r\n", 1)[0].decode("latin-1").split()
+                body = req[req.index(b"\r\n\r\n") + 4:]
+                with self._lock:
+                    self.forwarded.append(Forwarded(line[0], line[1], body))
+                action = self._take(line[1])
+                u.sendall(req)
+                if action == "before_answer":
+                    c.shutdown(socket.SHUT_RDWR)
+                    c.close()
+                    _read_http(u, ubuf)  # let execd finish and answer into the void
+                    return
+                resp = _read_http(u, ubuf)
+                if resp is None:
+                    return
+                if action == "after_answer":
+                    return
+                if action == "corrupt":
+                    head_end = resp.index(b"\r\n\r\n") + 4
+                    if len(resp) > head_end:
+                        b = bytearray(resp)
+                        b[-1] ^= 0x01
+                        resp = bytes(b)
+                c.sendall(resp)
+        except OSError:
+            return
+        finally:
+            for s in (c, u):
+                try:
+                    s.close()
+                except OSError:
+                    pass
+
+    def requests_to(self, path: str) -> list[Forwarded]:
+        with self._lock:
+            return [f for f in self.forwarded if f.path.startswith(path)]
+
+    def close(self) -> None:
+        self._stop.set()
+        self._srv.close()
+        for t in self._threads:
+            t.join(5)
+
+
+@pytest.fixture
+def proxy(execd) -> CutProxy:
+    p = CutProxy(execd.port)
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+# ---------------------------------------------------------------- a stand-in controller
+
+
+@dataclass
+class FakeController:
+    """The controller's acquire/release routes, backed by a dict. `answers` queues canned
+    (status, body) replies for POST /v1/sandboxes; `acquire_delay_s` holds acquires."""
+
+    target: Execd
+    target_port: int | None = None  # e.g. a proxy's port in front of the execd
+    answers: list[tuple[int, Any]] = field(default_factory=list)
+    acquire_delay_s: float = 0.0
+    sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    requests: list[tuple[str, str, Any]] = field(default_factory=list)
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    url: str = ""
+
+    def calls(self, method: str, prefix: str = "/v1/sandboxes") -> list[tuple[str, str, Any]]:
+        with self.lock:
+            return [r for r in self.requests if r[0] == method and r[1].startswith(prefix)]
+
+
+def _error(status: int, typ: str, msg: str, events: list[str] | None = None):
+    return status, {"error": {"type": typ, "message": msg, "events": events or []}}
+
+
+class _Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    ctl: FakeController
+
+    def log_message(self, *a) -> None:
+        pass
+
+    def _reply(self, status: int, body: Any) -> None:
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def _body(self) -> Any:
+        n = int(self.headers.get("Content-Length") or 0)
+        return json.loads(self.rfile.read(n)) if n else None
+
+    def _record(self, body: Any) -> None:
+        with self.ctl.lock:
+            self.ctl.requests.append((self.command, self.path, body))
+
+    def do_POST(self) -> None:
+        body = self._body()
+        self._record(body)
+        ctl = self.ctl
+        if self.path != "/v1/sandboxes":
+            return self._reply(*_error(404, "BadRequest", "no such route"))
+        if ctl.acquire_delay_s:
+            time.sleep(ctl.acquire_delay_s)
+        with ctl.lock:
+            canned = ctl.answers.pop(0) if ctl.answers else None
+        if canned is not None:
+            return self._reply(*canned)
+        sid = "sb-" + secrets.token_hex(4)
+        sb = {"id": sid, "pod": f"pod-{sid}", "job": body["job"], "state": "leased",
+              "address": ctl.target.address, "port": ctl.target_port or ctl.target.port}
+        with ctl.lock:
+            ctl.sandboxes[sid] = sb
+        self._reply(201, dict(sb, token=ctl.target.token, warm=False,
+                              timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25}))
+
+    def do_DELETE(self) -> None:
+        self._record(None)
+        sid = self.path.rsplit("/", 1)[-1]
+        with self.ctl.lock:
+            existed = self.ctl.sandboxes.pop(sid, None) is not None
+        self._reply(200, {"id": sid, "released": existed})
+
+    def do_GET(self) -> None:
+        self._record(None)
+        path, _, query = self.path.partition("?")
+        with self.ctl.lock:
+            if path == "/v1/sandboxes":
+                job = query.partition("job=")[2] or None
+                items = [s for s in self.ctl.sandboxes.values() if job in (None, s["job"])]
+                return self._reply(200, {"sandboxes": items})
+            sb = self.ctl.sandboxes.get(path.rsplit("/", 1)[-1])
+        if sb is None:
+            return self._reply(*_error(404, "SandboxGone", "no such sandbox"))
+        self._reply(200, sb)
+
+
+@pytest.fixture
+def controller(execd) -> FakeController:
+    ctl = FakeController(target=execd)
+    handler = type("Handler", (_Handler,), {"ctl": ctl})
+    srv = ThreadingHTTPServer((LOOPBACK, 0), handler)
+    srv.daemon_threads = True
+    ctl.url = f"http://{LOOPBACK}:{srv.server_address[1]}"
+    t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
+    t.start()
+    try:
+        yield ctl
+    finally:
+        srv.shutdown()
+        srv.server_close()
+        t.join(5)
+
+
+# ---------------------------------------------------------------- sync and async, one body
+
+
+async def _done(value: Any) -> Any:
+    return value
+
+
+class Synced:
+    """A sync SDK object behind the async interface: a call runs the sync method at once and
+    returns an awaitable of its result (errors raise at the call, inside the same block)."""
+
+    _renames = {"aclose": "close"}
+
+    def __init__(self, obj: Any) -> None:
+        self._obj = obj
+
+    def __getattr__(self, name: str) -> Any:
+        attr = getattr(self._obj, self._renames.get(name, name))
+        if not callable(attr):
+            return attr
+
+        def call(*args: Any, **kw: Any) -> Any:
+            result = attr(*args, **kw)
+            if isinstance(result, (Sandbox, Client)):
+                result = Synced(result)
+            return _done(result)
+
+        return call
+
+    async def __aenter__(self) -> Synced:
+        self._obj.__enter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> Any:
+        return self._obj.__exit__(*exc)
+
+    def __repr__(self) -> str:
+        return repr(self._obj)
+
+
+@dataclass
+class Flavor:
+    name: str
+
+    @property
+    def is_async(self) -> bool:
+        return self.name == "async"
+
+    def client(self, url: str, **kw: Any) -> Any:
+        kw.setdefault("retry", FAST_RETRY)
+        return AsyncClient(url, **kw) if self.is_async else Synced(Client(url, **kw))
+
+    def connect(self, ex: Execd, *, port: int | None = None, token: str | None = None,
+                **kw: Any) -> Any:
+        kw.setdefault("retry", FAST_RETRY)
+        args = (ex.address, port or ex.port, ex.token if token is None else token)
+        if self.is_async:
+            return AsyncSandbox.connect(*args, **kw)
+        return Synced(Sandbox.connect(*args, **kw))
+
+    def run(self, body: Callable[[], Coroutine[Any, Any, Any]], timeout_s: float = 30) -> Any:
+        async def bounded() -> Any:
+            return await asyncio.wait_for(body(), timeout_s)
+
+        return asyncio.run(bounded())
+
+
+@pytest.fixture(params=["sync", "async"])
+def flavor(request) -> Flavor:
+    return Flavor(request.param)
