@@ -91,21 +91,27 @@ def build_app(state: dict) -> FastAPI:
         task = asyncio.ensure_future(c.acquire(
             spec, body.job, owner=body.owner.model_dump() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait))
-        # Starlette does not cancel a handler whose client left: watch for it, so the
-        # controller learns the caller is gone and withdraws or cleans up the create.
-        while True:
-            done, _ = await asyncio.wait({task}, timeout=0.25)
-            if done:
-                return JSONResponse(task.result(), status_code=201)
-            if await _disconnected(request):
-                task.cancel()
-                try:
-                    result = await task
-                    # Finished in the same tick: nobody will ever read this token.
-                    await c.release(result["id"])
-                except (asyncio.CancelledError, AcquireError):
-                    pass
-                return _err(499, "ClientClosed", "client disconnected")
+        # Starlette does not cancel a handler whose client left: wait for the disconnect
+        # message too (no polling), so the controller learns the caller is gone and withdraws
+        # or cleans up the create.
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                await asyncio.sleep(0)  # a disconnect already queued is seen now, not after
+        finally:
+            gone.cancel()
+        client_left = gone.done() and not gone.cancelled() and gone.exception() is None
+        if task.done() and not client_left:
+            return JSONResponse(task.result(), status_code=201)
+        task.cancel()
+        try:
+            result = await task
+            # Finished in the same tick: nobody will ever read this token.
+            await c.release(result["id"])
+        except (asyncio.CancelledError, AcquireError):
+            pass
+        return _err(499, "ClientClosed", "client disconnected")
 
     @app.get("/v1/sandboxes")
     async def list_sandboxes(job: str | None = None):
@@ -160,11 +166,12 @@ def build_app(state: dict) -> FastAPI:
     return app
 
 
-async def _disconnected(request: Request) -> bool:
-    try:
-        return await asyncio.wait_for(request.is_disconnected(), timeout=0.01)
-    except TimeoutError:
-        return False
+async def _disconnect(request: Request) -> None:
+    """Returns once the client has gone (the body was already read by FastAPI)."""
+    while True:
+        msg = await request.receive()
+        if msg["type"] == "http.disconnect":
+            return
 
 
 def _view(c: Controller, e) -> dict:

@@ -10,6 +10,7 @@ then withdraws the create (still queued), or lets the create settle and parks th
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import logging
 import re
@@ -202,16 +203,16 @@ class Controller:
         if kind == "SYNC":
             self._rebuild(obj)
             return
-        name = obj.metadata.name
+        name = _name(obj)
         if kind == "DELETED":
             self.pods.pop(name, None)
             e = self.entries.get(name)
-            if e is not None and (e.uid is None or e.uid == obj.metadata.uid):
+            if e is not None and (e.uid is None or e.uid == _uid(obj)):
                 self._gone(e)
         else:
             self.pods[name] = obj
             e = self.entries.get(name)
-            if e is None and name in self._retired and not obj.metadata.deletion_timestamp:
+            if e is None and name in self._retired and not _deleting(obj):
                 # A create we had given up on was stored after all: delete it now.
                 self._retired.discard(name)
                 self._adopt_for_delete(obj)
@@ -226,27 +227,27 @@ class Controller:
         with the old process); no state or deleting -> the old owner's create or delete, redone.
         """
         for pod in pods:
-            self.pods[pod.metadata.name] = pod
-            labels = pod.metadata.labels or {}
+            self.pods[_name(pod)] = pod
+            labels = _labels(pod)
             state = labels.get(contract.LABEL_STATE)
             job = labels.get(contract.LABEL_JOB, POOL_JOB)
-            if pod.metadata.name in self.entries:
+            if _name(pod) in self.entries:
                 continue
-            e = Entry(pod.metadata.name, _spec_of(pod), job, labels.get(contract.LABEL_NONCE, ""),
-                      None, uid=pod.metadata.uid, ip=pod.status.pod_ip if pod.status else None)
+            e = Entry(_name(pod), _spec_of(pod), job, labels.get(contract.LABEL_NONCE, ""),
+                      None, uid=_uid(pod), ip=_pod_ip(pod))
             e.slot = self.pacer.adopt(job)
             self.entries[e.name] = e
-            if state == contract.STATE_LEASED and not pod.metadata.deletion_timestamp:
+            if state == contract.STATE_LEASED and not _deleting(pod):
                 e.state = "leased"
             else:
                 self._schedule_delete(e, "rebuilt without an owner (restart)")
         metrics.LIVE.set(self.pacer.live)
 
     def _adopt_for_delete(self, pod) -> None:
-        labels = pod.metadata.labels or {}
+        labels = _labels(pod)
         job = labels.get(contract.LABEL_JOB, POOL_JOB)
-        e = Entry(pod.metadata.name, _spec_of(pod), job, labels.get(contract.LABEL_NONCE, ""),
-                  None, uid=pod.metadata.uid)
+        e = Entry(_name(pod), _spec_of(pod), job, labels.get(contract.LABEL_NONCE, ""),
+                  None, uid=_uid(pod))
         e.slot = self.pacer.adopt(job)
         self.entries[e.name] = e
         self._schedule_delete(e, "late create")
@@ -494,7 +495,7 @@ class Controller:
         for _attempt in range(8):
             try:
                 pod = await self.kube.create_pod(body)
-                e.uid = pod.metadata.uid
+                e.uid = _uid(pod)
                 metrics.CREATES.labels("ok").inc()
                 return True
             except client.ApiException as ex:
@@ -558,8 +559,8 @@ class Controller:
             except Exception:  # noqa: BLE001
                 await asyncio.sleep(0.2)
                 continue
-            if (pod.metadata.labels or {}).get(contract.LABEL_NONCE) == e.nonce:
-                e.uid = pod.metadata.uid
+            if _labels(pod).get(contract.LABEL_NONCE) == e.nonce:
+                e.uid = _uid(pod)
                 return True
             return False
         return None
@@ -572,12 +573,12 @@ class Controller:
                 if e.deleting:
                     return False, "was deleted while starting (drain)"
                 pod = self.pods.get(e.name)
-                if pod is not None and pod.metadata.uid == e.uid:
+                if pod is not None and _uid(pod) == e.uid:
                     bad = _failure(pod)
                     if bad:
                         return False, bad
-                    if _is_ready(pod) and pod.status.pod_ip:
-                        e.ip = pod.status.pod_ip
+                    if _is_ready(pod) and _pod_ip(pod):
+                        e.ip = _pod_ip(pod)
                         if self.s.ready_check == "pod" or await self._healthy(e.ip):
                             return True, ""
                 left = deadline - time.monotonic()
@@ -846,18 +847,20 @@ class Controller:
     async def sweep(self) -> int:
         """Delete the controller's pods that nothing owns (the paper had no such sweep)."""
         sel = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
-        pods = (await self.kube.list_pods(sel)).items
+        pods = await self.kube.list_pods(sel)
         seen = set()
         n = 0
         now = time.time()
         for pod in pods:
-            seen.add(pod.metadata.name)
-            e = self.entries.get(pod.metadata.name)
-            if e is not None and e.uid in (None, pod.metadata.uid):
+            seen.add(_name(pod))
+            e = self.entries.get(_name(pod))
+            if e is not None and e.uid in (None, _uid(pod)):
                 continue
-            if pod.metadata.deletion_timestamp:
+            if _deleting(pod):
                 continue
-            age = now - pod.metadata.creation_timestamp.timestamp()
+            created = _meta(pod).get("creationTimestamp")
+            age = now - (dt.datetime.fromisoformat(created.replace("Z", "+00:00")).timestamp()
+                         if created else now)
             if age < self.s.sweep_grace:
                 continue
             self._adopt_for_delete(pod)
@@ -905,38 +908,62 @@ def _reason(ex: client.ApiException) -> str:
         return str(ex.reason)
 
 
-def _is_ready(pod) -> bool:
-    if pod is None or pod.status is None:
+def _meta(pod: dict) -> dict:
+    return pod.get("metadata") or {}
+
+
+def _name(pod: dict) -> str:
+    return _meta(pod).get("name", "")
+
+
+def _uid(pod: dict) -> str | None:
+    return _meta(pod).get("uid")
+
+
+def _labels(pod: dict) -> dict:
+    return _meta(pod).get("labels") or {}
+
+
+def _deleting(pod: dict) -> bool:
+    return bool(_meta(pod).get("deletionTimestamp"))
+
+
+def _pod_ip(pod: dict) -> str | None:
+    return (pod.get("status") or {}).get("podIP")
+
+
+def _is_ready(pod: dict | None) -> bool:
+    if not pod:
         return False
-    return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
+    conds = (pod.get("status") or {}).get("conditions") or []
+    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
 
 
 _FATAL_WAITING = {"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
                   "CreateContainerError"}
 
 
-def _failure(pod) -> str | None:
-    st = pod.status
-    if pod.metadata.deletion_timestamp:
+def _failure(pod: dict) -> str | None:
+    if _deleting(pod):
         return "was deleted while starting"
-    if st is None:
-        return None
-    if st.phase in ("Failed", "Succeeded"):
-        return f"ended while starting (phase {st.phase}: {st.reason or ''} {st.message or ''})"
-    for cs in (st.container_statuses or []) + (st.init_container_statuses or []):
-        w = cs.state.waiting if cs.state else None
-        if w and w.reason in _FATAL_WAITING:
-            return f"container {cs.name} cannot start: {w.reason}: {w.message or ''}"
+    st = pod.get("status") or {}
+    phase = st.get("phase")
+    if phase in ("Failed", "Succeeded"):
+        return (f"ended while starting (phase {phase}: {st.get('reason') or ''} "
+                f"{st.get('message') or ''})").strip()
+    for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
+        w = (cs.get("state") or {}).get("waiting") or {}
+        if w.get("reason") in _FATAL_WAITING:
+            return f"container {cs.get('name')} cannot start: {w['reason']}: {w.get('message', '')}"
     return None
 
 
-def _spec_of(pod) -> SandboxSpec:
-    labels = pod.metadata.labels or {}
-    c = pod.spec.containers[0]
-    req = (c.resources.requests or {}) if c.resources else {}
-    return SandboxSpec(image=c.image, cpu=str(req.get("cpu", "2")),
-                       memory=str(req.get("memory", "8Gi")), workspace=c.working_dir,
-                       egress=labels.get(contract.LABEL_EGRESS, contract.EGRESS_DENY))
+def _spec_of(pod: dict) -> SandboxSpec:
+    c = ((pod.get("spec") or {}).get("containers") or [{}])[0]
+    req = (c.get("resources") or {}).get("requests") or {}
+    return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", "2")),
+                       memory=str(req.get("memory", "8Gi")), workspace=c.get("workingDir"),
+                       egress=_labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY))
 
 
 def _log_crash(t: asyncio.Task) -> None:

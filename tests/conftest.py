@@ -80,8 +80,10 @@ def cluster() -> Cluster:
         c = Cluster(Path(external), _api_client(Path(external)))
         yield c
         return
-    tb = Testbed(default_state_dir("pytest"), nodes=int(os.environ.get("SANDMAN_TESTBED_NODES",
-                                                                        "20")))
+    _remove_stale_state_dirs()
+    # One state dir per session: parallel sessions (several terminals, CI) never share one.
+    tb = Testbed(default_state_dir(f"pytest-{os.getpid()}"),
+                 nodes=int(os.environ.get("SANDMAN_TESTBED_NODES", "20")))
     t0 = time.monotonic()
     try:
         tb.start()
@@ -93,6 +95,20 @@ def cluster() -> Cluster:
         yield Cluster(tb.kubeconfig, _api_client(tb.kubeconfig), tb)
     finally:
         tb.stop()
+
+
+def _remove_stale_state_dirs() -> None:
+    """State dirs of sessions whose process is gone (their logs were kept until now)."""
+    import shutil
+
+    root = default_state_dir("x").parent
+    for d in root.glob("pytest-*"):
+        try:
+            pid = int(d.name.split("-", 1)[1])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _api_client(kubeconfig: Path) -> client.ApiClient:

