@@ -304,11 +304,13 @@ class FakeController:
 
     target: Execd
     target_port: int | None = None  # e.g. a proxy's port in front of the execd
+    token: str | None = None  # hand out this token instead of the execd's
     answers: list[tuple[int, Any]] = field(default_factory=list)
     acquire_delay_s: float = 0.0
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
+    port: int = 0
     url: str = ""
 
     def calls(self, method: str, prefix: str = "/v1/sandboxes") -> list[tuple[str, str, Any]]:
@@ -360,7 +362,7 @@ class _Handler(BaseHTTPRequestHandler):
               "address": ctl.target.address, "port": ctl.target_port or ctl.target.port}
         with ctl.lock:
             ctl.sandboxes[sid] = sb
-        self._reply(201, dict(sb, token=ctl.target.token, warm=False,
+        self._reply(201, dict(sb, token=ctl.token or ctl.target.token, warm=False,
                               timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25}))
 
     def do_DELETE(self) -> None:
@@ -377,7 +379,7 @@ class _Handler(BaseHTTPRequestHandler):
             if path == "/v1/sandboxes":
                 job = query.partition("job=")[2] or None
                 items = [s for s in self.ctl.sandboxes.values() if job in (None, s["job"])]
-                return self._reply(200, {"sandboxes": items})
+                return self._reply(200, {"items": items})
             sb = self.ctl.sandboxes.get(path.rsplit("/", 1)[-1])
         if sb is None:
             return self._reply(*_error(404, "SandboxGone", "no such sandbox"))
@@ -390,7 +392,8 @@ def controller(execd) -> FakeController:
     handler = type("Handler", (_Handler,), {"ctl": ctl})
     srv = ThreadingHTTPServer((LOOPBACK, 0), handler)
     srv.daemon_threads = True
-    ctl.url = f"http://{LOOPBACK}:{srv.server_address[1]}"
+    ctl.port = srv.server_address[1]
+    ctl.url = f"http://{LOOPBACK}:{ctl.port}"
     t = threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1}, daemon=True)
     t.start()
     try:

@@ -143,8 +143,8 @@ class AsyncClient:
         params = {"job": job} if job else None
         resp = await self._send("GET", "/v1/sandboxes", params=params, read_s=self._timeout_s)
         data = _core.decode_json(resp, "list")
-        if isinstance(data, dict):
-            data = data.get("sandboxes", [])
+        if isinstance(data, dict):  # {"items": [...]}
+            data = data.get("items", data.get("sandboxes", []))
         if not isinstance(data, list):
             data = []
         return [SandboxInfo.from_json(d) for d in data]

@@ -1,0 +1,266 @@
+"""The SDK's controller half (acquire, release, get, list; error mapping; retries that cannot
+create a second sandbox), against a stand-in controller on real HTTP that hands out a real
+execd. Each test runs through both twins (`flavor`)."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+
+import pytest
+
+from sandman.client import (
+    AcquireTimeout,
+    AsyncClient,
+    BadRequest,
+    ControllerError,
+    ControllerUnreachable,
+    NotLeader,
+    Owner,
+    PodFailed,
+    QueueFull,
+    SandboxGone,
+    SandmanError,
+    Unauthorized,
+)
+
+from .conftest import FAST_RETRY, CutProxy, Execd, FakeController, Flavor, free_port
+
+
+def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
+                                                               controller: FakeController,
+                                                               caplog) -> None:
+    caplog.set_level(logging.DEBUG)
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            async with await client.acquire("img:1", job="job-a") as sb:
+                assert sb.id in controller.sandboxes
+                assert sb.pod == f"pod-{sb.id}" and sb.warm is False
+                assert sb.timings.ready_ms == 30.25
+                assert (await sb.exec("echo in-sandbox")).output == "in-sandbox\n"
+                assert controller.target.token not in repr(sb)
+                sid = sb.id
+            assert sid not in controller.sandboxes  # released on leaving the block
+            assert len(controller.calls("DELETE")) == 1
+            with pytest.raises(SandboxGone):
+                await sb.exec("true")
+
+    flavor.run(body)
+    (_, _, sent), = controller.calls("POST")
+    assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
+                    "egress": "deny", "job": "job-a", "owner": None, "labels": {},
+                    "timeout_s": 300, "warm_ok": True, "wait": True}
+    assert controller.target.token not in caplog.text
+
+
+def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) -> None:
+    async def body():
+        async with flavor.client(controller.url) as client:
+            a = await client.acquire("img:2", job="j1", cpu=4, memory="16Gi", egress="allow",
+                                     workspace="/testbed", owner=Owner("trainer-0", "u-1"),
+                                     labels={"task": "t1"}, timeout_s=60, warm_ok=False,
+                                     wait=False)
+            b = await client.acquire("img:2", job="j2")
+            assert [s.id for s in await client.list(job="j1")] == [a.id]
+            assert {s.id for s in await client.list()} == {a.id, b.id}
+            info = await client.get(a.id)
+            assert (info.id, info.job, info.state, info.port) == (a.id, "j1", "leased",
+                                                                  a.port)
+            assert await client.release(a.id) is True
+            assert await client.release(a.id) is False  # idempotent
+            with pytest.raises(SandboxGone):
+                await client.get(a.id)
+        # Leaving the client released b, which nobody released by hand.
+        assert controller.sandboxes == {}
+
+    flavor.run(body)
+    sent = controller.calls("POST")[0][2]
+    assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
+                    "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
+                    "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False}
+
+
+def test_with_sandbox_releases_on_exception(flavor: Flavor, controller: FakeController) -> None:
+    async def body():
+        async with flavor.client(controller.url) as client:
+            with pytest.raises(KeyError):
+                async with await client.acquire("img", job="j") as sb:
+                    await sb.exec("true")
+                    raise KeyError("agent crashed")
+            assert controller.sandboxes == {}
+            assert sb.released
+
+    flavor.run(body)
+
+
+@pytest.mark.parametrize("status,typ,cls", [
+    (504, "AcquireTimeout", AcquireTimeout),
+    (429, "QueueFull", QueueFull),
+    (400, "BadRequest", BadRequest),
+    (422, "BadRequest", BadRequest),
+    (502, "PodFailed", PodFailed),
+    (500, "SomethingNew", ControllerError),
+])
+def test_controller_errors_are_typed(flavor: Flavor, controller: FakeController, status: int,
+                                     typ: str, cls: type) -> None:
+    events = ["Warning Failed: ErrImagePull", "Warning BackOff: Back-off pulling image"]
+    controller.answers.append((status, {"error": {"type": typ, "message": f"said {typ}",
+                                                  "events": events}}))
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            with pytest.raises(cls) as ei:
+                await client.acquire("img", job="j")
+            return ei.value
+
+    err = flavor.run(body)
+    assert type(err) is cls and err.status == status and err.type == typ
+    assert err.events == events and "said" in str(err)
+    assert len(controller.calls("POST")) == 1  # none of these is retried
+    if cls is AcquireTimeout:
+        assert isinstance(err, TimeoutError)
+
+
+def test_error_without_the_documented_body_maps_by_status(flavor: Flavor,
+                                                          controller: FakeController) -> None:
+    controller.answers.append((504, "gateway timeout (from a proxy, not JSON of ours)"))
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            with pytest.raises(AcquireTimeout):
+                await client.acquire("img", job="j")
+
+    flavor.run(body)
+
+
+def test_not_leader_is_retried(flavor: Flavor, controller: FakeController) -> None:
+    not_leader = (503, {"error": {"type": "NotLeader", "message": "standby", "events": []}})
+    controller.answers += [not_leader, not_leader]
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            sb = await client.acquire("img", job="j")
+            assert (await sb.exec("true")).ok
+            controller.answers += [not_leader] * FAST_RETRY.attempts
+            with pytest.raises(NotLeader):
+                await client.acquire("img", job="j")
+
+    flavor.run(body)
+    assert len(controller.calls("POST")) == 3 + FAST_RETRY.attempts
+
+
+def test_acquire_with_a_lost_answer_is_not_repeated(flavor: Flavor,
+                                                    controller: FakeController) -> None:
+    """The controller got the acquire but its answer was lost: repeating it could create a
+    second sandbox, so the SDK raises; the job's listing finds the first."""
+    proxy = CutProxy(controller.port)
+    proxy.plan.append(("before_answer", "/v1/sandboxes"))
+    try:
+        async def body():
+            async with flavor.client(f"http://127.0.0.1:{proxy.port}") as client:
+                with pytest.raises(ControllerUnreachable):
+                    await client.acquire("img", job="lost")
+                deadline = time.monotonic() + 5
+                while not await client.list(job="lost") and time.monotonic() < deadline:
+                    await asyncio.sleep(0.05)
+                (orphan,) = await client.list(job="lost")
+                assert await client.release(orphan.id) is True
+
+        flavor.run(body)
+    finally:
+        proxy.close()
+    assert len(controller.calls("POST")) == 1
+
+
+def test_unreachable_controller_is_bounded(flavor: Flavor) -> None:
+    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+
+    async def body():
+        async with flavor.client(url) as client:
+            t0 = time.monotonic()
+            with pytest.raises(ControllerUnreachable) as ei:
+                await client.acquire("img", job="j", timeout_s=1)
+            assert time.monotonic() - t0 < 1 + 30 + FAST_RETRY.budget_s
+            assert "after 4 attempts" in str(ei.value)
+
+    flavor.run(body)
+
+
+def test_sandbox_gone_when_the_controller_deleted_it(flavor: Flavor,
+                                                     controller: FakeController,
+                                                     fresh_execd: Execd) -> None:
+    controller.target = fresh_execd
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            sb = await client.acquire("img", job="j")
+            assert (await sb.exec("true")).ok
+            controller.sandboxes.pop(sb.id)  # deleted behind our back (drain, sweep...)
+            fresh_execd.stop()  # and its pod is gone
+            with pytest.raises(SandboxGone):
+                await sb.exec("true")
+            with pytest.raises(SandboxGone):  # known now: not even sent
+                await sb.read("/etc/hostname")
+
+    flavor.run(body)
+
+
+def test_reused_pod_address_is_gone_not_unauthorized(flavor: Flavor,
+                                                     controller: FakeController,
+                                                     execd: Execd) -> None:
+    """Another sandbox's execd answers at our pod's old address: its 401 means our sandbox
+    is gone once the controller confirms it; while the controller still has the sandbox, it
+    is a real Unauthorized."""
+
+    controller.token = "not-" + execd.token  # as if another sandbox now had the address
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            sb = await client.acquire("img", job="j")
+            with pytest.raises(Unauthorized):
+                await sb.exec("true")
+            controller.sandboxes.pop(sb.id)
+            with pytest.raises(SandboxGone):
+                await sb.exec("true")
+
+    flavor.run(body)
+
+
+def test_cancelled_acquire_still_releases_its_sandbox(controller: FakeController) -> None:
+    """asyncio only. The caller gives up while the controller is still creating: the
+    acquire runs on and the sandbox it gets is released, not orphaned (the paper's
+    cancelled-create leak)."""
+    controller.acquire_delay_s = 0.5
+
+    async def body():
+        async with AsyncClient(controller.url, retry=FAST_RETRY) as client:
+            caller = asyncio.ensure_future(client.acquire("img", job="cancelled"))
+            await asyncio.sleep(0.1)
+            caller.cancel()
+            with pytest.raises(asyncio.CancelledError):
+                await caller
+            deadline = time.monotonic() + 5
+            while not controller.calls("DELETE") and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert len(controller.calls("DELETE")) == 1
+            assert controller.sandboxes == {}
+
+    asyncio.run(asyncio.wait_for(body(), 20))
+    assert len(controller.calls("POST")) == 1
+
+
+def test_bad_arguments_are_refused_before_sending(flavor: Flavor,
+                                                  controller: FakeController) -> None:
+    async def body():
+        async with flavor.client(controller.url) as client:
+            with pytest.raises(BadRequest):
+                await client.acquire("img", job="j", egress="maybe")
+            with pytest.raises(BadRequest):
+                await client.acquire("img", job="")
+            with pytest.raises(SandmanError):
+                await client.get("")
+
+    flavor.run(body)
+    assert controller.requests == []
