@@ -1,0 +1,1586 @@
+#!/usr/bin/env python3
+"""execd: the in-pod daemon that runs an agent's commands in one persistent bash.
+
+Stdlib only, python3 >= 3.8, one file: it is mounted read-only into unmodified task images.
+Start: python3 /sandman/execd.py --listen 0.0.0.0:9470   (docs/execd.md has the API)
+"""
+
+import argparse
+import base64
+import binascii
+import collections
+import ctypes
+import errno
+import fcntl
+import hashlib
+import hmac
+import json
+import os
+import pwd
+import re
+import secrets
+import select
+import shutil
+import signal
+import socket
+import stat
+import sys
+import tempfile
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from urllib.parse import parse_qs, urlsplit
+
+VERSION = "0.1.0"
+
+# Copies of sandman/contract.py (execd cannot import it); a test keeps them equal.
+EXECD_PORT = 9470
+EXECD_PATH = "/sandman/execd.py"
+EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
+NETGUARD_STATUS_PATH = "/sandman/run/netguard.json"
+
+NETGUARD_STATUS_ENV = "SANDMAN_NETGUARD_STATUS"
+WORKSPACE_ENV = "SANDMAN_WORKSPACE"
+INSTANCE_ENV = "SANDMAN_EXECD_INSTANCE"
+# Every process a command starts carries this variable (value: instance-call), so a timeout or a
+# reset finds it again even after it double-forked or called setsid.
+TAG_VAR = "__SANDMAN_CALL"
+
+STATUS_FD = 62  # the shell writes exit-status frames here, apart from the command's output
+DIAG_W_FD = 61  # syntax-check diagnostics go into this pipe...
+DIAG_R_FD = 60  # ...and `read -t 0` on its other end tells bash, without a process, if any came
+PROTO_FD = 63  # bash reads its script (our requests) here; stdin is /dev/null
+DEFAULT_TIMEOUT = 300.0
+DEFAULT_MAX_OUTPUT = 102400
+MAX_OUTPUT_LIMIT = 64 << 20
+IDLE_TIMEOUT = 180.0  # keep-alive idle limit; callers pool connections for minutes
+BODY_DEADLINE = 30.0  # a request body must arrive within this (slow clients get 408)
+PIPE_SIZE = 1 << 20
+READ_SIZE = 1 << 20
+PR_SET_CHILD_SUBREAPER = 36
+_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+_DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
+_LINE_NO = re.compile(r"\bline (\d+)")
+
+# Shell-side helpers. The check parses the whole command with `set -n` inside eval: nothing runs
+# (a `x; }; cmd` escape is parsed, not executed), an open quote or heredoc ends at the string's
+# end instead of waiting for more input, and `local -` turns noexec off again on return.
+# noexec stays on until that function returns, so __sm_chk1 does nothing after the eval.
+# Any diagnostic (bash only *warns* on an unterminated heredoc) counts as a refusal.
+BOOTSTRAP = r"""
+builtin exec %(proto)d<&-
+BASH_ARGV0=bash
+__sm_k=0 __sm_t=0
+__sm_chk1() {
+  local -
+  builtin set +xv
+  builtin eval $'builtin set -n\n'"$__sm_c" 2>&%(diagw)d
+}
+__sm_chk() {
+  local __sm_s __sm_x=1
+  builtin shopt -q extglob || __sm_x=0
+  builtin shopt -s extglob
+  __sm_chk1
+  __sm_s=$?
+  ((__sm_x)) || builtin shopt -u extglob
+  if ((__sm_s)) || builtin read -t 0 -u %(diagr)d; then
+    __sm_k=0; builtin printf '%%sE%%d\n' "$__sm_m" "$__sm_s" >&%(st)d; return 1
+  fi
+  __sm_k=1
+  if ((__sm_t)); then builtin set -x; fi
+}
+__sm_fin() {
+  case $- in *x*) builtin set +x; __sm_t=1;; *) __sm_t=0;; esac
+  ((__sm_k)) && builtin printf '%%sS%%d\n' "$__sm_m" "$1" >&%(st)d
+  __sm_k=0; builtin set +v
+}
+__sm_c=')'; __sm_chk1; __sm_c=
+builtin printf '%%sR0\n' "$1" >&%(st)d
+builtin set --
+"""
+
+
+class HTTPError(Exception):
+    def __init__(self, code, message, extra=None):
+        Exception.__init__(self, message)
+        self.code = code
+        self.message = message
+        self.extra = extra or {}
+
+
+def now():
+    return time.monotonic()
+
+
+def sh_quote(data):
+    return b"'" + data.replace(b"'", b"'\\''") + b"'"
+
+
+# ---------------------------------------------------------------- processes (/proc)
+
+_CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+
+
+def proc_stat(pid):
+    """(ppid, state, starttime ticks) or None when gone."""
+    try:
+        with open("/proc/%d/stat" % pid, "rb") as f:
+            data = f.read()
+    except OSError:
+        return None
+    rest = data[data.rfind(b")") + 2:].split()
+    try:
+        return int(rest[1]), rest[0].decode(), int(rest[19])
+    except (IndexError, ValueError):
+        return None
+
+
+def proc_tag(pid):
+    try:
+        with open("/proc/%d/environ" % pid, "rb") as f:
+            env = f.read()
+    except OSError:
+        return None
+    key = TAG_VAR.encode() + b"="
+    for item in env.split(b"\0"):
+        if item.startswith(key):
+            return item[len(key):].decode("ascii", "replace")
+    return None
+
+
+def proc_cmdline(pid):
+    try:
+        with open("/proc/%d/cmdline" % pid, "rb") as f:
+            data = f.read(4096)
+    except OSError:
+        return None
+    return data.replace(b"\0", b" ").strip().decode("utf-8", "replace")
+
+
+def all_pids():
+    out = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            out.append(int(name))
+    return out
+
+
+def boot_ticks():
+    """Now, in the clock ticks /proc/<pid>/stat counts process start times in."""
+    try:
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) * _CLK_TCK
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+class Reaper:
+    """We are PID 1 or a child subreaper, so orphans land on us: reap everything, keep the
+    statuses of the pids we watch (the shells)."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.watched = {}  # pid -> status or None while running
+
+    def watch(self, pid):
+        with self.lock:
+            self.watched[pid] = None
+
+    def forget(self, pid):
+        with self.lock:
+            self.watched.pop(pid, None)
+
+    def reap(self):
+        with self.lock:
+            while True:
+                try:
+                    pid, st = os.waitpid(-1, os.WNOHANG)
+                except ChildProcessError:
+                    return
+                except InterruptedError:
+                    continue
+                if pid == 0:
+                    return
+                if pid in self.watched:
+                    self.watched[pid] = st
+
+    def status(self, pid):
+        self.reap()
+        with self.lock:
+            return self.watched.get(pid)
+
+
+def exit_code_of(st):
+    if os.WIFSIGNALED(st):
+        return 128 + os.WTERMSIG(st)
+    if os.WIFEXITED(st):
+        return os.WEXITSTATUS(st)
+    return -1
+
+
+# ---------------------------------------------------------------- output and frames
+
+
+class Capture:
+    """Keeps at most `cap` bytes of output (head and tail) while the rest is drained."""
+
+    def __init__(self, cap):
+        self.hcap = cap // 2
+        self.tcap = cap - self.hcap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data):
+        n = len(data)
+        if not n:
+            return
+        self.total += n
+        if len(self.head) < self.hcap:
+            take = self.hcap - len(self.head)
+            self.head += data[:take]
+            data = data[take:]
+            n = len(data)
+        if n and self.tcap:
+            if n >= self.tcap:
+                self.tail[:] = data[n - self.tcap:]
+            else:
+                self.tail += data
+                extra = len(self.tail) - self.tcap
+                if extra > 0:
+                    del self.tail[:extra]
+
+    @property
+    def truncated(self):
+        return self.total > len(self.head) + len(self.tail)
+
+    def text(self):
+        if not self.truncated:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
+        omitted = self.total - len(self.head) - len(self.tail)
+        return (bytes(self.head).decode("utf-8", "replace")
+                + "\n[... execd: %d bytes omitted ...]\n" % omitted
+                + bytes(self.tail).decode("utf-8", "replace"))
+
+
+def parse_frame(buf, marker):
+    """Strict exit-status frame: marker, kind (S status, E refused), decimal 0-255, newline.
+    Returns ("need", None, None) while buf may still become a frame, ("ok", kind, status), or
+    ("invalid", reason, None)."""
+    m = len(marker)
+    if len(buf) < m:
+        if marker.startswith(bytes(buf)):
+            return ("need", None, None)
+        return ("invalid", "bytes that are not this call's marker", None)
+    if not buf.startswith(marker):
+        return ("invalid", "bytes that are not this call's marker", None)
+    rest = bytes(buf[m:])
+    if not rest:
+        return ("need", None, None)
+    kind = rest[:1]
+    if kind not in (b"S", b"E"):
+        return ("invalid", "unknown frame kind %r" % kind, None)
+    nl = rest.find(b"\n")
+    digits = rest[1:] if nl < 0 else rest[1:nl]
+    if not all(48 <= c <= 57 for c in digits) or len(digits) > 3:
+        return ("invalid", "status %r is not a decimal 0-255" % digits[:16], None)
+    if nl < 0:
+        return ("need", None, None)
+    if not digits or (len(digits) > 1 and digits[:1] == b"0") or int(digits) > 255:
+        return ("invalid", "status %r is not a decimal 0-255" % digits, None)
+    if len(rest) > nl + 1:
+        return ("invalid", "bytes after the frame", None)
+    return ("ok", kind.decode(), int(digits))
+
+
+def fix_diag(text, offset):
+    # bash numbers eval lines from our helper's definition; report lines of the command itself,
+    # as `bash -c` would (offset calibrated at bootstrap with a command failing on line 1).
+    out = []
+    for ln in text.strip().splitlines():
+        ln = _DIAG_PREFIX.sub("bash: line ", ln, count=1)
+        out.append(_LINE_NO.sub(lambda m: "line %d" % max(1, int(m.group(1)) - offset), ln))
+    return "\n".join(out)
+
+
+# ---------------------------------------------------------------- the shell
+
+
+class ShellDead(Exception):
+    pass
+
+
+class Shell:
+    def __init__(self, daemon):
+        self.d = daemon
+        self.pid = None
+        self.started = None
+        self.fds = []
+
+    def spawn(self):
+        d = self.d
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        st_r, st_w = os.pipe()
+        dg_r, dg_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (out_r, dg_r):
+            try:
+                fcntl.fcntl(fd, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
+            except OSError:
+                pass
+        env = dict(d.base_env)
+        env.pop(TAG_VAR, None)
+        actions = [
+            (os.POSIX_SPAWN_DUP2, devnull, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, out_w, 2),
+            (os.POSIX_SPAWN_DUP2, st_w, STATUS_FD),
+            (os.POSIX_SPAWN_DUP2, dg_r, DIAG_R_FD),
+            (os.POSIX_SPAWN_DUP2, dg_w, DIAG_W_FD),
+            (os.POSIX_SPAWN_DUP2, in_r, PROTO_FD),
+        ]
+        sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+                signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
+        ready = b"@ready" + secrets.token_hex(4).encode()
+        try:
+            pid = os.posix_spawn(
+                d.bash, [d.bash, "--noprofile", "--norc", "/dev/fd/%d" % PROTO_FD, ready.decode()],
+                env, file_actions=actions, setsid=True, setsigdef=sigs, setsigmask=[])
+        finally:
+            for fd in (in_r, out_w, st_w, dg_w, devnull):
+                os.close(fd)
+        d.reaper.watch(pid)
+        self.pid = pid
+        self.in_w, self.out_r, self.st_r, self.diag_r = in_w, out_r, st_r, dg_r
+        self.fds = [in_w, out_r, st_r, dg_r]
+        for fd in (out_r, st_r, dg_r):
+            os.set_blocking(fd, False)
+        self.pidfd = None
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is not None:
+            try:
+                self.pidfd = pidfd_open(pid)
+                self.fds.append(self.pidfd)
+            except OSError:
+                self.pidfd = None
+        self.poller = select.poll()
+        self.poller.register(out_r, select.POLLIN)
+        self.poller.register(st_r, select.POLLIN)
+        if self.pidfd is not None:
+            self.poller.register(self.pidfd, select.POLLIN)
+        self.pending_out = bytearray()
+        self.buf = bytearray(READ_SIZE)
+        self.started = now()
+        script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
+                              "proto": PROTO_FD}
+        cwd = d.workspace or os.getcwd()
+        text = ("builtin cd -- %s 2>/dev/null\n%s\n" % (
+            sh_quote(cwd.encode()).decode(), script)).encode()
+        self.write_all(text, now() + 10)
+        buf = bytearray()
+        deadline = now() + 10
+        while now() < deadline:
+            self.poller.poll(50)
+            buf += self.read_avail(self.st_r, 4096)
+            self.pending_out += self.read_avail(self.out_r, 65536)
+            if buf.endswith(b"\n"):
+                break
+            if self.dead():
+                break
+        if bytes(buf) != ready + b"R0\n":
+            out = bytes(self.pending_out)[-2000:].decode("utf-8", "replace")
+            self.kill()
+            raise RuntimeError("bash did not start: %r %s" % (bytes(buf), out))
+        self.pending_out = bytearray()
+        m = _LINE_NO.search(self.read_diag())
+        self.line_offset = int(m.group(1)) - 1 if m else 0
+
+    def read_diag(self):
+        out = bytearray()
+        for _ in range(64):
+            got = self.read_avail(self.diag_r, 65536)
+            if not got:
+                break
+            out += got
+        return bytes(out).decode("utf-8", "replace")
+
+    def write_all(self, data, deadline):
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.in_w, view[:65536])
+            except BrokenPipeError:
+                raise ShellDead() from None
+            view = view[n:]
+            if now() > deadline:
+                raise ShellDead()
+
+    def read_avail(self, fd, size):
+        try:
+            return os.read(fd, size)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError:
+            return b""
+
+    def exit_status(self):
+        return self.d.reaper.status(self.pid)
+
+    def dead(self):
+        return self.exit_status() is not None
+
+    def kill(self):
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = now() + 5
+        while self.exit_status() is None and now() < deadline:
+            time.sleep(0.005)
+        self.close()
+
+    def close(self):
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        if self.pid is not None:
+            self.d.reaper.forget(self.pid)
+
+
+# ---------------------------------------------------------------- the daemon
+
+
+class Daemon:
+    def __init__(self, args):
+        self.args = args
+        self.started = now()
+        self.instance = os.environ.get(INSTANCE_ENV) or secrets.token_hex(6)
+        self.bash = shutil.which("bash") or "/bin/bash"
+        self.workspace = args.workspace
+        self.root = os.path.realpath(args.root)
+        self.netguard_status = args.netguard_status
+        self.kill_grace = args.kill_grace
+        self.base_env = dict(os.environ)
+        for k in (EXECD_TOKEN_ENV, INSTANCE_ENV):
+            self.base_env.pop(k, None)
+        self.reaper = Reaper()
+        self.subreaper = self._become_subreaper()
+        self.exec_lock = threading.Lock()
+        self.files_lock = threading.Lock()
+        self.cache_lock = threading.Lock()
+        self.cache = collections.OrderedDict()  # request_id -> [event, response]
+        self.cache_max = 512
+        self.resetting = False
+        self.calls = 0
+        self.shell = None
+        self.notice = None
+        self.umask = os.umask(0o022)
+        os.umask(self.umask)
+        self.start_shell()
+
+    def _become_subreaper(self):
+        if os.getpid() == 1:
+            return "pid1"
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
+                return "subreaper"
+        except (OSError, AttributeError):
+            pass
+        return None
+
+    def start_shell(self):
+        sh = Shell(self)
+        sh.spawn()
+        self.shell = sh
+
+    def restart_shell(self):
+        if self.shell is not None:
+            self.shell.kill()
+        self.start_shell()
+
+    # ------------------------------------------------------------ process sets
+
+    def sandbox_pids(self):
+        """Every process of the sandbox but execd: all of them when we are PID 1, else our
+        descendants (orphans land on us as subreaper) and anything carrying our tag."""
+        me = os.getpid()
+        pids = all_pids()
+        if me == 1:
+            return [p for p in pids if p != me]
+        info = {}
+        for p in pids:
+            s = proc_stat(p)
+            if s is not None:
+                info[p] = s
+        children = collections.defaultdict(list)
+        for p, s in info.items():
+            children[s[0]].append(p)
+        out = set()
+        stack = [me]
+        while stack:
+            for c in children.get(stack.pop(), ()):
+                if c not in out:
+                    out.add(c)
+                    stack.append(c)
+        prefix = self.instance + "-"
+        for p in info:
+            if p not in out and p != me:
+                tag = proc_tag(p)
+                if tag is not None and tag.startswith(prefix):
+                    out.add(p)
+        out.discard(me)
+        return sorted(out)
+
+    def call_pids(self, tag, shell_pid, since_ticks):
+        """The processes of one call: those carrying its tag anywhere, plus untagged shell
+        descendants started since the call began (forked subshells never exec, so carry no tag).
+        """
+        info = {}
+        for p in all_pids():
+            s = proc_stat(p)
+            if s is not None:
+                info[p] = s
+        children = collections.defaultdict(list)
+        for p, s in info.items():
+            children[s[0]].append(p)
+        desc = set()
+        stack = [shell_pid]
+        while stack:
+            for c in children.get(stack.pop(), ()):
+                if c not in desc:
+                    desc.add(c)
+                    stack.append(c)
+        out = set()
+        me = os.getpid()
+        for p, s in info.items():
+            if p in (me, shell_pid) or s[1] == "Z":
+                continue
+            t = proc_tag(p)
+            if t == tag:
+                out.add(p)
+            elif t is None and p in desc and (since_ticks is None or s[2] >= since_ticks):
+                out.add(p)
+        return out
+
+    def kill_pids(self, pids, sig):
+        for p in pids:
+            try:
+                os.kill(p, sig)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+    def kill_sandbox(self, keep=()):
+        """SIGKILL every sandbox process (rounds, since they may fork meanwhile) and reap."""
+        deadline = now() + 10
+        while now() < deadline:
+            pids = [p for p in self.sandbox_pids() if p not in keep]
+            alive = []
+            for p in pids:
+                s = proc_stat(p)
+                if s is not None and s[1] != "Z":
+                    alive.append(p)
+            self.reaper.reap()
+            if not alive:
+                if not [p for p in pids if proc_stat(p) is not None]:
+                    return True
+                time.sleep(0.005)
+                continue
+            self.kill_pids(alive, signal.SIGKILL)
+            time.sleep(0.005)
+        return False
+
+    # ------------------------------------------------------------ exec
+
+    def exec_command(self, req):
+        cmd = req.get("command")
+        if not isinstance(cmd, str):
+            raise HTTPError(400, "command must be a string")
+        timeout = req.get("timeout", DEFAULT_TIMEOUT)
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
+                0 < timeout <= 7 * 86400):
+            raise HTTPError(400, "timeout must be a number of seconds in (0, 604800]")
+        max_output = req.get("max_output", DEFAULT_MAX_OUTPUT)
+        if isinstance(max_output, bool) or not isinstance(max_output, int) or not (
+                0 <= max_output <= MAX_OUTPUT_LIMIT):
+            raise HTTPError(400, "max_output must be an integer in [0, %d]" % MAX_OUTPUT_LIMIT)
+        rid = req.get("request_id")
+        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
+            raise HTTPError(400, "request_id must be a non-empty string of at most 256 chars")
+        try:
+            data = cmd.encode("utf-8")
+        except UnicodeEncodeError:
+            raise HTTPError(400, "command is not valid unicode") from None
+        if b"\0" in data:
+            raise HTTPError(400, "command contains a NUL byte")
+        entry = None
+        if rid is not None:
+            with self.cache_lock:
+                entry = self.cache.get(rid)
+                if entry is None:
+                    entry = [threading.Event(), None]
+                    self.cache[rid] = entry
+                    fresh = True
+                else:
+                    fresh = False
+            if not fresh:
+                # A retry: the stored answer, or wait for the first attempt's.
+                if not entry[1] and not entry[0].wait(timeout + 60):
+                    raise HTTPError(504, "the first attempt of this request_id is still running")
+                if entry[1] is None:
+                    raise HTTPError(409, "busy")
+                return entry[1]
+        if not self.exec_lock.acquire(False):
+            if entry is not None:
+                with self.cache_lock:
+                    self.cache.pop(rid, None)
+                entry[0].set()
+            raise HTTPError(409, "busy", {"busy": True})
+        try:
+            resp = self._run(data, float(timeout), max_output)
+        except BaseException:
+            if entry is not None:
+                with self.cache_lock:
+                    self.cache.pop(rid, None)
+                entry[0].set()
+            raise
+        finally:
+            self.exec_lock.release()
+        if entry is not None:
+            entry[1] = resp
+            entry[0].set()
+            with self.cache_lock:
+                while len(self.cache) > self.cache_max:
+                    k, e = next(iter(self.cache.items()))
+                    if e[1] is None:
+                        break
+                    self.cache.pop(k)
+        return resp
+
+    def _ensure_shell(self):
+        sh = self.shell
+        if sh is None or sh.dead():
+            st = sh.exit_status() if sh is not None else None
+            if sh is not None:
+                sh.close()
+            self.start_shell()
+            if st is not None:
+                return ("the shell had exited (status %d) since the last call; a new shell was "
+                        "started, state lost" % exit_code_of(st))
+        return None
+
+    def _run(self, data, timeout, max_output):
+        t0 = now()
+        notice = self._ensure_shell()
+        if self.notice:
+            notice = self.notice if notice is None else self.notice + "; " + notice
+            self.notice = None
+        sh = self.shell
+        self.calls += 1
+        tag = "%s-%d" % (self.instance, self.calls)
+        marker = ("@" + secrets.token_hex(8)).encode()
+        cap = Capture(max_output)
+        if sh.pending_out:
+            cap.add(sh.pending_out)
+            sh.pending_out = bytearray()
+        # Late bytes on the status pipe belong to no call: drop them.
+        while sh.read_avail(sh.st_r, 65536):
+            pass
+        line = b"".join((
+            b"__sm_m=", marker, b"; __sm_c=", sh_quote(data),
+            b"; __sm_chk && ", TAG_VAR.encode(), b"=", tag.encode(),
+            b" builtin eval \"$__sm_c\"; __sm_fin $?\n"))
+        since = None  # in /proc start-time ticks; needed only on a timeout
+        result = {"exit_code": None, "output": "", "truncated": False, "duration_ms": 0.0,
+                  "error": None}
+        status = bytearray()
+        frame = None
+        errors = []
+        deadline = t0 + timeout
+        phase = "run"  # run -> term -> kill -> wait for the frame, then restart
+        phase_at = 0.0
+        dead_st = None
+        buf = sh.buf
+        bufview = memoryview(buf)
+        inview = memoryview(line)
+        poll_ms = 50 if sh.pidfd is None else 1000
+        while True:
+            if inview:
+                try:
+                    n = os.write(sh.in_w, inview[:65536])
+                    inview = inview[n:]
+                except BlockingIOError:
+                    pass
+                except OSError:
+                    inview = inview[:0]
+            events = sh.poller.poll(poll_ms if not inview else 1)
+            for fd, _ev in events:
+                if fd == sh.out_r:
+                    self._drain(sh, cap, buf, bufview, 64)
+                elif fd == sh.st_r:
+                    got = sh.read_avail(sh.st_r, 4096)
+                    if got:
+                        status += got
+                        frame = parse_frame(status, marker)
+            if frame is not None and frame[0] != "need":
+                break
+            if (not events or any(fd == sh.pidfd for fd, _ in events)) and sh.dead():
+                dead_st = sh.exit_status()
+                break
+            t = now()
+            if phase == "run" and t >= deadline:
+                phase, phase_at = "term", t
+                bt = boot_ticks()
+                since = None if bt is None else bt - (t - t0) * _CLK_TCK - 2
+                self.kill_pids(self.call_pids(tag, sh.pid, since), signal.SIGTERM)
+            elif phase == "term" and (t >= phase_at + self.kill_grace or not self.call_pids(
+                    tag, sh.pid, since)):
+                phase, phase_at = "kill", t
+                self._kill_call(tag, sh.pid, since)
+            elif phase == "kill" and t >= phase_at + 2.0:
+                break
+        timed_out = phase != "run"
+        if frame is not None and frame[0] == "ok" and timed_out and phase == "term":
+            # The command ended on SIGTERM; its leftovers still go.
+            self._kill_call(tag, sh.pid, since)
+        self._drain(sh, cap, buf, bufview, PIPE_SIZE // READ_SIZE + 1)
+        result["output"] = cap.text()
+        result["truncated"] = cap.truncated
+        if dead_st is not None:
+            code = exit_code_of(dead_st)
+            self._kill_call(tag, None, None)
+            result["exit_code"] = code
+            msg = "shell exited (status %d); a new shell was started, state lost" % code
+            if frame is not None and status:
+                msg = "incomplete frame: " + msg
+            if self.resetting:
+                msg += " (reset)"
+            errors.append(msg)
+            sh.close()
+            if not self.resetting:
+                self.start_shell()
+        elif frame is None or frame[0] != "ok":
+            why = frame[1] if frame is not None and frame[0] == "invalid" else None
+            if why is not None:
+                errors.append("invalid frame (%s); the shell was restarted, state lost" % why)
+            elif status:
+                errors.append("incomplete frame; the shell was restarted, state lost")
+            else:
+                errors.append("no exit status after the kill; the shell was restarted, state "
+                              "lost")
+            self._kill_call(tag, sh.pid, since)
+            result["exit_code"] = 124 if timed_out else -1
+            self.restart_shell()
+        elif frame[1] == "E":
+            result["exit_code"] = 2
+            diag = fix_diag(sh.read_diag(), sh.line_offset)
+            if not diag:
+                # The check's own plumbing failed (say, fd 61 closed): a fresh shell fixes it.
+                diag = "the syntax check failed without a diagnosis; the shell was restarted"
+                self.restart_shell()
+            errors.append(diag)
+        else:
+            result["exit_code"] = 124 if timed_out else frame[2]
+        if timed_out:
+            errors.insert(0, "timeout after %gs; the command's processes were killed" % timeout)
+        if notice:
+            errors.append(notice)
+        result["error"] = "; ".join(errors) if errors else None
+        result["duration_ms"] = round((now() - t0) * 1000.0, 3)
+        return result
+
+    def _drain(self, sh, cap, buf, bufview, max_reads):
+        for _ in range(max_reads):
+            try:
+                n = os.readv(sh.out_r, [buf])
+            except (BlockingIOError, InterruptedError):
+                return
+            except OSError:
+                return
+            if n <= 0:
+                return
+            cap.add(bufview[:n])
+            if n < len(buf):
+                return
+
+    def _kill_call(self, tag, shell_pid, since):
+        for _ in range(20):
+            pids = self.call_pids(tag, shell_pid if shell_pid else -1, since)
+            if not pids:
+                return
+            self.kill_pids(pids, signal.SIGKILL)
+            time.sleep(0.005)
+            self.reaper.reap()
+
+    # ------------------------------------------------------------ internal shell calls
+
+    def internal(self, script, timeout=30.0):
+        """Run our own (trusted, checked) bash at the shell's top level; stdout bytes."""
+        if not self.exec_lock.acquire(False):
+            raise HTTPError(409, "busy", {"busy": True})
+        if not isinstance(script, bytes):
+            script = script.encode("utf-8")
+        try:
+            r = self._run(script, timeout, MAX_OUTPUT_LIMIT)
+        finally:
+            self.exec_lock.release()
+        if r["exit_code"] != 0 or r["error"]:
+            raise HTTPError(500, "shell call failed: %s" % (r["error"] or r["exit_code"]))
+        return r["output"]
+
+    def set_env(self, req):
+        sets = req.get("set", {})
+        unsets = req.get("unset", [])
+        if not isinstance(sets, dict) or not isinstance(unsets, list):
+            raise HTTPError(400, "set must be an object and unset a list")
+        parts = []
+        for k, v in sets.items():
+            if not _ENV_NAME.match(k) or k.startswith("__sm_") or k == TAG_VAR:
+                raise HTTPError(400, "invalid variable name %r" % k[:100])
+            if not isinstance(v, str) or "\0" in v:
+                raise HTTPError(400, "value of %s must be a string without NUL" % k)
+            parts.append("export %s=%s" % (k, sh_quote(v.encode("utf-8", "surrogatepass"))
+                                           .decode("utf-8", "surrogatepass")))
+        for k in unsets:
+            if not isinstance(k, str) or not _ENV_NAME.match(k) or k.startswith("__sm_"):
+                raise HTTPError(400, "invalid variable name %r" % (str(k)[:100],))
+            parts.append("unset -v %s" % k)
+        parts.append("while IFS= read -r __sm_e; do builtin printf '%s=%s\\0' \"$__sm_e\" "
+                     "\"${!__sm_e}\"; done < <(compgen -e); unset -v __sm_e")
+        try:
+            out = self.internal("\n".join(parts))
+        except UnicodeEncodeError:
+            raise HTTPError(400, "values must be valid unicode") from None
+        # Later shells (after a crash, timeout or reset) start with the same environment.
+        for k, v in sets.items():
+            self.base_env[k] = v
+        for k in unsets:
+            self.base_env.pop(k, None)
+        env = {}
+        for item in out.split("\0"):
+            if "=" in item:
+                k, v = item.split("=", 1)
+                if k != TAG_VAR:
+                    env[k] = v
+        return {"env": env}
+
+    def reset(self, req):
+        wipe = req.get("workspace", False)
+        if not isinstance(wipe, bool):
+            raise HTTPError(400, "workspace must be a boolean")
+        if wipe and not self.workspace:
+            raise HTTPError(400, "no workspace configured (--workspace); nothing to wipe")
+        t0 = now()
+        self.resetting = True
+        try:
+            self.kill_sandbox()
+            if not self.exec_lock.acquire(True, 30):
+                raise HTTPError(503, "a command did not stop for the reset")
+            try:
+                if self.shell is not None:
+                    self.shell.close()
+                    self.shell = None
+                clean = self.kill_sandbox()
+                wiped = None
+                if wipe:
+                    wiped = self._wipe(self.workspace)
+                self.reaper.reap()
+                self.start_shell()
+                left = [p for p in self.sandbox_pids() if p != self.shell.pid]
+            finally:
+                self.exec_lock.release()
+        finally:
+            self.resetting = False
+        with self.cache_lock:
+            self.cache.clear()
+        return {"ok": clean and not left, "left": left, "shell_pid": self.shell.pid,
+                "workspace_wiped": wiped, "duration_ms": round((now() - t0) * 1000, 3)}
+
+    def _wipe(self, path):
+        n = 0
+        for name in os.listdir(path):
+            p = os.path.join(path, name)
+            if os.path.isdir(p) and not os.path.islink(p):
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                try:
+                    os.unlink(p)
+                except OSError:
+                    pass
+            n += 1
+        return n
+
+    # ------------------------------------------------------------ state and conditions
+
+    def state(self):
+        sh = self.shell
+        cwd = None
+        if sh is not None:
+            try:
+                cwd = os.readlink("/proc/%d/cwd" % sh.pid)
+            except OSError:
+                cwd = None
+        procs = []
+        for p in self.sandbox_pids():
+            s = proc_stat(p)
+            if s is None:
+                continue
+            procs.append({"pid": p, "ppid": s[0], "state": s[1], "cmd": proc_cmdline(p),
+                          "shell": sh is not None and p == sh.pid})
+        return {"version": VERSION, "pid": os.getpid(),
+                "shell_pid": sh.pid if sh is not None else None, "cwd": cwd,
+                "busy": self.exec_lock.locked(), "processes": procs,
+                "reaper": self.subreaper, "guard": self.guard_status(),
+                "uptime_s": round(now() - self.started, 3),
+                "shell_uptime_s": round(now() - sh.started, 3) if sh is not None else None}
+
+    def guard_status(self):
+        try:
+            with open(self.netguard_status, "rb") as f:
+                raw = f.read(1 << 20)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            return {"error": "unreadable: %s" % e.strerror}
+        try:
+            return json.loads(raw.decode("utf-8"))
+        except ValueError:
+            return {"error": "unreadable: not JSON"}
+
+    def conditions(self, query):
+        out = {}
+        out.update(cpu_limits())
+        try:
+            cpus = sorted(os.sched_getaffinity(0))
+            out["visible_cpus"] = cpus
+            out["visible_cpu_count"] = len(cpus)
+        except (AttributeError, OSError):
+            out["visible_cpus"] = None
+            out["visible_cpu_count"] = None
+        out.update(memory_limit())
+        uid, gid = os.getuid(), os.getgid()
+        try:
+            user = pwd.getpwuid(uid).pw_name
+        except KeyError:
+            user = None
+        out.update({"uid": uid, "gid": gid, "user": user})
+        out["tz_env"] = self.base_env.get("TZ")
+        out["localtime"] = local_zone()
+        out["pythonhashseed"] = self.base_env.get("PYTHONHASHSEED")
+        try:
+            out["hostname"] = socket.gethostname()
+        except OSError:
+            out["hostname"] = None
+        probe = query.get("egress_probe")
+        out["egress"] = egress_probe(probe[-1]) if probe else None
+        return out
+
+
+def _read_first(path):
+    try:
+        with open(path) as f:
+            return f.read(4096).strip()
+    except OSError:
+        return None
+
+
+def _cgroup_dirs(controller):
+    """Candidate cgroup dirs for a controller: (version, dir) pairs, own cgroup first."""
+    out = []
+    try:
+        with open("/proc/self/cgroup") as f:
+            lines = f.read().splitlines()
+    except OSError:
+        lines = []
+    for ln in lines:
+        parts = ln.split(":", 2)
+        if len(parts) != 3:
+            continue
+        if parts[0] == "0" and parts[1] == "":
+            out.append((2, "/sys/fs/cgroup" + parts[2].rstrip("/")))
+            out.append((2, "/sys/fs/cgroup"))
+        elif controller in parts[1].split(","):
+            for mount in ("/sys/fs/cgroup/" + parts[1], "/sys/fs/cgroup/" + controller):
+                out.append((1, mount + parts[2].rstrip("/")))
+                out.append((1, mount))
+    return out
+
+
+def cpu_limits():
+    res = {"cpu_quota_us": None, "cpu_period_us": None, "cpu_unlimited": None,
+           "cpu_source": None}
+    for ver, d in _cgroup_dirs("cpu"):
+        if ver == 2:
+            v = _read_first(d + "/cpu.max")
+            if v is None:
+                continue
+            parts = v.split()
+            try:
+                res["cpu_period_us"] = int(parts[1])
+                if parts[0] == "max":
+                    res["cpu_unlimited"] = True
+                else:
+                    res["cpu_quota_us"] = int(parts[0])
+                    res["cpu_unlimited"] = False
+            except (IndexError, ValueError):
+                continue
+            res["cpu_source"] = d + "/cpu.max"
+            return res
+        q = _read_first(d + "/cpu.cfs_quota_us")
+        p = _read_first(d + "/cpu.cfs_period_us")
+        if q is None or p is None:
+            continue
+        try:
+            q, p = int(q), int(p)
+        except ValueError:
+            continue
+        res["cpu_period_us"] = p
+        res["cpu_unlimited"] = q < 0
+        res["cpu_quota_us"] = q if q >= 0 else None
+        res["cpu_source"] = d + "/cpu.cfs_quota_us"
+        return res
+    return res
+
+
+def memory_limit():
+    res = {"memory_limit_bytes": None, "memory_unlimited": None, "memory_source": None}
+    for ver, d in _cgroup_dirs("memory"):
+        name = "/memory.max" if ver == 2 else "/memory.limit_in_bytes"
+        v = _read_first(d + name)
+        if v is None:
+            continue
+        if v == "max":
+            res["memory_unlimited"] = True
+        else:
+            try:
+                n = int(v)
+            except ValueError:
+                continue
+            if ver == 1 and n >= (1 << 62):  # v1 writes "unlimited" as a huge number
+                res["memory_unlimited"] = True
+            else:
+                res["memory_limit_bytes"] = n
+                res["memory_unlimited"] = False
+        res["memory_source"] = d + name
+        return res
+    return res
+
+
+def local_zone():
+    try:
+        target = os.readlink("/etc/localtime")
+        if "zoneinfo/" in target:
+            return target.split("zoneinfo/", 1)[1]
+    except OSError:
+        pass
+    v = _read_first("/etc/timezone")
+    return v or None
+
+
+def egress_probe(target):
+    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d{1,5})$", target) or re.match(
+        r"^([A-Za-z0-9.\-]{1,253}):(\d{1,5})$", target)
+    if not m or not (0 < int(m.group(2)) < 65536):
+        raise HTTPError(400, "egress_probe must be host:port or [v6]:port")
+    host, port = m.group(1), int(m.group(2))
+    t0 = now()
+    try:
+        with socket.create_connection((host, port), timeout=2.0):
+            pass
+        ok, err = True, None
+    except socket.timeout:
+        ok, err = False, "timeout"
+    except OSError as e:
+        ok, err = False, e.strerror or str(e)
+    return {"target": target, "open": ok, "error": err,
+            "duration_ms": round((now() - t0) * 1000, 3)}
+
+
+# ---------------------------------------------------------------- files
+
+
+def resolve_path(d, path, for_write=False):
+    if not isinstance(path, str) or not path:
+        raise HTTPError(400, "path must be a non-empty string")
+    if "\0" in path:
+        raise HTTPError(400, "path contains a NUL byte")
+    if not os.path.isabs(path):
+        base = None
+        if d.shell is not None:
+            try:
+                base = os.readlink("/proc/%d/cwd" % d.shell.pid)
+            except OSError:
+                base = None
+        path = os.path.join(base or os.getcwd(), path)
+    real = os.path.realpath(path)
+    root = d.root
+    if root != "/" and real != root and not real.startswith(root + "/"):
+        raise HTTPError(403, "path is outside the filesystem root %s" % root, {"path": real})
+    return real
+
+
+def open_regular(real):
+    try:
+        fd = os.open(real, os.O_RDONLY | os.O_NONBLOCK | os.O_NOCTTY | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise HTTPError(404, "no such file", {"path": real}) from None
+    except IsADirectoryError:
+        raise HTTPError(400, "not a regular file (directory)", {"path": real}) from None
+    except PermissionError:
+        raise HTTPError(403, "permission denied", {"path": real}) from None
+    except OSError as e:
+        raise HTTPError(400, "cannot open: %s" % (e.strerror or e), {"path": real}) from None
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        os.close(fd)
+        raise HTTPError(400, "not a regular file (%s)" % file_kind(st.st_mode), {"path": real})
+    os.set_blocking(fd, True)
+    return fd, st
+
+
+def file_kind(mode):
+    for test, name in ((stat.S_ISDIR, "directory"), (stat.S_ISFIFO, "fifo"),
+                       (stat.S_ISCHR, "character device"), (stat.S_ISBLK, "block device"),
+                       (stat.S_ISSOCK, "socket"), (stat.S_ISLNK, "symlink")):
+        if test(mode):
+            return name
+    return "unknown"
+
+
+def file_sha256(real):
+    try:
+        fd, _ = open_regular(real)
+    except HTTPError as e:
+        if e.code == 404:
+            return None
+        raise
+    h = hashlib.sha256()
+    try:
+        while True:
+            chunk = os.read(fd, 1 << 20)
+            if not chunk:
+                break
+            h.update(chunk)
+    finally:
+        os.close(fd)
+    return h.hexdigest()
+
+
+def write_file(d, req):
+    real = resolve_path(d, req.get("path"), for_write=True)
+    b64 = req.get("data_b64")
+    if not isinstance(b64, str):
+        raise HTTPError(400, "data_b64 must be a base64 string")
+    try:
+        data = base64.b64decode(b64.encode("ascii"), validate=True)
+    except (binascii.Error, ValueError, UnicodeEncodeError):
+        raise HTTPError(400, "data_b64 is not valid base64") from None
+    mode = req.get("mode")
+    if mode is not None:
+        if isinstance(mode, str) and re.match(r"^0?o?[0-7]{1,4}$", mode):
+            mode = int(mode.replace("o", ""), 8)
+        if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
+            raise HTTPError(400, "mode must be an integer 0-4095 or an octal string")
+    want = req.get("if_sha256")
+    if want is not None and (not isinstance(want, str) or not _SHA256_HEX.match(want.lower())):
+        raise HTTPError(400, "if_sha256 must be a SHA-256 hex digest")
+    with d.files_lock:
+        try:
+            st = os.stat(real)
+        except FileNotFoundError:
+            st = None
+        except OSError as e:
+            raise HTTPError(400, "cannot stat: %s" % e.strerror, {"path": real}) from None
+        if st is not None and not stat.S_ISREG(st.st_mode):
+            raise HTTPError(400, "not a regular file (%s)" % file_kind(st.st_mode),
+                            {"path": real})
+        if want is not None:
+            cur = file_sha256(real) if st is not None else None
+            if cur != want.lower():
+                raise HTTPError(409, "file changed: its SHA-256 differs from if_sha256",
+                                {"path": real, "sha256": cur})
+        parent = os.path.dirname(real)
+        if not os.path.isdir(parent):
+            raise HTTPError(404, "parent directory does not exist", {"path": real})
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=".execd-", dir=parent)
+        except OSError as e:
+            raise HTTPError(403 if e.errno in (errno.EACCES, errno.EROFS) else 400,
+                            "cannot create a file in %s: %s" % (parent, e.strerror)) from None
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            if st is not None:
+                if (st.st_uid, st.st_gid) != (os.getuid(), os.getgid()):
+                    try:
+                        os.fchown(fd, st.st_uid, st.st_gid)
+                    except OSError:
+                        pass
+                os.fchmod(fd, stat.S_IMODE(st.st_mode) if mode is None else mode)
+            else:
+                os.fchmod(fd, (0o666 & ~d.umask) if mode is None else mode)
+            os.close(fd)
+            fd = -1
+            os.replace(tmp, real)
+        except OSError as e:
+            if fd >= 0:
+                os.close(fd)
+            try:
+                os.unlink(tmp)
+            except OSError:
+                pass
+            raise HTTPError(400, "write failed: %s" % (e.strerror or e), {"path": real}) from None
+    return {"path": real, "size": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+# ---------------------------------------------------------------- HTTP
+
+
+def json_bytes(obj):
+    return json.dumps(obj, separators=(",", ":")).encode()
+
+
+class Handler(BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    disable_nagle_algorithm = True  # without it each small response waits ~40 ms for an ACK
+    server_version = "execd/" + VERSION
+    sys_version = ""
+    timeout = IDLE_TIMEOUT
+    daemon = None  # set in main()
+
+    def log_message(self, fmt, *args):
+        if self.daemon.args.verbose:
+            sys.stderr.write("execd: %s %s\n" % (self.address_string(), fmt % args))
+
+    def send_error(self, code, message=None, explain=None):
+        # http.server's own errors (bad request line, huge headers...): JSON, then close.
+        self.close_connection = True
+        try:
+            self.reply(code, {"error": message or "bad request", "code": code}, close=True)
+        except OSError:
+            pass
+
+    def reply(self, code, obj, close=False, headers=None):
+        body = obj if isinstance(obj, bytes) else json_bytes(obj)
+        ctype = "application/octet-stream" if isinstance(obj, bytes) else "application/json"
+        self.send_raw(code, body, ctype, close, headers)
+
+    def send_raw(self, code, body, ctype, close=False, headers=None, length=None):
+        if close:
+            self.close_connection = True
+        reason = self.responses.get(code, ("",))[0]
+        head = ["HTTP/1.1 %d %s" % (code, reason), "Server: " + self.server_version,
+                "Content-Type: " + ctype,
+                "Content-Length: %d" % (len(body) if length is None else length)]
+        if headers:
+            for k, v in headers:
+                head.append("%s: %s" % (k, v))
+        if self.close_connection:
+            head.append("Connection: close")
+        self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)
+
+    def do_GET(self):
+        self.dispatch("GET")
+
+    def do_POST(self):
+        self.dispatch("POST")
+
+    def do_PUT(self):
+        self.dispatch("PUT")
+
+    def do_DELETE(self):
+        self.dispatch("DELETE")
+
+    def do_PATCH(self):
+        self.dispatch("PATCH")
+
+    def do_HEAD(self):
+        self.close_connection = True
+        self.dispatch("HEAD")
+
+    def do_OPTIONS(self):
+        self.dispatch("OPTIONS")
+
+    def read_body(self):
+        if self.headers.get("Transfer-Encoding"):
+            raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)",
+                            {"close": True})
+        raw = self.headers.get("Content-Length")
+        if raw is None:
+            return b""
+        if not raw.strip().isdigit():
+            raise HTTPError(400, "invalid Content-Length", {"close": True})
+        n = int(raw)
+        if n > self.daemon.args.max_body:
+            raise HTTPError(413, "request body over %d bytes" % self.daemon.args.max_body,
+                            {"close": True})
+        chunks = []
+        got = 0
+        deadline = now() + BODY_DEADLINE
+        try:
+            while got < n:
+                left = deadline - now()
+                if left <= 0:
+                    raise socket.timeout()
+                self.connection.settimeout(left)
+                chunk = self.rfile.read1(min(n - got, 1 << 20))
+                if not chunk:
+                    raise HTTPError(400, "body ended early", {"close": True})
+                chunks.append(chunk)
+                got += len(chunk)
+        except socket.timeout:
+            raise HTTPError(408, "request body too slow", {"close": True}) from None
+        finally:
+            try:
+                self.connection.settimeout(IDLE_TIMEOUT)
+            except OSError:
+                pass
+        return b"".join(chunks)
+
+    def json_body(self):
+        body = self.read_body()
+        try:
+            obj = json.loads(body.decode("utf-8")) if body.strip() else {}
+        except (ValueError, UnicodeDecodeError):
+            raise HTTPError(400, "body is not valid JSON") from None
+        if not isinstance(obj, dict):
+            raise HTTPError(400, "body must be a JSON object")
+        return obj
+
+    def authorized(self):
+        want = self.daemon.args.token_sha256
+        if want is None:
+            return True
+        got = self.headers.get("Authorization", "")
+        if not got.startswith("Bearer "):
+            return False
+        digest = hashlib.sha256(got[7:].strip().encode("utf-8", "surrogateescape")).hexdigest()
+        return hmac.compare_digest(digest, want)
+
+    def dispatch(self, method):
+        try:
+            url = urlsplit(self.path)
+            route = url.path
+            query = parse_qs(url.query, keep_blank_values=True)
+            handler = ROUTES.get(route)
+            if handler is None:
+                raise HTTPError(404, "no such route: %s" % route[:200], {"close_body": True})
+            if route != "/health" and not self.authorized():
+                raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
+            want_method = handler[0]
+            if method != want_method:
+                raise HTTPError(405, "use %s for %s" % (want_method, route),
+                                {"close_body": True})
+            handler[1](self, query)
+        except HTTPError as e:
+            close = bool(e.extra.pop("close", False))
+            if e.extra.pop("close_body", False) and self.headers.get("Content-Length", "0") \
+                    not in ("0", ""):
+                close = True  # we did not read the body: the connection cannot be reused
+            obj = {"error": e.message, "code": e.code}
+            obj.update(e.extra)
+            self.reply(e.code, obj, close=close)
+        except (BrokenPipeError, ConnectionResetError, socket.timeout):
+            self.close_connection = True
+        except Exception as e:  # never a traceback to the client
+            sys.stderr.write("execd: internal error on %s: %r\n" % (self.path[:200], e))
+            try:
+                self.reply(500, {"error": "internal error: %s" % type(e).__name__, "code": 500},
+                           close=True)
+            except OSError:
+                self.close_connection = True
+
+    # ------------------------------------------------------------ routes
+
+    def r_health(self, query):
+        self.reply(200, {"ok": True, "version": VERSION})
+
+    def r_exec(self, query):
+        self.reply(200, self.daemon.exec_command(self.json_body()))
+
+    def r_env(self, query):
+        self.reply(200, self.daemon.set_env(self.json_body()))
+
+    def r_reset(self, query):
+        self.reply(200, self.daemon.reset(self.json_body()))
+
+    def r_state(self, query):
+        self.reply(200, self.daemon.state())
+
+    def r_conditions(self, query):
+        self.reply(200, self.daemon.conditions(query))
+
+    def r_files_write(self, query):
+        self.reply(200, write_file(self.daemon, self.json_body()))
+
+    def r_files_read(self, query):
+        """Streams {"data_b64": ..., "size": n, "sha256": ...}: one pass over the file, the
+        hash covers exactly the bytes sent."""
+        req = self.json_body()
+        real = resolve_path(self.daemon, req.get("path"))
+        fd, st = open_regular(real)
+        try:
+            size = st.st_size
+            prefix = b'{"path":' + json_bytes(real) + b',"data_b64":"'
+            suffix_len = len(b'","size":%d,"sha256":"' % size) + 64 + 2
+            length = len(prefix) + 4 * ((size + 2) // 3) + suffix_len
+            self.send_raw(200, prefix, "application/json", length=length)
+            h = hashlib.sha256()
+            left = size
+            while left > 0:
+                chunk = os.read(fd, min(left, 3 << 18))  # multiple of 3: base64 joins cleanly
+                if not chunk:
+                    break
+                if len(chunk) % 3 and len(chunk) < left:
+                    more = os.read(fd, 3 - len(chunk) % 3)
+                    chunk += more
+                h.update(chunk)
+                left -= len(chunk)
+                self.wfile.write(base64.b64encode(chunk))
+            if left:
+                # The file shrank while we sent it: cut the response so the client sees it.
+                self.close_connection = True
+                return
+            self.wfile.write(b'","size":%d,"sha256":"%s"}' % (size, h.hexdigest().encode()))
+        finally:
+            os.close(fd)
+
+    def r_files_get(self, query):
+        path = query.get("path")
+        real = resolve_path(self.daemon, path[-1] if path else None)
+        fd, st = open_regular(real)
+        try:
+            size = st.st_size
+            h = hashlib.sha256()
+            left = size
+            while left > 0:  # pass 1: the hash header must precede the body
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                h.update(chunk)
+                left -= len(chunk)
+            if left:
+                raise HTTPError(409, "file changed while reading", {"path": real})
+            digest = h.hexdigest()
+            os.lseek(fd, 0, os.SEEK_SET)
+            self.send_raw(200, b"", "application/octet-stream", length=size,
+                          headers=[("X-Content-SHA256", digest)])
+            h2 = hashlib.sha256()
+            left = size
+            while left > 0:  # pass 2 streams; a file changed in between cuts the connection
+                chunk = os.read(fd, min(left, 1 << 20))
+                if not chunk:
+                    break
+                h2.update(chunk)
+                left -= len(chunk)
+                if left == 0 and h2.hexdigest() != digest:
+                    self.close_connection = True
+                    return
+                self.wfile.write(chunk)
+            if left:
+                self.close_connection = True
+        finally:
+            os.close(fd)
+
+
+ROUTES = {
+    "/health": ("GET", Handler.r_health),
+    "/exec": ("POST", Handler.r_exec),
+    "/files/read": ("POST", Handler.r_files_read),
+    "/files": ("GET", Handler.r_files_get),
+    "/files/write": ("POST", Handler.r_files_write),
+    "/env": ("POST", Handler.r_env),
+    "/reset": ("POST", Handler.r_reset),
+    "/state": ("GET", Handler.r_state),
+    "/conditions": ("GET", Handler.r_conditions),
+}
+
+
+class Server(ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = True
+    request_queue_size = 128
+
+    def handle_error(self, request, client_address):
+        pass  # a client that vanished is not our error; never print a traceback
+
+
+def parse_listen(value):
+    m = re.match(r"^\[([0-9a-fA-F:.]*)\]:(\d+)$", value) or re.match(r"^([^:]*):(\d+)$", value)
+    if not m:
+        raise ValueError("--listen wants HOST:PORT or [V6]:PORT")
+    return m.group(1), int(m.group(2))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="sandman execd")
+    p.add_argument("--listen", default="0.0.0.0:%d" % EXECD_PORT)
+    p.add_argument("--token-sha256", default=os.environ.get(EXECD_TOKEN_ENV))
+    p.add_argument("--insecure-no-token", action="store_true",
+                   help="serve without a token (tests only)")
+    p.add_argument("--workspace", default=os.environ.get(WORKSPACE_ENV),
+                   help="the shell's first cwd; /reset {\"workspace\": true} empties it")
+    p.add_argument("--root", default="/", help="file routes refuse paths outside this dir")
+    p.add_argument("--netguard-status",
+                   default=os.environ.get(NETGUARD_STATUS_ENV, NETGUARD_STATUS_PATH))
+    p.add_argument("--kill-grace", type=float, default=2.0,
+                   help="seconds between SIGTERM and SIGKILL on a timeout")
+    p.add_argument("--max-body", type=int, default=96 << 20)
+    p.add_argument("--verbose", action="store_true")
+    args = p.parse_args(argv)
+    if args.token_sha256:
+        args.token_sha256 = args.token_sha256.strip().lower()
+        if not _SHA256_HEX.match(args.token_sha256):
+            sys.stderr.write("execd: the token hash must be 64 hex characters\n")
+            return 2
+    elif args.insecure_no_token:
+        args.token_sha256 = None
+    else:
+        sys.stderr.write("execd: no token hash (%s or --token-sha256); refusing to start "
+                         "(--insecure-no-token overrides)\n" % EXECD_TOKEN_ENV)
+        return 2
+    host, port = parse_listen(args.listen)
+    if args.workspace:
+        args.workspace = os.path.realpath(args.workspace)
+    signal.signal(signal.SIGPIPE, signal.SIG_IGN)
+    daemon = Daemon(args)
+    Handler.daemon = daemon
+    Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    srv = Server((host, port), Handler)
+    stopping = threading.Event()
+
+    def stop(signum, frame):
+        if not stopping.is_set():
+            stopping.set()
+            threading.Thread(target=srv.shutdown, daemon=True).start()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+
+    def reap_loop():
+        while not stopping.wait(0.5):
+            daemon.reaper.reap()
+
+    threading.Thread(target=reap_loop, daemon=True).start()
+    addr = srv.server_address
+    sys.stderr.write("execd %s listening on %s:%d (pid %d, %s)\n" % (
+        VERSION, addr[0], addr[1], os.getpid(), daemon.subreaper or "no subreaper"))
+    sys.stderr.flush()
+    try:
+        srv.serve_forever(poll_interval=0.5)
+    finally:
+        # Leave nothing behind: the shell and everything it started go with us.
+        daemon.kill_sandbox()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
