@@ -6,8 +6,8 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps lint test testbed-build testbed-up testbed-down testbed-status \
-        bench-execd bench-netguard clean
+.PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
+        testbed-status bench-execd bench-netguard bench-webhook bench-controller clean
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -32,6 +32,9 @@ testbed-build: $(STAMP)  ## build the test-bed binaries into ~/.cache/sandman-te
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
 	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
 
+test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
+	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)
+
 testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
 	$(VPY) -m tests.testbed up
 
@@ -46,6 +49,12 @@ bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdo
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench
+
+bench-webhook: deps testbed-build  ## creates/s through the API server with vs without the webhooks
+	$(VPY) -m webhook.bench
+
+bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
+	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache

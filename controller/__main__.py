@@ -110,7 +110,10 @@ def main(argv: list[str] | None = None) -> int:
             kube.shutdown()
 
     app.router.lifespan_context = lifespan
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False)
+    # A run start fires thousands of acquires at once: a short accept backlog would turn the
+    # burst into SYN retries (1 s each) before the queue even sees them.
+    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+                backlog=4096, timeout_keep_alive=120)
     return 0
 
 

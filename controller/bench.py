@@ -1,0 +1,269 @@
+"""`make bench-controller`: the controller on the test bed (kwok nodes), three measurements.
+
+1. A ramp of concurrent sandboxes (default 99, 500, 1000, 2000, 5000, 12000) paced at 25/s:
+   acquired, leaked, achieved create rate, acquire latency p50/p99 with the queue included,
+   controller and apiserver RSS at the peak. Every step fires all its acquires at once, holds
+   them, releases them and waits until the namespace is empty (the paper's ramp).
+2. Warm-hit acquire p50/p99 (sequential, one caller).
+3. Acquire overhead against a bare `create_namespaced_pod` + watch-until-Ready loop, same run.
+
+Writes a markdown table to stdout (and `--out FILE`), a plot of acquired-vs-time per step
+(`--plot FILE`). Not a test: numbers are reported, not asserted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+from kubernetes import client, config
+
+from tests.controller.harness import ControllerProc
+from tests.testbed.cluster import Testbed, default_state_dir
+
+IMAGE = "registry.invalid/bench/task:1"
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
+
+
+def rss_mb(pid: int) -> float:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmRSS:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return float("nan")
+
+
+async def fire(url: str, n: int, job: str, timeout_s: float) -> list[tuple]:
+    limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=0)
+    t0 = time.monotonic()
+    async with httpx.AsyncClient(timeout=timeout_s + 60, limits=limits) as cl:
+        async def one():
+            t = time.monotonic()
+            try:
+                r = await cl.post(url + "/v1/sandboxes", json={
+                    "image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": job,
+                    "timeout_s": timeout_s, "warm_ok": False})
+                return r.status_code, r.json(), t - t0, time.monotonic() - t0
+            except httpx.HTTPError as e:
+                return 0, {"error": str(e)}, t - t0, time.monotonic() - t0
+
+        return await asyncio.gather(*(one() for _ in range(n)))
+
+
+async def release_all(url: str, ids: list[str]) -> None:
+    sem = asyncio.Semaphore(200)
+    async with httpx.AsyncClient(timeout=60) as cl:
+        async def one(i):
+            async with sem:
+                await cl.delete(f"{url}/v1/sandboxes/{i}")
+
+        await asyncio.gather(*(one(i) for i in ids))
+
+
+def count_pods(core, ns: str) -> tuple[int, int]:
+    items = core.list_namespaced_pod(ns, _preload_content=False)
+    pods = json.loads(items.data)["items"]
+    live = [p for p in pods if not p["metadata"].get("deletionTimestamp")]
+    return len(pods), len(live)
+
+
+def ramp_step(ctl: ControllerProc, core, ns: str, n: int, apiserver_pid: int, timeout_s: float):
+    t0 = time.monotonic()
+    res = asyncio.run(fire(ctl.url, n, f"ramp-{n}", timeout_s))
+    wall = time.monotonic() - t0
+    ok = [r for r in res if r[0] == 201]
+    peak_ctl, peak_api = rss_mb(ctl.proc.pid), rss_mb(apiserver_pid)
+    _, live = count_pods(core, ns)
+    lat = [r[3] - r[2] for r in ok]
+    done_times = sorted(r[3] for r in ok)
+    creates = [r[1]["timings"] for r in ok]
+    asyncio.run(release_all(ctl.url, [r[1]["id"] for r in ok]))
+    deadline = time.monotonic() + 600
+    total = live
+    while time.monotonic() < deadline:
+        total, _ = count_pods(core, ns)
+        if total == 0:
+            break
+        time.sleep(1)
+    leaked = total
+    achieved = (len(ok) - 1) / (done_times[-1] - done_times[0]) if len(ok) > 1 else float("nan")
+    return {
+        "n": n, "acquired": len(ok), "failed": n - len(ok), "leaked": leaked,
+        "live_at_peak": live, "achieved_rate": achieved, "wall_s": wall,
+        "p50_s": pct(lat, .5), "p99_s": pct(lat, .99),
+        "ready_ms_p50": pct([c["ready_ms"] for c in creates], .5),
+        "ctl_rss_mb": peak_ctl, "apiserver_rss_mb": peak_api, "done_times": done_times,
+        "errors": sorted({str(r[1].get("error"))[:120] for r in res if r[0] != 201})[:3],
+    }
+
+
+def warm_hits(ctl: ControllerProc, n: int) -> dict:
+    spec = {"cpu": "100m", "memory": "128Mi", "egress": "deny"}
+    httpx.post(ctl.url + "/v1/prewarm", json={"image": IMAGE, "spec": spec, "count": n,
+                                              "idle_timeout_s": 600}).raise_for_status()
+    deadline = time.monotonic() + 300
+    while time.monotonic() < deadline:
+        st = httpx.get(ctl.url + "/v1/stats").json()["warm"]
+        if sum(v["warm"] for v in st.values()) >= n:
+            break
+        time.sleep(0.5)
+    lat, warm, ids = [], 0, []
+    with httpx.Client(timeout=60) as cl:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = cl.post(ctl.url + "/v1/sandboxes", json={"image": IMAGE, "job": "warm",
+                                                         **spec})
+            lat.append((time.perf_counter() - t) * 1000)
+            body = r.json()
+            warm += bool(body.get("warm"))
+            ids.append(body["id"])
+            time.sleep(0.05)  # let the replacement create start, as a caller's think time would
+    httpx.post(ctl.url + "/v1/prewarm", json={"image": IMAGE, "spec": spec, "count": 0})
+    asyncio.run(release_all(ctl.url, ids))
+    return {"n": n, "warm_hits": warm, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99)}
+
+
+def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
+    """Sequential cold acquires through the controller vs. create + watch-until-Ready."""
+    from kubernetes import watch
+
+    bare = []
+    for i in range(n):
+        name = f"bare-{i}"
+        t = time.perf_counter()
+        core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": {"bare": "1"}},
+                                        "spec": {"containers": [{"name": "c", "image": IMAGE}],
+                                                 "terminationGracePeriodSeconds": 0}})
+        w = watch.Watch()
+        for ev in w.stream(core.list_namespaced_pod, ns, field_selector=f"metadata.name={name}",
+                           timeout_seconds=60):
+            conds = ev["object"].status.conditions or []
+            if any(c.type == "Ready" and c.status == "True" for c in conds):
+                w.stop()
+                break
+        bare.append((time.perf_counter() - t) * 1000)
+        core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
+    via = []
+    ids = []
+    with httpx.Client(timeout=120) as cl:
+        for _ in range(n):
+            t = time.perf_counter()
+            r = cl.post(ctl.url + "/v1/sandboxes", json={
+                "image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "overhead",
+                "warm_ok": False})
+            via.append((time.perf_counter() - t) * 1000)
+            ids.append(r.json()["id"])
+    asyncio.run(release_all(ctl.url, ids))
+    return {"n": n, "bare_p50_ms": pct(bare, .5), "bare_p99_ms": pct(bare, .99),
+            "ctl_p50_ms": pct(via, .5), "ctl_p99_ms": pct(via, .99)}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m controller.bench")
+    ap.add_argument("--steps", default="99,500,1000,2000,5000,12000")
+    ap.add_argument("--rate", type=float, default=25.0)
+    ap.add_argument("--warm", type=int, default=200)
+    ap.add_argument("--overhead", type=int, default=50)
+    ap.add_argument("--out", default=None, help="also write the markdown here")
+    ap.add_argument("--plot", default=None, help="PNG of acquired vs time per step")
+    args = ap.parse_args(argv)
+    steps = [int(s) for s in args.steps.split(",") if s]
+    state = default_state_dir("bench-controller")
+    tb = Testbed(state, nodes=20)
+    print(f"# starting the test bed in {state}", file=sys.stderr)
+    tb.start()
+    ctl = None
+    try:
+        cfg = client.Configuration()
+        config.load_kube_config(config_file=str(tb.kubeconfig), client_configuration=cfg)
+        cfg.connection_pool_maxsize = 8
+        core = client.CoreV1Api(client.ApiClient(cfg))
+        ns = "bench"
+        core.create_namespace({"metadata": {"name": ns}})
+        while True:
+            try:
+                core.read_namespaced_service_account("default", ns)
+                break
+            except client.ApiException:
+                time.sleep(0.2)
+        ctl = ControllerProc(ns, tb.kubeconfig, state / "controller.log",
+                             ["--rate", str(args.rate), "--burst", str(int(args.rate)),
+                              "--max-creating", "2000", "--max-live", "20000",
+                              "--sweep-interval", "60", "--log-level", "WARNING"]).start()
+        api_pid = next(c.pid for c in tb.components if c.name == "kube-apiserver")
+        rows = []
+        for n in steps:
+            timeout_s = n / args.rate * 1.5 + 120
+            print(f"# ramp step {n} (budget {timeout_s:.0f}s)", file=sys.stderr)
+            row = ramp_step(ctl, core, ns, n, api_pid, timeout_s)
+            print(f"#   {json.dumps({k: v for k, v in row.items() if k != 'done_times'})}",
+                  file=sys.stderr)
+            rows.append(row)
+        warm = warm_hits(ctl, args.warm) if args.warm else None
+        over = bare_vs_controller(ctl, core, ns, args.overhead) if args.overhead else None
+    finally:
+        if ctl:
+            ctl.stop()
+        tb.stop()
+    cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
+    md = [f"Command: `make bench-controller` (`python -m controller.bench --steps {args.steps} "
+          f"--rate {args.rate:g}`), {cpu} cores, kwok nodes (20), {time.strftime('%Y-%m-%d')}.",
+          "",
+          "| sandboxes | acquired | leaked | achieved create rate | vs pacing limit | acquire p50 "
+          "(queue incl.) | acquire p99 | controller RSS | apiserver RSS |",
+          "|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        md.append(f"| {r['n']:,} | {r['acquired']:,} | {r['leaked']} | "
+                  f"{r['achieved_rate']:.1f}/s | {r['achieved_rate'] / args.rate:.2f}x | "
+                  f"{r['p50_s']:.1f} s | {r['p99_s']:.1f} s | {r['ctl_rss_mb']:.0f} MB | "
+                  f"{r['apiserver_rss_mb']:.0f} MB |")
+    if warm:
+        md += ["", f"Warm hits: {warm['warm_hits']} of {warm['n']} sequential acquires; "
+               f"acquire p50 {warm['p50_ms']:.1f} ms, p99 {warm['p99_ms']:.1f} ms "
+               "(goal p50 <= 20 ms)."]
+    if over:
+        md += ["", f"Cold acquire vs bare create + watch-until-Ready ({over['n']} sequential, "
+               f"same run): controller p50 {over['ctl_p50_ms']:.0f} ms / p99 "
+               f"{over['ctl_p99_ms']:.0f} ms; bare p50 {over['bare_p50_ms']:.0f} ms / p99 "
+               f"{over['bare_p99_ms']:.0f} ms; ratio p50 "
+               f"{over['ctl_p50_ms'] / over['bare_p50_ms']:.2f}x."]
+    text = "\n".join(md) + "\n"
+    print(text)
+    if args.out:
+        Path(args.out).write_text(text)
+    if args.plot:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(8, 4.5))
+        for r in rows:
+            ts = r["done_times"]
+            ax.plot(ts, range(1, len(ts) + 1), label=f"{r['n']:,}")
+        t_max = max((r["done_times"][-1] for r in rows if r["done_times"]), default=1)
+        ax.plot([0, t_max], [0, t_max * args.rate], "k--", lw=1,
+                label=f"pacing limit {args.rate:g}/s")
+        ax.set_xlabel("seconds since the step's acquires were fired")
+        ax.set_ylabel("sandboxes acquired")
+        ax.set_title("sandman controller ramp on kwok (acquired vs time)")
+        ax.legend(title="step")
+        fig.tight_layout()
+        fig.savefig(args.plot, dpi=110)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
