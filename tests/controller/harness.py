@@ -24,6 +24,7 @@ class ControllerProc:
     flags: list[str] = field(default_factory=list)
     port: int = 0
     proc: subprocess.Popen | None = None
+    ready_check: str = "pod"  # kwok pods run nothing; `execd` needs a real execd at the pod IP
 
     @property
     def url(self) -> str:
@@ -33,7 +34,7 @@ class ControllerProc:
         self.port = self.port or free_port()
         cmd = [sys.executable, "-m", "controller", "serve", "--namespace", self.namespace,
                "--listen", f"127.0.0.1:{self.port}", "--kubeconfig", str(self.kubeconfig),
-               "--ready-check", "pod", *self.flags]
+               "--ready-check", self.ready_check, *self.flags]
         with open(self.log, "ab") as f:
             self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                          cwd=repo_root(), start_new_session=True)

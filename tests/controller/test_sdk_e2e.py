@@ -1,0 +1,140 @@
+"""The SDK against the real controller on the test bed, with a real execd behind every pod.
+
+kwok runs no container, but it hands out pod IPs from loopback (127.64.0.0/16). A small
+"kubelet" here watches the namespace and starts the real execd (execd/execd.py) on each pod's
+IP and port 9470 with the token hash from the pod's annotation, exactly what the pod would run.
+The controller runs with its default `--ready-check execd`, so it hands a sandbox out only
+after execd answers from the pod IP.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+from kubernetes import watch
+
+from sandman import contract
+from sandman.client import AsyncClient, Client, CommandTimeout, SandboxGone, Unauthorized
+from tests.controller.harness import ControllerProc, pods, wait_for
+from tests.testbed.cluster import repo_root
+
+IMAGE = "registry.invalid/swe/task:1"
+EXECD = repo_root() / "execd" / "execd.py"
+
+
+class ExecdKubelet:
+    """Starts a real execd for every Ready pod of the namespace; stops it when the pod goes."""
+
+    def __init__(self, core, ns: str, root):
+        self.core, self.ns, self.root = core, ns, root
+        self.procs: dict[str, subprocess.Popen] = {}
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True)
+        self._t.start()
+
+    def _run(self):
+        deadline = time.monotonic() + 600
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            w = watch.Watch()
+            for ev in w.stream(self.core.list_namespaced_pod, self.ns, timeout_seconds=2):
+                pod = ev["object"]
+                name = pod.metadata.name
+                gone = ev["type"] == "DELETED" or pod.metadata.deletion_timestamp
+                if gone:
+                    self._kill(name)
+                elif pod.status.pod_ip and name not in self.procs:
+                    sha = (pod.metadata.annotations or {}).get(contract.ANNOTATION_TOKEN_SHA256)
+                    if sha:
+                        self.procs[name] = subprocess.Popen(
+                            [sys.executable, str(EXECD), "--listen",
+                             f"{pod.status.pod_ip}:{contract.EXECD_PORT}", "--token-sha256", sha,
+                             "--netguard-status", str(self.root / "none.json")],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                            start_new_session=True, cwd=self.root)
+                if self._stop.is_set():
+                    w.stop()
+                    break
+
+    def _kill(self, name: str):
+        p = self.procs.pop(name, None)
+        if p and p.poll() is None:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait(5)
+
+    def alive(self) -> list[str]:
+        return [n for n, p in self.procs.items() if p.poll() is None]
+
+    def stop(self):
+        self._stop.set()
+        self._t.join(10)
+        for name in list(self.procs):
+            self._kill(name)
+
+
+@pytest.fixture
+def stack(cluster, namespace, tmp_path):
+    kubelet = ExecdKubelet(cluster.core, namespace, tmp_path)
+    # The controller's default readiness check: Ready AND execd /health from the pod IP.
+    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
+                         ["--lease-name", f"sdk-{namespace}"], ready_check="execd")
+    try:
+        ctl.start()
+        yield ctl, kubelet
+    finally:
+        ctl.kill()
+        kubelet.stop()
+
+
+def test_sync_sdk_end_to_end(cluster, namespace, stack):
+    ctl, kubelet = stack
+    with Client(ctl.url) as cl:
+        with cl.acquire(IMAGE, job="sdk-sync", cpu="1", memory="1Gi", timeout_s=60) as sb:
+            assert sb.pod in kubelet.alive()
+            r = sb.exec("cd /tmp && export X=41 && echo $((X+1))", timeout=30)
+            assert r.exit_code == 0 and r.output.strip() == "42"
+            assert sb.exec("echo $X; pwd").output.split() == ["41", "/tmp"]
+            path = f"/tmp/sandman-e2e-{namespace}.txt"
+            data = b"line1\r\nline2\n\xff\xfe"
+            sb.write(path, data)
+            assert sb.read(path) == data
+            with pytest.raises(CommandTimeout):
+                sb.exec("sleep 30", timeout=1)
+            sid, pod = sb.id, sb.pod
+        # Leaving the block released it: the pod goes, and its execd with it.
+        wait_for(lambda: pod not in {p.metadata.name for p in pods(cluster.core, namespace)
+                                     if not p.metadata.deletion_timestamp}, 20, "release")
+        with pytest.raises(SandboxGone):
+            cl.get(sid)
+    os.unlink(path)
+
+
+def test_async_sdk_end_to_end(cluster, namespace, stack):
+    ctl, kubelet = stack
+
+    async def main():
+        async with AsyncClient(ctl.url) as cl:
+            sbs = await asyncio.gather(*(cl.acquire(IMAGE, job="sdk-async", cpu="1",
+                                                    memory="1Gi", timeout_s=60)
+                                         for _ in range(3)))
+            outs = await asyncio.gather(*(sb.exec(f"echo {i}") for i, sb in enumerate(sbs)))
+            assert [o.output.strip() for o in outs] == ["0", "1", "2"]
+            # A sandbox's token opens only that sandbox.
+            from sandman.client import AsyncSandbox
+
+            wrong = AsyncSandbox(sbs[0].address, sbs[0].port, "not-the-token")
+            with pytest.raises(Unauthorized):
+                await wrong.exec("true")
+            await wrong.aclose()
+            for sb in sbs:
+                await sb.release()
+
+    asyncio.run(main())
+    wait_for(lambda: not [p for p in pods(cluster.core, namespace)
+                          if not p.metadata.deletion_timestamp], 20, "all released")
