@@ -98,3 +98,27 @@ def test_any_bytes_any_name_round_trip(execd: Execd, tmp_path_factory, data: byt
         w = sb.write(path, data)
         assert w.sha256 == hashlib.sha256(data).hexdigest()
         assert sb.read(path) == data
+
+
+@pytest.mark.parametrize("sync_cls,async_cls", [
+    ("Client", "AsyncClient"), ("Sandbox", "AsyncSandbox")])
+def test_twins_have_the_same_api(sync_cls: str, async_cls: str) -> None:
+    """Mirrored files drift; this catches a method or argument added to one twin only."""
+    import inspect
+
+    import sandman.client as c
+
+    renames = {"close": "aclose", "__enter__": "__aenter__", "__exit__": "__aexit__"}
+    s, a = getattr(c, sync_cls), getattr(c, async_cls)
+
+    def api(cls, rename=None):
+        out = {}
+        for name, fn in inspect.getmembers(cls):
+            dunder = name in renames or name in renames.values()
+            if (name.startswith("_") and not dunder) or not callable(fn):
+                continue
+            params = [p.name for p in inspect.signature(fn).parameters.values()]
+            out[(rename or {}).get(name, name)] = params
+        return out
+
+    assert api(s, renames) == api(a)

@@ -157,6 +157,8 @@ class AsyncClient:
     async def _send(self, method: str, path: str, *, read_s: float, json: Any = None,
                     params: dict[str, str] | None = None,
                     idempotent: bool = True) -> httpx.Response:
+        if self._http.is_closed:
+            raise SandmanError(f"{method} {path}: the client is closed")
         attempts = _core.Attempts(self._retry, read_s)
         tmo = _core.timeout(self._retry, read_s)
         while True:
