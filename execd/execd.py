@@ -42,7 +42,7 @@ NETGUARD_STATUS_PATH = "/sandman/run/netguard.json"
 NETGUARD_STATUS_ENV = "SANDMAN_NETGUARD_STATUS"
 WORKSPACE_ENV = "SANDMAN_WORKSPACE"
 INSTANCE_ENV = "SANDMAN_EXECD_INSTANCE"
-# Every process a command starts carries this variable (value: instance-call), so a timeout or a
+# The shell exports this variable (value: instance-call) to every process a call starts, so a timeout or a
 # reset finds it again even after it double-forked or called setsid.
 TAG_VAR = "__SANDMAN_CALL"
 
@@ -72,6 +72,7 @@ BOOTSTRAP = r"""
 builtin exec %(proto)d<&-
 BASH_ARGV0=bash
 __sm_k=0 __sm_t=0
+builtin export %(tag)s=
 __sm_chk1() {
   local -
   builtin set +xv
@@ -374,7 +375,7 @@ class Shell:
         self.buf = bytearray(READ_SIZE)
         self.started = now()
         script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
-                              "proto": PROTO_FD}
+                              "proto": PROTO_FD, "tag": TAG_VAR}
         cwd = d.workspace or os.getcwd()
         text = ("builtin cd -- %s 2>/dev/null\n%s\n" % (
             sh_quote(cwd.encode()).decode(), script)).encode()
@@ -539,10 +540,11 @@ class Daemon:
         out.discard(me)
         return sorted(out)
 
-    def call_pids(self, tag, shell_pid, since_ticks):
-        """The processes of one call: those carrying its tag anywhere, plus untagged shell
-        descendants started since the call began (forked subshells never exec, so carry no tag).
-        """
+    def call_pids(self, tag, root, since_ticks):
+        """The processes of one call: those carrying its tag anywhere, plus untagged descendants
+        of `root` (the shell; execd once the shell died) started since the call began (forked
+        subshells never exec, so carry no tag)."""
+        shell_pid = root
         info = {}
         for p in all_pids():
             s = proc_stat(p)
@@ -561,7 +563,7 @@ class Daemon:
         out = set()
         me = os.getpid()
         for p, s in info.items():
-            if p in (me, shell_pid) or s[1] == "Z":
+            if p == me or (p == shell_pid and root != me) or s[1] == "Z":
                 continue
             t = proc_tag(p)
             if t == tag:
@@ -694,9 +696,9 @@ class Daemon:
         while sh.read_avail(sh.st_r, 65536):
             pass
         line = b"".join((
-            b"__sm_m=", marker, b"; __sm_c=", sh_quote(data),
-            b"; __sm_chk && ", TAG_VAR.encode(), b"=", tag.encode(),
-            b" builtin eval \"$__sm_c\"; __sm_fin $?\n"))
+            b"__sm_m=", marker, b"; ", TAG_VAR.encode(), b"=", tag.encode(),
+            b"; __sm_c=", sh_quote(data),
+            b"; __sm_chk && builtin eval \"$__sm_c\"; __sm_fin $?\n"))
         since = None  # in /proc start-time ticks; needed only on a timeout
         result = {"exit_code": None, "output": "", "truncated": False, "duration_ms": 0.0,
                   "error": None}
@@ -725,7 +727,7 @@ class Daemon:
                 if fd == sh.out_r:
                     self._drain(sh, cap, buf, bufview, 64)
                 elif fd == sh.st_r:
-                    got = sh.read_avail(sh.st_r, 4096)
+                    got = sh.read_avail(sh.st_r, self.args.status_read_size)
                     if got:
                         status += got
                         frame = parse_frame(status, marker)
@@ -755,7 +757,10 @@ class Daemon:
         result["truncated"] = cap.truncated
         if dead_st is not None:
             code = exit_code_of(dead_st)
-            self._kill_call(tag, None, None)
+            # Its children are ours now (subreaper): the call's, tagged or started since, go.
+            bt = boot_ticks()
+            since = None if bt is None else bt - (now() - t0) * _CLK_TCK - 2
+            self._kill_call(tag, os.getpid(), since)
             result["exit_code"] = code
             msg = "shell exited (status %d); a new shell was started, state lost" % code
             if frame is not None and status:
@@ -810,9 +815,9 @@ class Daemon:
             if n < len(buf):
                 return
 
-    def _kill_call(self, tag, shell_pid, since):
+    def _kill_call(self, tag, root, since):
         for _ in range(20):
-            pids = self.call_pids(tag, shell_pid if shell_pid else -1, since)
+            pids = self.call_pids(tag, root, since)
             if not pids:
                 return
             self.kill_pids(pids, signal.SIGKILL)
@@ -1324,7 +1329,7 @@ class Handler(BaseHTTPRequestHandler):
                             {"close": True})
         chunks = []
         got = 0
-        deadline = now() + BODY_DEADLINE
+        deadline = now() + self.daemon.args.body_timeout
         try:
             while got < n:
                 left = deadline - now()
@@ -1533,7 +1538,11 @@ def main(argv=None):
                    default=os.environ.get(NETGUARD_STATUS_ENV, NETGUARD_STATUS_PATH))
     p.add_argument("--kill-grace", type=float, default=2.0,
                    help="seconds between SIGTERM and SIGKILL on a timeout")
-    p.add_argument("--max-body", type=int, default=96 << 20)
+    p.add_argument("--max-body", type=int, default=96 << 20, help="request size cap (bytes)")
+    p.add_argument("--body-timeout", type=float, default=BODY_DEADLINE,
+                   help="a request body must arrive within this many seconds")
+    # Tests only: small status reads split frames at chosen points.
+    p.add_argument("--status-read-size", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
     if args.token_sha256:

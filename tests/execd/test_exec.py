@@ -1,0 +1,398 @@
+"""POST /exec: persistence, refusal of incomplete input, strict frames, timeouts and the paper's
+child-process scenarios (appendix G, tables A22, A25, A26, A27), floods, shell death, retries."""
+
+from __future__ import annotations
+
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from execd import execd as execd_mod
+
+from .conftest import alive, wait_for
+
+MARKER_LEN = 17  # "@" + 16 hex digits
+
+
+def read_pids(path: Path) -> list[int]:
+    assert wait_for(lambda: path.exists() and path.read_text().strip(), 5), f"{path} empty"
+    return [int(x) for x in path.read_text().split()]
+
+
+# ---------------------------------------------------------------- persistence and busy
+
+
+def test_state_persists_across_calls(execd, tmp_path):
+    r = execd.exec(f"cd {tmp_path}; export FOO=bar; greet() {{ echo hello $1; }}; X=42")
+    assert r["exit_code"] == 0 and r["error"] is None
+    r = execd.exec("pwd; echo $FOO $X; greet you")
+    assert r["output"] == f"{tmp_path}\nbar 42\nhello you\n"
+    r = execd.exec("sleep 60 & echo started")
+    assert r["output"] == "started\n"
+    r = execd.exec("jobs -p | wc -l; kill %1; wait %1; echo $?")
+    assert r["output"].split() == ["1", "143"]
+
+
+def test_exit_codes_and_output_exact(execd):
+    assert execd.exec("false")["exit_code"] == 1
+    assert execd.exec("(exit 200)")["exit_code"] == 200
+    r = execd.exec("printf 'a\\r\\nb'; printf 'err' >&2")
+    assert r["output"] == "a\r\nberr" and r["exit_code"] == 0 and r["truncated"] is False
+    assert isinstance(r["duration_ms"], float)
+
+
+def test_command_stdin_is_not_the_protocol(execd):
+    r = execd.exec("cat; read x; echo read=$?")
+    assert r["output"] == "read=1\n"
+    assert execd.exec("echo still")["output"] == "still\n"
+
+
+def test_second_exec_while_busy_gets_409_at_once(execd):
+    first = {}
+    t = threading.Thread(target=lambda: first.update(execd.exec("sleep 1.5; echo done")))
+    t.start()
+    try:
+        assert wait_for(lambda: execd.state()["busy"], 5)
+        t0 = time.monotonic()
+        r = execd.post("/exec", {"command": "echo second"})
+        assert time.monotonic() - t0 < 0.5
+        assert r.status_code == 409 and r.json()["error"] == "busy"
+    finally:
+        t.join(30)
+    assert first["output"] == "done\n"
+
+
+# ---------------------------------------------------------------- incomplete input (A26)
+
+
+def _assert_refused(execd, command, fragment, tmp_path):
+    execd.exec("KEEP=kept")
+    t0 = time.monotonic()
+    r = execd.exec(command, timeout=300)
+    elapsed = time.monotonic() - t0
+    assert r["exit_code"] == 2, r
+    assert fragment in r["error"], r["error"]
+    assert elapsed < 2.0, f"refusal took {elapsed:.2f}s"
+    assert r["output"] == ""
+    assert not (tmp_path / "ws" / "ran").exists(), "part of the refused command ran"
+    assert execd.exec("echo $KEEP")["output"] == "kept\n", "shell state lost"
+
+
+def test_unterminated_heredoc_into_file(execd, tmp_path):
+    _assert_refused(execd, "touch ran\ncat > out.py <<'EOF'\nprint(1)\n", "here-document",
+                    tmp_path)
+    assert not (tmp_path / "ws" / "out.py").exists()
+
+
+def test_unterminated_heredoc_second_form(execd, tmp_path):
+    _assert_refused(execd, "touch ran; cat <<EOF > out.txt\nsome text\nEO F", "here-document",
+                    tmp_path)
+
+
+def test_unbalanced_quote_nesting_in_search(execd, tmp_path):
+    _assert_refused(execd, "touch ran\ngrep -rn \"def foo(self, x='a\" . | grep \"x'",
+                    "unexpected EOF", tmp_path)
+
+
+def test_open_python_c_program(execd, tmp_path):
+    _assert_refused(execd, "touch ran\npython3 -c 'import sys\nprint(sys.argv)\n",
+                    "unexpected EOF", tmp_path)
+
+
+def test_unterminated_single_quote(execd, tmp_path):
+    _assert_refused(execd, "touch ran; echo 'abc", "unexpected EOF", tmp_path)
+
+
+def test_wrapper_escape_is_parsed_not_run(execd, tmp_path):
+    # Wrapping in a function and eval-ing would run `touch ran` during the "check".
+    _assert_refused(execd, "x; }; touch ran; f() {", "syntax error", tmp_path)
+
+
+def test_check_runs_nothing_valid_command_runs_once(execd, tmp_path):
+    r = execd.exec("echo x >> count; cat count | wc -l; exit_not_run=1")
+    assert r["output"].strip() == "1"
+    assert (tmp_path / "ws" / "count").read_text() == "x\n"
+
+
+def test_extglob_enabled_in_the_same_command(execd):
+    r = execd.exec("shopt -s extglob\nmkdir -p d && cd d && touch a b keep && echo !(keep)")
+    assert r["exit_code"] == 0 and r["output"] == "a b\n"
+
+
+def test_diagnosis_line_numbers_are_the_commands(execd):
+    r = execd.exec("echo a\necho b\necho 'c")
+    assert "line 3" in r["error"] and r["error"].startswith("bash: line"), r["error"]
+
+
+# ---------------------------------------------------------------- frames (A25)
+
+
+def test_parse_frame_every_split_point():
+    marker = b"@0123456789abcdef"
+    for status in (0, 1, 12, 127, 255):
+        for kind in (b"S", b"E"):
+            frame = marker + kind + str(status).encode() + b"\n"
+            for cut in range(len(frame)):
+                assert execd_mod.parse_frame(bytearray(frame[:cut]), marker)[0] == "need"
+            assert execd_mod.parse_frame(bytearray(frame), marker) == ("ok", kind.decode(),
+                                                                        status)
+
+
+@pytest.mark.parametrize("bad", [b"S\n", b"S256\n", b"S007\n", b"S-1\n", b"S1x\n", b"X0\n",
+                                 b"S1234", b"S1\nextra"])
+def test_parse_frame_rejects(bad):
+    marker = b"@0123456789abcdef"
+    assert execd_mod.parse_frame(bytearray(marker + bad), marker)[0] == "invalid"
+    assert execd_mod.parse_frame(bytearray(b"junk" + marker + b"S0\n"), marker)[0] == "invalid"
+    assert execd_mod.parse_frame(bytearray(b"@01234567"), b"@0123456789abcdef")[0] == "need"
+
+
+def test_frame_forced_empty_status_restarts_shell(execd):
+    execd.exec("KEEP=1")
+    old = execd.shell_pid()
+    r = execd.exec("builtin printf '%s\\n' \"$__sm_m\" >&62; sleep 5")
+    assert "invalid frame" in r["error"] and "state lost" in r["error"]
+    assert r["exit_code"] == -1
+    assert execd.shell_pid() != old
+    assert execd.exec("echo ${KEEP:-gone}")["output"] == "gone\n"
+    assert execd.exec("false")["exit_code"] == 1
+
+
+def test_frame_forged_out_of_range_status(execd):
+    r = execd.exec("builtin printf '%sS999\\n' \"$__sm_m\" >&62; sleep 5")
+    assert "invalid frame" in r["error"] and r["exit_code"] == -1
+
+
+def test_frame_shell_dies_after_marker_before_status(execd):
+    r = execd.exec("builtin printf '%s' \"$__sm_m\" >&62; kill -9 $$")
+    assert r["exit_code"] == 137
+    assert "incomplete frame" in r["error"] and "shell exited" in r["error"]
+    assert execd.exec("echo next")["output"] == "next\n"
+
+
+def test_frame_shell_dies_after_partial_status(execd):
+    r = execd.exec("builtin printf '%sS12' \"$__sm_m\" >&62; exit 1")
+    assert r["exit_code"] == 1
+    assert "incomplete frame" in r["error"] and "shell exited" in r["error"]
+
+
+@pytest.mark.parametrize("read_size", [1, 5, MARKER_LEN, MARKER_LEN + 1, MARKER_LEN + 2])
+def test_frame_split_across_reads(execd_factory, read_size):
+    d = execd_factory("--status-read-size", str(read_size))
+    for cmd, code in (("false", 1), ("(exit 127)", 127), ("true", 0), ("(exit 12)", 12)):
+        r = d.exec(cmd)
+        assert r["exit_code"] == code and r["error"] is None, (cmd, r)
+
+
+def test_frame_4053_bytes_then_failing_command_around_4k_reads(execd_factory):
+    # The paper's untampered case: output ending near a 4,096-byte read boundary.
+    d = execd_factory("--status-read-size", str(MARKER_LEN))
+    for n in list(range(4040, 4100, 3)) + [4053, 8192 - MARKER_LEN, 65536]:
+        r = d.exec(f"head -c {n} /dev/zero | tr '\\0' a; false")
+        assert r["exit_code"] == 1 and r["error"] is None, (n, r)
+        assert r["output"] == "a" * n
+
+
+# ---------------------------------------------------------------- timeouts and children (A22)
+
+
+def test_timeout_returns_124_output_so_far_shell_survives(execd):
+    execd.exec("KEEP=1")
+    t0 = time.monotonic()
+    r = execd.exec("echo before; sleep 100", timeout=1)
+    assert time.monotonic() - t0 < 5
+    assert r["exit_code"] == 124 and r["output"].startswith("before\n")
+    assert "timeout" in r["error"]
+    assert execd.exec("echo $KEEP")["output"] == "1\n"
+
+
+def test_timeout_builtin_loop_restarts_shell(execd):
+    r = execd.exec("while :; do :; done", timeout=1)
+    assert r["exit_code"] == 124 and "restarted" in r["error"]
+    assert execd.exec("echo ok")["output"] == "ok\n"
+    assert execd.others() == []
+
+
+def _no_survivors(execd, pids):
+    assert wait_for(lambda: not [p for p in pids if alive(p)], 5), [p for p in pids if alive(p)]
+
+
+def test_child_timeout_plain_background(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"sleep 100 & echo $! > {f}; sleep 100", timeout=1)
+    assert r["exit_code"] == 124
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_child_timeout_background_ignores_sigterm(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"(trap '' TERM; echo $BASHPID > {f}; exec sleep 100) & sleep 100", timeout=1)
+    assert r["exit_code"] == 124
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_child_timeout_foreground_ignores_sigterm(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"bash -c 'trap \"\" TERM; echo $$ > {f}; while :; do sleep 0.1; done'",
+                   timeout=1)
+    assert r["exit_code"] == 124
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_child_shell_killed_two_children(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"sleep 100 & echo $! >> {f}; sleep 100 & echo $! >> {f}; kill -9 $$")
+    assert r["exit_code"] == 137 and "shell exited" in r["error"]
+    pids = read_pids(f)
+    assert len(pids) == 2
+    _no_survivors(execd, pids)
+    assert execd.others() == []
+
+
+def test_child_shell_exits_one_child(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"sleep 100 & echo $! > {f}; exit 4")
+    assert r["exit_code"] == 4 and "shell exited" in r["error"]
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_child_shell_killed_child_holds_output_pipe(execd, tmp_path):
+    f = tmp_path / "pids"
+    t0 = time.monotonic()
+    r = execd.exec(f"(echo $BASHPID > {f}; sleep 100; echo late) & sleep 0.2; kill -9 $$",
+                   timeout=60)
+    assert time.monotonic() - t0 < 5, "shell death noticed only at the timeout"
+    assert r["exit_code"] == 137 and "shell exited" in r["error"]
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_child_normal_background_left_on_purpose_until_reset(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"sleep 100 & echo $! >> {f}; sleep 100 & echo $! >> {f}")
+    assert r["exit_code"] == 0
+    pids = read_pids(f)
+    assert all(alive(p) for p in pids), "background children must survive the answer"
+    assert execd.post("/reset", {}).status_code == 200
+    _no_survivors(execd, pids)
+    assert execd.others() == []
+
+
+def test_child_timeout_own_session(execd, tmp_path):
+    f = tmp_path / "pids"
+    r = execd.exec(f"setsid -f bash -c 'echo $$ > {f}; exec sleep 100'; sleep 100", timeout=1)
+    assert r["exit_code"] == 124
+    _no_survivors(execd, read_pids(f))
+    assert execd.others() == []
+
+
+def test_timeout_spares_earlier_background_jobs(execd, tmp_path):
+    f = tmp_path / "pids"
+    execd.exec(f"sleep 100 & echo $! > {f}")
+    keep = read_pids(f)
+    r = execd.exec("sleep 100", timeout=1)
+    assert r["exit_code"] == 124
+    assert all(alive(p) for p in keep)
+
+
+# ---------------------------------------------------------------- output cap and floods (A27)
+
+
+def test_output_cap_keeps_head_and_tail(execd):
+    r = execd.exec("seq 1 100000", max_output=1000)
+    assert r["truncated"] is True and r["exit_code"] == 0
+    out = r["output"]
+    assert out.startswith("1\n2\n3\n") and out.endswith("99999\n100000\n")
+    assert "bytes omitted" in out
+    assert len(out.encode()) < 1000 + 100
+    small = execd.exec("echo hi", max_output=1000)
+    assert small["truncated"] is False and small["output"] == "hi\n"
+
+
+def test_flood_1gib_rss_bounded(execd):
+    t0 = time.monotonic()
+    r = execd.exec("head -c 1073741824 /dev/zero; echo; echo end", timeout=120)
+    took = time.monotonic() - t0
+    assert r["exit_code"] == 0 and r["truncated"] is True
+    assert r["output"].endswith("end\n")
+    hwm = execd.rss_hwm_kib()
+    assert hwm < 32 * 1024, f"execd peak RSS {hwm} KiB"
+    assert took < 60
+
+
+def test_endless_flood_until_timeout_rss_bounded(execd):
+    r = execd.exec("yes flood", timeout=3)
+    assert r["exit_code"] == 124 and r["truncated"] is True
+    assert r["output"].startswith("flood\n")
+    assert execd.rss_hwm_kib() < 32 * 1024
+    assert execd.exec("echo after")["output"] == "after\n"
+
+
+# ---------------------------------------------------------------- shell death
+
+
+def test_shell_exit_reports_real_status_and_fresh_shell(execd):
+    execd.exec("KEEP=1")
+    r = execd.exec("exit 3")
+    assert r["exit_code"] == 3 and "shell exited" in r["error"] and "state lost" in r["error"]
+    r = execd.exec("echo ${KEEP:-fresh}")
+    assert r["output"] == "fresh\n" and r["exit_code"] == 0
+
+
+def test_shell_kill_9(execd):
+    r = execd.exec("kill -9 $$")
+    assert r["exit_code"] == 137 and "shell exited" in r["error"]
+    assert execd.exec("echo ok")["output"] == "ok\n"
+
+
+def test_shell_killed_between_calls_is_reported(execd):
+    pid = execd.shell_pid()
+    import os
+    import signal
+    os.kill(pid, signal.SIGKILL)
+    assert wait_for(lambda: not alive(pid), 5)
+    r = execd.exec("echo ok")
+    assert r["output"] == "ok\n" and r["exit_code"] == 0
+    assert "had exited" in (r["error"] or "")
+
+
+# ---------------------------------------------------------------- idempotent retries
+
+
+def test_request_id_retry_returns_stored_response(execd, tmp_path):
+    cmd = "echo run >> runs; wc -l < runs"
+    a = execd.exec(cmd, request_id="r-1")
+    b = execd.exec(cmd, request_id="r-1")
+    assert a == b
+    assert (tmp_path / "ws" / "runs").read_text() == "run\n"
+    c = execd.exec(cmd, request_id="r-2")
+    assert c["output"].strip() == "2"
+
+
+def test_request_id_retry_while_running_waits(execd, tmp_path):
+    cmd = "sleep 1; echo run >> runs; echo done"
+    results = []
+    threads = [threading.Thread(target=lambda: results.append(execd_exec(execd, cmd)))
+               for _ in range(2)]
+    threads[0].start()
+    assert wait_for(lambda: execd.state()["busy"], 5)
+    threads[1].start()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 2 and results[0] == results[1]
+    assert results[0]["output"] == "done\n"
+    assert (tmp_path / "ws" / "runs").read_text() == "run\n"
+
+
+def execd_exec(execd, cmd):
+    import httpx
+
+    from .conftest import AUTH
+    with httpx.Client(base_url=execd.url, headers=AUTH, timeout=30) as c:
+        return c.post("/exec", json={"command": cmd, "request_id": "same"}).json()
