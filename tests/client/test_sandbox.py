@@ -216,12 +216,19 @@ def test_busy_shell_is_typed(flavor: Flavor, execd: Execd) -> None:
     import asyncio
     import threading
 
+    async def wait_busy(sb) -> None:
+        for _ in range(200):  # bounded: 10 s
+            if (await sb.state()).busy:
+                return
+            await asyncio.sleep(0.05)
+        raise AssertionError("the first command never started")
+
     async def body():
         async with flavor.connect(execd) as a, flavor.connect(execd) as b:
             # One command at a time per sandbox: a second caller gets SandboxBusy.
             if flavor.is_async:
                 first = asyncio.ensure_future(a.exec("sleep 1", timeout=10))
-                await asyncio.sleep(0.3)
+                await wait_busy(b)
                 with pytest.raises(SandboxBusy):
                     await b.exec("echo second")
                 assert (await first).ok
@@ -229,7 +236,7 @@ def test_busy_shell_is_typed(flavor: Flavor, execd: Execd) -> None:
                 t = threading.Thread(target=lambda: a._obj.exec("sleep 1", timeout=10))
                 t.start()
                 try:
-                    await asyncio.sleep(0.3)
+                    await wait_busy(b)
                     with pytest.raises(SandboxBusy):
                         await b.exec("echo second")
                 finally:
