@@ -577,18 +577,24 @@ class Controller:
                     bad = _failure(pod)
                     if bad:
                         return False, bad
-                    if _is_ready(pod) and _pod_ip(pod):
+                    ready = _is_ready(pod) and _pod_ip(pod)
+                    if ready:
                         e.ip = _pod_ip(pod)
                         if self.s.ready_check == "pod" or await self._healthy(e.ip):
                             return True, ""
+                else:
+                    ready = False
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False, "not Ready and answering execd /health within the budget"
+                # Event-driven: a pod change wakes us. Only an execd probe that failed on a
+                # Ready pod is retried on a timer (no per-pod polling at 12,000 pods).
                 waker.clear()
+                waiter = asyncio.ensure_future(waker.wait())
                 try:
-                    await asyncio.wait_for(waker.wait(), timeout=min(left, 0.25))
-                except TimeoutError:
-                    pass
+                    await asyncio.wait({waiter}, timeout=min(left, 0.2) if ready else left)
+                finally:
+                    waiter.cancel()
         finally:
             self._wakers.pop(e.name, None)
 

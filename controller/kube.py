@@ -57,8 +57,14 @@ class Kube:
     # Pods travel as plain JSON dicts: the client's model (de)serialisation cost ~5 ms of CPU
     # per pod and capped a 2-core controller near 30 creates/s.
     async def _raw(self, fn: Callable, *args, **kwargs) -> dict:
-        resp = await self.call(fn, *args, _preload_content=False, **kwargs)
-        return json.loads(resp.data)
+        kwargs.setdefault("_request_timeout", self.timeout)
+
+        def run() -> dict:
+            # The body is read here, in the pool thread: reading it on the event loop would
+            # block every other request for the length of a TLS read.
+            return json.loads(fn(*args, _preload_content=False, **kwargs).data)
+
+        return await asyncio.get_running_loop().run_in_executor(self._pool, run)
 
     async def create_pod(self, body: dict) -> dict:
         return await self._raw(self.core.create_namespaced_pod, self.ns, body)
@@ -66,13 +72,14 @@ class Kube:
     async def read_pod(self, name: str) -> dict:
         return await self._raw(self.core.read_namespaced_pod, name, self.ns)
 
-    async def delete_pod(self, name: str, uid: str | None):
-        opts = client.V1DeleteOptions(grace_period_seconds=0,
-                                      preconditions=client.V1Preconditions(uid=uid) if uid else None)
-        return await self.call(self.core.delete_namespaced_pod, name, self.ns, body=opts)
+    async def delete_pod(self, name: str, uid: str | None) -> dict:
+        opts = {"gracePeriodSeconds": 0}
+        if uid:
+            opts["preconditions"] = {"uid": uid}
+        return await self._raw(self.core.delete_namespaced_pod, name, self.ns, body=opts)
 
-    async def patch_pod(self, name: str, patch: dict):
-        return await self.call(self.core.patch_namespaced_pod, name, self.ns, patch)
+    async def patch_pod(self, name: str, patch: dict) -> dict:
+        return await self._raw(self.core.patch_namespaced_pod, name, self.ns, patch)
 
     async def list_pods(self, selector: str) -> list[dict]:
         return (await self._raw(self.core.list_namespaced_pod, self.ns,
