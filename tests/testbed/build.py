@@ -39,9 +39,16 @@ def bin_dir() -> Path:
                           f"_etcd-{versions.ETCD}") / "bin"
 
 
+def helm_path() -> Path:
+    # Its own versioned folder: a helm bump must not rebuild the Kubernetes binaries.
+    return cache_dir() / f"helm-{versions.HELM}" / "bin" / "helm"
+
+
 def binaries() -> dict[str, Path]:
     d = bin_dir()
-    return {name: d / name for name in (*K8S_COMPONENTS, "kwok", "etcd")}
+    bins = {name: d / name for name in (*K8S_COMPONENTS, "kwok", "etcd")}
+    bins["helm"] = helm_path()
+    return bins
 
 
 def _run(cmd: list[str], cwd: Path, log, env: dict[str, str]) -> None:
@@ -146,6 +153,15 @@ def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
                 _run(["go", "install", "-trimpath", "-ldflags", "-s -w",
                       f"sigs.k8s.io/kwok/cmd/kwok@{versions.KWOK}"], work, log, genv)
                 shutil.move(str(work / "gobin" / "kwok"), out / "kwok")
+            if "helm" in missing:
+                # helm's go.mod has no replace lines, so plain `go install` works (chart tests).
+                genv = dict(env, GOBIN=str(work / "helmbin"))
+                _run(["go", "install", "-trimpath", "-ldflags", "-s -w",
+                      f"helm.sh/helm/v3/cmd/helm@{versions.HELM}"], work, log, genv)
+                helm_path().parent.mkdir(parents=True, exist_ok=True)
+                tmp_out = helm_path().parent / f".helm.tmp.{os.getpid()}"
+                shutil.move(str(work / "helmbin" / "helm"), tmp_out)
+                tmp_out.rename(helm_path())  # atomic, even when two sessions build at once
         except BuildError as e:
             raise BuildError(f"test-bed build failed: {e}; see {log_path}") from None
     print(f"testbed: built {', '.join(missing)} in {time.monotonic() - t0:.0f}s into {out}",

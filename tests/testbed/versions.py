@@ -8,3 +8,5 @@ KWOK = "v0.7.0"
 # serves watch-list streams on etcd >= 3.5.13 (RequestWatchProgress), and kwok's client-go
 # insists on them; on 3.5.1 kwok relisted every few seconds and pods went Ready 2-5 s late.
 ETCD = "v3.5.35"
+# helm for the chart tests (tests/charts); its go.mod has no replace lines, so `go install` works.
+HELM = "v3.22.0"
