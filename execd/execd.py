@@ -1268,6 +1268,8 @@ class Handler(BaseHTTPRequestHandler):
     def send_error(self, code, message=None, explain=None):
         # http.server's own errors (bad request line, huge headers...): JSON, then close.
         self.close_connection = True
+        # Client mistakes (an HTTP version or method http.server rejects) are 4xx, not 5xx.
+        code = {505: 400, 501: 405}.get(code, code)
         try:
             self.reply(code, {"error": message or "bad request", "code": code}, close=True)
         except OSError:

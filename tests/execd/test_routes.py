@@ -1,0 +1,112 @@
+"""/env, /reset, /state, /conditions."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+
+from .conftest import alive, wait_for
+
+
+def test_env_set_unset_returns_new_env_and_survives_restart(execd):
+    execd.exec("export GONE=1")
+    r = execd.post("/env", {"set": {"PYTHONHASHSEED": "0", "WITH_SPACE": "a b'c\"$x"},
+                            "unset": ["GONE"]})
+    assert r.status_code == 200, r.text
+    env = r.json()["env"]
+    assert env["PYTHONHASHSEED"] == "0" and env["WITH_SPACE"] == "a b'c\"$x"
+    assert "GONE" not in env and "__SANDMAN_CALL" not in env
+    assert execd.exec("echo \"$WITH_SPACE\"")["output"] == "a b'c\"$x\n"
+    execd.exec("exit 1")  # a new shell keeps what /env set
+    assert execd.exec("echo $PYTHONHASHSEED")["output"] == "0\n"
+    assert execd.get("/conditions").json()["pythonhashseed"] == "0"
+
+
+def test_reset_kills_everything_but_execd(execd, tmp_path):
+    f = tmp_path / "pids"
+    execd.exec(f"sleep 100 & echo $! >> {f}")
+    execd.exec(f"setsid -f bash -c 'echo $$ >> {f}; exec sleep 100'")
+    execd.exec(f"env -i setsid -f /bin/sh -c 'echo $$ >> {f}; exec sleep 100'")  # untagged
+    execd.exec(f"(trap '' TERM HUP; echo $BASHPID >> {f}; exec sleep 100) &")
+    # A zombie: its parent never reaps it.
+    execd.exec("bash -c 'sleep 0.05 & exec sleep 100' &")
+    assert wait_for(lambda: f.exists() and len(f.read_text().split()) == 4, 5)
+    pids = [int(x) for x in f.read_text().split()]
+    execd.exec("X=1; cd /")
+    old = execd.shell_pid()
+    r = execd.post("/reset", {})
+    assert r.status_code == 200, r.text
+    assert r.json()["ok"] is True and r.json()["workspace_wiped"] is None
+    assert not [p for p in pids if alive(p)]
+    st = execd.state()
+    assert st["shell_pid"] != old
+    assert [p["pid"] for p in st["processes"]] == [st["shell_pid"]]
+    assert execd.exec("echo ${X:-reset}")["output"] == "reset\n"
+    assert execd.others() == []
+
+
+def test_reset_while_a_command_runs(execd):
+    import threading
+    out = {}
+    t = threading.Thread(target=lambda: out.update(execd.exec("sleep 100", timeout=60)))
+    t.start()
+    assert wait_for(lambda: execd.state()["busy"], 5)
+    r = execd.post("/reset", {})
+    t.join(30)
+    assert r.status_code == 200 and r.json()["ok"] is True
+    assert "reset" in out["error"]
+    assert execd.exec("echo ok")["output"] == "ok\n"
+
+
+def test_reset_wipes_workspace_only_when_asked(execd, tmp_path):
+    ws = tmp_path / "ws"
+    (ws / "keep.txt").write_text("x")
+    execd.post("/reset", {})
+    assert (ws / "keep.txt").exists()
+    (ws / "sub").mkdir()
+    r = execd.post("/reset", {"workspace": True})
+    assert r.status_code == 200 and r.json()["workspace_wiped"] == 2
+    assert ws.exists() and list(ws.iterdir()) == []
+
+
+def test_state_reports_shell_cwd_processes_guard(execd, tmp_path):
+    execd.exec(f"cd {tmp_path}; sleep 100 &")
+    st = execd.state()
+    assert st["cwd"] == str(tmp_path) and st["busy"] is False
+    assert st["reaper"] in ("subreaper", "pid1")
+    cmds = [p["cmd"] for p in st["processes"]]
+    assert "sleep 100" in cmds and any(p["shell"] for p in st["processes"])
+    assert st["guard"] is None and st["uptime_s"] >= 0
+    (tmp_path / "netguard.json").write_text(json.dumps({"applied": True, "rules": 3}))
+    assert execd.state()["guard"] == {"applied": True, "rules": 3}
+    (tmp_path / "netguard.json").write_text("{broken")
+    assert "error" in execd.state()["guard"]
+
+
+def test_conditions_fields(execd):
+    c = execd.get("/conditions").json()
+    for key in ("cpu_quota_us", "cpu_period_us", "visible_cpus", "memory_limit_bytes", "uid",
+                "gid", "user", "tz_env", "localtime", "pythonhashseed", "hostname", "egress"):
+        assert key in c
+    assert c["uid"] == os.getuid() and c["gid"] == os.getgid()
+    assert c["visible_cpus"] == sorted(os.sched_getaffinity(0))
+    assert c["hostname"] == socket.gethostname()
+    assert c["egress"] is None
+    assert c["pythonhashseed"] == os.environ.get("PYTHONHASHSEED")
+
+
+def test_conditions_egress_probe(execd):
+    srv = socket.socket()
+    srv.bind(("127.0.0.1", 0))
+    srv.listen(1)
+    port = srv.getsockname()[1]
+    try:
+        c = execd.get("/conditions", params={"egress_probe": f"127.0.0.1:{port}"}).json()
+        assert c["egress"]["open"] is True
+    finally:
+        srv.close()
+    c = execd.get("/conditions", params={"egress_probe": f"127.0.0.1:{port}"}).json()
+    assert c["egress"]["open"] is False and c["egress"]["error"]
+    r = execd.get("/conditions", params={"egress_probe": "no-port"})
+    assert r.status_code == 400
