@@ -171,6 +171,23 @@ def acquire_body(*, image: str, cpu: str | int | float, memory: str, workspace: 
             "timeout_s": timeout_s, "warm_ok": bool(warm_ok), "wait": bool(wait)}
 
 
+def prewarm_body(*, image: str, count: int, cpu: str | int | float, memory: str,
+                 workspace: str | None, egress: str,
+                 idle_timeout_s: float | None) -> dict[str, Any]:
+    if not image:
+        raise BadRequest("image is required")
+    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
+        raise BadRequest("count must be an integer >= 0")
+    if egress not in ("deny", "allow"):
+        raise BadRequest(f"egress must be 'deny' or 'allow', not {egress!r}")
+    body: dict[str, Any] = {"image": image, "count": count,
+                            "spec": {"cpu": str(cpu), "memory": str(memory),
+                                     "workspace": workspace, "egress": egress}}
+    if idle_timeout_s is not None:
+        body["idle_timeout_s"] = idle_timeout_s
+    return body
+
+
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,
               request_id: str) -> dict[str, Any]:
     if not isinstance(command, str):

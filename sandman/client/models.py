@@ -121,6 +121,25 @@ class SandboxInfo:
                    raw=raw)
 
 
+@dataclass(frozen=True)
+class PoolStatus:
+    """`POST /v1/prewarm`: the warm pool of one (image, size) after the call."""
+
+    target: int
+    warm: int
+    building: int
+    idle_timeout_s: float | None
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> PoolStatus:
+        what = "prewarm answer"
+        d = _obj(data, what)
+        return cls(target=_req(d, "target", int, what), warm=_req(d, "warm", int, what),
+                   building=_opt(d, "building", int, what, 0),
+                   idle_timeout_s=_opt(d, "idle_timeout_s", _NUM, what), raw=d)
+
+
 # ---- execd
 
 @dataclass(frozen=True)

@@ -349,6 +349,16 @@ class _Handler(BaseHTTPRequestHandler):
         body = self._body()
         self._record(body)
         ctl = self.ctl
+        if self.path == "/v1/prewarm":
+            return self._reply(200, {"target": body["count"], "warm": 0,
+                                     "building": body["count"], "idle_timeout_s": 300.0})
+        m = re.fullmatch(r"/v1/jobs/([^/]+)/drain", self.path)
+        if m:
+            with ctl.lock:
+                gone = [k for k, v in ctl.sandboxes.items() if v["job"] == m.group(1)]
+                for k in gone:
+                    del ctl.sandboxes[k]
+            return self._reply(200, {"job": m.group(1), "deleting": len(gone)})
         if self.path != "/v1/sandboxes":
             return self._reply(*_error(404, "BadRequest", "no such route"))
         if ctl.acquire_delay_s:

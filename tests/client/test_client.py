@@ -264,3 +264,24 @@ def test_bad_arguments_are_refused_before_sending(flavor: Flavor,
 
     flavor.run(body)
     assert controller.requests == []
+
+
+def test_prewarm_and_drain(flavor: Flavor, controller: FakeController) -> None:
+    async def body():
+        async with flavor.client(controller.url) as client:
+            pool = await client.prewarm("img:4", 3, cpu=1, idle_timeout_s=60)
+            assert (pool.target, pool.building) == (3, 3)
+            a = await client.acquire("img:4", job="ending")
+            b = await client.acquire("img:4", job="ending")
+            keep = await client.acquire("img:4", job="other")
+            assert await client.drain("ending") == 2
+            for sb in (a, b):
+                with pytest.raises(SandboxGone):  # known gone: not even sent
+                    await sb.exec("true")
+            assert (await keep.exec("true")).ok
+            assert set(controller.sandboxes) == {keep.id}
+
+    flavor.run(body)
+    (_, _, sent), = controller.calls("POST", "/v1/prewarm")
+    assert sent == {"image": "img:4", "count": 3, "idle_timeout_s": 60,
+                    "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny"}}

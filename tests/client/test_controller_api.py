@@ -67,7 +67,7 @@ def real_api():
 
 def test_standby_and_validation_errors(flavor: Flavor, real_api) -> None:
     url, _ = real_api
-    from sandman.client import BadRequest, NotLeader
+    from sandman.client import BadRequest, NotLeader, Owner
 
     async def body():
         async with flavor.client(url) as client:
@@ -79,6 +79,16 @@ def test_standby_and_validation_errors(flavor: Flavor, real_api) -> None:
             assert ei.value.status == 422 and "timeout_s" in ei.value.message
             with pytest.raises(NotLeader):
                 await client.release("sb-x")
+            # Every body the SDK sends passes the real API's validation (extra fields are
+            # refused there): a standby answers NotLeader only after validating it.
+            with pytest.raises(NotLeader):
+                await client.acquire("img", job="j", cpu=1, memory="1Gi", egress="allow",
+                                     workspace="/w", owner=Owner("p", "u"), labels={"k": "v"},
+                                     timeout_s=5, warm_ok=False, wait=False)
+            with pytest.raises(NotLeader):
+                await client.prewarm("img", 2, cpu="500m", idle_timeout_s=30)
+            with pytest.raises(NotLeader):
+                await client.drain("j")
 
     t0 = time.monotonic()
     flavor.run(body)

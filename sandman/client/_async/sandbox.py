@@ -53,13 +53,14 @@ class AsyncSandbox:
     a bearer header and is never logged or shown by repr()."""
 
     def __init__(self, address: str, port: int, token: str, *, id: str | None = None,
-                 pod: str | None = None, warm: bool = False,
+                 pod: str | None = None, job: str | None = None, warm: bool = False,
                  timings: AcquireTimings | None = None, retry: RetryPolicy | None = None,
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  _client: AsyncClient | None = None) -> None:
         self.id = id
         self.pod = pod
+        self.job = job
         self.address = address
         self.port = port
         self.warm = warm

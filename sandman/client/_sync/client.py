@@ -16,7 +16,7 @@ from sandman.client import _core
 from sandman.client._core import RetryPolicy
 from sandman.client._sync.sandbox import Sandbox
 from sandman.client.errors import ControllerUnreachable, NotLeader, SandboxGone, SandmanError
-from sandman.client.models import Lease, Owner, SandboxInfo
+from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo
 
 log = logging.getLogger("sandman.client")
 
@@ -88,7 +88,7 @@ class Client:
                           idempotent=False)
         lease = Lease.from_json(_core.decode_json(resp, "acquire"))
         sb = Sandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
-                     warm=lease.warm, timings=lease.timings, retry=self._retry,
+                     warm=lease.warm, timings=lease.timings, retry=self._retry, job=body["job"],
                      file_timeout_s=self._file_timeout_s, transport=self._execd_transport,
                      _client=self)
         with self._lock:
@@ -122,6 +122,31 @@ class Client:
         if not isinstance(data, list):
             data = []
         return [SandboxInfo.from_json(d) for d in data]
+
+    def prewarm(self, image: str, count: int, *, cpu: str | int | float = "2",
+                memory: str = "8Gi", egress: str = "deny", workspace: str | None = None,
+                idle_timeout_s: float | None = None) -> PoolStatus:
+        """Keep `count` never-used sandboxes of this image and size ready, so acquires with
+        `warm_ok=True` get one at once. `count=0` empties the pool. Warm pods cost capacity
+        while idle; they go after `idle_timeout_s` without an acquire."""
+        body = _core.prewarm_body(image=image, count=count, cpu=cpu, memory=memory,
+                                  workspace=workspace, egress=egress,
+                                  idle_timeout_s=idle_timeout_s)
+        resp = self._send("POST", "/v1/prewarm", json=body, read_s=self._timeout_s)
+        return PoolStatus.from_json(_core.decode_json(resp, "prewarm"))
+
+    def drain(self, job: str) -> int:
+        """End of a job: the controller deletes every sandbox of `job` and withdraws its
+        queued acquires. Handles of this client for that job are gone afterwards. Returns how
+        many sandboxes the controller is deleting."""
+        resp = self._send("POST", f"/v1/jobs/{_quote(job)}/drain", read_s=self._timeout_s)
+        data = _core.decode_json(resp, "drain")
+        for sb in list(self._live.values()):
+            if sb.job == job:
+                sb._gone = True
+                self._forget(sb.id)
+        n = data.get("deleting") if isinstance(data, dict) else None
+        return n if isinstance(n, int) else 0
 
     # ---- transport
 
