@@ -14,7 +14,7 @@ import secrets
 
 import jsonpatch
 
-from sandman.contract import ANNOTATION_TOKEN_SHA256, is_token_sha256
+from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_EGRESS, is_token_sha256
 from sandman.sandbox import (
     INPUT_ANNOTATIONS,
     INPUT_LABELS,
@@ -169,6 +169,9 @@ def validate(review, policy: SandboxPolicy) -> tuple[dict, str]:
     pod = request.get("object")
     if operation not in ("CREATE", "UPDATE") or not _is_pod(request) or not isinstance(pod, dict):
         return _review(uid, {"allowed": True}), "not-create"
+    labels = (pod.get("metadata") or {}).get("labels") or {}
+    if not is_sandbox(pod) and LABEL_EGRESS not in labels:
+        return _review(uid, {"allowed": True}), "not-sandbox"
     refusals = refusals_for(pod, policy)
     if operation == "UPDATE" and refusals:
         old = request.get("oldObject")

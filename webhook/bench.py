@@ -337,6 +337,7 @@ def main(argv: list[str] | None = None) -> int:
                 res["cpu_ms"] = {k: (cpu_seconds(pid) - cpu[k]) * 1000 / max(1, res["ok"])
                                  for k, pid in watched.items()}
                 res["webhook_cpu_ms"] = res["cpu_ms"]["webhook"]
+                res["load"] = os.getloadavg()[0]
                 now = scrape(port, ca)
                 res["connections"] = now["connections"] - scraped["connections"]
                 for op in ("mutate", "validate"):
@@ -354,7 +355,8 @@ def main(argv: list[str] | None = None) -> int:
                           f"{k} {v:.2f}" for k, v in res["cpu_ms"].items()) + ", "
                       f"{res['connections']:.0f} webhook connections, handler mean mutate "
                       f"{res['mutate_ms']:.2f} ms validate {res['validate_ms']:.2f} ms, "
-                      f"{res['errors']} errors {res['first_error']}", flush=True)
+                      f"load {res['load']:.1f}, {res['errors']} errors {res['first_error']}",
+                      flush=True)
                 bed.delete_namespace(ns)
         handler = {}
         for kind, distinct in (("identical", False), ("distinct", True)):
@@ -375,7 +377,8 @@ def main(argv: list[str] | None = None) -> int:
         bed.stop()
 
     med = {arm: {k: statistics.median(x[k] for x in rows)
-                 for k in ("rate", "p50_ms", "p99_ms", "webhook_cpu_ms", "apiserver_cpu_ms")}
+                 for k in ("rate", "p50_ms", "p99_ms", "webhook_cpu_ms", "apiserver_cpu_ms",
+                           "load")}
            for arm, rows in results.items()}
     errors = {arm: sum(x["errors"] for x in rows) for arm, rows in results.items()}
     ratio = med["with"]["rate"] / med["without"]["rate"]
@@ -392,7 +395,7 @@ def render(args, med, errors, ratio, handler, results) -> str:
     rows = "\n".join(
         f"| {ARM_TITLES[arm]} | {med[arm]['rate']:.0f} ({rates[arm]}) | {med[arm]['p50_ms']:.1f} "
         f"| {med[arm]['p99_ms']:.1f} | {med[arm]['webhook_cpu_ms']:.2f} "
-        f"| {med[arm]['apiserver_cpu_ms']:.2f} | {errors[arm]} |"
+        f"| {med[arm]['apiserver_cpu_ms']:.2f} | {med[arm]['load']:.1f} | {errors[arm]} |"
         for arm in ARMS)
     ratio_pre = med["with"]["rate"] / med["premutated"]["rate"]
     handler_rows = "\n".join(
@@ -409,8 +412,8 @@ alternated, {args.repeats} repeats, medians. Machine: {os.cpu_count()} cores
 ({platform.machine()}), Python {platform.python_version()}, {datetime.date.today()}; the API
 server, etcd, kwok, the webhook and the client share the cores.
 
-| arm | creates/s (repeats) | create p50 ms | create p99 ms | webhook CPU ms/create | API server CPU ms/create | errors |
-|---|---|---|---|---|---|---|
+| arm | creates/s (repeats) | create p50 ms | create p99 ms | webhook CPU ms/create | API server CPU ms/create | load (1 min) | errors |
+|---|---|---|---|---|---|---|---|
 {rows}
 
 Throughput with webhooks: **{ratio * 100:.0f}%** of without (goal >= {GOAL * 100:.0f}%: {verdict});

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import ssl
-import statistics
 import time
 
 import httpx
@@ -62,8 +61,8 @@ def test_oversized_body_refused(webhook_server):
 
 
 def test_no_nagle_stall(webhook_server):
-    """Sequential requests on one keep-alive connection: a Nagle/delayed-ACK stall would put
-    each at >= 40 ms (TESTBED-FACTS); the handler itself takes about a millisecond."""
+    """Sequential requests on one keep-alive connection: a Nagle/delayed-ACK stall puts each
+    at >= 40 ms (TESTBED-FACTS); the handler itself takes about a millisecond."""
     review, _ = load("mutate-minimal-default-size-and-guard")
     body = json.dumps(review).encode()
     times = []
@@ -73,7 +72,9 @@ def test_no_nagle_stall(webhook_server):
             t = time.perf_counter()
             assert c.post("/mutate", content=body).status_code == 200
             times.append(time.perf_counter() - t)
-    assert statistics.median(times) < 0.030, times
+    # The stall hits every response (measured: 44-51 ms each), so even the fastest shows it;
+    # the minimum also stays meaningful when other work loads the machine.
+    assert min(times) < 0.030, times
 
 
 def _served_cert(port: int, ca_pem: bytes) -> x509.Certificate:
