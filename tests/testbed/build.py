@@ -100,6 +100,18 @@ def _ldflags(kube_version: str) -> str:
     return "-s -w " + " ".join(f"-X {pkg}.{k}={v}" for k, v in stamp.items())
 
 
+def _helm_ldflags() -> str:
+    # Unstamped, helm reports "v3.22" and renders for Kubernetes v1.20 (its fallback), which
+    # fails charts with a kubeVersion constraint; stamp it like helm's Makefile does, with the
+    # test bed's Kubernetes version as the default for `helm template` and `helm lint`.
+    major, minor = versions.KUBERNETES.lstrip("v").split(".")[:2]
+    flags = [f"-X helm.sh/helm/v3/internal/version.version={versions.HELM}",
+             "-X helm.sh/helm/v3/internal/version.gitTreeState=clean"]
+    for pkg in ("helm.sh/helm/v3/pkg/lint/rules", "helm.sh/helm/v3/pkg/chartutil"):
+        flags += [f"-X {pkg}.k8sVersionMajor={major}", f"-X {pkg}.k8sVersionMinor={minor}"]
+    return "-s -w " + " ".join(flags)
+
+
 def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
     """Build any missing binary; return name -> path. Safe to call on every start."""
     bins = binaries()
@@ -156,7 +168,7 @@ def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
             if "helm" in missing:
                 # helm's go.mod has no replace lines, so plain `go install` works (chart tests).
                 genv = dict(env, GOBIN=str(work / "helmbin"))
-                _run(["go", "install", "-trimpath", "-ldflags", "-s -w",
+                _run(["go", "install", "-trimpath", "-ldflags", _helm_ldflags(),
                       f"helm.sh/helm/v3/cmd/helm@{versions.HELM}"], work, log, genv)
                 helm_path().parent.mkdir(parents=True, exist_ok=True)
                 tmp_out = helm_path().parent / f".helm.tmp.{os.getpid()}"
