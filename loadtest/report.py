@@ -1,0 +1,274 @@
+"""Plots and the summary table from headless runs' CSV and JSON.
+
+    python -m loadtest.report OUT_DIR [--title T]
+
+For every `<run>_sandman.json` in OUT_DIR (written by the locustfiles next to locust's
+`<run>_stats.csv` and `<run>.html`) it writes, next to them:
+  <run>_creates.png    creates per second over time (pods first seen by the watch, 1 s bins),
+                       with the controller's pacing limit drawn in
+  <run>_ready.png      create-to-Ready p50/p99 per stage (per ramp step: the paper's fig. 3a)
+  <run>_acquire.png    acquire latency CDF (the pacing queue included)
+and `report.html` (the table, the plots, links to locust's own HTML reports); prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import html
+import json
+import math
+import sys
+from pathlib import Path
+
+
+def pct(xs: list[float], q: float) -> float:
+    s = sorted(xs)
+    if not s:
+        return math.nan
+    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+
+
+def load(path: Path) -> dict:
+    doc = json.loads(path.read_text())
+    doc["run"] = path.name[: -len("_sandman.json")]
+    doc["dir"] = path.parent
+    return doc
+
+
+def created(doc: dict) -> list[float]:
+    """First-seen times of pods the run created (warm hand-outs excluded)."""
+    return sorted(p[0] for p in doc["pods"].values() if p[1] != "warm")
+
+
+def ready_ms(doc: dict) -> list[tuple[float, float]]:
+    return [(p[0], (p[1] - p[0]) * 1000) for p in doc["pods"].values()
+            if isinstance(p[1], (int, float))]
+
+
+def pacing_rate(doc: dict) -> float | None:
+    nominal = (doc.get("pacing") or {}).get("rate")
+    if nominal:
+        return float(nominal)
+    rates = [s[1] for s in doc.get("samples", []) if s[1] is not None]
+    return max(rates) if rates else None
+
+
+def summarize(doc: dict) -> dict:
+    acq = doc.get("acquires", [])
+    ok = [a for a in acq if a[2]]
+    lat = [(a[1] - a[0]) * 1000 for a in ok]
+    ts = created(doc)
+    bins: dict[int, int] = {}
+    for t in ts:
+        bins[int(t)] = bins.get(int(t), 0) + 1
+    span = ts[-1] - ts[0] if len(ts) > 1 else 0
+    rd = [r for _, r in ready_ms(doc)]
+    failures = sum(s["failures"] for s in doc["stats"].values() if s["type"] != "LEAK")
+    requests_ = sum(s["requests"] for s in doc["stats"].values()
+                    if s["type"] not in ("LEAK", "POD_READY"))
+    st = doc.get("stages") or []
+    top = None
+    for s in st:
+        if s.get("reached") is not None and not s.get("timed_out"):
+            top = s["label"]
+    return {
+        "run": doc["run"], "shape": doc.get("shape") or doc.get("locustfile"),
+        "requests": requests_, "acquired": len(ok), "acquire_failed": len(acq) - len(ok),
+        "errors": failures, "creates": len(ts),
+        "mean_rate": (len(ts) - 1) / span if span > 0 else math.nan,
+        "peak_rate": max(bins.values()) if bins else 0, "pacing": pacing_rate(doc),
+        "acq_p50": pct(lat, .5), "acq_p99": pct(lat, .99),
+        "ready_p50": pct(rd, .5), "ready_p99": pct(rd, .99),
+        "leaked": len(doc.get("leaked", [])), "audit": doc.get("audit"),
+        "exit": doc.get("exit_code"), "top_step": top, "stop_reason": doc.get("stop_reason"),
+        "duration_s": doc.get("duration_s"),
+    }
+
+
+def _ms(v: float) -> str:
+    if v is None or (isinstance(v, float) and math.isnan(v)):
+        return "-"
+    return f"{v / 1000:.2f} s" if v >= 1000 else f"{v:.0f} ms"
+
+
+def table(rows: list[dict]) -> str:
+    head = ("| run | acquired | errors | creates | achieved creates/s (mean / peak 1 s) | "
+            "pacing limit | acquire p50 / p99 | create-to-Ready p50 / p99 | leaked pods | exit |")
+    out = [head, "|---" * 10 + "|"]
+    for r in rows:
+        pace = f"{r['pacing']:g}/s" if r["pacing"] else "-"
+        mean = "-" if math.isnan(r["mean_rate"]) else f"{r['mean_rate']:.1f}"
+        out.append(f"| {r['run']} | {r['acquired']:,} | {r['errors']} | {r['creates']:,} | "
+                   f"{mean} / {r['peak_rate']} | {pace} | {_ms(r['acq_p50'])} / "
+                   f"{_ms(r['acq_p99'])} | {_ms(r['ready_p50'])} / {_ms(r['ready_p99'])} | "
+                   f"{r['leaked']} | {r['exit']} |")
+    return "\n".join(out)
+
+
+def step_table(doc: dict) -> str:
+    """Per stage: users, reached after, create-to-Ready p50/p99 of the pods first seen in it."""
+    st = doc.get("stages") or []
+    if len(st) < 2:
+        return ""
+    rd = ready_ms(doc)
+    lines = ["| step | reached | time to fill | pods created in step | create-to-Ready p50 / p99 "
+             "| peak live |", "|---|---|---|---|---|---|"]
+    for s in st:
+        end = s["ended"] if s.get("ended") is not None else math.inf
+        xs = [r for t, r in rd if s["started"] <= t < end]
+        fill = (f"{s['reached'] - s['started']:.1f} s" if s.get("reached") is not None
+                else "not reached")
+        lines.append(f"| {s['label']} | {'no (timed out)' if s.get('timed_out') else 'yes'} | "
+                     f"{fill} | {len(xs)} | {_ms(pct(xs, .5))} / {_ms(pct(xs, .99))} | "
+                     f"{s.get('peak_live', 0)} |")
+    return "\n".join(lines)
+
+
+def plots(doc: dict) -> list[Path]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    d, run = doc["dir"], doc["run"]
+    out = []
+    ts = created(doc)
+    # creates per second with the pacing limit
+    fig, ax = plt.subplots(figsize=(8, 3.2))
+    if ts:
+        n = int(max(ts)) + 1
+        counts = [0] * n
+        for t in ts:
+            counts[int(t)] += 1
+        ax.bar(range(n), counts, width=1.0, align="edge", color="#4c72b0", label="creates/s")
+    samples = [s for s in doc.get("samples", []) if s[1] is not None]
+    if samples:
+        ax.step([s[0] for s in samples], [s[1] for s in samples], where="post", color="#c44e52",
+                label="pacing limit (controller's current rate)")
+    elif pacing_rate(doc):
+        ax.axhline(pacing_rate(doc), color="#c44e52", label="pacing limit")
+    for s in doc.get("stages") or []:
+        ax.axvline(s["started"], color="#999", lw=0.6, ls=":")
+    ax.set_xlabel("s since start")
+    ax.set_ylabel("pod creates per second")
+    ax.set_title(f"{run}: creates per second")
+    ax.legend(loc="upper right", fontsize=8)
+    fig.tight_layout()
+    p = d / f"{run}_creates.png"
+    fig.savefig(p, dpi=110)
+    plt.close(fig)
+    out.append(p)
+    # create-to-Ready per stage
+    st = doc.get("stages") or []
+    rd = ready_ms(doc)
+    if st and rd:
+        labels, p50, p99 = [], [], []
+        for s in st:
+            end = s["ended"] if s.get("ended") is not None else math.inf
+            xs = [r for t, r in rd if s["started"] <= t < end]
+            if xs:
+                labels.append(s["label"])
+                p50.append(pct(xs, .5) / 1000)
+                p99.append(pct(xs, .99) / 1000)
+        if labels:
+            fig, ax = plt.subplots(figsize=(6, 3.2))
+            x = range(len(labels))
+            ax.plot(x, p50, "o-", label="p50")
+            ax.plot(x, p99, "s--", label="p99")
+            ax.set_xticks(list(x), labels)
+            ax.set_xlabel("stage (ramp: concurrent sandboxes)")
+            ax.set_ylabel("create-to-Ready (s)")
+            ax.set_title(f"{run}: create-to-Ready per stage")
+            ax.legend(fontsize=8)
+            fig.tight_layout()
+            p = d / f"{run}_ready.png"
+            fig.savefig(p, dpi=110)
+            plt.close(fig)
+            out.append(p)
+    # acquire latency CDF
+    lat = sorted((a[1] - a[0]) for a in doc.get("acquires", []) if a[2])
+    if lat:
+        fig, ax = plt.subplots(figsize=(6, 3.2))
+        ax.plot(lat, [(i + 1) / len(lat) for i in range(len(lat))])
+        ax.set_xlabel("acquire latency (s, pacing queue included)")
+        ax.set_ylabel("fraction of acquires")
+        ax.set_title(f"{run}: acquire latency CDF ({len(lat)} acquires)")
+        ax.grid(alpha=0.3)
+        fig.tight_layout()
+        p = d / f"{run}_acquire.png"
+        fig.savefig(p, dpi=110)
+        plt.close(fig)
+        out.append(p)
+    return out
+
+
+def locust_stats(d: Path, run: str) -> list[dict]:
+    p = d / f"{run}_stats.csv"
+    if not p.exists():
+        return []
+    with p.open() as f:
+        return list(csv.DictReader(f))
+
+
+def build(out_dir: Path, title: str = "sandman load test") -> tuple[str, Path]:
+    docs = [load(p) for p in sorted(out_dir.glob("*_sandman.json"),
+                                    key=lambda p: p.stat().st_mtime)]
+    if not docs:
+        raise SystemExit(f"no *_sandman.json in {out_dir}")
+    rows = [summarize(d) for d in docs]
+    text = [table(rows)]
+    body = [f"<h1>{html.escape(title)}</h1>", _html_table(text[0])]
+    for doc, row in zip(docs, rows, strict=True):
+        steps = step_table(doc)
+        if steps:
+            text += ["", f"{doc['run']} per step ({row['stop_reason']}):", steps]
+        pngs = plots(doc)
+        body.append(f"<h2>{html.escape(doc['run'])}</h2>")
+        if (doc["dir"] / f"{doc['run']}.html").exists():
+            body.append(f"<p><a href='{doc['run']}.html'>locust report</a> &middot; "
+                        f"<a href='{doc['run']}_stats.csv'>stats CSV</a></p>")
+        body.append(f"<p>job {html.escape(doc['job'])}; {html.escape(str(row['audit']))}; "
+                    f"{html.escape(row['stop_reason'] or '')}</p>")
+        if steps:
+            body.append(_html_table(steps))
+        body.append("<ul>" + "".join(f"<li>{html.escape(t['check'])}: "
+                                     f"{'ok' if t['ok'] else '<b>FAIL</b>'}</li>"
+                                     for t in doc.get("thresholds", [])) + "</ul>")
+        for s in locust_stats(doc["dir"], doc["run"]):
+            if s.get("Name") == "Aggregated":
+                body.append(f"<p>locust aggregated: {s['Request Count']} requests, "
+                            f"{s['Failure Count']} failures</p>")
+        body += [f"<img src='{p.name}' style='max-width:100%'>" for p in pngs]
+    page = out_dir / "report.html"
+    page.write_text("<!doctype html><meta charset='utf-8'><title>sandman load test</title>"
+                    "<style>body{font-family:sans-serif;max-width:1000px;margin:auto}"
+                    "td,th{border:1px solid #ccc;padding:2px 6px}table{border-collapse:"
+                    "collapse}</style>" + "\n".join(body))
+    return "\n".join(text), page
+
+
+def _html_table(md: str) -> str:
+    lines = [ln for ln in md.splitlines() if ln.startswith("|") and not ln.startswith("|---")]
+    rows = [[c.strip() for c in ln.strip("|").split("|")] for ln in lines]
+    if not rows:
+        return ""
+    h = "".join(f"<th>{html.escape(c)}</th>" for c in rows[0])
+    b = "".join("<tr>" + "".join(f"<td>{html.escape(c)}</td>" for c in r) + "</tr>"
+                for r in rows[1:])
+    return f"<table><tr>{h}</tr>{b}</table>"
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m loadtest.report")
+    ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--title", default="sandman load test")
+    a = ap.parse_args(argv)
+    text, page = build(a.out_dir, a.title)
+    print(text)
+    print(f"\nHTML report: {page}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
