@@ -7,7 +7,8 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
-        testbed-status bench-execd bench-netguard bench-webhook bench-controller clean
+        testbed-status bench-execd bench-netguard bench-webhook bench-controller clean \
+        demo bench-loadtest
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -55,6 +56,14 @@ bench-webhook: deps testbed-build  ## creates/s through the API server with vs w
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
 	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png
+
+SHAPE ?= burst64
+RAMP_MAX ?= 1000
+demo: deps testbed-build  ## one-machine sandman + locust: SHAPE (burst64|two-runs|steady|ramp), then a ramp to RAMP_MAX
+	$(VPY) -m loadtest.demo --shape $(SHAPE) --ramp-max $(RAMP_MAX)
+
+bench-loadtest: deps testbed-build  ## the locust ramp alone, as far as this machine goes (RAMP_MAX=12000)
+	$(VPY) -m loadtest.demo --shape ramp --ramp-max $(if $(filter 1000,$(RAMP_MAX)),12000,$(RAMP_MAX))
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache
