@@ -1,0 +1,221 @@
+{{- /* Names. Cluster-scoped objects carry the release's full name, so two releases never
+collide (a leftover webhook configuration of another release would refuse its sandboxes). */ -}}
+{{- define "sandman.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sandman.fullname" -}}
+{{- if .Values.fullnameOverride -}}
+{{- .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- $name := default .Chart.Name .Values.nameOverride -}}
+{{- if contains $name .Release.Name -}}
+{{- .Release.Name | trunc 40 | trimSuffix "-" -}}
+{{- else -}}
+{{- printf "%s-%s" .Release.Name $name | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sandman.webhook.fullname" -}}{{ include "sandman.fullname" . }}-webhook{{- end -}}
+{{- define "sandman.controller.fullname" -}}{{ include "sandman.fullname" . }}-controller{{- end -}}
+{{- define "sandman.webhook.secret" -}}{{ include "sandman.webhook.fullname" . }}-tls{{- end -}}
+
+{{- /* Where sandbox pods live: the controller's Role, its --namespace and the sandbox
+NetworkPolicies go there. */ -}}
+{{- define "sandman.sandboxNamespace" -}}
+{{- default .Release.Namespace .Values.sandboxNamespace -}}
+{{- end -}}
+
+{{- define "sandman.image" -}}
+{{- $img := .Values.image -}}
+{{- if $img.digest -}}
+{{- printf "%s@%s" $img.repository $img.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $img.repository (toString $img.tag) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "sandman.labels" -}}
+helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
+app.kubernetes.io/name: {{ include "sandman.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: sandman
+{{- end -}}
+
+{{- define "sandman.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "sandman.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{- define "sandman.webhook.labels" -}}
+{{ include "sandman.labels" . }}
+app.kubernetes.io/component: webhook
+{{- end -}}
+{{- define "sandman.webhook.selectorLabels" -}}
+{{ include "sandman.selectorLabels" . }}
+app.kubernetes.io/component: webhook
+{{- end -}}
+
+{{- define "sandman.controller.labels" -}}
+{{ include "sandman.labels" . }}
+app.kubernetes.io/component: controller
+{{- end -}}
+{{- define "sandman.controller.selectorLabels" -}}
+{{ include "sandman.selectorLabels" . }}
+app.kubernetes.io/component: controller
+{{- end -}}
+
+{{- /* Certificates come from the webhook's own `certs ensure` unless cert-manager or a
+development URL is used. */ -}}
+{{- define "sandman.webhook.ownCerts" -}}
+{{- if and (not .Values.certManager.enabled) (not .Values.webhook.development.url) -}}true{{- end -}}
+{{- end -}}
+
+{{- /* The one namespaceSelector of every webhook: kube-system and the release namespace are
+always excluded (a broken webhook can then never block its own recovery), plus the user's. */ -}}
+{{- define "sandman.webhook.namespaceSelector" -}}
+{{- $excluded := concat (list "kube-system" .Release.Namespace) .Values.webhook.excludedNamespaces | uniq | sortAlpha -}}
+{{- $sel := .Values.webhook.namespaceSelector -}}
+{{- with $sel.matchLabels }}
+matchLabels:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+matchExpressions:
+  - key: kubernetes.io/metadata.name
+    operator: NotIn
+    values:
+      {{- toYaml $excluded | nindent 6 }}
+  {{- with $sel.matchExpressions }}
+  {{- toYaml . | nindent 2 }}
+  {{- end }}
+{{- end -}}
+
+{{- define "sandman.webhook.clientConfig" -}}
+{{- $root := index . 0 -}}
+{{- $path := index . 1 -}}
+{{- if $root.Values.webhook.development.url }}
+url: {{ printf "%s%s" (trimSuffix "/" $root.Values.webhook.development.url) $path | quote }}
+{{- with $root.Values.webhook.development.caBundle }}
+caBundle: {{ . | quote }}
+{{- end }}
+{{- else }}
+service:
+  namespace: {{ $root.Release.Namespace }}
+  name: {{ include "sandman.webhook.fullname" $root }}
+  port: {{ $root.Values.webhook.service.port }}
+  path: {{ $path }}
+{{- end }}
+{{- end -}}
+
+{{- define "sandman.webhook.annotations" -}}
+{{- if .Values.certManager.enabled }}
+cert-manager.io/inject-ca-from: {{ printf "%s/%s" .Release.Namespace (include "sandman.webhook.fullname" .) }}
+{{- end }}
+{{- end -}}
+
+{{- /* Sandbox policy flags shared by webhook and controller: both run the same pod function
+(sandman.sandbox.make_sandbox), so they must be given the same policy. */ -}}
+{{- define "sandman.policyArgs" -}}
+- --image={{ include "sandman.image" . }}
+- --guard={{ .Values.sandbox.guard }}
+{{- range .Values.sandbox.ingressFrom }}
+- --ingress-from={{ . }}
+{{- end }}
+{{- end -}}
+
+{{- /* Cluster-scoped objects (webhook configurations, ClusterRole, binding, PriorityClass):
+release name AND namespace, so releases of the same name in two namespaces never collide. */ -}}
+{{- define "sandman.clusterName" -}}
+{{- printf "%s-%s" (include "sandman.webhook.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "sandman.webhook.sandboxObjectSelector" -}}
+{{- if .Values.webhook.sandboxObjectSelector -}}
+{{- toYaml .Values.webhook.sandboxObjectSelector -}}
+{{- else -}}
+matchExpressions:
+  - key: {{ include "sandman.contract.LABEL_SANDBOX" . }}
+    operator: In
+    values: [{{ include "sandman.contract.SANDBOX_TRUE" . | quote }}]
+{{- end -}}
+{{- end -}}
+
+{{- define "sandman.webhook.egressObjectSelector" -}}
+{{- if .Values.webhook.egressObjectSelector -}}
+{{- toYaml .Values.webhook.egressObjectSelector -}}
+{{- else -}}
+matchExpressions:
+  - key: {{ include "sandman.contract.LABEL_EGRESS" . }}
+    operator: Exists
+  - key: {{ include "sandman.contract.LABEL_SANDBOX" . }}
+    operator: NotIn
+    values: [{{ include "sandman.contract.SANDBOX_TRUE" . | quote }}]
+{{- end -}}
+{{- end -}}
+
+{{- /* Fields every webhook of both configurations shares (webhook/manifests.py renders the
+same; a test compares them). */ -}}
+{{- define "sandman.webhook.common" -}}
+namespaceSelector:
+  {{- include "sandman.webhook.namespaceSelector" . | trim | nindent 2 }}
+failurePolicy: {{ .Values.webhook.failurePolicy }}
+matchPolicy: {{ .Values.webhook.matchPolicy }}
+sideEffects: {{ .Values.webhook.sideEffects }}
+timeoutSeconds: {{ .Values.webhook.timeoutSeconds }}
+admissionReviewVersions: [v1]
+{{- end -}}
+
+{{- /* The pod that runs `python3 -m webhook certs ensure` (Job at each install/upgrade,
+CronJob for renewal). Idempotent: a run with nothing to renew changes nothing. */ -}}
+{{- define "sandman.webhook.certsPod" -}}
+metadata:
+  labels:
+    {{- include "sandman.selectorLabels" . | nindent 4 }}
+    app.kubernetes.io/component: webhook-certs
+spec:
+  serviceAccountName: {{ include "sandman.webhook.fullname" . }}
+  automountServiceAccountToken: true
+  enableServiceLinks: false
+  restartPolicy: OnFailure
+  {{- with .Values.imagePullSecrets }}
+  imagePullSecrets:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.webhook.nodeSelector }}
+  nodeSelector:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  {{- with .Values.webhook.tolerations }}
+  tolerations:
+    {{- toYaml . | nindent 4 }}
+  {{- end }}
+  securityContext:
+    runAsNonRoot: true
+    runAsUser: 65532
+    runAsGroup: 65532
+    seccompProfile:
+      type: RuntimeDefault
+  containers:
+    - name: certs
+      image: {{ include "sandman.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: [python3, -m, webhook, certs, ensure]
+      args:
+        - --namespace={{ .Release.Namespace }}
+        - --service={{ include "sandman.webhook.fullname" . }}
+        - --secret={{ include "sandman.webhook.secret" . }}
+        - --mutating-config={{ include "sandman.clusterName" . }}
+        - --validating-config={{ include "sandman.clusterName" . }}
+        - --propagation-seconds={{ .Values.webhook.certs.propagationSeconds }}
+      resources:
+        requests: {cpu: 100m, memory: 128Mi}
+        limits: {cpu: 100m, memory: 128Mi}
+      securityContext:
+        allowPrivilegeEscalation: false
+        readOnlyRootFilesystem: true
+        capabilities:
+          drop: [ALL]
+{{- end -}}

@@ -1,0 +1,221 @@
+"""The chart without a cluster: lint, golden renders, the schema, and the contract.
+
+Golden files: `helm template sandman charts/sandman -n sandman-system [-f values/<case>.yaml]`
+is compared byte for byte with testdata/<case>.golden.yaml. Regenerate after a deliberate
+change with `SANDMAN_GOLDEN_UPDATE=1 .venv/bin/pytest tests/charts/test_chart.py` and review
+the diff.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from charts import gen_contract
+from sandman import contract
+from tests.charts.helm import CHART, NAMESPACE, RELEASE, Helm, objects
+from webhook.manifests import configurations
+
+TESTDATA = Path(__file__).parent / "testdata"
+CASES = ["default"] + sorted(p.stem for p in (TESTDATA / "values").glob("*.yaml"))
+UPDATE = os.environ.get("SANDMAN_GOLDEN_UPDATE") == "1"
+
+
+@pytest.fixture(scope="module")
+def helm(tmp_path_factory) -> Helm:
+    return Helm(tmp_path_factory.mktemp("helm-home"))
+
+
+def _values_args(case: str) -> list[str]:
+    return [] if case == "default" else ["-f", str(TESTDATA / "values" / f"{case}.yaml")]
+
+
+def _render(helm: Helm, *args: str) -> list[dict]:
+    return objects(helm.template(*args).stdout)
+
+
+def _find(objs: list[dict], kind: str, suffix: str = "") -> dict:
+    found = [o for o in objs if o["kind"] == kind and o["metadata"]["name"].endswith(suffix)]
+    assert len(found) == 1, f"{kind} *{suffix}: {[o['metadata']['name'] for o in found]}"
+    return found[0]
+
+
+def test_lint_strict(helm):
+    for case in CASES:
+        res = helm.run("lint", "--strict", str(CHART), "--namespace", NAMESPACE,
+                       *_values_args(case), check=False)
+        assert res.returncode == 0, f"{case}: {res.stdout}{res.stderr}"
+        assert "0 chart(s) failed" in res.stdout
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_golden(helm, case):
+    got = helm.template(*_values_args(case)).stdout
+    golden = TESTDATA / f"{case}.golden.yaml"
+    if UPDATE:
+        golden.write_text(got)
+    assert golden.exists(), f"no {golden.name}; run with SANDMAN_GOLDEN_UPDATE=1"
+    assert got == golden.read_text(), (
+        f"helm template differs from {golden.name}; if intended, regenerate with "
+        "SANDMAN_GOLDEN_UPDATE=1 and review the diff")
+
+
+def test_one_resource_per_file_named_component_kind(helm):
+    """The Gatekeeper layout: templates/<component>-<kind>.yaml holds one <kind>."""
+    res = helm.template(*_values_args("custom-selectors"))
+    sources = [line.split("# Source: ", 1)[1] for line in res.stdout.splitlines()
+               if line.startswith("# Source: ")]
+    assert len(sources) == len(set(sources)), "a template renders more than one object"
+    docs = res.stdout.split("\n---\n")
+    for doc in docs:
+        if "# Source: " not in doc:
+            continue
+        src = doc.split("# Source: ", 1)[1].split("\n", 1)[0]
+        kind = objects(doc)[0]["kind"].lower()
+        assert Path(src).name.endswith(f"{kind}.yaml"), f"{src} holds a {kind}"
+
+
+def test_contract_template_is_generated_from_the_contract():
+    tpl = CHART / "templates" / "_contract.tpl"
+    assert tpl.read_text() == gen_contract.render(), (
+        "_contract.tpl is stale: run .venv/bin/python charts/gen_contract.py")
+
+
+def test_contract_names_render_equal_to_sandman_contract(helm, tmp_path):
+    """Every `sandman.contract.*` template renders exactly the contract's value."""
+    chart = tmp_path / "sandman"
+    shutil.copytree(CHART, chart)
+    names = gen_contract.constants()
+    lines = ["apiVersion: v1", "kind: ConfigMap", "metadata:", "  name: contract-check", "data:"]
+    lines += [f'  {n}: {{{{ include "sandman.contract.{n}" . | quote }}}}' for n in names]
+    (chart / "templates" / "zz-contract-check.yaml").write_text("\n".join(lines) + "\n")
+    res = helm.run("template", RELEASE, str(chart), "--namespace", NAMESPACE,
+                   "--show-only", "templates/zz-contract-check.yaml")
+    data = objects(res.stdout)[0]["data"]
+    assert data == {n: str(v) for n, v in names.items()}
+    assert data["LABEL_SANDBOX"] == contract.LABEL_SANDBOX  # the check above is not vacuous
+
+
+def test_templates_spell_no_contract_name():
+    """Nothing spells a contract name twice: templates include it from _contract.tpl."""
+    spelled = {str(v) for k, v in gen_contract.constants().items()
+               if isinstance(v, str) and contract.DOMAIN in v}
+    assert spelled
+    for path in (CHART / "templates").rglob("*"):
+        if path.is_file() and path.name != "_contract.tpl":
+            text = path.read_text()
+            for name in spelled:
+                assert name not in text, f"{path.name} spells {name}; include it instead"
+
+
+def test_default_image_is_the_contract_image(helm):
+    objs = _render(helm)
+    dep = _find(objs, "Deployment", "-webhook")
+    assert dep["spec"]["template"]["spec"]["containers"][0]["image"] == contract.SANDMAN_IMAGE
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert f"--image={contract.SANDMAN_IMAGE}" in args
+
+
+def test_webhook_configurations_equal_webhook_manifests(helm):
+    """The chart renders the objects webhook/manifests.py builds (service client config)."""
+    objs = _render(helm)
+    name = f"{RELEASE}-webhook-{NAMESPACE}"
+    want_m, want_v = configurations(name, NAMESPACE, None,
+                                    service=(NAMESPACE, f"{RELEASE}-webhook", 443))
+    got_m = _find(objs, "MutatingWebhookConfiguration")
+    got_v = _find(objs, "ValidatingWebhookConfiguration")
+    assert got_m["metadata"]["name"] == got_v["metadata"]["name"] == name
+    assert got_m["webhooks"] == want_m["webhooks"]
+    assert got_v["webhooks"] == want_v["webhooks"]
+
+
+def test_webhook_ha_defaults(helm):
+    objs = _render(helm)
+    dep = _find(objs, "Deployment", "-webhook")
+    spec = dep["spec"]["template"]["spec"]
+    assert dep["spec"]["replicas"] == 3
+    res = spec["containers"][0]["resources"]
+    assert res["requests"] == res["limits"] and res["limits"]["memory"] == "1Gi"
+    assert spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+    assert spec["priorityClassName"] == _find(objs, "PriorityClass")["metadata"]["name"]
+    assert spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
+    assert _find(objs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    # Never Helm's genCA, never a pre-delete hook that removes the configurations.
+    for obj in objs:
+        hook = obj["metadata"].get("annotations", {}).get("helm.sh/hook", "")
+        assert "delete" not in hook, obj["metadata"]["name"]
+    assert "genCA" not in "".join(p.read_text() for p in (CHART / "templates").rglob("*.*"))
+
+
+def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
+    for case in CASES:
+        objs = _render(helm, *_values_args(case))
+        for obj in objs:
+            if obj["kind"] not in ("Role", "ClusterRole"):
+                continue
+            for rule in obj["rules"]:
+                for field in ("apiGroups", "resources", "verbs", "resourceNames"):
+                    assert "*" not in rule.get(field, []), (case, obj["metadata"]["name"], rule)
+                if obj["kind"] == "ClusterRole":
+                    assert "pods" not in rule["resources"], (case, rule)
+                    assert rule.get("resourceNames"), (case, rule)
+
+
+def test_cert_modes(helm):
+    own = {o["kind"] for o in _render(helm)}
+    assert {"Job", "CronJob", "ClusterRole"} <= own and "Certificate" not in own
+    cm = _render(helm, *_values_args("cert-manager"))
+    kinds = {o["kind"] for o in cm}
+    assert {"Certificate", "Issuer"} <= kinds and not kinds & {"Job", "CronJob", "ClusterRole"}
+    m = _find(cm, "MutatingWebhookConfiguration")
+    assert m["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
+        f"{NAMESPACE}/{RELEASE}-webhook")
+    dev = _render(helm, "--set", "webhook.development.url=https://127.0.0.1:9443",
+                  "--set", "webhook.development.caBundle=Q0E=")
+    hook = _find(dev, "ValidatingWebhookConfiguration")["webhooks"][1]["clientConfig"]
+    assert hook == {"url": "https://127.0.0.1:9443/validate", "caBundle": "Q0E="}
+
+
+def test_network_policies(helm):
+    objs = _render(helm)
+    egress = _find(objs, "NetworkPolicy", "-sandbox-egress-deny")
+    assert egress["spec"]["podSelector"]["matchLabels"] == {
+        contract.LABEL_EGRESS: contract.EGRESS_DENY}
+    assert egress["spec"]["egress"] == []
+    ingress = _find(objs, "NetworkPolicy", "-sandbox-ingress")
+    assert ingress["spec"]["ingress"][0]["ports"] == [{"port": contract.EXECD_PORT,
+                                                       "protocol": "TCP"}]
+    dns = _find(_render(helm, "--set", "networkPolicy.allowDNS=true"), "NetworkPolicy",
+                "-sandbox-egress-deny")
+    assert {p["port"] for p in dns["spec"]["egress"][0]["ports"]} == {53}
+    assert not [o for o in _render(helm, *_values_args("netpol-off"))
+                if o["kind"] == "NetworkPolicy"]
+
+
+def test_release_namespace_and_kube_system_always_excluded(helm):
+    objs = _render(helm, "--set", "webhook.excludedNamespaces={monitoring}",
+                   "--set", "webhook.namespaceSelector.matchLabels.team=rl")
+    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
+        for hook in _find(objs, kind)["webhooks"]:
+            sel = hook["namespaceSelector"]
+            assert sel["matchLabels"] == {"team": "rl"}
+            assert sel["matchExpressions"][0] == {
+                "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+                "values": ["kube-system", "monitoring", NAMESPACE]}
+
+
+def test_schema_rejects_a_misspelt_key(helm):
+    res = helm.template("--set", "webhook.replicaz=3", check=False)
+    assert res.returncode != 0
+    assert "replicaz" in res.stderr and "additional properties" in res.stderr.lower(), res.stderr
+
+
+def test_schema_rejects_a_wrong_type(helm):
+    res = helm.template("--set-string", "webhook.replicas=three", check=False)
+    assert res.returncode != 0
+    assert "replicas" in res.stderr and "integer" in res.stderr, res.stderr
+    res = helm.template("--set", "webhook.failurePolicy=fail", check=False)
+    assert res.returncode != 0 and "failurePolicy" in res.stderr, res.stderr

@@ -1,0 +1,236 @@
+"""The chart on the real test bed (kube-apiserver v1.36.2 + kwok nodes).
+
+Safety: webhook configurations and the ClusterRole are cluster-scoped and could break other
+tests' pod creates if left behind. Every release here (1) scopes its webhooks with
+`webhook.namespaceSelector` to one test namespace, and (2) is uninstalled in a `finally`, after
+which any cluster-scoped object still labelled with the release is deleted by label.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import secrets
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
+from tests.charts.helm import CHART, Helm, kubectl, objects
+from tests.webhook.conftest import start_server
+
+TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
+                 "clusterroles", "clusterrolebindings", "priorityclasses")
+
+
+@pytest.fixture
+def helm(cluster, tmp_path) -> Helm:
+    return Helm(tmp_path / "helm-home", cluster.kubeconfig)
+
+
+def _scoped(only_namespace: str) -> dict:
+    return {"webhook": {"namespaceSelector": {"matchExpressions": [
+        {"key": "kubernetes.io/metadata.name", "operator": "In", "values": [only_namespace]}]}}}
+
+
+def _values_file(tmp_path: Path, name: str, *dicts: dict) -> str:
+    merged: dict = {}
+    for d in dicts:
+        _merge(merged, d)
+    path = tmp_path / f"{name}.yaml"
+    path.write_text(yaml.safe_dump(merged))
+    return str(path)
+
+
+def _merge(into: dict, d: dict) -> None:
+    for k, v in d.items():
+        if isinstance(v, dict) and isinstance(into.get(k), dict):
+            _merge(into[k], v)
+        else:
+            into[k] = v
+
+
+class Release:
+    """helm install/upgrade/uninstall of one uniquely named release, always cleaned up."""
+
+    def __init__(self, helm: Helm, cluster, namespace: str):
+        self.helm, self.cluster, self.namespace = helm, cluster, namespace
+        self.name = f"s{secrets.token_hex(3)}"
+
+    def install(self, values: str, *extra: str) -> None:
+        self.helm.run("install", self.name, str(CHART), "--namespace", self.namespace,
+                      "-f", values, *extra)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.helm.run("uninstall", self.name, "--namespace", self.namespace, "--wait",
+                      "--timeout", "60s", check=False)
+        for kind in CLUSTER_KINDS:  # a failed uninstall must not leave admission behind
+            kubectl(self.cluster.kubeconfig, "delete", kind, "-l",
+                    f"app.kubernetes.io/instance={self.name}", "--ignore-not-found",
+                    "--wait=false", check=False)
+
+    def manifest(self) -> list[dict]:
+        return objects(self.helm.run("get", "manifest", self.name, "-n", self.namespace).stdout)
+
+
+def _ref(obj: dict, default_ns: str) -> list[str]:
+    kind = obj["kind"]
+    name = obj["metadata"]["name"]
+    ns = obj["metadata"].get("namespace")
+    cluster_scoped = kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+                              "ClusterRole", "ClusterRoleBinding", "PriorityClass")
+    args = [f"{kind}/{name}"]
+    if not cluster_scoped:
+        args += ["-n", ns or default_ns]
+    return args
+
+
+def _can(cluster, sa_ns: str, sa: str, verb: str, resource: str, namespace: str = "",
+         group: str = "", name: str = "") -> bool:
+    api = client.AuthorizationV1Api(cluster.api_client)
+    review = client.V1SubjectAccessReview(spec=client.V1SubjectAccessReviewSpec(
+        user=f"system:serviceaccount:{sa_ns}:{sa}",
+        groups=["system:serviceaccounts", f"system:serviceaccounts:{sa_ns}", "system:authenticated"],
+        resource_attributes=client.V1ResourceAttributes(
+            verb=verb, resource=resource, group=group, namespace=namespace or None,
+            name=name or None)))
+    return api.create_subject_access_review(review).status.allowed
+
+
+def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, figures):
+    other = cluster.new_namespace("chart-other")
+    t0 = time.monotonic()
+    try:
+        with Release(helm, cluster, namespace) as rel:
+            values = _values_file(tmp_path, "v1", _scoped(namespace),
+                                  {"controller": {"readyCheck": "pod"}})
+            # Every rendered object (the helm test pod included) passes the API server's
+            # validation with unknown fields refused, before anything is created.
+            rendered = helm.run("template", rel.name, str(CHART), "--namespace", namespace,
+                                "-f", values).stdout
+            kubectl(cluster.kubeconfig, "apply", "--dry-run=server", "--validate=strict",
+                    "-n", namespace, "-f", "-", stdin=rendered)
+            rel.install(values, "--wait", "--timeout", "120s")
+            first = rel.manifest()
+            kinds = {o["kind"] for o in first}
+            assert {"Deployment", "Service", "PodDisruptionBudget", "PriorityClass",
+                    "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "Role",
+                    "RoleBinding", "ClusterRole", "ClusterRoleBinding", "ServiceAccount",
+                    "NetworkPolicy", "Job", "CronJob"} <= kinds, kinds
+            for obj in first:
+                kubectl(cluster.kubeconfig, "get", *_ref(obj, namespace))
+
+            controller = f"{rel.name}-sandman-controller"
+            webhook = f"{rel.name}-sandman-webhook"
+            cfg = f"{webhook}-{namespace}"
+            # The controller: pods in its namespace, nowhere else.
+            assert _can(cluster, namespace, controller, "create", "pods", namespace)
+            assert _can(cluster, namespace, controller, "patch", "pods", namespace)
+            assert _can(cluster, namespace, controller, "create", "configmaps", namespace)
+            assert _can(cluster, namespace, controller, "update", "leases", namespace,
+                        "coordination.k8s.io", "sandman-controller")
+            assert not _can(cluster, namespace, controller, "create", "pods", other)
+            assert not _can(cluster, namespace, controller, "list", "pods")  # cluster-wide
+            assert not _can(cluster, namespace, controller, "get", "secrets", namespace)
+            # The webhook: its own Secrets and configurations, never pods.
+            assert not _can(cluster, namespace, webhook, "list", "pods", namespace)
+            assert not _can(cluster, namespace, webhook, "list", "pods")
+            assert not _can(cluster, namespace, webhook, "get", "pods", namespace)
+            assert _can(cluster, namespace, webhook, "get", "secrets", namespace,
+                        name=f"{webhook}-tls")
+            assert not _can(cluster, namespace, webhook, "get", "secrets", namespace,
+                            name="someone-elses")
+            assert not _can(cluster, namespace, webhook, "list", "secrets", namespace)
+            assert _can(cluster, namespace, webhook, "patch",
+                        "mutatingwebhookconfigurations", group="admissionregistration.k8s.io",
+                        name=cfg)
+            assert not _can(cluster, namespace, webhook, "patch",
+                            "validatingwebhookconfigurations",
+                            group="admissionregistration.k8s.io", name="another-webhook")
+
+            # Upgrade with changed values: the new values reach the objects.
+            values2 = _values_file(tmp_path, "v2", _scoped(namespace),
+                                   {"controller": {"readyCheck": "pod", "rate": 5},
+                                    "webhook": {"timeoutSeconds": 7, "replicas": 2}})
+            helm.run("upgrade", rel.name, str(CHART), "--namespace", namespace, "-f", values2,
+                     "--wait", "--timeout", "120s")
+            dep = json.loads(kubectl(cluster.kubeconfig, "get", "deploy", controller, "-n",
+                                     namespace, "-o", "json").stdout)
+            assert "--rate=5" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
+            vwc = cluster.admissionregistration.read_validating_webhook_configuration(cfg)
+            assert [w.timeout_seconds for w in vwc.webhooks] == [7, 7]
+            wh = client.AppsV1Api(cluster.api_client).read_namespaced_deployment(webhook,
+                                                                                 namespace)
+            assert wh.spec.replicas == 2
+            second = rel.manifest()
+            jobs = {o["metadata"]["name"] for o in second if o["kind"] == "Job"}
+            assert jobs == {f"{webhook}-certs-2"}
+
+            # Uninstall: nothing of ours is left, in any namespace or cluster-wide.
+            helm.run("uninstall", rel.name, "--namespace", namespace, "--wait",
+                     "--timeout", "60s")
+            for obj in first + second:
+                res = kubectl(cluster.kubeconfig, "get", *_ref(obj, namespace), check=False)
+                assert res.returncode != 0 and "NotFound" in res.stderr, (obj["kind"], res.stdout)
+            rendered_kinds = sorted({o["kind"].lower() + "s" for o in first + second}
+                                    | {"pods", "replicasets", "secrets", "configmaps",
+                                       "leases.coordination.k8s.io"})
+            deadline = time.monotonic() + 60
+            while True:  # pods and ReplicaSets go through the garbage collector
+                left = kubectl(cluster.kubeconfig, "get", ",".join(rendered_kinds),
+                               "--all-namespaces", "-l",
+                               f"app.kubernetes.io/instance={rel.name}", "-o", "name").stdout
+                if not left.strip() or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert not left.strip(), f"left after uninstall: {left}"
+    finally:
+        cluster.delete_namespace(other)
+    figures.add(f"chart: install + RBAC + upgrade + uninstall on the test bed in "
+                f"{time.monotonic() - t0:.1f}s")
+
+
+def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, namespace, helm,
+                                                                   tmp_path):
+    """The rendered configurations, pointed at a webhook process on 127.0.0.1 (the values
+    switch `webhook.development.url`), mutate labelled pods in the sandbox namespace."""
+    sandboxes = cluster.new_namespace("chart-sbx")
+    server = start_server(tmp_path / "webhook")
+    try:
+        with Release(helm, cluster, namespace) as rel:
+            values = _values_file(tmp_path, "dev", _scoped(sandboxes), {
+                "sandboxNamespace": sandboxes,
+                "controller": {"readyCheck": "pod"},
+                "webhook": {"development": {
+                    "url": server.url,
+                    "caBundle": base64.b64encode(server.ca.read_bytes()).decode()}}})
+            rel.install(values)
+            pod = {"apiVersion": "v1", "kind": "Pod",
+                   "metadata": {"generateName": "sbx-", "labels": {LABEL_SANDBOX: "true"},
+                                "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+                   "spec": {"containers": [{"name": "task", "image": "python:3.12-slim"}]}}
+            deadline = time.monotonic() + 20
+            while True:  # the API server picks up new configurations within a second or so
+                got = cluster.core.create_namespaced_pod(sandboxes, pod, dry_run="All")
+                names = [c.name for c in got.spec.init_containers or []]
+                if EXECD_INSTALL_CONTAINER in names or time.monotonic() > deadline:
+                    break
+                time.sleep(0.2)
+            assert EXECD_INSTALL_CONTAINER in names, names
+            assert got.spec.enable_service_links is False
+            # A pod that is no correct sandbox is refused by the validating configuration.
+            bad = dict(pod, metadata={"generateName": "bad-", "labels": {LABEL_SANDBOX: "true"}})
+            with pytest.raises(ApiException) as e:
+                cluster.core.create_namespaced_pod(sandboxes, bad, dry_run="All")
+            assert e.value.status == 403 and "token-hash" in e.value.body
+    finally:
+        server.stop()
+        cluster.delete_namespace(sandboxes)
