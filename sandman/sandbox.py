@@ -326,6 +326,8 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
 
     for c in _all_containers(spec):
         _equalize_resources(c, policy)
+    if isinstance(spec.get("resources"), dict):  # pod-level resources (Kubernetes >= 1.32)
+        _equalize_resources(spec, None)
     return out
 
 
@@ -446,15 +448,20 @@ def _make_sandbox_container(c: dict, spec: dict) -> None:
         c["securityContext"] = sc
 
 
-def _equalize_resources(c: dict, policy: SandboxPolicy) -> None:
+def _equalize_resources(c: dict, policy: SandboxPolicy | None) -> None:
     """requests == limits for cpu and memory: copy the side that is set, else the default size;
-    when both are set and differ, both take the larger (a limit is never lowered)."""
+    when both are set and differ, both take the larger (a limit is never lowered). Without a
+    policy (pod-level resources) a resource neither side sets stays unset."""
     res = c.get("resources") or {}
     requests = dict(res.get("requests") or {})
     limits = dict(res.get("limits") or {})
-    for name, default in (("cpu", policy.default_cpu), ("memory", policy.default_memory)):
+    defaults = (("cpu", policy.default_cpu), ("memory", policy.default_memory)) if policy else (
+        ("cpu", None), ("memory", None))
+    for name, default in defaults:
         req, lim = requests.get(name), limits.get(name)
         if req is None and lim is None:
+            if default is None:
+                continue
             value = default
         elif req is None:
             value = lim
@@ -500,6 +507,8 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
 
     for c in _all_containers(spec):
         out.extend(_check_resources(c))
+    if isinstance(spec.get("resources"), dict):
+        out.extend(_check_resources(spec, pod_level=True))
     if spec.get("enableServiceLinks") is not False:
         out.append(Refusal("service-links", "",
                            "enableServiceLinks must be false (every Service in the namespace "
@@ -549,15 +558,18 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     return out
 
 
-def _check_resources(c: dict) -> list[Refusal]:
+def _check_resources(c: dict, pod_level: bool = False) -> list[Refusal]:
     res = c.get("resources") or {}
     requests, limits = res.get("requests") or {}, res.get("limits") or {}
     out = []
     for name in ("cpu", "memory"):
         req, lim = requests.get(name), limits.get(name)
+        if pod_level and req is None and lim is None:
+            continue
         if req is None or lim is None or not _same_quantity(req, lim):
-            out.append(Refusal("resources-unequal", c.get("name", ""),
-                               f"{name} requests {req} != limits {lim}"))
+            where = "pod-level resources: " if pod_level else ""
+            out.append(Refusal("resources-unequal", "" if pod_level else c.get("name", ""),
+                               f"{where}{name} requests {req} != limits {lim}"))
     return out
 
 

@@ -97,6 +97,8 @@ def cases() -> dict[str, dict]:
     c["mutate-resources-equal-spelling-kept"] = review("m7", pod(containers=[
         {**task, "resources": _res(req={"cpu": "1000m", "memory": "1024Mi"},
                                    lim={"cpu": "1", "memory": "1Gi"})}]))
+    c["mutate-resources-pod-level-equalized"] = review("m28", pod(resources=_res(
+        req={"cpu": "1"}, lim={"cpu": "2", "memory": "4Gi"})))
     c["mutate-egress-deny-guard-args"] = review("m8", pod(labels={LABEL_SANDBOX: "true",
                                                                   LABEL_EGRESS: "deny"}))
     c["mutate-ingress-from-annotation"] = review("m9", pod(annotations={
@@ -152,6 +154,9 @@ def cases() -> dict[str, dict]:
         "resources"]["requests"].update(cpu="500m")))
     c["validate-resources-missing-init"] = review("v5", _edit(
         g, lambda p: p["spec"]["initContainers"][1].pop("resources")))
+    c["validate-resources-pod-level-unequal"] = review("v27", _edit(
+        g, lambda p: p["spec"].update(resources=_res(req={"memory": "1Gi"},
+                                                     lim={"memory": "2Gi"}))))
     c["validate-service-links"] = review("v6", _edit(
         g, lambda p: p["spec"].pop("enableServiceLinks")))
     c["validate-sa-token-automount"] = review("v7", _edit(
