@@ -746,7 +746,7 @@ class Daemon:
                     tag, sh.pid, since)):
                 phase, phase_at = "kill", t
                 self._kill_call(tag, sh.pid, since)
-            elif phase == "kill" and t >= phase_at + 2.0:
+            elif phase == "kill" and t >= phase_at + 1.0:
                 break
         timed_out = phase != "run"
         if frame is not None and frame[0] == "ok" and timed_out and phase == "term":
@@ -1569,9 +1569,12 @@ def main(argv=None):
     stopping = threading.Event()
 
     def stop(signum, frame):
-        if not stopping.is_set():
-            stopping.set()
-            threading.Thread(target=srv.shutdown, daemon=True).start()
+        # Leave nothing behind: the shell and everything it started go with us.
+        stopping.set()
+        try:
+            daemon.kill_sandbox()
+        finally:
+            os._exit(0)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
@@ -1588,7 +1591,6 @@ def main(argv=None):
     try:
         srv.serve_forever(poll_interval=0.5)
     finally:
-        # Leave nothing behind: the shell and everything it started go with us.
         daemon.kill_sandbox()
     return 0
 

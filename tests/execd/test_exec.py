@@ -327,7 +327,7 @@ def test_flood_1gib_rss_bounded(execd):
 
 
 def test_endless_flood_until_timeout_rss_bounded(execd):
-    r = execd.exec("yes flood", timeout=3)
+    r = execd.exec("yes flood", timeout=2)
     assert r["exit_code"] == 124 and r["truncated"] is True
     assert r["output"].startswith("flood\n")
     assert execd.rss_hwm_kib() < 32 * 1024
