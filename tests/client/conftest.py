@@ -300,13 +300,15 @@ def proxy(execd) -> CutProxy:
 @dataclass
 class FakeController:
     """The controller's acquire/release routes, backed by a dict. `answers` queues canned
-    (status, body) replies for POST /v1/sandboxes; `acquire_delay_s` holds acquires."""
+    (status, body) replies for POST /v1/sandboxes; `acquire_delay_s` and `release_delay_s`
+    hold acquires and releases."""
 
     target: Execd
     target_port: int | None = None  # e.g. a proxy's port in front of the execd
     token: str | None = None  # hand out this token instead of the execd's
     answers: list[tuple[int, Any]] = field(default_factory=list)
     acquire_delay_s: float = 0.0
+    release_delay_s: float = 0.0
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
@@ -340,6 +342,17 @@ class _Handler(BaseHTTPRequestHandler):
     def _body(self) -> Any:
         n = int(self.headers.get("Content-Length") or 0)
         return json.loads(self.rfile.read(n)) if n else None
+
+    def _client_left(self) -> bool:
+        self.connection.setblocking(False)
+        try:
+            return self.connection.recv(1, socket.MSG_PEEK) == b""
+        except BlockingIOError:
+            return False
+        except OSError:
+            return True
+        finally:
+            self.connection.setblocking(True)
 
     def _record(self, body: Any) -> None:
         with self.ctl.lock:
@@ -377,6 +390,11 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_DELETE(self) -> None:
         self._record(None)
+        if self.ctl.release_delay_s:
+            time.sleep(self.ctl.release_delay_s)
+            if self._client_left():  # as a proxy would: the release is lost, not applied
+                self.close_connection = True
+                return
         sid = self.path.rsplit("/", 1)[-1]
         with self.ctl.lock:
             existed = self.ctl.sandboxes.pop(sid, None) is not None

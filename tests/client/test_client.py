@@ -285,3 +285,36 @@ def test_prewarm_and_drain(flavor: Flavor, controller: FakeController) -> None:
     (_, _, sent), = controller.calls("POST", "/v1/prewarm")
     assert sent == {"image": "img:4", "count": 3, "idle_timeout_s": 60,
                     "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny"}}
+
+
+def test_release_survives_the_callers_cancellation(controller: FakeController) -> None:
+    """asyncio only. The task is cancelled while leaving `async with sandbox` is releasing:
+    the cancellation reaches the caller, and the release still completes."""
+    controller.release_delay_s = 0.5
+
+    async def body():
+        async with AsyncClient(controller.url, retry=FAST_RETRY) as client:
+            entered = asyncio.Event()
+
+            async def rollout():
+                async with await client.acquire("img", job="j") as sb:
+                    await sb.exec("true")
+                    entered.set()
+                # leaving the block: the release (DELETE, held 0.5 s) is in flight
+
+            task = asyncio.ensure_future(rollout())
+            await entered.wait()
+            deadline = time.monotonic() + 5
+            while not controller.calls("DELETE") and time.monotonic() < deadline:
+                await asyncio.sleep(0.01)
+            task.cancel()  # cancels the caller mid-release
+            with pytest.raises(asyncio.CancelledError):
+                await task
+            assert controller.sandboxes, "the DELETE is still held by the controller"
+            deadline = time.monotonic() + 5
+            while controller.sandboxes and time.monotonic() < deadline:
+                await asyncio.sleep(0.05)
+            assert controller.sandboxes == {}
+        assert len(controller.calls("DELETE")) == 1  # aclose did not release it twice
+
+    asyncio.run(asyncio.wait_for(body(), 20))

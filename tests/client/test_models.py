@@ -84,7 +84,7 @@ def test_retry_schedule_is_bounded() -> None:
     assert b.delay() is None
 
 
-@settings(max_examples=30, deadline=None,
+@settings(max_examples=20, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(data=st.binary(max_size=4096), name=st.text(
     alphabet=st.characters(blacklist_characters="/\0", blacklist_categories=("Cs",)),
