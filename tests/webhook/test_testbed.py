@@ -280,3 +280,22 @@ def test_ca_rotation_under_a_create_loop_has_no_failed_create(cluster, namespace
                 time.sleep(0.2)
     finally:
         server.stop()
+
+
+def test_certs_cli_ensure_is_idempotent(cluster, namespace, tmp_path):
+    import json
+    import subprocess
+    import sys
+
+    from tests.webhook.conftest import ROOT
+
+    cmd = [sys.executable, "-m", "webhook", "certs", "ensure", "--kubeconfig",
+           str(cluster.kubeconfig), "--namespace", namespace, "--service", "sandman-webhook",
+           "--ip", "127.0.0.1", "--write-dir", str(tmp_path)]
+    runs = [json.loads(subprocess.run(cmd, cwd=ROOT, capture_output=True, check=True,
+                                      timeout=60).stdout) for _ in range(2)]
+    assert runs[0] == {"ca_rotated": True, "bundle_patched": False, "leaf_issued": True}
+    assert runs[1] == {"ca_rotated": False, "bundle_patched": False, "leaf_issued": False}
+    leaf = certs.split_bundle((tmp_path / "tls.crt").read_bytes())[0]
+    assert certs._sans(leaf) == (set(certs.service_dns_names("sandman-webhook", namespace)),
+                                 {"127.0.0.1"})
