@@ -11,6 +11,8 @@ from __future__ import annotations
 import base64
 import json
 import secrets
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -20,7 +22,7 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
-from tests.charts.helm import CHART, Helm, kubectl, objects
+from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
 from tests.webhook.conftest import start_server
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -105,6 +107,22 @@ def _can(cluster, sa_ns: str, sa: str, verb: str, resource: str, namespace: str 
     return api.create_subject_access_review(review).status.allowed
 
 
+def _service_account_kubeconfig(cluster, namespace: str, sa: str, tmp_path: Path) -> Path:
+    """A kubeconfig that authenticates as the service account (a short-lived bound token)."""
+    req = client.AuthenticationV1TokenRequest(
+        spec=client.V1TokenRequestSpec(audiences=[], expiration_seconds=600))
+    token = cluster.core.create_namespaced_service_account_token(sa, namespace, req).status.token
+    admin = yaml.safe_load(Path(cluster.kubeconfig).read_text())
+    ctx = next(c for c in admin["contexts"] if c["name"] == admin["current-context"])["context"]
+    entry = next(c for c in admin["clusters"] if c["name"] == ctx["cluster"])
+    path = tmp_path / f"{sa}.kubeconfig"
+    path.write_text(yaml.safe_dump({
+        "apiVersion": "v1", "kind": "Config", "current-context": "sa",
+        "clusters": [entry], "users": [{"name": "sa", "user": {"token": token}}],
+        "contexts": [{"name": "sa", "context": {"cluster": entry["name"], "user": "sa"}}]}))
+    return path
+
+
 def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, figures):
     other = cluster.new_namespace("chart-other")
     t0 = time.monotonic()
@@ -156,6 +174,24 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                             "validatingwebhookconfigurations",
                             group="admissionregistration.k8s.io", name="another-webhook")
 
+            # The certificate Job's exact command, run here under the webhook's own account
+            # (kwok runs no containers): its RBAC suffices to issue and patch caBundle.
+            job = next(o for o in first if o["kind"] == "Job")
+            container = job["spec"]["template"]["spec"]["containers"][0]
+            assert container["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
+            kc = _service_account_kubeconfig(cluster, namespace, webhook, tmp_path)
+            res = subprocess.run([sys.executable, "-m", "webhook", "certs", "ensure",
+                                  "--kubeconfig", str(kc), *container["args"],
+                                  "--propagation-seconds=0"], cwd=ROOT, capture_output=True,
+                                 text=True, timeout=60)
+            assert res.returncode == 0, res.stderr[-3000:]
+            tls = cluster.core.read_namespaced_secret(f"{webhook}-tls", namespace)
+            assert tls.type == "kubernetes.io/tls"
+            bundle = tls.data["ca.crt"]
+            for read in (cluster.admissionregistration.read_mutating_webhook_configuration,
+                         cluster.admissionregistration.read_validating_webhook_configuration):
+                assert {w.client_config.ca_bundle for w in read(cfg).webhooks} == {bundle}
+
             # Upgrade with changed values: the new values reach the objects.
             values2 = _values_file(tmp_path, "v2", _scoped(namespace),
                                    {"controller": {"readyCheck": "pod", "rate": 5},
@@ -180,9 +216,9 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             for obj in first + second:
                 res = kubectl(cluster.kubeconfig, "get", *_ref(obj, namespace), check=False)
                 assert res.returncode != 0 and "NotFound" in res.stderr, (obj["kind"], res.stdout)
-            rendered_kinds = sorted({o["kind"].lower() + "s" for o in first + second}
-                                    | {"pods", "replicasets", "secrets", "configmaps",
-                                       "leases.coordination.k8s.io"})
+            rendered_kinds = sorted({o["kind"].lower() for o in first + second}
+                                    | {"pod", "replicaset", "secret", "configmap",
+                                       "lease.coordination.k8s.io"})
             deadline = time.monotonic() + 60
             while True:  # pods and ReplicaSets go through the garbage collector
                 left = kubectl(cluster.kubeconfig, "get", ",".join(rendered_kinds),
@@ -192,6 +228,12 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                     break
                 time.sleep(0.5)
             assert not left.strip(), f"left after uninstall: {left}"
+            # Known gap (docs/operations.md): the two Secrets that `certs ensure` wrote are not
+            # Helm's and stay until deleted (or the namespace goes). This pins the behaviour so
+            # the docs are updated when `certs ensure` learns to set an ownerReference.
+            left_secrets = {s.metadata.name for s in
+                            cluster.core.list_namespaced_secret(namespace).items}
+            assert left_secrets == {f"{webhook}-tls", f"{webhook}-tls-ca"}, left_secrets
     finally:
         cluster.delete_namespace(other)
     figures.add(f"chart: install + RBAC + upgrade + uninstall on the test bed in "
