@@ -248,15 +248,16 @@ def test_busy_shell_is_typed(flavor: Flavor, execd: Execd) -> None:
 def test_state_conditions_reset(flavor: Flavor, execd: Execd) -> None:
     async def body():
         async with flavor.connect(execd) as sb:
-            await sb.exec("sleep 60 &")
+            bg = int((await sb.exec("sleep 60 & echo $!")).output)
             st = await sb.state()
-            assert st.shell_pid and any("sleep 60" in (p.cmd or "") for p in st.processes)
+            assert st.shell_pid and bg in [p.pid for p in st.processes]
             c = await sb.conditions()
             assert isinstance(c, Conditions) and c.visible_cpu_count and c.uid is not None
             r = await sb.reset()
             assert r.ok and r.left == [] and r.shell_pid != st.shell_pid
             st2 = await sb.state()
-            assert not any("sleep 60" in (p.cmd or "") for p in st2.processes)
+            assert bg not in [p.pid for p in st2.processes]
+            assert [p.pid for p in st2.processes] == [r.shell_pid]
 
     flavor.run(body)
 
