@@ -290,7 +290,7 @@ def test_prewarm_and_drain(flavor: Flavor, controller: FakeController) -> None:
 def test_release_survives_the_callers_cancellation(controller: FakeController) -> None:
     """asyncio only. The task is cancelled while leaving `async with sandbox` is releasing:
     the cancellation reaches the caller, and the release still completes."""
-    controller.release_delay_s = 0.5
+    controller.release_delay_s = 1.5  # margin for a loaded machine: the cancel lands inside
 
     async def body():
         async with AsyncClient(controller.url, retry=FAST_RETRY) as client:
@@ -300,7 +300,7 @@ def test_release_survives_the_callers_cancellation(controller: FakeController) -
                 async with await client.acquire("img", job="j") as sb:
                     await sb.exec("true")
                     entered.set()
-                # leaving the block: the release (DELETE, held 0.5 s) is in flight
+                # leaving the block: the release (DELETE, held 1.5 s) is in flight
 
             task = asyncio.ensure_future(rollout())
             await entered.wait()
