@@ -36,6 +36,14 @@ test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests 
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
 	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)
 
+.PHONY: test-chart chart-golden
+test-chart: deps testbed-build  ## the Helm chart: lint, golden renders, schema, install/upgrade/uninstall on the test bed
+	$(VPY) tools/run_pytest.py tests/charts $(PYTEST_ARGS)
+
+chart-golden: $(STAMP) testbed-build  ## regenerate the chart's _contract.tpl and golden renders (review the diff)
+	$(VPY) charts/gen_contract.py
+	SANDMAN_GOLDEN_UPDATE=1 $(VPY) -m pytest -q tests/charts/test_chart.py
+
 testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
 	$(VPY) -m tests.testbed up
 
