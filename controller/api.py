@@ -49,6 +49,8 @@ class AcquireBody(SpecBody):
     timeout_s: float = Field(300.0, gt=0, le=3600)
     warm_ok: bool = True
     wait: bool = True
+    # Idempotency key: a retry with the same key (and job) gets the same sandbox back.
+    request_id: str | None = Field(None, min_length=1, max_length=128)
 
 
 class PrewarmBody(BaseModel):
@@ -90,7 +92,8 @@ def build_app(state: dict) -> FastAPI:
         spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress)
         task = asyncio.ensure_future(c.acquire(
             spec, body.job, owner=body.owner.model_dump() if body.owner else None,
-            labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait))
+            labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
+            request_id=body.request_id))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.

@@ -170,6 +170,7 @@ class Controller:
         self.ready = False
         self._bg: list[asyncio.Task] = []
         self._retired: set[str] = set()  # names whose creates were given up: delete on sight
+        self._requests: dict[tuple[str, str], asyncio.Future] = {}  # (job, request_id)
 
     # ---- lifecycle --------------------------------------------------------------------------
     async def start(self) -> None:
@@ -292,7 +293,43 @@ class Controller:
 
     async def acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None = None,
                       labels: dict | None = None, timeout_s: float = 300.0,
-                      warm_ok: bool = True, wait: bool = True) -> dict:
+                      warm_ok: bool = True, wait: bool = True,
+                      request_id: str | None = None) -> dict:
+        """`request_id` makes a retried acquire (its answer was lost) return the same sandbox
+        instead of a second one, while the first is in flight or still leased."""
+        if request_id is None:
+            return await self._acquire(spec, job, owner=owner, labels=labels,
+                                       timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
+        key = (job, request_id)
+        prior = self._requests.get(key)
+        if prior is not None:
+            if not prior.done():
+                return await asyncio.shield(prior)
+            if not prior.cancelled() and prior.exception() is None:
+                e = self.entries.get(prior.result()["id"])
+                if e is not None and e.state == "leased":
+                    return prior.result()
+        fut = asyncio.get_running_loop().create_future()
+        self._requests[key] = fut
+        while len(self._requests) > 10000:  # bounded: the oldest keys are forgotten
+            self._requests.pop(next(iter(self._requests)))
+        try:
+            result = await self._acquire(spec, job, owner=owner, labels=labels,
+                                         timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
+        except BaseException as ex:
+            self._requests.pop(key, None)
+            if not fut.done():
+                fut.set_exception(ex if isinstance(ex, AcquireError)
+                                  else AcquireError("the first attempt of this request_id "
+                                                    "was abandoned; retry"))
+                fut.exception()
+            raise
+        fut.set_result(result)
+        return result
+
+    async def _acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None,
+                       labels: dict | None, timeout_s: float, warm_ok: bool,
+                       wait: bool) -> dict:
         labels = dict(labels or {})
         self.validate(spec, job, labels, owner)
         if not self.ready:

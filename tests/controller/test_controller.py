@@ -348,3 +348,18 @@ def test_sweep_deletes_unowned_controller_pods_only(cluster, namespace, ctl):
     still = cluster.core.read_namespaced_pod("tenant", namespace)
     assert still.metadata.uid == other.metadata.uid and not still.metadata.deletion_timestamp
     assert "sandman_controller_swept_total 1.0" in httpx.get(c.url + "/metrics").text
+
+
+def test_acquire_request_id_is_idempotent(cluster, namespace, ctl):
+    c = ctl()
+    first = acquire(c.url, job="idem", request_id="try-1").json()
+    again = acquire(c.url, job="idem", request_id="try-1").json()
+    assert again["id"] == first["id"] and again["token"] == first["token"]
+    other = acquire(c.url, job="idem", request_id="try-2").json()
+    assert other["id"] != first["id"]
+    live = [p for p in pods(cluster.core, namespace) if not p.metadata.deletion_timestamp]
+    assert len(live) == 2, "a retried acquire made a second pod"
+    # Once released, the key no longer returns the dead sandbox.
+    httpx.delete(f"{c.url}/v1/sandboxes/{first['id']}")
+    fresh = acquire(c.url, job="idem", request_id="try-1").json()
+    assert fresh["id"] != first["id"]
