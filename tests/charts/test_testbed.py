@@ -10,12 +10,16 @@ from __future__ import annotations
 
 import base64
 import json
+import os
 import secrets
+import signal
+import ssl
 import subprocess
 import sys
 import time
 from pathlib import Path
 
+import httpx
 import pytest
 import yaml
 from kubernetes import client
@@ -23,6 +27,7 @@ from kubernetes.client.rest import ApiException
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
 from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
+from tests.testbed.cluster import free_port
 from tests.webhook.conftest import start_server
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
@@ -123,6 +128,50 @@ def _service_account_kubeconfig(cluster, namespace: str, sa: str, tmp_path: Path
     return path
 
 
+def _rewrite(args: list[str], **flags: str) -> list[str]:
+    """The rendered args with some `--flag=value` replaced (local addresses and files)."""
+    out = []
+    for a in args:
+        name = a.split("=", 1)[0].lstrip("-").replace("-", "_")
+        out.append(f"--{name.replace('_', '-')}={flags.pop(name)}" if name in flags else a)
+    assert not flags, f"not in the rendered args: {flags}"
+    return out
+
+
+def _check_webhook_serves(dep: dict, tls_secret, tmp_path: Path, server_name: str) -> None:
+    container = dep["spec"]["template"]["spec"]["containers"][0]
+    assert container["command"] == ["python3", "-m", "webhook", "serve"]
+    mount = container["volumeMounts"][0]["mountPath"]
+    certdir = tmp_path / "tls"
+    certdir.mkdir()
+    for key in ("tls.crt", "tls.key", "ca.crt"):
+        (certdir / key).write_bytes(base64.b64decode(tls_secret.data[key]))
+    port = free_port()
+    args = _rewrite(container["args"], port=str(port), tls_cert=str(certdir / "tls.crt"),
+                    tls_key=str(certdir / "tls.key"))
+    assert f"--tls-cert={mount}/tls.crt" in container["args"]
+    log = open(tmp_path / "webhook.log", "wb")
+    proc = subprocess.Popen([sys.executable, "-m", "webhook", "serve", "--host", "127.0.0.1",
+                             *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    try:
+        ctx = ssl.create_default_context(cadata=base64.b64decode(
+            tls_secret.data["ca.crt"]).decode())
+        deadline = time.monotonic() + 30
+        status = None
+        with httpx.Client(verify=ctx) as http:
+            while status != 200 and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    status = http.get(f"https://127.0.0.1:{port}/readyz", timeout=2,
+                                      extensions={"sni_hostname": server_name}).status_code
+                except httpx.HTTPError:
+                    time.sleep(0.2)
+        assert status == 200, (tmp_path / "webhook.log").read_text()[-2000:]
+    finally:
+        proc.terminate()
+        proc.wait(15)
+        log.close()
+
+
 def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, figures):
     other = cluster.new_namespace("chart-other")
     t0 = time.monotonic()
@@ -191,6 +240,12 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             for read in (cluster.admissionregistration.read_mutating_webhook_configuration,
                          cluster.admissionregistration.read_validating_webhook_configuration):
                 assert {w.client_config.ca_bundle for w in read(cfg).webhooks} == {bundle}
+
+            # The webhook Deployment's exact args, serving the issued Secret: the API server's
+            # view (the Service's DNS name, verified against caBundle) gets a ready webhook.
+            dep = next(o for o in first if o["kind"] == "Deployment" and
+                       o["metadata"]["name"] == webhook)
+            _check_webhook_serves(dep, tls, tmp_path, f"{webhook}.{namespace}.svc")
 
             # Upgrade with changed values: the new values reach the objects.
             values2 = _values_file(tmp_path, "v2", _scoped(namespace),
@@ -276,3 +331,85 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
     finally:
         server.stop()
         cluster.delete_namespace(sandboxes)
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    if proc.poll() is None:
+        os.killpg(proc.pid, signal.SIGTERM)
+        try:
+            proc.wait(15)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait(5)
+
+
+def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, helm, tmp_path,
+                                                            figures):
+    """The controller with the Deployment's exact args, authenticated as the chart's service
+    account, hands out a sandbox; the `helm test` pod's script, run here against it, passes.
+    kwok runs no container, so a stand-in kubelet starts the real execd on each sandbox pod's
+    loopback IP (tests/controller/test_sdk_e2e.py)."""
+    from tests.controller.test_sdk_e2e import ExecdKubelet
+
+    other = cluster.new_namespace("chart-nowhere")
+    kubelet = ExecdKubelet(cluster.core, namespace, tmp_path)
+    proc = None
+    try:
+        with Release(helm, cluster, namespace) as rel:
+            rel.install(_values_file(tmp_path, "v", _scoped(other)))
+            manifest = rel.manifest()
+            controller = f"{rel.name}-sandman-controller"
+            dep = next(o for o in manifest if o["kind"] == "Deployment" and
+                       o["metadata"]["name"] == controller)
+            container = dep["spec"]["template"]["spec"]["containers"][0]
+            assert container["command"] == ["python3", "-m", "controller", "serve"]
+            assert "--ready-check=execd" in container["args"]  # the production default
+            port = free_port()
+            kc = _service_account_kubeconfig(cluster, namespace, controller, tmp_path)
+            log = tmp_path / "controller.log"
+            with open(log, "wb") as out:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "controller", "serve", "--kubeconfig", str(kc),
+                     *_rewrite(container["args"], listen=f"127.0.0.1:{port}")],
+                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            url = f"http://127.0.0.1:{port}"
+            deadline = time.monotonic() + 30
+            ready = False
+            while not ready and time.monotonic() < deadline and proc.poll() is None:
+                try:
+                    ready = httpx.get(url + "/readyz", timeout=1).status_code == 200
+                except httpx.HTTPError:
+                    pass
+                time.sleep(0.2)
+            assert ready, f"controller not leader/ready: {log.read_text()[-3000:]}"
+
+            hooks = objects(helm.run("get", "hooks", rel.name, "-n", namespace).stdout)
+            pod = next(o for o in hooks if o["kind"] == "Pod")
+            assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
+            tc = pod["spec"]["containers"][0]
+            assert tc["command"][:2] == ["python3", "-c"]
+            env = {e["name"]: e["value"] for e in tc["env"]}
+            assert env["SANDMAN_CONTROLLER"].startswith(f"http://{controller}.{namespace}.svc:")
+            t0 = time.monotonic()
+            res = subprocess.run([sys.executable, "-c", tc["command"][2]], cwd=tmp_path,
+                                 env={**os.environ, "SANDMAN_CONTROLLER": url},
+                                 capture_output=True, text=True, timeout=120)
+            took = time.monotonic() - t0
+            assert res.returncode == 0, f"{res.stdout}{res.stderr}\n{log.read_text()[-2000:]}"
+            assert "ok: acquired, ran `echo ok`, released" in res.stdout
+            # ... and it fails loudly when there is no controller to talk to.
+            bad = subprocess.run([sys.executable, "-c", tc["command"][2]], cwd=tmp_path,
+                                 env={**os.environ,
+                                      "SANDMAN_CONTROLLER": f"http://127.0.0.1:{free_port()}"},
+                                 capture_output=True, text=True, timeout=120)
+            assert bad.returncode != 0 and bad.stderr.strip()
+            # A clean shutdown (it releases the Lease) while the chart's RBAC still exists:
+            # no call the controller made was refused.
+            _stop(proc)
+            assert "forbidden" not in log.read_text().lower(), log.read_text()[-3000:]
+    finally:
+        if proc is not None:
+            _stop(proc)
+        kubelet.stop()
+        cluster.delete_namespace(other)
+    figures.add(f"chart: helm test script against the controller under its RBAC: {took:.1f}s")
