@@ -179,6 +179,16 @@ def test_cert_modes(helm):
     assert hook == {"url": "https://127.0.0.1:9443/validate", "caBundle": "Q0E="}
 
 
+def test_certs_job_is_named_by_its_pod(helm):
+    """Job pods are immutable: a changed image must give a new Job, an unchanged one the same."""
+    def name(*args):
+        return _find(_render(helm, *args), "Job")["metadata"]["name"]
+
+    assert name() == name("--set", "controller.rate=5")
+    assert name() != name("--set", "image.tag=0.1.1")
+    assert name().startswith(f"{RELEASE}-webhook-certs-")
+
+
 def test_network_policies(helm):
     objs = _render(helm)
     egress = _find(objs, "NetworkPolicy", "-sandbox-egress-deny")
