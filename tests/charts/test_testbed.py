@@ -226,16 +226,28 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             # The certificate Job's exact command, run here under the webhook's own account
             # (kwok runs no containers): its RBAC suffices to issue and patch caBundle.
             job = next(o for o in first if o["kind"] == "Job")
-            container = job["spec"]["template"]["spec"]["containers"][0]
-            assert container["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
+            ensure = job["spec"]["template"]["spec"]["initContainers"][0]
+            assert ensure["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
             kc = _service_account_kubeconfig(cluster, namespace, webhook, tmp_path)
             res = subprocess.run([sys.executable, "-m", "webhook", "certs", "ensure",
-                                  "--kubeconfig", str(kc), *container["args"],
+                                  "--kubeconfig", str(kc), *ensure["args"],
                                   "--propagation-seconds=0"], cwd=ROOT, capture_output=True,
                                  text=True, timeout=60)
             assert res.returncode == 0, res.stderr[-3000:]
+            # Its second step: the Secrets become the ServiceAccount's, so uninstall removes them.
+            own = job["spec"]["template"]["spec"]["containers"][0]
+            assert own["command"][:2] == ["python3", "-c"]
+            env = {e["name"]: e["value"] for e in own["env"]}
+            res = subprocess.run([sys.executable, "-c", own["command"][2]], cwd=ROOT,
+                                 env={**os.environ, **env, "KUBECONFIG": str(kc)},
+                                 capture_output=True, text=True, timeout=60)
+            assert res.returncode == 0, res.stderr[-3000:]
             tls = cluster.core.read_namespaced_secret(f"{webhook}-tls", namespace)
             assert tls.type == "kubernetes.io/tls"
+            for secret in (tls, cluster.core.read_namespaced_secret(f"{webhook}-tls-ca",
+                                                                    namespace)):
+                assert [(r.kind, r.name) for r in secret.metadata.owner_references] == [
+                    ("ServiceAccount", webhook)]
             bundle = tls.data["ca.crt"]
             for read in (cluster.admissionregistration.read_mutating_webhook_configuration,
                          cluster.admissionregistration.read_validating_webhook_configuration):
@@ -283,12 +295,16 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                     break
                 time.sleep(0.5)
             assert not left.strip(), f"left after uninstall: {left}"
-            # Known gap (docs/operations.md): the two Secrets that `certs ensure` wrote are not
-            # Helm's and stay until deleted (or the namespace goes). This pins the behaviour so
-            # the docs are updated when `certs ensure` learns to set an ownerReference.
-            left_secrets = {s.metadata.name for s in
-                            cluster.core.list_namespaced_secret(namespace).items}
-            assert left_secrets == {f"{webhook}-tls", f"{webhook}-tls-ca"}, left_secrets
+            # The certificate Secrets (written by `certs ensure`, not by Helm) went with their
+            # owner: nothing at all is left in the namespace.
+            deadline = time.monotonic() + 30
+            while True:
+                left_secrets = [s.metadata.name for s in
+                                cluster.core.list_namespaced_secret(namespace).items]
+                if not left_secrets or time.monotonic() > deadline:
+                    break
+                time.sleep(0.5)
+            assert not left_secrets, f"left after uninstall: {left_secrets}"
     finally:
         cluster.delete_namespace(other)
     figures.add(f"chart: install + RBAC + upgrade + uninstall on the test bed in "

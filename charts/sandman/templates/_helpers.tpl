@@ -168,8 +168,11 @@ timeoutSeconds: {{ .Values.webhook.timeoutSeconds }}
 admissionReviewVersions: [v1]
 {{- end -}}
 
-{{- /* The pod that runs `python3 -m webhook certs ensure` (Job at each install/upgrade,
-CronJob for renewal). Idempotent: a run with nothing to renew changes nothing. */ -}}
+{{- /* The pod that runs `python3 -m webhook certs ensure` (Job at install, CronJob for
+renewal). Idempotent: a run with nothing to renew changes nothing. `certs ensure` writes its two
+Secrets without an owner, so Helm would leave them behind on uninstall; the second step makes
+the webhook's ServiceAccount (a Helm object) their owner, and the garbage collector removes
+them with the release. It runs after every ensure, which replaces the Secrets whole. */ -}}
 {{- define "sandman.webhook.certsPod" -}}
 metadata:
   labels:
@@ -198,7 +201,7 @@ spec:
     runAsGroup: 65532
     seccompProfile:
       type: RuntimeDefault
-  containers:
+  initContainers:
     - name: certs
       image: {{ include "sandman.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -210,12 +213,44 @@ spec:
         - --mutating-config={{ include "sandman.clusterName" . }}
         - --validating-config={{ include "sandman.clusterName" . }}
         - --propagation-seconds={{ .Values.webhook.certs.propagationSeconds }}
-      resources:
-        requests: {cpu: 100m, memory: 128Mi}
-        limits: {cpu: 100m, memory: 128Mi}
-      securityContext:
-        allowPrivilegeEscalation: false
-        readOnlyRootFilesystem: true
-        capabilities:
-          drop: [ALL]
+      {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
+  containers:
+    - name: own-secrets
+      image: {{ include "sandman.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      env:
+        - name: NAMESPACE
+          value: {{ .Release.Namespace }}
+        - name: OWNER
+          value: {{ include "sandman.webhook.fullname" . }}
+        - name: SECRETS
+          value: {{ include "sandman.webhook.secret" . }},{{ include "sandman.webhook.secret" . }}-ca
+      command:
+        - python3
+        - -c
+        - |
+          import os
+          from kubernetes import client, config
+          if os.environ.get("KUBECONFIG"):
+              config.load_kube_config()
+          else:
+              config.load_incluster_config()
+          core, ns, owner = client.CoreV1Api(), os.environ["NAMESPACE"], os.environ["OWNER"]
+          uid = core.read_namespaced_service_account(owner, ns).metadata.uid
+          ref = {"apiVersion": "v1", "kind": "ServiceAccount", "name": owner, "uid": uid}
+          for name in os.environ["SECRETS"].split(","):
+              core.patch_namespaced_secret(name, ns, {"metadata": {"ownerReferences": [ref]}})
+              print(f"secret/{name}: owned by serviceaccount/{owner}, removed with the release")
+      {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
+{{- end -}}
+
+{{- define "sandman.webhook.certsContainerTail" -}}
+resources:
+  requests: {cpu: 100m, memory: 128Mi}
+  limits: {cpu: 100m, memory: 128Mi}
+securityContext:
+  allowPrivilegeEscalation: false
+  readOnlyRootFilesystem: true
+  capabilities:
+    drop: [ALL]
 {{- end -}}
