@@ -53,6 +53,7 @@ def _args(parser) -> None:
     g.add_argument("--burst-every-s", type=float, default=60.0)
     g.add_argument("--pacing-rate", type=float, default=0.0,
                    help="the controller's --rate, drawn in the report (0: from /v1/stats)")
+    g.add_argument("--pacing-burst", type=int, default=0, help="the controller's --burst")
 
 
 def _hold(o) -> float:
@@ -123,7 +124,7 @@ class SandboxUser(User):
 
     def on_stop(self) -> None:
         if self.sid:
-            self.ctl.release(self.sid)
+            self.ctl.release_later(self.sid)
             self.sid = None
 
 
@@ -140,6 +141,7 @@ class SandmanShape(LoadTestShape):
                 burst_s=max(_hold(o), 0) + 5.0)
             RUN.plan = self.plan
             RUN.extra.update({"shape": o.shape, "locustfile": "acquire_burst",
-                              "pacing": {"rate": o.pacing_rate or None}})
+                              "pacing": {"rate": o.pacing_rate or None,
+                                         "burst": o.pacing_burst or None}})
         return self.plan.tick(self.get_run_time(), self.get_current_user_count(), RUN.live,
                               RUN.done)

@@ -23,9 +23,11 @@ from pathlib import Path
 from typing import Any
 
 import gevent
+import gevent.pool
 import requests
 from locust import events
 
+from loadtest.audit import core_api, leak_audit
 from sandman import contract
 
 log = logging.getLogger("loadtest")
@@ -141,19 +143,36 @@ class ControllerClient:
         return lease
 
     def release(self, sid: str) -> bool:
-        if RUN.held.pop(sid, None) is None:
+        """DELETE is idempotent: a connection error (a keep-alive connection the server closed
+        while the sandbox was held) is retried, twice. A sandbox stays in `RUN.held` until a
+        release succeeds, so the end of the run tries again."""
+        if sid not in RUN.held:
             return False
-        RUN.live -= 1
         start = time.perf_counter()
-        exc = None
-        try:
-            r = self.http.delete(f"{self.base}/v1/sandboxes/{sid}", timeout=60)
-            if r.status_code != 200:
-                exc = RequestFailed(f"HTTP {r.status_code} {_error_type(r)}")
-        except requests.RequestException as e:
-            exc = RequestFailed(type(e).__name__)
+        exc: Exception | None = None
+        for attempt in range(3):
+            exc = None
+            try:
+                r = self.http.delete(f"{self.base}/v1/sandboxes/{sid}", timeout=60)
+                if r.status_code != 200:
+                    exc = RequestFailed(f"HTTP {r.status_code} {_error_type(r)}")
+                break
+            except requests.ConnectionError as e:
+                exc = RequestFailed(type(e).__name__)
+                RUN.extra["release_retries"] = RUN.extra.get("release_retries", 0) + 1
+                gevent.sleep(0.2 * (attempt + 1))
+            except requests.RequestException as e:
+                exc = RequestFailed(type(e).__name__)
+                break
         fire(self.env, RELEASE, "/v1/sandboxes/{id}", start, exc)
+        if exc is None and RUN.held.pop(sid, None) is not None:
+            RUN.live -= 1
         return exc is None
+
+    def release_later(self, sid: str) -> None:
+        """From a user's on_stop: the release runs in its own greenlet, outside the runner's
+        user group, so stopping or quitting the run cannot interrupt it half way."""
+        _PENDING.append(gevent.spawn(self.release, sid))
 
 
 def _error_type(r) -> str:
@@ -163,8 +182,13 @@ def _error_type(r) -> str:
         return "no sandman error body"
 
 
+_PENDING: list = []
+
+
 def release_all(timeout_s: float = 120.0) -> None:
-    """Whatever users still hold (users killed mid-hold): released, 50 at a time."""
+    """Releases started by stopped users finish; whatever is still held is released again,
+    50 at a time."""
+    gevent.joinall(_PENDING, timeout=timeout_s)
     pool = gevent.pool.Pool(50)
     for sid, cl in list(RUN.held.items()):
         pool.spawn(cl.release, sid)
@@ -225,15 +249,6 @@ class ExecdClient:
 
 
 # ---- the pod watch (POD_READY) and controller stats -------------------------------------------
-
-def core_api(kubeconfig: str):
-    from kubernetes import client, config
-
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=kubeconfig, client_configuration=cfg)
-    cfg.connection_pool_maxsize = 4
-    return client.CoreV1Api(client.ApiClient(cfg))
-
 
 def _ready(pod: dict) -> bool:
     return any(c.get("type") == "Ready" and c.get("status") == "True"
@@ -298,19 +313,6 @@ def sample_stats(base_url: str, stop: gevent.event.Event, every_s: float = 1.0,
 
 
 # ---- leak audit -----------------------------------------------------------------------------
-
-def leak_audit(core, ns: str, job: str, settle_s: float) -> list[str]:
-    """Pods labelled with the run's job still present after `settle_s` (released pods are
-    deleted by the controller; anything left is a leak)."""
-    deadline = time.monotonic() + settle_s
-    while True:
-        items = json.loads(core.list_namespaced_pod(
-            ns, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False).data)
-        names = sorted(p["metadata"]["name"] for p in items["items"])
-        if not names or time.monotonic() >= deadline:
-            return names
-        time.sleep(0.5)
-
 
 # ---- lifecycle: watch + samples on start; release, audit, thresholds, summary on stop ---------
 

@@ -31,7 +31,7 @@ def run_shape(stack: Stack, out: Path, name: str, shape: str, a, extra: list[str
     args = ["--shape", shape, "--controller-url", stack.controller_url,
             "--kubeconfig", str(stack.kubeconfig), "--namespace", stack.namespace,
             "--job", f"demo-{name}", "--csv", str(out / name), "--html", str(out / f"{name}.html"),
-            "--pacing-rate", str(a.rate), "--max-error-rate", "0", "--max-leaked", "0", *extra]
+            "--pacing-rate", str(a.rate), "--pacing-burst", str(a.burst), "--max-error-rate", "0", "--max-leaked", "0", *extra]
     say(f"locust: {name} (acquire_burst.py --shape {shape} {' '.join(extra)})")
     t = time.monotonic()
     code = stack_locust(args, out / f"{name}.log", timeout)

@@ -56,7 +56,9 @@ class Plan:
             r = self.results[self.i]
             r.peak_live = max(r.peak_live, live)
             have = {"users": users, "live": live, "done": done}[st.need]
-            if r.reached is None and have >= st.users and users >= st.users:
+            # Users must exist: exactly the stage's count (a step down waits for the stop too).
+            exist = users == st.users if st.need == "users" else users >= st.users
+            if r.reached is None and have >= st.users and exist:
                 r.reached = now
             if r.reached is not None and now - r.reached >= st.hold_s:
                 r.ended = now

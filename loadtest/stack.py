@@ -69,14 +69,17 @@ class Proc:
 def start_webhook(workdir: Path, timeout: float = 30.0) -> tuple[Proc, str, Path]:
     """`python3 -m webhook serve` over TLS on 127.0.0.1 (self-signed CA in workdir/certs)."""
     certdir = workdir / "certs"
+    log = workdir / "webhook.log"
+    seen = log.stat().st_size if log.exists() else 0  # a reused workdir keeps older lines
     p = Proc("webhook", [sys.executable, "-m", "webhook", "serve", "--host", "127.0.0.1",
                          "--port", "0", "--self-signed-dir", str(certdir), "--ip", "127.0.0.1",
-                         "--log-level", "warning"], workdir / "webhook.log").start()
+                         "--log-level", "warning"], log).start()
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if not p.alive():
             raise RuntimeError(f"webhook exited: {p.tail()}")
-        m = re.search(r"serving https://127\.0\.0\.1:(\d+)", p.tail(20000))
+        m = re.search(r"serving https://127\.0\.0\.1:(\d+)",
+                      log.read_bytes()[seen:].decode(errors="replace"))
         if m:
             return p, f"https://127.0.0.1:{m.group(1)}", certdir / "ca.crt"
         time.sleep(0.05)

@@ -1,0 +1,146 @@
+"""Each locustfile headless for a few seconds against the test bed: the real webhook
+(registered by url:, scoped to the test's namespace), the real controller, and for execd_storm
+a real execd on every kwok pod's loopback IP (loadtest/kubelet.py). Small user counts."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from loadtest import report
+from loadtest.stack import Registration, locust, start_controller, start_kubelet, start_webhook
+from loadtest.stack import wait_webhook_active as wait_active
+
+
+@pytest.fixture(scope="module")
+def webhook(tmp_path_factory):
+    proc, url, ca = start_webhook(tmp_path_factory.mktemp("lt-webhook"))
+    yield url, ca
+    proc.stop()
+
+
+@pytest.fixture
+def stack(cluster, namespace, webhook, tmp_path):
+    url, ca = webhook
+    reg = Registration(cluster.admissionregistration, namespace, url, ca.read_bytes()).create()
+    procs = []
+    try:
+        wait_active(cluster.core, namespace)
+        yield {"ns": namespace, "kc": str(cluster.kubeconfig), "webhook": url, "ca": str(ca),
+               "procs": procs, "tmp": tmp_path}
+    finally:
+        for p in reversed(procs):
+            p.stop()
+        reg.delete()
+
+
+def controller(stack, ready_check="pod"):
+    proc, url = start_controller(stack["ns"], stack["kc"], stack["tmp"] / "controller.log",
+                                 ["--lease-name", f"lt-{stack['ns']}", "--rate", "20",
+                                  "--burst", "40", "--log-level", "WARNING"], ready_check)
+    stack["procs"].append(proc)
+    return url
+
+
+def common_args(stack, url, name):
+    return ["--controller-url", url, "--kubeconfig", stack["kc"], "--namespace", stack["ns"],
+            "--csv", str(stack["tmp"] / name), "--html", str(stack["tmp"] / f"{name}.html")]
+
+
+def summary(stack, name) -> dict:
+    return json.loads((stack["tmp"] / f"{name}_sandman.json").read_text())
+
+
+def test_acquire_burst64_through_webhook_and_controller(stack, figures):
+    url = controller(stack)
+    log = stack["tmp"] / "burst.log"
+    code = locust("acquire_burst.py", ["--shape", "burst64", "--hold-s", "1", "--max-leaked", "0",
+                                       "--pacing-rate", "20", "--max-p99-ms", "60000",
+                                       *common_args(stack, url, "burst64")], log, timeout=180)
+    s = summary(stack, "burst64")
+    assert code == 0, log.read_text()[-3000:]
+    assert s["stats"]["ACQUIRE /v1/sandboxes"] | {"p50_ms": 0, "p99_ms": 0} == {
+        "type": "ACQUIRE", "name": "/v1/sandboxes", "requests": 64, "failures": 0,
+        "p50_ms": 0, "p99_ms": 0}
+    # Create-to-Ready from the watch, apart from the API latency: one per pod created.
+    assert s["stats"]["POD_READY pod first seen -> Ready"]["requests"] == 64
+    assert s["leaked"] == [] and s["audit"].startswith("0 pod(s)")
+    # The controller paced: 64 creates took more than the bucket's 40 at once.
+    firsts = sorted(p[0] for p in s["pods"].values())
+    assert firsts[-1] - firsts[0] > 0.8
+    text, page = report.build(stack["tmp"])
+    for png in ("burst64_creates.png", "burst64_acquire.png", "burst64_ready.png"):
+        assert (stack["tmp"] / png).stat().st_size > 5000
+    assert "| burst64 | 64 | 0 | 64 |" in text and page.exists()
+    assert (stack["tmp"] / "burst64.html").exists()
+    r = report.summarize(report.load(stack["tmp"] / "burst64_sandman.json"))
+    figures.add(f"loadtest burst64 on the test bed: acquire p50/p99 {r['acq_p50']:.0f}/"
+                f"{r['acq_p99']:.0f} ms, create-to-Ready p50/p99 {r['ready_p50']:.0f}/"
+                f"{r['ready_p99']:.0f} ms, peak {r['peak_rate']} creates/s at --rate 20 --burst 40")
+
+
+def test_leak_audit_finds_a_planted_pod(cluster, stack):
+    from loadtest.audit import leak_audit
+
+    url = controller(stack)
+    job = "lt-planted"
+    planted = cluster.core.create_namespaced_pod(stack["ns"], {
+        "metadata": {"generateName": "planted-", "labels": {"sandman.dev/job": job}},
+        "spec": {"containers": [{"name": "c", "image": "registry.invalid/x:1"}],
+                 "terminationGracePeriodSeconds": 0}}).metadata.name
+    assert leak_audit(cluster.core, stack["ns"], job, settle_s=0) == [planted]
+    log = stack["tmp"] / "leak.log"
+    code = locust("acquire_burst.py", ["--shape", "burst64", "--hold-s", "0", "--job", job,
+                                       "--max-leaked", "0", "--leak-settle-s", "5",
+                                       *common_args(stack, url, "leak")], log, timeout=180)
+    s = summary(stack, "leak")
+    assert code == 1, log.read_text()[-3000:]
+    # Only the planted pod: the run's own 64 were released and deleted.
+    assert s["leaked"] == [planted]
+    assert s["stats"][f"LEAK {planted}"]["failures"] == 1
+    assert "threshold FAIL: leaked pods 1 <= 0" in log.read_text()
+    assert s["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0
+
+
+def test_admission_storm_dry_run_and_raw_reviews(stack):
+    log = stack["tmp"] / "adm.log"
+    code = locust("admission_storm.py", ["-u", "4", "-r", "4", "-t", "6s",
+                                         "--webhook-url", stack["webhook"],
+                                         "--webhook-ca", stack["ca"], "--max-p99-ms", "5000",
+                                         *common_args(stack, "http://127.0.0.1:9", "adm")],
+                  log, timeout=120)
+    s = summary(stack, "adm")
+    assert code == 0, log.read_text()[-3000:]
+    st = s["stats"]
+    assert st["POD_CREATE pods (dryRun=All)"]["requests"] > 5
+    assert st["POD_CREATE pods (dryRun=All)"]["failures"] == 0
+    assert st["ADMISSION_REVIEW /mutate"]["requests"] > 5
+    assert st["ADMISSION_REVIEW /validate"]["failures"] == 0
+    # Dry runs stored nothing.
+    assert not cluster_pods(stack)
+
+
+def cluster_pods(stack) -> list:
+    from loadtest.audit import core_api
+
+    return core_api(stack["kc"]).list_namespaced_pod(stack["ns"]).items
+
+
+def test_execd_storm_against_real_execds(stack):
+    stack["procs"].append(start_kubelet(stack["ns"], stack["kc"], stack["tmp"] / "kubelet.log",
+                                        max_procs=10))
+    url = controller(stack, ready_check="execd")
+    log = stack["tmp"] / "execd.log"
+    code = locust("execd_storm.py", ["-u", "4", "-r", "4", "-t", "8s", "--max-leaked", "0",
+                                     "--max-p99-ms", "5000", "--leak-settle-s", "20",
+                                     *common_args(stack, url, "execd")], log, timeout=150)
+    s = summary(stack, "execd")
+    assert code == 0, log.read_text()[-3000:]
+    st = s["stats"]
+    assert st["ACQUIRE /v1/sandboxes"]["requests"] == 4
+    assert st["EXEC /exec"]["requests"] > 10 and st["EXEC /exec"]["failures"] == 0
+    assert st["FILE_WRITE /files/write"]["requests"] > 2
+    assert st["FILE_READ /files"]["failures"] == 0
+    assert "FILE_READ /files (content)" not in st
+    assert s["leaked"] == []
