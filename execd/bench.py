@@ -108,7 +108,7 @@ class Target:
                 if r.status != 200:
                     raise RuntimeError(f"{self.name}: HTTP {r.status}: {raw[:300]!r}")
                 return json.loads(raw)
-            except (http.client.RemoteDisconnected, ConnectionResetError):
+            except (http.client.RemoteDisconnected, ConnectionResetError, BrokenPipeError):
                 if attempt:
                     raise
                 self.reconnect()
@@ -213,6 +213,7 @@ class SweRex(Target):
 
 def loop(target: Target, command: str, calls: int, max_output: int, expect: str | None,
          expect_len: int | None = None) -> list[float]:
+    target.reconnect()  # one keep-alive connection per loop (uvicorn drops idle ones after 5 s)
     lat = []
     for _ in range(calls):
         t0 = time.perf_counter()

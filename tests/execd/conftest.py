@@ -143,7 +143,10 @@ class Execd:
     def stop(self) -> None:
         self.client.close()
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            try:  # the group: with an `unshare` prefix, execd itself must get the SIGTERM
+                os.killpg(self.proc.pid, signal.SIGTERM)
+            except ProcessLookupError:
+                pass
             try:
                 self.proc.wait(10)
             except subprocess.TimeoutExpired:
@@ -159,7 +162,7 @@ class Execd:
 
 
 def start_execd(tmp_path: Path, *args: str, env: dict | None = None, token: bool = True,
-                python: str = sys.executable) -> Execd:
+                python: str = sys.executable, prefix: tuple[str, ...] = ()) -> Execd:
     run_id = secrets.token_hex(6)
     e = {k: v for k, v in os.environ.items() if k != "SANDMAN_TOKEN_SHA256"}
     e.update({"EXECD_TEST_RUN": run_id, "SANDMAN_EXECD_INSTANCE": run_id,
@@ -170,7 +173,7 @@ def start_execd(tmp_path: Path, *args: str, env: dict | None = None, token: bool
         e.update(env)
     log = tmp_path / f"execd-{run_id}.log"
     with open(log, "wb") as f:
-        proc = subprocess.Popen([python, str(EXECD), "--listen", "127.0.0.1:0", *args],
+        proc = subprocess.Popen([*prefix, python, str(EXECD), "--listen", "127.0.0.1:0", *args],
                                 stdout=f, stderr=subprocess.STDOUT, env=e, cwd=tmp_path,
                                 start_new_session=True)
     port = None

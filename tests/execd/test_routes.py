@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
+
+import pytest
 
 from .conftest import alive, wait_for
 
@@ -110,3 +113,21 @@ def test_conditions_egress_probe(execd):
     assert c["egress"]["open"] is False and c["egress"]["error"]
     r = execd.get("/conditions", params={"egress_probe": "no-port"})
     assert r.status_code == 400
+
+
+@pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
+                    reason="needs root and unshare for a private PID namespace")
+def test_reset_as_pid1_reaps_orphans_and_leaves_only_execd(execd_factory, tmp_path):
+    # As in a pod: execd is PID 1 of its PID namespace, so every orphan is re-parented to it.
+    d = execd_factory(prefix=("unshare", "--pid", "--fork", "--mount-proc",
+                              "--kill-child=SIGTERM"))
+    st = d.state()
+    assert st["pid"] == 1 and st["reaper"] == "pid1"
+    d.exec("setsid -f sleep 100; env -i setsid -f /bin/sleep 101; (sleep 102 &) ; "
+           "bash -c 'sleep 0.05 & exec sleep 103' &")
+    want = {"sleep 100", "/bin/sleep 101", "sleep 102", "sleep 103"}
+    assert wait_for(lambda: want <= {p["cmd"] for p in d.state()["processes"]}, 5)
+    r = d.post("/reset", {})
+    assert r.status_code == 200 and r.json()["ok"] is True
+    st = d.state()
+    assert [p["pid"] for p in st["processes"]] == [st["shell_pid"]]
