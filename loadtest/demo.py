@@ -46,6 +46,27 @@ def stack_locust(args: list[str], log: Path, timeout: float) -> int:
     return locust("acquire_burst.py", args, log, timeout)
 
 
+def ramp_steps(a) -> list[int]:
+    return [n for n in shapes.RAMP_STEPS if n <= a.ramp_max] or [a.ramp_max]
+
+
+def step_budget(a) -> float:
+    """A step may take its new creates at the pacing rate, 1.5x over, plus a minute: a step
+    that does not fill in that is the machine's limit, not the pacer's."""
+    steps = ramp_steps(a)
+    biggest = max(b - p for p, b in zip([0, *steps], steps, strict=False))
+    return max(180.0, biggest / a.rate * 1.5 + 60)
+
+
+def ramp_args(a) -> list[str]:
+    return ["--ramp-max", str(a.ramp_max), "--step-hold-s", "5",
+            "--step-max-s", f"{step_budget(a):.0f}", "--leak-settle-s", "180"]
+
+
+def ramp_timeout(a) -> float:
+    return len(ramp_steps(a)) * (step_budget(a) + 10) + 600
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m loadtest.demo")
     ap.add_argument("--shape", choices=shapes.SHAPES, default="burst64")
@@ -70,13 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         say("starting the test bed, the webhook and the controller")
         stack.start(say)
-        codes.append(run_shape(stack, out, a.shape, a.shape, a,
-                               ["--max-p99-ms", "60000"], timeout=900))
-        if a.shape != "ramp" and not a.no_ramp:
-            codes.append(run_shape(stack, out, "ramp", "ramp", a,
-                                   ["--ramp-max", str(a.ramp_max), "--step-hold-s", "5",
-                                    "--step-max-s", "180", "--leak-settle-s", "180"],
-                                   timeout=1500))
+        if a.shape != "ramp":
+            codes.append(run_shape(stack, out, a.shape, a.shape, a,
+                                   ["--max-p99-ms", "60000"], timeout=900))
+        if a.shape == "ramp" or not a.no_ramp:
+            codes.append(run_shape(stack, out, "ramp", "ramp", a, ramp_args(a),
+                                   timeout=ramp_timeout(a)))
     except KeyboardInterrupt:
         say("interrupted")
         codes.append(130)

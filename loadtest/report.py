@@ -155,6 +155,14 @@ def plots(doc: dict) -> list[Path]:
         ax.axhline(pacing_rate(doc), color="#c44e52", label="pacing limit")
     for s in doc.get("stages") or []:
         ax.axvline(s["started"], color="#999", lw=0.6, ls=":")
+    creating = [s for s in doc.get("samples", []) if isinstance(s[3], int)]
+    if creating:  # creates in flight (create call + not yet Ready): the --max-creating cap
+        ax2 = ax.twinx()
+        ax2.plot([s[0] for s in creating], [s[3] for s in creating], color="#55a868", lw=1,
+                 label="creating (in flight, right axis)")
+        ax2.set_ylabel("creating")
+        ax2.set_ylim(bottom=0)
+        ax2.legend(loc="upper left", fontsize=8)
     ax.set_xlabel("s since start")
     ax.set_ylabel("pod creates per second")
     ax.set_title(f"{run}: creates per second")
