@@ -190,3 +190,28 @@ def test_garbage_request_line_and_headers_get_json_errors(execd):
         assert 400 <= status < 500, (req[:40], status)
         assert "error" in json.loads(body)
     assert execd.exec("echo alive")["output"] == "alive\n"
+
+
+def _python38() -> str | None:
+    import glob
+    import shutil
+    for exe in [*glob.glob("/root/.pyenv/versions/3.8*/bin/python3.8"), shutil.which("python3.8")]:
+        if exe and subprocess.run([exe, "-c", "pass"], capture_output=True).returncode == 0:
+            return exe
+    return None
+
+
+@pytest.mark.skipif(_python38() is None, reason="no python3.8 on this machine")
+def test_runs_on_python38(execd_factory, tmp_path):
+    # Task images may ship an old interpreter; vermin checks syntax, this checks behaviour.
+    d = execd_factory("--kill-grace", "0.2", python=_python38())
+    assert d.exec("echo hi; X=1")["output"] == "hi\n"
+    assert d.exec("echo 'open")["exit_code"] == 2
+    r = d.exec("sleep 30 & sleep 30", timeout=0.5)
+    assert r["exit_code"] == 124 and d.others() == []
+    assert d.exec("kill -9 $$")["exit_code"] == 137
+    f = tmp_path / "crlf.txt"
+    f.write_bytes(b"a\r\nb")
+    j = d.post("/files/read", {"path": str(f)}).json()
+    assert j["size"] == 4 and j["data_b64"] == "YQ0KYg=="
+    assert d.rss_hwm_kib() < 32 * 1024
