@@ -32,9 +32,9 @@ from kubernetes import client, config
 from tests.controller.faultproxy import FaultProxy, Rule
 from tests.controller.windows_helpers import (
     CANCEL_SETTLE_S,
+    CONTROLLER_ROOT,
     JOB,
     POOL_JOB,
-    REPO,
     ROLLOUT,
     Caller,
     ControllerProc,
@@ -57,7 +57,8 @@ UNSCHEDULABLE = ["--node-pool-label", "sandman.dev/node-pool=no-such-pool"]
 def _ready_budget_flag(seconds: str) -> list[str]:
     """`--ready-budget` when this controller has it (an owner's readiness budget separate from
     the caller's timeout_s; see test_w13_late_grading_pod_is_parked_and_reused)."""
-    out = subprocess.run([sys.executable, "-m", "controller", "serve", "--help"], cwd=REPO,
+    out = subprocess.run([sys.executable, "-m", "controller", "serve", "--help"],
+                         cwd=CONTROLLER_ROOT,
                          capture_output=True, text=True, timeout=60).stdout
     return ["--ready-budget", seconds] if "--ready-budget" in out else []
 
@@ -126,7 +127,7 @@ def never_leased(w: Window, mark: int, name: str) -> None:
 def test_w01_cancel_while_the_create_waits_in_the_queue(window):
     """A hang-up while the create waits for a token of the create bucket: withdrawn, never
     sent (paper: 'no pod (withdrawn)')."""
-    w = window("--rate", "0.5", "--burst", "1")
+    w = window("--rate", "1", "--burst", "1")
 
     def trial(i: int, mark: int) -> None:
         first = w.ctl.acquire(job=job(i))  # takes the bucket's only token
@@ -138,7 +139,7 @@ def test_w01_cancel_while_the_create_waits_in_the_queue(window):
         c.hang_up()
         wait_until(lambda: not w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
                    5, "the hung-up acquire to leave the queue")
-        time.sleep(2.5)  # the next token: a create still queued would be sent now
+        time.sleep(1.3)  # the next token: a create still queued would be sent now
         creates = w.proxy.since(mark, "POST", PODS)
         assert len(creates) == 1, f"a withdrawn create was sent: {creates}"
 
@@ -177,7 +178,7 @@ def test_w03_cancel_during_admission_then_rejected_403(window):
         time.sleep(CANCEL_SETTLE_S)
         rule.release()
         wait_until(lambda: rec.status, 10, "the 403 answer")
-        time.sleep(1.0)  # a retried or duplicated create would show up here
+        time.sleep(0.6)  # a retried or duplicated create (back-off 0.2 s) shows up here
         assert rec.status == 403 and rec.upstream is None
         assert len(w.proxy.since(mark, "POST", PODS)) == 1, "a refused create was retried"
         assert w.pod(rec.name) is None
@@ -203,7 +204,7 @@ def test_w04_acquire_times_out_while_waiting_for_a_create_slot(window):
         status, res = first.wait(15)
         assert status == 201, res
         w.hand(res)
-        time.sleep(1.0)  # the slot is free again: a create not withdrawn would be sent now
+        time.sleep(0.5)  # the slot is free again: a create not withdrawn would be sent now
         creates = w.proxy.since(mark, "POST", PODS)
         assert len(creates) == 1, f"the timed-out acquire still created: {creates}"
 

@@ -26,13 +26,16 @@ from sandman import contract
 from tests.controller.faultproxy import FaultProxy
 
 REPO = Path(__file__).resolve().parents[2]
+# Run the windows against another controller tree (an older version, a mutant), as the paper ran
+# them against four versions: a directory holding controller/ and sandman/.
+CONTROLLER_ROOT = Path(os.environ.get("SANDMAN_WINDOWS_CONTROLLER_ROOT") or REPO)
 IMAGE = "registry.invalid/sandbox:1"  # kwok runs no container: never pulled
 SPEC = {"cpu": "100m", "memory": "64Mi"}
 JOB = "win"
 ROLLOUT = {"role": "rollout"}  # per-caller labels: not warm-eligible (deleted when abandoned)
-# The API polls for a vanished client every 0.25 s; after a hang-up the test waits this long
-# before it releases a hold, so the controller has learned that the caller is gone.
-CANCEL_SETTLE_S = 0.7
+# After a hang-up the test waits this long before it releases a hold, so the controller has
+# learned that the caller is gone (the API sees the disconnect at once; slack for a loaded host).
+CANCEL_SETTLE_S = 0.5
 FOREIGN = {"tenant": "other"}
 POOL_JOB = "sandman-pool"  # the job of warm pods (controller.core.POOL_JOB)  # another tenant's pods: no sandman labels
 
@@ -81,7 +84,7 @@ class ControllerProc:
                "--sweep-interval", "3600", "--sweep-grace", "3600",
                "--log-level", "INFO", *self.args]
         with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, cwd=REPO, stdout=out, stderr=subprocess.STDOUT,
+            self.proc = subprocess.Popen(cmd, cwd=CONTROLLER_ROOT, stdout=out, stderr=subprocess.STDOUT,
                                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
         deadline = time.monotonic() + timeout
         while True:
