@@ -92,6 +92,11 @@ __sm_chk1() {
   builtin set +xv
   builtin eval $'builtin set -n\n'"$__sm_c" 2>&%(diagw)d
 }
+# bash < 4.4 has no `local -`: parse in a forked subshell instead (slower, same verdicts).
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)) || [[ -n ${SANDMAN_EXECD_FORK_CHECK-} ]]
+then
+  __sm_chk1() { ( builtin eval $'builtin set -n\n'"$__sm_c" ) 2>&%(diagw)d; }
+fi
 __sm_chk() {
   local __sm_s __sm_x=1
   builtin shopt -q extglob || __sm_x=0

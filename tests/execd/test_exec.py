@@ -396,3 +396,18 @@ def execd_exec(execd, cmd):
     from .conftest import AUTH
     with httpx.Client(base_url=execd.url, headers=AUTH, timeout=30) as c:
         return c.post("/exec", json={"command": cmd, "request_id": "same"}).json()
+
+
+def test_forked_check_fallback_for_old_bash(execd_factory, tmp_path):
+    # bash < 4.4 lacks `local -`; execd then parses in a subshell. Same verdicts.
+    d = execd_factory(env={"SANDMAN_EXECD_FORK_CHECK": "1"})
+    d.exec("KEEP=1")
+    for cmd, frag in (("touch ran\ncat <<EOF\nx", "here-document"), ("echo 'a", "unexpected EOF"),
+                      ("x; }; touch ran; f() {", "syntax error")):
+        r = d.exec(cmd)
+        assert r["exit_code"] == 2 and frag in r["error"], r
+        assert r["error"].startswith("bash: line 1") or "line 2" in r["error"]
+    assert not (tmp_path / "ran").exists()
+    assert "( builtin eval" in d.exec("declare -f __sm_chk1")["output"]  # the fallback ran
+    r = d.exec("echo $KEEP; (exit 3)")
+    assert r["output"] == "1\n" and r["exit_code"] == 3
