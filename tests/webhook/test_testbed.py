@@ -299,3 +299,20 @@ def test_certs_cli_ensure_is_idempotent(cluster, namespace, tmp_path):
     leaf = certs.split_bundle((tmp_path / "tls.crt").read_bytes())[0]
     assert certs._sans(leaf) == (set(certs.service_dns_names("sandman-webhook", namespace)),
                                  {"127.0.0.1"})
+
+
+def test_unmutated_pod_refused_with_the_reason(cluster, namespace, server):
+    """Only the validating configuration registered (the mutating one lost): a labelled pod
+    reaches validation unmutated and is refused, saying so."""
+    with Registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
+        cluster.admissionregistration.delete_mutating_webhook_configuration(reg.name)
+        deadline = time.monotonic() + 15
+        body = ""
+        while "sandman not-mutated:" not in body:
+            assert time.monotonic() < deadline, body or "never refused"
+            time.sleep(0.2)
+            try:  # admitted or refused otherwise until the API server has seen both changes
+                create(cluster.core, namespace, make_pod(), dry_run=True)
+            except ApiException as e:
+                body = e.body
+        assert "did not run on this pod" in body and "sandman service-links:" in body
