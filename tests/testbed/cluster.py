@@ -199,6 +199,10 @@ class Testbed:
                 str(bins["kwok"]), f"--kubeconfig={kc}", "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
                 f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}",
+                # Node heartbeats by Lease: without them kwok refreshed node status about once
+                # a minute, past the controller-manager's 50 s grace, so every ~55 s all nodes
+                # went NotReady for a few seconds and their pods were marked NotReady for good.
+                "--node-lease-duration-seconds=40",
                 f"--server-address=127.0.0.1:{self.ports['kwok']}"])
             self._wait(cm, self._default_sa_exists, 60, "default ServiceAccount created")
             self._create_nodes()
