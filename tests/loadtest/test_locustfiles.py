@@ -144,3 +144,25 @@ def test_execd_storm_against_real_execds(stack):
     assert st["FILE_READ /files"]["failures"] == 0
     assert "FILE_READ /files (content)" not in st
     assert s["leaked"] == []
+
+
+def test_acquire_with_commands_in_steady_shape(stack):
+    """--commands runs real execd calls in each held sandbox; steady's pacing users cycle."""
+    stack["procs"].append(start_kubelet(stack["ns"], stack["kc"], stack["tmp"] / "kubelet.log",
+                                        max_procs=10))
+    url = controller(stack, ready_check="execd")
+    log = stack["tmp"] / "steady.log"
+    # base users = round(0.4 x (hold 1 + 2)) = 1, cycling every 3 s; no burst within 8 s.
+    code = locust("acquire_burst.py", ["--shape", "steady", "--steady-rate", "0.4", "--hold-s", "1",
+                                       "--steady-s", "8", "--burst-every-s", "100",
+                                       "--commands", "2", "--max-leaked", "0",
+                                       "--leak-settle-s", "20",
+                                       *common_args(stack, url, "steady")], log, timeout=120)
+    s = summary(stack, "steady")
+    assert code == 0, log.read_text()[-3000:]
+    st = s["stats"]
+    cycles = st["ACQUIRE /v1/sandboxes"]["requests"]
+    assert cycles >= 2 and st["RELEASE /v1/sandboxes/{id}"]["requests"] == cycles
+    assert st["EXEC /exec (turn)"]["requests"] == 2 * cycles
+    assert st["EXEC /exec (turn)"]["failures"] == 0
+    assert [x["label"] for x in s["stages"]] == ["base0"]
