@@ -32,6 +32,10 @@ API_VERSION = "admission.k8s.io/v1"
 # pods from one job differs only in names, nonces and tokens, and the diff is most of a call's
 # cost (jsonpatch: ~0.35 of ~0.5 ms). Bounded: a few KiB per entry.
 CACHE_ENTRIES = 256
+# Bigger pods are answered without the cache: 256 entries of at most 32 KiB keys (and their
+# patches) stay far below the webhook's memory limit whatever clients send (etcd admits objects
+# up to 1.5 MiB; 256 of those would be the paper's OOM-killed webhook again).
+CACHE_MAX_KEY_BYTES = 32 * 1024
 _PLACEHOLDER_TOKEN = "0" * 64
 # The service-account plugin names its token volume kube-api-access-<random> in every pod, so
 # the essence of a pod carries a fixed placeholder instead. make_sandbox removes that volume and
@@ -40,17 +44,19 @@ _PLACEHOLDER_VOLUME = f"kube-api-access-placeholder-{secrets.token_hex(6)}"
 
 
 def _essence(pod: dict, token_valid: bool = False) -> str | None:
-    """The inputs of make_sandbox/check_sandbox as one string; None if not JSON-able."""
+    """The inputs of make_sandbox/check_sandbox as one string; None if not JSON-able or too big
+    to cache."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
     wanted = [k for k in INPUT_ANNOTATIONS if not (token_valid and k == ANNOTATION_TOKEN_SHA256)]
     try:
-        return json.dumps([{k: labels[k] for k in INPUT_LABELS if k in labels},
-                           {k: annotations[k] for k in wanted if k in annotations},
-                           token_valid, "spec" in pod, pod.get("spec")], separators=(",", ":"))
+        essence = json.dumps([{k: labels[k] for k in INPUT_LABELS if k in labels},
+                              {k: annotations[k] for k in wanted if k in annotations},
+                              token_valid, "spec" in pod, pod.get("spec")], separators=(",", ":"))
     except (TypeError, ValueError):
         return None
+    return essence if len(essence) <= CACHE_MAX_KEY_BYTES else None
 
 
 def _pod_from(essence: str) -> dict:

@@ -139,3 +139,18 @@ def test_cached_answers_equal_direct_ones(pod, extra_labels, token, name):
             assert jsonpatch.apply_patch(pod, json.loads(patch) if patch else []) == \
                 jsonpatch.apply_patch(pod, direct)
         assert admission.refusals_for(pod, policy) == check_sandbox(pod, policy)
+
+
+def test_big_pods_bypass_the_cache():
+    from webhook import admission
+
+    pod = {"metadata": {"labels": {LABEL_SANDBOX: "true"},
+                        "annotations": {ANNOTATION_TOKEN_SHA256: "a" * 64}},
+           "spec": {"containers": [{"name": "task", "image": "img", "env": [
+               {"name": f"V{i}", "value": "x" * 100} for i in range(400)]}]}}
+    admission.clear_caches()
+    patch, refusal = admission.patch_for(pod, SandboxPolicy())
+    assert patch and refusal is None
+    assert admission.refusals_for(pod, SandboxPolicy())
+    assert admission._patch_cached.cache_info().currsize == 0
+    assert admission._refusals_cached.cache_info().currsize == 0
