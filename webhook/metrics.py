@@ -9,7 +9,8 @@ from sandman.sandbox import RULES
 OPERATIONS = ("mutate", "validate")
 DECISIONS = ("allowed", "denied", "error")
 # Reasons: the sandbox rules, plus why a request was admitted or failed.
-REASONS = RULES + ("ok", "patched", "not-sandbox", "not-create", "bad-request", "internal-error")
+REASONS = RULES + ("ok", "patched", "not-sandbox", "not-create", "bad-request", "overloaded",
+                   "internal-error")
 
 
 def bounded(value: str, allowed: tuple[str, ...], other: str = "other") -> str:

@@ -120,3 +120,35 @@ def test_certificate_files_reloaded_without_restart(tmp_path):
         assert "certificate reload failed" in log
     finally:
         server.stop()
+
+
+def test_body_budget_answers_503_not_memory_growth():
+    """In process: past the budget of buffered request bytes, a review gets 503."""
+    import asyncio
+
+    from sandman.sandbox import SandboxPolicy
+    from webhook.app import AdmissionFastPath, create_app
+    from webhook.metrics import Metrics
+
+    review, _ = load("mutate-minimal-default-size-and-guard")
+    body = json.dumps(review).encode()
+    metrics = Metrics()
+    app = AdmissionFastPath(create_app(SandboxPolicy(), metrics), SandboxPolicy(), metrics,
+                            budget=len(body) - 1)
+
+    async def call() -> int:
+        sent = []
+
+        async def receive():
+            return {"type": "http.request", "body": body, "more_body": False}
+
+        async def send(message):
+            sent.append(message)
+
+        await app({"type": "http", "method": "POST", "path": "/mutate"}, receive, send)
+        return sent[0]["status"]
+
+    assert asyncio.run(call()) == 503
+    assert app.buffered == 0
+    app.budget = len(body)
+    assert asyncio.run(call()) == 200
