@@ -48,6 +48,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="unowned pods younger than this are left to their create")
     s.add_argument("--idle-timeout", type=float, default=300.0,
                    help="warm pool idle timeout per key (s); 300 s was the paper's sweet spot")
+    s.add_argument("--ready-budget", type=float, default=120.0,
+                   help="seconds an owner waits for Ready (+ execd /health) after its create, "
+                        "whatever the caller's timeout_s (late pods are then parked, not lost)")
+    s.add_argument("--api-timeout", type=float, default=15.0,
+                   help="seconds per API server call before it counts as failed and is retried")
     s.add_argument("--lease-name", default="sandman-controller")
     s.add_argument("--lease-duration", type=float, default=10.0,
                    help="a standby takes over this long after the leader's last renewal")
@@ -72,7 +77,8 @@ def main(argv: list[str] | None = None) -> int:
                           job_max_live=args.job_max_live),
             ready_check=args.ready_check, node_pool_label=args.node_pool_label,
             sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
-            default_idle_timeout=args.idle_timeout,
+            default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
+            api_timeout=args.api_timeout,
             policy=SandboxPolicy(image=args.image, guard=args.guard,
                                  ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
         api = load_api_client(args.kubeconfig, pool=64)
@@ -84,7 +90,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state: dict = {}
     app = build_app(state)
-    kube = Kube(api, args.namespace, threads=max(32, min(256, args.max_creating)))
+    kube = Kube(api, args.namespace, threads=max(32, min(256, args.max_creating)),
+                request_timeout=settings.api_timeout)
 
     async def on_started():
         c = Controller(kube, settings)

@@ -90,6 +90,11 @@ class Settings:
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
     execd_port: int = contract.EXECD_PORT
     health_timeout: float = 2.0
+    # An owner waits this long for Ready (+ execd /health) after its create, whatever the
+    # caller's timeout_s: a pod that turns Ready just after its caller gave up is parked for the
+    # next acquire of its key instead of deleted (the paper's late grading pods).
+    ready_budget: float = 120.0
+    api_timeout: float = 15.0  # one API call; the controller retries, never the client library
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):
@@ -124,6 +129,7 @@ class Entry:
     error: str | None = None
     deleting: bool = False
     owner_ref: dict | None = None  # the job's ConfigMap, when no caller pod owns it
+    parked: bool = False  # a late pod kept warm after its caller left (not a built warm pod)
 
     @property
     def id(self) -> str:
@@ -419,7 +425,8 @@ class Controller:
                 return
             e.state = "starting"
             e.t_created = time.monotonic()
-            ok, why = await self._wait_ready(e, e.t_created + timeout_s)
+            ok, why = await self._wait_ready(e, e.t_created + max(timeout_s,
+                                                                   self.s.ready_budget))
             e.slot.done_creating()
             if not ok:
                 events = await self._events(e)
@@ -693,7 +700,7 @@ class Controller:
                 return
             e.state = "starting"
             e.t_created = time.monotonic()
-            ok, why = await self._wait_ready(e, e.t_created + 300)
+            ok, why = await self._wait_ready(e, e.t_created + self.s.ready_budget)
             e.slot.done_creating()
             if not ok or e.deleting:
                 self._schedule_delete(e, f"warm build: {why or 'drained'}")
@@ -722,6 +729,7 @@ class Controller:
                                                           target=0))
                 e.state = "warm"
                 e.job = POOL_JOB
+                e.parked = True
                 e.warm_since = time.monotonic()
                 pool.warm.append(e)
                 metrics.PARKED.inc()
@@ -871,8 +879,15 @@ class Controller:
             for spec, pool in list(self.pools.items()):
                 if pool.target and now - pool.last_used > pool.idle_timeout:
                     pool.target = 0  # idle key: the pool for it is emptied
-                while len(pool.warm) > pool.target:
-                    self._schedule_delete(pool.warm.pop(), "warm surplus or idle")  # newest first
+                built = [e for e in pool.warm if not e.parked]
+                while len(built) > pool.target:  # built surplus, newest first
+                    victim = built.pop()
+                    pool.warm.remove(victim)
+                    self._schedule_delete(victim, "warm surplus or idle")
+                for e in [e for e in pool.warm
+                          if e.parked and now - (e.warm_since or now) > pool.idle_timeout]:
+                    pool.warm.remove(e)  # a parked late pod waits out its key's idle timeout
+                    self._schedule_delete(e, "parked pod idle")
                 if pool.target:
                     self._fill(spec)
             metrics.QUEUE_DEPTH.set(sum(self.pacer.queue_depth().values()))

@@ -402,14 +402,6 @@ def test_w13_grading_acquire_times_out_while_its_pod_waits_for_ready(window):
     repeat(w, trial)
 
 
-PARKED_TRIMMED = ("a parked late pod goes into a pool with target 0, and _maintain deletes it "
-                  "as 'warm surplus' at the next 1 s tick: it is never kept for the next acquire")
-BUDGET_IS_TIMEOUT = ("the readiness budget is the caller's timeout_s (t_created + timeout_s), so "
-                     "a grading pod whose acquire timed out during the Ready wait is deleted "
-                     "instead of parked when it becomes Ready")
-
-
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=PARKED_TRIMMED)
 def test_w10_parked_pod_outlives_a_maintenance_tick(window):
     """Window 10's paper outcome: the late grading pod is kept warm and the NEXT acquire of the
     key reuses it. The next acquire comes 1.5 s after the park: longer than one maintenance
@@ -426,8 +418,6 @@ def test_w10_parked_pod_outlives_a_maintenance_tick(window):
     repeat(w, trial)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError,
-                   reason=f"{BUDGET_IS_TIMEOUT}; and {PARKED_TRIMMED}")
 def test_w13_late_grading_pod_is_parked_and_reused(window):
     """Window 13's paper outcome: the pod of a grading acquire that timed out while the pod
     waited for Ready is parked once Ready (0.5 s after the timeout here) and reused by the
