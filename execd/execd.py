@@ -715,8 +715,9 @@ class Daemon:
             cap.add(sh.pending_out)
             sh.pending_out = bytearray()
         # Late bytes on the status and diagnostic pipes belong to no call: drop them.
-        while sh.read_avail(sh.st_r, 65536):
-            pass
+        for _ in range(64):
+            if not sh.read_avail(sh.st_r, 65536):
+                break
         sh.read_diag()
         line = b"".join((
             b"__sm_m=", marker, b"; ", TAG_VAR.encode(), b"=", tag.encode(),
@@ -1198,18 +1199,20 @@ def file_kind(mode):
 
 def file_sha256(real):
     try:
-        fd, _ = open_regular(real)
+        fd, st = open_regular(real)
     except HTTPError as e:
         if e.code == 404:
             return None
         raise
     h = sha256()
+    left = st.st_size  # bounded even if a writer keeps appending
     try:
-        while True:
-            chunk = os.read(fd, 1 << 20)
+        while left > 0:
+            chunk = os.read(fd, min(left, 1 << 20))
             if not chunk:
                 break
             h.update(chunk)
+            left -= len(chunk)
     finally:
         os.close(fd)
     return h.hexdigest()
