@@ -411,3 +411,23 @@ def test_forked_check_fallback_for_old_bash(execd_factory, tmp_path):
     assert "( builtin eval" in d.exec("declare -f __sm_chk1")["output"]  # the fallback ran
     r = d.exec("echo $KEEP; (exit 3)")
     assert r["output"] == "1\n" and r["exit_code"] == 3
+
+
+def test_redirected_shell_stdout_keeps_frames_working(execd):
+    # Frames travel apart from the output, so `exec >file` cannot hide the exit status.
+    r = execd.exec("exec 3>&1 >/dev/null 2>&1; echo hidden; false")
+    assert r["exit_code"] == 1 and r["output"] == ""
+    assert execd.exec("(exit 7)")["exit_code"] == 7
+    assert execd.exec("exec >&3 2>&1; echo back")["output"] == "back\n"
+
+
+def test_set_e_failure_exits_the_shell_and_says_so(execd):
+    execd.exec("set -e")
+    r = execd.exec("false")
+    assert r["exit_code"] == 1 and "shell exited" in r["error"]
+    assert execd.exec("false; echo survives")["output"] == "survives\n"
+
+
+def test_non_utf8_output_is_replaced_not_fatal(execd):
+    r = execd.exec("printf 'a\\xffb\\n'")
+    assert r["output"] == "a\ufffdb\n" and r["exit_code"] == 0
