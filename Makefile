@@ -54,7 +54,7 @@ testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 	$(VPY) -m tests.testbed status
 
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
-	$(VPY) -m execd.bench
+	$(VPY) -m execd.bench --write-docs
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench
