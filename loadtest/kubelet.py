@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import ipaddress
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -85,6 +86,7 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for name in list(procs):
             kill(name)
+        shutil.rmtree(root, ignore_errors=True)
     print("kubelet: stopped, every execd killed", flush=True)
     return 0
 
