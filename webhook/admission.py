@@ -43,25 +43,26 @@ _PLACEHOLDER_TOKEN = "0" * 64
 _PLACEHOLDER_VOLUME = f"kube-api-access-placeholder-{secrets.token_hex(6)}"
 
 
-def _essence(pod: dict, token_valid: bool = False) -> str | None:
+def _essence(pod: dict, drop_token: bool) -> str | None:
     """The inputs of make_sandbox/check_sandbox as one string; None if not JSON-able or too big
-    to cache."""
+    to cache. `drop_token`: the token hash is replaced by a valid placeholder (make_sandbox never
+    reads it; check_sandbox only checks its form)."""
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
-    wanted = [k for k in INPUT_ANNOTATIONS if not (token_valid and k == ANNOTATION_TOKEN_SHA256)]
+    wanted = [k for k in INPUT_ANNOTATIONS if not (drop_token and k == ANNOTATION_TOKEN_SHA256)]
     try:
         essence = json.dumps([{k: labels[k] for k in INPUT_LABELS if k in labels},
                               {k: annotations[k] for k in wanted if k in annotations},
-                              token_valid, "spec" in pod, pod.get("spec")], separators=(",", ":"))
+                              drop_token, "spec" in pod, pod.get("spec")], separators=(",", ":"))
     except (TypeError, ValueError):
         return None
     return essence if len(essence) <= CACHE_MAX_KEY_BYTES else None
 
 
 def _pod_from(essence: str) -> dict:
-    labels, annotations, token_valid, has_spec, spec = json.loads(essence)
-    if token_valid:
+    labels, annotations, drop_token, has_spec, spec = json.loads(essence)
+    if drop_token:
         annotations[ANNOTATION_TOKEN_SHA256] = _PLACEHOLDER_TOKEN
     pod = {"metadata": {"labels": labels, "annotations": annotations}}
     if has_spec:
@@ -91,7 +92,7 @@ def _refusals_cached(essence: str, policy: SandboxPolicy) -> tuple[Refusal, ...]
 
 
 def patch_for(pod: dict, policy: SandboxPolicy) -> tuple[bytes, Refusal | None]:
-    essence = _essence(pod)
+    essence = _essence(pod, drop_token=True)  # every sandbox has its own token
     if essence is None:
         return _patch(pod, policy)
     swaps = [(json.dumps(name), json.dumps(f"{_PLACEHOLDER_VOLUME}-{i}"))
@@ -107,7 +108,7 @@ def patch_for(pod: dict, policy: SandboxPolicy) -> tuple[bytes, Refusal | None]:
 def refusals_for(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     token = ((pod.get("metadata") or {}).get("annotations") or {}).get(ANNOTATION_TOKEN_SHA256)
     # An invalid token's refusal quotes it: only pods with a valid one share a cache entry.
-    essence = _essence(pod, token_valid=True) if is_token_sha256(token) else None
+    essence = _essence(pod, drop_token=True) if is_token_sha256(token) else None
     return list(_refusals_cached(essence, policy)) if essence else check_sandbox(pod, policy)
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import hashlib
 import json
 import os
 import platform
@@ -38,15 +39,15 @@ POLICY = SandboxPolicy()
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCS = ROOT / "docs" / "benchmarks.md"
-TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 GOAL = 0.85
 
 
 def sandbox_pod(i: int) -> dict:
-    # What a client sends: the label, the token hash, an image and a size.
+    # What a client sends: the label, its own token's hash, an image and a size.
+    token = hashlib.sha256(f"token-{i}".encode()).hexdigest()
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": f"sbx-{i:05d}", "labels": {LABEL_SANDBOX: "true"},
-                         "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+                         "annotations": {ANNOTATION_TOKEN_SHA256: token}},
             "spec": {"containers": [{"name": "task", "image": "swe-task:1", "resources": {
                 "limits": {"cpu": "100m", "memory": "128Mi"}}}]}}
 
@@ -454,7 +455,8 @@ connection each (Nagle off), sent straight to the webhook:
 |---|---|---|---|---|---|
 {handler_rows}
 
-"identical" pods differ only in name (a burst from one job: answers come from the cache);
+"identical" pods differ only in name and token (a burst from one job: answers come from the
+cache);
 "distinct" pods each have their own image (every answer computed).
 """
 
