@@ -81,7 +81,10 @@ def main(argv: list[str] | None = None) -> int:
             api_timeout=args.api_timeout,
             policy=SandboxPolicy(image=args.image, guard=args.guard,
                                  ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
-        api = load_api_client(args.kubeconfig, pool=64)
+        threads = max(32, min(256, args.max_creating))
+        # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
+        # bursts (seen in a profile at 50 creates/s).
+        api = load_api_client(args.kubeconfig, pool=threads + 8)
         elector = LeaderElector(Kube(api, args.namespace, threads=4), args.lease_name,
                                 args.lease_duration, args.lease_renew)
         port = int(port)
@@ -90,8 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state: dict = {}
     app = build_app(state)
-    kube = Kube(api, args.namespace, threads=max(32, min(256, args.max_creating)),
-                request_timeout=settings.api_timeout)
+    kube = Kube(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
 
     async def on_started():
         c = Controller(kube, settings)
