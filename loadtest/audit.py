@@ -29,3 +29,21 @@ def leak_audit(core, ns: str, job: str, settle_s: float) -> list[str]:
         if not names or time.monotonic() >= deadline:
             return names
         time.sleep(0.5)
+
+
+def describe(core, ns: str, names: list[str], limit: int = 20) -> dict[str, dict]:
+    """What a leaked pod looked like when the audit gave up: enough to tell the controller's
+    owners which state it was stuck in."""
+    out: dict[str, dict] = {}
+    for name in names[:limit]:
+        try:
+            p = json.loads(core.read_namespaced_pod(name, ns, _preload_content=False).data)
+        except Exception as e:  # noqa: BLE001 - gone meanwhile, or the API failed
+            out[name] = {"error": str(e)[:200]}
+            continue
+        md = p["metadata"]
+        out[name] = {"labels": md.get("labels", {}), "deleting": bool(md.get("deletionTimestamp")),
+                     "owners": [o.get("name") for o in md.get("ownerReferences", [])],
+                     "phase": (p.get("status") or {}).get("phase"), "created": md.get(
+                         "creationTimestamp")}
+    return out

@@ -27,7 +27,7 @@ import gevent.pool
 import requests
 from locust import events
 
-from loadtest.audit import core_api, leak_audit
+from loadtest.audit import core_api, describe, leak_audit
 from sandman import contract
 
 log = logging.getLogger("loadtest")
@@ -351,9 +351,12 @@ def _on_stop(environment, **kw) -> None:
             RUN.audit = "skipped: no --kubeconfig"
         else:
             try:
-                RUN.leaked = leak_audit(core_api(o.kubeconfig), o.namespace, job_of(environment),
-                                        o.leak_settle_s)
+                core = core_api(o.kubeconfig)
+                RUN.leaked = leak_audit(core, o.namespace, job_of(environment), o.leak_settle_s)
                 RUN.audit = f"{len(RUN.leaked)} pod(s) of job {RUN.job} left"
+                if RUN.leaked:
+                    RUN.extra["leaked_detail"] = describe(core, o.namespace, RUN.leaked)
+                    log.warning("leaked: %s", json.dumps(RUN.extra["leaked_detail"]))
             except Exception as e:  # noqa: BLE001 - an audit that cannot run fails the run
                 RUN.audit = f"failed: {e}"
                 RUN.leaked = ["<audit failed>"]
@@ -417,7 +420,8 @@ def write_summary(environment, verdicts) -> None:
         "stages": [vars(r) for r in plan.results] if plan else [],
         "stop_reason": plan.stop_reason if plan else "",
         "acquires": RUN.acquires, "pods": RUN.pods, "samples": RUN.samples,
-        "leaked": RUN.leaked, "audit": RUN.audit, "stats": st,
+        "leaked": RUN.leaked, "leaked_detail": RUN.extra.get("leaked_detail", {}),
+        "audit": RUN.audit, "stats": st,
         "thresholds": [{"check": t, "ok": ok} for t, ok in verdicts],
         "exit_code": environment.process_exit_code,
     }

@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     stack = Stack(out / "stack", nodes=a.nodes, state_dir=default_state_dir("demo"),
                   controller_flags=["--rate", f"{a.rate:g}", "--burst", str(a.burst),
                                     "--max-creating", "200", "--sweep-interval", "30",
-                                    "--log-level", "WARNING"])
+                                    "--log-level", "INFO"])
     codes: list[int] = []
     t0 = time.monotonic()
     try:

@@ -98,6 +98,7 @@ def test_leak_audit_finds_a_planted_pod(cluster, stack):
     assert code == 1, log.read_text()[-3000:]
     # Only the planted pod: the run's own 64 were released and deleted.
     assert s["leaked"] == [planted]
+    assert s["leaked_detail"][planted]["labels"]["sandman.dev/job"] == job
     assert s["stats"][f"LEAK {planted}"]["failures"] == 1
     assert "threshold FAIL: leaked pods 1 <= 0" in log.read_text()
     assert s["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0
