@@ -60,7 +60,7 @@ bench-netguard: deps  ## netguard apply + self-verify time in a real network nam
 	$(VPY) -m netguard.bench
 
 bench-webhook: deps testbed-build  ## creates/s through the API server with vs without the webhooks
-	$(VPY) -m webhook.bench
+	$(VPY) -m webhook.bench --update-docs
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
 	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png
