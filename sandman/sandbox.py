@@ -229,12 +229,18 @@ def ingress_cidrs(pod: dict, policy: SandboxPolicy) -> list[str]:
     return cidrs
 
 
+# The kubelet probes execd's /health from the node's address: the guard must let the node in,
+# or a narrowed --ingress-from (the trainers' CIDR) would leave every sandbox unready. The
+# kubelet expands $(VAR) in args from the container's env (downward API status.hostIP).
+NODE_IP_ENV = "SANDMAN_NODE_IP"
+
+
 def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     egress = EGRESS_DENY if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY else EGRESS_ALLOW
     args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
     for cidr in ingress_cidrs(pod, policy):
         args += ["--ingress-from", cidr]
-    return args
+    return args + ["--ingress-from", f"$({NODE_IP_ENV})"]
 
 
 def _injected_resources() -> dict:
@@ -248,6 +254,8 @@ def netguard_container(pod: dict, policy: SandboxPolicy) -> dict:
         "imagePullPolicy": "IfNotPresent",
         "command": ["python3", "-m", "netguard", "apply"],
         "args": netguard_args(pod, policy),
+        "env": [{"name": NODE_IP_ENV,
+                 "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}}],
         "resources": _injected_resources(),
         "securityContext": {
             "capabilities": {"add": list(GUARD_CAPS), "drop": ["ALL"]},
