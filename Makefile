@@ -63,7 +63,7 @@ bench-webhook: deps testbed-build  ## creates/s through the API server with vs w
 	$(VPY) -m webhook.bench --update-docs
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
-	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png
+	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
 
 SHAPE ?= burst64
 RAMP_MAX ?= 1000
