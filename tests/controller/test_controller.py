@@ -170,8 +170,10 @@ async def _fire(url: str, bodies: list[dict], delay_s: float = 0.0) -> list[tupl
 
 
 def test_pacing_600_acquires_at_50_per_second(cluster, namespace, ctl, figures):
-    rate = 50
-    c = ctl("--rate", str(rate), "--burst", "1", "--max-creating", "1000")
+    # burst 5, not 1: with a bucket of one token every late wake-up of the event loop (a few
+    # ms under 600 open requests) is lost for good, and 50/s came out as 45.6/s.
+    rate, burst = 50, 5
+    c = ctl("--rate", str(rate), "--burst", str(burst), "--max-creating", "1000")
     cw = CreateWatch(cluster.kubeconfig, namespace)
     bodies = [{"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "burst"}] * 600
     res = asyncio.run(_fire(c.url, bodies))
@@ -186,7 +188,7 @@ def test_pacing_600_acquires_at_50_per_second(cluster, namespace, ctl, figures):
     achieved = (len(ts) - 1) / (ts[-1] - ts[0])
     figures.add(f"controller pacing: 600 acquires at rate {rate}/s: achieved {achieved:.1f}/s, "
                 f"max creates in any 1 s window {worst}")
-    assert worst <= 1 + rate * 1.1, f"{worst} creates in one 1 s window"
+    assert worst <= burst + rate * 1.1, f"{worst} creates in one 1 s window"
     assert abs(achieved - rate) / rate <= 0.05, f"achieved {achieved:.1f}/s"
 
 
@@ -263,7 +265,7 @@ def test_wait_false_over_cap_is_429_and_bad_input_is_one_line(cluster, namespace
 
 def test_not_ready_within_budget_is_deleted_with_events(cluster, namespace, ctl):
     # execd never answers on kwok pods: the readiness check fails within the budget.
-    c = ctl("--ready-check", "execd")
+    c = ctl("--ready-check", "execd", "--ready-budget", "3")
     r = acquire(c.url, timeout_s=3)
     assert r.status_code in (502, 504), r.text
     assert r.json()["error"]["type"] in ("AcquireTimeout", "PodFailed")
