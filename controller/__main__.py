@@ -40,7 +40,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--job-max-live", type=int, default=0, help="per job (0: none)")
     s.add_argument("--ready-check", choices=("execd", "pod"), default="execd",
                    help="execd: Ready and execd /health answers; pod: Ready only (kwok)")
-    s.add_argument("--node-pool-label", default="sandman.dev/node-pool=sandbox",
+    s.add_argument("--node-pool-label", default=Settings.node_pool_label,
                    help="key=value node selector for a node POOL (never an instance type); "
                         "empty: none")
     s.add_argument("--sweep-interval", type=float, default=30.0, help="seconds between sweeps")

@@ -122,7 +122,6 @@ class Entry:
     queue_wait: asyncio.Task | None = None
     t_queued: float = field(default_factory=time.monotonic)
     t_created: float | None = None
-    t_ready: float | None = None
     timings: dict = field(default_factory=dict)
     created_wall: float = field(default_factory=time.time)
     warm_since: float | None = None

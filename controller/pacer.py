@@ -66,10 +66,6 @@ class Slot:
             self._live = False
             self._p._dec("live", self.job)
 
-    @property
-    def holds_live(self) -> bool:
-        return self._live
-
 
 class Pacer:
     def __init__(self, limits: Limits, clock=time.monotonic):

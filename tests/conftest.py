@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
@@ -24,7 +24,6 @@ class Cluster:
     kubeconfig: Path
     api_client: client.ApiClient
     testbed: Testbed | None = None
-    _namespaces: list[str] = field(default_factory=list)
 
     @property
     def core(self) -> client.CoreV1Api:
