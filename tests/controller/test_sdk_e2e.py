@@ -10,6 +10,7 @@ after execd answers from the pod IP.
 from __future__ import annotations
 
 import asyncio
+import ipaddress
 import os
 import signal
 import subprocess
@@ -49,7 +50,10 @@ class ExecdKubelet:
                 gone = ev["type"] == "DELETED" or pod.metadata.deletion_timestamp
                 if gone:
                     self._kill(name)
-                elif pod.status.pod_ip and name not in self.procs:
+                elif (pod.status.pod_ip and name not in self.procs
+                      # Only ever listen on loopback (kwok's pod CIDR); any other address is
+                      # a misconfigured bed, and nothing here may serve a real network.
+                      and ipaddress.ip_address(pod.status.pod_ip).is_loopback):
                     sha = (pod.metadata.annotations or {}).get(contract.ANNOTATION_TOKEN_SHA256)
                     if sha:
                         self.procs[name] = subprocess.Popen(
