@@ -186,6 +186,27 @@ def all_pids():
     return out
 
 
+def process_tree(pids, root):
+    """(stat of each live pid, the set of `root`'s descendants): one walk for both the reset
+    and the per-call process sets."""
+    info = {}
+    for p in pids:
+        st = proc_stat(p)
+        if st is not None:
+            info[p] = st
+    children = collections.defaultdict(list)
+    for p, st in info.items():
+        children[st[0]].append(p)
+    desc = set()
+    stack = [root]
+    while stack:
+        for c in children.get(stack.pop(), ()):
+            if c not in desc:
+                desc.add(c)
+                stack.append(c)
+    return info, desc
+
+
 def boot_ticks():
     """Now, in the clock ticks /proc/<pid>/stat counts process start times in."""
     try:
@@ -538,21 +559,7 @@ class Daemon:
         pids = all_pids()
         if me == 1:
             return [p for p in pids if p != me]
-        info = {}
-        for p in pids:
-            s = proc_stat(p)
-            if s is not None:
-                info[p] = s
-        children = collections.defaultdict(list)
-        for p, s in info.items():
-            children[s[0]].append(p)
-        out = set()
-        stack = [me]
-        while stack:
-            for c in children.get(stack.pop(), ()):
-                if c not in out:
-                    out.add(c)
-                    stack.append(c)
+        info, out = process_tree(pids, me)
         prefix = self.instance + "-"
         for p in info:
             if p not in out and p != me:
@@ -567,21 +574,7 @@ class Daemon:
         of `root` (the shell; execd once the shell died) started since the call began (forked
         subshells never exec, so carry no tag)."""
         shell_pid = root
-        info = {}
-        for p in all_pids():
-            s = proc_stat(p)
-            if s is not None:
-                info[p] = s
-        children = collections.defaultdict(list)
-        for p, s in info.items():
-            children[s[0]].append(p)
-        desc = set()
-        stack = [shell_pid]
-        while stack:
-            for c in children.get(stack.pop(), ()):
-                if c not in desc:
-                    desc.add(c)
-                    stack.append(c)
+        info, desc = process_tree(all_pids(), shell_pid)
         out = set()
         me = os.getpid()
         for p, s in info.items():
