@@ -165,7 +165,7 @@ class Controller:
         self.s = settings
         self.pacer = Pacer(settings.limits)
         self.entries: dict[str, Entry] = {}
-        self.pods: dict[str, Any] = {}  # informer cache: name -> V1Pod
+        self.pods: dict[str, Any] = {}  # informer cache: name -> slim pod dict (kube.slim_pod)
         self.pools: dict[SandboxSpec, Pool] = {}
         self.job_owner_uid: dict[str, str] = {}
         self._wakers: dict[str, asyncio.Event] = {}

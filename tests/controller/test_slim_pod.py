@@ -1,0 +1,80 @@
+"""The informer keeps only a slim copy of each pod: every reading the books make of a pod must
+give the same answer on the slim copy as on the whole object."""
+
+import copy
+
+import pytest
+
+from controller import core
+from controller.kube import slim_pod
+from sandman import contract
+from sandman.sandbox import SandboxPolicy, make_sandbox
+
+
+def _pod(**status) -> dict:
+    base = {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"name": "sbx-a-1", "namespace": "ns",
+                         "labels": {contract.LABEL_JOB: "a", contract.LABEL_NONCE: "n1",
+                                    contract.LABEL_EGRESS: contract.EGRESS_ALLOW}},
+            "spec": {"containers": [{"name": "sandbox", "image": "img:1", "workingDir": "/w",
+                                     "resources": {"requests": {"cpu": "1", "memory": "2Gi"}}}]}}
+    pod = make_sandbox(base, SandboxPolicy())
+    pod["metadata"].update(uid="u-1", resourceVersion="42", creationTimestamp="2026-01-01T00:00:00Z",
+                           managedFields=[{"manager": "x", "fieldsV1": {"f:spec": {}}}],
+                           annotations={contract.ANNOTATION_TOKEN_SHA256: "ab" * 32})
+    pod["spec"]["nodeName"] = "kwok-node-1"
+    pod["status"] = status
+    return pod
+
+
+READY = {"phase": "Running", "podIP": "10.0.0.5", "hostIP": "10.1.0.1",
+         "conditions": [{"type": "PodScheduled", "status": "True", "lastTransitionTime": "t"},
+                        {"type": "Ready", "status": "True", "lastProbeTime": None}],
+         "containerStatuses": [{"name": "sandbox", "ready": True, "restartCount": 0,
+                                "state": {"running": {"startedAt": "t"}}}]}
+CASES = {
+    "ready": READY,
+    "pending-no-status": {"phase": "Pending"},
+    "not-ready": {**READY, "conditions": [{"type": "Ready", "status": "False"}]},
+    "image-pull-backoff": {"phase": "Pending", "containerStatuses": [
+        {"name": "sandbox", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "m"}}}]},
+    "fatal-waiting": {"phase": "Pending", "containerStatuses": [
+        {"name": "sandbox", "state": {"waiting": {"reason": "CreateContainerError",
+                                                  "message": "no such file"}}}]},
+    "fatal-init": {"phase": "Pending", "initContainerStatuses": [
+        {"name": "netguard", "state": {"waiting": {"reason": "InvalidImageName", "message": "x"}}}]},
+    "failed": {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."},
+    "succeeded": {"phase": "Succeeded"},
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_every_reading_is_the_same_on_the_slim_copy(case):
+    full = _pod(**copy.deepcopy(CASES[case]))
+    slim = slim_pod(copy.deepcopy(full))
+    for read in (core._name, core._uid, core._labels, core._deleting, core._pod_ip,
+                 core._is_ready, core._failure, core._spec_of):
+        assert read(slim) == read(full), read.__name__
+    assert core._meta(slim)["creationTimestamp"] == core._meta(full)["creationTimestamp"]
+    # The cases do reach the interesting answers, so equality above is not None == None.
+    assert (core._failure(slim) is not None) == (case.startswith("fatal") or case in (
+        "failed", "succeeded"))
+    assert core._is_ready(slim) == (case == "ready")
+
+
+def test_deleting_and_empty_pods():
+    full = _pod(**READY)
+    full["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
+    slim = slim_pod(full)
+    assert core._deleting(slim) and core._failure(slim) == core._failure(full)
+    assert slim_pod({}) == {"metadata": {}, "spec": {"containers": [{}]}, "status": {}}
+    assert core._spec_of(slim_pod({})) == core._spec_of({})
+
+
+def test_slim_copy_is_small():
+    import json
+
+    full = _pod(**READY)
+    slim = slim_pod(full)
+    assert "managedFields" not in slim["metadata"] and "annotations" not in slim["metadata"]
+    assert len(json.dumps(slim)) < len(json.dumps(full)) / 2
