@@ -17,6 +17,7 @@ import pytest
 from sandman import contract
 from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
 from tests.controller.harness import ControllerProc, pods, unowned, wait_for
+from tests.testbed.cluster import audit_pod_creates
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
 
@@ -178,19 +179,28 @@ def test_pacing_600_acquires_at_50_per_second(cluster, namespace, ctl, figures):
     bodies = [{"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "burst"}] * 600
     res = asyncio.run(_fire(c.url, bodies))
     time.sleep(1)
-    ts = sorted(cw.times.values())
+    watched = cw.times
     assert all(s == 201 for s, _, _ in res), [r for r in res if r[0] != 201][:3]
-    assert len(ts) == 600, f"{len(ts)} pods created for 600 acquires"
-    # Every 1 s window (sliding, starting at each create): at most burst + rate creates. The
-    # watch sees events as they are delivered, and delivery bunches them (a quiet CI run saw 63
-    # in a window at 50/s + 5 while the controller's own grants are held to the bucket exactly,
-    # see test_pacer.py): 20% of the rate is allowed for that. An unpaced or bypassed create
-    # path shows here as 100+ per window.
+    assert len(watched) == 600, f"{len(watched)} pods seen by the watch for 600 acquires"
+    # The windows are checked on when the API server received each create (its audit log),
+    # not on when the watch delivered it: delivery bunches under CPU load (one CI run saw
+    # 114 in a window while the controller's grants held 50/s). An external cluster has no
+    # audit log here: the watch's times are the fallback.
+    if cluster.testbed is not None:
+        ts, source = audit_pod_creates(cluster.testbed.audit_log, namespace), "audit"
+    else:
+        ts, source = sorted(watched.values()), "watch"
+    assert len(ts) == 600, f"{len(ts)} creates in the {source} times for 600 acquires"
+    # A bucket lets at most burst + rate * w through in any window of w seconds. Between the
+    # grant and the API server's receipt each create crosses a thread pool, the GIL and the
+    # loopback, and on a loaded 2-core machine that delay varies by up to ~0.2 s (a run beside
+    # a CPU burner saw 65 in a window); 0.25 s of it is allowed. An unpaced or bypassed create
+    # path, or a second bucket, shows here as 100+ per window.
     worst = max(sum(1 for t in ts[i:i + 3 * rate] if t - ts[i] < 1.0) for i in range(len(ts)))
     achieved = (len(ts) - 1) / (ts[-1] - ts[0])
     figures.add(f"controller pacing: 600 acquires at rate {rate}/s: achieved {achieved:.1f}/s, "
-                f"max creates in any 1 s window {worst}")
-    assert worst <= burst + rate * 1.2, f"{worst} creates in one 1 s window"
+                f"max creates in any 1 s window {worst} ({source} times)")
+    assert worst <= burst + rate * 1.25, f"{worst} creates in one 1 s window"
     assert abs(achieved - rate) / rate <= 0.05, f"achieved {achieved:.1f}/s"
 
 

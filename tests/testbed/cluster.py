@@ -6,6 +6,7 @@ Every failure raises TestbedError with one line naming the component and its log
 
 from __future__ import annotations
 
+import datetime as dt
 import json
 import os
 import shutil
@@ -94,6 +95,37 @@ def _pid_matches(pid: int, exe: str) -> bool:
     return state != "Z" and Path(cmdline).name == Path(exe).name
 
 
+# Only pod creates, at Metadata level: a watch delivers events in bunches under load, and
+# creationTimestamp has 1 s resolution, so pacing is checked on the API server's own
+# requestReceivedTimestamp. Everything else is left out to keep the cost near zero.
+AUDIT_POLICY = {
+    "apiVersion": "audit.k8s.io/v1", "kind": "Policy",
+    "omitStages": ["RequestReceived"],
+    "rules": [
+        {"level": "Metadata", "verbs": ["create"], "resources": [{"group": "", "resources": ["pods"]}]},
+        {"level": "None"},
+    ],
+}
+
+
+def audit_pod_creates(audit_log: Path, namespace: str) -> list[float]:
+    """Unix times, sorted, at which the API server received each successful pod create in
+    `namespace` (a 201 is answered once per stored pod)."""
+    out: list[float] = []
+    for f in sorted(audit_log.parent.glob(audit_log.stem + "*" + audit_log.suffix)):
+        with open(f) as fh:
+            for line in fh:
+                ev = json.loads(line)
+                ref = ev.get("objectRef") or {}
+                if (ev.get("verb") != "create" or ref.get("resource") != "pods"
+                        or ref.get("namespace") != namespace or ref.get("subresource")
+                        or (ev.get("responseStatus") or {}).get("code") != 201):
+                    continue
+                t = dt.datetime.fromisoformat(ev["requestReceivedTimestamp"].replace("Z", "+00:00"))
+                out.append(t.timestamp())
+    return sorted(out)
+
+
 @dataclass
 class Testbed:
     """One running (or stopped) test bed. `start()` returns when nodes are Ready."""
@@ -113,6 +145,12 @@ class Testbed:
     @property
     def logs(self) -> Path:
         return self.state_dir / "logs"
+
+    @property
+    def audit_log(self) -> Path:
+        """JSON lines, one per pod create (see AUDIT_POLICY): the API server's own receive time
+        of each create, to the microsecond, for tests that check pacing."""
+        return self.logs / "audit.log"
 
     @property
     def server(self) -> str:
@@ -142,6 +180,8 @@ class Testbed:
             "apiserver": _env_port("APISERVER_PORT"), "kwok": _env_port("KWOK_PORT"),
         }
         self.kubeconfig.write_text(pki.kubeconfig(p, self.server))
+        policy = self.state_dir / "audit-policy.json"
+        policy.write_text(json.dumps(AUDIT_POLICY))
         kc = str(self.kubeconfig)
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
         peer_url = f"http://127.0.0.1:{self.ports['etcd-peer']}"
@@ -168,7 +208,10 @@ class Testbed:
                 "--endpoint-reconciler-type=none",
                 # Burst tests create thousands of pods; the default 400 in-flight is the
                 # production figure, kept, but the event TTL is short to keep etcd small.
-                "--event-ttl=10m", "--profiling=false"], ("apiserver",)),
+                "--event-ttl=10m", "--profiling=false",
+                f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+                "--audit-log-format=json", "--audit-log-maxsize=1024", "--audit-log-maxbackup=1"],
+             ("apiserver",)),
         ]
         try:
             for name, cmd, port_names in specs:
