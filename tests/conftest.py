@@ -82,7 +82,7 @@ def cluster() -> Cluster:
     _remove_stale_state_dirs()
     # One state dir per session: parallel sessions (several terminals, CI) never share one.
     tb = Testbed(default_state_dir(f"pytest-{os.getpid()}"),
-                 nodes=int(os.environ.get("SANDMAN_TESTBED_NODES", "20")))
+                 nodes=int(os.environ.get("SANDMAN_TESTBED_NODES", "20")), audit=True)
     t0 = time.monotonic()
     try:
         tb.start()

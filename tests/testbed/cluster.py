@@ -134,6 +134,9 @@ class Testbed:
 
     state_dir: Path
     nodes: int = 20
+    # Pod creates in an audit log (see AUDIT_POLICY). On for pytest sessions (the pacing test
+    # reads it); off for benchmarks, whose arms should not pay for a log they do not read.
+    audit: bool = False
     components: list[Component] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
 
@@ -180,8 +183,13 @@ class Testbed:
             "apiserver": _env_port("APISERVER_PORT"), "kwok": _env_port("KWOK_PORT"),
         }
         self.kubeconfig.write_text(pki.kubeconfig(p, self.server))
-        policy = self.state_dir / "audit-policy.json"
-        policy.write_text(json.dumps(AUDIT_POLICY))
+        audit_flags = []
+        if self.audit:
+            policy = self.state_dir / "audit-policy.json"
+            policy.write_text(json.dumps(AUDIT_POLICY))
+            audit_flags = [f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
+                           "--audit-log-format=json", "--audit-log-maxsize=1024",
+                           "--audit-log-maxbackup=1"]
         kc = str(self.kubeconfig)
         etcd_url = f"http://127.0.0.1:{self.ports['etcd']}"
         peer_url = f"http://127.0.0.1:{self.ports['etcd-peer']}"
@@ -208,10 +216,7 @@ class Testbed:
                 "--endpoint-reconciler-type=none",
                 # Burst tests create thousands of pods; the default 400 in-flight is the
                 # production figure, kept, but the event TTL is short to keep etcd small.
-                "--event-ttl=10m", "--profiling=false",
-                f"--audit-policy-file={policy}", f"--audit-log-path={self.audit_log}",
-                "--audit-log-format=json", "--audit-log-maxsize=1024", "--audit-log-maxbackup=1"],
-             ("apiserver",)),
+                "--event-ttl=10m", "--profiling=false", *audit_flags], ("apiserver",)),
         ]
         try:
             for name, cmd, port_names in specs:
