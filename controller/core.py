@@ -47,6 +47,10 @@ class AcquireError(Exception):
         self.events = events or []
 
 
+class _FirstAttemptLeft(AcquireError):
+    """Raised to retries waiting on an attempt whose caller disconnected: they start anew."""
+
+
 class AcquireTimeout(AcquireError):
     status, kind = 504, "AcquireTimeout"
 
@@ -306,14 +310,23 @@ class Controller:
             return await self._acquire(spec, job, owner=owner, labels=labels,
                                        timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
         key = (job, request_id)
-        prior = self._requests.get(key)
-        if prior is not None:
-            if not prior.done():
+        for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
+            prior = self._requests.get(key)
+            if prior is None:
+                break
+            if prior.done():
+                if not prior.cancelled() and prior.exception() is None:
+                    e = self.entries.get(prior.result()["id"])
+                    if e is not None and e.state == "leased":
+                        return prior.result()
+                break
+            try:
                 return await asyncio.shield(prior)
-            if not prior.cancelled() and prior.exception() is None:
-                e = self.entries.get(prior.result()["id"])
-                if e is not None and e.state == "leased":
-                    return prior.result()
+            except _FirstAttemptLeft:
+                # Its caller left before the answer (the sandbox is parked or deleted): this
+                # retry acquires anew. Looping lets a second concurrent retry wait on the
+                # first retry's attempt instead of starting a third.
+                continue
         fut = asyncio.get_running_loop().create_future()
         self._requests[key] = fut
         while len(self._requests) > 10000:  # bounded: the oldest keys are forgotten
@@ -325,8 +338,8 @@ class Controller:
             self._requests.pop(key, None)
             if not fut.done():
                 fut.set_exception(ex if isinstance(ex, AcquireError)
-                                  else AcquireError("the first attempt of this request_id "
-                                                    "was abandoned; retry"))
+                                  else _FirstAttemptLeft("the first attempt of this request_id "
+                                                         "was abandoned; retry"))
                 fut.exception()
             raise
         fut.set_result(result)

@@ -48,7 +48,8 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 class RetryPolicy:
     """Bounded retries of calls that are safe to repeat: execd calls (commands carry one
     request_id for all their attempts, so execd runs a command at most once), controller
-    reads and releases, and acquires the controller never received.
+    reads and releases, and acquires (one request_id for all attempts: the controller answers
+    a repeat with the sandbox of the first).
 
     `attempts` counts every try, the first included. `budget_s` bounds the time spent in
     retries on top of one attempt's own timeout."""
@@ -92,11 +93,10 @@ class Attempts:
         return max(0.0, self.deadline - time.monotonic())
 
 
-# Transport errors after which a request may or may not have reached the server. Retrying them
-# is safe only for calls execd or the controller deduplicate or that change nothing.
+# Transport errors after which a request may or may not have reached the server. Every call
+# the SDK retries is one execd or the controller deduplicates (request_id) or that changes
+# nothing.
 RETRYABLE = (httpx.TransportError,)
-# Errors raised before a single byte of the request was sent: retrying any call is safe.
-NOT_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout)
 
 
 def new_request_id() -> str:
@@ -168,7 +168,10 @@ def acquire_body(*, image: str, cpu: str | int | float, memory: str, workspace: 
         owner_json = None
     return {"image": image, "cpu": str(cpu), "memory": str(memory), "workspace": workspace,
             "egress": egress, "job": job, "owner": owner_json, "labels": dict(labels or {}),
-            "timeout_s": timeout_s, "warm_ok": bool(warm_ok), "wait": bool(wait)}
+            "timeout_s": timeout_s, "warm_ok": bool(warm_ok), "wait": bool(wait),
+            # One id for every attempt: a retry whose first answer was lost gets the same
+            # sandbox back from the controller instead of a second one.
+            "request_id": new_request_id()}
 
 
 def prewarm_body(*, image: str, count: int, cpu: str | int | float, memory: str,

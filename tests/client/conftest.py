@@ -310,6 +310,7 @@ class FakeController:
     acquire_delay_s: float = 0.0
     release_delay_s: float = 0.0
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
+    by_request: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # request_id
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock)
     port: int = 0
@@ -380,13 +381,31 @@ class _Handler(BaseHTTPRequestHandler):
             canned = ctl.answers.pop(0) if ctl.answers else None
         if canned is not None:
             return self._reply(*canned)
+        # As the controller: a repeat of a request_id gets the first attempt's sandbox (waiting
+        # for it if the first is still being served), as long as that sandbox is leased.
+        key = (body["job"], body.get("request_id"))
+        with ctl.lock:
+            first = ctl.by_request.get(key) if key[1] is not None else None
+            if first is None and key[1] is not None:
+                ctl.by_request[key] = mine = {"done": threading.Event()}
+            else:
+                mine = None
+        if first is not None:
+            first["done"].wait(10)
+            answer = first.get("answer")
+            if answer is not None and answer["id"] in ctl.sandboxes:
+                return self._reply(201, answer)
         sid = "sb-" + secrets.token_hex(4)
         sb = {"id": sid, "pod": f"pod-{sid}", "job": body["job"], "state": "leased",
               "address": ctl.target.address, "port": ctl.target_port or ctl.target.port}
+        answer = dict(sb, token=ctl.token or ctl.target.token, warm=False,
+                      timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25})
         with ctl.lock:
             ctl.sandboxes[sid] = sb
-        self._reply(201, dict(sb, token=ctl.token or ctl.target.token, warm=False,
-                              timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25}))
+        if mine is not None:
+            mine["answer"] = answer
+            mine["done"].set()
+        self._reply(201, answer)
 
     def do_DELETE(self) -> None:
         self._record(None)

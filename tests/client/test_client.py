@@ -51,7 +51,8 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
     (_, _, sent), = controller.calls("POST")
     assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
-                    "timeout_s": 300, "warm_ok": True, "wait": True}
+                    "timeout_s": 300, "warm_ok": True, "wait": True,
+                    "request_id": sent["request_id"]}
     assert controller.target.token not in caplog.text
 
 
@@ -79,7 +80,10 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
     sent = controller.calls("POST")[0][2]
     assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
-                    "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False}
+                    "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
+                    "request_id": sent["request_id"]}
+    # Each acquire has its own request_id (one per logical call, shared by its retries).
+    assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 
 
 def test_with_sandbox_releases_on_exception(flavor: Flavor, controller: FakeController) -> None:
@@ -151,27 +155,28 @@ def test_not_leader_is_retried(flavor: Flavor, controller: FakeController) -> No
     assert len(controller.calls("POST")) == 3 + FAST_RETRY.attempts
 
 
-def test_acquire_with_a_lost_answer_is_not_repeated(flavor: Flavor,
-                                                    controller: FakeController) -> None:
-    """The controller got the acquire but its answer was lost: repeating it could create a
-    second sandbox, so the SDK raises; the job's listing finds the first."""
+def test_acquire_with_a_lost_answer_is_retried_and_gets_the_same_sandbox(
+        flavor: Flavor, controller: FakeController) -> None:
+    """The controller got the acquire but its answer was lost: the retry carries the same
+    request_id, so it gets the first attempt's sandbox and no second one exists."""
     proxy = CutProxy(controller.port)
     proxy.plan.append(("before_answer", "/v1/sandboxes"))
     try:
         async def body():
             async with flavor.client(f"http://127.0.0.1:{proxy.port}") as client:
-                with pytest.raises(ControllerUnreachable):
-                    await client.acquire("img", job="lost")
-                deadline = time.monotonic() + 5
-                while not await client.list(job="lost") and time.monotonic() < deadline:
-                    await asyncio.sleep(0.05)
-                (orphan,) = await client.list(job="lost")
-                assert await client.release(orphan.id) is True
+                sb = await client.acquire("img", job="lost")
+                assert [s.id for s in await client.list(job="lost")] == [sb.id]
+                assert (await sb.exec("echo once")).output == "once\n"
+                assert await client.release(sb.id) is True
 
         flavor.run(body)
     finally:
         proxy.close()
-    assert len(controller.calls("POST")) == 1
+    posts = controller.calls("POST")
+    assert len(posts) == 2, "the lost answer's acquire was not retried"
+    assert posts[0][2]["request_id"] == posts[1][2]["request_id"]
+    assert len(posts[0][2]["request_id"]) >= 16
+    assert controller.sandboxes == {}
 
 
 def test_unreachable_controller_is_bounded(flavor: Flavor) -> None:

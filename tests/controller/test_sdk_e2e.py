@@ -142,3 +142,32 @@ def test_async_sdk_end_to_end(cluster, namespace, stack):
     asyncio.run(main())
     wait_for(lambda: not [p for p in pods(cluster.core, namespace)
                           if not p.metadata.deletion_timestamp], 20, "all released")
+
+
+@pytest.mark.parametrize("cut", ["before_answer", "after_answer"])
+def test_acquire_whose_answer_is_lost_is_retried_into_the_same_sandbox(cluster, namespace,
+                                                                       stack, cut):
+    """The real controller behind a proxy that loses the first acquire's answer: while the
+    first attempt is in flight ("before_answer") or after it was handed out ("after_answer").
+    The SDK retries with the same request_id and gets that sandbox; no second pod exists."""
+    from tests.client.conftest import CutProxy
+
+    ctl, kubelet = stack
+    proxy = CutProxy(ctl.port)
+    proxy.plan.append((cut, "/v1/sandboxes"))
+    try:
+        with Client(f"http://127.0.0.1:{proxy.port}") as cl:
+            sb = cl.acquire(IMAGE, job="lost", cpu="1", memory="1Gi", timeout_s=60)
+            assert proxy.cuts == 1
+            posts = [f for f in proxy.forwarded if f.method == "POST"]
+            assert len(posts) == 2 and posts[0].json()["request_id"] == posts[1].json()[
+                "request_id"]
+            assert sb.exec("echo same").output == "same\n"
+            live = [p.metadata.name for p in pods(cluster.core, namespace)
+                    if not p.metadata.deletion_timestamp]
+            assert live == [sb.pod], f"one acquire, pods {live}"
+            sb.release()
+    finally:
+        proxy.close()
+    wait_for(lambda: not [p for p in pods(cluster.core, namespace)
+                          if not p.metadata.deletion_timestamp], 20, "released")

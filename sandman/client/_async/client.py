@@ -80,9 +80,10 @@ class AsyncClient:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
 
-        Retried only where no second sandbox can result: a standby replica's NotLeader, or a
-        connection that never opened. An acquire whose answer was lost is not repeated; list
-        the job's sandboxes (`list(job=...)`) to find it."""
+        Every attempt carries one request_id, so an attempt whose answer was lost is retried
+        and the controller answers it with the first attempt's sandbox, not a second one. Only
+        if the controller itself was replaced in between can a retry get a second sandbox;
+        the first then stays leased under the job until `drain` (docs/sdk.md)."""
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.acquire_body(image=image, cpu=cpu, memory=memory, workspace=workspace,
@@ -99,8 +100,7 @@ class AsyncClient:
 
     async def _acquire(self, body: dict[str, Any], timeout_s: float) -> AsyncSandbox:
         resp = await self._send("POST", "/v1/sandboxes", json=body,
-                                read_s=timeout_s + _core.ACQUIRE_ANSWER_GRACE_S,
-                                idempotent=False)
+                                read_s=timeout_s + _core.ACQUIRE_ANSWER_GRACE_S)
         lease = Lease.from_json(_core.decode_json(resp, "acquire"))
         sb = AsyncSandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
                           warm=lease.warm, timings=lease.timings, retry=self._retry,
@@ -181,8 +181,7 @@ class AsyncClient:
         self._live.pop(sandbox_id, None)
 
     async def _send(self, method: str, path: str, *, read_s: float, json: Any = None,
-                    params: dict[str, str] | None = None,
-                    idempotent: bool = True) -> httpx.Response:
+                    params: dict[str, str] | None = None) -> httpx.Response:
         if self._http.is_closed:
             raise SandmanError(f"{method} {path}: the client is closed")
         attempts = _core.Attempts(self._retry, read_s)
@@ -194,10 +193,6 @@ class AsyncClient:
                 resp = await self._http.request(method, path, json=json, params=params,
                                                 timeout=tmo)
             except _core.RETRYABLE as e:
-                if not idempotent and not isinstance(e, _core.NOT_SENT):
-                    raise ControllerUnreachable(
-                        f"{method} {path}: the request may have reached the controller but "
-                        f"its answer was lost ({type(e).__name__}: {e}); not repeated") from e
                 err = e
             else:
                 try:
