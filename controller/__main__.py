@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
     # A run start fires thousands of acquires at once: a short accept backlog would turn the
     # burst into SYN retries (1 s each) before the queue even sees them.
     uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
-                backlog=4096, timeout_keep_alive=120)
+                backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools")
     return 0
 
 

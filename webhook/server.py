@@ -146,7 +146,10 @@ def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
 
     sock = bind(host, port)
     config = uvicorn.Config(
-        CloseOnReload(AdmissionFastPath(app, policy, metrics), tls), log_level=log_level, access_log=False, http="h11", loop="asyncio",
+        CloseOnReload(AdmissionFastPath(app, policy, metrics), tls), log_level=log_level,
+        access_log=False,
+        # The C parser and loop: 0.13 ms of CPU per cached review instead of 0.27 (h11/asyncio).
+        http="httptools", loop="uvloop",
         ssl_context_factory=lambda _config, _default: tls.context,
         # Bounded work in flight: past this, uvicorn answers 503 instead of growing memory
         # (the paper's single 384 MiB webhook replica was OOM-killed under a burst).
