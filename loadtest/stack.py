@@ -19,6 +19,8 @@ from pathlib import Path
 
 import httpx
 
+from webhook.manifests import Registration
+
 ROOT = Path(__file__).resolve().parents[1]
 WEBHOOK_NAMESPACE = "sandman-system"
 
@@ -87,32 +89,10 @@ def start_webhook(workdir: Path, timeout: float = 30.0) -> tuple[Proc, str, Path
     raise RuntimeError(f"webhook did not start in {timeout:g} s: {p.tail()}")
 
 
-class Registration:
+def registration(admission_api, namespace: str, url: str, ca: bytes) -> Registration:
     """Both webhook configurations by `url:` with the CA, scoped to `namespace`."""
-
-    def __init__(self, admission_api, namespace: str, url: str, ca: bytes):
-        from webhook.manifests import configurations
-
-        self.api = admission_api
-        self.name = f"sandman-lt-{namespace}-{secrets.token_hex(2)}"
-        self.mutating, self.validating = configurations(
-            self.name, WEBHOOK_NAMESPACE, ca, url=url, only_namespaces=[namespace])
-
-    def create(self) -> Registration:
-        self.api.create_mutating_webhook_configuration(self.mutating)
-        self.api.create_validating_webhook_configuration(self.validating)
-        return self
-
-    def delete(self) -> None:
-        from kubernetes.client.rest import ApiException
-
-        for delete in (self.api.delete_mutating_webhook_configuration,
-                       self.api.delete_validating_webhook_configuration):
-            try:
-                delete(self.name)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
+    return Registration(admission_api, f"sandman-lt-{namespace}-{secrets.token_hex(2)}", url, ca,
+                        [namespace], WEBHOOK_NAMESPACE)
 
 
 def probe_pod(namespace: str) -> dict:
@@ -235,7 +215,7 @@ class Stack:
         new_namespace(self.core, self.namespace)
         wh, self.webhook_url, self.webhook_ca = start_webhook(self.workdir / "webhook")
         self.procs.append(wh)
-        self.registration = Registration(client.AdmissionregistrationV1Api(api), self.namespace,
+        self.registration = registration(client.AdmissionregistrationV1Api(api), self.namespace,
                                          self.webhook_url, self.webhook_ca.read_bytes()).create()
         wait_webhook_active(self.core, self.namespace)
         say(f"webhook serving {self.webhook_url}, registered by url: for namespace "

@@ -33,7 +33,7 @@ from pathlib import Path
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_SANDBOX
 from sandman.sandbox import SandboxPolicy, make_sandbox
-from webhook.manifests import configurations
+from webhook.manifests import Registration
 
 POLICY = SandboxPolicy()
 
@@ -320,18 +320,15 @@ def main(argv: list[str] | None = None) -> int:
     run = secrets.token_hex(3)
     workdir = Path(tempfile.mkdtemp(prefix="webhook-bench-"))
     bed = Bed(args.kubeconfig)
-    proc = None
-    cfg_name = f"sandman-bench-{run}"
+    proc = reg = None
     results = {arm: [] for arm in ARMS}
     try:
         proc, port, ca = start_webhook(workdir)
         names = {(arm, r): f"bench-{arm}-{r}-{run}" for r in range(args.repeats)
                  for arm in ARMS}
-        mutating, validating = configurations(
-            cfg_name, "sandman-system", ca.read_bytes(), url=f"https://127.0.0.1:{port}",
-            only_namespaces=[n for (arm, _), n in names.items() if arm == "with"])
-        bed.adm.create_mutating_webhook_configuration(mutating)
-        bed.adm.create_validating_webhook_configuration(validating)
+        reg = Registration(bed.adm, f"sandman-bench-{run}", f"https://127.0.0.1:{port}",
+                           ca.read_bytes(),
+                           [n for (arm, _), n in names.items() if arm == "with"]).create()
         time.sleep(2)  # configuration informers
         for r in range(args.repeats):
             for arm in ARMS:
@@ -372,10 +369,9 @@ def main(argv: list[str] | None = None) -> int:
             handler[kind]["server_p99"] = bucket_p99(before, mutate_buckets(port, ca))
             print(f"handler, {kind} pods: {handler[kind]}", flush=True)
     finally:
-        for delete in (bed.adm.delete_mutating_webhook_configuration,
-                       bed.adm.delete_validating_webhook_configuration):
+        if reg is not None:
             try:
-                delete(cfg_name)
+                reg.delete()
             except Exception as e:  # noqa: BLE001 - best effort, reported
                 print(f"cleanup: {e}", file=sys.stderr)
         if proc is not None:

@@ -98,3 +98,41 @@ def configurations(name: str, webhook_namespace: str, ca_bundle: bytes | None = 
                   "webhooks": [validate_sandbox, validate_egress]}
     return mutating, validating
 
+
+class Registration:
+    """Both configurations registered by `url:` with the CA, scoped to `namespaces` (a bed or a
+    test, where the webhook runs outside the cluster). `create()` / `delete()` or a `with`
+    block; a failed create removes what it made, and deleting what is gone is fine."""
+
+    def __init__(self, admission_api, name: str, url: str, ca: bytes, namespaces: list[str],
+                 webhook_namespace: str = "sandman-system"):
+        self.api = admission_api
+        self.name = name
+        self.mutating, self.validating = configurations(
+            name, webhook_namespace, ca, url=url, only_namespaces=namespaces)
+
+    def create(self) -> Registration:
+        try:
+            self.api.create_mutating_webhook_configuration(self.mutating)
+            self.api.create_validating_webhook_configuration(self.validating)
+        except BaseException:
+            self.delete()
+            raise
+        return self
+
+    def delete(self) -> None:
+        from kubernetes.client.rest import ApiException
+
+        for delete in (self.api.delete_mutating_webhook_configuration,
+                       self.api.delete_validating_webhook_configuration):
+            try:
+                delete(self.name)
+            except ApiException as e:
+                if e.status != 404:
+                    raise
+
+    def __enter__(self) -> Registration:
+        return self.create()
+
+    def __exit__(self, *exc) -> None:
+        self.delete()

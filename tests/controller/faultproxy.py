@@ -189,16 +189,6 @@ class FaultProxy:
                 and (path is None or re.search(path, r.path))
                 and (name is None or r.name == name)]
 
-    def wait_for(self, pred: Callable[[], object], timeout: float, what: str):
-        deadline = time.monotonic() + timeout
-        while True:
-            got = pred()
-            if got:
-                return got
-            if time.monotonic() > deadline:
-                raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-            time.sleep(0.02)
-
     def _match(self, method: str, path: str, body: dict | None) -> Rule | None:
         with self._lock:
             for r in self.rules:

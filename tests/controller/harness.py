@@ -106,11 +106,13 @@ def unowned(core, ns: str, ctl_url: str, handed: set[str], settle: float = 15.0)
         time.sleep(0.25)
 
 
-def wait_for(pred, timeout: float, what: str, interval: float = 0.1):
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+    """`pred()`'s first truthy value, polled; AssertionError naming `what` after `timeout`."""
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        v = pred()
-        if v:
-            return v
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
         time.sleep(interval)
-    raise AssertionError(f"timed out after {timeout}s waiting for {what}")

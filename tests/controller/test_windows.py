@@ -45,7 +45,7 @@ from tests.controller.windows_helpers import (
     created_pod,
     deletes,
     patched_state,
-    wait_until,
+    wait_for,
 )
 
 REPEATS = int(os.environ.get("SANDMAN_WINDOW_REPEATS", "5"))
@@ -134,10 +134,10 @@ def test_w01_cancel_while_the_create_waits_in_the_queue(window):
         assert first.status_code == 201, first.text
         w.hand(first.json())
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
-        wait_until(lambda: w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
+        wait_for(lambda: w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
                    5, "the second acquire to wait in the queue")
         c.hang_up()
-        wait_until(lambda: not w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
+        wait_for(lambda: not w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
                    5, "the hung-up acquire to leave the queue")
         time.sleep(1.3)  # the next token: a create still queued would be sent now
         creates = w.proxy.since(mark, "POST", PODS)
@@ -157,7 +157,7 @@ def test_w02_cancel_during_admission_then_stored(window):
         c.hang_up()
         time.sleep(CANCEL_SETTLE_S)
         rule.release()
-        wait_until(lambda: rec.upstream, 10, "the held create to be stored")
+        wait_for(lambda: rec.upstream, 10, "the held create to be stored")
         assert rec.upstream == 201
         w.wait_gone(rec.name, 15, "after its caller left")
         assert deletes(w.proxy, mark, rec.name), "gone without a delete from the controller"
@@ -177,7 +177,7 @@ def test_w03_cancel_during_admission_then_rejected_403(window):
         c.hang_up()
         time.sleep(CANCEL_SETTLE_S)
         rule.release()
-        wait_until(lambda: rec.status, 10, "the 403 answer")
+        wait_for(lambda: rec.status, 10, "the 403 answer")
         time.sleep(0.6)  # a retried or duplicated create (back-off 0.2 s) shows up here
         assert rec.status == 403 and rec.upstream is None
         assert len(w.proxy.since(mark, "POST", PODS)) == 1, "a refused create was retried"
@@ -219,7 +219,7 @@ def test_w05_cancel_while_the_create_response_is_in_flight(window):
         rule = w.proxy.add(Rule("POST", PODS, hold="after"))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
-        wait_until(lambda: rec.upstream, 10, "the create to be stored")
+        wait_for(lambda: rec.upstream, 10, "the create to be stored")
         c.hang_up()
         time.sleep(CANCEL_SETTLE_S)
         rule.release()
@@ -282,7 +282,7 @@ def test_w08_second_cancel_while_cleanup_waits_for_the_create(window):
         time.sleep(CANCEL_SETTLE_S)
         assert w.ctl.drain(job(i))["deleting"] >= 1
         rule.release()
-        wait_until(lambda: rec.upstream, 10, "the held create to be stored")
+        wait_for(lambda: rec.upstream, 10, "the held create to be stored")
         w.wait_gone(rec.name, 15, "after the caller left and the job was drained")
         never_leased(w, mark, rec.name)
 
@@ -309,7 +309,7 @@ def test_w09_second_and_third_cancel_while_the_cleanup_delete_is_held(window):
         w.ctl.drain(job(i))
         w.ctl.kill()
         rule.release()
-        wait_until(lambda: held.outcome, 5, "the dead controller's delete to be dropped")
+        wait_for(lambda: held.outcome, 5, "the dead controller's delete to be dropped")
         assert held.outcome == "client-gone" and held.upstream is None
         assert w.pod(name) is not None, "the pod went before the restart: window missed"
         w.ctl.start()
@@ -338,7 +338,7 @@ def test_w10_grading_acquire_times_out_during_the_create_response(window):
 
     def trial(i: int, mark: int) -> None:
         rec = _timeout_during_create_response(w, i, None)
-        wait_until(lambda: "warm" in patched_state(w.proxy, mark, rec.name), 10,
+        wait_for(lambda: "warm" in patched_state(w.proxy, mark, rec.name), 10,
                    "the late grading pod to be parked warm")
         never_leased(w, mark, rec.name)
 
@@ -391,7 +391,7 @@ def test_w13_grading_acquire_times_out_while_its_pod_waits_for_ready(window):
 
     def trial(i: int, mark: int) -> None:
         name = _timeout_during_ready_wait(w, i, None)
-        wait_until(lambda: "warm" in patched_state(w.proxy, mark, name)
+        wait_for(lambda: "warm" in patched_state(w.proxy, mark, name)
                    or deletes(w.proxy, mark, name), 10, "the late grading pod parked or deleted")
         second = w.ctl.acquire(job=job(i))
         assert second.status_code == 201, second.text
@@ -410,7 +410,7 @@ def test_w10_parked_pod_outlives_a_maintenance_tick(window):
 
     def trial(i: int, mark: int) -> None:
         rec = _timeout_during_create_response(w, i, None)
-        wait_until(lambda: "warm" in patched_state(w.proxy, mark, rec.name), 10,
+        wait_for(lambda: "warm" in patched_state(w.proxy, mark, rec.name), 10,
                    "the late grading pod to be parked warm")
         time.sleep(1.5)
         _next_acquire_reuses(w, i, mark, rec.name)
@@ -426,7 +426,7 @@ def test_w13_late_grading_pod_is_parked_and_reused(window):
 
     def trial(i: int, mark: int) -> None:
         name = _timeout_during_ready_wait(w, i, None, resume_after=0.5)
-        wait_until(lambda: "warm" in patched_state(w.proxy, mark, name)
+        wait_for(lambda: "warm" in patched_state(w.proxy, mark, name)
                    or deletes(w.proxy, mark, name), 10, "the late grading pod parked or deleted")
         assert "warm" in patched_state(w.proxy, mark, name), (
             f"the late grading pod {name} was deleted, not parked")
@@ -520,10 +520,10 @@ def test_w18_grading_timeout_then_a_late_504_after_the_pod_was_stored(window):
 
     def trial(i: int, mark: int) -> None:
         rec = _timeout_during_create_response(w, i, None, answer=504)
-        wait_until(lambda: rec.status == 504, 5, "the late 504")
-        wait_until(lambda: w.proxy.since(mark, "GET", name=rec.name), 10,
+        wait_for(lambda: rec.status == 504, 5, "the late 504")
+        wait_for(lambda: w.proxy.since(mark, "GET", name=rec.name), 10,
                    "the read-back by name after the 504")
-        wait_until(lambda: "warm" in patched_state(w.proxy, mark, rec.name)
+        wait_for(lambda: "warm" in patched_state(w.proxy, mark, rec.name)
                    or deletes(w.proxy, mark, rec.name), 10,
                    "the late pod to be parked or deleted")
         never_leased(w, mark, rec.name)
@@ -553,7 +553,7 @@ def test_w19_cleanup_delete_answers_500_not_applied(window):
     def trial(i: int, mark: int) -> None:
         name, first = _cancel_during_ready_with_delete_fault(w, i, mark, forward=False,
                                                              answer=500)
-        wait_until(lambda: first.status == 500, 5, "the 500 answer")
+        wait_for(lambda: first.status == 500, 5, "the 500 answer")
         assert w.pod(name) is not None, "the failed delete was applied"
         w.wait_gone(name, 5, "by the retried delete")
         assert len(deletes(w.proxy, mark, name)) >= 2
@@ -567,11 +567,11 @@ def test_w20_cleanup_delete_applied_but_its_reply_lost(window):
 
     def trial(i: int, mark: int) -> None:
         name, first = _cancel_during_ready_with_delete_fault(w, i, mark, answer="reset")
-        wait_until(lambda: first.outcome == "reset", 5, "the reset")
+        wait_for(lambda: first.outcome == "reset", 5, "the reset")
         assert first.upstream == 200
         w.wait_gone(name, 5)
         # The controller's books let go of it too (no delete retried forever).
-        wait_until(lambda: name not in {s["pod"] for s in w.ctl.sandboxes()}, 5,
+        wait_for(lambda: name not in {s["pod"] for s in w.ctl.sandboxes()}, 5,
                    "the controller to forget the deleted pod")
         never_leased(w, mark, name)
 
@@ -591,15 +591,15 @@ def test_w21_cleanup_delete_not_applied_and_its_reply_times_out(window):
             got = {r.name for r in w.proxy.since(mark, "POST", PODS) if r.status == 201}
             return got if len(got) == REPEATS else None
 
-        names = wait_until(stored, 20, "every create stored")
+        names = wait_for(stored, 20, "every create stored")
         for c in callers:
             c.hang_up()
         time.sleep(CANCEL_SETTLE_S)
         w.proxy.watch_open.set()
-        wait_until(lambda: rule.fired == REPEATS, 20, "every cleanup delete to be swallowed")
+        wait_for(lambda: rule.fired == REPEATS, 20, "every cleanup delete to be swallowed")
         assert {h.name for h in rule.hits} == names
         assert all(w.pod(n) is not None for n in names), "a swallowed delete was applied"
-        wait_until(lambda: all(h.outcome == "dropped" for h in rule.hits), 30,
+        wait_for(lambda: all(h.outcome == "dropped" for h in rule.hits), 30,
                    "the controller to give up on the unanswered deletes")
         for n in names:
             w.wait_gone(n, 6, "by the retried delete")
@@ -639,7 +639,7 @@ def test_w23_destroy_of_a_handed_out_sandbox_answers_500(window):
         name = r.json()["pod"]
         w.proxy.add(Rule("DELETE", POD_DELETE + "", forward=False, answer=500))
         assert w.ctl.release(r.json()["id"])["released"] is True
-        wait_until(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
+        wait_for(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
                    "the failed delete")
         w.wait_gone(name, 5, "by the retried delete")
 
@@ -652,7 +652,7 @@ def test_w24_pool_release_of_a_handed_out_pod_answers_500(window):
 
     def trial(i: int, mark: int) -> None:
         w.ctl.prewarm(1)
-        wait_until(lambda: any(s["state"] == "warm" for s in w.ctl.sandboxes()), 15,
+        wait_for(lambda: any(s["state"] == "warm" for s in w.ctl.sandboxes()), 15,
                    "a warm pod")
         r = w.ctl.acquire(job=job(i))
         assert r.status_code == 201 and r.json()["warm"] is True, r.text
@@ -660,7 +660,7 @@ def test_w24_pool_release_of_a_handed_out_pod_answers_500(window):
         w.ctl.prewarm(0)
         w.proxy.add(Rule("DELETE", rf"/pods/{name}$", forward=False, answer=500))
         assert w.ctl.release(r.json()["id"])["released"] is True
-        wait_until(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
+        wait_for(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
                    "the failed delete")
         w.wait_gone(name, 5, "by the retried delete")
 

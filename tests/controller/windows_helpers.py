@@ -24,6 +24,8 @@ from kubernetes import client
 
 from sandman import contract
 from tests.controller.faultproxy import FaultProxy
+from tests.controller.harness import wait_for
+from tests.testbed.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Run the windows against another controller tree (an older version, a mutant), as the paper ran
@@ -38,23 +40,6 @@ ROLLOUT = {"role": "rollout"}  # per-caller labels: not warm-eligible (deleted w
 CANCEL_SETTLE_S = 0.5
 FOREIGN = {"tenant": "other"}
 POOL_JOB = "sandman-pool"  # the job of warm pods (controller.core.POOL_JOB)  # another tenant's pods: no sandman labels
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_until(pred, timeout: float, what: str, step: float = 0.05):
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(step)
 
 
 # ---- the controller ---------------------------------------------------------------------------
@@ -350,7 +335,7 @@ class Window:
         def ip():
             p = self.pod(name)
             return p.status.pod_ip if p is not None and p.status else None
-        return wait_until(ip, timeout, f"an address for pod {name}")
+        return wait_for(ip, timeout, f"an address for pod {name}")
 
     def wait_ready(self, name: str, timeout: float = 20.0) -> str:
         """The pod is Ready in the API server (whatever the controller knows); its address."""
@@ -360,10 +345,10 @@ class Window:
                 return None
             ok = any(c.type == "Ready" and c.status == "True" for c in p.status.conditions or [])
             return p.status.pod_ip if ok and p.status.pod_ip else None
-        return wait_until(ready, timeout, f"pod {name} Ready in the API server")
+        return wait_for(ready, timeout, f"pod {name} Ready in the API server")
 
     def wait_gone(self, name: str, timeout: float, what: str = "") -> None:
-        wait_until(lambda: self.pod(name) is None, timeout,
+        wait_for(lambda: self.pod(name) is None, timeout,
                    f"pod {name} to be deleted {what}".strip())
 
     def hand(self, result: dict) -> dict:
@@ -481,7 +466,7 @@ class Window:
 def created_pod(proxy: FaultProxy, mark: int, timeout: float = 10.0,
                 pred=lambda r: True) -> str:
     """The name of the first pod create the proxy saw since `mark`."""
-    recs = wait_until(lambda: [r for r in proxy.since(mark, "POST", r"/pods$") if pred(r)],
+    recs = wait_for(lambda: [r for r in proxy.since(mark, "POST", r"/pods$") if pred(r)],
                       timeout, "a pod create at the proxy")
     return recs[0].name
 

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from loadtest import report
-from loadtest.stack import Registration, locust, start_controller, start_kubelet, start_webhook
+from loadtest.stack import locust, registration, start_controller, start_kubelet, start_webhook
 from loadtest.stack import wait_webhook_active as wait_active
 
 
@@ -23,7 +23,7 @@ def webhook(tmp_path_factory):
 @pytest.fixture
 def stack(cluster, namespace, webhook, tmp_path):
     url, ca = webhook
-    reg = Registration(cluster.admissionregistration, namespace, url, ca.read_bytes()).create()
+    reg = registration(cluster.admissionregistration, namespace, url, ca.read_bytes()).create()
     procs = []
     try:
         wait_active(cluster.core, namespace)

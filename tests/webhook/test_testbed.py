@@ -23,7 +23,7 @@ from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
 from tests.webhook.conftest import start_server
 from tests.webhook.test_server import _served_cert
 from webhook import certs
-from webhook.manifests import configurations
+from webhook.manifests import Registration
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 WEBHOOK_NAMESPACE = "sandman-system"
@@ -37,32 +37,11 @@ def make_pod(labels=None, annotations=None, **spec) -> dict:
             "spec": {"containers": [{"name": "task", "image": "swe-task:1"}], **spec}}
 
 
-class Registration:
+def registration(cluster, namespace: str, url: str, ca: bytes) -> Registration:
     """Both configurations for one webhook URL, limited to one namespace."""
-
-    def __init__(self, cluster, namespace: str, url: str, ca: bytes):
-        self.api = cluster.admissionregistration
-        self.name = f"sandman-test-{namespace}-{secrets.token_hex(2)}"
-        self.mutating, self.validating = configurations(
-            self.name, WEBHOOK_NAMESPACE, ca, url=url, only_namespaces=[namespace])
-
-    def __enter__(self):
-        try:
-            self.api.create_mutating_webhook_configuration(self.mutating)
-            self.api.create_validating_webhook_configuration(self.validating)
-        except BaseException:
-            self.__exit__()
-            raise
-        return self
-
-    def __exit__(self, *exc):
-        for delete in (self.api.delete_mutating_webhook_configuration,
-                       self.api.delete_validating_webhook_configuration):
-            try:
-                delete(self.name)
-            except ApiException as e:
-                if e.status != 404:
-                    raise
+    return Registration(cluster.admissionregistration,
+                        f"sandman-test-{namespace}-{secrets.token_hex(2)}", url, ca, [namespace],
+                        WEBHOOK_NAMESPACE)
 
 
 def create(core, namespace: str, pod: dict, dry_run: bool = False):
@@ -97,7 +76,7 @@ def server(tmp_path_factory):
 
 @pytest.fixture
 def registered(cluster, namespace, server):
-    with Registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
+    with registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
         wait_active(cluster.core, namespace)
         yield reg
 
@@ -190,7 +169,7 @@ def test_dry_run_mutates_and_stores_nothing(cluster, namespace, registered):
 def test_webhook_down_refuses_sandboxes_only(cluster, namespace, tmp_path):
     server = start_server(tmp_path / "down")
     try:
-        with Registration(cluster, namespace, server.url, server.ca.read_bytes()):
+        with registration(cluster, namespace, server.url, server.ca.read_bytes()):
             wait_active(cluster.core, namespace)
             server.stop()
             body = _refusal(cluster.core, namespace, make_pod(), status=500)
@@ -212,7 +191,7 @@ def test_ca_rotation_under_a_create_loop_has_no_failed_create(cluster, namespace
     assert first.ca_rotated and first.leaf_issued
     server = start_server(tmp_path / "srv", certdir=certdir)
     try:
-        with Registration(cluster, namespace, server.url, first.bundle_pem) as reg:
+        with registration(cluster, namespace, server.url, first.bundle_pem) as reg:
             names = dict(mutating=[reg.name], validating=[reg.name])
             again = certs.ensure(core, cluster.admissionregistration, **common, **names)
             assert not (again.ca_rotated or again.bundle_patched or again.leaf_issued)
@@ -304,7 +283,7 @@ def test_certs_cli_ensure_is_idempotent(cluster, namespace, tmp_path):
 def test_unmutated_pod_refused_with_the_reason(cluster, namespace, server):
     """Only the validating configuration registered (the mutating one lost): a labelled pod
     reaches validation unmutated and is refused, saying so."""
-    with Registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
+    with registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
         cluster.admissionregistration.delete_mutating_webhook_configuration(reg.name)
         deadline = time.monotonic() + 15
         body = ""
