@@ -103,7 +103,7 @@ def slim_pod(pod: dict) -> dict:
 
     A kwok pod is ~6 KB of JSON and ~500 Python objects, mostly managedFields and the spec the
     controller wrote itself; a real one is larger. Kept whole, 600 of them made every full
-    garbage collection pause the event loop for 150-220 ms, and the pacer lost those create
+    garbage collection pause the event loop for 140-220 ms, and the pacer lost those create
     slots; 12,000 cost ~110 KB each of RSS."""
     meta = pod.get("metadata") or {}
     spec = pod.get("spec") or {}
