@@ -28,7 +28,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin checks execd stays python3.8-compati
 	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
 
 testbed-build: $(STAMP)  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
-	$(VPY) -m tests.testbed build
+	$(VPY) -m testbed build
 
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
 	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
@@ -45,13 +45,13 @@ chart-golden: $(STAMP) testbed-build  ## regenerate the chart's _contract.tpl an
 	SANDMAN_GOLDEN_UPDATE=1 $(VPY) -m pytest -q tests/charts/test_chart.py
 
 testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
-	$(VPY) -m tests.testbed up
+	$(VPY) -m testbed up
 
 testbed-down: $(STAMP)  ## stop the test bed started by testbed-up; nothing is left running
-	$(VPY) -m tests.testbed down
+	$(VPY) -m testbed down
 
 testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
-	$(VPY) -m tests.testbed status
+	$(VPY) -m testbed status
 
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
 	$(VPY) -m execd.bench --write-docs

@@ -25,7 +25,7 @@ import httpx
 from kubernetes import client, config
 
 from tests.controller.harness import ControllerProc
-from tests.testbed.cluster import Testbed, default_state_dir
+from testbed.cluster import Testbed, default_state_dir
 
 IMAGE = "registry.invalid/bench/task:1"
 

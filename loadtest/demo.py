@@ -80,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = a.out or ROOT / ".testbed" / "demo-reports" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    from tests.testbed.cluster import default_state_dir
+    from testbed.cluster import default_state_dir
 
     stack = Stack(out / "stack", nodes=a.nodes, state_dir=default_state_dir("demo"),
                   controller_flags=["--rate", f"{a.rate:g}", "--burst", str(a.burst),

@@ -1,4 +1,4 @@
-"""A one-machine sandman for `make demo` and tests/loadtest: the test bed (tests/testbed), the
+"""A one-machine sandman for `make demo` and tests/loadtest: the test bed (testbed), the
 webhook and the controller as local processes, optionally an execd kubelet, and locust runs.
 
 Every process is started in its own session and stopped by its pid (SIGTERM, then SIGKILL);
@@ -200,7 +200,7 @@ class Stack:
     def start(self, say=print) -> Stack:
         from kubernetes import client, config
 
-        from tests.testbed.cluster import Testbed
+        from testbed.cluster import Testbed
 
         self.workdir.mkdir(parents=True, exist_ok=True)
         t = time.monotonic()

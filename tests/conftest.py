@@ -1,4 +1,4 @@
-"""Shared fixtures. `cluster` is the real local control plane (tests/testbed), started once per
+"""Shared fixtures. `cluster` is the real local control plane (testbed), started once per
 session on first use; `namespace` gives each test a fresh namespace.
 
 SANDMAN_KUBECONFIG=/path runs the same tests against an existing cluster (kind, EKS) instead.
@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client, config
 
-from tests.testbed.cluster import Testbed, TestbedError, default_state_dir
+from testbed.cluster import Testbed, TestbedError, default_state_dir
 
 
 @dataclass

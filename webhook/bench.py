@@ -4,7 +4,7 @@ and the handler's own latency under a threaded load of AdmissionReviews.
     .venv/bin/python -m webhook.bench [--kubeconfig F] [--pods 2000] [--threads 8] [--repeats 3]
                                       [--update-docs]
 
-Without --kubeconfig (or $KUBECONFIG) it starts its own test bed (tests/testbed) and stops it
+Without --kubeconfig (or $KUBECONFIG) it starts its own test bed (testbed) and stops it
 afterwards. Arms alternate (without, with, without, ...) so drift hits both; each arm creates
 `--pods` labelled sandbox pods into a fresh namespace from `--threads` threads, and the namespace
 is deleted (and its deletion awaited) before the next arm. Figures are medians over repeats.
@@ -85,7 +85,7 @@ class Bed:
 
         self.testbed = None
         if not kubeconfig:
-            from tests.testbed.cluster import Testbed, default_state_dir
+            from testbed.cluster import Testbed, default_state_dir
 
             self.testbed = Testbed(default_state_dir("bench-webhook"), nodes=20).start()
             kubeconfig = str(self.testbed.kubeconfig)

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from tests.testbed import build
+from testbed import build
 
 ROOT = Path(__file__).resolve().parents[2]
 CHART = ROOT / "charts" / "sandman"

@@ -27,7 +27,7 @@ from kubernetes.client.rest import ApiException
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
 from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
-from tests.testbed.cluster import free_port
+from testbed.cluster import free_port
 from tests.webhook.conftest import start_server
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"

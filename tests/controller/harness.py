@@ -13,7 +13,7 @@ from pathlib import Path
 import httpx
 
 from sandman import contract
-from tests.testbed.cluster import free_port, repo_root
+from testbed.cluster import free_port, repo_root
 
 
 @dataclass

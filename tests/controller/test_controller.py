@@ -17,7 +17,7 @@ import pytest
 from sandman import contract
 from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
 from tests.controller.harness import ControllerProc, pods, unowned, wait_for
-from tests.testbed.cluster import audit_pod_creates
+from testbed.cluster import audit_pod_creates
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
 

@@ -24,7 +24,7 @@ from kubernetes import watch
 from sandman import contract
 from sandman.client import AsyncClient, Client, CommandTimeout, SandboxGone, Unauthorized
 from tests.controller.harness import ControllerProc, pods, wait_for
-from tests.testbed.cluster import repo_root
+from testbed.cluster import repo_root
 
 IMAGE = "registry.invalid/swe/task:1"
 EXECD = repo_root() / "execd" / "execd.py"

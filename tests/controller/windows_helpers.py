@@ -25,7 +25,7 @@ from kubernetes import client
 from sandman import contract
 from tests.controller.faultproxy import FaultProxy
 from tests.controller.harness import wait_for
-from tests.testbed.cluster import free_port
+from testbed.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Run the windows against another controller tree (an older version, a mutant), as the paper ran

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.testbed import build
-from tests.testbed.cluster import Testbed, TestbedError
+from testbed import build
+from testbed.cluster import Testbed, TestbedError
 
 
 def _alive(pid: int) -> bool:

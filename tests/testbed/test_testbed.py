@@ -16,7 +16,7 @@ from pathlib import Path
 
 from kubernetes import client, watch
 
-from tests.testbed import pki
+from testbed import pki
 
 IMAGE = "registry.invalid/sandman/tiny:1"  # never pulled: kwok runs no container
 

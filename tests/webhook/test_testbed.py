@@ -1,4 +1,4 @@
-"""The webhook against the real API server (tests/testbed): registered by `url:` with its CA,
+"""The webhook against the real API server (testbed): registered by `url:` with its CA,
 scoped to the test's namespace (a leftover Fail-policy configuration could not hurt other
 tests), deleted in a finalizer whatever happens."""
 

@@ -18,7 +18,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.testbed import versions
+from testbed import versions
 
 # kubectl is built too: Debian's kubectl is 1.20, too old to talk to a v1.36 API server.
 K8S_COMPONENTS = ("kube-apiserver", "kube-controller-manager", "kube-scheduler", "kubectl")

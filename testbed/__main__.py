@@ -1,16 +1,16 @@
-"""`python -m tests.testbed build|up|down|status`: the test bed by hand (make testbed-*)."""
+"""`python -m testbed build|up|down|status`: the test bed by hand (make testbed-*)."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from tests.testbed import build
-from tests.testbed.cluster import Testbed, TestbedError, default_state_dir
+from testbed import build
+from testbed.cluster import Testbed, TestbedError, default_state_dir
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m tests.testbed", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m testbed", description=__doc__)
     ap.add_argument("--state-dir", default=None,
                     help="state dir (default .testbed/manual, or $SANDMAN_TESTBED_STATE/manual)")
     sub = ap.add_subparsers(dest="verb", required=True)

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from sandman import contract
-from tests.testbed import build, pki, versions
+from testbed import build, pki, versions
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Pod IPs are handed out from loopback, so anything that dials a pod IP (the controller's execd
@@ -36,7 +36,7 @@ class TestbedError(RuntimeError):
 
 
 def repo_root() -> Path:
-    return Path(__file__).resolve().parents[2]
+    return Path(__file__).resolve().parents[1]
 
 
 def default_state_dir(name: str) -> Path:
