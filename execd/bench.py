@@ -30,6 +30,8 @@ import sys
 import time
 from pathlib import Path
 
+from testbed.procs import free_port
+
 REPO = Path(__file__).resolve().parents[1]
 EXECD = REPO / "execd" / "execd.py"
 BENCH_VENV = REPO / ".venv-bench"
@@ -66,12 +68,6 @@ srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
 print("listening", srv.server_address[1], flush=True)
 srv.serve_forever()
 '''
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_port(port: int, proc: subprocess.Popen, timeout: float) -> None:

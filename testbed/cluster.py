@@ -10,10 +10,8 @@ import datetime as dt
 import json
 import os
 import shutil
-import signal
 import socket
 import ssl
-import subprocess
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -21,6 +19,7 @@ from pathlib import Path
 
 from sandman import contract
 from testbed import build, pki, versions
+from testbed.procs import Proc, free_port, repo_root
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Pod IPs are handed out from loopback, so anything that dials a pod IP (the controller's execd
@@ -35,19 +34,20 @@ class TestbedError(RuntimeError):
     __test__ = False  # not a pytest class
 
 
-def repo_root() -> Path:
-    return Path(__file__).resolve().parents[1]
-
-
 def default_state_dir(name: str) -> Path:
     root = os.environ.get("SANDMAN_TESTBED_STATE") or str(repo_root() / ".testbed")
     return Path(root) / name
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def remove_stale_state_dirs(prefix: str = "pytest-") -> None:
+    """State dirs `<prefix><pid>` of processes that are gone (their logs were kept until now)."""
+    for d in default_state_dir("x").parent.glob(prefix + "*"):
+        try:
+            pid = int(d.name[len(prefix):])
+        except ValueError:
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            shutil.rmtree(d, ignore_errors=True)
 
 
 def _port_in_use(port: int) -> bool:
@@ -65,34 +65,6 @@ def _tail(path: Path, n: int = 3) -> str:
     except OSError:
         return ""
     return " | ".join(line.strip()[:300] for line in lines[-n:])
-
-
-@dataclass
-class Component:
-    name: str
-    cmd: list[str]
-    log: Path
-    proc: subprocess.Popen | None = None
-    pid: int | None = None
-
-    def alive(self) -> bool:
-        if self.proc is not None:
-            return self.proc.poll() is None
-        return self.pid is not None and _pid_matches(self.pid, self.cmd[0])
-
-    def exit_code(self) -> int | None:
-        return self.proc.poll() if self.proc is not None else None
-
-
-def _pid_matches(pid: int, exe: str) -> bool:
-    """True when `pid` still runs `exe` (guards against killing a recycled pid)."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return False
-    state = stat.rsplit(")", 1)[1].split()[0]
-    return state != "Z" and Path(cmdline).name == Path(exe).name
 
 
 # Only pod creates, at Metadata level: a watch delivers events in bunches under load, and
@@ -137,7 +109,7 @@ class Testbed:
     # Pod creates in an audit log (see AUDIT_POLICY). On for pytest sessions (the pacing test
     # reads it); off for benchmarks, whose arms should not pay for a log they do not read.
     audit: bool = False
-    components: list[Component] = field(default_factory=list)
+    components: list[Proc] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
 
     # Paths -----------------------------------------------------------------------------
@@ -263,18 +235,14 @@ class Testbed:
         self._write_pids()
         return self
 
-    def _spawn(self, name: str, cmd: list[str]) -> Component:
-        log = self.logs / f"{name}.log"
-        with open(log, "ab") as f:
-            # Own session: a Ctrl-C on the terminal must not kill the bed behind pytest's back,
-            # and stop() signals each component's whole group.
-            proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                    stdin=subprocess.DEVNULL, start_new_session=True)
-        comp = Component(name, cmd, log, proc, proc.pid)
+    def _spawn(self, name: str, cmd: list[str]) -> Proc:
+        # Own session: a Ctrl-C on the terminal must not kill the bed behind pytest's back,
+        # and stop() signals each component's whole group.
+        comp = Proc(name, cmd, self.logs / f"{name}.log", cwd=self.state_dir).start()
         self.components.append(comp)
         return comp
 
-    def _wait(self, comp: Component, ready, timeout: float, what: str) -> None:
+    def _wait(self, comp: Proc, ready, timeout: float, what: str) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             for c in self.components:
@@ -300,7 +268,7 @@ class Testbed:
     def stop(self, timeout: float = 20.0) -> None:
         """SIGTERM in reverse start order, wait for each to exit, SIGKILL stragglers."""
         for c in reversed(self.components):
-            _terminate(c, timeout)
+            c.stop(timeout)
         self.components = []
         pids = self.state_dir / "pids.json"
         if pids.exists():
@@ -353,7 +321,7 @@ class Testbed:
             return None
         data = json.loads(f.read_text())
         tb = cls(state_dir, nodes=data["nodes"], ports=data["ports"])
-        tb.components = [Component(c["name"], c["cmd"], Path(c["log"]), None, c["pid"])
+        tb.components = [Proc(c["name"], c["cmd"], Path(c["log"]), pid=c["pid"])
                          for c in data["components"]]
         return tb
 
@@ -390,28 +358,3 @@ def _env_port(name: str) -> int:
 def _tcp_open(port: int) -> bool:
     with socket.create_connection(("127.0.0.1", port), timeout=1):
         return True
-
-
-def _terminate(c: Component, timeout: float) -> None:
-    pid = c.proc.pid if c.proc is not None else c.pid
-    if pid is None or not c.alive():
-        if c.proc is not None:
-            c.proc.poll()
-        return
-    try:
-        os.killpg(pid, signal.SIGTERM)
-    except ProcessLookupError:
-        return
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline and c.alive():
-        time.sleep(0.05)
-    if c.alive():
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        end = time.monotonic() + 5
-        while time.monotonic() < end and c.alive():
-            time.sleep(0.05)
-    if c.proc is not None:
-        c.proc.wait(timeout=1)

@@ -1,0 +1,173 @@
+"""Processes of the test bed and of everything started next to it: one way to start, watch and
+stop a process, one free port, one wait.
+
+Every process runs in its own session (a Ctrl-C on the terminal reaches only the parent, which
+stops its children in order) and is stopped by its pid: SIGTERM to its process group, then
+SIGKILL to the group after a timeout. Its stdout and stderr go to one log file.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+
+def repo_root() -> Path:
+    return Path(__file__).resolve().parents[1]
+
+
+ROOT = repo_root()
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port that was free on `host` a moment ago (another process may take it before use)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
+    """`pred()`'s first truthy value, polled every `interval` s; AssertionError naming `what`
+    after `timeout` s (a test reads it as a failed expectation, a tool prints it)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        got = pred()
+        if got:
+            return got
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
+        time.sleep(interval)
+
+
+def parents() -> dict[int, int]:
+    """pid -> parent pid of every process, from /proc."""
+    out: dict[int, int] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            data = Path(f"/proc/{name}/stat").read_bytes()
+        except OSError:
+            continue
+        out[int(name)] = int(data[data.rfind(b")") + 2:].split()[1])
+    return out
+
+
+def _children(pid: int, parent: dict[int, int] | None) -> list[int]:
+    if parent is not None:
+        return [c for c, pp in parent.items() if pp == pid]
+    out: list[int] = []
+    try:  # every thread's children (a child belongs to the thread that forked it)
+        for task in os.listdir(f"/proc/{pid}/task"):
+            out += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+    except OSError:
+        pass
+    return out
+
+
+def descendants(pid: int, parent: dict[int, int] | None = None) -> list[int]:
+    """Every live descendant of `pid`, also those that left its session. Read from
+    /proc/<pid>/task/*/children, or from `parent` (see `parents()`) when given."""
+    if parent is None and not Path(f"/proc/{os.getpid()}/task/{os.getpid()}/children").exists():
+        parent = parents()  # a kernel without CONFIG_PROC_CHILDREN: one pass over /proc
+    out: list[int] = []
+    seen = {pid}
+    stack = [pid]
+    while stack:
+        for c in _children(stack.pop(), parent):
+            if c not in seen:
+                seen.add(c)
+                out.append(c)
+                stack.append(c)
+    return out
+
+
+def pid_runs(pid: int, exe: str) -> bool:
+    """True when `pid` is alive (not a zombie) and still runs `exe`: a recycled pid is never
+    signalled."""
+    try:
+        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")[0].decode()
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    state = stat.rsplit(")", 1)[1].split()[0]
+    return state != "Z" and Path(cmdline).name == Path(exe).name
+
+
+@dataclass
+class Proc:
+    """One process: `start()` runs `cmd` in its own session with output to `log`.
+
+    A Proc made with only a `pid` (no `start()`) is one that another process started (the test
+    bed's `up` recorded it): `alive()` and `stop()` work on it by pid.
+    """
+
+    name: str
+    cmd: list[str]
+    log: Path
+    cwd: Path | None = None  # default: the repository root
+    env: dict[str, str] | None = None  # added to this process's environment
+    proc: subprocess.Popen | None = None
+    pid: int | None = None
+
+    def start(self) -> Proc:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with open(self.log, "ab") as f:
+            self.proc = subprocess.Popen(
+                self.cmd, stdout=f, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                cwd=self.cwd or ROOT, start_new_session=True,
+                env={**os.environ, "PYTHONUNBUFFERED": "1", **(self.env or {})})
+        self.pid = self.proc.pid
+        return self
+
+    def alive(self) -> bool:
+        if self.proc is not None:
+            return self.proc.poll() is None
+        return self.pid is not None and pid_runs(self.pid, self.cmd[0])
+
+    def exit_code(self) -> int | None:
+        return self.proc.poll() if self.proc is not None else None
+
+    def wait(self, timeout: float | None = None) -> int:
+        """The exit code; subprocess.TimeoutExpired after `timeout` s."""
+        return self.proc.wait(timeout)
+
+    def tail(self, chars: int = 2000) -> str:
+        try:
+            return self.log.read_text(errors="replace")[-chars:]
+        except OSError:
+            return ""
+
+    def send(self, sig: int) -> None:
+        """`sig` to the process group (the process and whatever it started in its session)."""
+        try:
+            os.killpg(self.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
+        """`sig` (SIGTERM) to the group, wait up to `timeout` s for the exit, then SIGKILL."""
+        if self.pid is None or not self.alive():
+            if self.proc is not None:
+                self.proc.poll()
+            return
+        self.send(sig)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.alive():
+            time.sleep(0.05)
+        if self.alive():
+            self.send(signal.SIGKILL)
+            end = time.monotonic() + 5
+            while time.monotonic() < end and self.alive():
+                time.sleep(0.05)
+        if self.proc is not None:
+            self.proc.wait(timeout=1)
+
+    def kill(self) -> None:
+        """SIGKILL to the group at once: a crash, nothing in flight finishes."""
+        self.stop(timeout=0, sig=signal.SIGKILL)
