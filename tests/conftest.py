@@ -8,66 +8,13 @@ If the test bed cannot be built or started, every test that needs it FAILS with 
 from __future__ import annotations
 
 import os
-import secrets
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-from kubernetes import client, config
 
-from testbed.cluster import Testbed, TestbedError, default_state_dir
-
-
-@dataclass
-class Cluster:
-    kubeconfig: Path
-    api_client: client.ApiClient
-    testbed: Testbed | None = None
-
-    @property
-    def core(self) -> client.CoreV1Api:
-        return client.CoreV1Api(self.api_client)
-
-    @property
-    def admissionregistration(self) -> client.AdmissionregistrationV1Api:
-        return client.AdmissionregistrationV1Api(self.api_client)
-
-    @property
-    def coordination(self) -> client.CoordinationV1Api:
-        return client.CoordinationV1Api(self.api_client)
-
-    def new_api_client(self, pool: int = 32) -> client.ApiClient:
-        cfg = client.Configuration()
-        config.load_kube_config(config_file=str(self.kubeconfig), client_configuration=cfg)
-        cfg.connection_pool_maxsize = pool  # threaded tests: one connection per thread
-        return client.ApiClient(cfg)
-
-    def new_namespace(self, prefix: str = "t") -> str:
-        name = f"{prefix[:40].rstrip('-').lower()}-{secrets.token_hex(3)}"
-        self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(name=name)))
-        # Pod creates are Forbidden until the controller-manager made the default ServiceAccount.
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.core.read_namespaced_service_account("default", name)
-                return name
-            except client.ApiException as e:
-                if e.status != 404 or time.monotonic() > deadline:
-                    raise
-            time.sleep(0.1)
-
-    def delete_namespace(self, name: str) -> None:
-        try:
-            self.core.delete_namespace(name, grace_period_seconds=0)
-        except client.ApiException as e:
-            if e.status != 404:
-                raise
-
-    def check(self) -> None:
-        if self.testbed is not None:
-            self.testbed.check()
-
+from testbed.cluster import Testbed, TestbedError, default_state_dir, remove_stale_state_dirs
+from testbed.kube import Cluster
 
 _BED: dict[str, object] = {}
 
@@ -76,10 +23,9 @@ _BED: dict[str, object] = {}
 def cluster() -> Cluster:
     external = os.environ.get("SANDMAN_KUBECONFIG")
     if external:
-        c = Cluster(Path(external), _api_client(Path(external)))
-        yield c
+        yield Cluster.connect(Path(external))
         return
-    _remove_stale_state_dirs()
+    remove_stale_state_dirs("pytest-")
     # One state dir per session: parallel sessions (several terminals, CI) never share one.
     tb = Testbed(default_state_dir(f"pytest-{os.getpid()}"),
                  nodes=int(os.environ.get("SANDMAN_TESTBED_NODES", "20")), audit=True)
@@ -91,30 +37,9 @@ def cluster() -> Cluster:
     _BED["testbed"] = tb
     _BED["startup_s"] = time.monotonic() - t0
     try:
-        yield Cluster(tb.kubeconfig, _api_client(tb.kubeconfig), tb)
+        yield Cluster.connect(tb.kubeconfig, tb)
     finally:
         tb.stop()
-
-
-def _remove_stale_state_dirs() -> None:
-    """State dirs of sessions whose process is gone (their logs were kept until now)."""
-    import shutil
-
-    root = default_state_dir("x").parent
-    for d in root.glob("pytest-*"):
-        try:
-            pid = int(d.name.split("-", 1)[1])
-        except ValueError:
-            continue
-        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
-            shutil.rmtree(d, ignore_errors=True)
-
-
-def _api_client(kubeconfig: Path) -> client.ApiClient:
-    cfg = client.Configuration()
-    config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
-    cfg.connection_pool_maxsize = 32
-    return client.ApiClient(cfg)
 
 
 @pytest.fixture
