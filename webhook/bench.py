@@ -24,7 +24,6 @@ import secrets
 import socket
 import ssl
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -33,6 +32,8 @@ from pathlib import Path
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_SANDBOX
 from sandman.sandbox import SandboxPolicy, make_sandbox
+from testbed.kube import new_namespace
+from testbed.webhook import start_webhook
 from webhook.manifests import Registration
 
 POLICY = SandboxPolicy()
@@ -57,28 +58,6 @@ def pct(values: list[float], p: float) -> float:
     return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
-def start_webhook(workdir: Path) -> tuple[subprocess.Popen, int, Path]:
-    log = workdir / "webhook.log"
-    out = open(log, "wb")
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "webhook", "serve", "--host", "127.0.0.1", "--port", "0",
-         "--self-signed-dir", str(workdir / "certs"), "--ip", "127.0.0.1", "--log-level",
-         "warning"], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    out.close()
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        m = re.search(r"serving https://127\.0\.0\.1:(\d+)", log.read_text(errors="replace"))
-        if m:
-            time.sleep(1.0)  # uvicorn's startup after the bind
-            return proc, int(m.group(1)), workdir / "certs" / "ca.crt"
-        if proc.poll() is not None:
-            break
-        time.sleep(0.05)
-    proc.kill()
-    raise SystemExit(f"webhook did not start: {log.read_text()[-2000:]}")
-
-
 class Bed:
     def __init__(self, kubeconfig: str | None):
         from kubernetes import client, config
@@ -100,7 +79,7 @@ class Bed:
         """Control-plane processes whose CPU is reported per create (own test bed only)."""
         if self.testbed is None:
             return {}
-        return {c.name: (c.proc.pid if c.proc else c.pid) for c in self.testbed.components
+        return {c.name: c.pid for c in self.testbed.components
                 if c.name in ("kube-apiserver", "etcd", "kwok", "kube-scheduler",
                               "kube-controller-manager")}
 
@@ -109,18 +88,7 @@ class Bed:
             self.testbed.stop()
 
     def namespace(self, name: str) -> None:
-        from kubernetes.client.rest import ApiException
-
-        self.core.create_namespace({"metadata": {"name": name}})
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                self.core.read_namespaced_service_account("default", name)
-                return
-            except ApiException:
-                if time.monotonic() > deadline:
-                    raise
-                time.sleep(0.1)
+        new_namespace(self.core, name)
 
     def delete_namespace(self, name: str, timeout: float = 180) -> None:
         from kubernetes.client.rest import ApiException
@@ -320,10 +288,11 @@ def main(argv: list[str] | None = None) -> int:
     run = secrets.token_hex(3)
     workdir = Path(tempfile.mkdtemp(prefix="webhook-bench-"))
     bed = Bed(args.kubeconfig)
-    proc = reg = None
+    wh = reg = None
     results = {arm: [] for arm in ARMS}
     try:
-        proc, port, ca = start_webhook(workdir)
+        wh = start_webhook(workdir, "--log-level", "warning")
+        port, ca = wh.port, wh.ca
         names = {(arm, r): f"bench-{arm}-{r}-{run}" for r in range(args.repeats)
                  for arm in ARMS}
         reg = Registration(bed.adm, f"sandman-bench-{run}", f"https://127.0.0.1:{port}",
@@ -334,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
             for arm in ARMS:
                 ns = names[(arm, r)]
                 bed.namespace(ns)
-                watched = {"webhook": proc.pid, **bed.pids()}
+                watched = {"webhook": wh.pid, **bed.pids()}
                 scraped = scrape(port, ca)
                 cpu = {k: cpu_seconds(pid) for k, pid in watched.items()}
                 res = create_arm(bed, ns, args.pods, args.threads, arm == "premutated")
@@ -374,9 +343,8 @@ def main(argv: list[str] | None = None) -> int:
                 reg.delete()
             except Exception as e:  # noqa: BLE001 - best effort, reported
                 print(f"cleanup: {e}", file=sys.stderr)
-        if proc is not None:
-            proc.terminate()
-            proc.wait(10)
+        if wh is not None:
+            wh.stop()
         bed.stop()
 
     med = {arm: {k: statistics.median(x[k] for x in rows)

@@ -28,7 +28,7 @@ from kubernetes.client.rest import ApiException
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
 from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
 from testbed.cluster import free_port
-from tests.webhook.conftest import start_server
+from testbed.webhook import start_webhook, wait_webhook_active
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
@@ -150,26 +150,23 @@ def _check_webhook_serves(dep: dict, tls_secret, tmp_path: Path, server_name: st
     args = _rewrite(container["args"], port=str(port), tls_cert=str(certdir / "tls.crt"),
                     tls_key=str(certdir / "tls.key"))
     assert f"--tls-cert={mount}/tls.crt" in container["args"]
-    log = open(tmp_path / "webhook.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-m", "webhook", "serve", "--host", "127.0.0.1",
-                             *args], cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)
+    # The certificate names the Service, not 127.0.0.1: readiness is checked here, with SNI.
+    server = start_webhook(tmp_path / "webhook", args=args, certdir=certdir, wait_ready=False)
     try:
         ctx = ssl.create_default_context(cadata=base64.b64decode(
             tls_secret.data["ca.crt"]).decode())
         deadline = time.monotonic() + 30
         status = None
         with httpx.Client(verify=ctx) as http:
-            while status != 200 and time.monotonic() < deadline and proc.poll() is None:
+            while status != 200 and time.monotonic() < deadline and server.alive():
                 try:
                     status = http.get(f"https://127.0.0.1:{port}/readyz", timeout=2,
                                       extensions={"sni_hostname": server_name}).status_code
                 except httpx.HTTPError:
                     time.sleep(0.2)
-        assert status == 200, (tmp_path / "webhook.log").read_text()[-2000:]
+        assert status == 200, server.proc.tail()
     finally:
-        proc.terminate()
-        proc.wait(15)
-        log.close()
+        server.stop()
 
 
 def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, figures):
@@ -316,7 +313,7 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
     """The rendered configurations, pointed at a webhook process on 127.0.0.1 (the values
     switch `webhook.development.url`), mutate labelled pods in the sandbox namespace."""
     sandboxes = cluster.new_namespace("chart-sbx")
-    server = start_server(tmp_path / "webhook")
+    server = start_webhook(tmp_path / "webhook")
     try:
         with Release(helm, cluster, namespace) as rel:
             values = _values_file(tmp_path, "dev", _scoped(sandboxes), {
@@ -330,13 +327,10 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
                    "metadata": {"generateName": "sbx-", "labels": {LABEL_SANDBOX: "true"},
                                 "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
                    "spec": {"containers": [{"name": "task", "image": "python:3.12-slim"}]}}
-            deadline = time.monotonic() + 20
-            while True:  # the API server picks up new configurations within a second or so
-                got = cluster.core.create_namespaced_pod(sandboxes, pod, dry_run="All")
-                names = [c.name for c in got.spec.init_containers or []]
-                if EXECD_INSTALL_CONTAINER in names or time.monotonic() > deadline:
-                    break
-                time.sleep(0.2)
+            # The API server picks up new configurations within a second or so.
+            wait_webhook_active(cluster.core, sandboxes)
+            got = cluster.core.create_namespaced_pod(sandboxes, pod, dry_run="All")
+            names = [c.name for c in got.spec.init_containers or []]
             assert EXECD_INSTALL_CONTAINER in names, names
             assert got.spec.enable_service_links is False
             # A pod that is no correct sandbox is refused by the validating configuration.

@@ -11,8 +11,8 @@ import time
 import httpx
 from cryptography import x509
 
+from testbed.webhook import start_webhook
 from tests.webhook import golden_cases
-from tests.webhook.conftest import start_server
 from tests.webhook.test_golden import CASES, decode, load
 from webhook import certs
 
@@ -87,7 +87,7 @@ def _served_cert(port: int, ca_pem: bytes) -> x509.Certificate:
 def test_certificate_files_reloaded_without_restart(tmp_path):
     certdir = tmp_path / "tls"
     certs.self_signed_dir(str(certdir), ["localhost"], ["127.0.0.1"])
-    server = start_server(tmp_path / "srv", certdir=certdir)
+    server = start_webhook(tmp_path / "srv", certdir=certdir)
     try:
         old_ca = (certdir / "ca.crt").read_bytes()
         first = _served_cert(server.port, old_ca)
@@ -114,7 +114,7 @@ def test_certificate_files_reloaded_without_restart(tmp_path):
                     time.sleep(0.2)
             assert served.serial_number != first.serial_number
             # The process never restarted and the established connection still works.
-            assert server.proc.poll() is None
+            assert server.alive()
             assert keep.get("/healthz").status_code == 200
         log = server.log.read_text()
         assert "certificate reload failed" in log

@@ -4,7 +4,6 @@ tests), deleted in a finalizer whatever happens."""
 
 from __future__ import annotations
 
-import secrets
 import threading
 import time
 
@@ -20,13 +19,12 @@ from sandman.contract import (
     SANDMAN_VOLUME,
 )
 from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
-from tests.webhook.conftest import start_server
+from testbed.webhook import registration as scoped_registration
+from testbed.webhook import start_webhook, wait_webhook_active
 from tests.webhook.test_server import _served_cert
 from webhook import certs
-from webhook.manifests import Registration
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-WEBHOOK_NAMESPACE = "sandman-system"
 
 
 def make_pod(labels=None, annotations=None, **spec) -> dict:
@@ -37,11 +35,9 @@ def make_pod(labels=None, annotations=None, **spec) -> dict:
             "spec": {"containers": [{"name": "task", "image": "swe-task:1"}], **spec}}
 
 
-def registration(cluster, namespace: str, url: str, ca: bytes) -> Registration:
+def registration(cluster, namespace: str, url: str, ca: bytes):
     """Both configurations for one webhook URL, limited to one namespace."""
-    return Registration(cluster.admissionregistration,
-                        f"sandman-test-{namespace}-{secrets.token_hex(2)}", url, ca, [namespace],
-                        WEBHOOK_NAMESPACE)
+    return scoped_registration(cluster.admissionregistration, namespace, url, ca, "sandman-test")
 
 
 def create(core, namespace: str, pod: dict, dry_run: bool = False):
@@ -53,23 +49,9 @@ def as_dict(api_client, obj) -> dict:
     return api_client.sanitize_for_serialization(obj)
 
 
-def wait_active(core, namespace: str, timeout: float = 15) -> None:
-    """Until the API server has picked up the configurations: a dry-run create is mutated."""
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            got = create(core, namespace, make_pod(), dry_run=True)
-            if got.spec.init_containers and got.spec.enable_service_links is False:
-                return
-        except ApiException:
-            pass
-        assert time.monotonic() < deadline, "webhook configurations not active in time"
-        time.sleep(0.2)
-
-
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    s = start_server(tmp_path_factory.mktemp("webhook-bed"))
+    s = start_webhook(tmp_path_factory.mktemp("webhook-bed"))
     yield s
     s.stop()
 
@@ -77,7 +59,7 @@ def server(tmp_path_factory):
 @pytest.fixture
 def registered(cluster, namespace, server):
     with registration(cluster, namespace, server.url, server.ca.read_bytes()) as reg:
-        wait_active(cluster.core, namespace)
+        wait_webhook_active(cluster.core, namespace)
         yield reg
 
 
@@ -167,10 +149,10 @@ def test_dry_run_mutates_and_stores_nothing(cluster, namespace, registered):
 
 
 def test_webhook_down_refuses_sandboxes_only(cluster, namespace, tmp_path):
-    server = start_server(tmp_path / "down")
+    server = start_webhook(tmp_path / "down")
     try:
         with registration(cluster, namespace, server.url, server.ca.read_bytes()):
-            wait_active(cluster.core, namespace)
+            wait_webhook_active(cluster.core, namespace)
             server.stop()
             body = _refusal(cluster.core, namespace, make_pod(), status=500)
             assert "failed calling webhook" in body, body
@@ -189,13 +171,13 @@ def test_ca_rotation_under_a_create_loop_has_no_failed_create(cluster, namespace
                   ip_addresses=["127.0.0.1"], write_dir=str(certdir), propagation_seconds=2)
     first = certs.ensure(core, cluster.admissionregistration, **common)
     assert first.ca_rotated and first.leaf_issued
-    server = start_server(tmp_path / "srv", certdir=certdir)
+    server = start_webhook(tmp_path / "srv", certdir=certdir)
     try:
         with registration(cluster, namespace, server.url, first.bundle_pem) as reg:
             names = dict(mutating=[reg.name], validating=[reg.name])
             again = certs.ensure(core, cluster.admissionregistration, **common, **names)
             assert not (again.ca_rotated or again.bundle_patched or again.leaf_issued)
-            wait_active(core, namespace)
+            wait_webhook_active(core, namespace)
 
             stop = threading.Event()
             results = {"ok": 0, "failed": []}
