@@ -24,8 +24,9 @@ from pathlib import Path
 import httpx
 from kubernetes import client, config
 
-from tests.controller.harness import ControllerProc
 from testbed.cluster import Testbed, default_state_dir
+from testbed.controller import ControllerProc
+from testbed.kube import new_namespace
 
 IMAGE = "registry.invalid/bench/task:1"
 
@@ -208,14 +209,7 @@ def main(argv=None) -> int:
         config.load_kube_config(config_file=str(tb.kubeconfig), client_configuration=cfg)
         cfg.connection_pool_maxsize = 8
         core = client.CoreV1Api(client.ApiClient(cfg))
-        ns = "bench"
-        core.create_namespace({"metadata": {"name": ns}})
-        while True:
-            try:
-                core.read_namespaced_service_account("default", ns)
-                break
-            except client.ApiException:
-                time.sleep(0.2)
+        ns = new_namespace(core, "bench")
         ctl = ControllerProc(ns, tb.kubeconfig, state / "controller.log",
                              ["--rate", str(args.rate), "--burst", str(int(args.rate)),
                               "--max-creating", "2000", "--max-live", "20000",

@@ -1,72 +1,13 @@
-"""Run the real controller as a subprocess against the test bed, and audit pod ownership."""
+"""Pod-ownership audit for the controller tests (the controller itself is started by
+testbed/controller.py)."""
 
 from __future__ import annotations
 
-import os
-import signal
-import subprocess
-import sys
 import time
-from dataclasses import dataclass, field
-from pathlib import Path
 
 import httpx
 
 from sandman import contract
-from testbed.cluster import free_port, repo_root
-
-
-@dataclass
-class ControllerProc:
-    namespace: str
-    kubeconfig: Path
-    log: Path
-    flags: list[str] = field(default_factory=list)
-    port: int = 0
-    proc: subprocess.Popen | None = None
-    ready_check: str = "pod"  # kwok pods run nothing; `execd` needs a real execd at the pod IP
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def start(self, wait_ready: bool = True, timeout: float = 30) -> ControllerProc:
-        self.port = self.port or free_port()
-        cmd = [sys.executable, "-m", "controller", "serve", "--namespace", self.namespace,
-               "--listen", f"127.0.0.1:{self.port}", "--kubeconfig", str(self.kubeconfig),
-               "--ready-check", self.ready_check, *self.flags]
-        with open(self.log, "ab") as f:
-            self.proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                         cwd=repo_root(), start_new_session=True)
-        if wait_ready:
-            self.wait_ready(timeout)
-        return self
-
-    def wait_ready(self, timeout: float = 30) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            if self.proc.poll() is not None:
-                raise RuntimeError(f"controller exited {self.proc.returncode}: "
-                                   f"{self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError(f"controller not ready after {timeout}s: {self.log.read_text()[-2000:]}")
-
-    def kill(self, sig: int = signal.SIGKILL) -> None:
-        if self.proc and self.proc.poll() is None:
-            os.killpg(self.proc.pid, sig)
-            try:
-                self.proc.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(self.proc.pid, signal.SIGKILL)
-                self.proc.wait(5)
-
-    def stop(self) -> None:
-        self.kill(signal.SIGTERM)
 
 
 def pods(core, ns: str) -> list:
@@ -104,15 +45,3 @@ def unowned(core, ns: str, ctl_url: str, handed: set[str], settle: float = 15.0)
         if not bad or time.monotonic() > deadline:
             return bad
         time.sleep(0.25)
-
-
-def wait_for(pred, timeout: float, what: str, interval: float = 0.05):
-    """`pred()`'s first truthy value, polled; AssertionError naming `what` after `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = pred()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out after {timeout:g}s waiting for {what}")
-        time.sleep(interval)

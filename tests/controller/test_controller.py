@@ -16,8 +16,10 @@ import pytest
 
 from sandman import contract
 from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
-from tests.controller.harness import ControllerProc, pods, unowned, wait_for
 from testbed.cluster import audit_pod_creates
+from testbed.controller import ControllerProc
+from testbed.procs import wait_for
+from tests.controller.harness import pods, unowned
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
 

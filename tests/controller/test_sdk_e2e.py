@@ -23,8 +23,10 @@ from kubernetes import watch
 
 from sandman import contract
 from sandman.client import AsyncClient, Client, CommandTimeout, SandboxGone, Unauthorized
-from tests.controller.harness import ControllerProc, pods, wait_for
 from testbed.cluster import repo_root
+from testbed.controller import ControllerProc
+from testbed.procs import wait_for
+from tests.controller.harness import pods
 
 IMAGE = "registry.invalid/swe/task:1"
 EXECD = repo_root() / "execd" / "execd.py"

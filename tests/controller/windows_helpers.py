@@ -9,10 +9,7 @@ import http.client
 import json
 import os
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from dataclasses import dataclass, field
@@ -23,9 +20,9 @@ import httpx
 from kubernetes import client
 
 from sandman import contract
+from testbed import controller as testbed_controller
+from testbed.procs import free_port, wait_for
 from tests.controller.faultproxy import FaultProxy
-from tests.controller.harness import wait_for
-from testbed.cluster import free_port
 
 REPO = Path(__file__).resolve().parents[2]
 # Run the windows against another controller tree (an older version, a mutant), as the paper ran
@@ -43,64 +40,31 @@ POOL_JOB = "sandman-pool"  # the job of warm pods (controller.core.POOL_JOB)  # 
 
 
 # ---- the controller ---------------------------------------------------------------------------
-class ControllerProc:
-    """`python -m controller serve` against the proxy's kubeconfig; one per window test."""
+class ControllerProc(testbed_controller.ControllerProc):
+    """The shared controller starter (testbed/controller.py) run from CONTROLLER_ROOT against
+    the proxy's kubeconfig, one per window test, with the windows' flags, a new log file per
+    (re)start on the same port, and an HTTP client for its API."""
 
     def __init__(self, namespace: str, kubeconfig: Path, workdir: Path, args: list[str]):
-        self.ns = namespace
-        self.kubeconfig = kubeconfig
-        self.workdir = workdir
-        self.args = args
-        self.port = free_port()
         self.lease = f"win-{secrets.token_hex(3)}"
-        self.proc: subprocess.Popen | None = None
+        super().__init__(namespace, kubeconfig, workdir / "controller-0.log", [
+            "--lease-name", self.lease, "--lease-duration", "2", "--lease-renew", "0.5",
+            # The sweep is the backstop, not the owner: off here so every window tests the
+            # owner tasks alone (test_sweep_backstop turns it on).
+            "--sweep-interval", "3600", "--sweep-grace", "3600",
+            "--log-level", "INFO", *args], port=free_port(), cwd=CONTROLLER_ROOT)
+        self.ns = namespace
+        self.workdir = workdir
         self.logs: list[Path] = []
-        self.http = httpx.Client(base_url=f"http://127.0.0.1:{self.port}", timeout=10)
+        self.http = httpx.Client(base_url=self.url, timeout=10)
 
     def start(self, timeout: float = 60.0) -> ControllerProc:
-        log = self.workdir / f"controller-{len(self.logs)}.log"
-        self.logs.append(log)
-        cmd = [sys.executable, "-m", "controller", "serve", "--namespace", self.ns,
-               "--listen", f"127.0.0.1:{self.port}", "--kubeconfig", str(self.kubeconfig),
-               "--ready-check", "pod", "--lease-name", self.lease, "--lease-duration", "2",
-               "--lease-renew", "0.5",
-               # The sweep is the backstop, not the owner: off here so every window tests the
-               # owner tasks alone (test_sweep_backstop turns it on).
-               "--sweep-interval", "3600", "--sweep-grace", "3600",
-               "--log-level", "INFO", *self.args]
-        with open(log, "ab") as out:
-            self.proc = subprocess.Popen(cmd, cwd=CONTROLLER_ROOT, stdout=out, stderr=subprocess.STDOUT,
-                                         env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        deadline = time.monotonic() + timeout
-        while True:
-            if self.proc.poll() is not None:
-                raise AssertionError(f"controller exited {self.proc.returncode}:\n{self.tail()}")
-            try:
-                if self.http.get("/readyz", timeout=1).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise AssertionError(f"controller not ready within {timeout:g}s:\n{self.tail()}")
-            time.sleep(0.1)
-
-    def kill(self) -> None:
-        """SIGKILL: a crash, nothing in flight finishes."""
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGKILL)
-            self.proc.wait(10)
-
-    def stop(self) -> None:
-        if self.proc and self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.send_signal(signal.SIGKILL)
-                self.proc.wait(10)
+        self.log = self.workdir / f"controller-{len(self.logs)}.log"
+        self.logs.append(self.log)
+        return super().start(timeout=timeout)
 
     def close(self) -> None:
-        self.stop()
+        self.stop(timeout=5)
         self.http.close()
 
     def tail(self, n: int = 40) -> str:

@@ -1,0 +1,95 @@
+"""The controller (`python -m controller serve`) as a local process on 127.0.0.1 against the
+test bed (or any kubeconfig).
+
+    ctl = ControllerProc(namespace, kubeconfig, log, ["--rate", "20"]).start()
+    httpx.post(ctl.url + "/v1/sandboxes", json=...)
+    ctl.kill()   # SIGKILL: a crash        ctl.stop()   # SIGTERM: a clean shutdown
+
+`--ready-check pod` by default: kwok pods run nothing, so `execd` needs a real execd at the pod
+IP (testbed/standin.py).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+from testbed.procs import Proc, free_port
+
+
+@dataclass
+class ControllerProc:
+    namespace: str | None  # None: `flags` carry --namespace (a chart's rendered args)
+    kubeconfig: Path
+    log: Path
+    flags: list[str] = field(default_factory=list)  # last on the command line: they override
+    port: int = 0  # 0: a free port at the first start; kept across restarts
+    ready_check: str | None = "pod"  # None: the controller's own default (execd) or `flags`
+    cwd: Path | None = None  # the tree whose controller/ runs (default: this repository)
+    proc: Proc | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int | None:
+        return self.proc.pid if self.proc else None
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "controller", "serve", "--kubeconfig", str(self.kubeconfig),
+               "--listen", f"127.0.0.1:{self.port}"]
+        if self.namespace is not None:
+            cmd += ["--namespace", self.namespace]
+        if self.ready_check is not None:
+            cmd += ["--ready-check", self.ready_check]
+        return cmd + list(self.flags)
+
+    def start(self, wait_ready: bool = True, timeout: float = 30) -> ControllerProc:
+        """Start (or restart, on the same port and log) the process; with `wait_ready`,
+        return once /readyz answers 200 (it is the leader and its books are built)."""
+        self.port = self.port or free_port()
+        self.proc = Proc("controller", self.command(), self.log, cwd=self.cwd).start()
+        if wait_ready:
+            self.wait_ready(timeout)
+        return self
+
+    def wait_ready(self, timeout: float = 30) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if not self.proc.alive():
+                raise RuntimeError(f"controller exited {self.proc.exit_code()}: {self.tail()}")
+            try:
+                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise RuntimeError(f"controller not ready after {timeout:g}s: {self.tail()}")
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.alive()
+
+    def tail(self, chars: int = 2000) -> str:
+        return self.proc.tail(chars) if self.proc else ""
+
+    def kill(self) -> None:
+        """SIGKILL: a crash, nothing in flight finishes."""
+        if self.proc:
+            self.proc.kill()
+
+    def stop(self, timeout: float = 15) -> None:
+        """SIGTERM (it releases its Lease), SIGKILL after `timeout` s."""
+        if self.proc:
+            self.proc.stop(timeout)
+
+
+def start_controller(namespace: str, kubeconfig: Path, log: Path, flags: list[str] = (),
+                     ready_check: str = "pod", timeout: float = 30) -> ControllerProc:
+    """A ready controller for `namespace` on a free port."""
+    return ControllerProc(namespace, kubeconfig, log, list(flags),
+                          ready_check=ready_check).start(timeout=timeout)
