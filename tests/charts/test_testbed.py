@@ -12,7 +12,6 @@ import base64
 import json
 import os
 import secrets
-import signal
 import ssl
 import subprocess
 import sys
@@ -26,9 +25,11 @@ from kubernetes import client
 from kubernetes.client.rest import ApiException
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
-from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
-from testbed.cluster import free_port
+from testbed.controller import ControllerProc
+from testbed.procs import free_port
+from testbed.standin import Standin
 from testbed.webhook import start_webhook, wait_webhook_active
+from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
@@ -343,27 +344,15 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
         cluster.delete_namespace(sandboxes)
 
 
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        os.killpg(proc.pid, signal.SIGTERM)
-        try:
-            proc.wait(15)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait(5)
-
-
 def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, helm, tmp_path,
                                                             figures):
     """The controller with the Deployment's exact args, authenticated as the chart's service
     account, hands out a sandbox; the `helm test` pod's script, run here against it, passes.
-    kwok runs no container, so a stand-in kubelet starts the real execd on each sandbox pod's
-    loopback IP (tests/controller/test_sdk_e2e.py)."""
-    from tests.controller.test_sdk_e2e import ExecdKubelet
-
+    kwok runs no container, so the kubelet stand-in (testbed/standin.py) starts the real execd
+    on each sandbox pod's loopback IP."""
     other = cluster.new_namespace("chart-nowhere")
-    kubelet = ExecdKubelet(cluster.core, namespace, tmp_path)
-    proc = None
+    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
+    ctl = None
     try:
         with Release(helm, cluster, namespace) as rel:
             rel.install(_values_file(tmp_path, "v", _scoped(other)))
@@ -376,22 +365,16 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             assert "--ready-check=execd" in container["args"]  # the production default
             port = free_port()
             kc = _service_account_kubeconfig(cluster, namespace, controller, tmp_path)
-            log = tmp_path / "controller.log"
-            with open(log, "wb") as out:
-                proc = subprocess.Popen(
-                    [sys.executable, "-m", "controller", "serve", "--kubeconfig", str(kc),
-                     *_rewrite(container["args"], listen=f"127.0.0.1:{port}")],
-                    cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-            url = f"http://127.0.0.1:{port}"
-            deadline = time.monotonic() + 30
-            ready = False
-            while not ready and time.monotonic() < deadline and proc.poll() is None:
-                try:
-                    ready = httpx.get(url + "/readyz", timeout=1).status_code == 200
-                except httpx.HTTPError:
-                    pass
-                time.sleep(0.2)
-            assert ready, f"controller not leader/ready: {log.read_text()[-3000:]}"
+            # The rendered args as they are (namespace, ready check, lease...), but on loopback.
+            ctl = ControllerProc(None, kc, tmp_path / "controller.log",
+                                 _rewrite(container["args"], listen=f"127.0.0.1:{port}"),
+                                 port=port, ready_check=None)
+            try:
+                ctl.start()
+            except RuntimeError as e:
+                raise AssertionError(f"controller not leader/ready: {e}") from None
+            url = ctl.url
+            log = ctl.log
 
             hooks = objects(helm.run("get", "hooks", rel.name, "-n", namespace).stdout)
             pod = next(o for o in hooks if o["kind"] == "Pod")
@@ -415,11 +398,11 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             assert bad.returncode != 0 and bad.stderr.strip()
             # A clean shutdown (it releases the Lease) while the chart's RBAC still exists:
             # no call the controller made was refused.
-            _stop(proc)
+            ctl.stop()
             assert "forbidden" not in log.read_text().lower(), log.read_text()[-3000:]
     finally:
-        if proc is not None:
-            _stop(proc)
-        kubelet.stop()
+        if ctl is not None:
+            ctl.stop()
+        standin.stop()
         cluster.delete_namespace(other)
     figures.add(f"chart: helm test script against the controller under its RBAC: {took:.1f}s")

@@ -1,7 +1,8 @@
 """Fixtures for the client SDK tests, all real processes and real HTTP on 127.0.0.1:
 
-- `execd`: a real `execd/execd.py` subprocess with a random token; it and everything it
-  started are killed when the module is done (`fresh_execd`: one per test, for kill tests).
+- `execd`: a real `execd/execd.py` process (testbed/execd.py) with a random token; it and
+  everything it started are killed when the module is done (`fresh_execd`: one per test, for
+  kill tests).
 - `CutProxy`: a TCP proxy that forwards HTTP requests to execd and, on plan, drops the
   connection after forwarding a request (before or after execd answered) or flips a byte of
   the answer. It records every request it forwarded.
@@ -16,30 +17,22 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
-import os
 import re
 import secrets
-import signal
 import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 from typing import Any
 
-import httpx
 import pytest
 
 from sandman.client import AsyncClient, AsyncSandbox, Client, RetryPolicy, Sandbox
+from testbed.execd import Execd, start_execd
 
-ROOT = Path(__file__).resolve().parents[2]
-EXECD = ROOT / "execd" / "execd.py"
 LOOPBACK = "127.0.0.1"
 
 # Short retries so that tests of give-up paths stay fast; still several attempts.
@@ -47,95 +40,12 @@ FAST_RETRY = RetryPolicy(attempts=4, backoff_s=0.05, backoff_max_s=0.2, budget_s
                          connect_timeout_s=2.0)
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind((LOOPBACK, 0))
-        return s.getsockname()[1]
-
-
-# ---------------------------------------------------------------- execd
-
-
-def _children(pid: int) -> list[int]:
-    """Every descendant of pid (from /proc), so none outlives the test even if it setsid()."""
-    parent: dict[int, int] = {}
-    for name in os.listdir("/proc"):
-        if not name.isdigit():
-            continue
-        try:
-            data = Path(f"/proc/{name}/stat").read_bytes()
-        except OSError:
-            continue
-        parent[int(name)] = int(data[data.rfind(b")") + 2:].split()[1])
-    out: list[int] = []
-    stack = [pid]
-    while stack:
-        p = stack.pop()
-        for c, pp in parent.items():
-            if pp == p and c not in out:
-                out.append(c)
-                stack.append(c)
-    return out
-
-
-@dataclass
-class Execd:
-    proc: subprocess.Popen
-    port: int
-    token: str
-    workdir: Path
-    log: Path
-    address: str = LOOPBACK
-
-    def alive(self) -> bool:
-        return self.proc.poll() is None
-
-    def stop(self) -> None:
-        kids = _children(self.proc.pid)
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(5)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(5)
-        for pid in kids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
-
-
-def start_execd(workdir: Path) -> Execd:
-    workdir.mkdir(parents=True, exist_ok=True)
-    token = secrets.token_urlsafe(24)
-    digest = hashlib.sha256(token.encode()).hexdigest()
-    last = ""
-    for _ in range(3):  # a free port can be taken between probe and bind: bounded retries
-        port = free_port()
-        log = workdir / f"execd-{port}.log"
-        with open(log, "wb") as f:
-            proc = subprocess.Popen(
-                [sys.executable, str(EXECD), "--listen", f"{LOOPBACK}:{port}",
-                 "--token-sha256", digest, "--kill-grace", "0.2", "--workspace", str(workdir)],
-                stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT, cwd=workdir)
-        ex = Execd(proc, port, token, workdir, log)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and proc.poll() is None:
-            try:
-                if httpx.get(f"http://{LOOPBACK}:{port}/health", timeout=1,
-                             trust_env=False).status_code == 200:
-                    return ex
-            except httpx.TransportError:
-                time.sleep(0.05)
-        last = log.read_text(errors="replace")[-2000:]
-        ex.stop()
-    raise RuntimeError(f"execd did not start: {last}")
+# ---------------------------------------------------------------- execd (testbed/execd.py)
 
 
 @pytest.fixture(scope="module")
 def execd(tmp_path_factory) -> Execd:
-    ex = start_execd(tmp_path_factory.mktemp("execd"))
+    ex = start_execd(tmp_path_factory.mktemp("execd"), "--kill-grace", "0.2")
     try:
         yield ex
     finally:
@@ -144,7 +54,7 @@ def execd(tmp_path_factory) -> Execd:
 
 @pytest.fixture
 def fresh_execd(tmp_path) -> Execd:
-    ex = start_execd(tmp_path / "execd")
+    ex = start_execd(tmp_path / "execd", "--kill-grace", "0.2")
     try:
         yield ex
     finally:

@@ -24,8 +24,9 @@ from sandman.client import (
     SandmanError,
     Unauthorized,
 )
+from testbed.procs import free_port
 
-from .conftest import FAST_RETRY, CutProxy, Execd, FakeController, Flavor, free_port
+from .conftest import FAST_RETRY, CutProxy, Execd, FakeController, Flavor
 
 
 def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,

@@ -1,108 +1,46 @@
 """The SDK against the real controller on the test bed, with a real execd behind every pod.
 
-kwok runs no container, but it hands out pod IPs from loopback (127.64.0.0/16). A small
-"kubelet" here watches the namespace and starts the real execd (execd/execd.py) on each pod's
-IP and port 9470 with the token hash from the pod's annotation, exactly what the pod would run.
-The controller runs with its default `--ready-check execd`, so it hands a sandbox out only
-after execd answers from the pod IP.
+kwok runs no container; the kubelet stand-in (testbed/standin.py, which lists what it does not
+reproduce) starts the real execd on each pod's loopback IP and port 9470 with the token hash
+from the pod's annotation. The controller runs with its default `--ready-check execd`, so it
+hands a sandbox out only after execd answers from the pod IP.
 """
 
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 import os
-import signal
-import subprocess
-import sys
-import threading
-import time
 
 import pytest
-from kubernetes import watch
 
-from sandman import contract
 from sandman.client import AsyncClient, Client, CommandTimeout, SandboxGone, Unauthorized
-from testbed.cluster import repo_root
 from testbed.controller import ControllerProc
 from testbed.procs import wait_for
+from testbed.standin import Standin
 from tests.controller.harness import pods
 
 IMAGE = "registry.invalid/swe/task:1"
-EXECD = repo_root() / "execd" / "execd.py"
-
-
-class ExecdKubelet:
-    """Starts a real execd for every Ready pod of the namespace; stops it when the pod goes."""
-
-    def __init__(self, core, ns: str, root):
-        self.core, self.ns, self.root = core, ns, root
-        self.procs: dict[str, subprocess.Popen] = {}
-        self._stop = threading.Event()
-        self._t = threading.Thread(target=self._run, daemon=True)
-        self._t.start()
-
-    def _run(self):
-        deadline = time.monotonic() + 600
-        while not self._stop.is_set() and time.monotonic() < deadline:
-            w = watch.Watch()
-            for ev in w.stream(self.core.list_namespaced_pod, self.ns, timeout_seconds=2):
-                pod = ev["object"]
-                name = pod.metadata.name
-                gone = ev["type"] == "DELETED" or pod.metadata.deletion_timestamp
-                if gone:
-                    self._kill(name)
-                elif (pod.status.pod_ip and name not in self.procs
-                      # Only ever listen on loopback (kwok's pod CIDR); any other address is
-                      # a misconfigured bed, and nothing here may serve a real network.
-                      and ipaddress.ip_address(pod.status.pod_ip).is_loopback):
-                    sha = (pod.metadata.annotations or {}).get(contract.ANNOTATION_TOKEN_SHA256)
-                    if sha:
-                        self.procs[name] = subprocess.Popen(
-                            [sys.executable, str(EXECD), "--listen",
-                             f"{pod.status.pod_ip}:{contract.EXECD_PORT}", "--token-sha256", sha,
-                             "--netguard-status", str(self.root / "none.json")],
-                            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
-                            start_new_session=True, cwd=self.root)
-                if self._stop.is_set():
-                    w.stop()
-                    break
-
-    def _kill(self, name: str):
-        p = self.procs.pop(name, None)
-        if p and p.poll() is None:
-            os.killpg(p.pid, signal.SIGKILL)
-            p.wait(5)
-
-    def alive(self) -> list[str]:
-        return [n for n, p in self.procs.items() if p.poll() is None]
-
-    def stop(self):
-        self._stop.set()
-        self._t.join(10)
-        for name in list(self.procs):
-            self._kill(name)
 
 
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
-    kubelet = ExecdKubelet(cluster.core, namespace, tmp_path)
+    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
     # The controller's default readiness check: Ready AND execd /health from the pod IP.
     ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
                          ["--lease-name", f"sdk-{namespace}"], ready_check="execd")
     try:
         ctl.start()
-        yield ctl, kubelet
+        yield ctl, standin
     finally:
         ctl.kill()
-        kubelet.stop()
+        standin.stop()
 
 
 def test_sync_sdk_end_to_end(cluster, namespace, stack):
-    ctl, kubelet = stack
+    ctl, standin = stack
     with Client(ctl.url) as cl:
         with cl.acquire(IMAGE, job="sdk-sync", cpu="1", memory="1Gi", timeout_s=60) as sb:
-            assert sb.pod in kubelet.alive()
+            assert sb.pod in standin.alive()
             r = sb.exec("cd /tmp && export X=41 && echo $((X+1))", timeout=30)
             assert r.exit_code == 0 and r.output.strip() == "42"
             assert sb.exec("echo $X; pwd").output.split() == ["41", "/tmp"]
@@ -122,7 +60,7 @@ def test_sync_sdk_end_to_end(cluster, namespace, stack):
 
 
 def test_async_sdk_end_to_end(cluster, namespace, stack):
-    ctl, kubelet = stack
+    ctl, standin = stack
 
     async def main():
         async with AsyncClient(ctl.url) as cl:
@@ -154,7 +92,7 @@ def test_acquire_whose_answer_is_lost_is_retried_into_the_same_sandbox(cluster, 
     The SDK retries with the same request_id and gets that sandbox; no second pod exists."""
     from tests.client.conftest import CutProxy
 
-    ctl, kubelet = stack
+    ctl, standin = stack
     proxy = CutProxy(ctl.port)
     proxy.plan.append((cut, "/v1/sandboxes"))
     try:

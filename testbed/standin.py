@@ -1,0 +1,187 @@
+"""The kubelet stand-in: a real execd behind every kwok pod of one namespace.
+
+kwok nodes run no container, but the test bed hands out pod IPs from loopback (127.64.0.0/16).
+The stand-in watches one namespace; for each pod that has an IP and a token-hash annotation
+(`sandman.dev/token-sha256`) it starts the repository's `execd/execd.py` listening on
+`<pod IP>:9470` with that hash, as the pod's own command would, and kills it, and everything it
+started, when the pod is deleted or gets a deletionTimestamp. A pod IP outside 127.0.0.0/8 is
+refused: nothing here listens on a real network. It is enough for the controller's
+`--ready-check execd` and for SDK, locust and `helm test` traffic to reach a real execd.
+
+What it does NOT reproduce (a test that depends on one of these needs a real node):
+- the interpreter: execd runs on the host's Python (this process's `sys.executable`), not on
+  the task image's `python3`; the task image is never pulled and no image's files are there;
+- the read-only /sandman mount: execd.py is read from the repository checkout, not copied by
+  the `sandman-execd-install` init container into a volume mounted read-only in the sandbox;
+- netguard: no init container runs and there are no in-pod firewall rules; execd's
+  `--netguard-status` points to a file that does not exist, so /state reports `guard: null`;
+- PID 1: execd is a child of the stand-in in its own session, not PID 1 of a pod's PID
+  namespace (it makes itself a child subreaper instead) and sees every process of the host;
+- cgroups and limits: the pod's CPU and memory limits are not applied, nothing is OOM-killed,
+  all execds share the host's CPUs;
+- the pod network: the pod's loopback IP is an address of the host's own network namespace,
+  so every "pod" can reach every other and the host, and no NetworkPolicy applies;
+- the filesystem: commands run on the host's filesystem, as the user running the tests, in a
+  per-pod directory under the stand-in's workdir; execd's file routes are confined to `root`
+  (default /tmp);
+- readiness: kwok marks the pod Ready on its own; the kubelet's probe of execd /health does
+  not exist, and an execd that dies is not restarted.
+
+In-process (a watch thread): `Standin(core, namespace, workdir).start()`, `.alive()`, `.stop()`.
+As a process (`start_standin`, used by testbed/stack.py):
+
+    python -m testbed.standin --kubeconfig KC --namespace NS [--max-procs 200] [--max-s 3600]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ipaddress
+import os
+import shutil
+import signal
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+from sandman import contract
+from testbed.execd import execd_cmd
+from testbed.procs import Proc, descendants, parents
+
+
+class Standin:
+    """A real execd for every pod of `namespace` with an IP, while the pod exists."""
+
+    def __init__(self, core, namespace: str, workdir: Path, max_procs: int = 200,
+                 root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None):
+        self.core, self.namespace, self.workdir = core, namespace, Path(workdir)
+        self.max_procs, self.root, self.max_s, self.say = max_procs, root, max_s, say
+        self.procs: dict[str, Proc] = {}
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._t = threading.Thread(target=self._run, daemon=True, name="standin")
+        self._refused: set[str] = set()
+
+    def start(self) -> Standin:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self._t.start()
+        return self
+
+    def alive(self) -> list[str]:
+        """Names of the pods whose execd is running."""
+        with self._lock:
+            return [n for n, p in self.procs.items() if p.alive()]
+
+    def stop(self) -> None:
+        """Stop watching, then SIGKILL every execd and whatever each one started."""
+        self._stop.set()
+        if self._t.is_alive():
+            self._t.join(15)
+        with self._lock:
+            names = list(self.procs)
+        table = parents() if names else {}
+        for name in names:
+            self._kill(name, table)
+
+    def _run(self) -> None:
+        from kubernetes import watch
+
+        deadline = time.monotonic() + self.max_s
+        while not self._stop.is_set() and time.monotonic() < deadline:
+            w = watch.Watch()
+            try:
+                for ev in w.stream(self.core.list_namespaced_pod, self.namespace,
+                                   timeout_seconds=2, deserialize=False):
+                    self._on_event(ev["type"], ev["object"])
+                    if self._stop.is_set():
+                        w.stop()
+                        break
+            except Exception as e:  # noqa: BLE001 - a broken watch restarts, bounded above
+                self.say(f"standin: watch restarts: {e}")
+                time.sleep(0.5)
+
+    def _on_event(self, kind: str, pod: dict) -> None:
+        md, st = pod.get("metadata") or {}, pod.get("status") or {}
+        name, ip = md.get("name"), st.get("podIP")
+        if kind == "DELETED" or md.get("deletionTimestamp"):
+            self._kill(name)
+            return
+        sha = (md.get("annotations") or {}).get(contract.ANNOTATION_TOKEN_SHA256)
+        with self._lock:
+            if not ip or not sha or name in self.procs or len(self.procs) >= self.max_procs:
+                return
+        if not ipaddress.ip_address(ip).is_loopback:
+            if name not in self._refused:
+                self._refused.add(name)
+                self.say(f"standin: pod {name} has IP {ip}, not loopback: no execd started")
+            return
+        home = self.workdir / name
+        home.mkdir(parents=True, exist_ok=True)
+        proc = Proc(f"execd-{name}", execd_cmd(
+            ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
+            "--root", self.root), self.workdir / f"{name}.log", cwd=home).start()
+        with self._lock:
+            self.procs[name] = proc
+
+    def _kill(self, name: str, table: dict[int, int] | None = None) -> None:
+        with self._lock:
+            p = self.procs.pop(name, None)
+        if p is None or p.pid is None:
+            return
+        kids = descendants(p.pid, table)
+        p.kill()
+        for pid in kids:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
+
+def start_standin(namespace: str, kubeconfig: Path, log: Path, max_procs: int = 100,
+                  max_s: float = 3600.0) -> Proc:
+    """`python -m testbed.standin` as a process (stop it with SIGTERM: it kills its execds)."""
+    return Proc("standin", [sys.executable, "-m", "testbed.standin", "--kubeconfig",
+                            str(kubeconfig), "--namespace", namespace, "--max-procs",
+                            str(max_procs), "--max-s", str(max_s)], log).start()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m testbed.standin",
+                                 description="a real execd behind every kwok pod of a namespace")
+    ap.add_argument("--kubeconfig", required=True)
+    ap.add_argument("--namespace", required=True)
+    ap.add_argument("--max-procs", type=int, default=200,
+                    help="execd processes at most (each is ~15 MB plus its bash)")
+    ap.add_argument("--max-s", type=float, default=3600.0, help="stop watching after this")
+    ap.add_argument("--root", default="/tmp", help="execd --root: where file routes may go")
+    a = ap.parse_args(argv)
+    from kubernetes import client, config
+
+    cfg = client.Configuration()
+    config.load_kube_config(config_file=a.kubeconfig, client_configuration=cfg)
+    core = client.CoreV1Api(client.ApiClient(cfg))
+    workdir = Path(tempfile.mkdtemp(prefix="sandman-standin-"))
+    done = threading.Event()
+
+    def on_term(*_):
+        done.set()
+
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    s = Standin(core, a.namespace, workdir, a.max_procs, a.root, a.max_s,
+                say=lambda m: print(m, flush=True)).start()
+    print(f"standin: watching {a.namespace}", flush=True)
+    try:
+        while not done.wait(0.5) and s._t.is_alive():
+            pass
+    finally:
+        s.stop()
+        shutil.rmtree(workdir, ignore_errors=True)
+    print("standin: stopped, every execd killed", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
