@@ -19,7 +19,9 @@ import time
 from pathlib import Path
 
 from loadtest import report, shapes
-from loadtest.stack import ROOT, Stack
+from testbed.cluster import default_state_dir
+from testbed.procs import ROOT
+from testbed.stack import Stack, locust
 
 
 def say(msg: str) -> None:
@@ -34,16 +36,10 @@ def run_shape(stack: Stack, out: Path, name: str, shape: str, a, extra: list[str
             "--pacing-rate", str(a.rate), "--pacing-burst", str(a.burst), "--max-error-rate", "0", "--max-leaked", "0", *extra]
     say(f"locust: {name} (acquire_burst.py --shape {shape} {' '.join(extra)})")
     t = time.monotonic()
-    code = stack_locust(args, out / f"{name}.log", timeout)
+    code = locust("acquire_burst.py", args, out / f"{name}.log", timeout)
     say(f"locust: {name} finished in {time.monotonic() - t:.0f} s, exit {code} "
         f"(log {out / f'{name}.log'})")
     return code
-
-
-def stack_locust(args: list[str], log: Path, timeout: float) -> int:
-    from loadtest.stack import locust
-
-    return locust("acquire_burst.py", args, log, timeout)
 
 
 def ramp_steps(a) -> list[int]:
@@ -80,8 +76,6 @@ def main(argv: list[str] | None = None) -> int:
     a = ap.parse_args(argv)
     out = a.out or ROOT / ".testbed" / "demo-reports" / time.strftime("%Y%m%d-%H%M%S")
     out.mkdir(parents=True, exist_ok=True)
-    from testbed.cluster import default_state_dir
-
     stack = Stack(out / "stack", nodes=a.nodes, state_dir=default_state_dir("demo"),
                   controller_flags=["--rate", f"{a.rate:g}", "--burst", str(a.burst),
                                     "--max-creating", "200", "--sweep-interval", "30",

@@ -1,6 +1,7 @@
 """Each locustfile headless for a few seconds against the test bed: the real webhook
 (registered by url:, scoped to the test's namespace), the real controller, and for execd_storm
-a real execd on every kwok pod's loopback IP (loadtest/kubelet.py). Small user counts."""
+a real execd on every kwok pod's loopback IP (the kubelet stand-in, testbed/standin.py). Small
+user counts."""
 
 from __future__ import annotations
 
@@ -9,24 +10,27 @@ import json
 import pytest
 
 from loadtest import report
-from loadtest.stack import locust, registration, start_controller, start_kubelet, start_webhook
-from loadtest.stack import wait_webhook_active as wait_active
+from testbed.controller import start_controller
+from testbed.stack import locust
+from testbed.standin import start_standin
+from testbed.webhook import registration, start_webhook, wait_webhook_active
 
 
 @pytest.fixture(scope="module")
 def webhook(tmp_path_factory):
-    proc, url, ca = start_webhook(tmp_path_factory.mktemp("lt-webhook"))
-    yield url, ca
-    proc.stop()
+    wh = start_webhook(tmp_path_factory.mktemp("lt-webhook"), "--log-level", "warning")
+    yield wh.url, wh.ca
+    wh.stop()
 
 
 @pytest.fixture
 def stack(cluster, namespace, webhook, tmp_path):
     url, ca = webhook
-    reg = registration(cluster.admissionregistration, namespace, url, ca.read_bytes()).create()
+    reg = registration(cluster.admissionregistration, namespace, url, ca.read_bytes(),
+                       "sandman-lt").create()
     procs = []
     try:
-        wait_active(cluster.core, namespace)
+        wait_webhook_active(cluster.core, namespace)
         yield {"ns": namespace, "kc": str(cluster.kubeconfig), "webhook": url, "ca": str(ca),
                "procs": procs, "tmp": tmp_path}
     finally:
@@ -36,11 +40,11 @@ def stack(cluster, namespace, webhook, tmp_path):
 
 
 def controller(stack, ready_check="pod"):
-    proc, url = start_controller(stack["ns"], stack["kc"], stack["tmp"] / "controller.log",
-                                 ["--lease-name", f"lt-{stack['ns']}", "--rate", "20",
-                                  "--burst", "40", "--log-level", "WARNING"], ready_check)
-    stack["procs"].append(proc)
-    return url
+    ctl = start_controller(stack["ns"], stack["kc"], stack["tmp"] / "controller.log",
+                           ["--lease-name", f"lt-{stack['ns']}", "--rate", "20",
+                            "--burst", "40", "--log-level", "WARNING"], ready_check)
+    stack["procs"].append(ctl)
+    return ctl.url
 
 
 def common_args(stack, url, name):
@@ -129,7 +133,7 @@ def cluster_pods(stack) -> list:
 
 
 def test_execd_storm_against_real_execds(stack):
-    stack["procs"].append(start_kubelet(stack["ns"], stack["kc"], stack["tmp"] / "kubelet.log",
+    stack["procs"].append(start_standin(stack["ns"], stack["kc"], stack["tmp"] / "standin.log",
                                         max_procs=10))
     url = controller(stack, ready_check="execd")
     log = stack["tmp"] / "execd.log"
@@ -149,7 +153,7 @@ def test_execd_storm_against_real_execds(stack):
 
 def test_acquire_with_commands_in_steady_shape(stack):
     """--commands runs real execd calls in each held sandbox; steady's pacing users cycle."""
-    stack["procs"].append(start_kubelet(stack["ns"], stack["kc"], stack["tmp"] / "kubelet.log",
+    stack["procs"].append(start_standin(stack["ns"], stack["kc"], stack["tmp"] / "standin.log",
                                         max_procs=10))
     url = controller(stack, ready_check="execd")
     log = stack["tmp"] / "steady.log"

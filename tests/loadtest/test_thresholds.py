@@ -11,7 +11,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from loadtest.stack import locust
+from testbed.stack import locust
 
 
 class FakeController(ThreadingHTTPServer):
@@ -106,7 +106,7 @@ def test_healthy_endpoint_passes_the_same_thresholds(fake, tmp_path):
 
 
 def test_nothing_listening_fails_the_run(tmp_path):
-    from loadtest.stack import free_port
+    from testbed.procs import free_port
 
     code, log, _ = run(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert code == 1, log[-3000:]
