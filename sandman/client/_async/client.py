@@ -21,6 +21,7 @@ from sandman.client.errors import (
     BadRequest,
     ControllerUnreachable,
     NotLeader,
+    ProtocolError,
     SandboxGone,
     SandmanError,
 )
@@ -177,11 +178,10 @@ class AsyncClient:
         params = {"job": job} if job else None
         resp = await self._send(api.LIST, params=params, read_s=self._timeout_s)
         data = _core.decode_json(resp, "list")
-        if isinstance(data, dict):  # {"items": [...]}
-            data = data.get("items", data.get("sandboxes", []))
-        if not isinstance(data, list):
-            data = []
-        return [SandboxInfo.from_json(d) for d in data]
+        items = data.get("items") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ProtocolError("list: the answer has no 'items' list")
+        return [SandboxInfo.from_json(d) for d in items]
 
     async def prewarm(self, image: str, count: int, *,
                       cpu: str | int | float = api.DEFAULT_CPU,
