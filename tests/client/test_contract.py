@@ -5,6 +5,8 @@ answer models have its fields. No HTTP here except through FastAPI's own route t
 from __future__ import annotations
 
 import dataclasses
+import re
+import subprocess
 from pathlib import Path
 
 import pytest
@@ -107,3 +109,15 @@ def test_one_default_size():
                                                     api.DEFAULT_EGRESS)
     assert spec == core.SandboxSpec("img")
 
+
+def test_no_python_outside_the_contract_spells_the_wire():
+    """`/v1/...` paths and the default size live in sandman/api.py; tests may spell the wire
+    on purpose."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                            "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    spelled = re.compile(r"""["'](/v1/[a-z]|8Gi["'])""")
+    bad = [f for f in files
+           if not f.startswith("tests/") and f != "sandman/api.py"
+           and spelled.search((ROOT / f).read_text())]
+    assert bad == []
