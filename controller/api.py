@@ -65,8 +65,7 @@ def build_app(state: dict) -> FastAPI:
             gone.cancel()
         client_left = gone.done() and not gone.cancelled() and gone.exception() is None
         if task.done() and not client_left:
-            return JSONResponse(_lease({**task.result(), "note": body.note}).to_json(),
-                                status_code=201)
+            return JSONResponse(_lease(task.result()).to_json(), status_code=201)
         task.cancel()
         try:
             result = await task

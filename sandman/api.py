@@ -144,7 +144,6 @@ class AcquireRequest(_Model):
     warm_ok: bool = True
     wait: bool = True
     request_id: str | None = None
-    note: str | None = None  # SCRATCH: a throwaway field, echoed in the answer
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
@@ -200,7 +199,6 @@ class Lease(_Model):
     token: str = field(repr=False)
     warm: bool = False
     timings: Timings = field(default_factory=Timings)
-    note: str | None = None  # SCRATCH: the acquire's note, echoed
 
 
 @dataclass(frozen=True)

@@ -74,7 +74,6 @@ class Lease:
     token: str = field(repr=False)
     warm: bool = False
     timings: AcquireTimings = field(default_factory=AcquireTimings)
-    note: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -91,8 +90,7 @@ class Lease:
         return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
                    address=_req(d, "address", str, what), port=port, token=token,
                    warm=bool(_opt(d, "warm", bool, what, False)),
-                   timings=AcquireTimings.from_json(d.get("timings")),
-                   note=_opt(d, "note", str, what), raw=raw)
+                   timings=AcquireTimings.from_json(d.get("timings")), raw=raw)
 
 
 @dataclass(frozen=True)

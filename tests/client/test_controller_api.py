@@ -124,18 +124,3 @@ def test_acquire_exec_release_through_the_real_app(flavor: Flavor, real_api,
 
     flavor.run(body)
     assert ctl.acquires[0]["cpu"] == "1" and ctl.acquires[0]["labels"] == {"a": "b"}
-
-
-def test_acquire_note_is_echoed(flavor: Flavor, real_api, execd: Execd) -> None:
-    """SCRATCH: the throwaway field goes through contract, handler and SDK."""
-    url, state = real_api
-    state["controller"] = StandIn(execd)
-    from sandman.client import Lease
-
-    async def body():
-        async with flavor.client(url) as client:
-            await client.acquire("img", job="j", note="n-1")  # the server accepts the field
-
-    flavor.run(body)
-    r = httpx.post(url + wire.ACQUIRE.path, json={"image": "img", "job": "j", "note": "n-2"})
-    assert Lease.from_json(r.json()).note == "n-2"

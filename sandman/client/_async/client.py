@@ -101,7 +101,7 @@ class AsyncClient:
                       owner: Owner | Mapping[str, str] | None = None,
                       labels: Mapping[str, str] | None = None,
                       timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
-                      wait: bool = True, note: str | None = None) -> AsyncSandbox:
+                      wait: bool = True) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
 
@@ -118,7 +118,7 @@ class AsyncClient:
             wait=bool(wait),
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
-            request_id=_core.new_request_id(), note=note)
+            request_id=_core.new_request_id())
         if True:  # ASYNC
             task = _core.keep(asyncio.ensure_future(self._acquire(body)))
             try:

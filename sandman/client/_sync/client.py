@@ -97,7 +97,7 @@ class Client:
                 owner: Owner | Mapping[str, str] | None = None,
                 labels: Mapping[str, str] | None = None,
                 timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
-                wait: bool = True, note: str | None = None) -> Sandbox:
+                wait: bool = True) -> Sandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
 
@@ -114,7 +114,7 @@ class Client:
             wait=bool(wait),
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
-            request_id=_core.new_request_id(), note=note)
+            request_id=_core.new_request_id())
         return self._acquire(body)
 
     def _acquire(self, body: api.AcquireRequest) -> Sandbox:
