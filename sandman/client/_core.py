@@ -1,5 +1,6 @@
-"""The I/O-free half of the SDK, shared by the sync and async twins: request bodies, answer
-checks, the retry schedule. The twins differ only in how they wait and send."""
+"""The I/O-free half of the SDK, shared by the sync and async twins: the contract's request
+models built with the SDK's errors, execd's request bodies, answer checks, the retry schedule,
+the on_request report. The twins differ only in how they wait and send."""
 
 from __future__ import annotations
 
