@@ -1,69 +1,27 @@
-"""The controller's HTTP API (FastAPI). Errors are JSON `{"error": {"type", "message",
-"events"}}` with a type the SDK maps to a typed exception."""
+"""The controller's HTTP API (FastAPI): the routes, bodies and error types of `sandman/api.py`,
+served. Errors are JSON `{"error": {"type", "message", "events"}}` with a type the SDK maps to
+a typed exception."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from typing import Literal
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
-from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
-from sandman import contract
+from sandman import api
 
 log = logging.getLogger("controller.api")
 
 
-class Owner(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    name: str
-    uid: str
-
-
-def _quantity(v):
-    if isinstance(v, bool) or not isinstance(v, (str, int, float)):
-        raise ValueError("must be a Kubernetes quantity such as 2, 500m or 8Gi")
-    return str(v)
-
-
-class SpecBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    cpu: str = "2"
-    memory: str = "8Gi"
-    workspace: str | None = None
-    egress: Literal["deny", "allow"] = contract.EGRESS_DENY
-
-    _q = field_validator("cpu", "memory", mode="before")(classmethod(lambda cls, v: _quantity(v)))
-
-
-class AcquireBody(SpecBody):
-    image: str
-    job: str
-    owner: Owner | None = None
-    labels: dict[str, str] = Field(default_factory=dict)
-    timeout_s: float = Field(300.0, gt=0, le=3600)
-    warm_ok: bool = True
-    wait: bool = True
-    # Idempotency key: a retry with the same key (and job) gets the same sandbox back.
-    request_id: str | None = Field(None, min_length=1, max_length=128)
-
-
-class PrewarmBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    image: str
-    spec: SpecBody = Field(default_factory=SpecBody)
-    count: int = Field(ge=0)
-    idle_timeout_s: float | None = Field(None, gt=0)
-
-
-def _err(status: int, kind: str, message: str, events: list[str] | None = None) -> JSONResponse:
-    return JSONResponse({"error": {"type": kind, "message": message, "events": events or []}},
-                        status_code=status)
+def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
+         status: int | None = None) -> JSONResponse:
+    return JSONResponse(api.Error(e.type, message, events or []).to_json(),
+                        status_code=status or e.status)
 
 
 def build_app(state: dict) -> FastAPI:
@@ -78,20 +36,21 @@ def build_app(state: dict) -> FastAPI:
 
     @app.exception_handler(AcquireError)
     async def _acq(_req, exc: AcquireError):
-        return _err(exc.status, exc.kind, str(exc), exc.events)
+        return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events)
 
     @app.exception_handler(RequestValidationError)
     async def _bad(_req, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
         where = ".".join(str(p) for p in first.get("loc", ()) if p != "body")
-        return _err(422, "BadRequest", f"{where or 'body'}: {first.get('msg', 'invalid request')}")
+        msg = str(first.get("msg", "invalid request")).removeprefix("Value error, ")
+        return _err(api.INVALID_BODY, f"{where}: {msg}" if where else msg)
 
-    @app.post("/v1/sandboxes", status_code=201)
-    async def acquire(body: AcquireBody, request: Request):
+    @app.post(api.ACQUIRE.path, status_code=201)
+    async def acquire(body: api.AcquireRequest, request: Request):
         c = ctl()
         spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress)
         task = asyncio.ensure_future(c.acquire(
-            spec, body.job, owner=body.owner.model_dump() if body.owner else None,
+            spec, body.job, owner=body.owner.to_json() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
             request_id=body.request_id))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
@@ -106,7 +65,7 @@ def build_app(state: dict) -> FastAPI:
             gone.cancel()
         client_left = gone.done() and not gone.cancelled() and gone.exception() is None
         if task.done() and not client_left:
-            return JSONResponse(task.result(), status_code=201)
+            return JSONResponse(_lease(task.result()).to_json(), status_code=201)
         task.cancel()
         try:
             result = await task
@@ -114,55 +73,56 @@ def build_app(state: dict) -> FastAPI:
             await c.release(result["id"])
         except (asyncio.CancelledError, AcquireError):
             pass
-        return _err(499, "ClientClosed", "client disconnected")
+        return _err(api.CLIENT_CLOSED, "client disconnected")
 
-    @app.get("/v1/sandboxes")
+    @app.get(api.LIST.path)
     async def list_sandboxes(job: str | None = None):
         c = ctl()
-        return {"items": [_view(c, e) for e in c.entries.values()
-                          if e.state not in ("gone",) and (job is None or e.job == job)]}
+        return api.SandboxList([_view(c, e) for e in c.entries.values()
+                                if e.state not in ("gone",)
+                                and (job is None or e.job == job)]).to_json()
 
-    @app.get("/v1/sandboxes/{sid}")
-    async def get_sandbox(sid: str):
+    @app.get(api.GET.path)
+    async def get_sandbox(id: str):
         c = ctl()
-        e = c.get(sid)
+        e = c.get(id)
         if e is None:
-            return _err(404, "SandboxGone", f"no sandbox {sid}")
-        return _view(c, e)
+            return _err(api.SANDBOX_GONE, f"no sandbox {id}")
+        return _view(c, e).to_json()
 
-    @app.delete("/v1/sandboxes/{sid}")
-    async def release(sid: str):
-        return {"id": sid, "released": await ctl().release(sid)}
+    @app.delete(api.RELEASE.path)
+    async def release(id: str):
+        return api.Released(id, await ctl().release(id)).to_json()
 
-    @app.post("/v1/prewarm")
-    async def prewarm(body: PrewarmBody):
+    @app.post(api.PREWARM.path)
+    async def prewarm(body: api.PrewarmRequest):
         c = ctl()
         s = body.spec
         spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress)
         pool = c.prewarm(spec, body.count, body.idle_timeout_s)
-        return {"target": pool.target, "warm": len(pool.warm), "building": pool.building,
-                "idle_timeout_s": pool.idle_timeout}
+        return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
+                              idle_timeout_s=pool.idle_timeout).to_json()
 
-    @app.post("/v1/jobs/{job}/drain")
+    @app.post(api.DRAIN.path)
     async def drain(job: str):
-        return {"job": job, "deleting": await ctl().drain(job)}
+        return api.Drained(job, await ctl().drain(job)).to_json()
 
-    @app.get("/v1/stats")
+    @app.get(api.STATS.path)
     async def stats():
-        return ctl().stats()
+        return api.Stats(**ctl().stats()).to_json()
 
-    @app.get("/healthz")
+    @app.get(api.HEALTHZ.path)
     async def healthz():
         return {"ok": True}
 
-    @app.get("/readyz")
+    @app.get(api.READYZ.path)
     async def readyz():
         c = state.get("controller")
         if c is None or not c.ready:
-            return _err(503, "NotLeader", "standby or not synced")
+            return _err(api.NOT_LEADER, "standby or not synced")
         return {"ok": True, "leader": True}
 
-    @app.get("/metrics")
+    @app.get(api.METRICS.path)
     async def metrics_route():
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
@@ -177,7 +137,13 @@ async def _disconnect(request: Request) -> None:
             return
 
 
-def _view(c: Controller, e) -> dict:
-    return {"id": e.id, "pod": e.name, "job": e.job, "state": e.state, "address": e.ip,
-            "port": c.s.execd_port, "image": e.spec.image, "cpu": e.spec.cpu,
-            "memory": e.spec.memory, "egress": e.spec.egress}
+def _lease(result: dict) -> api.Lease:
+    """The controller's acquire result as the contract's answer (a key it does not know fails
+    here, loudly, not in a client)."""
+    return api.Lease(**{**result, "timings": api.Timings(**result["timings"])})
+
+
+def _view(c: Controller, e) -> api.SandboxView:
+    return api.SandboxView(id=e.id, pod=e.name, job=e.job, state=e.state, address=e.ip,
+                           port=c.s.execd_port, image=e.spec.image, cpu=e.spec.cpu,
+                           memory=e.spec.memory, egress=e.spec.egress)

@@ -24,6 +24,7 @@ from pathlib import Path
 import httpx
 from kubernetes import client, config
 
+from sandman import api
 from testbed.cluster import Testbed, default_state_dir
 from testbed.controller import ControllerProc
 from testbed.kube import new_namespace
@@ -53,7 +54,7 @@ async def fire(url: str, n: int, job: str, timeout_s: float) -> list[tuple]:
         async def one():
             t = time.monotonic()
             try:
-                r = await cl.post(url + "/v1/sandboxes", json={
+                r = await cl.post(url + api.ACQUIRE.path, json={
                     "image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": job,
                     "timeout_s": timeout_s, "warm_ok": False})
                 return r.status_code, r.json(), t - t0, time.monotonic() - t0
@@ -68,7 +69,7 @@ async def release_all(url: str, ids: list[str]) -> None:
     async with httpx.AsyncClient(timeout=60) as cl:
         async def one(i):
             async with sem:
-                await cl.delete(f"{url}/v1/sandboxes/{i}")
+                await cl.delete(url + api.RELEASE.url(id=i))
 
         await asyncio.gather(*(one(i) for i in ids))
 
@@ -120,11 +121,11 @@ def warm_hits(ctl: ControllerProc, n: int, core, ns: str) -> dict:
     50 ms gaps, 26.5 ms with 300 ms gaps, bare client, measured), so only the ratio means much.
     """
     spec = {"cpu": "100m", "memory": "128Mi", "egress": "deny"}
-    httpx.post(ctl.url + "/v1/prewarm", json={"image": IMAGE, "spec": spec, "count": n,
+    httpx.post(ctl.url + api.PREWARM.path, json={"image": IMAGE, "spec": spec, "count": n,
                                               "idle_timeout_s": 600}).raise_for_status()
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
-        st = httpx.get(ctl.url + "/v1/stats").json()["warm"]
+        st = httpx.get(ctl.url + api.STATS.path).json()["warm"]
         if sum(v["warm"] for v in st.values()) >= n:
             break
         time.sleep(0.5)
@@ -132,7 +133,7 @@ def warm_hits(ctl: ControllerProc, n: int, core, ns: str) -> dict:
     with httpx.Client(timeout=60) as cl:
         for _ in range(n):
             t = time.perf_counter()
-            r = cl.post(ctl.url + "/v1/sandboxes", json={"image": IMAGE, "job": "warm",
+            r = cl.post(ctl.url + api.ACQUIRE.path, json={"image": IMAGE, "job": "warm",
                                                          **spec})
             lat.append((time.perf_counter() - t) * 1000)
             body = r.json()
@@ -140,7 +141,7 @@ def warm_hits(ctl: ControllerProc, n: int, core, ns: str) -> dict:
             ids.append(body["id"])
             names.append(body["pod"])
             time.sleep(THINK_S)  # the replacement create starts, as in a caller's think time
-    httpx.post(ctl.url + "/v1/prewarm", json={"image": IMAGE, "spec": spec, "count": 0})
+    httpx.post(ctl.url + api.PREWARM.path, json={"image": IMAGE, "spec": spec, "count": 0})
     time.sleep(2)  # the replacements settle
     bare = []
     for i, name in enumerate(names):  # leased to this bench: a label of ours is harmless
@@ -179,7 +180,7 @@ def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
     with httpx.Client(timeout=120) as cl:
         for _ in range(n):
             t = time.perf_counter()
-            r = cl.post(ctl.url + "/v1/sandboxes", json={
+            r = cl.post(ctl.url + api.ACQUIRE.path, json={
                 "image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "overhead",
                 "warm_ok": False})
             via.append((time.perf_counter() - t) * 1000)

@@ -25,7 +25,7 @@ from kubernetes import client
 from controller import metrics
 from controller.kube import AMBIGUOUS_STATUSES, Kube, PodInformer, is_transport_error
 from controller.pacer import Limits, Pacer, QueueFull, Slot
-from sandman import contract
+from sandman import api, contract
 from sandman.sandbox import SandboxPolicy, make_sandbox
 
 log = logging.getLogger("controller")
@@ -39,8 +39,7 @@ ENTRY_STATES = ("queued", "creating", "starting", "warm", "checking", "leased", 
 class AcquireError(Exception):
     """A typed error for the API: `kind` is the error type the SDK maps."""
 
-    status = 500
-    kind = "InternalError"
+    status, kind = api.INTERNAL_ERROR
 
     def __init__(self, message: str, events: list[str] | None = None):
         super().__init__(message)
@@ -52,23 +51,23 @@ class _FirstAttemptLeft(AcquireError):
 
 
 class AcquireTimeout(AcquireError):
-    status, kind = 504, "AcquireTimeout"
+    status, kind = api.ACQUIRE_TIMEOUT
 
 
 class QueueFullError(AcquireError):
-    status, kind = 429, "QueueFull"
+    status, kind = api.QUEUE_FULL
 
 
 class BadRequest(AcquireError):
-    status, kind = 400, "BadRequest"
+    status, kind = api.BAD_REQUEST
 
 
 class PodFailed(AcquireError):
-    status, kind = 502, "PodFailed"
+    status, kind = api.POD_FAILED
 
 
 class NotLeader(AcquireError):
-    status, kind = 503, "NotLeader"
+    status, kind = api.NOT_LEADER
 
 
 @dataclass(frozen=True)
@@ -76,8 +75,8 @@ class SandboxSpec:
     """What a sandbox is made of; also the warm-pool key (hand-out needs an exact match)."""
 
     image: str
-    cpu: str = "2"
-    memory: str = "8Gi"
+    cpu: str = api.DEFAULT_CPU
+    memory: str = api.DEFAULT_MEMORY
     workspace: str | None = None
     egress: str = contract.EGRESS_DENY
 
@@ -1031,8 +1030,8 @@ def _failure(pod: dict) -> str | None:
 def _spec_of(pod: dict) -> SandboxSpec:
     c = ((pod.get("spec") or {}).get("containers") or [{}])[0]
     req = (c.get("resources") or {}).get("requests") or {}
-    return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", "2")),
-                       memory=str(req.get("memory", "8Gi")), workspace=c.get("workingDir"),
+    return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", api.DEFAULT_CPU)),
+                       memory=str(req.get("memory", api.DEFAULT_MEMORY)), workspace=c.get("workingDir"),
                        egress=_labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY))
 
 

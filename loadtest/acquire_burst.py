@@ -3,7 +3,8 @@
 Each user is one rollout: it acquires a sandbox (ACQUIRE, latency includes the pacing queue),
 holds it (the paper's rollout sandboxes lived 136-207 s at the median; runs here scale that
 down with --hold-s), runs --commands small commands through execd (EXEC; needs a real execd
-behind each pod, see loadtest/kubelet.py), and releases it (RELEASE). With --kubeconfig, the pod
+behind each pod, see testbed/standin.py), and releases it (RELEASE); all through the SDK
+(`sandman.client`), whose `on_request` hook reports each call to locust (loadtest/users.py). With --kubeconfig, the pod
 watch adds POD_READY (create-to-Ready per pod) and the leak audit runs after the run.
 
 Shapes (--shape), played by `SandmanShape` (loadtest/shapes.py), advancing on what exists:
@@ -26,10 +27,11 @@ import time
 import gevent
 from locust import LoadTestShape, User, events, task
 
-from loadtest import common, shapes
-from loadtest.common import RUN
+from loadtest import common, shapes, users
+from loadtest.run import ACQUIRE, RUN
+from sandman.client import Sandbox
 
-common.install([common.ACQUIRE])
+common.install([ACQUIRE])
 
 HOLD_DEFAULT = {"burst64": 5.0, "two-runs": 5.0, "ramp": -1.0, "steady": 3.0}
 MAX_HOLD_S = 3600.0  # "until the run ends" is still bounded
@@ -71,9 +73,9 @@ class SandboxUser(User):
     def on_start(self) -> None:
         o = self.environment.parsed_options
         self.o = o
-        self.ctl = common.ControllerClient(self.environment, o.controller_url)
+        self.sandboxes = users.Sandboxes(self.environment, o.controller_url)
         self.job = common.job_of(self.environment)
-        self.sid: str | None = None
+        self.sb: Sandbox | None = None
         self.cycles = 0
         self.max_cycles = 0 if o.shape == "steady" else 1
         self.finished = False
@@ -90,13 +92,11 @@ class SandboxUser(User):
         if self.finished:
             return
         self.last = time.monotonic()
-        lease = self.ctl.acquire(common.acquire_body(self.environment, self.job),
-                                 self.o.acquire_timeout_s)
-        if lease:
-            self.sid = lease["id"]
-            self._hold_and_exec(lease)
-            self.ctl.release(self.sid)
-            self.sid = None
+        self.sb = self.sandboxes.acquire(self.job)
+        if self.sb is not None:
+            self._hold_and_exec(self.sb)
+            users.release(self.sb)
+            self.sb = None
         else:
             gevent.sleep(1.0)  # a failed acquire does not turn into a tight retry loop
         self.cycles += 1
@@ -104,14 +104,12 @@ class SandboxUser(User):
             self.finished = True
             RUN.done += 1
 
-    def _hold_and_exec(self, lease: dict) -> None:
+    def _hold_and_exec(self, sb: Sandbox) -> None:
         hold = _hold(self.o)
         n = self.o.commands
-        ex = common.ExecdClient(self.environment, lease["address"], lease["port"],
-                                lease["token"]) if n else None
         if hold < 0:
             for i in range(n):
-                ex.exec(f"echo turn-{i} && ls / >/dev/null", name="/exec (turn)")
+                self.sandboxes.exec(sb, f"echo turn-{i} && ls / >/dev/null", label="turn")
             deadline = time.monotonic() + MAX_HOLD_S
             while time.monotonic() < deadline:
                 gevent.sleep(1.0)
@@ -119,13 +117,13 @@ class SandboxUser(User):
         step = hold / (n + 1)
         for i in range(n):
             gevent.sleep(step)
-            ex.exec(f"echo turn-{i} && ls / >/dev/null", name="/exec (turn)")
+            self.sandboxes.exec(sb, f"echo turn-{i} && ls / >/dev/null", label="turn")
         gevent.sleep(step if n else hold)
 
     def on_stop(self) -> None:
-        if self.sid:
-            self.ctl.release_later(self.sid)
-            self.sid = None
+        if self.sb is not None:
+            users.later(users.release, self.sb)
+            self.sb = None
 
 
 class SandmanShape(LoadTestShape):

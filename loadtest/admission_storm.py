@@ -29,8 +29,9 @@ import requests
 from locust import User, between, events, task
 
 from loadtest import common
-from loadtest.common import ADMISSION_REVIEW, POD_CREATE, RequestFailed, fire
-from loadtest.stack import probe_pod
+from loadtest.run import ADMISSION_REVIEW, POD_CREATE, RequestFailed, fire
+from sandman import contract
+from testbed.webhook import probe_pod
 
 common.install([POD_CREATE, ADMISSION_REVIEW], uses_controller=False)
 
@@ -61,7 +62,7 @@ class DryRunCreateUser(User):
         from kubernetes.client.rest import ApiException
 
         pod = probe_pod(self.ns)
-        pod["metadata"]["annotations"]["sandman.dev/token-sha256"] = secrets.token_hex(32)
+        pod["metadata"]["annotations"][contract.ANNOTATION_TOKEN_SHA256] = secrets.token_hex(32)
         start = time.perf_counter()
         exc = None
         size = 0

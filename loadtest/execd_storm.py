@@ -2,9 +2,10 @@
 
 Each user acquires one sandbox through the controller (ACQUIRE), then plays turns: small shell
 commands (EXEC), file writes (FILE_WRITE) and reads of what it wrote (FILE_READ, the bytes are
-compared), and releases the sandbox when stopped (RELEASE).
+compared), and releases the sandbox when stopped (RELEASE); all through the SDK
+(`sandman.client`), whose `on_request` hook reports each call to locust (loadtest/users.py).
 
-kwok nodes run no container: start `python -m loadtest.kubelet` next to the controller (real
+kwok nodes run no container: start `python -m testbed.standin` next to the controller (real
 execd processes on each pod's loopback IP) and run the controller with `--ready-check execd`.
 
     locust -f loadtest/execd_storm.py --headless -u 20 -r 20 -t 60s \
@@ -19,10 +20,10 @@ import secrets
 import gevent
 from locust import User, between, events, task
 
-from loadtest import common
-from loadtest.common import RUN, RequestFailed
+from loadtest import common, users
+from loadtest.run import EXEC, FILE_READ, FILE_WRITE, RUN, RequestFailed, fire
 
-common.install([common.EXEC, common.FILE_WRITE, common.FILE_READ])
+common.install([EXEC, FILE_WRITE, FILE_READ])
 
 
 @events.init_command_line_parser.add_listener
@@ -36,56 +37,48 @@ class AgentUser(User):
 
     def on_start(self) -> None:
         o = self.environment.parsed_options
-        self.ctl = common.ControllerClient(self.environment, o.controller_url)
-        self.sid = None
-        self.ex = None
+        self.sandboxes = users.Sandboxes(self.environment, o.controller_url)
         self.n = 0
-        lease = self.ctl.acquire(common.acquire_body(self.environment,
-                                                     common.job_of(self.environment)),
-                                 o.acquire_timeout_s)
-        if lease:
-            self.sid = lease["id"]
-            self.ex = common.ExecdClient(self.environment, lease["address"], lease["port"],
-                                         lease["token"])
-            self.dir = f"/tmp/sandman-lt-{lease['pod']}"
-            self.ex.exec(f"mkdir -p {self.dir} && cd {self.dir}", name="/exec (setup)")
+        self.sb = self.sandboxes.acquire(common.job_of(self.environment))
+        if self.sb is not None:
+            self.dir = f"/tmp/sandman-lt-{self.sb.pod}"
+            self.sandboxes.exec(self.sb, f"mkdir -p {self.dir} && cd {self.dir}", label="setup")
         RUN.extra.update({"locustfile": "execd_storm"})
 
     @task(5)
     def command(self) -> None:
-        if self.ex is None:
+        if self.sb is None:
             self._no_sandbox()
             return
         self.n += 1
-        out = self.ex.exec(f"echo turn {self.n} && ls -la . | wc -l")
-        if out is not None and out.get("exit_code") != 0:
-            common.fire(self.environment, common.EXEC, "/exec (exit code)", 0,
-                        RequestFailed(f"exit {out.get('exit_code')}"), ms=0)
+        code = self.sandboxes.exec(self.sb, f"echo turn {self.n} && ls -la . | wc -l")
+        if code is not None and code != 0:
+            fire(self.environment, EXEC, "/exec (exit code)", 0,
+                 RequestFailed(f"exit {code}"), ms=0)
 
     @task(2)
     def write_read(self) -> None:
-        if self.ex is None:
+        if self.sb is None:
             self._no_sandbox()
             return
         data = secrets.token_bytes(self.environment.parsed_options.file_bytes)
         path = f"{self.dir}/f{self.n % 8}.bin"
-        if self.ex.write(path, data):
-            got = self.ex.read(path)
+        if self.sandboxes.write(self.sb, path, data):
+            got = self.sandboxes.read(self.sb, path)
             if got is not None and got != data:
-                common.fire(self.environment, common.FILE_READ, "/files (content)", 0,
-                            RequestFailed("read back different bytes"), ms=0)
+                fire(self.environment, FILE_READ, "/files (content)", 0,
+                     RequestFailed("read back different bytes"), ms=0)
 
     def _no_sandbox(self) -> None:
         gevent.sleep(1.0)
 
     def on_stop(self) -> None:
-        # In its own greenlet: stopping the run cannot interrupt the clean-up half way.
-        sid, ex, self.sid = self.sid, self.ex, None
+        sb, self.sb = self.sb, None
+        if sb is None:
+            return
 
         def cleanup() -> None:
-            if ex is not None:
-                ex.exec(f"rm -rf {self.dir}", name="/exec (cleanup)")
-            if sid:
-                self.ctl.release(sid)
+            self.sandboxes.exec(sb, f"rm -rf {self.dir}", label="cleanup")
+            users.release(sb)
 
-        common._PENDING.append(gevent.spawn(cleanup))
+        users.later(cleanup)

@@ -19,6 +19,7 @@ import posixpath
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import (
     ANNOTATION_CONTAINER,
     ANNOTATION_INGRESS_FROM,
@@ -75,9 +76,10 @@ class SandboxPolicy:
     """The cluster-wide settings the mutation and the checks share (webhook flags)."""
 
     image: str = SANDMAN_IMAGE
-    # The paper's reference sandbox (and the managed service's only size): 2 vCPU, 8 GiB.
-    default_cpu: str = "2"
-    default_memory: str = "8Gi"
+    # The paper's reference sandbox (and the managed service's only size): 2 vCPU, 8 GiB,
+    # the controller API's default size too (sandman/api.py).
+    default_cpu: str = DEFAULT_CPU
+    default_memory: str = DEFAULT_MEMORY
     guard: str = GUARD_ALWAYS
     # Who may reach execd's port when the pod does not say (annotation). The token authenticates;
     # this narrows who can connect. Production sets the trainers' pod CIDR.

@@ -8,6 +8,7 @@ import logging
 import os
 import sys
 
+from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import SANDMAN_IMAGE
 from sandman.sandbox import GUARD_MODES, SandboxPolicy
 
@@ -15,8 +16,9 @@ from sandman.sandbox import GUARD_MODES, SandboxPolicy
 def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", default=SANDMAN_IMAGE,
                    help="the sandman image: netguard init container and execd.py source")
-    p.add_argument("--default-cpu", default="2", help="cpu for containers that set none")
-    p.add_argument("--default-memory", default="8Gi", help="memory for containers that set none")
+    p.add_argument("--default-cpu", default=DEFAULT_CPU, help="cpu for containers that set none")
+    p.add_argument("--default-memory", default=DEFAULT_MEMORY,
+                   help="memory for containers that set none")
     p.add_argument("--guard", choices=GUARD_MODES, default="always",
                    help="always: netguard in every sandbox; egress-deny: only egress=deny pods")
     p.add_argument("--ingress-from", action="append", default=None, metavar="CIDR",

@@ -1,19 +1,24 @@
-"""The I/O-free half of the SDK, shared by the sync and async twins: request bodies, answer
-checks, the retry schedule. The twins differ only in how they wait and send."""
+"""The I/O-free half of the SDK, shared by the sync and async twins: the contract's request
+models built with the SDK's errors, execd's request bodies, answer checks, the retry schedule,
+the on_request report. The twins differ only in how they wait and send."""
 
 from __future__ import annotations
 
+import asyncio
 import base64
+import functools
 import hashlib
 import json
+import logging
 import random
 import re
 import socket
+import ssl
 import time
 import uuid
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
@@ -26,6 +31,11 @@ from sandman.client.errors import (
     execd_error,
 )
 from sandman.client.models import FileContent, Owner, WriteResult
+
+if TYPE_CHECKING:
+    from sandman.api import Route
+
+log = logging.getLogger("sandman.client")
 
 USER_AGENT = f"sandman-client/{__version__}"
 
@@ -42,6 +52,43 @@ ACQUIRE_ANSWER_GRACE_S = 30.0
 SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_M = TypeVar("_M")
+
+# on_request(kind, name, elapsed_ms, response_length, exception): once per call, retries
+# included. `kind` and `name` are the route's (api.Route); exception is None on success.
+OnRequest = Callable[[str, str, float, int, "BaseException | None"], None]
+
+
+def report(hook: OnRequest | None, route: Route, start: float, resp: httpx.Response | None,
+           exc: BaseException | None) -> None:
+    if hook is None:
+        return
+    try:
+        hook(route.kind, route.path, (time.perf_counter() - start) * 1000.0,
+             len(resp.content) if resp is not None else 0, exc)
+    except Exception:  # a broken hook must not break the call it reports
+        log.exception("on_request hook failed for %s %s", route.kind, route.path)
+
+
+@functools.cache
+def tls_context() -> ssl.SSLContext:
+    """httpx's default TLS context, built once for every client and sandbox of the process.
+    Building one loads the whole CA bundle; each acquired sandbox paid that for its own
+    connection pool before, although execd speaks plain HTTP and never uses it."""
+    return httpx.create_ssl_context()
+
+
+# asyncio: aclose() waits this long for the acquires and releases of cancelled callers.
+CLOSE_WAIT_S = 60.0
+# asyncio: acquires and releases running on after their caller was cancelled, referenced
+# here until they finish (the event loop keeps only weak references to tasks).
+_BACKGROUND: set[asyncio.Task[Any]] = set()
+
+
+def keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
+    _BACKGROUND.add(task)
+    task.add_done_callback(_BACKGROUND.discard)
+    return task
 
 
 @dataclass(frozen=True)
@@ -150,45 +197,19 @@ def raise_for_execd(resp: httpx.Response, route: str) -> None:
 
 # ---- requests
 
-def acquire_body(*, image: str, cpu: str | int | float, memory: str, workspace: str | None,
-                 egress: str, job: str, owner: Owner | Mapping[str, str] | None,
-                 labels: Mapping[str, str] | None, timeout_s: float, warm_ok: bool,
-                 wait: bool) -> dict[str, Any]:
-    if not image:
-        raise BadRequest("image is required")
-    if not job:
-        raise BadRequest("job is required: the controller paces, caps and drains by job")
-    if egress not in ("deny", "allow"):
-        raise BadRequest(f"egress must be 'deny' or 'allow', not {egress!r}")
-    if isinstance(owner, Owner):
-        owner_json: dict[str, str] | None = owner.to_json()
-    elif owner is not None:
-        owner_json = {"name": str(owner["name"]), "uid": str(owner["uid"])}
-    else:
-        owner_json = None
-    return {"image": image, "cpu": str(cpu), "memory": str(memory), "workspace": workspace,
-            "egress": egress, "job": job, "owner": owner_json, "labels": dict(labels or {}),
-            "timeout_s": timeout_s, "warm_ok": bool(warm_ok), "wait": bool(wait),
-            # One id for every attempt: a retry whose first answer was lost gets the same
-            # sandbox back from the controller instead of a second one.
-            "request_id": new_request_id()}
+def request(cls: type[_M], **fields: Any) -> _M:
+    """A request model of the contract (sandman/api.py); its own checks refuse bad arguments
+    before anything is sent."""
+    try:
+        return cls(**fields)
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
-def prewarm_body(*, image: str, count: int, cpu: str | int | float, memory: str,
-                 workspace: str | None, egress: str,
-                 idle_timeout_s: float | None) -> dict[str, Any]:
-    if not image:
-        raise BadRequest("image is required")
-    if isinstance(count, bool) or not isinstance(count, int) or count < 0:
-        raise BadRequest("count must be an integer >= 0")
-    if egress not in ("deny", "allow"):
-        raise BadRequest(f"egress must be 'deny' or 'allow', not {egress!r}")
-    body: dict[str, Any] = {"image": image, "count": count,
-                            "spec": {"cpu": str(cpu), "memory": str(memory),
-                                     "workspace": workspace, "egress": egress}}
-    if idle_timeout_s is not None:
-        body["idle_timeout_s"] = idle_timeout_s
-    return body
+def owner_of(owner: Owner | Mapping[str, str] | None) -> Owner | None:
+    if owner is None or isinstance(owner, Owner):
+        return owner
+    return Owner(name=str(owner["name"]), uid=str(owner["uid"]))
 
 
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from sandman import api
+
 if TYPE_CHECKING:
     from sandman.client.models import ExecResult
 
@@ -119,18 +121,24 @@ class ProtocolError(SandmanError):
     """A server answered something this SDK cannot parse (missing field, not JSON)."""
 
 
+# Every error type the controller sends (sandman/api.py), mapped; a test keeps it complete.
 _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
-    "AcquireTimeout": AcquireTimeout,
-    "QueueFull": QueueFull,
-    "BadRequest": BadRequest,
-    "PodFailed": PodFailed,
-    "NotLeader": NotLeader,
-    "SandboxGone": SandboxGone,
+    api.ACQUIRE_TIMEOUT.type: AcquireTimeout,
+    api.QUEUE_FULL.type: QueueFull,
+    api.BAD_REQUEST.type: BadRequest,
+    api.POD_FAILED.type: PodFailed,
+    api.NOT_LEADER.type: NotLeader,
+    api.SANDBOX_GONE.type: SandboxGone,
+    # No narrower type: a fault to report, and an answer sent only to a caller that had left.
+    api.INTERNAL_ERROR.type: ControllerError,
+    api.CLIENT_CLOSED.type: ControllerError,
 }
 
+# Only for answers without the documented body (a proxy's error page, say).
 _CONTROLLER_STATUS: dict[int, type[SandmanError]] = {
-    400: BadRequest, 404: SandboxGone, 422: BadRequest, 429: QueueFull, 502: PodFailed,
-    503: NotLeader, 504: AcquireTimeout,
+    e.status: _CONTROLLER_TYPES[e.type]
+    for e in (api.BAD_REQUEST, api.INVALID_BODY, api.SANDBOX_GONE, api.QUEUE_FULL,
+              api.POD_FAILED, api.NOT_LEADER, api.ACQUIRE_TIMEOUT)
 }
 
 

@@ -1,12 +1,19 @@
-"""Typed request and response models. Each `from_json` checks the fields the SDK relies on
-and keeps the whole answer in `raw`, so a newer server's extra fields are not lost."""
+"""Typed answers. Each `from_json` checks the fields the SDK relies on and keeps the whole
+answer in `raw`, so a newer server's extra fields are not lost.
+
+The controller's wire is `sandman/api.py`: its request models (`Owner`) are used as they are;
+the answers here have the same fields as the contract's (tests/client/test_contract.py), read
+leniently (a field a server leaves out is None where it can be)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import Any
 
+from sandman import api
 from sandman.client.errors import ProtocolError
+
+Owner = api.Owner  # the trainer's pod, owner of the sandbox: a request model, from the contract
 
 
 def _obj(data: Any, what: str) -> dict[str, Any]:
@@ -39,18 +46,6 @@ _NUM = (int, float)
 
 
 # ---- the controller
-
-@dataclass(frozen=True)
-class Owner:
-    """Who the sandbox belongs to (the trainer's pod): the controller sets an owner reference,
-    so the garbage collector deletes the sandbox if the trainer's pod goes first."""
-
-    name: str
-    uid: str
-
-    def to_json(self) -> dict[str, str]:
-        return {"name": self.name, "uid": self.uid}
-
 
 @dataclass(frozen=True)
 class AcquireTimings:
@@ -100,7 +95,7 @@ class Lease:
 
 @dataclass(frozen=True)
 class SandboxInfo:
-    """`GET /v1/sandboxes/{id}`: what the controller knows of a sandbox (no token)."""
+    """`client.get(id)` / `client.list()`: what the controller knows of a sandbox (no token)."""
 
     id: str
     pod: str | None
@@ -108,6 +103,10 @@ class SandboxInfo:
     state: str | None
     address: str | None
     port: int | None
+    image: str | None = None
+    cpu: str | None = None
+    memory: str | None = None
+    egress: str | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -118,12 +117,14 @@ class SandboxInfo:
         return cls(id=_req(d, "id", str, what), pod=_opt(d, "pod", str, what),
                    job=_opt(d, "job", str, what), state=_opt(d, "state", str, what),
                    address=_opt(d, "address", str, what), port=_opt(d, "port", int, what),
+                   image=_opt(d, "image", str, what), cpu=_opt(d, "cpu", str, what),
+                   memory=_opt(d, "memory", str, what), egress=_opt(d, "egress", str, what),
                    raw=raw)
 
 
 @dataclass(frozen=True)
 class PoolStatus:
-    """`POST /v1/prewarm`: the warm pool of one (image, size) after the call."""
+    """`client.prewarm()`: the warm pool of one (image, size) after the call."""
 
     target: int
     warm: int

@@ -13,9 +13,10 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from charts import gen_contract
-from sandman import contract
+from sandman import api, contract
 from tests.charts.helm import CHART, NAMESPACE, RELEASE, Helm, objects
 from webhook.manifests import configurations
 
@@ -85,18 +86,38 @@ def test_contract_template_is_generated_from_the_contract():
 
 
 def test_contract_names_render_equal_to_sandman_contract(helm, tmp_path):
-    """Every `sandman.contract.*` template renders exactly the contract's value."""
+    """Every `sandman.contract.*` and `sandman.api.*` template renders exactly the value of
+    sandman/contract.py and sandman/api.py."""
     chart = tmp_path / "sandman"
     shutil.copytree(CHART, chart)
-    names = gen_contract.constants()
+    names = {f"contract.{n}": v for n, v in gen_contract.constants().items()}
+    names |= {f"api.{n}": v for n, v in gen_contract.api_constants().items()}
     lines = ["apiVersion: v1", "kind: ConfigMap", "metadata:", "  name: contract-check", "data:"]
-    lines += [f'  {n}: {{{{ include "sandman.contract.{n}" . | quote }}}}' for n in names]
+    lines += [f'  {n}: {{{{ include "sandman.{n}" . | quote }}}}' for n in names]
     (chart / "templates" / "zz-contract-check.yaml").write_text("\n".join(lines) + "\n")
     res = helm.run("template", RELEASE, str(chart), "--namespace", NAMESPACE,
                    "--show-only", "templates/zz-contract-check.yaml")
     data = objects(res.stdout)[0]["data"]
     assert data == {n: str(v) for n, v in names.items()}
-    assert data["LABEL_SANDBOX"] == contract.LABEL_SANDBOX  # the check above is not vacuous
+    # The check above is not vacuous.
+    assert data["contract.LABEL_SANDBOX"] == contract.LABEL_SANDBOX
+    assert data["api.READYZ"] == api.READYZ.path == "/readyz"
+
+
+def test_controller_probes_and_scrape_use_the_api_routes(helm):
+    objs = _render(helm, "--set", "serviceMonitor.enabled=true")
+    c = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][0]
+    assert c["readinessProbe"]["httpGet"]["path"] == api.READYZ.path
+    assert c["livenessProbe"]["httpGet"]["path"] == api.HEALTHZ.path
+    assert _find(objs, "ServiceMonitor", "-controller")["spec"]["endpoints"][0]["path"] == (
+        api.METRICS.path)
+
+
+def test_default_sandbox_size_is_the_api_default():
+    """values.yaml cannot include a template: its defaults are checked against the contract."""
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["sandbox"]
+    assert (str(values["defaultCpu"]), str(values["defaultMemory"])) == (
+        api.DEFAULT_CPU, api.DEFAULT_MEMORY)
 
 
 def test_templates_spell_no_contract_name():

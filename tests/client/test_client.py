@@ -324,3 +324,30 @@ def test_release_survives_the_callers_cancellation(controller: FakeController) -
         assert len(controller.calls("DELETE")) == 1  # aclose did not release it twice
 
     asyncio.run(asyncio.wait_for(body(), 20))
+
+
+def test_on_request_reports_each_call_once(flavor: Flavor, controller: FakeController) -> None:
+    """The hook the load tests feed locust with: one report per call, retries included, with
+    the route's kind and template and the error the call raised."""
+    seen: list[tuple] = []
+
+    def hook(kind, name, elapsed_ms, length, exc):
+        seen.append((kind, name, elapsed_ms >= 0, length > 0, type(exc).__name__ if exc else None))
+
+    def broken(*a):
+        raise RuntimeError("a broken hook must not break the call")
+
+    async def body():
+        async with flavor.client(controller.url, on_request=hook) as client:
+            async with await client.acquire("img", job="j") as sb:
+                await sb.exec("true")
+            with pytest.raises(SandboxGone):
+                await client.get("sb-none")
+        async with flavor.client(controller.url, on_request=broken) as client:
+            await client.list()
+
+    flavor.run(body)
+    assert seen == [("ACQUIRE", "/v1/sandboxes", True, True, None),
+                    ("EXEC", "/exec", True, True, None),
+                    ("RELEASE", "/v1/sandboxes/{id}", True, True, None),
+                    ("GET", "/v1/sandboxes/{id}", True, False, "SandboxGone")]

@@ -11,7 +11,11 @@ import threading
 import time
 from typing import Any
 
+import httpx
 import pytest
+
+from sandman import api as wire
+from sandman.client.errors import BadRequest, controller_error
 
 from .conftest import FAST_RETRY, LOOPBACK, Execd, Flavor
 
@@ -67,16 +71,16 @@ def real_api():
 
 def test_standby_and_validation_errors(flavor: Flavor, real_api) -> None:
     url, _ = real_api
-    from sandman.client import BadRequest, NotLeader, Owner
+    from sandman.client import NotLeader, Owner
 
     async def body():
         async with flavor.client(url) as client:
             with pytest.raises(NotLeader) as ei:  # retried FAST_RETRY.attempts times first
                 await client.acquire("img", job="j")
             assert ei.value.status == 503
-            with pytest.raises(BadRequest) as ei:
+            with pytest.raises(BadRequest) as ei:  # the contract's check, before sending
                 await client.acquire("img", job="j", timeout_s=0)
-            assert ei.value.status == 422 and "timeout_s" in ei.value.message
+            assert ei.value.status is None and "timeout_s" in ei.value.message
             with pytest.raises(NotLeader):
                 await client.release("sb-x")
             # Every body the SDK sends passes the real API's validation (extra fields are
@@ -93,6 +97,14 @@ def test_standby_and_validation_errors(flavor: Flavor, real_api) -> None:
     t0 = time.monotonic()
     flavor.run(body)
     assert time.monotonic() - t0 < 3 * (FAST_RETRY.budget_s + 1)
+    # The same body sent anyway: the server's validation answers the error the SDK maps.
+    r = httpx.post(url + wire.ACQUIRE.path, json={"image": "img", "job": "j", "timeout_s": 0})
+    err = controller_error(r.status_code, r.json())
+    assert isinstance(err, BadRequest) and err.status == 422, r.text
+    assert err.message == "timeout_s: must be > 0 and <= 3600"
+    r = httpx.post(url + wire.ACQUIRE.path, json={"image": "img", "job": "j", "cpu": True})
+    err = controller_error(r.status_code, r.json())
+    assert isinstance(err, BadRequest) and err.message.startswith("cpu: "), r.text
 
 
 def test_acquire_exec_release_through_the_real_app(flavor: Flavor, real_api,

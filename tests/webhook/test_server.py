@@ -152,3 +152,15 @@ def test_body_budget_answers_503_not_memory_growth():
     assert app.buffered == 0
     app.budget = len(body)
     assert asyncio.run(call()) == 200
+
+
+def test_admission_routes_are_the_fast_paths_only():
+    """POST /mutate and /validate never reach FastAPI (webhook/server.py wraps the app), so
+    the app has no routes of its own for them to drift from."""
+    from sandman.sandbox import SandboxPolicy
+    from webhook.app import AdmissionFastPath, create_app
+    from webhook.metrics import Metrics
+
+    app = create_app(SandboxPolicy(), Metrics())
+    assert not {"/mutate", "/validate"} & {getattr(r, "path", None) for r in app.routes}
+    assert set(AdmissionFastPath.ROUTES) == {"/mutate", "/validate"}

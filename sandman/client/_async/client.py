@@ -1,26 +1,35 @@
-"""`AsyncClient`: the controller's acquire/release API. Mirrors
-`sandman/client/_sync/client.py`; change both together."""
+"""`AsyncClient`: the controller's acquire/release API (routes and bodies: sandman/api.py).
+
+`sandman/client/_async/client.py` is the source of both twins: `tools/gen_sync.py` writes
+`sandman/client/_sync/client.py` from it (docs/sdk.md, "Two twins, one source")."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from collections.abc import Mapping
 from typing import Any
-from urllib.parse import quote
 
 import httpx
 
+from sandman import api
 from sandman.client import _core
-from sandman.client._async.sandbox import AsyncSandbox, _keep
-from sandman.client._core import RetryPolicy
-from sandman.client.errors import ControllerUnreachable, NotLeader, SandboxGone, SandmanError
+from sandman.client._core import OnRequest, RetryPolicy
+from sandman.client.errors import (
+    BadRequest,
+    ControllerUnreachable,
+    NotLeader,
+    ProtocolError,
+    SandboxGone,
+    SandmanError,
+)
 from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo
 
-log = logging.getLogger("sandman.client")
+from .sandbox import AsyncSandbox
 
-# aclose() waits this long for releases still running in the background.
-_CLOSE_WAIT_S = 60.0
+log = logging.getLogger("sandman.client")
 
 
 class AsyncClient:
@@ -28,24 +37,35 @@ class AsyncClient:
 
     Leaving `async with AsyncClient(...)` (or aclose()) releases every sandbox acquired
     through it that was not released yet, so a crashed rollout loop does not leave pods
-    behind. An acquire whose caller is cancelled runs on, and the sandbox it gets is released
-    (the paper's cancelled-create leak: a cancelled caller must not orphan its pod)."""
+    behind. With asyncio, an acquire whose caller is cancelled runs on, and the sandbox it
+    gets is released (the paper's cancelled-create leak: a cancelled caller must not orphan
+    its pod).
+
+    `on_request(kind, name, elapsed_ms, response_length, exception)` is called once per call
+    to the controller, and passed on to the sandboxes acquired here for their execd calls:
+    `kind` is the operation ("ACQUIRE", "EXEC", ...), `name` its route template, `exception`
+    the error the call raises (None on success). The load tests report it to locust."""
 
     def __init__(self, url: str, *, timeout_s: float = 30.0, retry: RetryPolicy | None = None,
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
-                 execd_transport: httpx.AsyncBaseTransport | None = None) -> None:
+                 execd_transport: httpx.AsyncBaseTransport | None = None,
+                 on_request: OnRequest | None = None) -> None:
         self.url = url.rstrip("/")
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
         self._execd_transport = execd_transport
+        self._on_request = on_request
         if transport is None:
-            transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS)
+            transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
+                                                 verify=_core.tls_context())
         self._http = httpx.AsyncClient(base_url=self.url, transport=transport, trust_env=False,
                                        headers={"User-Agent": _core.USER_AGENT})
+        self._lock = threading.Lock()  # _live and _closed; held for no I/O
         self._live: dict[str, AsyncSandbox] = {}  # acquired here, not (confirmed) released
-        self._pending: set[asyncio.Task[Any]] = set()  # acquires/releases of cancelled callers
+        if True:  # ASYNC
+            self._pending: set[asyncio.Task[Any]] = set()  # acquires of cancelled callers
         self._closed = False
 
     def __repr__(self) -> str:
@@ -61,9 +81,12 @@ class AsyncClient:
         """Release the sandboxes still held through this client, then close. A release that
         fails is logged (with the sandbox id) and the others still go."""
         self._closed = True
-        if self._pending:  # acquires of cancelled callers: their sandboxes join _live
-            await asyncio.wait(set(self._pending), timeout=_CLOSE_WAIT_S)
-        for sb in list(self._live.values()):
+        if True:  # ASYNC
+            if self._pending:  # acquires of cancelled callers: their sandboxes join _live
+                await asyncio.wait(set(self._pending), timeout=_core.CLOSE_WAIT_S)
+        with self._lock:
+            live = list(self._live.values())
+        for sb in live:
             try:
                 await sb.release()
             except SandmanError as e:
@@ -72,11 +95,13 @@ class AsyncClient:
 
     # ---- the API
 
-    async def acquire(self, image: str, *, job: str, cpu: str | int | float = "2",
-                      memory: str = "8Gi", egress: str = "deny", workspace: str | None = None,
+    async def acquire(self, image: str, *, job: str, cpu: str | int | float = api.DEFAULT_CPU,
+                      memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
+                      workspace: str | None = None,
                       owner: Owner | Mapping[str, str] | None = None,
-                      labels: Mapping[str, str] | None = None, timeout_s: float = 300,
-                      warm_ok: bool = True, wait: bool = True) -> AsyncSandbox:
+                      labels: Mapping[str, str] | None = None,
+                      timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
+                      wait: bool = True) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
 
@@ -86,102 +111,132 @@ class AsyncClient:
         the first then stays leased under the job until `drain` (docs/sdk.md)."""
         if self._closed:
             raise SandmanError("client is closed")
-        body = _core.acquire_body(image=image, cpu=cpu, memory=memory, workspace=workspace,
-                                  egress=egress, job=job, owner=owner, labels=labels,
-                                  timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
-        task = _keep(asyncio.ensure_future(self._acquire(body, float(timeout_s))))
-        try:
-            return await asyncio.shield(task)
-        except asyncio.CancelledError:
-            # The controller may still hand out the sandbox: own it, release it when it comes.
-            self._pending.add(task)
-            task.add_done_callback(self._release_orphan)
-            raise
+        body = _core.request(
+            api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
+            egress=egress, workspace=workspace, owner=_core.owner_of(owner),
+            labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
+            wait=bool(wait),
+            # One id for every attempt: a retry whose first answer was lost gets the same
+            # sandbox back from the controller instead of a second one.
+            request_id=_core.new_request_id())
+        if True:  # ASYNC
+            task = _core.keep(asyncio.ensure_future(self._acquire(body)))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The controller may still hand out the sandbox: own it, release it when it
+                # comes.
+                self._pending.add(task)
+                task.add_done_callback(self._release_orphan)
+                raise
+        else:
+            return self._acquire(body)
 
-    async def _acquire(self, body: dict[str, Any], timeout_s: float) -> AsyncSandbox:
-        resp = await self._send("POST", "/v1/sandboxes", json=body,
-                                read_s=timeout_s + _core.ACQUIRE_ANSWER_GRACE_S)
+    async def _acquire(self, body: api.AcquireRequest) -> AsyncSandbox:
+        resp = await self._send(api.ACQUIRE, json=body.to_json(),
+                                read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         lease = Lease.from_json(_core.decode_json(resp, "acquire"))
         sb = AsyncSandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
                           warm=lease.warm, timings=lease.timings, retry=self._retry,
-                          job=body["job"],
-                          file_timeout_s=self._file_timeout_s,
-                          transport=self._execd_transport, _client=self)
-        self._live[lease.id] = sb
+                          job=body.job, file_timeout_s=self._file_timeout_s,
+                          transport=self._execd_transport, on_request=self._on_request,
+                          _client=self)
+        with self._lock:
+            self._live[lease.id] = sb
         log.info("sandbox %s acquired: pod %s at %s:%d (warm %s)", lease.id, lease.pod,
                  lease.address, lease.port, lease.warm)
         return sb
 
-    def _release_orphan(self, task: asyncio.Task[AsyncSandbox]) -> None:
-        self._pending.discard(task)
-        if task.cancelled() or task.exception() is not None:
-            return  # no sandbox came of it (the exception is retrieved, not lost)
-        sb = task.result()
-        log.info("sandbox %s: its acquire's caller was cancelled; releasing it", sb.id)
-        rel = _keep(asyncio.ensure_future(sb.release()))
-        self._pending.add(rel)
-        rel.add_done_callback(self._pending.discard)
-        rel.add_done_callback(lambda t: t.cancelled() or t.exception())
+    if True:  # ASYNC
+        def _release_orphan(self, task: asyncio.Task[AsyncSandbox]) -> None:
+            self._pending.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                return  # no sandbox came of it (the exception is retrieved, not lost)
+            sb = task.result()
+            log.info("sandbox %s: its acquire's caller was cancelled; releasing it", sb.id)
+            rel = _core.keep(asyncio.ensure_future(sb.release()))
+            self._pending.add(rel)
+            rel.add_done_callback(self._pending.discard)
+            rel.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def release(self, sandbox_id: str) -> bool:
         """Release by id (idempotent; True when this call released it)."""
-        resp = await self._send("DELETE", f"/v1/sandboxes/{_quote(sandbox_id)}",
-                                read_s=self._timeout_s)
+        resp = await self._send(api.RELEASE, id=_check_id(sandbox_id), read_s=self._timeout_s)
         data = _core.decode_json(resp, "release")
         self._forget(sandbox_id)
         released = isinstance(data, dict) and data.get("released") is True
-        log.info("sandbox %s released (%s)", sandbox_id,
-                 "now" if released else "was already released")
+        log.info("sandbox %s %s", sandbox_id,
+                 "released" if released else "was already released")
         return released
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """What the controller knows of a sandbox; SandboxGone when it does not exist."""
-        resp = await self._send("GET", f"/v1/sandboxes/{_quote(sandbox_id)}",
-                                read_s=self._timeout_s)
+        resp = await self._send(api.GET, id=_check_id(sandbox_id), read_s=self._timeout_s)
         return SandboxInfo.from_json(_core.decode_json(resp, "get"))
 
     async def list(self, job: str | None = None) -> list[SandboxInfo]:
         params = {"job": job} if job else None
-        resp = await self._send("GET", "/v1/sandboxes", params=params, read_s=self._timeout_s)
+        resp = await self._send(api.LIST, params=params, read_s=self._timeout_s)
         data = _core.decode_json(resp, "list")
-        if isinstance(data, dict):  # {"items": [...]}
-            data = data.get("items", data.get("sandboxes", []))
-        if not isinstance(data, list):
-            data = []
-        return [SandboxInfo.from_json(d) for d in data]
+        items = data.get("items") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ProtocolError("list: the answer has no 'items' list")
+        return [SandboxInfo.from_json(d) for d in items]
 
-    async def prewarm(self, image: str, count: int, *, cpu: str | int | float = "2",
-                       memory: str = "8Gi", egress: str = "deny", workspace: str | None = None,
-                       idle_timeout_s: float | None = None) -> PoolStatus:
+    async def prewarm(self, image: str, count: int, *,
+                      cpu: str | int | float = api.DEFAULT_CPU,
+                      memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
+                      workspace: str | None = None,
+                      idle_timeout_s: float | None = None) -> PoolStatus:
         """Keep `count` never-used sandboxes of this image and size ready, so acquires with
         `warm_ok=True` get one at once. `count=0` empties the pool. Warm pods cost capacity
         while idle; they go after `idle_timeout_s` without an acquire."""
-        body = _core.prewarm_body(image=image, count=count, cpu=cpu, memory=memory,
-                                  workspace=workspace, egress=egress,
-                                  idle_timeout_s=idle_timeout_s)
-        resp = await self._send("POST", "/v1/prewarm", json=body, read_s=self._timeout_s)
+        spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory), egress=egress,
+                             workspace=workspace)
+        body = _core.request(api.PrewarmRequest, image=image, count=count, spec=spec,
+                             idle_timeout_s=idle_timeout_s)
+        resp = await self._send(api.PREWARM, json=body.to_json(), read_s=self._timeout_s)
         return PoolStatus.from_json(_core.decode_json(resp, "prewarm"))
 
     async def drain(self, job: str) -> int:
         """End of a job: the controller deletes every sandbox of `job` and withdraws its
         queued acquires. Handles of this client for that job are gone afterwards. Returns how
         many sandboxes the controller is deleting."""
-        resp = await self._send("POST", f"/v1/jobs/{_quote(job)}/drain", read_s=self._timeout_s)
+        if not job:
+            raise BadRequest("job is required")
+        resp = await self._send(api.DRAIN, job=job, read_s=self._timeout_s)
         data = _core.decode_json(resp, "drain")
-        for sb in list(self._live.values()):
-            if sb.job == job:
-                sb._gone = True
-                self._forget(sb.id)
+        with self._lock:
+            ending = [sb for sb in self._live.values() if sb.job == job]
+        for sb in ending:
+            sb._gone = True
+            self._forget(sb.id)
         n = data.get("deleting") if isinstance(data, dict) else None
         return n if isinstance(n, int) else 0
 
     # ---- transport
 
-    def _forget(self, sandbox_id: str) -> None:
-        self._live.pop(sandbox_id, None)
+    def _forget(self, sandbox_id: str | None) -> None:
+        with self._lock:
+            self._live.pop(sandbox_id or "", None)
 
-    async def _send(self, method: str, path: str, *, read_s: float, json: Any = None,
-                    params: dict[str, str] | None = None) -> httpx.Response:
+    async def _send(self, route: api.Route, *, read_s: float, json: Any = None,
+                    params: dict[str, str] | None = None,
+                    **path_params: str) -> httpx.Response:
+        """One call to the controller, with its retries; reported once to `on_request`."""
+        path = route.url(**path_params)
+        start = time.perf_counter()
+        try:
+            resp = await self._attempts(route.method, path, read_s=read_s, json=json,
+                                        params=params)
+        except Exception as e:
+            _core.report(self._on_request, route, start, None, e)
+            raise
+        _core.report(self._on_request, route, start, resp, None)
+        return resp
+
+    async def _attempts(self, method: str, path: str, *, read_s: float, json: Any,
+                        params: dict[str, str] | None) -> httpx.Response:
         if self._http.is_closed:
             raise SandmanError(f"{method} {path}: the client is closed")
         attempts = _core.Attempts(self._retry, read_s)
@@ -211,7 +266,7 @@ class AsyncClient:
             await asyncio.sleep(delay)
 
 
-def _quote(sandbox_id: str) -> str:
+def _check_id(sandbox_id: str) -> str:
     if not sandbox_id:
         raise SandboxGone("empty sandbox id")
-    return quote(sandbox_id, safe="")
+    return sandbox_id

@@ -1,16 +1,21 @@
 """`AsyncSandbox`: one sandbox's execd, over a keep-alive connection pool of its own.
-Mirrors `sandman/client/_sync/sandbox.py`; change both together."""
+
+`sandman/client/_async/sandbox.py` is the source of both twins: `tools/gen_sync.py` writes
+`sandman/client/_sync/sandbox.py` from it (docs/sdk.md, "Two twins, one source")."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from sandman.api import Route
 from sandman.client import _core
-from sandman.client._core import RetryPolicy
+from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.errors import (
     CommandTimeout,
     SandboxGone,
@@ -31,18 +36,19 @@ from sandman.client.models import (
 )
 
 if TYPE_CHECKING:
-    from sandman.client._async.client import AsyncClient
+    from .client import AsyncClient
 
 log = logging.getLogger("sandman.client")
 
-# Releases running on after their caller was cancelled: referenced here until they finish.
-_BACKGROUND: set[asyncio.Task[Any]] = set()
-
-
-def _keep(task: asyncio.Task[Any]) -> asyncio.Task[Any]:
-    _BACKGROUND.add(task)
-    task.add_done_callback(_BACKGROUND.discard)
-    return task
+# execd's routes (execd/execd.py); `kind` is what `on_request` reports.
+HEALTH = Route("HEALTH", "GET", "/health")
+EXEC = Route("EXEC", "POST", "/exec")
+FILE_READ = Route("FILE_READ", "GET", "/files")
+FILE_WRITE = Route("FILE_WRITE", "POST", "/files/write")
+ENV = Route("ENV", "POST", "/env")
+RESET = Route("RESET", "POST", "/reset")
+STATE = Route("STATE", "GET", "/state")
+CONDITIONS = Route("CONDITIONS", "GET", "/conditions")
 
 
 class AsyncSandbox:
@@ -50,13 +56,14 @@ class AsyncSandbox:
 
     Get one from `AsyncClient.acquire()` (leaving `async with sandbox:` releases it) or attach
     to a running execd with `AsyncSandbox.connect(address, port, token)`. The token is sent as
-    a bearer header and is never logged or shown by repr()."""
+    a bearer header and is never logged or shown by repr(). `on_request`: see AsyncClient."""
 
     def __init__(self, address: str, port: int, token: str, *, id: str | None = None,
                  pod: str | None = None, job: str | None = None, warm: bool = False,
                  timings: AcquireTimings | None = None, retry: RetryPolicy | None = None,
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
+                 on_request: OnRequest | None = None,
                  _client: AsyncClient | None = None) -> None:
         self.id = id
         self.pod = pod
@@ -69,13 +76,17 @@ class AsyncSandbox:
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
         self._client = _client
-        self._release_task: asyncio.Task[bool] | None = None
+        self._on_request = on_request
+        self._lock = threading.Lock()  # _closed and _released; held for no I/O
+        if True:  # ASYNC
+            self._release_task: asyncio.Task[bool] | None = None
         self._closed = False  # no execd call is sent any more
         self._released = False  # the controller confirmed the release (or there is none)
         self._gone = False  # the controller said the sandbox no longer exists
         if transport is None:
             transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
-                                                 limits=_core.limits())
+                                                 limits=_core.limits(),
+                                                 verify=_core.tls_context())
         # trust_env=False: a trainer's HTTP(S)_PROXY must never carry the token to a proxy.
         self._http = httpx.AsyncClient(
             base_url=self.url, transport=transport, trust_env=False, follow_redirects=False,
@@ -116,19 +127,24 @@ class AsyncSandbox:
         is sent after the first release(), even if the controller's answer was lost: a
         failed release raises and stays with the client, which retries it at aclose().
 
-        The release runs to its end even if the caller is cancelled (shielded): cleanup must
-        survive a second cancellation."""
-        self._closed = True
-        if self._released:
-            return False
-        task = self._release_task
-        first = task is None or (task.done() and (task.cancelled()
-                                                  or task.exception() is not None))
-        if first:
-            task = self._release_task = _keep(asyncio.ensure_future(self._do_release()))
-        assert task is not None
-        released = await asyncio.shield(task)
-        return released if first else False
+        With asyncio, the release runs to its end even if the caller is cancelled (shielded):
+        cleanup must survive a second cancellation."""
+        with self._lock:
+            self._closed = True
+            if self._released:
+                return False
+        if True:  # ASYNC
+            task = self._release_task
+            first = task is None or (task.done() and (task.cancelled()
+                                                      or task.exception() is not None))
+            if first:
+                task = self._release_task = _core.keep(
+                    asyncio.ensure_future(self._do_release()))
+            assert task is not None
+            released = await asyncio.shield(task)
+            return released if first else False
+        else:
+            return self._do_release()
 
     async def _do_release(self) -> bool:
         try:
@@ -137,7 +153,8 @@ class AsyncSandbox:
                 released = await self._client.release(self.id)
         finally:
             await self._http.aclose()
-        self._released = True
+        with self._lock:
+            self._released = True
         return released
 
     async def aclose(self) -> None:
@@ -147,7 +164,7 @@ class AsyncSandbox:
     # ---- execd calls
 
     async def health(self) -> Health:
-        resp = await self._call("GET", "/health", read_s=10.0)
+        resp = await self._call(HEALTH, read_s=10.0)
         return Health.from_json(_core.decode_json(resp, "health"))
 
     async def exec(self, command: str, timeout: float | None = None, *,
@@ -160,7 +177,7 @@ class AsyncSandbox:
         and answers a retry with the stored result."""
         rid = request_id or _core.new_request_id()
         body = _core.exec_body(command, timeout, max_output, rid)
-        resp = await self._call("POST", "/exec", json=body,
+        resp = await self._call(EXEC, json=body,
                                 read_s=_core.exec_read_timeout(timeout), request_id=rid)
         result = ExecResult.from_json(_core.decode_json(resp, "exec"), rid)
         if result.timed_out:
@@ -171,12 +188,13 @@ class AsyncSandbox:
     async def read_file(self, path: str) -> FileContent:
         """The whole file, byte-exact; its SHA-256 was checked against execd's (fail closed:
         IntegrityError, never unchecked bytes)."""
-        resp = await self._call("GET", "/files", params={"path": path},
-                                read_s=self._file_timeout_s, retry_409=True)
+        resp = await self._call(FILE_READ, params={"path": path}, read_s=self._file_timeout_s,
+                                retry_409=True)
         return _core.check_read(path, resp)
 
     async def read(self, path: str) -> bytes:
-        return (await self.read_file(path)).data
+        content = await self.read_file(path)
+        return content.data
 
     async def write(self, path: str, data: bytes | str, *, mode: int | str | None = None,
                     if_sha256: str | None = None) -> WriteResult:
@@ -187,8 +205,8 @@ class AsyncSandbox:
         body = _core.write_body(path, raw, mode, if_sha256)
         attempts: list[int] = []
         try:
-            resp = await self._call("POST", "/files/write", json=body,
-                                    read_s=self._file_timeout_s, attempts_out=attempts)
+            resp = await self._call(FILE_WRITE, json=body, read_s=self._file_timeout_s,
+                                    attempts_out=attempts)
         except WriteConflict as e:
             # A retry after a lost answer finds our own bytes already there: that is success.
             if attempts and attempts[0] > 1 and e.current_sha256 == _core.sha256_hex(raw):
@@ -204,7 +222,7 @@ class AsyncSandbox:
         """Export `set` and unset `unset` in the shell (and in shells started later); returns
         the shell's whole environment after the change."""
         body = {"set": dict(set or {}), "unset": list(unset or [])}
-        resp = await self._call("POST", "/env", json=body, read_s=60.0)
+        resp = await self._call(ENV, json=body, read_s=60.0)
         data = _core.decode_json(resp, "env")
         env = data.get("env") if isinstance(data, dict) else None
         return dict(env) if isinstance(env, dict) else {}
@@ -212,32 +230,47 @@ class AsyncSandbox:
     async def reset(self, workspace: bool = False) -> ResetResult:
         """Kill every process of the sandbox and start a fresh shell; `workspace=True` also
         empties the workspace directory."""
-        resp = await self._call("POST", "/reset", json={"workspace": bool(workspace)},
-                                read_s=90.0)
+        resp = await self._call(RESET, json={"workspace": bool(workspace)}, read_s=90.0)
         return ResetResult.from_json(_core.decode_json(resp, "reset"))
 
     async def state(self) -> State:
-        resp = await self._call("GET", "/state", read_s=30.0)
+        resp = await self._call(STATE, read_s=30.0)
         return State.from_json(_core.decode_json(resp, "state"))
 
     async def conditions(self, egress_probe: str | None = None) -> Conditions:
         """The run conditions as the sandbox reads them; `egress_probe="host:port"` also tries
         one outbound connection (to check the egress guard)."""
         params = {"egress_probe": egress_probe} if egress_probe else None
-        resp = await self._call("GET", "/conditions", params=params, read_s=30.0)
+        resp = await self._call(CONDITIONS, params=params, read_s=30.0)
         return Conditions.from_json(_core.decode_json(resp, "conditions"))
 
     # ---- transport
 
-    async def _call(self, method: str, route: str, *, read_s: float, json: Any = None,
+    async def _call(self, route: Route, *, read_s: float, json: Any = None,
                     params: dict[str, str] | None = None, request_id: str | None = None,
                     retry_409: bool = False,
                     attempts_out: list[int] | None = None) -> httpx.Response:
-        """One logical call: bounded retries on transport errors, then the typed error."""
+        """One logical call: bounded retries on transport errors, then the typed error;
+        reported once to `on_request`."""
+        start = time.perf_counter()
+        try:
+            resp = await self._attempts(route, read_s=read_s, json=json, params=params,
+                                        request_id=request_id, retry_409=retry_409,
+                                        attempts_out=attempts_out)
+        except Exception as e:
+            _core.report(self._on_request, route, start, None, e)
+            raise
+        _core.report(self._on_request, route, start, resp, None)
+        return resp
+
+    async def _attempts(self, route: Route, *, read_s: float, json: Any,
+                        params: dict[str, str] | None, request_id: str | None,
+                        retry_409: bool, attempts_out: list[int] | None) -> httpx.Response:
+        method, path = route.method, route.path
         if self._closed:
-            raise SandboxGone(f"sandbox {self.id or self.url} was released; {route} not sent")
+            raise SandboxGone(f"sandbox {self.id or self.url} was released; {path} not sent")
         if self._gone:
-            raise SandboxGone(f"sandbox {self.id} no longer exists; {route} not sent")
+            raise SandboxGone(f"sandbox {self.id} no longer exists; {path} not sent")
         attempts = _core.Attempts(self._retry, read_s)
         tmo = _core.timeout(self._retry, read_s)
         while True:
@@ -246,7 +279,7 @@ class AsyncSandbox:
                 attempts_out[:] = [attempts.n]
             why: str
             try:
-                resp = await self._http.request(method, route, json=json, params=params,
+                resp = await self._http.request(method, path, json=json, params=params,
                                                 timeout=tmo)
             except _core.RETRYABLE as e:
                 err: BaseException = e
@@ -258,16 +291,16 @@ class AsyncSandbox:
             delay = attempts.delay()
             if delay is None:
                 if isinstance(err, httpx.TransportError):
-                    await self._unreachable(route, err, attempts.n)
+                    await self._unreachable(path, err, attempts.n)
                 break  # the last 409 answer goes to raise_for_execd
             log.info("sandbox %s: %s %s attempt %d failed (%s); retrying in %.2fs%s",
-                     self.id, method, route, attempts.n, why, delay,
+                     self.id, method, path, attempts.n, why, delay,
                      f" with the same request_id {request_id}" if request_id else "")
             await asyncio.sleep(delay)
         try:
-            _core.raise_for_execd(resp, route)
+            _core.raise_for_execd(resp, path)
         except Unauthorized:
-            await self._check_gone(route)
+            await self._check_gone(path)
             raise
         return resp
 

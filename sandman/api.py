@@ -1,0 +1,273 @@
+"""The controller's HTTP API as it goes over the wire: route paths, request and answer bodies,
+error types, the default sandbox size. Nothing else in the tree spells them.
+
+Read by the controller (`controller/api.py` serves these routes and validates these bodies),
+the SDK (`sandman.client` sends them), the load tests, and the chart (`charts/gen_contract.py`
+writes the route paths into `_contract.tpl`). Stdlib only: the SDK imports it.
+
+The request models are plain dataclasses that FastAPI validates as they are: pydantic reads
+`__pydantic_config__` (unknown fields refused; a number is accepted where a quantity string is
+expected) and runs `__post_init__`, which holds the checks both sides make. Built by the SDK,
+the same `__post_init__` raises ValueError before anything is sent.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, ClassVar, NamedTuple
+from urllib.parse import quote
+
+from sandman import contract
+
+# ---- the default sandbox: the paper's reference size, requests equal limits
+
+DEFAULT_CPU = "2"
+DEFAULT_MEMORY = "8Gi"
+DEFAULT_EGRESS = contract.EGRESS_DENY
+EGRESS_VALUES = (contract.EGRESS_DENY, contract.EGRESS_ALLOW)
+DEFAULT_ACQUIRE_TIMEOUT_S = 300.0
+MAX_ACQUIRE_TIMEOUT_S = 3600.0
+MAX_REQUEST_ID_LEN = 128
+
+
+# ---- routes
+
+class Route(NamedTuple):
+    """One route: `kind` names the operation (the SDK's `on_request` hook and locust's request
+    type report it), `path` is a template whose `{id}` / `{job}` are path parameters."""
+
+    kind: str
+    method: str
+    path: str
+
+    def url(self, **params: str) -> str:
+        """The path with its parameters filled in, each quoted as one path segment."""
+        return self.path.format(**{k: quote(str(v), safe="") for k, v in params.items()})
+
+
+ACQUIRE = Route("ACQUIRE", "POST", "/v1/sandboxes")
+LIST = Route("LIST", "GET", "/v1/sandboxes")
+GET = Route("GET", "GET", "/v1/sandboxes/{id}")
+RELEASE = Route("RELEASE", "DELETE", "/v1/sandboxes/{id}")
+PREWARM = Route("PREWARM", "POST", "/v1/prewarm")
+DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
+STATS = Route("STATS", "GET", "/v1/stats")
+HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive
+READYZ = Route("READYZ", "GET", "/readyz")  # 503 on a standby: Services route to the leader
+METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, PREWARM, DRAIN, STATS, HEALTHZ, READYZ, METRICS)
+
+
+# ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message
+
+class ErrorType(NamedTuple):
+    status: int
+    type: str
+
+
+BAD_REQUEST = ErrorType(400, "BadRequest")  # refused by the controller's checks
+INVALID_BODY = ErrorType(422, "BadRequest")  # refused by the body's validation: same type
+SANDBOX_GONE = ErrorType(404, "SandboxGone")
+QUEUE_FULL = ErrorType(429, "QueueFull")  # wait=false and over a cap
+CLIENT_CLOSED = ErrorType(499, "ClientClosed")  # to a caller that left: nobody reads it
+INTERNAL_ERROR = ErrorType(500, "InternalError")
+POD_FAILED = ErrorType(502, "PodFailed")  # events: the pod's last events
+NOT_LEADER = ErrorType(503, "NotLeader")  # a standby replica; retry
+ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
+ERRORS = (BAD_REQUEST, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
+          POD_FAILED, NOT_LEADER, ACQUIRE_TIMEOUT)
+ERROR_TYPES = frozenset(e.type for e in ERRORS)
+
+
+# ---- bodies
+
+class _Model:
+    # pydantic (the controller's FastAPI) reads this off the dataclass; the SDK never does.
+    __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid",
+                                                     "coerce_numbers_to_str": True}
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)  # type: ignore[call-overload]
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
+def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
+    # Quantities are parsed by the controller (a 400 names the bad one); here only their type.
+    _check(isinstance(cpu, str) and cpu != "", "cpu: must be a Kubernetes quantity such as "
+           "2, 500m or 1.5")
+    _check(isinstance(memory, str) and memory != "", "memory: must be a Kubernetes quantity "
+           "such as 8Gi or 512Mi")
+    _check(egress in EGRESS_VALUES, f"egress: must be one of {', '.join(EGRESS_VALUES)}, "
+           f"not {egress!r}")
+
+
+@dataclass(frozen=True)
+class Owner(_Model):
+    """Who the sandbox belongs to (the trainer's pod): the controller sets an owner reference,
+    so the garbage collector deletes the sandbox if the trainer's pod goes first."""
+
+    name: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Spec(_Model):
+    """What a sandbox is made of besides its image; with the image, the warm-pool key."""
+
+    cpu: str = DEFAULT_CPU
+    memory: str = DEFAULT_MEMORY
+    workspace: str | None = None
+    egress: str = DEFAULT_EGRESS
+
+    def __post_init__(self) -> None:
+        _check_size(self.cpu, self.memory, self.egress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class AcquireRequest(_Model):
+    """`POST /v1/sandboxes`. `request_id` is the idempotency key: a retry with the same key
+    (and job) gets the same sandbox back while it is in flight or leased."""
+
+    image: str
+    job: str
+    cpu: str = DEFAULT_CPU
+    memory: str = DEFAULT_MEMORY
+    workspace: str | None = None
+    egress: str = DEFAULT_EGRESS
+    owner: Owner | None = None
+    labels: dict[str, str] = field(default_factory=dict)
+    timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+    warm_ok: bool = True
+    wait: bool = True
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.image), "image: required")
+        _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
+        _check_size(self.cpu, self.memory, self.egress)
+        _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, int | float)
+               and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
+               f"timeout_s: must be > 0 and <= {MAX_ACQUIRE_TIMEOUT_S:g}")
+        _check(self.request_id is None or 0 < len(self.request_id) <= MAX_REQUEST_ID_LEN,
+               f"request_id: must be 1 to {MAX_REQUEST_ID_LEN} characters")
+
+    @property
+    def spec(self) -> Spec:
+        return Spec(cpu=self.cpu, memory=self.memory, workspace=self.workspace,
+                    egress=self.egress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class PrewarmRequest(_Model):
+    """`POST /v1/prewarm`: keep `count` never-used sandboxes of (image, spec) ready; they go
+    after `idle_timeout_s` without an acquire (the controller's default when None)."""
+
+    image: str
+    count: int
+    spec: Spec = field(default_factory=Spec)
+    idle_timeout_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(bool(self.image), "image: required")
+        _check(not isinstance(self.count, bool) and isinstance(self.count, int)
+               and self.count >= 0, "count: must be an integer >= 0")
+        _check(self.idle_timeout_s is None or self.idle_timeout_s > 0,
+               "idle_timeout_s: must be > 0")
+
+
+# ---- answers
+
+@dataclass(frozen=True)
+class Timings(_Model):
+    queued_ms: float = 0.0  # in the pacing queue
+    create_ms: float = 0.0  # the pod create call
+    ready_ms: float = 0.0  # create -> Ready (+ execd /health)
+
+
+@dataclass(frozen=True)
+class Lease(_Model):
+    """201 to an acquire. The only answer that carries the sandbox's execd token."""
+
+    id: str
+    pod: str
+    address: str
+    port: int
+    token: str = field(repr=False)
+    warm: bool = False
+    timings: Timings = field(default_factory=Timings)
+
+
+@dataclass(frozen=True)
+class SandboxView(_Model):
+    """`GET /v1/sandboxes/{id}` and each item of the list: what the controller knows of a
+    sandbox (never its token)."""
+
+    id: str
+    pod: str
+    job: str
+    state: str
+    address: str | None
+    port: int
+    image: str
+    cpu: str
+    memory: str
+    egress: str
+
+
+@dataclass(frozen=True)
+class SandboxList(_Model):
+    """`GET /v1/sandboxes[?job=]`."""
+
+    items: list[SandboxView]
+
+
+@dataclass(frozen=True)
+class Released(_Model):
+    """`DELETE /v1/sandboxes/{id}`: idempotent, `released` is false when already gone."""
+
+    id: str
+    released: bool
+
+
+@dataclass(frozen=True)
+class PoolStatus(_Model):
+    """`POST /v1/prewarm`: the warm pool of one (image, spec) after the call."""
+
+    target: int
+    warm: int
+    building: int
+    idle_timeout_s: float | None
+
+
+@dataclass(frozen=True)
+class Drained(_Model):
+    """`POST /v1/jobs/{job}/drain`: how many of the job's sandboxes are being deleted."""
+
+    job: str
+    deleting: int
+
+
+@dataclass(frozen=True)
+class Stats(_Model):
+    """`GET /v1/stats`: the pacer and the pools, for dashboards and the load tests."""
+
+    queue_depth: dict[str, int]  # per job
+    creating: int
+    live: int
+    rate: float  # the pacer's current creates/s
+    warm: dict[str, dict[str, int]]  # "image|cpu|memory|workspace|egress" -> warm/building/target
+    jobs: dict[str, dict[str, int]]  # job -> count per entry state
+
+
+@dataclass(frozen=True)
+class Error(_Model):
+    type: str
+    message: str
+    events: list[str] = field(default_factory=list)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"error": asdict(self)}

@@ -1,0 +1,123 @@
+"""sandman/api.py is the one home of the controller's wire: the server serves exactly its
+routes, sends only its error types (each one the SDK maps to a typed error), and the SDK's
+answer models have its fields. No HTTP here except through FastAPI's own route table."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from sandman import api
+from sandman.client import AcquireTimings, Lease, PoolStatus, SandboxInfo, SandmanError, errors
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _subclasses(cls: type) -> list[type]:
+    out = []
+    for sub in cls.__subclasses__():
+        out += [sub, *_subclasses(sub)]
+    return out
+
+
+def test_every_error_type_the_server_sends_is_in_the_contract():
+    core = pytest.importorskip("controller.core")
+    sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
+    assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
+    # controller/api.py sends the rest itself: validation, gone, a caller that left, standby.
+    text = (ROOT / "controller" / "api.py").read_text()
+    for e in (api.INVALID_BODY, api.SANDBOX_GONE, api.CLIENT_CLOSED, api.NOT_LEADER):
+        assert f"api.{_name(e)}" in text
+
+
+def _name(e: api.ErrorType) -> str:
+    return next(k for k, v in vars(api).items() if v is e)
+
+
+@pytest.mark.parametrize("err", api.ERRORS, ids=lambda e: f"{e.status}-{e.type}")
+def test_the_sdk_maps_every_error_type_to_a_typed_error(err: api.ErrorType):
+    cls = errors._CONTROLLER_TYPES[err.type]  # KeyError: an error type the SDK does not know
+    assert issubclass(cls, SandmanError)
+    got = errors.controller_error(err.status, api.Error(err.type, "m", ["ev"]).to_json())
+    assert type(got) is cls and got.status == err.status and got.type == err.type
+    assert got.events == ["ev"]
+
+
+def test_the_sdk_knows_no_error_type_the_contract_lacks():
+    assert set(errors._CONTROLLER_TYPES) == api.ERROR_TYPES
+
+
+def test_the_servers_routes_are_the_contracts():
+    capi = pytest.importorskip("controller.api")
+    from fastapi.routing import APIRoute
+
+    app = capi.build_app({})
+    served = {(m, r.path) for r in app.routes if isinstance(r, APIRoute) for m in r.methods}
+    assert served == {(r.method, r.path) for r in api.ROUTES}
+
+
+@pytest.mark.parametrize("sdk,wire", [(Lease, api.Lease), (AcquireTimings, api.Timings),
+                                      (SandboxInfo, api.SandboxView),
+                                      (PoolStatus, api.PoolStatus)],
+                         ids=lambda c: c.__name__)
+def test_sdk_answer_models_have_the_contracts_fields(sdk, wire):
+    names = [f.name for f in dataclasses.fields(sdk) if f.name != "raw"]
+    assert names == [f.name for f in dataclasses.fields(wire)]
+
+
+def test_sdk_models_parse_what_the_contract_writes():
+    lease = api.Lease("sb-1", "pod-1", "10.0.0.1", 9470, "tok", True, api.Timings(1, 2, 3))
+    got = Lease.from_json(lease.to_json())
+    assert (got.id, got.port, got.token, got.warm, got.timings.ready_ms) == (
+        "sb-1", 9470, "tok", True, 3)
+    view = api.SandboxView("sb-1", "pod-1", "j", "leased", None, 9470, "img", "2", "8Gi", "deny")
+    assert SandboxInfo.from_json(view.to_json()).memory == "8Gi"
+    pool = api.PoolStatus(target=3, warm=1, building=2, idle_timeout_s=None)
+    assert PoolStatus.from_json(pool.to_json()).building == 2
+
+
+def test_request_models_refuse_what_the_server_refuses():
+    with pytest.raises(ValueError, match="timeout_s"):
+        api.AcquireRequest(image="i", job="j", timeout_s=0)
+    with pytest.raises(ValueError, match="egress"):
+        api.AcquireRequest(image="i", job="j", egress="maybe")
+    with pytest.raises(ValueError, match="count"):
+        api.PrewarmRequest(image="i", count=-1)
+    assert api.AcquireRequest(image="i", job="j").to_json()["memory"] == api.DEFAULT_MEMORY
+
+
+def test_route_urls_quote_one_segment():
+    assert api.GET.url(id="a/b c") == "/v1/sandboxes/a%2Fb%20c"
+    assert api.DRAIN.url(job="j") == "/v1/jobs/j/drain"
+
+
+def test_one_default_size():
+    """The webhook's default for containers that set none, the controller's spec and the pod
+    it reads back after a restart (which decides the warm pool the pod joins): all the
+    contract's."""
+    from sandman.sandbox import SandboxPolicy
+
+    assert (SandboxPolicy().default_cpu, SandboxPolicy().default_memory) == (
+        api.DEFAULT_CPU, api.DEFAULT_MEMORY)
+    core = pytest.importorskip("controller.core")
+    spec = core._spec_of({"spec": {"containers": [{"image": "img"}]}})
+    assert (spec.cpu, spec.memory, spec.egress) == (api.DEFAULT_CPU, api.DEFAULT_MEMORY,
+                                                    api.DEFAULT_EGRESS)
+    assert spec == core.SandboxSpec("img")
+
+
+def test_no_python_outside_the_contract_spells_the_wire():
+    """`/v1/...` paths and the default size live in sandman/api.py; tests may spell the wire
+    on purpose."""
+    files = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard",
+                            "*.py"], cwd=ROOT, capture_output=True, text=True,
+                           check=True).stdout.split()
+    spelled = re.compile(r"""["'](/v1/[a-z]|8Gi["'])""")
+    bad = [f for f in files
+           if not f.startswith("tests/") and f != "sandman/api.py"
+           and spelled.search((ROOT / f).read_text())]
+    assert bad == []
