@@ -2,7 +2,7 @@
 test bed (or any kubeconfig).
 
     ctl = ControllerProc(namespace, kubeconfig, log, ["--rate", "20"]).start()
-    httpx.post(ctl.url + "/v1/sandboxes", json=...)
+    httpx.post(ctl.url + api.ACQUIRE.path, json=...)   # paths: sandman/api.py
     ctl.kill()   # SIGKILL: a crash        ctl.stop()   # SIGTERM: a clean shutdown
 
 `--ready-check pod` by default: kwok pods run nothing, so `execd` needs a real execd at the pod
