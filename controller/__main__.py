@@ -71,22 +71,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The controller's Settings from its flags (tests build pods exactly as `serve` would)."""
+    return Settings(
+        namespace=args.namespace,
+        limits=Limits(rate=args.rate, burst=args.burst, max_creating=args.max_creating,
+                      max_live=args.max_live, job_max_creating=args.job_max_creating,
+                      job_max_live=args.job_max_live),
+        ready_check=args.ready_check, node_pool_label=args.node_pool_label,
+        sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
+        default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
+        api_timeout=args.api_timeout,
+        policy=SandboxPolicy(image=args.image, guard=args.guard,
+                             ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         host, port = args.listen.rsplit(":", 1)
-        settings = Settings(
-            namespace=args.namespace,
-            limits=Limits(rate=args.rate, burst=args.burst, max_creating=args.max_creating,
-                          max_live=args.max_live, job_max_creating=args.job_max_creating,
-                          job_max_live=args.job_max_live),
-            ready_check=args.ready_check, node_pool_label=args.node_pool_label,
-            sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
-            default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
-            api_timeout=args.api_timeout,
-            policy=SandboxPolicy(image=args.image, guard=args.guard,
-                                 ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
+        settings = settings_from(args)
         threads = max(32, min(256, args.max_creating))
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
         # bursts (seen in a profile at 50 creates/s).
