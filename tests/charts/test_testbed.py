@@ -386,15 +386,17 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             with open(log, "wb") as out:
                 proc = subprocess.Popen(
                     [sys.executable, "-m", "controller", "serve", "--kubeconfig", str(kc),
-                     *_rewrite(container["args"], listen=f"127.0.0.1:{port}")],
+                     *_rewrite(container["args"], listen=f"127.0.0.1:{port}",
+                               advertise_address="127.0.0.1")],
                     cwd=ROOT, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
             url = f"http://127.0.0.1:{port}"
             deadline = time.monotonic() + 30
             ready = False
             while not ready and time.monotonic() < deadline and proc.poll() is None:
                 try:
-                    ready = httpx.get(url + "/readyz", timeout=1).status_code == 200
-                except httpx.HTTPError:
+                    r = httpx.get(url + "/readyz", timeout=1)
+                    ready = r.status_code == 200 and r.json().get("role") == "leader"
+                except (httpx.HTTPError, ValueError):
                     pass
                 time.sleep(0.2)
             assert ready, f"controller not leader/ready: {log.read_text()[-3000:]}"

@@ -42,19 +42,24 @@ class ControllerProc:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = 30) -> None:
+    def wait_ready(self, timeout: float = 30, role: str | None = "leader") -> None:
+        """Until /readyz answers 200 with `role` ("leader", "standby"; None: either). A standby
+        is Ready too (it forwards to the leader), so tests that mean "this one leads" wait for
+        the role."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"controller exited {self.proc.returncode}: "
                                    f"{self.log.read_text()[-2000:]}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                r = httpx.get(self.url + "/readyz", timeout=1)
+                if r.status_code == 200 and role in (None, r.json().get("role")):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"controller not ready after {timeout}s: {self.log.read_text()[-2000:]}")
+        raise RuntimeError(f"controller not ready ({role or 'any role'}) after {timeout}s: "
+                           f"{self.log.read_text()[-2000:]}")
 
     def kill(self, sig: int = signal.SIGKILL) -> None:
         if self.proc and self.proc.poll() is None:

@@ -333,7 +333,9 @@ def _role(url: str) -> str | None:
 def test_leader_failover_rebuilds_books(cluster, namespace, ctl):
     lease = f"ha-{namespace}"
     a = ctl(lease=lease)
-    b = ctl(lease=lease)  # ready as a standby: readiness is not leadership
+    b = ctl(lease=lease, start=False)
+    b.start(wait_ready=False)
+    b.wait_ready(15, role="standby")  # ready as a standby: readiness is not leadership
     time.sleep(2)
     assert (_role(a.url), _role(b.url)) == ("leader", "standby"), "two leaders"
     sb = acquire(a.url).json()
@@ -360,7 +362,7 @@ def test_standby_is_ready_and_serves_through_the_leader(cluster, namespace, ctl)
     a = ctl(lease=lease)  # leader: ready once its books are synced
     b = ctl(lease=lease, start=False)
     b.start(wait_ready=False)
-    b.wait_ready(15)  # the standby is Ready too
+    b.wait_ready(15, role="standby")  # the standby is Ready too
     ra, rb = httpx.get(a.url + "/readyz"), httpx.get(b.url + "/readyz")
     assert (ra.status_code, rb.status_code) == (200, 200)
     assert (ra.json()["role"], rb.json()["role"]) == ("leader", "standby")

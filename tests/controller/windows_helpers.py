@@ -76,9 +76,12 @@ class ControllerProc:
             if self.proc.poll() is not None:
                 raise AssertionError(f"controller exited {self.proc.returncode}:\n{self.tail()}")
             try:
-                if self.http.get("/readyz", timeout=1).status_code == 200:
+                r = self.http.get("/readyz", timeout=1)
+                # Leading, not just Ready: a restarted controller is a Ready standby until
+                # the killed one's lease lapses.
+                if r.status_code == 200 and r.json().get("role") == "leader":
                     return self
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             if time.monotonic() > deadline:
                 raise AssertionError(f"controller not ready within {timeout:g}s:\n{self.tail()}")
