@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import os
 import sys
@@ -60,9 +61,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a standby takes over this long after the leader's last renewal")
     s.add_argument("--lease-renew", type=float, default=2.0)
     s.add_argument("--advertise-address", default="",
-                   help="this replica's address (the pod IP) that the leader writes into the "
-                        "Lease, so a standby can forward API calls to it; default: the "
-                        "--listen host unless it is a wildcard")
+                   help="this replica's pod IP: the leader writes it into the Lease, so a "
+                        "standby can forward API calls to it, and every pod this replica "
+                        "builds admits it to execd's port (its --ready-check execd source) "
+                        "even when --ingress-from is narrowed; default: the --listen host "
+                        "unless it is a wildcard (then nothing is admitted besides "
+                        "--ingress-from)")
     s.add_argument("--image", default=SandboxPolicy.image, help="the sandman image (execd, guard)")
     s.add_argument("--guard", choices=GUARD_MODES, default=SandboxPolicy.guard)
     s.add_argument("--ingress-from", action="append", default=None,
@@ -83,7 +87,16 @@ def settings_from(args: argparse.Namespace) -> Settings:
         default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
         api_timeout=args.api_timeout,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
-                             ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
+                             ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
+                             # The pods this replica builds admit its execd check's source.
+                             controller_ip=_ip_or_none(args.advertise_address)))
+
+
+def _ip_or_none(text: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(text.strip().strip("[]"))) if text else None
+    except ValueError:
+        return None
 
 
 def main(argv: list[str] | None = None) -> int:

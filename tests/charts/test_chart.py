@@ -304,3 +304,35 @@ def test_replicated_deployments_probe_readiness_that_does_not_depend_on_leadersh
     assert "--advertise-address=$(SANDMAN_POD_IP)" in c0["args"]
     assert {"name": "SANDMAN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
         in c0["env"]
+
+
+def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_place(helm):
+    """docs/install.md narrows sandbox.ingressFrom to the trainers' CIDR (custom-selectors
+    case). The chart's controller args, run through the controller's own code, must build pods
+    whose guard admits that replica's pod IP; the `helm test` pod gets the same CIDRs and its
+    own IP, so outside them it checks that execd refuses it instead of failing to exec."""
+    from controller.__main__ import parse_args, settings_from
+    from controller.core import Controller, Entry, SandboxSpec
+
+    objs = _render(helm, *_values_args("custom-selectors"))
+    c0 = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][0]
+    pod_ip_env = {"name": "SANDMAN_POD_IP",
+                  "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip_env in c0["env"] and "--ingress-from=10.32.0.0/12" in c0["args"]
+    args = [a.replace("$(SANDMAN_POD_IP)", "10.200.0.7") for a in c0["args"]]
+    ctl = Controller(None, settings_from(parse_args(["serve", *args])))
+    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    guard = pod["spec"]["initContainers"][0]
+    assert guard["name"] == contract.NETGUARD_CONTAINER
+    sources = [guard["args"][i + 1] for i, a in enumerate(guard["args"]) if a == "--ingress-from"]
+    assert sources == ["10.32.0.0/12", "10.200.0.7/32", "$(SANDMAN_NODE_IP)"]
+
+    test_pod = next(o for o in objs if o["kind"] == "Pod"
+                    and o["metadata"]["annotations"].get("helm.sh/hook") == "test")
+    tc = test_pod["spec"]["containers"][0]
+    assert tc["command"] == ["python3", "-m", "sandman.selftest"]
+    assert pod_ip_env in tc["env"] and "--ingress-from=10.32.0.0/12" in tc["args"]
+    # Default values: no --ingress-from for either (0.0.0.0/0: the test pod runs `echo ok`).
+    dflt = _render(helm)
+    tc = next(o for o in dflt if o["kind"] == "Pod")["spec"]["containers"][0]
+    assert not [a for a in tc["args"] if a.startswith("--ingress-from")]

@@ -279,6 +279,42 @@ def test_read_back_still_fails_closed_on_a_narrowed_wildcard(lab, backend):
     assert bad.returncode == 1 and "SANDMAN-IN differs" in bad.stdout, bad.stdout
 
 
+# docs/install.md narrows `sandbox.ingressFrom` to the trainers' pod CIDR. The controller
+# (`--ready-check execd`) dials execd from its own pod IP, outside that CIDR: it must still get
+# in on the pods it builds, and any other non-trainer must not. The pod and its netguard
+# arguments come from the controller's own code path, configured as the chart configures it.
+
+
+def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> list[str]:
+    from controller.__main__ import parse_args, settings_from
+    from controller.core import Controller, Entry, SandboxSpec
+    from sandman.contract import NETGUARD_CONTAINER
+    from sandman.sandbox import NODE_IP_ENV
+
+    args = parse_args(["serve", "--namespace", "sandboxes", "--listen", "0.0.0.0:8080",
+                       f"--ingress-from={trainers}", f"--advertise-address={controller_ip}"])
+    ctl = Controller(None, settings_from(args))
+    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    guard = next(c for c in pod["spec"]["initContainers"] if c["name"] == NETGUARD_CONTAINER)
+    return [node_ip if a == f"$({NODE_IP_ENV})" else a for a in guard["args"]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_narrowed_ingress_admits_the_controller_that_built_the_pod_and_no_other(lab, backend):
+    execd = lab.serve(lab.pod, EXECD_PORT)
+    # peer = the controller's pod; other = any other pod, not a trainer; the node is elsewhere.
+    args = _controller_built_args(PEER_V4, node_ip="10.251.7.7", trainers="10.32.0.0/12")
+    p = lab.netguard("apply", "--backend", backend, *args)
+    assert p.returncode == 0, p.stderr
+    assert lab.netguard("check").returncode == 0
+    got = nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, payload=b"health")
+    assert got.through, f"the controller's execd check is locked out: {got}"
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+    assert nslab.tcp(lab.peer, POD_PEER_V6, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+    assert nslab.tcp(lab.peer, POD_PEER_V4, 2222, timeout=DROP_WAIT).what == "timeout"
+    assert execd.accepted == 1
+
+
 # ------------------------------------------------------------------ re-runs
 
 
