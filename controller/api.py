@@ -13,19 +13,23 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
+from controller.forward import not_leader_headers
 from sandman import api
 
 log = logging.getLogger("controller.api")
 
 
 def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
-         status: int | None = None) -> JSONResponse:
+         status: int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse(api.Error(e.type, message, events or []).to_json(),
-                        status_code=status or e.status)
+                        status_code=status or e.status, headers=headers)
 
 
 def build_app(state: dict) -> FastAPI:
-    """`state["controller"]` is set once this replica leads; until then writes answer 503."""
+    """`state["controller"]` is set once this replica leads; until then the API routes answer
+    NotLeader (503). `state["elector"]` (the LeaderElector) tells a standby's /readyz whether
+    it is in touch with the API server; on a standby, controller/forward.py sends API calls to
+    the leader before they reach these routes."""
     app = FastAPI(title="sandman controller", version="0.1.0")
 
     def ctl() -> Controller:
@@ -36,7 +40,11 @@ def build_app(state: dict) -> FastAPI:
 
     @app.exception_handler(AcquireError)
     async def _acq(_req, exc: AcquireError):
-        return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events)
+        # NotLeader closes the connection: the Service balances connections, so the SDK's
+        # retry on a fresh one may reach the other replica.
+        headers = ({k.decode(): v.decode() for k, v in not_leader_headers()}
+                   if isinstance(exc, NotLeader) else None)
+        return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events, headers=headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad(_req, exc: RequestValidationError):
@@ -112,15 +120,34 @@ def build_app(state: dict) -> FastAPI:
         return api.Stats(**ctl().stats()).to_json()
 
     @app.get(api.HEALTHZ.path)
-    async def healthz():
+    @app.get(api.LIVEZ.path)
+    async def livez():
+        # Liveness: the process and its event loop answer. Never the API server or the lease:
+        # an API outage must not restart every replica (a leader that loses the lease exits
+        # by itself, crash-only).
         return {"ok": True}
 
     @app.get(api.READYZ.path)
     async def readyz():
+        """Ready = this replica can serve API calls, never "this replica leads": the leader
+        once its informer has synced its books; a standby while it reads the Lease from the
+        API server (within the lease duration), since it forwards calls to the leader. A
+        standby answering 503 here kept a 2-replica Deployment at 1/2 Ready: `helm install
+        --wait` timed out and a rolling update (maxUnavailable 0) never removed the old
+        leader. kwok marks pods Ready without probes, so only a real kubelet showed it."""
         c = state.get("controller")
-        if c is None or not c.ready:
-            return _err(api.NOT_LEADER, "standby or not synced")
-        return {"ok": True, "leader": True}
+        if c is not None:
+            if c.ready:
+                return {"ok": True, "role": "leader"}
+            return _err(api.NOT_READY, "leader: books not synced yet")
+        el = state.get("elector")
+        if el is None:
+            return _err(api.NOT_READY, "starting")
+        if el.is_leader:
+            return _err(api.NOT_READY, "elected: syncing the books")
+        if not el.connected():
+            return _err(api.NOT_READY, f"no answer from the API server within {el.duration:g}s")
+        return {"ok": True, "role": "standby", "leader": el.holder}
 
     @app.get(api.METRICS.path)
     async def metrics_route():

@@ -52,10 +52,11 @@ RELEASE = Route("RELEASE", "DELETE", "/v1/sandboxes/{id}")
 PREWARM = Route("PREWARM", "POST", "/v1/prewarm")
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
-HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive
-READYZ = Route("READYZ", "GET", "/readyz")  # 503 on a standby: Services route to the leader
+HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as LIVEZ)
+LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
+READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, PREWARM, DRAIN, STATS, HEALTHZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message
@@ -72,10 +73,11 @@ QUEUE_FULL = ErrorType(429, "QueueFull")  # wait=false and over a cap
 CLIENT_CLOSED = ErrorType(499, "ClientClosed")  # to a caller that left: nobody reads it
 INTERNAL_ERROR = ErrorType(500, "InternalError")
 POD_FAILED = ErrorType(502, "PodFailed")  # events: the pod's last events
-NOT_LEADER = ErrorType(503, "NotLeader")  # a standby replica; retry
+NOT_LEADER = ErrorType(503, "NotLeader")  # no leader to forward to; retry on a new connection
+NOT_READY = ErrorType(503, "NotReady")  # /readyz only: this replica cannot serve yet
 ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
 ERRORS = (BAD_REQUEST, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
-          POD_FAILED, NOT_LEADER, ACQUIRE_TIMEOUT)
+          POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 

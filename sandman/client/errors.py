@@ -128,6 +128,8 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.BAD_REQUEST.type: BadRequest,
     api.POD_FAILED.type: PodFailed,
     api.NOT_LEADER.type: NotLeader,
+    # /readyz only (a replica still syncing): retryable like NotLeader, on another replica.
+    api.NOT_READY.type: NotLeader,
     api.SANDBOX_GONE.type: SandboxGone,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,

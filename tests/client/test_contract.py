@@ -28,9 +28,9 @@ def test_every_error_type_the_server_sends_is_in_the_contract():
     core = pytest.importorskip("controller.core")
     sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
     assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
-    # controller/api.py sends the rest itself: validation, gone, a caller that left, standby.
+    # controller/api.py sends the rest itself: validation, gone, a caller that left, /readyz.
     text = (ROOT / "controller" / "api.py").read_text()
-    for e in (api.INVALID_BODY, api.SANDBOX_GONE, api.CLIENT_CLOSED, api.NOT_LEADER):
+    for e in (api.INVALID_BODY, api.SANDBOX_GONE, api.CLIENT_CLOSED, api.NOT_READY):
         assert f"api.{_name(e)}" in text
 
 

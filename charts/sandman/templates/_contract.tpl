@@ -33,6 +33,7 @@
 {{- define "sandman.api.GET" -}}/v1/sandboxes/{id}{{- end -}}
 {{- define "sandman.api.HEALTHZ" -}}/healthz{{- end -}}
 {{- define "sandman.api.LIST" -}}/v1/sandboxes{{- end -}}
+{{- define "sandman.api.LIVEZ" -}}/livez{{- end -}}
 {{- define "sandman.api.METRICS" -}}/metrics{{- end -}}
 {{- define "sandman.api.PREWARM" -}}/v1/prewarm{{- end -}}
 {{- define "sandman.api.READYZ" -}}/readyz{{- end -}}
