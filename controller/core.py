@@ -23,10 +23,30 @@ import httpx
 from kubernetes import client
 
 from controller import metrics
+from controller.errors import (  # noqa: F401 - re-exported for controller/api.py
+    AcquireError,
+    AcquireTimeout,
+    BadRequest,
+    NotLeader,
+    PodFailed,
+    QueueFullError,
+)
+from controller.errors import FirstAttemptLeft as _FirstAttemptLeft
 from controller.kube import AMBIGUOUS_STATUSES, Kube, PodInformer, is_transport_error
-from controller.pacer import Limits, Pacer, QueueFull, Slot
+from controller.pacer import Pacer, QueueFull, Slot
+from controller.pods import SandboxSpec
+from controller.pods import deleting as _deleting
+from controller.pods import failure as _failure
+from controller.pods import is_ready as _is_ready
+from controller.pods import labels as _labels
+from controller.pods import meta as _meta
+from controller.pods import name as _name
+from controller.pods import pod_ip as _pod_ip
+from controller.pods import spec_of as _spec_of
+from controller.pods import uid as _uid
+from controller.settings import Settings  # noqa: F401 - re-exported for controller/__main__.py
 from sandman import contract
-from sandman.sandbox import SandboxPolicy, make_sandbox
+from sandman.sandbox import make_sandbox
 
 log = logging.getLogger("controller")
 
@@ -34,77 +54,6 @@ POOL_JOB = "sandman-pool"  # the pacing "job" and owner of warm pods
 JOB_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")  # a label value
 ENTRY_STATES = ("queued", "creating", "starting", "warm", "checking", "leased", "deleting",
                 "gone", "failed")
-
-
-class AcquireError(Exception):
-    """A typed error for the API: `kind` is the error type the SDK maps."""
-
-    status = 500
-    kind = "InternalError"
-
-    def __init__(self, message: str, events: list[str] | None = None):
-        super().__init__(message)
-        self.events = events or []
-
-
-class _FirstAttemptLeft(AcquireError):
-    """Raised to retries waiting on an attempt whose caller disconnected: they start anew."""
-
-
-class AcquireTimeout(AcquireError):
-    status, kind = 504, "AcquireTimeout"
-
-
-class QueueFullError(AcquireError):
-    status, kind = 429, "QueueFull"
-
-
-class BadRequest(AcquireError):
-    status, kind = 400, "BadRequest"
-
-
-class PodFailed(AcquireError):
-    status, kind = 502, "PodFailed"
-
-
-class NotLeader(AcquireError):
-    status, kind = 503, "NotLeader"
-
-
-@dataclass(frozen=True)
-class SandboxSpec:
-    """What a sandbox is made of; also the warm-pool key (hand-out needs an exact match)."""
-
-    image: str
-    cpu: str = "2"
-    memory: str = "8Gi"
-    workspace: str | None = None
-    egress: str = contract.EGRESS_DENY
-
-
-@dataclass
-class Settings:
-    namespace: str
-    limits: Limits = field(default_factory=Limits)
-    ready_check: str = "execd"  # execd: Ready AND execd /health answers; pod: Ready alone (kwok)
-    node_pool_label: str = f"{contract.LABEL_NODE_POOL_DEFAULT}=sandbox"
-    sweep_interval: float = 30.0
-    sweep_grace: float = 120.0  # an unowned pod younger than this may still be a create in flight
-    default_idle_timeout: float = 300.0  # the paper's measured sweet spot for warm pods
-    policy: SandboxPolicy = field(default_factory=SandboxPolicy)
-    execd_port: int = contract.EXECD_PORT
-    health_timeout: float = 2.0
-    # An owner waits this long for Ready (+ execd /health) after its create, whatever the
-    # caller's timeout_s: a pod that turns Ready just after its caller gave up is parked for the
-    # next acquire of its key instead of deleted (the paper's late grading pods).
-    ready_budget: float = 120.0
-    api_timeout: float = 15.0  # one API call; the controller retries, never the client library
-
-    def __post_init__(self) -> None:
-        if self.ready_check not in ("execd", "pod"):
-            raise ValueError("ready_check must be execd or pod")
-        if self.node_pool_label and "=" not in self.node_pool_label:
-            raise ValueError("node_pool_label must be key=value")
 
 
 @dataclass
@@ -976,64 +925,6 @@ def _reason(ex: client.ApiException) -> str:
         return json.loads(ex.body).get("message", ex.reason)
     except Exception:  # noqa: BLE001
         return str(ex.reason)
-
-
-def _meta(pod: dict) -> dict:
-    return pod.get("metadata") or {}
-
-
-def _name(pod: dict) -> str:
-    return _meta(pod).get("name", "")
-
-
-def _uid(pod: dict) -> str | None:
-    return _meta(pod).get("uid")
-
-
-def _labels(pod: dict) -> dict:
-    return _meta(pod).get("labels") or {}
-
-
-def _deleting(pod: dict) -> bool:
-    return bool(_meta(pod).get("deletionTimestamp"))
-
-
-def _pod_ip(pod: dict) -> str | None:
-    return (pod.get("status") or {}).get("podIP")
-
-
-def _is_ready(pod: dict | None) -> bool:
-    if not pod:
-        return False
-    conds = (pod.get("status") or {}).get("conditions") or []
-    return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
-
-
-_FATAL_WAITING = {"InvalidImageName", "ErrImageNeverPull", "CreateContainerConfigError",
-                  "CreateContainerError"}
-
-
-def _failure(pod: dict) -> str | None:
-    if _deleting(pod):
-        return "was deleted while starting"
-    st = pod.get("status") or {}
-    phase = st.get("phase")
-    if phase in ("Failed", "Succeeded"):
-        return (f"ended while starting (phase {phase}: {st.get('reason') or ''} "
-                f"{st.get('message') or ''})").strip()
-    for cs in (st.get("containerStatuses") or []) + (st.get("initContainerStatuses") or []):
-        w = (cs.get("state") or {}).get("waiting") or {}
-        if w.get("reason") in _FATAL_WAITING:
-            return f"container {cs.get('name')} cannot start: {w['reason']}: {w.get('message', '')}"
-    return None
-
-
-def _spec_of(pod: dict) -> SandboxSpec:
-    c = ((pod.get("spec") or {}).get("containers") or [{}])[0]
-    req = (c.get("resources") or {}).get("requests") or {}
-    return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", "2")),
-                       memory=str(req.get("memory", "8Gi")), workspace=c.get("workingDir"),
-                       egress=_labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY))
 
 
 def _log_crash(t: asyncio.Task) -> None:

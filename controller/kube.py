@@ -17,6 +17,7 @@ import urllib3
 from kubernetes import client, config
 from kubernetes.watch.watch import iter_resp_lines
 
+from controller.pods import slim_pod
 from sandman import contract
 
 log = logging.getLogger("controller.kube")
@@ -96,35 +97,6 @@ class Kube:
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
-
-
-def slim_pod(pod: dict) -> dict:
-    """The fields the controller's books read, and nothing else.
-
-    A kwok pod is ~6 KB of JSON and ~500 Python objects, mostly managedFields and the spec the
-    controller wrote itself; a real one is larger. Kept whole, 600 of them made every full
-    garbage collection pause the event loop for 140-220 ms, and the pacer lost those create
-    slots; 12,000 cost ~110 KB each of RSS."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    st = pod.get("status") or {}
-    c = (spec.get("containers") or [{}])[0]
-    out_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels",
-                                     "creationTimestamp", "deletionTimestamp") if k in meta}
-    out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}
-    req = (c.get("resources") or {}).get("requests")
-    if req:
-        out_c["resources"] = {"requests": req}
-    out_st = {k: st[k] for k in ("phase", "reason", "message", "podIP") if k in st}
-    if st.get("conditions"):
-        out_st["conditions"] = [{"type": x.get("type"), "status": x.get("status")}
-                                for x in st["conditions"]]
-    for key in ("containerStatuses", "initContainerStatuses"):
-        if st.get(key):
-            out_st[key] = [{"name": x.get("name"),
-                            "state": {"waiting": (x.get("state") or {}).get("waiting")}}
-                           for x in st[key] if (x.get("state") or {}).get("waiting")]
-    return {"metadata": out_meta, "spec": {"containers": [out_c]}, "status": out_st}
 
 
 class PodInformer:
