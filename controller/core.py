@@ -305,8 +305,7 @@ class Controller:
         if warm_ok:
             got = await self._take_warm(spec, job, owner, labels)
             if got is not None:
-                metrics.ACQUIRES.labels("ok", "true").inc()
-                metrics.ACQUIRE_SECONDS.labels("true").observe(time.monotonic() - t0)
+                metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
         token, token_sha = token_pair()
         e = Entry(self._new_name(job), spec, job, secrets.token_hex(8), token, owner=owner,
@@ -318,7 +317,7 @@ class Controller:
                 e.slot = await self.pacer.acquire(job, wait=False)
             except QueueFull as q:
                 self.entries.pop(e.name, None)
-                metrics.ACQUIRES.labels("queue_full", "false").inc()
+                metrics.acquired("queue_full", False)
                 raise QueueFullError(f"no create slot free now: {q}") from None
         self._spawn(self._own(e, token_sha, timeout_s), f"own-{e.name}")
         try:
@@ -330,17 +329,16 @@ class Controller:
             raise
         if not done:
             self._abandon(e)
-            metrics.ACQUIRES.labels("timeout", "false").inc()
+            metrics.acquired("timeout", False)
             raise AcquireTimeout(f"sandbox not ready within {timeout_s:g}s "
                                  f"(state {e.state}); the pod is cleaned up by the controller",
                                  await self._events(e))
         try:
             result = e.handed.result()
         except AcquireError:
-            metrics.ACQUIRES.labels("failed", "false").inc()
+            metrics.acquired("failed", False)
             raise
-        metrics.ACQUIRES.labels("ok", "false").inc()
-        metrics.ACQUIRE_SECONDS.labels("false").observe(time.monotonic() - t0)
+        metrics.acquired("ok", False, time.monotonic() - t0)
         return result
 
     def _abandon(self, e: Entry) -> None:
@@ -501,16 +499,16 @@ class Controller:
             try:
                 pod = await self.kube.create_pod(body)
                 e.uid = _uid(pod)
-                metrics.CREATES.labels("ok").inc()
+                metrics.created("ok")
                 return True
             except client.ApiException as ex:
                 if ex.status == 409:
                     mine = await self._read_back(e)
                     if mine:
-                        metrics.CREATES.labels("ok_after_conflict").inc()
+                        metrics.created("ok_after_conflict")
                         return True
                     if mine is False:  # another tenant's pod holds the name: new name, new create
-                        metrics.CREATES.labels("name_conflict").inc()
+                        metrics.created("name_conflict")
                         e.name = self._rename(e)
                         body = self.build_pod(e, token_sha)
                         continue
@@ -520,16 +518,16 @@ class Controller:
                     if ex.status in AMBIGUOUS_STATUSES:
                         mine = await self._read_back(e)
                         if mine:
-                            metrics.CREATES.labels("ok_after_error").inc()
+                            metrics.created("ok_after_error")
                             return True
                 else:
                     e.error = f"{ex.status} {_reason(ex)}"
-                    metrics.CREATES.labels("refused").inc()
+                    metrics.created("refused")
                     return False
             except Exception as ex:  # noqa: BLE001
                 if not is_transport_error(ex):
                     raise
-                metrics.CREATES.labels("transport_error").inc()
+                metrics.created("transport_error")
                 self.pacer.slow_down()
                 mine = await self._read_back(e)
                 if mine:
@@ -811,18 +809,18 @@ class Controller:
                         contract.LABEL_STATE: contract.STATE_DELETING}}})
                     marked = True
                 await self.kube.delete_pod(e.name, e.uid)
-                metrics.DELETES.labels("ok").inc()
+                metrics.deleted("ok")
                 self._forget_after_delete(e)
                 return
             except client.ApiException as ex:
                 if ex.status == 404 or (ex.status == 409 and e.uid):
                     # Gone, or the name now holds another pod (uid precondition): ours is gone.
-                    metrics.DELETES.labels("gone").inc()
+                    metrics.deleted("gone")
                     self._gone(e)
                     return
-                metrics.DELETES.labels("retry").inc()
+                metrics.deleted("retry")
             except Exception:  # noqa: BLE001 - transport errors: retry
-                metrics.DELETES.labels("retry").inc()
+                metrics.deleted("retry")
             await asyncio.sleep(backoff)
             backoff = min(backoff * 2, 30.0)
 
