@@ -14,7 +14,7 @@ import uvicorn
 
 from controller.api import build_app
 from controller.core import Controller, Settings
-from controller.kube import Kube, load_api_client
+from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
 from sandman.sandbox import GUARD_MODES, SandboxPolicy
@@ -86,7 +86,7 @@ def main(argv: list[str] | None = None) -> int:
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
         # bursts (seen in a profile at 50 creates/s).
         api = load_api_client(args.kubeconfig, pool=threads + 8)
-        elector = LeaderElector(Kube(api, args.namespace, threads=4), args.lease_name,
+        elector = LeaderElector(KubeClient(api, args.namespace, threads=4), args.lease_name,
                                 args.lease_duration, args.lease_renew)
         port = int(port)
     except Exception as e:  # noqa: BLE001 - bad flags or config: one line, exit 2
@@ -94,7 +94,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     state: dict = {}
     app = build_app(state)
-    kube = Kube(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
+    kube = KubeClient(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
 
     async def on_started():
         c = Controller(kube, settings)

@@ -13,13 +13,13 @@ import socket
 from kubernetes import client
 
 from controller import metrics
-from controller.kube import Kube
+from controller.kube import KubeClient
 
 log = logging.getLogger("controller.leader")
 
 
 class LeaderElector:
-    def __init__(self, kube: Kube, name: str = "sandman-controller", duration: float = 10.0,
+    def __init__(self, kube: KubeClient, name: str = "sandman-controller", duration: float = 10.0,
                  renew: float = 2.0, identity: str | None = None):
         if not 0 < renew < duration:
             raise ValueError("renew period must be positive and shorter than the lease duration")

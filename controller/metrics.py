@@ -12,6 +12,10 @@ WARM = ("true", "false")
 CREATE_RESULTS = ("ok", "ok_after_conflict", "ok_after_error", "name_conflict", "refused",
                   "transport_error")
 DELETE_RESULTS = ("ok", "gone", "retry")
+# controller.books.State names (tests/controller/test_books.py checks the two agree).
+STATES = ("QUEUED", "WITHDRAWN", "CREATING", "CREATING_ORPHANED", "CREATING_DRAINED", "STARTING",
+          "STARTING_ORPHANED", "STARTING_DRAINED", "WARM", "PARKED", "CHECKING", "LEASED",
+          "DELETING", "GONE", "FAILED")
 
 
 def bounded(value: str, allowed: tuple[str, ...], other: str = "other") -> str:
@@ -28,6 +32,9 @@ QUEUE_SECONDS = Histogram("sandman_controller_queue_seconds", "Time from enqueue
                           buckets=(.001, .01, .1, .5, 1, 5, 10, 30, 60, 120, 300, 600))
 CREATES = Counter("sandman_controller_creates_total", "Create calls by outcome", ["result"])
 DELETES = Counter("sandman_controller_deletes_total", "Delete attempts by outcome", ["result"])
+ILLEGAL_TRANSITIONS = Counter("sandman_controller_illegal_transitions_total",
+                              "Entry state changes refused by the transition table (a bug)",
+                              ["from_state", "to_state"])
 API_BACKOFF = Counter("sandman_controller_api_backoff_total",
                       "API answers (429/5xx) that slowed the create bucket")
 SWEPT = Counter("sandman_controller_swept_total", "Unowned pods deleted by the sweep")
@@ -55,3 +62,7 @@ def created(result: str) -> None:
 
 def deleted(result: str) -> None:
     DELETES.labels(bounded(result, DELETE_RESULTS)).inc()
+
+
+def illegal_transition(frm: str, to: str) -> None:
+    ILLEGAL_TRANSITIONS.labels(bounded(frm, STATES), bounded(to, STATES)).inc()
