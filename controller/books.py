@@ -47,7 +47,8 @@ class State(enum.Enum):
     STARTING = "starting", "stored; waiting for Ready (+ execd /health), then the hand-out patch"
     STARTING_ORPHANED = "starting", ("the caller left: parked once Ready (no per-caller state) "
                                      "or deleted")
-    STARTING_DRAINED = "starting", "drained or released while starting: the owner deletes it"
+    STARTING_DRAINED = "starting", ("drained or released while starting: the owner deletes it "
+                                    "at the pod's next event")
     WARM = "warm", "built for a pool: Ready, unused"
     PARKED = "warm", ("a late pod whose caller left, kept for the next acquire of its key; not "
                       "trimmed as surplus, it waits out the key's idle timeout")

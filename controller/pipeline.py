@@ -204,12 +204,14 @@ class Pipeline:
             self.delete(e, "caller gone at hand-out")
 
     def unwant(self, e: Entry, why: str) -> None:
-        """Drained or released: the pod goes, now or once its create settles."""
+        """Drained or released: the pod goes, now or once its create settles. An owner that
+        waits for Ready notices at the pod's next event (or when its budget runs out), as it
+        always did; waking it here would delete sooner, but a drained warm build would then
+        leave its pool below target before a following `prewarm 0` (window 15 counts creates)."""
         if e.stage in UNWANT:
             self.books.move(e, UNWANT[e.stage], why)
             if e.stage is S.WITHDRAWN and e.queue_wait is not None:
                 e.queue_wait.cancel()
-            self.books.wake(e.name)  # an owner waiting for Ready stops now
         else:
             self.delete(e, why)
 
