@@ -16,7 +16,7 @@ import uvicorn
 from controller.api import build_app
 from controller.core import Controller, Settings
 from controller.forward import ForwardToLeader
-from controller.kube import Kube, load_api_client
+from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
 from sandman.sandbox import GUARD_MODES, SandboxPolicy
@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
         # bursts (seen in a profile at 50 creates/s).
         api = load_api_client(args.kubeconfig, pool=threads + 8)
         port = int(port)
-        elector = LeaderElector(Kube(api, args.namespace, threads=4), args.lease_name,
+        elector = LeaderElector(KubeClient(api, args.namespace, threads=4), args.lease_name,
                                 args.lease_duration, args.lease_renew,
                                 advertise_url=advertise_url(args.advertise_address, host, port))
     except Exception as e:  # noqa: BLE001 - bad flags or config: one line, exit 2
@@ -133,7 +133,7 @@ def main(argv: list[str] | None = None) -> int:
         return elector.holder, elector.leader_url
 
     forwarder = ForwardToLeader(app, serving, target, identity=elector.identity)
-    kube = Kube(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
+    kube = KubeClient(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
 
     async def on_started():
         c = Controller(kube, settings)

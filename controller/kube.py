@@ -1,6 +1,10 @@
-"""The controller's only door to the API server: blocking `kubernetes` client calls run in a
-bounded thread pool, plus a pod informer (list + watch) that keeps a local cache and wakes
-waiters on the event loop."""
+"""The controller's only door to the API server.
+
+`Kube` is the narrow interface the books and the owner pipeline use: exactly the API calls they
+make, so they can be tested against a deliberately lagging or failing fake
+(tests/controller/fakekube.py) as well as the real API server. `KubeClient` is the real one:
+blocking `kubernetes` client calls run in a bounded thread pool, plus a pod informer (list +
+watch) that delivers slim pods (`pods.slim_pod`) to the event loop."""
 
 from __future__ import annotations
 
@@ -11,12 +15,13 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from typing import Any, Protocol
 
 import urllib3
 from kubernetes import client, config
 from kubernetes.watch.watch import iter_resp_lines
 
+from controller.pods import slim_pod
 from sandman import contract
 
 log = logging.getLogger("controller.kube")
@@ -40,7 +45,52 @@ def is_transport_error(e: BaseException) -> bool:
     return isinstance(e, (urllib3.exceptions.HTTPError, ConnectionError, TimeoutError, OSError))
 
 
-class Kube:
+class Informer(Protocol):
+    """List + watch of the controller's pods: `on_event("SYNC", [pod, ...])` after each (re)list,
+    then `on_event("ADDED"|"MODIFIED"|"DELETED", pod)`, always on the event loop."""
+
+    synced: asyncio.Event  # set after the first list was delivered
+
+    def start(self) -> None: ...
+
+    def stop(self) -> None: ...
+
+
+class Kube(Protocol):
+    """Every API call the books and the owner pipeline make, and nothing else.
+
+    Pods and ConfigMaps travel as plain JSON dicts. An answer from the API server is raised as
+    `kubernetes.client.ApiException` (read `.status`); a call whose answer was lost (timeout,
+    reset) raises a transport error (`is_transport_error`): it may or may not have been applied.
+    """
+
+    async def create_pod(self, body: dict) -> dict: ...
+
+    async def read_pod(self, name: str) -> dict: ...
+
+    async def patch_pod(self, name: str, patch: dict) -> dict: ...
+
+    async def delete_pod(self, name: str, uid: str | None) -> dict: ...
+
+    async def list_pods(self, selector: str) -> list[dict]: ...
+
+    async def pod_events(self, name: str, limit: int = 10) -> list[str]:
+        """The pod's last events as one line each; [] when they cannot be read."""
+        ...
+
+    async def create_config_map(self, body: dict) -> dict: ...
+
+    async def read_config_map(self, name: str) -> dict: ...
+
+    async def delete_config_map(self, name: str) -> dict: ...
+
+    def informer(self, loop: asyncio.AbstractEventLoop,
+                 on_event: Callable[[str, Any], None]) -> Informer: ...
+
+
+class KubeClient:
+    """`Kube` on the real API server (plus `call`, `api` and `ns` for the leader's Lease)."""
+
     def __init__(self, api: client.ApiClient, namespace: str, threads: int = 32,
                  request_timeout: float = 15.0):
         self.api = api
@@ -85,6 +135,19 @@ class Kube:
         return (await self._raw(self.core.list_namespaced_pod, self.ns,
                                 label_selector=selector))["items"]
 
+    async def create_config_map(self, body: dict) -> dict:
+        return await self._raw(self.core.create_namespaced_config_map, self.ns, body)
+
+    async def read_config_map(self, name: str) -> dict:
+        return await self._raw(self.core.read_namespaced_config_map, name, self.ns)
+
+    async def delete_config_map(self, name: str) -> dict:
+        return await self._raw(self.core.delete_namespaced_config_map, name, self.ns)
+
+    def informer(self, loop: asyncio.AbstractEventLoop,
+                 on_event: Callable[[str, Any], None]) -> PodInformer:
+        return PodInformer(self, loop, on_event)
+
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         try:
             ev = await self.call(self.core.list_namespaced_event, self.ns,
@@ -98,42 +161,13 @@ class Kube:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-def slim_pod(pod: dict) -> dict:
-    """The fields the controller's books read, and nothing else.
-
-    A kwok pod is ~6 KB of JSON and ~500 Python objects, mostly managedFields and the spec the
-    controller wrote itself; a real one is larger. Kept whole, 600 of them made every full
-    garbage collection pause the event loop for 140-220 ms, and the pacer lost those create
-    slots; 12,000 cost ~110 KB each of RSS."""
-    meta = pod.get("metadata") or {}
-    spec = pod.get("spec") or {}
-    st = pod.get("status") or {}
-    c = (spec.get("containers") or [{}])[0]
-    out_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels",
-                                     "creationTimestamp", "deletionTimestamp") if k in meta}
-    out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}
-    req = (c.get("resources") or {}).get("requests")
-    if req:
-        out_c["resources"] = {"requests": req}
-    out_st = {k: st[k] for k in ("phase", "reason", "message", "podIP") if k in st}
-    if st.get("conditions"):
-        out_st["conditions"] = [{"type": x.get("type"), "status": x.get("status")}
-                                for x in st["conditions"]]
-    for key in ("containerStatuses", "initContainerStatuses"):
-        if st.get(key):
-            out_st[key] = [{"name": x.get("name"),
-                            "state": {"waiting": (x.get("state") or {}).get("waiting")}}
-                           for x in st[key] if (x.get("state") or {}).get("waiting")]
-    return {"metadata": out_meta, "spec": {"containers": [out_c]}, "status": out_st}
-
-
 class PodInformer:
     """List + watch of the controller's pods in a thread; `on_event(type, pod)` runs on the loop.
 
     A watch that ends or fails is resumed from the last resourceVersion, and relisted on 410.
     """
 
-    def __init__(self, kube: Kube, loop: asyncio.AbstractEventLoop,
+    def __init__(self, kube: KubeClient, loop: asyncio.AbstractEventLoop,
                  on_event: Callable[[str, Any], None]):
         self.kube = kube
         self.loop = loop

@@ -19,7 +19,7 @@ import time
 from kubernetes import client
 
 from controller import metrics
-from controller.kube import Kube
+from controller.kube import KubeClient
 from sandman.contract import DOMAIN
 
 log = logging.getLogger("controller.leader")
@@ -28,7 +28,7 @@ LEADER_URL_ANNOTATION = f"{DOMAIN}/leader-url"
 
 
 class LeaderElector:
-    def __init__(self, kube: Kube, name: str = "sandman-controller", duration: float = 10.0,
+    def __init__(self, kube: KubeClient, name: str = "sandman-controller", duration: float = 10.0,
                  renew: float = 2.0, identity: str | None = None,
                  advertise_url: str | None = None):
         if not 0 < renew < duration:

@@ -1,20 +1,40 @@
-"""Prometheus metrics. Label values come from fixed sets (bounded cardinality): results below,
-never job names or pod names."""
+"""Prometheus metrics. Every label value passes an allow-list (`bounded`, as in
+webhook/metrics.py): a value outside it is counted as "other", so no job name, pod name or
+error text can ever become a label and cardinality stays bounded. Record through the helpers
+below, never through `.labels()` directly."""
+
+from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+ACQUIRE_RESULTS = ("ok", "timeout", "failed", "queue_full")
+WARM = ("true", "false")
+CREATE_RESULTS = ("ok", "ok_after_conflict", "ok_after_error", "name_conflict", "refused",
+                  "transport_error")
+DELETE_RESULTS = ("ok", "gone", "retry")
+# controller.books.State names (tests/controller/test_books.py checks the two agree).
+STATES = ("QUEUED", "WITHDRAWN", "CREATING", "CREATING_ORPHANED", "CREATING_DRAINED", "STARTING",
+          "STARTING_ORPHANED", "STARTING_DRAINED", "WARM", "PARKED", "CHECKING", "LEASED",
+          "DELETING", "GONE", "FAILED")
+
+
+def bounded(value: str, allowed: tuple[str, ...], other: str = "other") -> str:
+    return value if value in allowed else other
+
+
 ACQUIRES = Counter("sandman_controller_acquires_total", "Acquire requests by result",
-                   ["result", "warm"])  # result: ok|timeout|failed|queue_full; warm: true|false
+                   ["result", "warm"])
 ACQUIRE_SECONDS = Histogram("sandman_controller_acquire_seconds",
                             "Acquire latency, queue included", ["warm"],
                             buckets=(.005, .01, .02, .05, .1, .25, .5, 1, 2, 5, 10, 30, 60, 120,
                                      300, 600))
 QUEUE_SECONDS = Histogram("sandman_controller_queue_seconds", "Time from enqueue to create slot",
                           buckets=(.001, .01, .1, .5, 1, 5, 10, 30, 60, 120, 300, 600))
-CREATES = Counter("sandman_controller_creates_total", "Create calls by outcome",
-                  ["result"])  # ok|ok_after_conflict|ok_after_error|name_conflict|refused|transport_error
-DELETES = Counter("sandman_controller_deletes_total", "Delete attempts by outcome",
-                  ["result"])  # ok|gone|retry
+CREATES = Counter("sandman_controller_creates_total", "Create calls by outcome", ["result"])
+DELETES = Counter("sandman_controller_deletes_total", "Delete attempts by outcome", ["result"])
+ILLEGAL_TRANSITIONS = Counter("sandman_controller_illegal_transitions_total",
+                              "Entry state changes refused by the transition table (a bug)",
+                              ["from_state", "to_state"])
 API_BACKOFF = Counter("sandman_controller_api_backoff_total",
                       "API answers (429/5xx) that slowed the create bucket")
 SWEPT = Counter("sandman_controller_swept_total", "Unowned pods deleted by the sweep")
@@ -24,3 +44,25 @@ QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a cr
 LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any state)")
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
 LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease")
+
+
+def _warm(warm: bool) -> str:
+    return "true" if warm is True else "false"
+
+
+def acquired(result: str, warm: bool, seconds: float | None = None) -> None:
+    ACQUIRES.labels(bounded(result, ACQUIRE_RESULTS), _warm(warm)).inc()
+    if seconds is not None:
+        ACQUIRE_SECONDS.labels(_warm(warm)).observe(seconds)
+
+
+def created(result: str) -> None:
+    CREATES.labels(bounded(result, CREATE_RESULTS)).inc()
+
+
+def deleted(result: str) -> None:
+    DELETES.labels(bounded(result, DELETE_RESULTS)).inc()
+
+
+def illegal_transition(frm: str, to: str) -> None:
+    ILLEGAL_TRANSITIONS.labels(bounded(frm, STATES), bounded(to, STATES)).inc()

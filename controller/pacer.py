@@ -45,9 +45,10 @@ class _Waiter:
 
 
 class Slot:
-    """One granted create. `created()` when the create call settled (the pod exists or not),
-    `ready()` when it stopped counting as creating, `gone()` when the pod is confirmed deleted
-    (or was never stored). Each transition happens at most once."""
+    """One granted create (or an adopted pod), counted against the caps until `gone()`.
+    `done_creating()` when it stops counting as creating (Ready, or given up on); `gone()` when
+    the pod is confirmed deleted or was never stored (the books call it when the entry reaches
+    a terminal state). Each happens at most once; `gone()` implies `done_creating()`."""
 
     def __init__(self, pacer: Pacer, job: str):
         self._p = pacer

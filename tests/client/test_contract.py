@@ -103,11 +103,11 @@ def test_one_default_size():
 
     assert (SandboxPolicy().default_cpu, SandboxPolicy().default_memory) == (
         api.DEFAULT_CPU, api.DEFAULT_MEMORY)
-    core = pytest.importorskip("controller.core")
-    spec = core._spec_of({"spec": {"containers": [{"image": "img"}]}})
+    pods = pytest.importorskip("controller.pods")
+    spec = pods.spec_of({"spec": {"containers": [{"image": "img"}]}})
     assert (spec.cpu, spec.memory, spec.egress) == (api.DEFAULT_CPU, api.DEFAULT_MEMORY,
                                                     api.DEFAULT_EGRESS)
-    assert spec == core.SandboxSpec("img")
+    assert spec == pods.SandboxSpec("img")
 
 
 def test_no_python_outside_the_contract_spells_the_wire():

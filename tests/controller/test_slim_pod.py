@@ -5,8 +5,8 @@ import copy
 
 import pytest
 
-from controller import core
-from controller.kube import slim_pod
+from controller import pods
+from controller.pods import slim_pod
 from sandman import contract
 from sandman.sandbox import SandboxPolicy, make_sandbox
 
@@ -52,23 +52,23 @@ CASES = {
 def test_every_reading_is_the_same_on_the_slim_copy(case):
     full = _pod(**copy.deepcopy(CASES[case]))
     slim = slim_pod(copy.deepcopy(full))
-    for read in (core._name, core._uid, core._labels, core._deleting, core._pod_ip,
-                 core._is_ready, core._failure, core._spec_of):
+    for read in (pods.name, pods.uid, pods.labels, pods.deleting, pods.pod_ip,
+                 pods.is_ready, pods.failure, pods.spec_of, lambda p: pods.age(p, 1.8e9)):
         assert read(slim) == read(full), read.__name__
-    assert core._meta(slim)["creationTimestamp"] == core._meta(full)["creationTimestamp"]
+    assert pods.meta(slim)["creationTimestamp"] == pods.meta(full)["creationTimestamp"]
     # The cases do reach the interesting answers, so equality above is not None == None.
-    assert (core._failure(slim) is not None) == (case.startswith("fatal") or case in (
+    assert (pods.failure(slim) is not None) == (case.startswith("fatal") or case in (
         "failed", "succeeded"))
-    assert core._is_ready(slim) == (case == "ready")
+    assert pods.is_ready(slim) == (case == "ready")
 
 
 def test_deleting_and_empty_pods():
     full = _pod(**READY)
     full["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:01Z"
     slim = slim_pod(full)
-    assert core._deleting(slim) and core._failure(slim) == core._failure(full)
+    assert pods.deleting(slim) and pods.failure(slim) == pods.failure(full)
     assert slim_pod({}) == {"metadata": {}, "spec": {"containers": [{}]}, "status": {}}
-    assert core._spec_of(slim_pod({})) == core._spec_of({})
+    assert pods.spec_of(slim_pod({})) == pods.spec_of({})
 
 
 def test_slim_copy_is_small():

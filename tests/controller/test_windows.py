@@ -386,7 +386,7 @@ def test_w12_rollout_acquire_times_out_while_its_pod_waits_for_ready(window):
 def test_w13_grading_acquire_times_out_while_its_pod_waits_for_ready(window):
     """Paper: 'kept warm and reused'. Here the late grading pod is parked or deleted (never
     left without an owner) and a second acquire of the key gets a sandbox; whether it is the
-    late pod is test_w13_late_grading_pod_is_parked_and_reused (xfail)."""
+    late pod is test_w13_late_grading_pod_is_parked_and_reused."""
     w = window()
 
     def trial(i: int, mark: int) -> None:

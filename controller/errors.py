@@ -1,0 +1,39 @@
+"""The acquire path's typed errors. `status` is the HTTP answer, `kind` the error type name the
+API sends (`{"error": {"type": kind, ...}}`) and the SDK maps to its own exception; both come
+from the wire contract, sandman/api.py."""
+
+from __future__ import annotations
+
+from sandman import api
+
+
+class AcquireError(Exception):
+    status, kind = api.INTERNAL_ERROR
+
+    def __init__(self, message: str, events: list[str] | None = None):
+        super().__init__(message)
+        self.events = events or []
+
+
+class FirstAttemptLeft(AcquireError):
+    """Raised to retries waiting on an attempt whose caller disconnected: they start anew."""
+
+
+class AcquireTimeout(AcquireError):
+    status, kind = api.ACQUIRE_TIMEOUT
+
+
+class QueueFullError(AcquireError):
+    status, kind = api.QUEUE_FULL
+
+
+class BadRequest(AcquireError):
+    status, kind = api.BAD_REQUEST
+
+
+class PodFailed(AcquireError):
+    status, kind = api.POD_FAILED
+
+
+class NotLeader(AcquireError):
+    status, kind = api.NOT_LEADER

@@ -1,0 +1,306 @@
+"""The one owner pipeline, for acquires and warm builds alike, and the deletes that end it.
+
+Ownership rule (the paper's table A21): from the moment a create is queued until its pod is
+handed out or confirmed deleted, the pod belongs to an owner task here (`Pipeline.own`), never
+to the caller. A caller that disconnects, times out or is cancelled only moves its entry
+(`orphan`): a queued create is withdrawn, never sent; otherwise the owner lets the create
+settle and then parks the pod warm (no per-caller state) or deletes it. A drain or release
+(`unwant`) moves an in-flight entry to a *_DRAINED state: the owner deletes it once the create
+settles. After every await the owner reads the entry's state again; only those moves (and the
+informer's GONE) can have happened meanwhile (controller/books.py, TRANSITIONS).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+import httpx
+from kubernetes import client
+
+from controller import metrics
+from controller import pods as P
+from controller.books import DRAINED, ENDING, ORPHANED, POOL_JOB, Books, Entry, State
+from controller.create import Creator
+from controller.errors import AcquireError, AcquireTimeout, PodFailed
+from controller.kube import Kube
+from controller.pacer import Pacer
+from controller.pods import SandboxSpec
+from controller.settings import Settings
+from sandman import contract
+
+log = logging.getLogger("controller")
+S = State
+
+# The create settled and the pod is ours: the same fate, one phase on.
+STORED = {S.CREATING: S.STARTING, S.CREATING_ORPHANED: S.STARTING_ORPHANED,
+          S.CREATING_DRAINED: S.STARTING_DRAINED}
+# The caller left (`orphan`): a queued create is withdrawn; a sent one is parked or deleted.
+ORPHAN = {S.QUEUED: S.WITHDRAWN, S.CREATING: S.CREATING_ORPHANED,
+          S.STARTING: S.STARTING_ORPHANED}
+# Drained or released before the create settled (`unwant`): deleted once it settles.
+UNWANT = {S.QUEUED: S.WITHDRAWN, S.CREATING: S.CREATING_DRAINED,
+          S.CREATING_ORPHANED: S.CREATING_DRAINED, S.STARTING: S.STARTING_DRAINED,
+          S.STARTING_ORPHANED: S.STARTING_DRAINED}
+
+
+def fail(e: Entry, err: AcquireError) -> None:
+    """Answer the waiting caller (if any) with an error."""
+    if e.handed is not None and not e.handed.done():
+        e.handed.set_exception(err)
+        e.handed.exception()  # mark retrieved: an abandoned caller may never read it
+
+
+def ms(s: float) -> float:
+    return round(s * 1000, 1)
+
+
+class Pipeline:
+    def __init__(self, kube: Kube, books: Books, pacer: Pacer, creator: Creator,
+                 settings: Settings, spawn: Callable, has_room: Callable[[SandboxSpec], bool]):
+        self.kube = kube
+        self.books = books
+        self.pacer = pacer
+        self.creator = creator
+        self.s = settings
+        self.spawn = spawn
+        self.has_room = has_room  # the warm pool: may a built pod of this key stay warm?
+        self._http = httpx.AsyncClient(timeout=settings.health_timeout)
+
+    async def close(self) -> None:
+        await self._http.aclose()
+
+    # ---- the owner task -----------------------------------------------------------------------
+    async def own(self, e: Entry, token_sha: str, budget: float) -> None:
+        """queue -> create -> Ready -> hand out (acquire) or keep warm (warm build), park or
+        delete. `budget`: seconds from the create to Ready. Never cancelled by the caller;
+        every exit leaves the pod handed out, warm, or being deleted."""
+        try:
+            if e.slot is None and e.stage is S.QUEUED:
+                e.queue_wait = asyncio.ensure_future(self.pacer.acquire(e.job))
+                try:
+                    e.slot = await e.queue_wait
+                except asyncio.CancelledError:
+                    if e.stage is S.QUEUED:  # cancelled by something else than a withdraw
+                        self.books.move(e, S.WITHDRAWN, "queue wait cancelled")
+            if e.stage is S.WITHDRAWN:
+                self.books.move(e, S.GONE, "withdrawn before the create was sent")
+                fail(e, AcquireTimeout("withdrawn before the create was sent"))
+                return
+            self.books.move(e, S.CREATING, "create slot granted")
+            t_c = time.monotonic()
+            e.timings["queued_ms"] = ms(t_c - e.t_queued)
+            if e.handed is not None:
+                metrics.QUEUE_SECONDS.observe(t_c - e.t_queued)
+            stored = await self.creator.create(e, token_sha)
+            e.timings["create_ms"] = ms(time.monotonic() - t_c)
+            if e.stage is S.GONE:  # stored, then deleted before the answer reached us
+                fail(e, PodFailed(f"pod {e.name} was deleted while starting"))
+                return
+            if not stored:
+                self.books.move(e, S.FAILED, f"create refused: {e.error}")
+                fail(e, PodFailed(f"create refused: {e.error}"))
+                return
+            self.books.move(e, STORED[e.stage], "stored")
+            e.t_created = time.monotonic()
+            ok, why = await self.wait_ready(e, e.t_created + budget)
+            e.slot.done_creating()
+            if ok and e.stage in DRAINED:  # drained during the last health probe
+                ok, why = False, "was deleted while starting (drain)"
+            elif ok and e.stage is S.GONE:
+                ok, why = False, "was deleted while starting"
+            if not ok:
+                events = (await self.events(e) if e.handed is not None
+                          and e.stage not in ORPHANED else [])
+                self.delete(e, f"warm build: {why}" if e.warm_build else why)
+                fail(e, PodFailed(f"pod {e.name} {why}", events))
+                return
+            e.timings["ready_ms"] = ms(time.monotonic() - e.t_created)
+            if e.stage is S.STARTING_ORPHANED:
+                await self._park_or_delete(e)
+            elif e.warm_build:
+                if self.has_room(e.spec):
+                    e.warm_since = time.monotonic()
+                    self.books.move(e, S.WARM, "warm build Ready")
+                else:
+                    self.delete(e, "warm surplus")
+            else:
+                await self._hand_out(e)
+        except Exception as ex:  # noqa: BLE001 - the owner must clean up whatever happened
+            log.exception("owner task for %s failed", e.name)
+            self.fail_closed(e, f"owner error: {ex}")
+            fail(e, AcquireError(f"internal error: {ex}"))
+
+    def fail_closed(self, e: Entry, why: str) -> None:
+        """Whatever went wrong, the pod goes: withdrawn if never sent, else deleted."""
+        if e.stage in ENDING:
+            return
+        if e.stage is S.QUEUED:
+            self.books.move(e, S.WITHDRAWN, why)
+        if e.stage is S.WITHDRAWN:
+            self.books.move(e, S.GONE, why)
+        else:
+            self.delete(e, why)
+
+    async def _hand_out(self, e: Entry) -> None:
+        patch = {"metadata": {"labels": {contract.LABEL_STATE: contract.STATE_LEASED, **e.labels}}}
+        try:
+            await self.kube.patch_pod(e.name, patch)
+        except Exception as ex:  # noqa: BLE001
+            # Without the leased label a restart would delete a live sandbox: fail closed.
+            self.delete(e, f"hand-out patch failed: {ex}")
+            fail(e, PodFailed(f"pod {e.name} could not be marked leased: {ex}"))
+            return
+        if e.stage is S.STARTING:
+            self.books.move(e, S.LEASED, "handed out")
+            e.handed.set_result(self.result(e, warm=False))
+            return
+        if e.stage is S.STARTING_ORPHANED:  # the caller left during the patch
+            self.delete(e, "caller gone during hand-out")
+        else:  # drained during the patch, or already gone
+            self.delete(e, "drained during hand-out")
+            fail(e, PodFailed(f"pod {e.name} was deleted while starting (drain)"))
+
+    async def _park_or_delete(self, e: Entry) -> None:
+        """A pod whose caller left after the create settled: reuse it warm when it holds no
+        per-caller state (the paper's late grading pods), else delete it."""
+        if e.eligible_for_warm():
+            try:
+                await self.kube.patch_pod(e.name, {"metadata": {
+                    "labels": {contract.LABEL_STATE: contract.STATE_WARM,
+                               contract.LABEL_JOB: POOL_JOB},
+                    "ownerReferences": [await self.creator.owner_ref(POOL_JOB)]}})
+            except Exception as ex:  # noqa: BLE001
+                log.warning("parking %s failed (%s); deleting", e.name, ex)
+            else:
+                if e.stage is S.STARTING_ORPHANED:
+                    e.job = POOL_JOB
+                    e.warm_since = time.monotonic()
+                    self.books.move(e, S.PARKED, "late pod parked")  # the pool lists it
+                    metrics.PARKED.inc()
+                    return
+        self.delete(e, "caller gone")
+
+    def result(self, e: Entry, warm: bool) -> dict:
+        return {"id": e.id, "pod": e.name, "address": e.ip, "port": self.s.execd_port,
+                "token": e.token, "warm": warm,
+                "timings": {k: e.timings.get(k, 0.0) for k in ("queued_ms", "create_ms",
+                                                                "ready_ms")}}
+
+    async def events(self, e: Entry) -> list[str]:
+        return await self.kube.pod_events(e.name) if e.uid else []
+
+    # ---- callers and jobs letting go ----------------------------------------------------------
+    def orphan(self, e: Entry) -> None:
+        """The caller is gone. Before the create is sent: withdraw. After: the owner decides."""
+        if e.stage in ORPHAN:
+            self.books.move(e, ORPHAN[e.stage], "caller left")
+            if e.stage is S.WITHDRAWN and e.queue_wait is not None:
+                e.queue_wait.cancel()
+        elif e.stage is S.LEASED and e.token is not None and e.handed is not None:
+            # Handed out in the same tick the caller left: nobody holds the token.
+            self.delete(e, "caller gone at hand-out")
+
+    def unwant(self, e: Entry, why: str) -> None:
+        """Drained or released: the pod goes, now or once its create settles. An owner that
+        waits for Ready notices at the pod's next event (or when its budget runs out), as it
+        always did; waking it here would delete sooner, but a drained warm build would then
+        leave its pool below target before a following `prewarm 0` (window 15 counts creates)."""
+        if e.stage in UNWANT:
+            self.books.move(e, UNWANT[e.stage], why)
+            if e.stage is S.WITHDRAWN and e.queue_wait is not None:
+                e.queue_wait.cancel()
+        else:
+            self.delete(e, why)
+
+    # ---- readiness ----------------------------------------------------------------------------
+    async def wait_ready(self, e: Entry, deadline: float) -> tuple[bool, str]:
+        waker = self.books.waker(e.name)
+        try:
+            while True:
+                if e.stage in DRAINED:
+                    return False, "was deleted while starting (drain)"
+                if e.stage is S.GONE:
+                    return False, "was deleted while starting"
+                pod = self.books.pods.get(e.name)
+                if pod is not None and P.uid(pod) == e.uid:
+                    bad = P.failure(pod)
+                    if bad:
+                        return False, bad
+                    ready = P.is_ready(pod) and P.pod_ip(pod)
+                    if ready:
+                        e.ip = P.pod_ip(pod)
+                        if self.s.ready_check == "pod" or await self.healthy(e.ip):
+                            return True, ""
+                else:
+                    ready = False
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False, "not Ready and answering execd /health within the budget"
+                # Event-driven: a pod change wakes us. Only an execd probe that failed on a
+                # Ready pod is retried on a timer (no per-pod polling at 12,000 pods).
+                waker.clear()
+                waiter = asyncio.ensure_future(waker.wait())
+                try:
+                    await asyncio.wait({waiter}, timeout=min(left, 0.2) if ready else left)
+                finally:
+                    waiter.cancel()
+        finally:
+            self.books.drop_waker(e.name)
+
+    async def healthy(self, ip: str) -> bool:
+        host = f"[{ip}]" if ":" in ip else ip
+        try:
+            r = await self._http.get(f"http://{host}:{self.s.execd_port}/health")
+            return r.status_code == 200 and r.json().get("ok") is True
+        except Exception:  # noqa: BLE001 - not answering yet
+            return False
+
+    # ---- deletes ------------------------------------------------------------------------------
+    def delete(self, e: Entry, why: str) -> None:
+        """Delete the pod, retried until the API confirms (idempotent)."""
+        if e.stage in ENDING:
+            return
+        self.books.move(e, S.DELETING, why)
+        log.info("deleting %s: %s", e.name, why)
+        self.spawn(self._delete(e), f"delete-{e.name}")
+
+    def adopt_for_delete(self, pod: dict, why: str) -> Entry:
+        """A pod found in the cluster that no entry owns: count it, then delete it."""
+        job = P.labels(pod).get(contract.LABEL_JOB, POOL_JOB)
+        e = self.books.found(pod, self.pacer.adopt(job), S.DELETING)
+        log.info("deleting %s: %s", e.name, why)
+        self.spawn(self._delete(e), f"delete-{e.name}")
+        return e
+
+    async def _delete(self, e: Entry) -> None:
+        """Retried until the API confirms (404 counts as done), 1 s to 30 s back-off (paper)."""
+        backoff = 1.0
+        marked = False
+        while e.stage is not S.GONE:
+            try:
+                if not marked:
+                    # Survives a restart: the rebuilt books redo a delete that was lost.
+                    await self.kube.patch_pod(e.name, {"metadata": {"labels": {
+                        contract.LABEL_STATE: contract.STATE_DELETING}}})
+                    marked = True
+                await self.kube.delete_pod(e.name, e.uid)
+                metrics.deleted("ok")
+                # The informer's DELETED event releases the live count; if the pod is already
+                # absent from the cache, finish now.
+                if e.name not in self.books.pods:
+                    self.books.gone(e)
+                return
+            except client.ApiException as ex:
+                if ex.status == 404 or (ex.status == 409 and e.uid):
+                    # Gone, or the name now holds another pod (uid precondition): ours is gone.
+                    metrics.deleted("gone")
+                    self.books.gone(e)
+                    return
+                metrics.deleted("retry")
+            except Exception:  # noqa: BLE001 - transport errors: retry
+                metrics.deleted("retry")
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 30.0)

@@ -1,0 +1,97 @@
+"""Clean-up that no owner task does: the books rebuilt from labels after a (re)start, the
+periodic sweep of the controller's pods that nothing owns, and a job's drain."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Callable
+
+from controller import metrics
+from controller import pods as P
+from controller.books import DRAINED, ENDING, POOL_JOB, Books, State
+from controller.create import Creator
+from controller.kube import Kube
+from controller.pacer import Pacer
+from controller.pipeline import Pipeline
+from controller.settings import Settings
+from sandman import contract
+
+log = logging.getLogger("controller")
+S = State
+
+
+class Sweeper:
+    def __init__(self, kube: Kube, books: Books, pacer: Pacer, pipeline: Pipeline,
+                 creator: Creator, settings: Settings, spawn: Callable):
+        self.kube = kube
+        self.books = books
+        self.pacer = pacer
+        self.pipeline = pipeline
+        self.creator = creator
+        self.s = settings
+        self.spawn = spawn
+
+    def rebuild(self, pods: list[dict]) -> None:
+        """Books from labels after a (re)start: no pod is forgotten.
+
+        leased -> a live sandbox (its caller holds the token); warm -> deleted (its token died
+        with the old process); no state or deleting -> the old owner's create or delete, redone.
+        """
+        for pod in pods:
+            name = P.name(pod)
+            self.books.pods[name] = pod
+            if name in self.books.entries:
+                continue
+            if (P.labels(pod).get(contract.LABEL_STATE) == contract.STATE_LEASED
+                    and not P.deleting(pod)):
+                job = P.labels(pod).get(contract.LABEL_JOB, POOL_JOB)
+                self.books.found(pod, self.pacer.adopt(job), S.LEASED)
+            else:
+                self.pipeline.adopt_for_delete(pod, "rebuilt without an owner (restart)")
+        metrics.LIVE.set(self.pacer.live)
+
+    async def loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.s.sweep_interval)
+            try:
+                await self.sweep()
+            except Exception as ex:  # noqa: BLE001
+                log.warning("sweep failed: %s", ex)
+
+    async def sweep(self) -> int:
+        """Delete the controller's pods that nothing owns (the paper had no such sweep)."""
+        sel = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
+        pods = await self.kube.list_pods(sel)
+        seen = set()
+        n = 0
+        now = time.time()
+        for pod in pods:
+            name = P.name(pod)
+            seen.add(name)
+            e = self.books.entries.get(name)
+            if e is not None and e.uid in (None, P.uid(pod)):
+                continue
+            if P.deleting(pod) or P.age(pod, now) < self.s.sweep_grace:
+                continue
+            self.pipeline.adopt_for_delete(pod, "swept: no owner")
+            metrics.SWEPT.inc()
+            n += 1
+        for e in list(self.books.entries.values()):
+            if e.stage is S.DELETING and e.name not in seen and e.uid is not None:
+                self.books.gone(e)
+        return n
+
+    async def drain(self, job: str) -> int:
+        """Every pod of the job goes (queued creates are withdrawn, creates in flight are
+        deleted once they settle), and the job's owner ConfigMap with them."""
+        n = 0
+        for e in list(self.books.entries.values()):
+            if (e.job != job or e.stage in ENDING or e.stage in DRAINED
+                    or e.stage is S.WITHDRAWN):
+                continue
+            n += 1
+            self.pipeline.unwant(e, "job drained")
+        self.spawn(self.creator.delete_job_object(job), f"drain-{job}")
+        return n

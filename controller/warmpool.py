@@ -1,0 +1,170 @@
+"""The warm pool: never-used pods per key `SandboxSpec` (image, cpu, memory, workspace, egress),
+built through the same pacer and owner pipeline as every other create.
+
+A pool's `warm` list mirrors the books: an entry is in it exactly while its state is WARM or
+PARKED, kept by `moved` (the books' `on_move` hook), so no other code edits the list. Handed out
+only to an exactly matching request, oldest first, after a health check; each hand-out triggers
+one replacement build. A key unused for its idle timeout is emptied; built surplus is trimmed
+newest first; parked late pods are not surplus, they wait out the key's idle timeout.
+"""
+
+from __future__ import annotations
+
+import secrets
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from controller import pods as P
+from controller.books import POOL_JOB, POOLED, Books, Entry, State
+from controller.create import Creator, new_name, token_pair
+from controller.pacer import Pacer
+from controller.pipeline import Pipeline, ms
+from controller.pods import SandboxSpec
+from controller.settings import Settings
+from sandman import contract
+
+S = State
+
+
+@dataclass
+class Pool:
+    target: int = 0
+    idle_timeout: float = 300.0
+    last_used: float = field(default_factory=time.monotonic)
+    warm: list[Entry] = field(default_factory=list)  # WARM or PARKED, oldest first
+    building: int = 0  # warm builds whose owner task runs
+    checking: int = 0  # taken for an acquire, being checked and patched (CHECKING)
+
+
+class WarmPool:
+    def __init__(self, books: Books, pacer: Pacer, pipeline: Pipeline, creator: Creator,
+                 settings: Settings, spawn: Callable):
+        self.books = books
+        self.pacer = pacer
+        self.pipeline = pipeline
+        self.creator = creator
+        self.s = settings
+        self.spawn = spawn
+        self.pools: dict[SandboxSpec, Pool] = {}
+
+    def moved(self, e: Entry, old: State | None, new: State) -> None:
+        """The books' on_move hook: keeps `warm` and `checking` equal to the books."""
+        if old in POOLED or old is S.CHECKING:
+            pool = self.pools[e.spec]
+            if old is S.CHECKING:
+                pool.checking -= 1
+            else:
+                pool.warm.remove(e)
+        if new in POOLED or new is S.CHECKING:
+            # A late pod is parked into its key's pool even when nobody prewarmed that key.
+            pool = self.pools.setdefault(e.spec, Pool(idle_timeout=self.s.default_idle_timeout))
+            if new is S.CHECKING:
+                pool.checking += 1
+            else:
+                pool.warm.append(e)
+
+    def has_room(self, spec: SandboxSpec) -> bool:
+        pool = self.pools.get(spec)
+        return pool is not None and len(pool.warm) + pool.checking < pool.target
+
+    def prewarm(self, spec: SandboxSpec, count: int, idle_timeout: float | None) -> Pool:
+        pool = self.pools.setdefault(spec, Pool(idle_timeout=self.s.default_idle_timeout))
+        pool.target = count
+        if idle_timeout is not None:
+            pool.idle_timeout = idle_timeout
+        pool.last_used = time.monotonic()
+        self.fill(spec)
+        return pool
+
+    def fill(self, spec: SandboxSpec) -> None:
+        pool = self.pools.get(spec)
+        if pool is None:
+            return
+        need = pool.target - (len(pool.warm) + pool.building + pool.checking)
+        for _ in range(max(0, need)):
+            pool.building += 1
+            self.spawn(self._build(spec, pool), "warm-build")
+
+    async def _build(self, spec: SandboxSpec, pool: Pool) -> None:
+        token, token_sha = token_pair()
+        e = self.books.add(Entry(new_name("warm"), spec, POOL_JOB, secrets.token_hex(8), token,
+                                 warm_build=True))
+        try:
+            await self.pipeline.own(e, token_sha, self.s.ready_budget)
+        finally:
+            pool.building -= 1
+
+    # ---- hand-out ---------------------------------------------------------------------------
+    async def take(self, spec: SandboxSpec, job: str, owner: dict | None,
+                   labels: dict) -> dict | None:
+        """A warm pod of exactly this key, handed out to `job`; None when there is none."""
+        pool = self.pools.get(spec)
+        if pool is None:
+            return None
+        pool.last_used = time.monotonic()
+        while pool.warm:
+            e = pool.warm[0]  # oldest first; surplus is trimmed newest first
+            self.books.move(e, S.CHECKING, "taken for an acquire")
+            try:
+                got = await self._hand_out(e, job, owner, labels)
+            except BaseException:
+                # The caller was cancelled mid-check, or an API call failed: the pod may already
+                # carry the caller's labels, so it goes (fail closed, never back to the pool).
+                if e.stage is S.CHECKING:
+                    self.pipeline.delete(e, "warm hand-out interrupted")
+                raise
+            finally:
+                if pool.target > 0:
+                    self.fill(spec)  # the replacement goes through the same bucket
+            if got is not None:
+                return got
+        return None
+
+    async def _hand_out(self, e: Entry, job: str, owner: dict | None,
+                        labels: dict) -> dict | None:
+        t0 = time.monotonic()
+        if self.s.ready_check == "pod":
+            ok = P.is_ready(self.books.pods.get(e.name))
+        else:
+            ok = await self.pipeline.healthy(e.ip)
+        if e.stage is not S.CHECKING:  # drained or deleted meanwhile: its delete stands
+            return None
+        if not ok:
+            self.pipeline.delete(e, "warm pod failed its health check")
+            return None
+        ref = ({"apiVersion": "v1", "kind": "Pod", "name": owner["name"], "uid": owner["uid"]}
+               if owner else await self.creator.owner_ref(job))
+        try:
+            await self.pipeline.kube.patch_pod(e.name, {"metadata": {
+                "labels": {contract.LABEL_STATE: contract.STATE_LEASED,
+                           contract.LABEL_JOB: job, **labels},
+                "ownerReferences": [ref]}})
+        except Exception as ex:  # noqa: BLE001
+            self.pipeline.delete(e, f"warm hand-out patch failed: {ex}")
+            return None
+        if e.stage is not S.CHECKING:
+            return None
+        # Move the pod's count from the pool to the job for the per-job caps.
+        if e.slot:
+            e.slot.gone()
+        e.slot = self.pacer.adopt(job)
+        e.job, e.owner, e.labels = job, owner, labels
+        self.books.move(e, S.LEASED, "warm hand-out")
+        e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "ready_ms": ms(time.monotonic() - t0)}
+        return self.pipeline.result(e, warm=True)
+
+    # ---- maintenance (once a second) ----------------------------------------------------------
+    def tick(self) -> None:
+        now = time.monotonic()
+        for spec, pool in list(self.pools.items()):
+            if pool.target and now - pool.last_used > pool.idle_timeout:
+                pool.target = 0  # idle key: the pool for it is emptied
+            built = [e for e in pool.warm if e.stage is S.WARM]
+            while len(built) > pool.target:  # built surplus, newest first
+                self.pipeline.delete(built.pop(), "warm surplus or idle")
+            for e in [e for e in pool.warm
+                      if e.stage is S.PARKED and now - (e.warm_since or now) > pool.idle_timeout]:
+                self.pipeline.delete(e, "parked pod idle")  # waits out its key's idle timeout
+            if pool.target:
+                self.fill(spec)
