@@ -236,12 +236,18 @@ def _finish(img: Image, digests: dict, t0: float) -> None:
     _drop_stale(img.name, img.archive.parent)
 
 
+KEEP_OTHER_BUILDS = 2
+
+
 def _drop_stale(name: str, current: Path) -> None:
-    """Earlier builds of the same thing (other inputs) are stale: drop them."""
-    stale = re.compile(rf"images-{re.escape(name)}-[0-9a-f]{{16}}")
-    for d in current.parent.iterdir():
-        if d != current and stale.fullmatch(d.name):
-            shutil.rmtree(d, ignore_errors=True)
+    """Keep the newest KEEP_OTHER_BUILDS builds of `name` with other inputs besides `current`,
+    drop the rest. Not just `current`: checkouts of other branches share the cache, and each
+    dropping the other's build made them rebuild in turn (seen with two worktrees)."""
+    pattern = re.compile(rf"images-{re.escape(name)}-[0-9a-f]{{16}}")
+    others = [d for d in current.parent.iterdir() if d != current and pattern.fullmatch(d.name)]
+    others.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in others[KEEP_OTHER_BUILDS:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # --- pause ---------------------------------------------------------------------------------
