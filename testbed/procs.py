@@ -99,6 +99,21 @@ def pid_runs(pid: int, exe: str) -> bool:
     return state != "Z" and Path(cmdline).name == Path(exe).name
 
 
+def group_members(pgid: int) -> list[int]:
+    """Live (not zombie) processes whose process group is `pgid`, from /proc."""
+    out = []
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            fields = Path(f"/proc/{name}/stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if fields[0] != "Z" and int(fields[2]) == pgid:
+            out.append(int(name))
+    return out
+
+
 @dataclass
 class Proc:
     """One process: `start()` runs `cmd` in its own session with output to `log`.
@@ -150,20 +165,26 @@ class Proc:
         except ProcessLookupError:
             pass
 
+    def group_alive(self) -> bool:
+        """Any live (not zombie) process left in this process's group: the leader exits
+        first, its children may still be on their way out."""
+        return self.alive() or (self.pid is not None and bool(group_members(self.pid)))
+
     def stop(self, timeout: float = 20.0, sig: int = signal.SIGTERM) -> None:
-        """`sig` (SIGTERM) to the group, wait up to `timeout` s for the exit, then SIGKILL."""
-        if self.pid is None or not self.alive():
+        """`sig` (SIGTERM) to the group, wait up to `timeout` s until every member has exited,
+        then SIGKILL the group."""
+        if self.pid is None or not self.group_alive():
             if self.proc is not None:
                 self.proc.poll()
             return
         self.send(sig)
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and self.alive():
+        while time.monotonic() < deadline and self.group_alive():
             time.sleep(0.05)
-        if self.alive():
+        if self.group_alive():
             self.send(signal.SIGKILL)
             end = time.monotonic() + 5
-            while time.monotonic() < end and self.alive():
+            while time.monotonic() < end and self.group_alive():
                 time.sleep(0.05)
         if self.proc is not None:
             self.proc.wait(timeout=1)

@@ -294,7 +294,7 @@ def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> l
     args = parse_args(["serve", "--namespace", "sandboxes", "--listen", "0.0.0.0:8080",
                        f"--ingress-from={trainers}", f"--advertise-address={controller_ip}"])
     ctl = Controller(None, settings_from(args))
-    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    pod = ctl.creator.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
     guard = next(c for c in pod["spec"]["initContainers"] if c["name"] == NETGUARD_CONTAINER)
     return [node_ip if a == f"$({NODE_IP_ENV})" else a for a in guard["args"]]
 

@@ -26,7 +26,7 @@ def test_proc_stop_ends_the_whole_group_and_a_pid_only_proc_stops_too(tmp_path):
     q = Proc("sleeper", [sys.executable, "-c", "import time; time.sleep(60)"],
              tmp_path / "q.log").start()
     attached = Proc("sleeper", q.cmd, q.log, pid=q.pid)  # as `testbed down` sees it
-    assert attached.alive()
+    wait_for(attached.alive, 5, "the attached pid to run python (after its exec)")
     attached.stop(timeout=5)
     assert q.wait(5) is not None and not attached.alive()
 
