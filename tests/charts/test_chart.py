@@ -342,7 +342,7 @@ def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_plac
     assert pod_ip_env in c0["env"] and "--ingress-from=10.32.0.0/12" in c0["args"]
     args = [a.replace("$(SANDMAN_POD_IP)", "10.200.0.7") for a in c0["args"]]
     ctl = Controller(None, settings_from(parse_args(["serve", *args])))
-    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    pod = ctl.creator.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
     guard = pod["spec"]["initContainers"][0]
     assert guard["name"] == contract.NETGUARD_CONTAINER
     sources = [guard["args"][i + 1] for i, a in enumerate(guard["args"]) if a == "--ingress-from"]
