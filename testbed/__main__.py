@@ -15,9 +15,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=None,
                     help="state dir (default .testbed/manual, or $SANDMAN_TESTBED_STATE/manual)")
     sub = ap.add_subparsers(dest="verb", required=True)
-    real_default = os.environ.get("REAL_NODE", "") not in ("", "0")
+    env = os.environ.get("REAL_NODE", "")
+    real_default = env == "1"
     b = sub.add_parser("build", help="build the binaries into the cache (once per pinned version)")
-    b.add_argument("--real-node", action="store_true", default=real_default,
+    b.add_argument("--real-node", action="store_true",
+                   default=real_default or (env == "auto" and os.geteuid() == 0),
                    help="also the real node's kubelet, kube-proxy, CoreDNS, kube-router, crictl")
     up = sub.add_parser("up", help="start in the background and print the KUBECONFIG export")
     up.add_argument("--nodes", type=int, default=20, help="kwok nodes (default 20)")

@@ -147,6 +147,8 @@ class Testbed:
     # Where the API server listens: 127.0.0.1, or the real node's IP (pods must reach it).
     bind_ip: str = "127.0.0.1"
     realnode: object = field(default=None, repr=False)  # a realnode.RealNode once prepared
+    # Seconds to wait for the machine's one real-node slot while another test bed holds it.
+    real_node_wait: float = 0.0
 
     # Paths -----------------------------------------------------------------------------
     @property
@@ -184,12 +186,12 @@ class Testbed:
         bins = build.build()
         etcd = str(bins["etcd"])
         # A crashed real node's mounts may be under the state dir: unmount before removing it.
-        realnode.cleanup_leftovers(self.state_dir, claim=self.real_node)
+        realnode.cleanup_leftovers(self.state_dir)
         remove_state_dir(self.state_dir)
         self.logs.mkdir(parents=True)
         (self.state_dir / "flex").mkdir()
         if self.real_node:
-            self.realnode = realnode.RealNode(self)
+            self.realnode = realnode.RealNode(self, wait=self.real_node_wait)
             try:
                 self.realnode.prepare()  # the node IP must exist before the API server binds it
             except BaseException:
@@ -335,16 +337,20 @@ class Testbed:
         not remove raises TestbedError (after the rest is stopped), one line naming it."""
         left: list[str] = []
         if self.realnode is not None:
-            left = self.realnode.stop(timeout)
+            self.realnode.stop(timeout)
+        for c in reversed(self.components):
+            _terminate(c, timeout)
+        self.components = []
+        # After the API server: it listens on the node IP that the cleanup removes (it would
+        # spend 2 x 10 s failing to reach itself on the way out).
+        if self.realnode is not None:
+            left = self.realnode.cleanup()
         elif (self.state_dir / "realnode").exists():  # a real node this object did not start
             from testbed import realnode
 
             rec = realnode.read_record()
             if rec and rec.get("state_dir") == str(self.state_dir):
                 left = realnode.cleanup(rec)
-        for c in reversed(self.components):
-            _terminate(c, timeout)
-        self.components = []
         pids = self.state_dir / "pids.json"
         if pids.exists():
             pids.unlink()
