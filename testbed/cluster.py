@@ -305,6 +305,9 @@ class Testbed:
                                     env=dict(os.environ, **env) if env else None)
         comp = Component(name, cmd, log, proc, proc.pid)
         self.components.append(comp)
+        # Recorded at once, not only when the start completes: `python -m testbed down` then
+        # finds the processes of an `up` that crashed half-way.
+        self._write_pids()
         return comp
 
     def _wait(self, comp: Component, ready, timeout: float, what: str) -> None:
