@@ -1,7 +1,8 @@
 """Install the Debian packages the tests need, only when a command is missing.
 
 Tests that need them (netguard in network namespaces, execd with real bash) fail loudly
-without them; this step is what makes `make test` work on a fresh machine.
+without them; the image tests (tests/images) skip without root or without their tools. This
+step is what makes `make test` work on a fresh machine.
 
 `--real-node` (make ... REAL_NODE=1) adds what the test bed's real node runs on: containerd and
 runc (Debian's 1.6.20 / 1.1.5 were measured to work here), the CNI plugins, ipset for
@@ -21,6 +22,13 @@ NEEDED = {
     "ip6tables-restore": "iptables",
     "iptables-legacy-restore": "iptables",
     "curl": "curl",
+    # The real-node images (testbed/images.py, tests/images): built without Docker, run in a
+    # throwaway containerd. runc, not crun: crun fails on this cgroup v1 host (hybrid mode).
+    "debootstrap": "debootstrap",
+    "buildah": "buildah",
+    "containerd": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
 }
 # path (a command, or a file for packages without one on PATH) -> Debian package
 REAL_NODE = {
