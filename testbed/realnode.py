@@ -455,7 +455,12 @@ def cleanup(rec: dict, machine: bool = True) -> list[str]:
         for s in sockets:
             with contextlib.suppress(OSError):
                 s.unlink()
-    # Containers' processes outlive their shims (reparented to init): their cgroups find them.
+    if not machine:
+        if rec.get("state_dir"):
+            unmount_all_under(Path(rec["state_dir"]))
+        return leftovers(rec, machine=False)
+    # Holding the machine's slot, every kubepods cgroup is this node's. Containers' processes
+    # outlive their shims (reparented to init): their cgroups find them.
     for cg in _kubepods_cgroups():
         for _ in range(5):
             pids = _cgroup_pids(cg)
@@ -464,8 +469,6 @@ def cleanup(rec: dict, machine: bool = True) -> list[str]:
             _kill_and_wait(pids, timeout=5)
     if rec.get("state_dir"):
         unmount_all_under(Path(rec["state_dir"]))
-    if not machine:
-        return leftovers(rec, machine=False)
     for cg in _kubepods_cgroups():
         _rmdir_tree(cg)
     _network_down()

@@ -205,6 +205,30 @@ def test_pods_stay_on_their_kind_of_node(real_cluster, real_namespace):
     assert "Seccomp:\t2" in Path(f"/proc/{pid}/status").read_text()  # RuntimeDefault: filter
 
 
+def test_task_image_resolves_with_its_own_resolver_and_logs(real_cluster, real_namespace):
+    """An unmodified image (the task image, python3) runs its own command: the pod's
+    resolv.conf (search path, ndots) finds the API server's Service, and its output comes back
+    through the API server from the kubelet (kubectl logs)."""
+    ref = real_cluster.testbed.realnode.load_images("task")[0]
+    pod = pause_pod("task")
+    c = pod["spec"]["containers"][0]
+    c.update(image=ref, command=["python3", "-c", (
+        "import socket; print('resolved', socket.gethostbyname('kubernetes.default'))")])
+    c["resources"]["limits"]["memory"] = c["resources"]["requests"]["memory"] = "64Mi"
+    c["resources"]["limits"]["cpu"] = c["resources"]["requests"]["cpu"] = "100m"
+    pod["spec"]["restartPolicy"] = "Never"
+    real_cluster.core.create_namespaced_pod(real_namespace, pod)
+    deadline = time.monotonic() + 60
+    while real_cluster.core.read_namespaced_pod("task", real_namespace).status.phase not in (
+            "Succeeded", "Failed"):
+        assert time.monotonic() < deadline, "task pod did not finish in 60 s"
+        time.sleep(0.3)
+    log = real_cluster.core.read_namespaced_pod_log("task", real_namespace)
+    assert real_cluster.core.read_namespaced_pod("task", real_namespace).status.phase == \
+        "Succeeded", log
+    assert log.strip() == "resolved 10.0.0.1"
+
+
 def test_missing_image_fails_on_the_machine(real_cluster, real_namespace):
     """No registry can be reached: a pull goes to containerd's dead local proxy and fails
     there, without even resolving the registry's name."""

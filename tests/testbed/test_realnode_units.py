@@ -126,3 +126,17 @@ def test_one_real_node_per_machine(tmp_path, monkeypatch):
     again = dict(theirs, started=1)
     realnode.claim_machine(again)
     assert realnode.read_record() == again
+
+
+def test_cleanup_without_the_slot_touches_only_its_own(tmp_path, monkeypatch):
+    """A bed that does not hold the machine's slot (a kwok-only bed, a start that failed early)
+    must never touch another bed's real node: no kubepods kill, no fixed names."""
+    killed, touched = [], []
+    monkeypatch.setattr(realnode, "_kubepods_cgroups", lambda: [tmp_path / "kubepods"])
+    monkeypatch.setattr(realnode, "_cgroup_pids", lambda cg: [424242])
+    monkeypatch.setattr(realnode, "_kill_and_wait", lambda pids, timeout=10: killed.extend(pids))
+    monkeypatch.setattr(realnode, "_network_down", lambda: touched.append("network"))
+    monkeypatch.setattr(realnode, "_processes_of", lambda rec: [])
+    rec = {"state_dir": str(tmp_path), "dir": str(tmp_path / "realnode")}
+    assert realnode.cleanup(rec, machine=False) == []
+    assert killed == [] and touched == []
