@@ -239,6 +239,9 @@ class Testbed:
                 # Burst tests create thousands of pods; the default 400 in-flight is the
                 # production figure, kept, but the event TTL is short to keep etcd small.
                 "--event-ttl=10m", "--profiling=false", *audit_flags,
+                # logs/exec/port-forward dial a node by its InternalIP: by default the API
+                # server first resolves the node's name, a DNS query to the machine's resolver.
+                "--kubelet-preferred-address-types=InternalIP",
                 # kubectl logs/exec on the real node: the kubelet trusts the test bed's CA.
                 *([f"--kubelet-client-certificate={p.admin_cert}",
                    f"--kubelet-client-key={p.admin_key}"] if self.real_node else [])],

@@ -151,7 +151,7 @@ class _RealBed:
         self.tb = Testbed(default_state_dir(f"pytest-{os.getpid()}-real"),
                           nodes=int(os.environ.get("SANDMAN_TESTBED_REAL_KWOK_NODES", "2")),
                           # One real node per machine: another session's is waited for.
-                          real_node=True, real_node_wait=900)
+                          real_node=True, real_node_wait=480)
         t0 = time.monotonic()
         try:
             self.tb.start()
