@@ -469,8 +469,17 @@ def cleanup(rec: dict, machine: bool = True) -> list[str]:
             _kill_and_wait(pids, timeout=5)
     if rec.get("state_dir"):
         unmount_all_under(Path(rec["state_dir"]))
-    for cg in _kubepods_cgroups():
-        _rmdir_tree(cg)
+    # A killed container stays in its cgroup until its new parent (init) reaps it: rmdir
+    # fails with EBUSY until then, so retry for a while.
+    deadline = time.monotonic() + 15
+    while _kubepods_cgroups():
+        for cg in _kubepods_cgroups():
+            _kill_and_wait(_cgroup_pids(cg), timeout=2)
+            _rmdir_tree(cg)
+        if time.monotonic() > deadline:
+            break
+        if _kubepods_cgroups():
+            time.sleep(0.2)
     _network_down()
     for save, restore in _iptables_families():
         for _ in range(3):  # a rule added between save and restore (kube-router) needs a pass more
