@@ -44,6 +44,14 @@ chart-golden: $(STAMP) testbed-build  ## regenerate the chart's _contract.tpl an
 	$(VPY) charts/gen_contract.py
 	SANDMAN_GOLDEN_UPDATE=1 $(VPY) -m pytest -q tests/charts/test_chart.py
 
+.PHONY: images images-list
+IMAGES ?=
+images: $(STAMP)  ## build the real-node images without Docker into ~/.cache (IMAGES="pause" for one)
+	$(VPY) -m testbed.images build $(IMAGES)
+
+images-list: $(STAMP)  ## ref, cache state and archive path of each real-node image
+	$(VPY) -m testbed.images list
+
 testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
 	$(VPY) -m testbed up
 

@@ -1,7 +1,8 @@
 """Install the Debian packages the tests need, only when a command is missing.
 
 Tests that need them (netguard in network namespaces, execd with real bash) fail loudly
-without them; this step is what makes `make test` work on a fresh machine.
+without them; the image tests (tests/images) skip without root or without their tools. This
+step is what makes `make test` work on a fresh machine.
 """
 
 import os
@@ -17,6 +18,13 @@ NEEDED = {
     "ip6tables-restore": "iptables",
     "iptables-legacy-restore": "iptables",
     "curl": "curl",
+    # The real-node images (testbed/images.py, tests/images): built without Docker, run in a
+    # throwaway containerd. runc, not crun: crun fails on this cgroup v1 host (hybrid mode).
+    "debootstrap": "debootstrap",
+    "buildah": "buildah",
+    "containerd": "containerd",
+    "ctr": "containerd",
+    "runc": "runc",
 }
 
 
