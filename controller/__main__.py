@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import ipaddress
 import logging
 import os
 import sys
@@ -14,6 +15,7 @@ import uvicorn
 
 from controller.api import build_app
 from controller.core import Controller, Settings
+from controller.forward import ForwardToLeader
 from controller.kube import Kube, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
@@ -58,6 +60,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--lease-duration", type=float, default=10.0,
                    help="a standby takes over this long after the leader's last renewal")
     s.add_argument("--lease-renew", type=float, default=2.0)
+    s.add_argument("--advertise-address", default="",
+                   help="this replica's pod IP: the leader writes it into the Lease, so a "
+                        "standby can forward API calls to it, and every pod this replica "
+                        "builds admits it to execd's port (its --ready-check execd source) "
+                        "even when --ingress-from is narrowed; default: the --listen host "
+                        "unless it is a wildcard (then nothing is admitted besides "
+                        "--ingress-from)")
     s.add_argument("--image", default=SandboxPolicy.image, help="the sandman image (execd, guard)")
     s.add_argument("--guard", choices=GUARD_MODES, default=SandboxPolicy.guard)
     s.add_argument("--ingress-from", action="append", default=None,
@@ -66,34 +75,64 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
+def settings_from(args: argparse.Namespace) -> Settings:
+    """The controller's Settings from its flags (tests build pods exactly as `serve` would)."""
+    return Settings(
+        namespace=args.namespace,
+        limits=Limits(rate=args.rate, burst=args.burst, max_creating=args.max_creating,
+                      max_live=args.max_live, job_max_creating=args.job_max_creating,
+                      job_max_live=args.job_max_live),
+        ready_check=args.ready_check, node_pool_label=args.node_pool_label,
+        sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
+        default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
+        api_timeout=args.api_timeout,
+        policy=SandboxPolicy(image=args.image, guard=args.guard,
+                             ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
+                             # The pods this replica builds admit its execd check's source.
+                             controller_ip=_ip_or_none(args.advertise_address)))
+
+
+def _ip_or_none(text: str) -> str | None:
+    try:
+        return str(ipaddress.ip_address(text.strip().strip("[]"))) if text else None
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         host, port = args.listen.rsplit(":", 1)
-        settings = Settings(
-            namespace=args.namespace,
-            limits=Limits(rate=args.rate, burst=args.burst, max_creating=args.max_creating,
-                          max_live=args.max_live, job_max_creating=args.job_max_creating,
-                          job_max_live=args.job_max_live),
-            ready_check=args.ready_check, node_pool_label=args.node_pool_label,
-            sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
-            default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
-            api_timeout=args.api_timeout,
-            policy=SandboxPolicy(image=args.image, guard=args.guard,
-                                 ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",))))
+        settings = settings_from(args)
         threads = max(32, min(256, args.max_creating))
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
         # bursts (seen in a profile at 50 creates/s).
         api = load_api_client(args.kubeconfig, pool=threads + 8)
-        elector = LeaderElector(Kube(api, args.namespace, threads=4), args.lease_name,
-                                args.lease_duration, args.lease_renew)
         port = int(port)
+        elector = LeaderElector(Kube(api, args.namespace, threads=4), args.lease_name,
+                                args.lease_duration, args.lease_renew,
+                                advertise_url=advertise_url(args.advertise_address, host, port))
     except Exception as e:  # noqa: BLE001 - bad flags or config: one line, exit 2
         print(f"controller: {e}", file=sys.stderr)
         return 2
-    state: dict = {}
+    if elector.advertise_url is None:
+        log.warning("no --advertise-address: as leader, standbys cannot forward API calls "
+                    "here and answer NotLeader (retried by the SDK) instead")
+    state: dict = {"elector": elector}
     app = build_app(state)
+
+    def serving() -> bool:
+        c = state.get("controller")
+        return c is not None and c.ready
+
+    def target() -> tuple[str, str] | None:
+        # Only a fresh view of the Lease (read within its duration) names a leader to forward to.
+        if elector.is_leader or not elector.connected() or not elector.leader_url:
+            return None
+        return elector.holder, elector.leader_url
+
+    forwarder = ForwardToLeader(app, serving, target, identity=elector.identity)
     kube = Kube(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
 
     async def on_started():
@@ -117,6 +156,7 @@ def main(argv: list[str] | None = None) -> int:
             if c is not None:
                 await c.stop()
             await elector.release()
+            await forwarder.aclose()
             kube.shutdown()
 
     app.router.lifespan_context = lifespan
@@ -127,9 +167,18 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     # A run start fires thousands of acquires at once: a short accept backlog would turn the
     # burst into SYN retries (1 s each) before the queue even sees them.
-    uvicorn.run(app, host=host, port=port, log_level="warning", access_log=False,
+    uvicorn.run(forwarder, host=host, port=port, log_level="warning", access_log=False,
                 backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools")
     return 0
+
+
+def advertise_url(address: str, listen_host: str, port: int) -> str | None:
+    """http://ADDRESS:PORT for the Lease; None when nothing routable is known."""
+    host = address or ("" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host)
+    if not host:
+        return None
+    host = host.strip("[]")
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 if __name__ == "__main__":

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
+from controller.forward import not_leader_headers
 from sandman import contract
 
 log = logging.getLogger("controller.api")
@@ -61,13 +62,17 @@ class PrewarmBody(BaseModel):
     idle_timeout_s: float | None = Field(None, gt=0)
 
 
-def _err(status: int, kind: str, message: str, events: list[str] | None = None) -> JSONResponse:
+def _err(status: int, kind: str, message: str, events: list[str] | None = None,
+         headers: dict[str, str] | None = None) -> JSONResponse:
     return JSONResponse({"error": {"type": kind, "message": message, "events": events or []}},
-                        status_code=status)
+                        status_code=status, headers=headers)
 
 
 def build_app(state: dict) -> FastAPI:
-    """`state["controller"]` is set once this replica leads; until then writes answer 503."""
+    """`state["controller"]` is set once this replica leads; until then the API routes answer
+    NotLeader (503). `state["elector"]` (the LeaderElector) tells a standby's /readyz whether
+    it is in touch with the API server; on a standby, controller/forward.py sends API calls to
+    the leader before they reach these routes."""
     app = FastAPI(title="sandman controller", version="0.1.0")
 
     def ctl() -> Controller:
@@ -78,7 +83,11 @@ def build_app(state: dict) -> FastAPI:
 
     @app.exception_handler(AcquireError)
     async def _acq(_req, exc: AcquireError):
-        return _err(exc.status, exc.kind, str(exc), exc.events)
+        # NotLeader closes the connection: the Service balances connections, so the SDK's
+        # retry on a fresh one may reach the other replica.
+        headers = ({k.decode(): v.decode() for k, v in not_leader_headers()}
+                   if isinstance(exc, NotLeader) else None)
+        return _err(exc.status, exc.kind, str(exc), exc.events, headers)
 
     @app.exception_handler(RequestValidationError)
     async def _bad(_req, exc: RequestValidationError):
@@ -152,15 +161,35 @@ def build_app(state: dict) -> FastAPI:
         return ctl().stats()
 
     @app.get("/healthz")
-    async def healthz():
+    @app.get("/livez")
+    async def livez():
+        # Liveness: the process and its event loop answer. Never the API server or the lease:
+        # an API outage must not restart every replica (a leader that loses the lease exits
+        # by itself, crash-only).
         return {"ok": True}
 
     @app.get("/readyz")
     async def readyz():
+        """Ready = this replica can serve API calls, never "this replica leads": the leader
+        once its informer has synced its books; a standby while it reads the Lease from the
+        API server (within the lease duration), since it forwards calls to the leader. A
+        standby answering 503 here kept a 2-replica Deployment at 1/2 Ready: `helm install
+        --wait` timed out and a rolling update (maxUnavailable 0) never removed the old
+        leader. kwok marks pods Ready without probes, so only a real kubelet showed it."""
         c = state.get("controller")
-        if c is None or not c.ready:
-            return _err(503, "NotLeader", "standby or not synced")
-        return {"ok": True, "leader": True}
+        if c is not None:
+            if c.ready:
+                return {"ok": True, "role": "leader"}
+            return _err(503, "NotReady", "leader: books not synced yet")
+        el = state.get("elector")
+        if el is None:
+            return _err(503, "NotReady", "starting")
+        if el.is_leader:
+            return _err(503, "NotReady", "elected: syncing the books")
+        if not el.connected():
+            return _err(503, "NotReady",
+                        f"no answer from the API server within {el.duration:g}s")
+        return {"ok": True, "role": "standby", "leader": el.holder}
 
     @app.get("/metrics")
     async def metrics_route():

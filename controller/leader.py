@@ -1,6 +1,11 @@
 """Leader election on a coordination.k8s.io Lease: one active replica, standbys take over
 within `duration` seconds of the leader's last renewal. Losing the lease ends the process
-(crash-only: the Deployment restarts it as a standby, whose books are rebuilt from labels)."""
+(crash-only: the Deployment restarts it as a standby, whose books are rebuilt from labels).
+
+The leader also writes the URL where it serves the API into the Lease (annotation
+`sandman.dev/leader-url`), in the same resourceVersion-guarded update that renews it, so a
+standby that reads the Lease learns who leads and where in one fenced object: it forwards API
+calls there (controller/forward.py) and is Ready without being the leader."""
 
 from __future__ import annotations
 
@@ -9,18 +14,23 @@ import datetime as dt
 import logging
 import os
 import socket
+import time
 
 from kubernetes import client
 
 from controller import metrics
 from controller.kube import Kube
+from sandman.contract import DOMAIN
 
 log = logging.getLogger("controller.leader")
+
+LEADER_URL_ANNOTATION = f"{DOMAIN}/leader-url"
 
 
 class LeaderElector:
     def __init__(self, kube: Kube, name: str = "sandman-controller", duration: float = 10.0,
-                 renew: float = 2.0, identity: str | None = None):
+                 renew: float = 2.0, identity: str | None = None,
+                 advertise_url: str | None = None):
         if not 0 < renew < duration:
             raise ValueError("renew period must be positive and shorter than the lease duration")
         self.kube = kube
@@ -28,9 +38,25 @@ class LeaderElector:
         self.duration = duration
         self.renew = renew
         self.identity = identity or f"{socket.gethostname()}-{os.getpid()}"
+        self.advertise_url = advertise_url  # where this replica serves the API, for standbys
         self.is_leader = False
+        # Another replica's advertised URL while it holds an unexpired lease; None when nobody
+        # leads, this replica leads, or the holder advertised nothing.
+        self.leader_url: str | None = None
+        self.holder: str | None = None
         self._last_renew: float = 0.0
+        self._contact: float | None = None  # monotonic time of the last API round trip
         self.coord = client.CoordinationV1Api(kube.api)
+
+    def connected(self) -> bool:
+        """The API server answered a lease call within the last `duration` seconds: what a
+        standby needs to be Ready (it can tell who leads and forward to it)."""
+        return self._contact is not None and time.monotonic() - self._contact < self.duration
+
+    def _annotate(self, meta: client.V1ObjectMeta) -> None:
+        if self.advertise_url:
+            meta.annotations = dict(meta.annotations or {},
+                                    **{LEADER_URL_ANNOTATION: self.advertise_url})
 
     def _now(self) -> dt.datetime:
         return dt.datetime.now(dt.UTC)
@@ -43,7 +69,11 @@ class LeaderElector:
         except client.ApiException as e:
             if e.status != 404:
                 raise
-            body = client.V1Lease(metadata=client.V1ObjectMeta(name=self.name), spec=client.V1LeaseSpec(
+            self._contact = time.monotonic()
+            self.holder = self.leader_url = None
+            meta = client.V1ObjectMeta(name=self.name)
+            self._annotate(meta)
+            body = client.V1Lease(metadata=meta, spec=client.V1LeaseSpec(
                 holder_identity=self.identity, lease_duration_seconds=int(self.duration),
                 acquire_time=now, renew_time=now, lease_transitions=0))
             try:
@@ -53,21 +83,27 @@ class LeaderElector:
                 if e2.status == 409:
                     return False
                 raise
+        self._contact = time.monotonic()
         spec = lease.spec
         holder = spec.holder_identity
         renewed = spec.renew_time or spec.acquire_time
         expired = renewed is None or (now - renewed).total_seconds() > (
             spec.lease_duration_seconds or self.duration)
         if holder != self.identity and not expired:
+            self.holder = holder
+            self.leader_url = (lease.metadata.annotations or {}).get(LEADER_URL_ANNOTATION)
             return False
+        self.holder = self.leader_url = None  # nobody else leads: forward nowhere
         if holder != self.identity:
             spec.lease_transitions = (spec.lease_transitions or 0) + 1
             spec.acquire_time = now
             spec.holder_identity = self.identity
         spec.renew_time = now
         spec.lease_duration_seconds = int(self.duration)
+        self._annotate(lease.metadata)
         try:
-            # replace carries resourceVersion: two candidates cannot both win.
+            # replace carries resourceVersion: two candidates cannot both win, and the URL a
+            # standby forwards to is only ever written by the holder of this very version.
             await self.kube.call(self.coord.replace_namespaced_lease, self.name, ns, lease)
             return True
         except client.ApiException as e:

@@ -1,14 +1,18 @@
 """The ruleset: a pure function of `Config` and the address family, in iptables-save's own form.
 
-Every rule is written exactly as `iptables-save` prints it back (same option order, `-m tcp`
-spelled out, CIDRs normalised), so `check` can compare the live rules with these strings and
-the golden files show precisely what the kernel will hold. Every rule carries a comment naming
-its purpose (`sandman: ...`), like istio-iptables and linkerd's proxy-init.
+Every rule is written as `iptables-save` prints it back (same option order, `-m tcp` spelled
+out, CIDRs normalised, no `-s`/`-d` at all for a /0, which iptables-save never prints), so the
+golden files show what the kernel will hold. The read-back (`diff_live`) still compares
+addresses as addresses, not strings: iptables-save's spelling of an IPv6 address is libc's
+(`::ffff:10.0.0.0`) where Python's is `::ffff:a00:0`, and a kwok-only test bed once hid that a
+literal string compare failed every default install. Every rule carries a comment naming its
+purpose (`sandman: ...`), like istio-iptables and linkerd's proxy-init.
 """
 
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import shlex
 from dataclasses import dataclass
 
@@ -58,6 +62,13 @@ class Rule:
         return f"-A {self.chain} {self.spec()}"
 
 
+def _addr(opt: str, network: ipaddress.IPv4Network | ipaddress.IPv6Network) -> str:
+    """`-s CIDR ` / `-d CIDR `, or nothing for a /0: it matches every address of the family,
+    and iptables-save omits it (both backends), so a rule rendered with `-s 0.0.0.0/0` never
+    reads back equal."""
+    return "" if network.prefixlen == 0 else f"{opt} {network} "
+
+
 def jump_rule(base: str, chain: str) -> Rule:
     what = "egress" if chain == CHAIN_OUT else "ingress"
     return Rule(base, "", f"netguard {what} guard, first rule of {base}", chain)
@@ -88,11 +99,12 @@ def chain_rules(config: Config, family: str) -> list[Rule]:
         for a in config.allow_egress:
             if a.family != family:
                 continue
+            dest = _addr("-d", a.network)
             if a.port is None:
-                rules.append(Rule(out, f"-d {a.network}", f"allow egress {a}", "ACCEPT"))
+                rules.append(Rule(out, dest.strip(), f"allow egress {a}", "ACCEPT"))
                 continue
             for proto in (a.proto,) if a.proto else ("tcp", "udp"):
-                rules.append(Rule(out, f"-d {a.network} -p {proto} -m {proto} --dport {a.port}",
+                rules.append(Rule(out, f"{dest}-p {proto} -m {proto} --dport {a.port}",
                                   f"allow egress {a}", "ACCEPT"))
         lock = " (lockdown after a failed apply)" if config.lockdown else ""
         rules += [
@@ -111,7 +123,7 @@ def chain_rules(config: Config, family: str) -> list[Rule]:
     port = config.ingress_port
     for src in config.ingress_from:
         if (src.version == 4) == (family == IPV4):
-            rules.append(Rule(inn, f"-s {src} -p tcp -m tcp --dport {port}",
+            rules.append(Rule(inn, f"{_addr('-s', src)}-p tcp -m tcp --dport {port}",
                               f"allow port {port} from {src}", "ACCEPT"))
     rules.append(Rule(inn, "", "drop other new inbound", "DROP"))
     return rules
@@ -196,8 +208,49 @@ def ruleset_sha256(config: Config) -> str:
     return hashlib.sha256(render(config).encode()).hexdigest()
 
 
+_ADDR_OPTS = frozenset(("-s", "-d"))  # iptables-save prints only the short forms
+
+
+def canonical_spec(spec: str) -> tuple[str, ...]:
+    """A rule spec as tokens with every `-s`/`-d` address in one spelling, so the read-back
+    compares what a rule matches, not how a tool spells it: `-s 0.0.0.0/0` and `-d ::/0`
+    vanish (iptables-save omits them), host bits are cleared, a bare address gets its /32 or
+    /128, IPv6 is spelled by Python (glibc prints embedded IPv4 as dotted quads). Only
+    equivalent spellings meet: another network, a negation (`! -s`), a non-contiguous mask or
+    anything unparsable stays as it is and so still differs, and the apply fails closed."""
+    try:
+        toks = shlex.split(spec)
+    except ValueError:
+        return (spec,)
+    out: list[str] = []
+    i = 0
+    while i < len(toks):
+        tok = toks[i]
+        if tok == "--comment" and i + 1 < len(toks):  # a comment is text, never an address
+            out += toks[i:i + 2]
+            i += 2
+            continue
+        if tok in _ADDR_OPTS and i + 1 < len(toks):
+            try:
+                net = ipaddress.ip_network(toks[i + 1], strict=False)
+            except ValueError:
+                net = None
+            if net is not None:
+                negated = bool(out) and out[-1] == "!"
+                if net.prefixlen != 0 or negated:
+                    out += [tok, str(net)]
+                i += 2
+                continue
+        out.append(tok)
+        i += 1
+    return tuple(out)
+
+
 def diff_live(config: Config, family: str, live: LiveFilter) -> list[str]:
-    """Differences between the live filter table and the ruleset; [] when they match."""
+    """Differences between the live filter table and the ruleset; [] when they match.
+
+    Rules are compared token by token with addresses canonicalised on both sides
+    (`canonical_spec`); everything else (order, matches, targets, comments) must be equal."""
     problems = []
     want = chain_rules(config, family)
     for chain in OWN_CHAINS:
@@ -205,7 +258,7 @@ def diff_live(config: Config, family: str, live: LiveFilter) -> list[str]:
         got = live.chains.get(chain)
         if got is None:
             problems.append(f"{family}: chain {chain} is missing")
-        elif got != expected:
+        elif [canonical_spec(g) for g in got] != [canonical_spec(e) for e in expected]:
             problems.append(f"{family}: chain {chain} differs: "
                             f"{len(got)} live rules, {len(expected)} expected; first difference: "
                             f"{_first_difference(got, expected)}")
@@ -221,7 +274,7 @@ def diff_live(config: Config, family: str, live: LiveFilter) -> list[str]:
 
 def _first_difference(got: list[str], expected: list[str]) -> str:
     for i, (g, e) in enumerate(zip(got, expected, strict=False)):
-        if g != e:
+        if canonical_spec(g) != canonical_spec(e):
             return f"rule {i + 1}: live {g!r}, expected {e!r}"
     i = min(len(got), len(expected))
     return f"rule {i + 1}: " + (f"extra live {got[i]!r}" if len(got) > i else

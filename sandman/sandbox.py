@@ -82,6 +82,12 @@ class SandboxPolicy:
     # Who may reach execd's port when the pod does not say (annotation). The token authenticates;
     # this narrows who can connect. Production sets the trainers' pod CIDR.
     ingress_from: tuple[str, ...] = ("0.0.0.0/0",)
+    # Controller only (the webhook leaves it None): the pod IP of the controller replica that
+    # builds the pod. Its execd readiness check dials from there, and only ever on pods its own
+    # process built (a new leader deletes the old one's unleased pods and never checks leased
+    # ones), so each pod it builds admits exactly that address besides the ingress sources and
+    # the node, through the pod's ingress-from annotation, which the webhook reads too.
+    controller_ip: str | None = None
 
     def __post_init__(self) -> None:
         if self.guard not in GUARD_MODES:
@@ -90,6 +96,8 @@ class SandboxPolicy:
         parse_quantity(self.default_memory)
         for cidr in self.ingress_from:
             ipaddress.ip_network(cidr, strict=False)
+        if self.controller_ip is not None:
+            ipaddress.ip_address(self.controller_ip)  # one address, never a network
 
 
 @dataclass(frozen=True)
@@ -235,6 +243,27 @@ def ingress_cidrs(pod: dict, policy: SandboxPolicy) -> list[str]:
 NODE_IP_ENV = "SANDMAN_NODE_IP"
 
 
+def admit_controller(pod: dict, policy: SandboxPolicy) -> None:
+    """With `policy.controller_ip` (the controller building this pod), make sure the pod's
+    ingress sources admit that one address: when the annotation or the policy already covers
+    it (the default 0.0.0.0/0 does), nothing changes; otherwise the pod gets the ingress-from
+    annotation = its sources + the address as a /32 (/128). docs/install.md's narrowed
+    `sandbox.ingressFrom` locked the controller's execd check out before this."""
+    if not policy.controller_ip:
+        return
+    ip = ipaddress.ip_address(policy.controller_ip)
+    cidrs = ingress_cidrs(pod, policy)
+    for cidr in cidrs:
+        net = ipaddress.ip_network(cidr, strict=False)
+        if net.version == ip.version and ip in net:  # `in` alone ignores the version
+            return
+    meta = pod.setdefault("metadata", {})
+    annotations = meta.get("annotations")
+    if not isinstance(annotations, dict):
+        annotations = meta["annotations"] = {}
+    annotations[ANNOTATION_INGRESS_FROM] = ",".join([*cidrs, f"{ip}/{ip.max_prefixlen}"])
+
+
 def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     egress = EGRESS_DENY if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY else EGRESS_ALLOW
     args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
@@ -317,6 +346,7 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
     out = copy.deepcopy(pod)
     spec = out.setdefault("spec", {})
     index = sandbox_container_index(out)
+    admit_controller(out, policy)
     guard = netguard_container(out, policy) if guard_required(out, policy) else None
 
     spec["enableServiceLinks"] = False

@@ -51,25 +51,30 @@ class ControllerProc:
 
     def start(self, wait_ready: bool = True, timeout: float = 30) -> ControllerProc:
         """Start (or restart, on the same port and log) the process; with `wait_ready`,
-        return once /readyz answers 200 (it is the leader and its books are built)."""
+        return once /readyz answers 200 as the leader (its books are built)."""
         self.port = self.port or free_port()
         self.proc = Proc("controller", self.command(), self.log, cwd=self.cwd).start()
         if wait_ready:
             self.wait_ready(timeout)
         return self
 
-    def wait_ready(self, timeout: float = 30) -> None:
+    def wait_ready(self, timeout: float = 30, role: str | None = "leader") -> None:
+        """Until /readyz answers 200 with `role` ("leader", "standby"; None: either). A standby
+        is Ready too (it forwards to the leader), so callers that mean "this one leads" wait
+        for the role."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if not self.proc.alive():
                 raise RuntimeError(f"controller exited {self.proc.exit_code()}: {self.tail()}")
             try:
-                if httpx.get(self.url + "/readyz", timeout=1).status_code == 200:
+                r = httpx.get(self.url + "/readyz", timeout=1)
+                if r.status_code == 200 and role in (None, r.json().get("role")):
                     return
-            except httpx.HTTPError:
+            except (httpx.HTTPError, ValueError):
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"controller not ready after {timeout:g}s: {self.tail()}")
+        raise RuntimeError(f"controller not ready ({role or 'any role'}) after {timeout:g}s: "
+                           f"{self.tail()}")
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.alive()

@@ -229,3 +229,110 @@ def test_schema_rejects_a_wrong_type(helm):
     assert "replicas" in res.stderr and "integer" in res.stderr, res.stderr
     res = helm.template("--set", "webhook.failurePolicy=fail", check=False)
     assert res.returncode != 0 and "failurePolicy" in res.stderr, res.stderr
+
+
+# ------------------------------------------------------------------ readiness of replicas
+# kwok marks pods Ready without probing them, so a readiness probe that only the leader
+# passes (the controller's /readyz answered 503 on its standby) kept a 2-replica Deployment
+# at 1/2 Ready unnoticed: `helm install --wait` timed out and a rolling update (maxUnavailable
+# 0, surge 1) never scaled the old leader down. Every Deployment with replicas > 1 must probe
+# an endpoint that a non-leader replica passes; below, each component's rendered probe path is
+# called on a real app instance in its non-leader state.
+
+
+class _Standby:
+    """A LeaderElector as a connected standby sees itself (another replica leads)."""
+
+    identity, holder, leader_url, duration, is_leader = "standby", "leader", None, 10.0, False
+
+    def __init__(self, connected: bool = True):
+        self._connected = connected
+
+    def connected(self) -> bool:
+        return self._connected
+
+
+def _controller_standby_get(path: str, connected: bool = True) -> int:
+    from fastapi.testclient import TestClient
+
+    from controller.api import build_app
+    return TestClient(build_app({"elector": _Standby(connected)})).get(path).status_code
+
+
+def _webhook_replica_get(path: str) -> int:
+    from fastapi.testclient import TestClient
+
+    from sandman.sandbox import SandboxPolicy
+    from webhook.app import create_app
+    return TestClient(create_app(SandboxPolicy())).get(path).status_code
+
+
+# component label -> how to GET a path on a replica that does not lead. The webhook has no
+# leader at all (every replica serves admission); the controller's standby forwards to its
+# leader (docs/controller.md, "Two replicas").
+NON_LEADER_REPLICA = {"controller": _controller_standby_get, "webhook": _webhook_replica_get}
+
+
+def test_replicated_deployments_probe_readiness_that_does_not_depend_on_leadership(helm):
+    renders = [_render(helm, *_values_args(c)) for c in CASES]
+    renders.append(_render(helm, "--set", "controller.replicas=3,webhook.replicas=2"))
+    seen = set()
+    for objs in renders:
+        for dep in (o for o in objs if o["kind"] == "Deployment"):
+            if dep["spec"].get("replicas", 1) <= 1:
+                continue
+            comp = dep["spec"]["template"]["metadata"]["labels"]["app.kubernetes.io/component"]
+            assert comp in NON_LEADER_REPLICA, (
+                f"{dep['metadata']['name']} has {dep['spec']['replicas']} replicas: add how its "
+                "readiness endpoint behaves on a replica that does not lead")
+            for c in dep["spec"]["template"]["spec"]["containers"]:
+                probe = c.get("readinessProbe")
+                assert probe and probe.get("httpGet"), f"{comp}/{c['name']}: no readiness probe"
+                path = probe["httpGet"]["path"]
+                assert NON_LEADER_REPLICA[comp](path) == 200, (
+                    f"{comp}: readiness {path} fails on a non-leader replica")
+                live = (c.get("livenessProbe") or {}).get("httpGet", {}).get("path")
+                assert live and NON_LEADER_REPLICA[comp](live) == 200, f"{comp}: liveness {live}"
+                seen.add(comp)
+    assert seen == set(NON_LEADER_REPLICA)
+    # The controller's liveness never depends on the API server either (its readiness does).
+    ctl = _find(renders[0], "Deployment", "-controller")["spec"]["template"]["spec"]
+    c0 = ctl["containers"][0]
+    assert _controller_standby_get(c0["livenessProbe"]["httpGet"]["path"], connected=False) == 200
+    assert _controller_standby_get(c0["readinessProbe"]["httpGet"]["path"], connected=False) == 503
+    # The standby learns where the leader serves from the Lease: the pod IP is advertised.
+    assert "--advertise-address=$(SANDMAN_POD_IP)" in c0["args"]
+    assert {"name": "SANDMAN_POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}} \
+        in c0["env"]
+
+
+def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_place(helm):
+    """docs/install.md narrows sandbox.ingressFrom to the trainers' CIDR (custom-selectors
+    case). The chart's controller args, run through the controller's own code, must build pods
+    whose guard admits that replica's pod IP; the `helm test` pod gets the same CIDRs and its
+    own IP, so outside them it checks that execd refuses it instead of failing to exec."""
+    from controller.__main__ import parse_args, settings_from
+    from controller.core import Controller, Entry, SandboxSpec
+
+    objs = _render(helm, *_values_args("custom-selectors"))
+    c0 = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][0]
+    pod_ip_env = {"name": "SANDMAN_POD_IP",
+                  "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
+    assert pod_ip_env in c0["env"] and "--ingress-from=10.32.0.0/12" in c0["args"]
+    args = [a.replace("$(SANDMAN_POD_IP)", "10.200.0.7") for a in c0["args"]]
+    ctl = Controller(None, settings_from(parse_args(["serve", *args])))
+    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    guard = pod["spec"]["initContainers"][0]
+    assert guard["name"] == contract.NETGUARD_CONTAINER
+    sources = [guard["args"][i + 1] for i, a in enumerate(guard["args"]) if a == "--ingress-from"]
+    assert sources == ["10.32.0.0/12", "10.200.0.7/32", "$(SANDMAN_NODE_IP)"]
+
+    test_pod = next(o for o in objs if o["kind"] == "Pod"
+                    and o["metadata"]["annotations"].get("helm.sh/hook") == "test")
+    tc = test_pod["spec"]["containers"][0]
+    assert tc["command"] == ["python3", "-m", "sandman.selftest"]
+    assert pod_ip_env in tc["env"] and "--ingress-from=10.32.0.0/12" in tc["args"]
+    # Default values: no --ingress-from for either (0.0.0.0/0: the test pod runs `echo ok`).
+    dflt = _render(helm)
+    tc = next(o for o in dflt if o["kind"] == "Pod")["spec"]["containers"][0]
+    assert not [a for a in tc["args"] if a.startswith("--ingress-from")]

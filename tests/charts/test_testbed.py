@@ -367,7 +367,8 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             kc = _service_account_kubeconfig(cluster, namespace, controller, tmp_path)
             # The rendered args as they are (namespace, ready check, lease...), but on loopback.
             ctl = ControllerProc(None, kc, tmp_path / "controller.log",
-                                 _rewrite(container["args"], listen=f"127.0.0.1:{port}"),
+                                 _rewrite(container["args"], listen=f"127.0.0.1:{port}",
+                                          advertise_address="127.0.0.1"),
                                  port=port, ready_check=None)
             try:
                 ctl.start()
@@ -380,18 +381,20 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             pod = next(o for o in hooks if o["kind"] == "Pod")
             assert pod["metadata"]["annotations"]["helm.sh/hook"] == "test"
             tc = pod["spec"]["containers"][0]
-            assert tc["command"][:2] == ["python3", "-c"]
-            env = {e["name"]: e["value"] for e in tc["env"]}
+            assert tc["command"] == ["python3", "-m", "sandman.selftest"]
+            env = {e["name"]: e["value"] for e in tc["env"] if "value" in e}
             assert env["SANDMAN_CONTROLLER"].startswith(f"http://{controller}.{namespace}.svc:")
+            test_cmd = [sys.executable, "-m", "sandman.selftest", *tc["args"]]
             t0 = time.monotonic()
-            res = subprocess.run([sys.executable, "-c", tc["command"][2]], cwd=tmp_path,
-                                 env={**os.environ, "SANDMAN_CONTROLLER": url},
+            res = subprocess.run(test_cmd, cwd=tmp_path,
+                                 env={**os.environ, "SANDMAN_CONTROLLER": url,
+                                      "SANDMAN_POD_IP": "127.0.0.1"},
                                  capture_output=True, text=True, timeout=120)
             took = time.monotonic() - t0
             assert res.returncode == 0, f"{res.stdout}{res.stderr}\n{log.read_text()[-2000:]}"
             assert "ok: acquired, ran `echo ok`, released" in res.stdout
             # ... and it fails loudly when there is no controller to talk to.
-            bad = subprocess.run([sys.executable, "-c", tc["command"][2]], cwd=tmp_path,
+            bad = subprocess.run(test_cmd, cwd=tmp_path,
                                  env={**os.environ,
                                       "SANDMAN_CONTROLLER": f"http://127.0.0.1:{free_port()}"},
                                  capture_output=True, text=True, timeout=120)

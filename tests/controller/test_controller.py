@@ -324,23 +324,76 @@ def test_sigkill_mid_burst_then_restart_leaks_nothing(cluster, namespace, ctl):
     assert acquire(c2.url, job="k").status_code == 201
 
 
+def _role(url: str) -> str | None:
+    try:
+        r = httpx.get(url + "/readyz", timeout=1)
+    except httpx.HTTPError:
+        return None
+    return r.json().get("role") if r.status_code == 200 else None
+
+
 def test_leader_failover_rebuilds_books(cluster, namespace, ctl):
     lease = f"ha-{namespace}"
     a = ctl(lease=lease)
     b = ctl(lease=lease, start=False)
     b.start(wait_ready=False)
+    b.wait_ready(15, role="standby")  # ready as a standby: readiness is not leadership
     time.sleep(2)
-    assert httpx.get(b.url + "/readyz").status_code == 503, "two leaders"
-    r = acquire(b.url)
-    assert r.status_code == 503 and r.json()["error"]["type"] == "NotLeader"
+    assert (_role(a.url), _role(b.url)) == ("leader", "standby"), "two leaders"
     sb = acquire(a.url).json()
     t0 = time.monotonic()
     a.kill()
-    b.wait_ready(30)
+    wait_for(lambda: _role(b.url) == "leader", 30, "the standby to lead")
     took = time.monotonic() - t0
     assert took < 15, f"standby took {took:.1f}s to lead"
     got = httpx.get(f"{b.url}/v1/sandboxes/{sb['id']}")
     assert got.status_code == 200 and got.json()["state"] == "leased"
+    assert httpx.delete(f"{b.url}/v1/sandboxes/{sb['id']}").json()["released"] is True
+
+
+def test_standby_is_ready_and_serves_through_the_leader(cluster, namespace, ctl):
+    """Two replicas behind one Service: both must be Ready (kwok hid that a standby answered
+    /readyz 503, which kept a 2-replica Deployment at 1/2: `helm install --wait` timed out and
+    a rolling update never scaled the old leader down). The Service then routes to both, so
+    an API call that lands on the standby must be served: the standby forwards it to the
+    leader named in the Lease, and while no leader answers it says NotLeader (503, retryable,
+    connection closed) and the SDK retries until the standby has taken over."""
+    from sandman.client import Client, RetryPolicy
+
+    lease = f"ha-{namespace}"
+    a = ctl(lease=lease)  # leader: ready once its books are synced
+    b = ctl(lease=lease, start=False)
+    b.start(wait_ready=False)
+    b.wait_ready(15, role="standby")  # the standby is Ready too
+    ra, rb = httpx.get(a.url + "/readyz"), httpx.get(b.url + "/readyz")
+    assert (ra.status_code, rb.status_code) == (200, 200)
+    assert (ra.json()["role"], rb.json()["role"]) == ("leader", "standby")
+    assert httpx.get(b.url + "/livez").status_code == 200
+
+    # Raw HTTP to the standby: served by the leader, one set of books.
+    r = acquire(b.url, job="via-standby")
+    assert r.status_code == 201, r.text
+    sb = r.json()
+    assert httpx.get(f"{a.url}/v1/sandboxes/{sb['id']}").json()["state"] == "leased"
+    assert httpx.get(f"{b.url}/v1/sandboxes/{sb['id']}").json()["state"] == "leased"
+    assert httpx.get(f"{b.url}/v1/sandboxes/nope").status_code == 404  # errors pass through
+    bad = httpx.post(f"{b.url}/v1/sandboxes", json={"image": IMAGE})
+    assert bad.status_code == 422 and bad.json()["error"]["type"] == "BadRequest"
+
+    # The SDK through the standby, then across a failover: the leader dies, the standby keeps
+    # answering NotLeader until the lease lapses (4 s here), the SDK retries, the standby leads.
+    retry = RetryPolicy(attempts=60, backoff_s=0.2, backoff_max_s=1.0, budget_s=40)
+    with Client(b.url, retry=retry) as client:
+        s1 = client.acquire(IMAGE, job="sdk", cpu="100m", memory="128Mi", timeout_s=30)
+        assert client.get(s1.id).state == "leased"
+        a.kill()
+        t0 = time.monotonic()
+        s2 = client.acquire(IMAGE, job="sdk", cpu="100m", memory="128Mi", timeout_s=30)
+        took = time.monotonic() - t0
+        assert _role(b.url) == "leader"
+        assert client.get(s1.id).state == "leased"  # the new leader rebuilt the books
+        assert client.release(s2.id) is True and client.release(s1.id) is True
+    assert took < 30, f"the SDK needed {took:.1f}s across the failover"
     assert httpx.delete(f"{b.url}/v1/sandboxes/{sb['id']}").json()["released"] is True
 
 

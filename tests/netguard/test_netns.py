@@ -185,6 +185,136 @@ def test_no_ingress_from_means_loopback_only(lab):
     assert execd.accepted == 4
 
 
+# ------------------------------------------------------------------ default install values
+# kwok never ran an init container, so nothing noticed that the DEFAULT ingress (0.0.0.0/0)
+# failed netguard's read-back: iptables-save prints no `-s` for a /0 source, the comparison
+# saw a mismatch, and every guarded sandbox of a default install was locked down and never
+# started. These tests apply exactly the arguments the webhook injects by default.
+
+
+def _default_webhook_args(egress: str, node_ip: str) -> list[str]:
+    """The netguard args the webhook gives a sandbox with the default policy (no annotation),
+    with `$(SANDMAN_NODE_IP)` expanded the way the kubelet does (downward API status.hostIP)."""
+    from sandman.contract import LABEL_EGRESS, LABEL_SANDBOX, SANDBOX_TRUE
+    from sandman.sandbox import NODE_IP_ENV, SandboxPolicy, netguard_args
+    from webhook.__main__ import policy_from
+
+    pod = {"metadata": {"labels": {LABEL_SANDBOX: SANDBOX_TRUE, LABEL_EGRESS: egress}},
+           "spec": {"containers": [{"name": "sandbox", "image": "python:3.12-slim"}]}}
+    policy = SandboxPolicy()
+    # The webhook's own CLI default is the same policy (the chart leaves ingressFrom empty).
+    assert policy_from(_webhook_parser().parse_args([])).ingress_from == policy.ingress_from
+    args = netguard_args(pod, policy)
+    assert "0.0.0.0/0" in args  # the default this test is about
+    return [node_ip if a == f"$({NODE_IP_ENV})" else a for a in args]
+
+
+def _webhook_parser():
+    import argparse
+
+    from webhook.__main__ import _policy_args
+    p = argparse.ArgumentParser()
+    _policy_args(p)
+    return p
+
+
+@pytest.mark.parametrize("egress", ["allow", "deny"])
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_default_install_ingress_applies_verifies_and_admits_any_source(lab, backend, egress):
+    execd, other_port = lab.serve(lab.pod, EXECD_PORT), lab.serve(lab.pod, 2222)
+    args = _default_webhook_args(egress, node_ip=PEER_V4)
+    p = lab.netguard("apply", "--backend", backend, *args)
+    assert p.returncode == 0, f"default install: apply failed: {p.stderr.strip()}"
+    st = status(lab)
+    assert st["ok"] and st["verified"] and st["backend"] == backend
+    assert lab.netguard("check").returncode == 0  # re-renders from the status file
+    # 0.0.0.0/0: an unlisted namespace reaches execd, and its echo gets back out.
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, payload=b"run").through
+    assert nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, payload=b"run").through
+    # Still only execd's port; and IPv6 sources stay loopback-only (no ::/0 was given).
+    assert nslab.tcp(lab.other, POD_OTHER_V4, 2222, timeout=DROP_WAIT).what == "timeout"
+    assert nslab.tcp(lab.peer, POD_PEER_V6, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+    assert execd.accepted == 2 and other_port.accepted == 0
+    if egress == "deny":
+        assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
+    assert blocked_fast(nslab.tcp(lab.pod, METADATA_V4, 80))
+
+
+# Every spelling iptables-save rewrites: /0 (omitted), host bits (cleared), a bare address
+# (printed /32 or /128), IPv4-embedded IPv6 (glibc prints ::ffff:10.0.0.0, Python
+# ::ffff:a00:0), a long zero spelling of ::/0 and upper case hex.
+SPELLINGS_IN = ["0.0.0.0/0", "::/0", "10.251.2.2/16", "10.251.1.2", "0::0/0",
+                "::ffff:10.0.0.0/104", "FD00:5A:1::2", "1.2.3.4/0"]
+SPELLINGS_OUT = ["0.0.0.0/0:8053/tcp", "[::/0]:8053/udp", "10.251.1.2/24:8054",
+                 "[::ffff:10.251.1.2]:8055/tcp", "10.251.9.9"]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_every_cidr_spelling_iptables_save_canonicalises_reads_back(lab, backend):
+    execd = lab.serve(lab.pod, EXECD_PORT)
+    args = ["--backend", backend, "--ingress-from", ",".join(SPELLINGS_IN)]
+    for a in SPELLINGS_OUT:
+        args += ["--allow-egress", a]
+    p = lab.netguard("apply", *args)
+    assert p.returncode == 0, f"apply failed: {p.stderr.strip()}"
+    assert lab.netguard("check").returncode == 0
+    assert lab.netguard("check", *args[2:]).returncode == 0
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, payload=b"x").through
+    assert nslab.tcp(lab.peer, POD_PEER_V6, EXECD_PORT, payload=b"x").through  # ::/0
+    assert execd.accepted == 2
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_read_back_still_fails_closed_on_a_narrowed_wildcard(lab, backend):
+    """Normalising spellings must not hide a real difference: a live rule that admits less
+    (or more) than the wildcard is a mismatch, and apply's read-back catches it."""
+    lab.apply("--backend", backend, "--ingress-from", "0.0.0.0/0")
+    ipt = ("ip", "netns", "exec", lab.pod, f"iptables-{backend}")
+    comment = f"sandman: allow port {EXECD_PORT} from 0.0.0.0/0"
+    nslab.sh(*ipt, "-D", "SANDMAN-IN", "-p", "tcp", "-m", "tcp", "--dport", str(EXECD_PORT),
+             "-m", "comment", "--comment", comment, "-j", "ACCEPT")
+    nslab.sh(*ipt, "-I", "SANDMAN-IN", "4", "-s", "10.0.0.0/1", "-p", "tcp", "-m", "tcp",
+             "--dport", str(EXECD_PORT), "-m", "comment", "--comment", comment, "-j", "ACCEPT")
+    bad = lab.netguard("check", "--backend", backend)
+    assert bad.returncode == 1 and "SANDMAN-IN differs" in bad.stdout, bad.stdout
+
+
+# docs/install.md narrows `sandbox.ingressFrom` to the trainers' pod CIDR. The controller
+# (`--ready-check execd`) dials execd from its own pod IP, outside that CIDR: it must still get
+# in on the pods it builds, and any other non-trainer must not. The pod and its netguard
+# arguments come from the controller's own code path, configured as the chart configures it.
+
+
+def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> list[str]:
+    from controller.__main__ import parse_args, settings_from
+    from controller.core import Controller, Entry, SandboxSpec
+    from sandman.contract import NETGUARD_CONTAINER
+    from sandman.sandbox import NODE_IP_ENV
+
+    args = parse_args(["serve", "--namespace", "sandboxes", "--listen", "0.0.0.0:8080",
+                       f"--ingress-from={trainers}", f"--advertise-address={controller_ip}"])
+    ctl = Controller(None, settings_from(args))
+    pod = ctl.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
+    guard = next(c for c in pod["spec"]["initContainers"] if c["name"] == NETGUARD_CONTAINER)
+    return [node_ip if a == f"$({NODE_IP_ENV})" else a for a in guard["args"]]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_narrowed_ingress_admits_the_controller_that_built_the_pod_and_no_other(lab, backend):
+    execd = lab.serve(lab.pod, EXECD_PORT)
+    # peer = the controller's pod; other = any other pod, not a trainer; the node is elsewhere.
+    args = _controller_built_args(PEER_V4, node_ip="10.251.7.7", trainers="10.32.0.0/12")
+    p = lab.netguard("apply", "--backend", backend, *args)
+    assert p.returncode == 0, p.stderr
+    assert lab.netguard("check").returncode == 0
+    got = nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, payload=b"health")
+    assert got.through, f"the controller's execd check is locked out: {got}"
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+    assert nslab.tcp(lab.peer, POD_PEER_V6, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+    assert nslab.tcp(lab.peer, POD_PEER_V4, 2222, timeout=DROP_WAIT).what == "timeout"
+    assert execd.accepted == 1
+
+
 # ------------------------------------------------------------------ re-runs
 
 

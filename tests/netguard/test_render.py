@@ -27,6 +27,7 @@ from netguard.rules import (
     CHAIN_IN,
     CHAIN_OUT,
     LiveFilter,
+    canonical_spec,
     chain_rules,
     diff_live,
     jump_rule,
@@ -52,6 +53,12 @@ GOLDEN_CASES = {
     "allow": ["--egress", "allow"],
     "allow-ingress": ["--egress", "allow", "--ingress-from", "10.244.0.0/16"],
     "ipv4-only": ["--family", "ipv4", "--allow-egress", "10.96.0.10:53"],
+    # What the webhook injects by default (no annotation; node IP from the downward API).
+    "default-install": ["--egress", "allow", "--ingress-port", "9470",
+                        "--ingress-from", "0.0.0.0/0", "--ingress-from", "10.0.0.1"],
+    # /0 entries render with no -s/-d at all, as iptables-save prints them back.
+    "deny-wildcards": ["--ingress-from", "0.0.0.0/0,::/0", "--allow-egress", "0.0.0.0/0:53",
+                       "--allow-egress", "[::/0]:443/tcp"],
 }
 
 
@@ -195,6 +202,65 @@ def test_diff_live_accepts_exactly_the_ruleset():
     assert any("not the first rule" in p
                for p in diff_live(cfg, IPV4, LiveFilter.parse(_save({**late, **own}))))
     assert any("missing" in p for p in diff_live(cfg, IPV4, LiveFilter.parse(_save(base))))
+
+
+# The default install's SANDMAN-IN exactly as iptables-save (nft and legacy, 1.8.9) printed it
+# back in a real netns: no `-s` for the /0 source.
+_DEFAULT_INSTALL_IN_AS_SAVED = [
+    '-i lo -m comment --comment "sandman: allow loopback" -j ACCEPT',
+    '-m conntrack --ctstate RELATED,ESTABLISHED -m comment --comment '
+    '"sandman: allow replies on established connections" -j ACCEPT',
+    '-m conntrack --ctstate INVALID -m comment --comment "sandman: drop invalid" -j DROP',
+    '-p tcp -m tcp --dport 9470 -m comment --comment "sandman: allow port 9470 from 0.0.0.0/0" '
+    '-j ACCEPT',
+    '-s 10.0.0.1/32 -p tcp -m tcp --dport 9470 -m comment '
+    '--comment "sandman: allow port 9470 from 10.0.0.1/32" -j ACCEPT',
+    '-m comment --comment "sandman: drop other new inbound" -j DROP',
+]
+
+
+def test_diff_live_accepts_the_default_install_as_iptables_save_prints_it():
+    cfg = Config.from_strings("allow", None, 9470, ["0.0.0.0/0", "10.0.0.1"])
+    chains = {"OUTPUT": [jump_rule("OUTPUT", CHAIN_OUT).spec()],
+              "INPUT": [jump_rule("INPUT", CHAIN_IN).spec()],
+              CHAIN_OUT: [r.spec() for r in chain_rules(cfg, IPV4) if r.chain == CHAIN_OUT],
+              CHAIN_IN: _DEFAULT_INSTALL_IN_AS_SAVED}
+    assert diff_live(cfg, IPV4, LiveFilter.parse(_save(chains))) == []
+
+
+@pytest.mark.parametrize("rendered,saved", [
+    ("-s 0.0.0.0/0 -p tcp", "-p tcp"),
+    ("-d ::/0 -j ACCEPT", "-j ACCEPT"),
+    ("-s 10.1.2.3/16 -j ACCEPT", "-s 10.1.0.0/16 -j ACCEPT"),
+    ("-s 10.1.2.3 -j ACCEPT", "-s 10.1.2.3/32 -j ACCEPT"),
+    ("-s ::ffff:a00:0/104 -j ACCEPT", "-s ::ffff:10.0.0.0/104 -j ACCEPT"),
+    ("-s FD00::1 -j ACCEPT", "-s fd00::1/128 -j ACCEPT"),
+    ("-d 10.0.0.0/255.255.0.0 -j ACCEPT", "-d 10.0.0.0/16 -j ACCEPT"),
+])
+def test_canonical_spec_equates_the_spellings_iptables_save_prints(rendered, saved):
+    assert canonical_spec(rendered) == canonical_spec(saved)
+
+
+@pytest.mark.parametrize("rendered,saved", [
+    ("-s 0.0.0.0/0 -p tcp", "-s 0.0.0.0/1 -p tcp"),  # narrower than the wildcard
+    ("-p tcp", "-s 10.0.0.0/8 -p tcp"),
+    ("-s 10.1.0.0/16 -j ACCEPT", "-s 10.1.0.0/17 -j ACCEPT"),
+    ("-s 10.1.0.0/16 -j ACCEPT", "! -s 10.1.0.0/16 -j ACCEPT"),
+    ("-s 0.0.0.0/0 -j ACCEPT", "! -s 0.0.0.0/0 -j ACCEPT"),  # matches nothing at all
+    ("-s 10.1.0.0/16 -j ACCEPT", "-d 10.1.0.0/16 -j ACCEPT"),
+    ("-d 10.0.0.0/8 -j ACCEPT", "-d 10.0.0.0/255.0.255.0 -j ACCEPT"),  # non-contiguous mask
+    ('-m comment --comment "sandman: a" -j ACCEPT', '-m comment --comment "sandman: b" -j ACCEPT'),
+    ('-m comment --comment "-s 0.0.0.0/0" -j DROP', '-m comment --comment "" -j DROP'),
+])
+def test_canonical_spec_keeps_every_real_difference(rendered, saved):
+    assert canonical_spec(rendered) != canonical_spec(saved)
+
+
+def test_no_rendered_rule_carries_a_zero_length_prefix():
+    """iptables-save never prints `-s 0.0.0.0/0` or `-d ::/0`; the render must not either."""
+    for name, args in GOLDEN_CASES.items():
+        text = render_cli(args)
+        assert not re.search(r"-[sd] (0\.0\.0\.0|::)/0\b", text), name
 
 
 def test_sha256_names_the_ruleset():

@@ -8,6 +8,7 @@ non-default webhook configuration.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 from sandman.contract import (
     ANNOTATION_CONTAINER,
@@ -22,7 +23,15 @@ from sandman.contract import (
 from sandman.sandbox import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
-POLICIES = {"mutate-guard-mode-egress-deny-only": SandboxPolicy(guard=GUARD_EGRESS_DENY)}
+# docs/install.md's narrowed ingress (the trainers' pod CIDR); the controller replica that builds
+# a pod admits its own pod IP on it (SandboxPolicy.controller_ip), the webhook must agree.
+NARROWED = SandboxPolicy(ingress_from=("10.32.0.0/12",))
+CONTROLLER = dataclasses.replace(NARROWED, controller_ip="10.200.0.7")
+POLICIES = {"mutate-guard-mode-egress-deny-only": SandboxPolicy(guard=GUARD_EGRESS_DENY),
+            "mutate-narrowed-ingress-default": NARROWED,
+            "mutate-narrowed-ingress-controller-pod-unchanged": NARROWED,
+            "validate-narrowed-ingress-controller-pod-allowed": NARROWED,
+            "validate-narrowed-ingress-controller-admitted-by-a-user-refused": NARROWED}
 
 
 def pod(labels=None, annotations=None, containers=None, **spec) -> dict:
@@ -205,4 +214,13 @@ def cases() -> dict[str, dict]:
     c["validate-update-egress-flipped-to-deny-refused"] = review(
         "v26", _edit(g, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "deny"})),
         operation="UPDATE", old=g)
+    # --- narrowed ingress: who netguard admits (sandman.dev/ingress-from is the record) ---
+    ctl_pod = make_sandbox(pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"}), CONTROLLER)
+    c["mutate-narrowed-ingress-default"] = review("n1", pod())
+    c["mutate-narrowed-ingress-controller-pod-unchanged"] = review("n2", ctl_pod)
+    c["validate-narrowed-ingress-controller-pod-allowed"] = review("n3", ctl_pod)
+    # The guard's args must be the pod's own policy: a guard that admits more than the pod's
+    # annotation says is refused, whoever added the extra source.
+    c["validate-narrowed-ingress-controller-admitted-by-a-user-refused"] = review("n4", _edit(
+        ctl_pod, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_INGRESS_FROM)))
     return c
