@@ -20,7 +20,11 @@ $(STAMP): pyproject.toml
 
 deps: $(STAMP) sysdeps  ## install the venv, pinned PyPI deps and Debian packages the tests need
 
-sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash), when missing
+# REAL_NODE=1: the test bed adds a node that runs real containers (docs/testbed.md "Real node").
+REAL_NODE ?=
+export REAL_NODE
+
+sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; REAL_NODE=1: containerd, runc, CNI plugins, ipset, conntrack)
 	@$(PY) tools/sysdeps.py
 
 lint: $(STAMP)  ## ruff on the tree; vermin checks execd stays python3.8-compatible
@@ -52,7 +56,7 @@ images: $(STAMP)  ## build the real-node images without Docker into ~/.cache (IM
 images-list: $(STAMP)  ## ref, cache state and archive path of each real-node image
 	$(VPY) -m testbed.images list
 
-testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export
+testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export (REAL_NODE=1: plus a real node)
 	$(VPY) -m testbed up
 
 testbed-down: $(STAMP)  ## stop the test bed started by testbed-up; nothing is left running

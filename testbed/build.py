@@ -44,6 +44,20 @@ def helm_path() -> Path:
     return cache_dir() / f"helm-{versions.HELM}" / "bin" / "helm"
 
 
+# The real node's binaries, each in its own versioned folder: adding or bumping one never
+# rebuilds the control plane (or the others).
+REALNODE_K8S = ("kubelet", "kube-proxy")
+
+
+def realnode_binaries() -> dict[str, Path]:
+    d = cache_dir()
+    bins = {n: d / f"realnode-k8s-{versions.KUBERNETES}" / "bin" / n for n in REALNODE_K8S}
+    bins["coredns"] = d / f"coredns-{versions.COREDNS}" / "bin" / "coredns"
+    bins["kube-router"] = d / f"kube-router-{versions.KUBE_ROUTER}" / "bin" / "kube-router"
+    bins["crictl"] = d / f"cri-tools-{versions.CRI_TOOLS}" / "bin" / "crictl"
+    return bins
+
+
 def binaries() -> dict[str, Path]:
     d = bin_dir()
     bins = {name: d / name for name in (*K8S_COMPONENTS, "kwok", "etcd")}
@@ -112,6 +126,78 @@ def _helm_ldflags() -> str:
     return "-s -w " + " ".join(flags)
 
 
+def _build_k8s(names: list[str], out: Path, work: Path, log, env: dict[str, str]) -> None:
+    """`go build` k8s.io/kubernetes/cmd/<name> for each name from a wrapper module in `work`."""
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    (work / "go.mod").write_text("module sandman.dev/probe\n\ngo 1.26\n")
+    res = subprocess.run(
+        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{versions.KUBERNETES}"],
+        cwd=work, env=env, capture_output=True, text=True)
+    if res.returncode != 0:
+        log.write(res.stdout + res.stderr)
+        raise BuildError(f"cannot download k8s.io/kubernetes@{versions.KUBERNETES}")
+    gomod = Path(json.loads(res.stdout)["GoMod"]).read_text()
+    (work / "go.mod").write_text(_wrapper_gomod(versions.KUBERNETES, staging_modules(gomod)))
+    pkgs = [f"k8s.io/kubernetes/cmd/{n}" for n in names]
+    _run(["go", "mod", "download"], work, log, env)
+    for p in pkgs:
+        _run(["go", "get", f"{p}@{versions.KUBERNETES}"], work, log, env)
+    for name, pkg in zip(names, pkgs, strict=True):
+        tmp_out = out / f".{name}.tmp.{os.getpid()}"
+        _run(["go", "build", "-trimpath", "-ldflags", _ldflags(versions.KUBERNETES),
+              "-o", str(tmp_out), pkg], work, log, env)
+        tmp_out.rename(out / name)  # atomic: a half-built binary never looks done
+
+
+def _go_install(pkg: str, dest: Path, work: Path, log, env: dict[str, str],
+                ldflags: str = "-s -w") -> None:
+    """`go install pkg@version` (modules without replace lines) and move the binary to dest."""
+    gobin = work / f"gobin-{dest.name}"
+    _run(["go", "install", "-trimpath", "-ldflags", ldflags, pkg], work, log,
+         dict(env, GOBIN=str(gobin)))
+    dest.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = dest.parent / f".{dest.name}.tmp.{os.getpid()}"
+    shutil.move(str(gobin / dest.name), tmp_out)
+    tmp_out.rename(dest)  # atomic, even when two sessions build at once
+
+
+def build_realnode(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
+    """Build the real node's missing binaries (kubelet, kube-proxy, CoreDNS, kube-router,
+    crictl) into their own cache folders; return name -> path."""
+    bins = realnode_binaries()
+    missing = [n for n, p in bins.items() if force or not p.exists()]
+    if not missing:
+        return bins
+    if not shutil.which("go"):
+        raise BuildError("`go` is not on PATH; the test bed builds its binaries with Go >= 1.26")
+    log_path = log_path or cache_dir() / "realnode-build.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    env = _go_env()
+    t0 = time.monotonic()
+    with open(log_path, "a") as log, tempfile.TemporaryDirectory(prefix="sandman-realnode-build-") as tmp:
+        work = Path(tmp)
+        try:
+            k8s = [n for n in missing if n in REALNODE_K8S]
+            if k8s:
+                _build_k8s(k8s, bins[k8s[0]].parent, work / "k8s", log, env)
+            if "coredns" in missing:
+                _go_install(f"github.com/coredns/coredns@{versions.COREDNS}", bins["coredns"],
+                            work, log, env)
+            if "kube-router" in missing:
+                pkg = "github.com/cloudnativelabs/kube-router/v2"
+                _go_install(f"{pkg}/cmd/kube-router@{versions.KUBE_ROUTER}", bins["kube-router"],
+                            work, log, env,
+                            ldflags=f"-s -w -X {pkg}/pkg/version.Version={versions.KUBE_ROUTER}")
+            if "crictl" in missing:
+                _go_install(f"sigs.k8s.io/cri-tools/cmd/crictl@{versions.CRI_TOOLS}", bins["crictl"],
+                            work, log, env)
+        except BuildError as e:
+            raise BuildError(f"real-node build failed: {e}; see {log_path}") from None
+    print(f"testbed: built {', '.join(missing)} in {time.monotonic() - t0:.0f}s", file=sys.stderr)
+    return bins
+
+
 def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
     """Build any missing binary; return name -> path. Safe to call on every start."""
     bins = binaries()
@@ -130,24 +216,7 @@ def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
         try:
             k8s_missing = [n for n in missing if n in K8S_COMPONENTS]
             if k8s_missing:
-                (work / "go.mod").write_text("module sandman.dev/probe\n\ngo 1.26\n")
-                res = subprocess.run(
-                    ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{versions.KUBERNETES}"],
-                    cwd=work, env=env, capture_output=True, text=True)
-                if res.returncode != 0:
-                    log.write(res.stdout + res.stderr)
-                    raise BuildError(f"cannot download k8s.io/kubernetes@{versions.KUBERNETES}")
-                gomod = Path(json.loads(res.stdout)["GoMod"]).read_text()
-                (work / "go.mod").write_text(_wrapper_gomod(versions.KUBERNETES, staging_modules(gomod)))
-                pkgs = [f"k8s.io/kubernetes/cmd/{n}" for n in k8s_missing]
-                _run(["go", "mod", "download"], work, log, env)
-                for p in pkgs:
-                    _run(["go", "get", f"{p}@{versions.KUBERNETES}"], work, log, env)
-                for name, pkg in zip(k8s_missing, pkgs, strict=True):
-                    tmp_out = out / f".{name}.tmp"
-                    _run(["go", "build", "-trimpath", "-ldflags", _ldflags(versions.KUBERNETES),
-                          "-o", str(tmp_out), pkg], work, log, env)
-                    tmp_out.rename(out / name)  # atomic: a half-built binary never looks done
+                _build_k8s(k8s_missing, out, work / "k8s", log, env)
             if "etcd" in missing:
                 # etcd's own go.mod replaces its sibling modules with ../ paths, so it too is
                 # built from a wrapper module that requires it (the siblings are published).

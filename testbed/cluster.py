@@ -1,5 +1,7 @@
 """Start and stop the test bed: etcd, kube-apiserver, kube-controller-manager, kube-scheduler
 and kwok with fake nodes, all on 127.0.0.1, all state and logs under one state dir.
+With `real_node=True`, also one node that runs real containers (testbed/realnode.py); the API
+server then listens on that node's IP so pods can reach it.
 
 Every failure raises TestbedError with one line naming the component and its log file.
 """
@@ -12,6 +14,7 @@ import os
 import shutil
 import socket
 import ssl
+import sys
 import time
 import urllib.request
 from dataclasses import dataclass, field
@@ -50,10 +53,10 @@ def remove_stale_state_dirs(prefix: str = "pytest-") -> None:
             shutil.rmtree(d, ignore_errors=True)
 
 
-def _port_in_use(port: int) -> bool:
+def _port_in_use(port: int, host: str = "127.0.0.1") -> bool:
     with socket.socket() as s:
         try:
-            s.bind(("127.0.0.1", port))
+            s.bind((host, port))
         except OSError:
             return True
     return False
@@ -111,6 +114,11 @@ class Testbed:
     audit: bool = False
     components: list[Proc] = field(default_factory=list)
     ports: dict[str, int] = field(default_factory=dict)
+    # One node running real containers beside the kwok nodes (testbed/realnode.py).
+    real_node: bool = False
+    # Where the API server listens: 127.0.0.1, or the real node's IP (pods must reach it).
+    bind_ip: str = "127.0.0.1"
+    realnode: object = field(default=None, repr=False)  # a realnode.RealNode once prepared
 
     # Paths -----------------------------------------------------------------------------
     @property
@@ -129,7 +137,7 @@ class Testbed:
 
     @property
     def server(self) -> str:
-        return f"https://127.0.0.1:{self.ports['apiserver']}"
+        return f"https://{self.bind_ip}:{self.ports['apiserver']}"
 
     @property
     def pki(self) -> pki.Pki:
@@ -143,13 +151,25 @@ class Testbed:
 
         On any failure everything already started is stopped before the error propagates.
         """
+        from testbed import realnode
+
         bins = build.build()
         etcd = str(bins["etcd"])
-        if self.state_dir.exists():
-            shutil.rmtree(self.state_dir)
+        # A crashed real node's mounts may be under the state dir: unmount before removing it.
+        realnode.cleanup_leftovers(self.state_dir, claim=self.real_node)
+        remove_state_dir(self.state_dir)
         self.logs.mkdir(parents=True)
         (self.state_dir / "flex").mkdir()
-        p = pki.generate(self.state_dir / "pki")
+        if self.real_node:
+            self.realnode = realnode.RealNode(self)
+            try:
+                self.realnode.prepare()  # the node IP must exist before the API server binds it
+            except BaseException:
+                self.stop()
+                raise
+            self.bind_ip = self.realnode.node_ip
+        p = pki.generate(self.state_dir / "pki",
+                         extra_ips=(self.bind_ip,) if self.bind_ip != "127.0.0.1" else ())
         self.ports = {
             "etcd": _env_port("ETCD_PORT"), "etcd-peer": _env_port("ETCD_PEER_PORT"),
             "apiserver": _env_port("APISERVER_PORT"), "kwok": _env_port("KWOK_PORT"),
@@ -175,7 +195,7 @@ class Testbed:
              ("etcd", "etcd-peer")),
             ("kube-apiserver", [
                 str(bins["kube-apiserver"]), f"--etcd-servers={etcd_url}",
-                "--bind-address=127.0.0.1", "--advertise-address=127.0.0.1",
+                f"--bind-address={self.bind_ip}", f"--advertise-address={self.bind_ip}",
                 f"--secure-port={self.ports['apiserver']}",
                 f"--tls-cert-file={p.apiserver_cert}", f"--tls-private-key-file={p.apiserver_key}",
                 f"--client-ca-file={p.ca_cert}",
@@ -188,13 +208,18 @@ class Testbed:
                 "--endpoint-reconciler-type=none",
                 # Burst tests create thousands of pods; the default 400 in-flight is the
                 # production figure, kept, but the event TTL is short to keep etcd small.
-                "--event-ttl=10m", "--profiling=false", *audit_flags], ("apiserver",)),
+                "--event-ttl=10m", "--profiling=false", *audit_flags,
+                # kubectl logs/exec on the real node: the kubelet trusts the test bed's CA.
+                *([f"--kubelet-client-certificate={p.admin_cert}",
+                   f"--kubelet-client-key={p.admin_key}"] if self.real_node else [])],
+             ("apiserver",)),
         ]
         try:
             for name, cmd, port_names in specs:
                 for pn in port_names:
-                    if _port_in_use(self.ports[pn]):
-                        raise TestbedError(f"{name}: port 127.0.0.1:{self.ports[pn]} is already in "
+                    host = self.bind_ip if pn == "apiserver" else "127.0.0.1"
+                    if _port_in_use(self.ports[pn], host):
+                        raise TestbedError(f"{name}: port {host}:{self.ports[pn]} is already in "
                                            f"use; log {self.logs / (name + '.log')}")
                 comp = self._spawn(name, cmd)
                 if name == "etcd":
@@ -227,18 +252,23 @@ class Testbed:
             self._wait(cm, self._default_sa_exists, 60, "default ServiceAccount created")
             self._create_nodes()
             self._wait(kwok, self._nodes_ready, 60, f"{self.nodes} nodes Ready")
+            if self.realnode is not None:
+                self.realnode.start()
             self.check()
             _ = sched
         except BaseException:
-            self.stop()
+            try:
+                self.stop()
+            except TestbedError as e:  # the start failure is the news; leftovers are said too
+                print(f"testbed: {e}", file=sys.stderr)
             raise
         self._write_pids()
         return self
 
-    def _spawn(self, name: str, cmd: list[str]) -> Proc:
+    def _spawn(self, name: str, cmd: list[str], env: dict[str, str] | None = None) -> Proc:
         # Own session: a Ctrl-C on the terminal must not kill the bed behind pytest's back,
         # and stop() signals each component's whole group.
-        comp = Proc(name, cmd, self.logs / f"{name}.log", cwd=self.state_dir).start()
+        comp = Proc(name, cmd, self.logs / f"{name}.log", cwd=self.state_dir, env=env).start()
         self.components.append(comp)
         return comp
 
@@ -266,13 +296,28 @@ class Testbed:
                                    f"{_tail(c.log)}")
 
     def stop(self, timeout: float = 20.0) -> None:
-        """SIGTERM in reverse start order, wait for each to exit, SIGKILL stragglers."""
+        """SIGTERM in reverse start order, wait for each to exit, SIGKILL stragglers.
+
+        The real node goes first and removes everything it put on the machine; what it could
+        not remove raises TestbedError (after the rest is stopped), one line naming it."""
+        left: list[str] = []
+        if self.realnode is not None:
+            left = self.realnode.stop(timeout)
+        elif (self.state_dir / "realnode").exists():  # a real node this object did not start
+            from testbed import realnode
+
+            rec = realnode.read_record()
+            if rec and rec.get("state_dir") == str(self.state_dir):
+                left = realnode.cleanup(rec)
         for c in reversed(self.components):
             c.stop(timeout)
         self.components = []
         pids = self.state_dir / "pids.json"
         if pids.exists():
             pids.unlink()
+        if left:
+            raise TestbedError(f"real node: left on the machine after stop: {'; '.join(left[:6])}"
+                               f"; logs {self.logs}")
 
     # Readiness probes ------------------------------------------------------------------
     def _ssl(self) -> ssl.SSLContext:
@@ -308,7 +353,8 @@ class Testbed:
 
     # Bookkeeping for `testbed up` / `down` across processes ----------------------------
     def _write_pids(self) -> None:
-        data = {"ports": self.ports, "nodes": self.nodes,
+        data = {"ports": self.ports, "nodes": self.nodes, "bind_ip": self.bind_ip,
+                "realnode": self.realnode.to_dict() if self.realnode is not None else None,
                 "components": [{"name": c.name, "pid": c.pid, "cmd": c.cmd, "log": str(c.log)}
                                for c in self.components]}
         (self.state_dir / "pids.json").write_text(json.dumps(data, indent=2))
@@ -320,10 +366,30 @@ class Testbed:
         if not f.exists():
             return None
         data = json.loads(f.read_text())
-        tb = cls(state_dir, nodes=data["nodes"], ports=data["ports"])
+        tb = cls(state_dir, nodes=data["nodes"], ports=data["ports"],
+                 bind_ip=data.get("bind_ip", "127.0.0.1"))
         tb.components = [Proc(c["name"], c["cmd"], Path(c["log"]), pid=c["pid"])
                          for c in data["components"]]
+        if data.get("realnode"):
+            from testbed import realnode
+
+            tb.real_node = True
+            tb.realnode = realnode.RealNode.attach(tb, data["realnode"])
         return tb
+
+
+def remove_state_dir(path: Path) -> None:
+    """rmtree a state dir, but only after unmounting whatever a real node left mounted below it
+    (container root filesystems, volumes, kubelet's own bind mount): rmtree would otherwise
+    walk into them and delete what they expose."""
+    if not path.exists():
+        return
+    from testbed import realnode
+
+    still = realnode.unmount_all_under(path)
+    if still:
+        raise TestbedError(f"test bed: cannot remove {path}: still mounted {still[:3]}")
+    shutil.rmtree(path)
 
 
 def node_manifest(i: int) -> dict:

@@ -1,5 +1,6 @@
 """The test bed's PKI, made with `cryptography`: a CA, the apiserver's serving cert, an admin
-client cert and the service-account signing key pair. Everything is valid for 127.0.0.1 only."""
+client cert and the service-account signing key pair. The apiserver's cert is valid for 127.0.0.1
+and, with a real node (testbed/realnode.py), for the node IP it then listens on."""
 
 from __future__ import annotations
 
@@ -56,8 +57,9 @@ def _builder(subject: x509.Name, issuer: x509.Name, pub, days: int) -> x509.Cert
             .not_valid_after(now + dt.timedelta(days=days)))
 
 
-def generate(directory: Path, days: int = 30) -> Pki:
-    """Write a fresh PKI into `directory` (created if needed)."""
+def generate(directory: Path, days: int = 30, extra_ips: tuple[str, ...] = ()) -> Pki:
+    """Write a fresh PKI into `directory` (created if needed). `extra_ips` are more SANs of the
+    apiserver's serving cert (the real node's IP, where pods reach the API server)."""
     d = directory
     d.mkdir(parents=True, exist_ok=True)
     p = Pki(*(d / n for n in ("ca.crt", "ca.key", "apiserver.crt", "apiserver.key",
@@ -87,6 +89,7 @@ def generate(directory: Path, days: int = 30) -> Pki:
 
     leaf(p.apiserver_cert, p.apiserver_key, _name("kube-apiserver"), ExtendedKeyUsageOID.SERVER_AUTH,
          [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
+          *(x509.IPAddress(ipaddress.ip_address(ip)) for ip in extra_ips),
           # 10.0.0.1 is the in-cluster `kubernetes` Service IP; named, never contacted.
           x509.IPAddress(ipaddress.ip_address("10.0.0.1")),
           x509.DNSName("localhost"), x509.DNSName("kubernetes"),
@@ -102,7 +105,26 @@ def generate(directory: Path, days: int = 30) -> Pki:
     return p
 
 
-def kubeconfig(pki: Pki, server: str, user: str = "admin") -> str:
+def client_cert(p: Pki, name: str, cn: str, org: str | None = None,
+                days: int = 30) -> tuple[Path, Path]:
+    """A client cert signed by the test bed's CA, written next to it as <name>.crt/.key: the
+    real node's kubelet (system:node:<node>, O=system:nodes, for the Node authorizer) and
+    kube-proxy (system:kube-proxy, bound to system:node-proxier by the API server itself)."""
+    ca_key = serialization.load_pem_private_key(p.ca_key.read_bytes(), password=None)
+    ca = x509.load_pem_x509_certificate(p.ca_cert.read_bytes())
+    key = _key()
+    cert = (_builder(_name(cn, org), ca.subject, key.public_key(), days)
+            .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
+            .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.CLIENT_AUTH]), critical=False)
+            .sign(ca_key, hashes.SHA256()))
+    cert_path, key_path = p.ca_cert.parent / f"{name}.crt", p.ca_cert.parent / f"{name}.key"
+    _write_key(key_path, key)
+    _write_cert(cert_path, cert)
+    return cert_path, key_path
+
+
+def kubeconfig(pki: Pki, server: str, user: str = "admin",
+               cert: tuple[Path, Path] | None = None) -> str:
     """A kubeconfig (YAML is a superset of this JSON) with file references, no inline secrets."""
     import json
 
@@ -110,8 +132,8 @@ def kubeconfig(pki: Pki, server: str, user: str = "admin") -> str:
         "apiVersion": "v1", "kind": "Config", "current-context": "sandman-testbed",
         "clusters": [{"name": "sandman-testbed",
                       "cluster": {"server": server, "certificate-authority": str(pki.ca_cert)}}],
-        "users": [{"name": user, "user": {"client-certificate": str(pki.admin_cert),
-                                          "client-key": str(pki.admin_key)}}],
+        "users": [{"name": user, "user": {"client-certificate": str(cert[0] if cert else pki.admin_cert),
+                                          "client-key": str(cert[1] if cert else pki.admin_key)}}],
         "contexts": [{"name": "sandman-testbed",
                       "context": {"cluster": "sandman-testbed", "user": user}}],
     }, indent=2)

@@ -10,3 +10,16 @@ KWOK = "v0.7.0"
 ETCD = "v3.5.35"
 # helm for the chart tests (tests/charts); its go.mod has no replace lines, so `go install` works.
 HELM = "v3.22.0"
+
+# The real node (testbed/realnode.py, make testbed-up REAL_NODE=1). kubelet and kube-proxy are
+# built like the control plane, from the same k8s.io/kubernetes version.
+# CoreDNS: its go.mod has no replace lines, so `go install` works; v1.15.0 builds with go 1.26.
+COREDNS = "v1.15.0"
+# kube-router runs as the NetworkPolicy engine only (--run-firewall). v2.1.0 is the one version the
+# Go module proxy serves here; older dependencies with reported CVEs, acceptable for a host process
+# of a throwaway test bed, never shipped. kube-network-policies (nftables queue) cannot run here:
+# the kernel lacks CONFIG_NFT_QUEUE.
+KUBE_ROUTER = "v2.1.0"
+# crictl, to look at the real node's pods (docs/testbed.md "Real node") and to stop them on the way
+# down. v1.34.0: served here, and its go.mod has no replace lines.
+CRI_TOOLS = "v1.34.0"
