@@ -211,7 +211,15 @@ class Testbed:
                 "--event-ttl=10m", "--profiling=false", *audit_flags,
                 # kubectl logs/exec on the real node: the kubelet trusts the test bed's CA.
                 *([f"--kubelet-client-certificate={p.admin_cert}",
-                   f"--kubelet-client-key={p.admin_key}"] if self.real_node else [])],
+                   f"--kubelet-client-key={p.admin_key}",
+                   # Webhooks behind a Service (the chart's) are called at a ready endpoint's
+                   # pod IP, routed to the node's bridge. By default the API server dials the
+                   # ClusterIP, which only kube-proxy's DNAT keeps on this machine: before it
+                   # has synced, or with no endpoint, the packet would follow the default route.
+                   "--enable-aggregator-routing=true",
+                   # kubectl logs/exec dial the node IP, never resolve its name (through the
+                   # machine's resolver, which knows nothing of the test bed).
+                   "--kubelet-preferred-address-types=InternalIP"] if self.real_node else [])],
              ("apiserver",)),
         ]
         try:

@@ -387,7 +387,10 @@ def _rootfs_image(img: Image, include: list[str], config: dict) -> Image:
 # --- task: an UNMODIFIED task image, as a user's would be -----------------------------------
 
 TASK_REF = "sandman.local/task:bookworm"
-TASK_PACKAGES = ["bash", "python3-minimal"]
+# Full python3, not python3-minimal: execd needs the standard library (json, ctypes, ...),
+# which python3-minimal leaves out; a user's task image with Python has it (python:3.x,
+# SWE-bench images). Seen on the real node: execd died at its first import there.
+TASK_PACKAGES = ["bash", "python3"]
 TASK_CONFIG = {"Cmd": ["/bin/bash"], "WorkingDir": "/",
                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
 
