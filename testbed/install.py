@@ -210,20 +210,23 @@ class Install:
             self.restore_nodes()
 
     def leftovers(self) -> list[str]:
-        """Objects that still carry the release label, in any namespace or cluster-wide, and
-        any pod left in the release or sandbox namespace."""
+        """Objects that still carry the release's label, in any namespace or cluster-wide."""
         sel = f"app.kubernetes.io/instance={self.release}"
-        left = []
         kinds = ",".join(k for k in (*NAMESPACED_KINDS, *CLUSTER_KINDS)
                          if "monitoring.coreos.com" not in k)
         res = self.kubectl("get", kinds, "--all-namespaces", "-l", sel, "-o", "name",
                            check=False)
-        left += res.stdout.split()
+        return res.stdout.split()
+
+    def runtime_leftovers(self) -> list[str]:
+        """What the release's pods made at run time and an uninstall does not remove: anything
+        left in the release and sandbox namespaces (pods, Secrets, ConfigMaps, Leases)."""
+        left = []
         for ns in (self.namespace, self.sandbox_namespace):
             res = self.kubectl("get", "pods,secrets,configmaps,leases.coordination.k8s.io",
                                "-n", ns, "-o", "name", check=False)
             left += [f"{ns}/{n}" for n in res.stdout.split()
-                     if not n.startswith("configmap/kube-root-ca.crt")]
+                     if n != "configmap/kube-root-ca.crt"]
         return left
 
     # --- where things are ----------------------------------------------------------------------
@@ -297,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
             return 0
         if args.verb == "down":
             inst.uninstall()
-            left = inst.leftovers()
+            left = inst.leftovers() + inst.runtime_leftovers()
             if left:
                 print(f"testbed.install: left after uninstall: {left}", file=sys.stderr)
                 return 1
