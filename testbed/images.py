@@ -9,10 +9,15 @@ the image's inputs: a change rebuilds, a re-run is a no-op) and imported into a 
   (images/pause/pause.go) that holds the pod's namespaces, reaps children and exits on
   SIGTERM/SIGINT; the node's containerd uses it as `sandbox_image`.
 - task (`task_image()`, sandman.local/task:bookworm): an UNMODIFIED task image, Debian minbase
-  with bash and python3 3.11 from debootstrap, nothing of sandman in it.
+  with bash and python3 3.11 (full standard library) from debootstrap, nothing of sandman in it.
 - sandman (`sandman_image()`, sandman.local/sandman:<version>): images/Dockerfile, the file
-  users build with Docker, built with buildah over localhost/sandman-base:bookworm (debootstrap
-  with python3 3.11 and venv, configured like debian:bookworm-slim) as PYTHON_IMAGE.
+  users build with Docker, built with buildah over localhost/sandman-base:bookworm as
+  PYTHON_IMAGE.
+
+task and sandman-base are the same debootstrapped tree (`rootfs_layer()`: minbase + bash,
+python3, python3-venv, ca-certificates, configured like debian:bookworm-slim) with their own
+image config; it is debootstrapped once and cached as images-rootfs-<key>/rootfs.tar. `build
+--force` rewrites an image from its cached inputs; delete images-rootfs-* to debootstrap again.
 
 pause, task and the base are one-layer archives written here: OCI image layouts (oci-layout,
 index.json, blobs/sha256/...) that also carry a Docker `manifest.json`. containerd 1.6's `ctr
@@ -228,11 +233,21 @@ def _finish(img: Image, digests: dict, t0: float) -> None:
             "bytes": img.archive.stat().st_size}
     (img.archive.parent / "image.json").write_text(json.dumps(meta, indent=1) + "\n")
     _log(f"built {img.ref} in {meta['seconds']}s: {img.archive} ({meta['bytes'] / 1e6:.1f} MB)")
-    # Earlier builds of the same image (other inputs) are stale: drop them, the cache stays small.
-    stale = re.compile(rf"images-{re.escape(img.name)}-[0-9a-f]{{16}}")
-    for d in img.archive.parent.parent.iterdir():
-        if d != img.archive.parent and stale.fullmatch(d.name):
-            shutil.rmtree(d, ignore_errors=True)
+    _drop_stale(img.name, img.archive.parent)
+
+
+KEEP_OTHER_BUILDS = 2
+
+
+def _drop_stale(name: str, current: Path) -> None:
+    """Keep the newest KEEP_OTHER_BUILDS builds of `name` with other inputs besides `current`,
+    drop the rest. Not just `current`: checkouts of other branches share the cache, and each
+    dropping the other's build made them rebuild in turn (seen with two worktrees)."""
+    pattern = re.compile(rf"images-{re.escape(name)}-[0-9a-f]{{16}}")
+    others = [d for d in current.parent.iterdir() if d != current and pattern.fullmatch(d.name)]
+    others.sort(key=lambda d: d.stat().st_mtime, reverse=True)
+    for d in others[KEEP_OTHER_BUILDS:]:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # --- pause ---------------------------------------------------------------------------------
@@ -362,24 +377,49 @@ def debootstrap(target: Path, include: list[str], log: Path) -> None:
                 p.unlink()
 
 
-def _rootfs_recipe() -> dict:
-    return {"suite": SUITE, "clean": CLEAN, "slim": SLIM_FILES, "skip": LAYER_SKIP}
+# One debootstrap serves the task image and the sandman base: each is a debootstrap of 80-200 s
+# on this machine (2 shared cores), and they would share all but two packages. The union:
+# - bash, python3: the task image (python3, not python3-minimal: execd.py needs the standard
+#   library, json, shutil, ctypes, http.server, which python3-minimal leaves out; measured on
+#   minbase + python3-minimal, `python3 execd.py --help` failed with "No module named 'ctypes'");
+# - python3-venv (ensurepip), ca-certificates (pip over TLS): what images/Dockerfile's stages
+#   take from python:3.11-slim-bookworm besides python3; apt comes with minbase.
+ROOTFS_PACKAGES = ["bash", "python3", "python3-venv", "ca-certificates"]
 
 
-def _rootfs_image(img: Image, include: list[str], config: dict) -> Image:
+def _rootfs_key() -> str:
+    return _key({"suite": SUITE, "include": ROOTFS_PACKAGES, "clean": CLEAN, "slim": SLIM_FILES,
+                 "skip": LAYER_SKIP, "arch": goarch(), "writer": ARCHIVE_FORMAT})
+
+
+def rootfs_layer(force: bool = False) -> Path:
+    """The debootstrapped bookworm tree as one uncompressed layer tar, built on first use."""
+    out = cache_dir() / f"images-rootfs-{_rootfs_key()}" / "rootfs.tar"
+    if out.exists() and not force:
+        return out
     t0 = time.monotonic()
-    img.archive.parent.mkdir(parents=True, exist_ok=True)
-    log = img.archive.parent / "build.log"
-    tmp = Path(tempfile.mkdtemp(prefix=f".{img.name}-", dir=img.archive.parent))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".rootfs-", dir=out.parent))
     try:
-        root, layer = tmp / "rootfs", tmp / "layer.tar"
-        debootstrap(root, include, log)
+        debootstrap(tmp / "rootfs", ROOTFS_PACKAGES, out.parent / "build.log")
         # Real mtimes: the .pyc files debootstrap compiled record their sources' mtimes.
-        write_layer(root, layer, mtime=None, skip=LAYER_SKIP)
-        digests = write_archive(img.archive, img.ref, layer, config)
+        write_layer(tmp / "rootfs", tmp / "layer.tar", mtime=None, skip=LAYER_SKIP)
+        (tmp / "layer.tar").rename(out)
     finally:
         umount_under(tmp)  # debootstrap mounts proc and sys in the target
         shutil.rmtree(tmp, ignore_errors=True)
+    _log(f"debootstrapped {SUITE} ({', '.join(ROOTFS_PACKAGES)}) in "
+         f"{time.monotonic() - t0:.1f}s: {out} ({out.stat().st_size / 1e6:.1f} MB)")
+    _drop_stale("rootfs", out.parent)
+    return out
+
+
+def _rootfs_image(img: Image, config: dict, force: bool) -> Image:
+    if img.built and not force:
+        return img
+    t0 = time.monotonic()
+    img.archive.parent.mkdir(parents=True, exist_ok=True)
+    digests = write_archive(img.archive, img.ref, rootfs_layer(), config)
     _finish(img, digests, t0)
     return img
 
@@ -387,26 +427,18 @@ def _rootfs_image(img: Image, include: list[str], config: dict) -> Image:
 # --- task: an UNMODIFIED task image, as a user's would be -----------------------------------
 
 TASK_REF = "sandman.local/task:bookworm"
-# Full python3, not python3-minimal: execd needs the standard library (json, ctypes, ...),
-# which python3-minimal leaves out; a user's task image with Python has it (python:3.x,
-# SWE-bench images). Seen on the real node: execd died at its first import there.
-TASK_PACKAGES = ["bash", "python3"]
 TASK_CONFIG = {"Cmd": ["/bin/bash"], "WorkingDir": "/",
                "Env": ["PATH=/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"]}
 
 
 def _task_image() -> Image:
-    return _image("task", TASK_REF, {**_rootfs_recipe(), "include": TASK_PACKAGES,
-                                     "config": TASK_CONFIG})
+    return _image("task", TASK_REF, {"rootfs": _rootfs_key(), "config": TASK_CONFIG})
 
 
 def build_task(force: bool = False) -> Image:
     """Debian minbase + bash + python3 3.11 and nothing of sandman: what the webhook must
     make work by mounting execd read-only, without changing the image."""
-    img = _task_image()
-    if img.built and not force:
-        return img
-    return _rootfs_image(img, TASK_PACKAGES, TASK_CONFIG)
+    return _rootfs_image(_task_image(), TASK_CONFIG, force)
 
 
 def task_image() -> tuple[str, Path]:
@@ -420,11 +452,7 @@ def task_image() -> tuple[str, Path]:
 DOCKERFILE = REPO / "images" / "Dockerfile"
 DOCKERIGNORE = REPO / ".dockerignore"
 BASE_REF = "localhost/sandman-base:bookworm"
-# What images/Dockerfile's stages need from python:3.11-slim-bookworm: python3 3.11 with venv
-# (ensurepip), CA certificates for pip, and apt (minbase has it) for iptables and iproute2.
-BASE_PACKAGES = ["python3", "python3-venv", "ca-certificates"]
 BASE_CONFIG = {"Cmd": ["python3"], "WorkingDir": "/", "Env": TASK_CONFIG["Env"]}
-
 
 # chroot isolation: no OCI runtime for RUN steps, and they share the host's network (PyPI and
 # Debian). --layers keeps each step's layer: a source change rebuilds from its COPY onwards.
@@ -460,15 +488,11 @@ def _tree_hash(paths: list[str]) -> str:
 
 
 def _base_image() -> Image:
-    return _image("sandman-base", BASE_REF, {**_rootfs_recipe(), "include": BASE_PACKAGES,
-                                             "config": BASE_CONFIG})
+    return _image("sandman-base", BASE_REF, {"rootfs": _rootfs_key(), "config": BASE_CONFIG})
 
 
 def build_base(force: bool = False) -> Image:
-    img = _base_image()
-    if img.built and not force:
-        return img
-    return _rootfs_image(img, BASE_PACKAGES, BASE_CONFIG)
+    return _rootfs_image(_base_image(), BASE_CONFIG, force)
 
 
 def _buildah_version() -> str:
@@ -636,7 +660,8 @@ def main(argv: list[str] | None = None) -> int:
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="build the missing images into the cache")
     b.add_argument("names", nargs="*", help=f"default: all ({', '.join(BUILDERS)})")
-    b.add_argument("--force", action="store_true", help="rebuild even when cached")
+    b.add_argument("--force", action="store_true",
+                   help="rebuild even when cached (from the cached debootstrap tree)")
     i = sub.add_parser("import", help="build if needed, then import into a containerd")
     i.add_argument("--address", "-a", required=True, help="containerd socket")
     i.add_argument("--namespace", "-n", default="k8s.io")

@@ -89,3 +89,18 @@ def test_digests_match_blobs(tmp_path):
     # Golden: the layout is stable for a given layer and config (see GOLDEN_MANIFEST).
     assert got["manifest"] == GOLDEN_MANIFEST, got["manifest"]
     assert not list(tmp_path.glob(".*.tmp")), "the temporary archive was left behind"
+
+
+def test_stale_builds_are_capped_not_dropped_at_once(tmp_path):
+    """Two checkouts sharing the cache must not delete each other's build on every run."""
+    dirs = []
+    for i in range(5):
+        d = tmp_path / f"images-x-{i:016x}"
+        d.mkdir()
+        os.utime(d, (1000 + i, 1000 + i))
+        dirs.append(d)
+    lookalike = tmp_path / f"images-x-base-{0:016x}"
+    lookalike.mkdir()
+    images._drop_stale("x", dirs[0])
+    left = sorted(p.name for p in tmp_path.iterdir())
+    assert left == sorted([dirs[0].name, dirs[4].name, dirs[3].name, lookalike.name])

@@ -121,6 +121,19 @@ def test_task_image_is_plain_debian_with_bash_and_python311(containerd):
     assert r.stdout.count("No such file") == 3, r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_execd_mounted_read_only_runs_in_the_task_image(containerd):
+    """What the webhook does on a real node: the image stays as it is, execd.py comes in
+    through a read-only mount and runs on the image's own python3."""
+    _need("debootstrap")
+    ref = _imported(containerd, *images.task_image())
+    r = containerd.ctr("run", "--rm", "--net-host", "--mount",
+                       f"type=bind,src={ROOT / 'execd'},dst=/sandman,options=rbind:ro",
+                       ref, f"execd-{os.getpid()}", "python3", "/sandman/execd.py", "--help")
+    assert r.returncode == 0 and "--token-sha256" in r.stdout, r.stderr
+
+
 # --- sandman: images/Dockerfile built with buildah -----------------------------------------
 
 @pytest.mark.slow
