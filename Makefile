@@ -21,6 +21,7 @@ $(STAMP): pyproject.toml
 deps: $(STAMP) sysdeps  ## install the venv, pinned PyPI deps and Debian packages the tests need
 
 # REAL_NODE=1: the test bed adds a node that runs real containers (docs/testbed.md "Real node").
+# REAL_NODE=auto (what `make test` uses): install and build what it needs where it can run (root).
 REAL_NODE ?=
 export REAL_NODE
 
@@ -34,6 +35,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin checks execd stays python3.8-compati
 testbed-build: $(STAMP)  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
 	$(VPY) -m testbed build
 
+test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
 	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
 

@@ -15,14 +15,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--state-dir", default=None,
                     help="state dir (default .testbed/manual, or $SANDMAN_TESTBED_STATE/manual)")
     sub = ap.add_subparsers(dest="verb", required=True)
-    real_default = os.environ.get("REAL_NODE", "") not in ("", "0")
+    env = os.environ.get("REAL_NODE", "")
+    real_default = env == "1"
     b = sub.add_parser("build", help="build the binaries into the cache (once per pinned version)")
-    b.add_argument("--real-node", action="store_true", default=real_default,
+    b.add_argument("--real-node", action="store_true",
+                   default=real_default or (env == "auto" and os.geteuid() == 0),
                    help="also the real node's kubelet, kube-proxy, CoreDNS, kube-router, crictl")
     up = sub.add_parser("up", help="start in the background and print the KUBECONFIG export")
     up.add_argument("--nodes", type=int, default=20, help="kwok nodes (default 20)")
     up.add_argument("--real-node", action="store_true", default=real_default,
                     help="add one node that runs real containers (default: $REAL_NODE)")
+    up.add_argument("--wait", type=float, default=0.0,
+                    help="seconds to wait while another test bed holds the machine's real node")
     sub.add_parser("down", help="stop what `up` started; waits for every process to exit")
     sub.add_parser("status", help="exit 0 when every component runs and the API is ready")
     args = ap.parse_args(argv)
@@ -45,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
                 return 0
             if running:  # half-dead leftovers of an earlier run: clean them first
                 running.stop()
-            tb = Testbed(state, nodes=args.nodes, real_node=args.real_node).start()
+            tb = Testbed(state, nodes=args.nodes, real_node=args.real_node,
+                         real_node_wait=args.wait).start()
             real = ""
             if tb.realnode is not None:
                 tb.realnode.set_owner(None)  # outlives this command: only `down` stops it

@@ -119,6 +119,8 @@ class Testbed:
     # Where the API server listens: 127.0.0.1, or the real node's IP (pods must reach it).
     bind_ip: str = "127.0.0.1"
     realnode: object = field(default=None, repr=False)  # a realnode.RealNode once prepared
+    # Seconds to wait for the machine's one real-node slot while another test bed holds it.
+    real_node_wait: float = 0.0
 
     # Paths -----------------------------------------------------------------------------
     @property
@@ -156,12 +158,12 @@ class Testbed:
         bins = build.build()
         etcd = str(bins["etcd"])
         # A crashed real node's mounts may be under the state dir: unmount before removing it.
-        realnode.cleanup_leftovers(self.state_dir, claim=self.real_node)
+        realnode.cleanup_leftovers(self.state_dir)
         remove_state_dir(self.state_dir)
         self.logs.mkdir(parents=True)
         (self.state_dir / "flex").mkdir()
         if self.real_node:
-            self.realnode = realnode.RealNode(self)
+            self.realnode = realnode.RealNode(self, wait=self.real_node_wait)
             try:
                 self.realnode.prepare()  # the node IP must exist before the API server binds it
             except BaseException:
@@ -209,6 +211,9 @@ class Testbed:
                 # Burst tests create thousands of pods; the default 400 in-flight is the
                 # production figure, kept, but the event TTL is short to keep etcd small.
                 "--event-ttl=10m", "--profiling=false", *audit_flags,
+                # logs/exec/port-forward dial a node by its InternalIP: by default the API
+                # server first resolves the node's name, a DNS query to the machine's resolver.
+                "--kubelet-preferred-address-types=InternalIP",
                 # kubectl logs/exec on the real node: the kubelet trusts the test bed's CA.
                 *([f"--kubelet-client-certificate={p.admin_cert}",
                    f"--kubelet-client-key={p.admin_key}",
@@ -216,10 +221,7 @@ class Testbed:
                    # pod IP, routed to the node's bridge. By default the API server dials the
                    # ClusterIP, which only kube-proxy's DNAT keeps on this machine: before it
                    # has synced, or with no endpoint, the packet would follow the default route.
-                   "--enable-aggregator-routing=true",
-                   # kubectl logs/exec dial the node IP, never resolve its name (through the
-                   # machine's resolver, which knows nothing of the test bed).
-                   "--kubelet-preferred-address-types=InternalIP"] if self.real_node else [])],
+                   "--enable-aggregator-routing=true"] if self.real_node else [])],
              ("apiserver",)),
         ]
         try:
@@ -278,6 +280,9 @@ class Testbed:
         # and stop() signals each component's whole group.
         comp = Proc(name, cmd, self.logs / f"{name}.log", cwd=self.state_dir, env=env).start()
         self.components.append(comp)
+        # Recorded at once, not only when the start completes: `python -m testbed down` then
+        # finds the processes of an `up` that crashed half-way.
+        self._write_pids()
         return comp
 
     def _wait(self, comp: Proc, ready, timeout: float, what: str) -> None:
@@ -310,16 +315,20 @@ class Testbed:
         not remove raises TestbedError (after the rest is stopped), one line naming it."""
         left: list[str] = []
         if self.realnode is not None:
-            left = self.realnode.stop(timeout)
+            self.realnode.stop(timeout)
+        for c in reversed(self.components):
+            c.stop(timeout)
+        self.components = []
+        # After the API server: it listens on the node IP that the cleanup removes (it would
+        # spend 2 x 10 s failing to reach itself on the way out).
+        if self.realnode is not None:
+            left = self.realnode.cleanup()
         elif (self.state_dir / "realnode").exists():  # a real node this object did not start
             from testbed import realnode
 
             rec = realnode.read_record()
             if rec and rec.get("state_dir") == str(self.state_dir):
                 left = realnode.cleanup(rec)
-        for c in reversed(self.components):
-            c.stop(timeout)
-        self.components = []
         pids = self.state_dir / "pids.json"
         if pids.exists():
             pids.unlink()

@@ -50,8 +50,9 @@ if TYPE_CHECKING:
     from testbed.procs import Proc
 
 NODE_NAME = "sandman-real-0"
-# The one label (value "true") and taint that mark the real node. Tainted NoSchedule: pods made
-# for kwok nodes never land on it; a pod meant to run for real carries `placement()`.
+# The one label (value "true") and taint that mark the real node. Beside kwok nodes it is tainted
+# NoSchedule: pods made for kwok nodes never land on it; a pod meant to run for real carries
+# `placement()`. In a bed without kwok nodes (Testbed(nodes=0)) it is not tainted.
 LABEL_REAL_NODE = f"{contract.DOMAIN}/testbed-real-node"
 TAINT = {"key": LABEL_REAL_NODE, "value": "true", "effect": "NoSchedule"}
 TOLERATION = {"key": LABEL_REAL_NODE, "operator": "Equal", "value": "true", "effect": "NoSchedule"}
@@ -95,6 +96,13 @@ SYSCTLS = (
     "net/netfilter/nf_conntrack_tcp_timeout_close_wait",
 )
 REAL_COMPONENTS = ("containerd", "kubelet", "kube-proxy", "coredns", "kube-router")
+# Paths the components create outside the state dir whatever they are told (kubelet's device
+# plugin socket is hard-coded under /var/lib/kubelet, its log links under /var/log/containers,
+# containerd's CNI result cache under /var/lib/cni, the shims' sockets under /run/containerd).
+# Removed on the way down when they did not exist before, deepest first.
+MACHINE_PATHS = ("/var/lib/kubelet", "/var/log/containers", "/var/lib/cni/results", "/var/lib/cni",
+                 "/run/containerd/runc/k8s.io", "/run/containerd/runc", "/run/containerd/fifo",
+                 "/run/containerd/s", "/run/containerd")
 IPTABLES_PREFIXES = ("KUBE-", "SANDMAN-RN-")
 
 
@@ -434,13 +442,13 @@ def _netns_names() -> list[str]:
     return [n.get("name") for n in _ip_json("netns", "list")]
 
 
-def cleanup(rec: dict | None = None) -> list[str]:
+def cleanup(rec: dict, machine: bool = True) -> list[str]:
     """Remove everything a real node (live or crashed) put on the machine; return leftovers.
 
-    Idempotent: each step only acts on what is still there. `rec` defaults to the machine
-    record; without one, everything with a fixed name is still removed (sysctls and the ipsets
-    that existed before cannot be told apart then, and are left alone)."""
-    rec = rec or read_record() or {}
+    Idempotent: each step only acts on what is still there. `rec` is the node's record (the
+    machine record, or {"state_dir", "dir"}). machine=False: only the node's own processes and
+    what is mounted under its state dir, for a node that does not hold the machine's slot (its
+    start failed before): the fixed names then belong to another test bed."""
     if rec.get("dir"):
         procs = _processes_of(rec)
         sockets = _shim_sockets(procs)
@@ -448,7 +456,12 @@ def cleanup(rec: dict | None = None) -> list[str]:
         for s in sockets:
             with contextlib.suppress(OSError):
                 s.unlink()
-    # Containers' processes outlive their shims (reparented to init): their cgroups find them.
+    if not machine:
+        if rec.get("state_dir"):
+            unmount_all_under(Path(rec["state_dir"]))
+        return leftovers(rec, machine=False)
+    # Holding the machine's slot, every kubepods cgroup is this node's. Containers' processes
+    # outlive their shims (reparented to init): their cgroups find them.
     for cg in _kubepods_cgroups():
         for _ in range(5):
             pids = _cgroup_pids(cg)
@@ -457,8 +470,17 @@ def cleanup(rec: dict | None = None) -> list[str]:
             _kill_and_wait(pids, timeout=5)
     if rec.get("state_dir"):
         unmount_all_under(Path(rec["state_dir"]))
-    for cg in _kubepods_cgroups():
-        _rmdir_tree(cg)
+    # A killed container stays in its cgroup until its new parent (init) reaps it: rmdir
+    # fails with EBUSY until then, so retry for a while.
+    deadline = time.monotonic() + 15
+    while _kubepods_cgroups():
+        for cg in _kubepods_cgroups():
+            _kill_and_wait(_cgroup_pids(cg), timeout=2)
+            _rmdir_tree(cg)
+        if time.monotonic() > deadline:
+            break
+        if _kubepods_cgroups():
+            time.sleep(0.2)
     _network_down()
     for save, restore in _iptables_families():
         for _ in range(3):  # a rule added between save and restore (kube-router) needs a pass more
@@ -482,23 +504,41 @@ def cleanup(rec: dict | None = None) -> list[str]:
                 with contextlib.suppress(OSError):
                     if f.is_symlink() and os.readlink(f).startswith(d):
                         f.unlink()
+        # go-cni's result cache, <network>-<sandbox id>-<ifname>: the pods' network and the
+        # loopback one (a crash skips the CNI DEL that would remove them).
         results = Path("/var/lib/cni/results")
-        for f in results.glob(f"{CNI_NETWORK}-*") if results.is_dir() else ():
+        sandboxes = Path(d, "containerd", "root", "io.containerd.grpc.v1.cri", "sandboxes")
+        ids = {x.name for x in sandboxes.iterdir()} if sandboxes.is_dir() else set()
+        for f in results.iterdir() if results.is_dir() else ():
+            if f.name.startswith(f"{CNI_NETWORK}-") or any(f"-{i}-" in f.name for i in ids):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+    for path, existed in (rec.get("paths") or {}).items():
+        if existed or not os.path.isdir(path):
+            continue
+        if path == "/var/lib/kubelet" and not _mounts_under(Path(path)):
+            shutil.rmtree(path, ignore_errors=True)  # device-plugins/kubelet.sock only
+        else:
             with contextlib.suppress(OSError):
-                f.unlink()
+                os.rmdir(path)  # only when empty: someone else may have put things there
     left = leftovers(rec)
-    if not left and MACHINE_RECORD.exists() and (not rec or rec == read_record()):
+    if not left and rec and rec == read_record():  # only the record this cleanup was for
         MACHINE_RECORD.unlink()
+        with contextlib.suppress(OSError):
+            MACHINE_RECORD.parent.rmdir()
     return left
 
 
-def leftovers(rec: dict | None = None) -> list[str]:
-    """Everything of a real node still on the machine, one line each (empty: clean)."""
+def leftovers(rec: dict | None = None, machine: bool = True) -> list[str]:
+    """Everything of a real node still on the machine, one line each (empty: clean).
+    Without a record: what has a fixed name. machine=False: the node's processes and mounts."""
     rec = rec or read_record() or {}
     found = []
     if rec.get("dir"):
         for pid in _processes_of(rec):
             found.append(f"process {pid}: {' '.join(_pid_cmdline(pid))[:120]}")
+    if not machine:
+        return found + [f"mount {m}" for m in _mounts_under(Path(rec["state_dir"]))]
     for cg in _kubepods_cgroups():
         pids = _cgroup_pids(cg)
         found.append(f"cgroup {cg}" + (f" with processes {pids[:5]}" if pids else ""))
@@ -519,38 +559,69 @@ def leftovers(rec: dict | None = None) -> list[str]:
         now = _read_sysctl(key)
         if value is not None and now != value:
             found.append(f"sysctl {key} = {now} (was {value})")
+    found += [f"path {p} (made by the node)" for p, existed in (rec.get("paths") or {}).items()
+              if not existed and p == "/var/lib/kubelet" and os.path.lexists(p)]
     return found
 
 
-def cleanup_leftovers(state_dir: Path, claim: bool = True) -> None:
-    """Before a test bed (re)uses `state_dir`: clean a crashed real node's leftovers.
-
-    claim=True (a bed that will start a real node): also clean another bed's crashed node, and
-    refuse (RealNodeError) while another bed's real node is alive: one per machine.
-    claim=False (a kwok-only bed): only what an earlier real node of this state dir left.
-    """
+def cleanup_leftovers(state_dir: Path) -> None:
+    """Before a test bed (re)uses `state_dir`: remove what a crashed real node of this state dir
+    left (its mounts are under the dir, which is about to be removed)."""
     rec = read_record()
-    if not claim:
-        if rec is not None and Path(rec["state_dir"]) == state_dir:
-            left = cleanup(rec)
-            if left:
-                raise RealNodeError(f"real node: leftovers of an earlier run could not be "
-                                    f"removed: {'; '.join(left[:5])}")
-        return
-    if rec is None:
-        # No record, yet something might be left (a record lost with /run): fixed names only.
-        if any(_link_exists(n) for n in (BRIDGE, NODE_LINK, OUT_LINK)) or _mounts_under(state_dir):
-            cleanup({"state_dir": str(state_dir), "dir": str(state_dir / "realnode")})
-        return
-    same = Path(rec["state_dir"]) == state_dir
-    if not same and (_owner_alive(rec) or (rec.get("owner_pid") is None and _processes_of(rec))):
-        raise RealNodeError(
-            f"real node: another test bed's real node is running ({rec['state_dir']}); one per "
-            f"machine: stop it first (make testbed-down, or end that pytest session)")
-    left = cleanup(rec)
+    if rec is not None and Path(rec["state_dir"]) == state_dir:
+        left = cleanup(rec)
+    else:
+        left = cleanup({"state_dir": str(state_dir), "dir": str(state_dir / "realnode")},
+                       machine=False)
     if left:
         raise RealNodeError(f"real node: leftovers of an earlier run could not be removed: "
                             f"{'; '.join(left[:5])}")
+
+
+def _live(rec: dict) -> bool:
+    return _owner_alive(rec) or (rec.get("owner_pid") is None and bool(_processes_of(rec)))
+
+
+def claim_machine(rec: dict, wait: float = 0.0) -> None:
+    """Take the machine's one real-node slot by creating the record exclusively: holding it is
+    the right to the fixed names. A record whose owner is gone (a crash) is cleaned up first;
+    a live one is waited for up to `wait` seconds, then refused with its state dir named."""
+    deadline = time.monotonic() + wait
+    while True:
+        MACHINE_RECORD.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            fd = os.open(MACHINE_RECORD, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        except FileExistsError:
+            other = read_record()
+            if other is None:  # being written, or a writer died half-way
+                with contextlib.suppress(OSError):
+                    if time.time() - MACHINE_RECORD.stat().st_mtime > 30:
+                        MACHINE_RECORD.unlink()
+                time.sleep(0.2)
+                continue
+            if other.get("state_dir") == rec["state_dir"] or not _live(other):
+                left = cleanup(other)
+                if left:
+                    raise RealNodeError(f"real node: leftovers of an earlier run "
+                                        f"({other['state_dir']}) could not be removed: "
+                                        f"{'; '.join(left[:5])}") from None
+                with contextlib.suppress(OSError):
+                    if read_record() == other:
+                        MACHINE_RECORD.unlink()
+                continue
+            if time.monotonic() >= deadline:
+                raise RealNodeError(
+                    f"real node: another test bed's real node is running ({other['state_dir']}, "
+                    f"pid {other.get('owner_pid')}); one per machine: stop it first (make "
+                    f"testbed-down, or end that pytest session)") from None
+            time.sleep(2)
+            continue
+        with os.fdopen(fd, "w") as f:
+            json.dump(rec, f, indent=1)
+        break
+    # Holding the slot, anything with a fixed name is a leftover of a run that lost its record.
+    if any(_link_exists(n) for n in (BRIDGE, NODE_LINK, OUT_LINK)) or OUTSIDE_NETNS in _netns_names():
+        cleanup({}, machine=True)
 
 
 # --- the node --------------------------------------------------------------------------------
@@ -560,8 +631,9 @@ class RealNode:
     the node IP to listen on), `start()` after the control plane is up, `stop()` first on the
     way down. Use through `Testbed(..., real_node=True)`."""
 
-    def __init__(self, tb: Testbed, owner_pid: int | None = None) -> None:
+    def __init__(self, tb: Testbed, owner_pid: int | None = None, wait: float = 0.0) -> None:
         self.tb = tb
+        self.wait = wait  # for the machine's one real-node slot, when another bed holds it
         self.dir = tb.state_dir / "realnode"
         self.owner_pid = owner_pid if owner_pid is not None else os.getpid()
         self.pod_cidr: str | None = None
@@ -619,16 +691,21 @@ class RealNode:
         if reason:
             raise RealNodeError(f"real node: {reason}")
         self.bins = build.build_realnode()
-        self._pick_addresses()
         self.dir.mkdir(parents=True, exist_ok=True)
-        _write_record({
+        claim_machine({
             "state_dir": str(self.tb.state_dir), "dir": str(self.dir), "sock": str(self.sock),
-            "pod_cidr": self.pod_cidr, "node_ip": self.node_ip, "owner_pid": self.owner_pid,
+            "owner_pid": self.owner_pid,
             "sysctls": {k: _read_sysctl(k) for k in SYSCTLS}, "ipsets": _ipset_names(),
+            "paths": {p: os.path.lexists(p) for p in MACHINE_PATHS},
             "started": time.time(),
-        })
+        }, self.wait)
+        self.timings["slot-wait"] = time.monotonic() - t0
+        self._pick_addresses()
+        rec = read_record()
+        rec.update(pod_cidr=self.pod_cidr, node_ip=self.node_ip)
+        _write_record(rec)
         self._network_up()
-        self.timings["prepare"] = time.monotonic() - t0
+        self.timings["prepare"] = time.monotonic() - t0 - self.timings["slot-wait"]
 
     def _pick_addresses(self) -> None:
         for cidr, ip in ADDRESS_PLANS:
@@ -742,6 +819,7 @@ class RealNode:
         kubelet = self._spawn("kubelet", [
             str(self.bins["kubelet"]), f"--config={self._kubelet_config()}",
             f"--kubeconfig={kc_kubelet}", f"--root-dir={self.dir / 'kubelet'}",
+            f"--cert-dir={self.dir / 'kubelet-pki'}",
             f"--hostname-override={NODE_NAME}", f"--node-ip={self.node_ip}",
             f"--node-labels={LABEL_REAL_NODE}=true,{contract.LABEL_NODE_POOL_DEFAULT}=sandbox,"
             f"type=real,topology.kubernetes.io/zone=zone-real", "--v=1"])
@@ -919,7 +997,9 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "authorization": {"mode": "AlwaysAllow"},
             "podLogsDir": str(self.dir / "pod-logs"),
             "volumePluginDir": str(self.dir / "volume-plugins"),
-            "registerWithTaints": [TAINT],
+            # Tainted only beside kwok nodes, to keep their pods off; in a bed with no kwok
+            # node every pod is meant to run for real (sandboxes carry no toleration).
+            "registerWithTaints": [TAINT] if self.tb.nodes > 0 else [],
             "failSwapOn": False,
             # Images cannot be pulled again here: never garbage-collect them.
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
@@ -1028,9 +1108,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                               capture_output=True, text=True, timeout=timeout)
 
     # Stop ---------------------------------------------------------------------------------
-    def stop(self, timeout: float = 20.0) -> list[str]:
-        """Stop the node's processes and pods, then remove everything it put on the machine.
-        Returns leftovers (empty when clean)."""
+    def stop(self, timeout: float = 20.0) -> None:
+        """Stop the node's processes and its pods (first on the way down: the control plane
+        still runs). `cleanup()` then removes what is left on the machine, once the API
+        server, which listens on the node IP, has stopped too."""
         t0 = time.monotonic()
         comps = {c.name: c for c in self.tb.components if c.name in REAL_COMPONENTS}
         for name in ("kube-router", "coredns", "kube-proxy", "kubelet"):
@@ -1047,11 +1128,18 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         if ctd is not None:
             ctd.stop(timeout)
         self.tb.components = [c for c in self.tb.components if c.name not in REAL_COMPONENTS]
-        rec = read_record()
-        if rec is None or rec.get("dir") != str(self.dir):
-            rec = {"state_dir": str(self.tb.state_dir), "dir": str(self.dir)}
-        left = cleanup(rec)
         self.timings["stop"] = time.monotonic() - t0
+
+    def cleanup(self) -> list[str]:
+        """Remove everything the node put on the machine; return leftovers (empty: clean)."""
+        t0 = time.monotonic()
+        rec = read_record()
+        if rec is not None and rec.get("dir") == str(self.dir):
+            left = cleanup(rec)
+        else:  # never held the machine's slot (its start failed early): only its own things
+            left = cleanup({"state_dir": str(self.tb.state_dir), "dir": str(self.dir)},
+                           machine=False)
+        self.timings["cleanup"] = time.monotonic() - t0
         return left
 
     # Status -------------------------------------------------------------------------------

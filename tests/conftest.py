@@ -3,6 +3,11 @@ session on first use; `namespace` gives each test a fresh namespace.
 
 SANDMAN_KUBECONFIG=/path runs the same tests against an existing cluster (kind, EKS) instead.
 If the test bed cannot be built or started, every test that needs it FAILS with the reason.
+
+`real_cluster` is a second, separate test bed with a node that runs real containers
+(testbed/realnode.py, one per machine), started on first use; its tests are SKIPPED, with one
+line saying why, only when this machine cannot host a real node (not root, no cgroups, Debian
+packages missing and not installable).
 """
 
 from __future__ import annotations
@@ -13,7 +18,13 @@ from pathlib import Path
 
 import pytest
 
-from testbed.cluster import Testbed, TestbedError, default_state_dir, remove_stale_state_dirs
+from testbed.cluster import (
+    Testbed,
+    TestbedError,
+    default_state_dir,
+    remove_stale_state_dirs,
+    remove_state_dir,
+)
 from testbed.kube import Cluster
 
 _BED: dict[str, object] = {}
@@ -42,6 +53,103 @@ def cluster() -> Cluster:
         tb.stop()
 
 
+def _remove_stale_state_dirs() -> None:
+    """State dirs of sessions whose process is gone (their logs were kept until now). A real
+    node such a session left behind is cleaned first (its mounts are under the dir)."""
+    from testbed import realnode
+
+    root = default_state_dir("x").parent
+    for d in root.glob("pytest-*"):
+        try:
+            pid = int(d.name.split("-")[1])  # pytest-<pid> and pytest-<pid>-real
+        except ValueError:
+            continue
+        if pid != os.getpid() and not Path(f"/proc/{pid}").exists():
+            try:
+                realnode.cleanup_leftovers(d)
+                remove_state_dir(d)
+            except TestbedError as e:
+                print(f"conftest: cannot remove stale {d}: {e}")
+
+
+
+class _RealBed:
+    """The session's real-node test bed, started on first use and again after a test stopped
+    it (the teardown test does)."""
+
+    def __init__(self) -> None:
+        self.tb: Testbed | None = None
+        self.cluster: Cluster | None = None
+        self.skip: str | None = None
+
+    def get(self, figures: Figures) -> Cluster:
+        if os.environ.get("SANDMAN_KUBECONFIG"):
+            pytest.skip("real-node tests need the local test bed (SANDMAN_KUBECONFIG is set)")
+        from testbed import realnode
+
+        if self.skip is None:
+            self.skip = realnode.install_sysdeps() or realnode.unavailable_reason() or ""
+        if self.skip:
+            pytest.skip(self.skip)
+        if self.tb is not None and self.tb.realnode is not None and self.tb.components:
+            return self.cluster
+        _remove_stale_state_dirs()
+        self.tb = Testbed(default_state_dir(f"pytest-{os.getpid()}-real"),
+                          nodes=int(os.environ.get("SANDMAN_TESTBED_REAL_KWOK_NODES", "2")),
+                          # One real node per machine: another session's is waited for.
+                          real_node=True, real_node_wait=480)
+        t0 = time.monotonic()
+        try:
+            self.tb.start()
+        except TestbedError as e:
+            self.tb = None
+            pytest.fail(f"real-node test bed failed to start: {e}", pytrace=False)
+        rn = self.tb.realnode
+        wait = rn.timings.get("slot-wait", 0.0)
+        figures.add(f"real-node test bed up in {time.monotonic() - t0 - wait:.1f}s (real node: "
+                    f"network {rn.timings['prepare']:.1f}s, containerd..Ready..DNS/proxy/policy "
+                    f"{rn.timings['start']:.1f}s)"
+                    + (f", after {wait:.0f}s waiting for another bed's real node" if wait > 1
+                       else ""))
+        _BED["real"] = self.tb
+        self.cluster = Cluster.connect(self.tb.kubeconfig, self.tb)
+        return self.cluster
+
+    def stop(self) -> None:
+        tb = self.forget()
+        if tb is not None:
+            tb.stop()  # raises TestbedError naming whatever was left on the machine
+
+    def forget(self) -> Testbed | None:
+        """Drop the bed without stopping it (a test that crashed it on purpose)."""
+        tb, self.tb, self.cluster = self.tb, None, None
+        _BED.pop("real", None)
+        return tb
+
+
+@pytest.fixture(scope="session")
+def _real_bed():
+    bed = _RealBed()
+    try:
+        yield bed
+    finally:
+        bed.stop()
+
+
+@pytest.fixture
+def real_cluster(_real_bed: _RealBed, figures) -> Cluster:
+    """The real-node test bed (see testbed/realnode.py): `.testbed.realnode` is the RealNode."""
+    return _real_bed.get(figures)
+
+
+@pytest.fixture
+def real_namespace(real_cluster: Cluster, request) -> str:
+    ns = real_cluster.new_namespace(request.node.name.replace("_", "-")[:30])
+    yield ns
+    if real_cluster.testbed is not None and real_cluster.testbed.components:
+        real_cluster.delete_namespace(ns)
+
+
 @pytest.fixture
 def namespace(cluster: Cluster, request) -> str:
     ns = cluster.new_namespace(request.node.name.replace("_", "-").replace("[", "-")
@@ -56,6 +164,8 @@ def _testbed_alive(request):
     yield
     if "cluster" in request.fixturenames and "testbed" in _BED:
         _BED["testbed"].check()
+    if "real_cluster" in request.fixturenames and "real" in _BED:
+        _BED["real"].check()
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -63,7 +173,9 @@ def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
     tb = _BED.get("testbed")
-    if rep.failed and tb is not None and "cluster" in item.fixturenames:
+    if "real_cluster" in item.fixturenames:
+        tb = _BED.get("real")
+    if rep.failed and tb is not None and {"cluster", "real_cluster"} & set(item.fixturenames):
         for log in sorted(Path(tb.logs).glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()[-25:]
             rep.sections.append((f"test-bed log {log} (last 25 lines)", "\n".join(lines)))
@@ -99,5 +211,8 @@ def pytest_terminal_summary(terminalreporter):
 def pytest_collection_modifyitems(items):
     # Every test that touches the cluster carries the marker, so `-m "not testbed"` works.
     for item in items:
-        if "cluster" in getattr(item, "fixturenames", ()):
+        names = getattr(item, "fixturenames", ())
+        if "cluster" in names or "real_cluster" in names:
             item.add_marker(pytest.mark.testbed)
+        if "real_cluster" in names:
+            item.add_marker(pytest.mark.realnode)
