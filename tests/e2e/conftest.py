@@ -1,9 +1,9 @@
 """The real-node suite: sandman installed with `helm install --wait` on the test bed's real
 node (testbed/install.py), each test a real pod.
 
-The bed (control plane + 2 kwok nodes + the real node; one real node per machine) starts on
-first use and stops at the end of the session; the install happens once, for this package,
-and is removed after its last test. The lifecycle test (upgrade, uninstall) runs
+The bed (control plane + 2 kwok nodes + the real node) is the session's `_real_bed` (one real
+node per machine, shared with tests/testbed/test_realnode.py); the install happens once, for
+this package, and is removed after its last test. The lifecycle test (upgrade, uninstall) runs
 last. The whole directory is skipped, with one line saying why, when this machine cannot host
 a real node (not root, no cgroups, Debian packages missing and not installable).
 """
@@ -36,39 +36,22 @@ LAST = ("test_lifecycle.py",)
 
 
 def pytest_collection_modifyitems(items):
-    """Upgrade and uninstall end the install every other test uses: they run last."""
-    for item in items:
-        if "/e2e/" in str(item.path):
-            item.add_marker(pytest.mark.realnode)
-            item.add_marker(pytest.mark.testbed)
-    items.sort(key=lambda i: "/e2e/" in str(i.path) and i.path.name in LAST)
-
-
-@pytest.fixture(scope="session")
-def real_bed(figures):
-    """The test bed with a real node (testbed/realnode.py), stopped in a finally."""
-    from testbed.cluster import Testbed, TestbedError, default_state_dir
-    from testbed.kube import Cluster
-
-    tb = Testbed(default_state_dir(f"pytest-{os.getpid()}-real"), nodes=2, real_node=True)
-    t0 = time.monotonic()
-    try:
-        tb.start()
-    except TestbedError as e:
-        pytest.fail(f"real-node test bed failed to start: {e}", pytrace=False)
-    figures.add(f"e2e: real-node test bed up in {time.monotonic() - t0:.1f}s")
-    try:
-        yield Cluster.connect(tb.kubeconfig, tb)
-    finally:
-        tb.stop()
+    """Upgrade and uninstall end the install every other test uses: they run last of this
+    directory (the other directories keep their places)."""
+    mine = [i for i, item in enumerate(items) if "/e2e/" in str(item.path)]
+    ordered = sorted((items[i] for i in mine), key=lambda it: it.path.name in LAST)
+    for i, item in zip(mine, ordered, strict=True):
+        item.add_marker(pytest.mark.realnode)
+        item.add_marker(pytest.mark.testbed)
+        items[i] = item
 
 
 @pytest.fixture(scope="package")
-def e2e(real_bed, figures) -> E2E:
+def e2e(_real_bed, figures) -> E2E:
     """sandman installed on the real node; uninstalled after the package's last test."""
     from testbed.install import Install, InstallError
 
-    cluster = real_bed
+    cluster = _real_bed.get(figures)
     inst = Install(cluster.testbed)
     env = E2E(cluster, inst)
     t0 = time.monotonic()
