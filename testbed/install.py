@@ -181,16 +181,37 @@ class Install:
         self.ensure_namespace(self.sandbox_namespace)
         self.isolate_nodes()
         t0 = time.monotonic()
-        self.helm("install", self.release, str(CHART), "-n", self.namespace,
-                  *self.values_args(*values), "--wait", "--timeout", timeout)
+        try:
+            self.helm("install", self.release, str(CHART), "-n", self.namespace,
+                      *self.values_args(*values), "--wait", "--timeout", timeout)
+        except InstallError as e:
+            raise InstallError(f"{e}; {self.summary()}") from None
         self.timings["install"] = time.monotonic() - t0
         return self.timings["install"]
 
     def upgrade(self, *values: str | Path | dict, timeout: str = "600s") -> float:
         t0 = time.monotonic()
-        self.helm("upgrade", self.release, str(CHART), "-n", self.namespace,
-                  *self.values_args(*values), "--wait", "--timeout", timeout)
+        try:
+            self.helm("upgrade", self.release, str(CHART), "-n", self.namespace,
+                      *self.values_args(*values), "--wait", "--timeout", timeout)
+        except InstallError as e:
+            raise InstallError(f"{e}; {self.summary()}") from None
         return time.monotonic() - t0
+
+    def summary(self) -> str:
+        """Deployments' ready counts and pods not Ready, in one line (for failures)."""
+        try:
+            deps = self.kget("deployments", "-n", self.namespace)["items"]
+            pods = self.kget("pods", "-n", self.namespace)["items"]
+        except InstallError as e:
+            return f"(no summary: {e})"
+        out = [f"{d['metadata']['name']} ready {d['status'].get('readyReplicas', 0)}/"
+               f"{d['spec']['replicas']}" for d in deps]
+        for p in pods:
+            conds = {c["type"]: c["status"] for c in p["status"].get("conditions", [])}
+            if conds.get("Ready") != "True" and p["status"].get("phase") != "Succeeded":
+                out.append(f"pod {p['metadata']['name']} {p['status'].get('phase')} not Ready")
+        return "; ".join(out)
 
     def test(self, timeout: str = "600s", check: bool = True) -> subprocess.CompletedProcess:
         return self.helm("test", self.release, "-n", self.namespace, "--logs",

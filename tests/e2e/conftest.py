@@ -56,7 +56,8 @@ def e2e(_real_bed, figures) -> E2E:
     env = E2E(cluster, inst)
     t0 = time.monotonic()
     try:
-        took = inst.install()
+        # 600 s by default; shorter to see an install that never completes fail sooner.
+        took = inst.install(timeout=os.environ.get("SANDMAN_E2E_INSTALL_TIMEOUT", "600s"))
     except InstallError as e:
         env.install_error = str(e)
         took = None

@@ -136,6 +136,9 @@ class E2E:
                  if state.waiting else
                  f"terminated {state.terminated.exit_code} {state.terminated.reason}: "
                  f"{(state.terminated.message or '')[:300]}" if state.terminated else "?")
+            last = c.last_state.terminated if c.last_state else None
+            if last is not None and last.message:  # FallbackToLogsOnError: the log's tail
+                s += f" (last exit {last.exit_code}: {last.message.strip()[-300:]})"
             parts.append(f"{c.name}: {s} ready={c.ready} restarts={c.restart_count}")
         events = self.core.list_namespaced_event(
             ns, field_selector=f"involvedObject.name={name}").items
