@@ -39,8 +39,8 @@ test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
 	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
 
+e2e: REAL_NODE := 1
 e2e: deps testbed-build  ## the real-node suite: bed + real node + helm install, tests/e2e, uninstall, teardown
-	REAL_NODE=1 $(VPY) -m testbed build
 	$(VPY) tools/run_pytest.py tests/e2e $(PYTEST_ARGS)
 
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
