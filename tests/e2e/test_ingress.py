@@ -12,6 +12,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from sandman.contract import ANNOTATION_INGRESS_FROM, EXECD_PORT
@@ -53,7 +55,12 @@ def test_network_policy_alone_refuses_a_non_trainer(sandman, ns):
     try:
         ip = sandman.wait_ready(sbx_ns, name).status.pod_ip
         ctl_ip = sandman.wait_ready(ns, "same-guard").status.pod_ip
+        # kube-router programs a new pod's policy on its own sync: allow it 10 s to do so.
+        deadline = time.monotonic() + 10
         stranger = sandman.probe(ns, "stranger", "tcp", ip, PORT)
+        while stranger.ok and time.monotonic() < deadline:
+            time.sleep(1)
+            stranger = sandman.probe(ns, "stranger", "tcp", ip, PORT)
         assert not stranger.ok, stranger
         assert sandman.probe(ns, "trainer", "tcp", ip, PORT).ok
         # Control: the stranger gets through the very same guard where no policy applies.
