@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
-        testbed-status bench-execd bench-netguard bench-webhook bench-controller clean \
+        testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest
 
 help:  ## list targets
@@ -39,6 +39,10 @@ test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included
 	$(VPY) tools/run_pytest.py $(PYTEST_ARGS)
 
+e2e: REAL_NODE := 1
+e2e: deps testbed-build  ## the real-node suite: bed + real node + helm install, tests/e2e, uninstall, teardown
+	$(VPY) tools/run_pytest.py tests/e2e $(PYTEST_ARGS)
+
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
 	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)
 
@@ -58,10 +62,16 @@ images: $(STAMP)  ## build the real-node images without Docker into ~/.cache (IM
 images-list: $(STAMP)  ## ref, cache state and archive path of each real-node image
 	$(VPY) -m testbed.images list
 
-testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export (REAL_NODE=1: plus a real node)
+# INSTALL=1 (with REAL_NODE=1): also `helm install --wait` of charts/sandman on the real node
+# (testbed/install.py, values testbed/values-realnode.yaml), and how to reach the controller.
+INSTALL ?=
+
+testbed-up: deps testbed-build  ## start the test bed in the background; prints the KUBECONFIG export (REAL_NODE=1: plus a real node; INSTALL=1: plus sandman installed on it)
 	$(VPY) -m testbed up
+	@if [ -n "$(INSTALL)" ] && [ "$(INSTALL)" != 0 ]; then $(VPY) -m testbed.install up; fi
 
 testbed-down: $(STAMP)  ## stop the test bed started by testbed-up; nothing is left running
+	@if [ -f .testbed/manual/install/install-nodes.json ]; then $(VPY) -m testbed.install down || true; fi
 	$(VPY) -m testbed down
 
 testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy

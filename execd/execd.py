@@ -9,7 +9,6 @@ import argparse
 import base64
 import binascii
 import collections
-import ctypes
 import errno
 import fcntl
 import json
@@ -533,10 +532,14 @@ class Daemon:
         if os.getpid() == 1:
             return "pid1"
         try:
+            # Imported here: Debian's python3-minimal (a common task-image base) has no ctypes,
+            # and as the pod's PID 1 execd never needs it.
+            import ctypes
+
             libc = ctypes.CDLL(None, use_errno=True)
             if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
                 return "subreaper"
-        except (OSError, AttributeError):
+        except (ImportError, OSError, AttributeError):
             pass
         return None
 

@@ -46,7 +46,8 @@ from testbed import build, pki
 from testbed.cluster import TestbedError  # cluster imports this module lazily: no cycle
 
 if TYPE_CHECKING:
-    from testbed.cluster import Component, Testbed
+    from testbed.cluster import Testbed
+    from testbed.procs import Proc
 
 NODE_NAME = "sandman-real-0"
 # The one label (value "true") and taint that mark the real node. Beside kwok nodes it is tainted
@@ -849,7 +850,7 @@ class RealNode:
 
         return SERVICE_CIDR
 
-    def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Component:
+    def _spawn(self, name: str, cmd: list[str], env: dict | None = None) -> Proc:
         return self.tb._spawn(name, cmd, env=env)
 
     def _kubeconfig(self, name: str, cert: tuple[Path, Path] | None) -> Path:
@@ -1111,13 +1112,11 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         """Stop the node's processes and its pods (first on the way down: the control plane
         still runs). `cleanup()` then removes what is left on the machine, once the API
         server, which listens on the node IP, has stopped too."""
-        from testbed.cluster import _terminate
-
         t0 = time.monotonic()
         comps = {c.name: c for c in self.tb.components if c.name in REAL_COMPONENTS}
         for name in ("kube-router", "coredns", "kube-proxy", "kubelet"):
             if name in comps:
-                _terminate(comps[name], timeout)
+                comps[name].stop(timeout)
         ctd = comps.get("containerd")
         if ctd is not None and ctd.alive() and self.sock.exists():
             # Through the CRI, so the CNI plugin releases each pod's address and veth.
@@ -1127,7 +1126,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                     self.crictl("stopp", *pods, timeout=60)
                     self.crictl("rmp", "-f", *pods, timeout=60)
         if ctd is not None:
-            _terminate(ctd, timeout)
+            ctd.stop(timeout)
         self.tb.components = [c for c in self.tb.components if c.name not in REAL_COMPONENTS]
         self.timings["stop"] = time.monotonic() - t0
 

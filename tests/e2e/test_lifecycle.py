@@ -1,0 +1,133 @@
+"""helm install --wait, helm test, helm upgrade --wait, helm uninstall of charts/sandman on the
+real node. Runs last in tests/e2e (conftest orders it): it ends the install.
+
+Catches, on real pods (kwok marked them all Ready): a standby controller that is never Ready
+(`helm install --wait` and a rolling upgrade with maxUnavailable 0 never finish), a default
+guard that cannot start (helm test's sandbox never Ready), and a narrowed
+`sandbox.ingressFrom` that locks the controller's execd check (and so helm test) out.
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from testbed import realnode
+
+# A CIDR no pod is in: "the trainers' CIDR" of an install where neither the controller nor
+# the helm test pod is a trainer.
+NARROWED = realnode.OUTSIDE_NET
+AFTER_UNINSTALL: dict[str, list[str]] = {}
+
+
+def _deployments(inst) -> dict[str, dict]:
+    items = inst.kget("deployments", "-n", inst.namespace)["items"]
+    return {d["metadata"]["labels"]["app.kubernetes.io/component"]: d for d in items}
+
+
+def _rolled_out(d: dict) -> bool:
+    st, want = d.get("status", {}), d["spec"]["replicas"]
+    return (st.get("observedGeneration") == d["metadata"]["generation"]
+            and st.get("updatedReplicas") == want and st.get("readyReplicas") == want
+            and st.get("replicas") == want and not st.get("unavailableReplicas"))
+
+
+def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, figures):
+    """sandbox.ingressFrom narrowed to a CIDR neither the controller nor the helm test pod is
+    in: the controller's execd check (a sandbox is Ready for it only when execd answers it
+    through the guard) and `helm test` must still get through. The bridge's address is in the
+    list too: the kubelet's probes come from it on this CNI, not from status.hostIP, which is
+    what netguard admits for the node (test_ingress's xfail records that gap)."""
+    inst = sandman.inst
+    t0 = time.monotonic()
+    inst.upgrade({"sandbox": {"ingressFrom": [NARROWED, f"{sandman.rn.gateway}/32"]}})
+    try:
+        res = inst.test(check=False)
+        assert res.returncode == 0, (f"helm test with sandbox.ingressFrom={NARROWED} failed:\n"
+                                     f"{res.stdout[-3000:]}{res.stderr[-2000:]}")
+    finally:
+        inst.upgrade()
+        figures.add(f"e2e: narrowed ingressFrom: upgrade, helm test, upgrade back "
+                    f"{time.monotonic() - t0:.1f}s")
+
+
+def test_install_test_upgrade_uninstall(sandman, figures):
+    inst = sandman.inst
+    # `helm install --wait` (the fixture) returned: every replica Ready, the standby included.
+    deps = _deployments(inst)
+    assert set(deps) == {"webhook", "controller"}, sorted(deps)
+    assert deps["webhook"]["status"].get("readyReplicas") == 3, deps["webhook"]["status"]
+    assert deps["controller"]["status"].get("readyReplicas") == 2, deps["controller"]["status"]
+    jobs = inst.kget("jobs", "-n", inst.namespace)["items"]
+    assert jobs and all(j["status"].get("succeeded") == 1 for j in jobs), \
+        [j["status"] for j in jobs]
+
+    t0 = time.monotonic()
+    res = inst.test(check=False)
+    assert res.returncode == 0, f"helm test failed:\n{res.stdout[-3000:]}{res.stderr[-2000:]}"
+    assert "ok: acquired, ran `echo ok`, released" in res.stdout, res.stdout[-2000:]
+    t_test = time.monotonic() - t0
+
+    # A changed value both Deployments take (a policy arg): the webhook and the controller
+    # roll with maxUnavailable 0, which needs every new replica, standby included, Ready.
+    revisions = {k: d["metadata"]["annotations"]["deployment.kubernetes.io/revision"]
+                 for k, d in deps.items()}
+    took = inst.upgrade({"sandbox": {"guard": "egress-deny"}})
+    deps = _deployments(inst)
+    for k, d in deps.items():
+        assert d["metadata"]["annotations"]["deployment.kubernetes.io/revision"] != revisions[k], k
+        assert "--guard=egress-deny" in d["spec"]["template"]["spec"]["containers"][0]["args"], k
+        assert _rolled_out(d), (k, d["status"])
+    # Every pod of the old ReplicaSets is gone or on its way out (deleted after the rollout).
+    hashes = {_template_hash(inst, k) for k in deps}
+    old_pods = [p["metadata"]["name"] for p in inst.kget("pods", "-n", inst.namespace)["items"]
+                if p["metadata"].get("labels", {}).get("app.kubernetes.io/component")
+                in ("webhook", "controller")
+                and p["metadata"]["labels"].get("pod-template-hash") not in hashes
+                and not p["metadata"].get("deletionTimestamp")]
+    assert not old_pods, f"pods of the old ReplicaSets still live: {old_pods}"
+
+    t1 = time.monotonic()
+    res = inst.test(check=False)
+    assert res.returncode == 0, f"helm test after the upgrade:\n{res.stdout[-3000:]}"
+    t_test2 = time.monotonic() - t1
+
+    t2 = time.monotonic()
+    inst.uninstall()
+    # Helm never deletes a test hook's pod (test_nothing_at_all_left_after_uninstall).
+    hook_pod = f"pod/{inst.release}-test"
+
+    def left_by_helm() -> list[str]:
+        return [n for n in inst.leftovers() if n != hook_pod]
+
+    deadline = time.monotonic() + 90
+    left = left_by_helm()
+    while left and time.monotonic() < deadline:  # pods and ReplicaSets go through the GC
+        time.sleep(1)
+        left = left_by_helm()
+    assert not left, f"left after helm uninstall: {left}"
+    AFTER_UNINSTALL["runtime"] = inst.runtime_leftovers()
+    figures.add(f"e2e: helm test {t_test:.1f}s; upgrade --wait (both Deployments rolled) "
+                f"{took:.1f}s; helm test again {t_test2:.1f}s; uninstall + nothing left "
+                f"{time.monotonic() - t2:.1f}s")
+
+
+def _template_hash(inst, component: str) -> str:
+    rs = inst.kget("replicasets", "-n", inst.namespace, "-l",
+                   f"app.kubernetes.io/component={component}")["items"]
+    live = [r for r in rs if r["spec"].get("replicas")]
+    assert len(live) == 1, [(r["metadata"]["name"], r["spec"].get("replicas")) for r in rs]
+    return live[0]["metadata"]["labels"]["pod-template-hash"]
+
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "product gap found on the real node: helm uninstall leaves the helm test pod (its hook "
+    "delete policy is before-hook-creation), the controller's Lease and its per-job ConfigMaps "
+    "in the sandbox namespace"))
+def test_nothing_at_all_left_after_uninstall():
+    if "runtime" not in AFTER_UNINSTALL:
+        pytest.fail("test_install_test_upgrade_uninstall did not get to its uninstall",
+                    pytrace=False)
+    assert AFTER_UNINSTALL["runtime"] == []
