@@ -13,9 +13,12 @@ injected containers) and only changes what is wrong. docs/webhook.md says why ea
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import io
 import ipaddress
 import posixpath
+import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
@@ -49,6 +52,30 @@ RUN_DIR = posixpath.dirname(NETGUARD_STATUS_PATH)  # writable for netguard, read
 EXECD_COMMAND = ["python3", EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
 EXECD_HEALTH_PATH = "/health"
 GUARD_CAPS = ("NET_ADMIN", "NET_RAW")  # netguard's only capabilities; dropped in the sandbox
+# containerd and CRI-O grant NET_RAW to every container by default; with it an AF_PACKET socket
+# sends frames past every iptables rule (tests/netguard/test_netns.py shows it), so every
+# container but the guard must drop it.
+NET_RAW = "NET_RAW"
+NETGUARD_COMMAND = ["python3", "-m", "netguard", "apply"]
+# execd's command is owned by the mutation: only the interpreter may be the image's own python3
+# (python3, python3.11, /usr/bin/python3.8); the rest is exactly EXECD_COMMAND[1:], so token
+# flags (--token-sha256, --insecure-no-token) can never be chosen by the pod's author.
+_PYTHON3 = re.compile(r"(/[A-Za-z0-9._+-]+)*/?python3(\.[0-9]+)?")
+# Volume sources a sandbox (or an egress-deny pod) may use: an allowlist, so a source added to
+# Kubernetes later is refused until someone decides. None of them reaches the node's filesystem
+# or devices: hostPath is the obvious escape (`/`, the containerd socket), and inline csi, nfs,
+# iscsi, image, ... are refused because nobody has checked what they expose. PVCs (and generic
+# ephemeral volumes, which are PVCs) are admitted: a namespace's user cannot create the
+# PersistentVolume behind them (cluster-scoped, the admin's storage classes decide).
+VOLUME_TYPES = ("emptyDir", "configMap", "secret", "downwardAPI", "projected",
+                "persistentVolumeClaim", "ephemeral")
+PROJECTED_SOURCES = ("configMap", "secret", "downwardAPI", "clusterTrustBundle",
+                     "serviceAccountToken")  # the token: refused by its own rule in sandboxes
+# Legacy annotations the runtime still honours on some versions (AppArmor until 1.30+).
+SECCOMP_POD_ANNOTATION = "seccomp.security.alpha.kubernetes.io/pod"
+SECCOMP_CONTAINER_PREFIX = "container.seccomp.security.alpha.kubernetes.io/"
+APPARMOR_CONTAINER_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
+CONTAINER_KINDS = ("initContainers", "containers", "ephemeralContainers")
 TOKEN_FIELD_PATH = f"metadata.annotations['{ANNOTATION_TOKEN_SHA256}']"
 # The service-account admission plugin runs before webhooks and has already added this volume.
 SA_TOKEN_VOLUME_PREFIX = "kube-api-access-"
@@ -90,6 +117,11 @@ class SandboxPolicy:
     # ones), so each pod it builds admits exactly that address besides the ingress sources and
     # the node, through the pod's ingress-from annotation, which the webhook reads too.
     controller_ip: str | None = None
+    # Secret volumes, projected secret sources and env from Secrets are refused in sandboxes
+    # unless this is set: a Secret of type kubernetes.io/service-account-token (which anyone who
+    # may create Secrets can still make; the token controller fills it) cannot be told apart from
+    # any other Secret without reading it, and the webhook holds no right to read Secrets.
+    allow_secrets: bool = False
 
     def __post_init__(self) -> None:
         if self.guard not in GUARD_MODES:
@@ -129,6 +161,14 @@ RULES = (
     "net-admin-added",
     "token-hash",
     "not-mutated",
+    "capability-added",
+    "net-raw-not-dropped",
+    "volume-type",
+    "secret-refused",
+    "unconfined",
+    "execd-command",
+    "sandman-mount",
+    "guard-immutable",
 )
 
 
@@ -136,7 +176,14 @@ RULES = (
 # caches their results by these (bursts of identical pods), so anything else they start reading
 # must be added here; tests/webhook/test_sandbox.py checks that nothing else changes a result.
 INPUT_LABELS = (LABEL_SANDBOX, LABEL_EGRESS)
-INPUT_ANNOTATIONS = (ANNOTATION_CONTAINER, ANNOTATION_INGRESS_FROM, ANNOTATION_TOKEN_SHA256)
+INPUT_ANNOTATIONS = (ANNOTATION_CONTAINER, ANNOTATION_INGRESS_FROM, ANNOTATION_TOKEN_SHA256,
+                     SECCOMP_POD_ANNOTATION)
+# ...and every annotation whose name starts with one of these (per-container legacy profiles).
+INPUT_ANNOTATION_PREFIXES = (SECCOMP_CONTAINER_PREFIX, APPARMOR_CONTAINER_PREFIX)
+
+
+def is_input_annotation(key: str) -> bool:
+    return key in INPUT_ANNOTATIONS or key.startswith(INPUT_ANNOTATION_PREFIXES)
 
 
 class SandboxError(ValueError):
@@ -278,26 +325,30 @@ def _injected_resources() -> dict:
     return {"requests": dict(INJECTED_RESOURCES), "limits": dict(INJECTED_RESOURCES)}
 
 
+def _guard_security_context() -> dict:
+    return {
+        "capabilities": {"add": list(GUARD_CAPS), "drop": ["ALL"]},
+        "privileged": False,
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        # iptables needs uid 0 with the two capabilities, whatever the pod's default user.
+        "runAsUser": 0,
+        "runAsNonRoot": False,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def netguard_container(pod: dict, policy: SandboxPolicy) -> dict:
     return {
         "name": NETGUARD_CONTAINER,
         "image": policy.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", "-m", "netguard", "apply"],
+        "command": list(NETGUARD_COMMAND),
         "args": netguard_args(pod, policy),
         "env": [{"name": NODE_IP_ENV,
                  "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}}],
         "resources": _injected_resources(),
-        "securityContext": {
-            "capabilities": {"add": list(GUARD_CAPS), "drop": ["ALL"]},
-            "privileged": False,
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            # iptables needs uid 0 with the two capabilities, whatever the pod's default user.
-            "runAsUser": 0,
-            "runAsNonRoot": False,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": _guard_security_context(),
         "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": RUN_DIR, "subPath": "run"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
@@ -360,8 +411,11 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
     for c in spec.get("initContainers") or []:
         if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER):
             _sandman_volume_read_only(c)
-    for c in spec["containers"]:
+            _drop_net_raw(c)
+    for i, c in enumerate(spec["containers"]):
         _sandman_volume_read_only(c)
+        if i != index:
+            _drop_net_raw(c)
     _make_sandbox_container(spec["containers"][index], spec)
 
     for c in _all_containers(spec):
@@ -418,14 +472,37 @@ def _sandman_volume_read_only(c: dict) -> None:
             m["readOnly"] = True
 
 
+def normalize_path(path) -> str:
+    """One spelling per path: `//sandman`, `/sandman/`, `/./sandman`, `/x/../sandman` and
+    `sandman` are all `/sandman` (posixpath.normpath alone keeps a leading `//`)."""
+    return posixpath.normpath("/" + str(path).lstrip("/"))
+
+
 def _under_execd_dir(path: str) -> bool:
-    path = posixpath.normpath(str(path))
+    path = normalize_path(path)
     return path == EXECD_DIR or path.startswith(EXECD_DIR + "/")
 
 
-def _make_sandbox_container(c: dict, spec: dict) -> None:
+def execd_argv_ok(c: dict) -> bool:
+    """The container runs exactly `<python3> /sandman/execd.py --listen 0.0.0.0:9470`."""
     argv = list(c.get("command") or []) + list(c.get("args") or [])
-    if EXECD_PATH not in argv:
+    return (len(argv) == len(EXECD_COMMAND) and argv[1:] == EXECD_COMMAND[1:]
+            and isinstance(argv[0], str) and _PYTHON3.fullmatch(argv[0]) is not None)
+
+
+def _drop_net_raw(c: dict) -> None:
+    sc = c.get("securityContext") or {}
+    caps = sc.get("capabilities") or {}
+    drop = list(caps.get("drop") or [])
+    if {_cap(d) for d in drop} & {NET_RAW, "ALL"}:
+        return
+    caps["drop"] = drop + [NET_RAW]
+    sc["capabilities"] = caps
+    c["securityContext"] = sc
+
+
+def _make_sandbox_container(c: dict, spec: dict) -> None:
+    if not execd_argv_ok(c):
         c["command"] = list(EXECD_COMMAND)
         c.pop("args", None)
 
@@ -521,11 +598,41 @@ def _equalize_resources(c: dict, policy: SandboxPolicy | None) -> None:
 
 
 # --- the checks ------------------------------------------------------------------------------
+#
+# An allowlist: every container of every kind (containers, initContainers including sidecars
+# with restartPolicy Always, ephemeralContainers) is judged, and what is not known to be safe is
+# refused. docs/webhook.md lists each rule with its reason and the invariants they keep.
+
+def _every_container(spec: dict):
+    for kind in CONTAINER_KINDS:
+        for i, c in enumerate(spec.get(kind) or []):
+            if isinstance(c, dict):
+                yield kind, i, c
+
+
+def _is_guard_slot(kind: str, i: int, c: dict, guarded: bool) -> bool:
+    return guarded and kind == "initContainers" and i == 0 and c.get("name") == NETGUARD_CONTAINER
+
+
+def _is_injected(kind: str, c: dict) -> bool:
+    return kind == "initContainers" and c.get("name") in (NETGUARD_CONTAINER,
+                                                           EXECD_INSTALL_CONTAINER)
+
+
+def _sandbox_container_name(pod: dict) -> str | None:
+    try:
+        return ((pod.get("spec") or {}).get("containers") or [])[
+            sandbox_container_index(pod)].get("name")
+    except SandboxError:
+        return None  # make_sandbox reports it
+
 
 def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     """Everything that makes the final pod object not a correct sandbox (empty: admit).
 
-    Applies to pods labelled as sandboxes and to any pod carrying the egress label."""
+    Applies to pods labelled as sandboxes and to any pod carrying the egress label; an
+    egress-deny pod without the sandbox label is not mutated, so it must carry the guard and
+    the pod-level rules itself (the refusals say what to add)."""
     labels = _labels(pod)
     sandbox = is_sandbox(pod)
     egress = labels.get(LABEL_EGRESS)
@@ -540,44 +647,28 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
         out.append(Refusal("egress-label-invalid", "",
                            f"label {LABEL_EGRESS}={egress!r} is neither {EGRESS_DENY!r} nor "
                            f"{EGRESS_ALLOW!r}; a mistyped deny would leave egress open"))
-    if guard_required(pod, policy):
+    guarded = guard_required(pod, policy)
+    if guarded:
         out.extend(_check_guard(pod, policy))
+    if not (sandbox or guarded):
+        return out  # egress=allow without the sandbox label: nothing is promised
+
+    if sandbox:
+        for c in _all_containers(spec):
+            out.extend(_check_resources(c))
+        if isinstance(spec.get("resources"), dict):
+            out.extend(_check_resources(spec, pod_level=True))
+        if spec.get("enableServiceLinks") is not False:
+            out.append(Refusal("service-links", "",
+                               "enableServiceLinks must be false (every Service in the namespace "
+                               "becomes environment variables in the sandbox)"))
+        if spec.get("automountServiceAccountToken") is not False:
+            out.append(Refusal("service-account-token", "",
+                               "automountServiceAccountToken must be false"))
+    out.extend(_pod_rules(pod, policy, sandbox, guarded))
     if not sandbox:
         return out
 
-    for c in _all_containers(spec):
-        out.extend(_check_resources(c))
-    if isinstance(spec.get("resources"), dict):
-        out.extend(_check_resources(spec, pod_level=True))
-    if spec.get("enableServiceLinks") is not False:
-        out.append(Refusal("service-links", "",
-                           "enableServiceLinks must be false (every Service in the namespace "
-                           "becomes environment variables in the sandbox)"))
-    if spec.get("automountServiceAccountToken") is not False:
-        out.append(Refusal("service-account-token", "",
-                           "automountServiceAccountToken must be false"))
-    for v in spec.get("volumes") or []:
-        if _is_sa_token_volume(v):
-            out.append(Refusal("service-account-token", "",
-                               f"volume {v.get('name')} projects a service-account token"))
-    for key in ("hostNetwork", "hostPID", "hostIPC"):
-        if spec.get(key):
-            out.append(Refusal("host-namespace", "", f"{key} must not be set on a sandbox"))
-    inits = spec.get("initContainers") or []
-    for i, c in enumerate(_all_containers(spec)):
-        sc = c.get("securityContext") or {}
-        name = c.get("name", "")
-        if sc.get("privileged"):
-            out.append(Refusal("privileged", name, "privileged containers are not allowed"))
-        is_guard = i == 0 and name == NETGUARD_CONTAINER
-        added = {_cap(a) for a in (sc.get("capabilities") or {}).get("add") or []}
-        bad = sorted(added & set(GUARD_CAPS))
-        if bad and not is_guard:
-            out.append(Refusal("net-admin-added", name,
-                               f"adds {','.join(bad)}; it shares the pod's network and could "
-                               "undo the guard (only initContainers[0] netguard may)"))
-        if not is_guard and name == NETGUARD_CONTAINER and inits:
-            out.append(Refusal("guard-misconfigured", name, "netguard must be initContainers[0]"))
     token = _annotations(pod).get(ANNOTATION_TOKEN_SHA256)
     if token is None:
         out.append(Refusal("token-hash", "", f"annotation {ANNOTATION_TOKEN_SHA256} is missing"))
@@ -585,16 +676,203 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
         out.append(Refusal("token-hash", "",
                            f"annotation {ANNOTATION_TOKEN_SHA256} must be 64 lowercase hex "
                            f"characters (got {len(token)} characters: {token[:8]}...)"))
-
     try:
         mutated = make_sandbox(pod, policy)
     except SandboxError as e:
         out.append(e.refusal)
         return out
+    c = spec["containers"][sandbox_container_index(pod)]
+    if not execd_argv_ok(c):
+        argv = " ".join(map(str, list(c.get("command") or []) + list(c.get("args") or [])))
+        out.append(Refusal("execd-command", c.get("name", ""),
+                           f"runs {argv[:120]!r}; sandman owns execd's command ("
+                           f"{' '.join(EXECD_COMMAND)}), so its token flags (and "
+                           "--insecure-no-token) cannot be chosen by the pod"))
     if not out and mutated != pod:
         out.append(Refusal("not-mutated", "", "the pod is not what sandman's mutation makes "
                            f"(first difference at {_first_difference(pod, mutated)}); "
                            "is the mutating webhook configuration missing?"))
+    return out
+
+
+def check_update(pod: dict, old, policy: SandboxPolicy) -> list[Refusal]:
+    """An UPDATE (labels, annotations, images, `pods/ephemeralcontainers`) judged on the new pod
+    itself, never on which refusals the old pod already had: a pod that becomes a sandbox gets
+    every create rule; a pod that becomes egress=deny gets the pod-level rules, and any pod
+    labelled deny must carry a guard that applied deny; sandman's init containers never change;
+    every ephemeral container this update adds is judged like any container. Rules that depend
+    on the webhook's settings of the day (the guard's exact args, the image tag) are judged at
+    create only, so a policy change does not lock running sandboxes out of label updates."""
+    if not isinstance(old, dict):
+        return check_sandbox(pod, policy)
+    sandbox = is_sandbox(pod)
+    if sandbox and not is_sandbox(old):
+        return check_sandbox(pod, policy)
+    labels = _labels(pod)
+    egress = labels.get(LABEL_EGRESS)
+    deny = egress == EGRESS_DENY
+    was_deny = _labels(old).get(LABEL_EGRESS) == EGRESS_DENY
+    spec, old_spec = pod.get("spec") or {}, old.get("spec") or {}
+    out: list[Refusal] = []
+    if egress is not None and egress not in (EGRESS_DENY, EGRESS_ALLOW):
+        out.append(Refusal("egress-label-invalid", "",
+                           f"label {LABEL_EGRESS}={egress!r} is neither {EGRESS_DENY!r} nor "
+                           f"{EGRESS_ALLOW!r}; a mistyped deny would leave egress open"))
+
+    def injected(s: dict) -> dict:
+        return {c.get("name"): c for c in s.get("initContainers") or []
+                if _is_injected("initContainers", c)}
+    before, after = injected(old_spec), injected(spec)
+    for name in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER):
+        if before.get(name) != after.get(name):
+            out.append(Refusal("guard-immutable", name,
+                               "sandman's init containers (image, command, args) cannot change "
+                               "after create: a new image is a new, unchecked guard"))
+    if deny:
+        out.extend(_guard_applied_deny(pod))
+        if not was_deny:
+            out.extend(_pod_rules(pod, policy, sandbox, True))
+    if sandbox or deny:
+        known = {c.get("name") for c in old_spec.get("ephemeralContainers") or []
+                 if isinstance(c, dict)}
+        for i, c in enumerate(spec.get("ephemeralContainers") or []):
+            if isinstance(c, dict) and c.get("name") not in known:
+                out.extend(_container_rules("ephemeralContainers", i, c, policy, sandbox, deny,
+                                            False))
+    if sandbox:
+        token = _annotations(pod).get(ANNOTATION_TOKEN_SHA256)
+        if not is_token_sha256(token):
+            out.append(Refusal("token-hash", "", f"annotation {ANNOTATION_TOKEN_SHA256} must "
+                               "stay 64 lowercase hex characters"))
+    return _unique(out)
+
+
+def _unique(refusals: list[Refusal]) -> list[Refusal]:
+    seen, out = set(), []
+    for r in refusals:
+        if r not in seen:
+            seen.add(r)
+            out.append(r)
+    return out
+
+
+def _pod_rules(pod: dict, policy: SandboxPolicy, sandbox: bool, guarded: bool) -> list[Refusal]:
+    """What no sandbox and no egress-deny pod may have, whichever container kind has it."""
+    spec = pod.get("spec") or {}
+    out: list[Refusal] = []
+    for key in ("hostNetwork", "hostPID", "hostIPC"):
+        if spec.get(key):
+            out.append(Refusal("host-namespace", "", f"{key} must not be set on a sandbox or an "
+                               "egress-deny pod"))
+    out.extend(_volume_rules(spec, policy, sandbox))
+    psc = spec.get("securityContext") if isinstance(spec.get("securityContext"), dict) else {}
+    for field in ("seccompProfile", "appArmorProfile"):
+        if ((psc.get(field) or {}).get("type") or "").lower() == "unconfined":
+            out.append(Refusal("unconfined", "", f"pod securityContext.{field} is Unconfined"))
+    for key, value in _annotations(pod).items():
+        if (key == SECCOMP_POD_ANNOTATION or key.startswith(INPUT_ANNOTATION_PREFIXES)) and \
+                str(value).lower() == "unconfined":
+            out.append(Refusal("unconfined", "", f"annotation {key} is unconfined"))
+    execd_container = _sandbox_container_name(pod) if sandbox else None
+    for kind, i, c in _every_container(spec):
+        out.extend(_container_rules(kind, i, c, policy, sandbox, guarded,
+                                    kind == "containers" and c.get("name") == execd_container))
+    return out
+
+
+def _volume_rules(spec: dict, policy: SandboxPolicy, sandbox: bool) -> list[Refusal]:
+    out: list[Refusal] = []
+    secrets_refused = sandbox and not policy.allow_secrets
+    why_secret = ("a Secret of type service-account-token cannot be told from others at "
+                  "admission (the webhook's --allow-secrets admits them)")
+    for v in spec.get("volumes") or []:
+        if not isinstance(v, dict):
+            continue
+        name = v.get("name", "")
+        kinds = [k for k in v if k != "name"]
+        if len(kinds) != 1 or kinds[0] not in VOLUME_TYPES:
+            out.append(Refusal("volume-type", "", f"volume {name} is {'+'.join(kinds) or 'empty'}"
+                               f"; allowed: {', '.join(VOLUME_TYPES)}"))
+            continue
+        if kinds[0] == "secret" and secrets_refused:
+            secret = (v.get("secret") or {}).get("secretName")
+            out.append(Refusal("secret-refused", "",
+                               f"volume {name} mounts Secret {secret}; {why_secret}"))
+        if kinds[0] != "projected":
+            continue
+        sources = (v.get("projected") or {}).get("sources") or []
+        if sandbox and any(isinstance(s, dict) and "serviceAccountToken" in s for s in sources):
+            out.append(Refusal("service-account-token", "",
+                               f"volume {name} projects a service-account token"))
+        for src in sources:
+            src = src if isinstance(src, dict) else {"?": src}
+            bad = [k for k in src if k not in PROJECTED_SOURCES]
+            if bad:
+                out.append(Refusal("volume-type", "", f"volume {name} projects {'+'.join(bad)}"
+                                   f"; allowed: {', '.join(PROJECTED_SOURCES)}"))
+            if "secret" in src and secrets_refused:
+                out.append(Refusal("secret-refused", "", f"volume {name} projects Secret "
+                                   f"{(src.get('secret') or {}).get('name')}; {why_secret}"))
+    return out
+
+
+def _container_rules(kind: str, i: int, c: dict, policy: SandboxPolicy, sandbox: bool,
+                     guarded: bool, execd_container: bool) -> list[Refusal]:
+    name = c.get("name", "")
+    sc = c.get("securityContext") if isinstance(c.get("securityContext"), dict) else {}
+    out: list[Refusal] = []
+    if sc.get("privileged"):
+        out.append(Refusal("privileged", name, "privileged containers are not allowed"))
+    if (sc.get("windowsOptions") or {}).get("hostProcess"):
+        out.append(Refusal("privileged", name, "hostProcess containers are not allowed"))
+    if _is_guard_slot(kind, i, c, guarded):
+        pass  # the guard's capabilities are checked whole by _check_guard
+    else:
+        caps = sc.get("capabilities") or {}
+        added = sorted({_cap(a) for a in caps.get("add") or []})
+        net = [a for a in added if a in GUARD_CAPS]
+        other = [a for a in added if a not in GUARD_CAPS]
+        if net:
+            out.append(Refusal("net-admin-added", name,
+                               f"adds {','.join(net)}; it shares the pod's network and could "
+                               "undo the guard (only initContainers[0] netguard may)"))
+        if other:
+            extra = " (ALL is every capability, NET_ADMIN included)" if "ALL" in other else ""
+            out.append(Refusal("capability-added", name,
+                               f"adds {','.join(other)}{extra}; no container but sandman's "
+                               "guard may add capabilities"))
+        if not {_cap(d) for d in caps.get("drop") or []} & {NET_RAW, "ALL"}:
+            out.append(Refusal("net-raw-not-dropped", name,
+                               "add NET_RAW (or ALL) to securityContext.capabilities.drop: "
+                               "runtimes grant it by default and an AF_PACKET socket sends "
+                               "past the guard's rules"))
+        if name == NETGUARD_CONTAINER and kind == "initContainers" and i != 0:
+            out.append(Refusal("guard-misconfigured", name, "netguard must be initContainers[0]"))
+    for field in ("seccompProfile", "appArmorProfile"):
+        if ((sc.get(field) or {}).get("type") or "").lower() == "unconfined":
+            out.append(Refusal("unconfined", name, f"securityContext.{field} is Unconfined"))
+    if sc.get("procMount") not in (None, "Default"):
+        out.append(Refusal("unconfined", name, f"procMount {sc.get('procMount')} unmasks /proc"))
+    if sandbox and not policy.allow_secrets:
+        for e in c.get("env") or []:
+            if isinstance(e, dict) and (e.get("valueFrom") or {}).get("secretKeyRef"):
+                out.append(Refusal("secret-refused", name, f"env {e.get('name')} comes from a "
+                                   "Secret, which may hold a service-account token"))
+        for e in c.get("envFrom") or []:
+            if isinstance(e, dict) and e.get("secretRef"):
+                out.append(Refusal("secret-refused", name, "envFrom a Secret, which may hold a "
+                                   "service-account token"))
+    if sandbox and not _is_injected(kind, c):
+        for m in c.get("volumeMounts") or []:
+            if not isinstance(m, dict):
+                continue
+            path = m.get("mountPath", "")
+            if m.get("name") == SANDMAN_VOLUME and m.get("readOnly") is not True:
+                out.append(Refusal("sandman-mount", name, f"mounts the sandman volume writable "
+                                   f"at {path}; only sandman's init containers may write it"))
+            elif execd_container and m.get("name") != SANDMAN_VOLUME and _under_execd_dir(path):
+                out.append(Refusal("sandman-mount", name, f"mounts {m.get('name')} at {path}, "
+                                   f"which shadows the read-only {EXECD_DIR}"))
     return out
 
 
@@ -613,18 +891,43 @@ def _check_resources(c: dict, pod_level: bool = False) -> list[Refusal]:
     return out
 
 
-def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
-    spec = pod.get("spec") or {}
-    inits = spec.get("initContainers") or []
+def _same_resources(a, b) -> bool:
+    a, b = a or {}, b or {}
+    for side in set(a) | set(b):
+        x, y = a.get(side) or {}, b.get(side) or {}
+        if set(x) != set(y) or not all(_same_quantity(x[k], y[k]) for k in x):
+            return False
+    return True
+
+
+def _guard_missing(pod: dict, inits: list) -> list[Refusal]:
     why = ("egress is denied by label" if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY
            else "the cluster guards every sandbox")
-    if not inits or inits[0].get("name") != NETGUARD_CONTAINER:
-        first = inits[0].get("name") if inits else "absent"
-        return [Refusal("guard-missing", NETGUARD_CONTAINER,
-                        f"{why} but initContainers[0] is {first}, not netguard; "
-                        "a label alone is not enforcement")]
+    first = inits[0].get("name") if inits else "absent"
+    fix = "" if is_sandbox(pod) else (
+        f" (label it {LABEL_SANDBOX}={SANDBOX_TRUE} to have the guard injected, or add it "
+        "as initContainers[0] exactly as sandman renders it)")
+    return [Refusal("guard-missing", NETGUARD_CONTAINER,
+                    f"{why} but initContainers[0] is {first}, not netguard; "
+                    f"a label alone is not enforcement{fix}")]
+
+
+def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
+    """The whole guard container, exactly as netguard_container renders it for this pod (the
+    API server's defaulted fields aside, quantities compared by value): image, command, args,
+    env (the node-IP variable is expanded into --ingress-from), mounts, working directory,
+    securityContext, and nothing more (a restartPolicy would make it a sidecar that the pod's
+    containers do not wait for)."""
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or []
+    if not inits or not isinstance(inits[0], dict) or inits[0].get("name") != NETGUARD_CONTAINER:
+        return _guard_missing(pod, inits if inits and isinstance(inits[0], dict) else [])
+    try:
+        wanted = netguard_container(pod, policy)
+    except SandboxError as e:
+        return [e.refusal]
     g = inits[0]
-    sc = g.get("securityContext") or {}
+    sc = g.get("securityContext") if isinstance(g.get("securityContext"), dict) else {}
     caps = sc.get("capabilities") or {}
     problems = []
     if g.get("image") != policy.image:
@@ -637,13 +940,53 @@ def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
         problems.append("readOnlyRootFilesystem must be true")
     if sc.get("privileged"):
         problems.append("must not be privileged")
+    if not problems and sc != wanted["securityContext"]:
+        problems.append(f"securityContext must be {wanted['securityContext']}")
+    if g.get("command") != wanted["command"]:
+        problems.append(f"command must be {' '.join(wanted['command'])}")
+    if g.get("args") != wanted["args"]:
+        problems.append(f"args are not the pod's policy ({' '.join(wanted['args'])})")
+    if not _same_resources(g.get("resources"), wanted["resources"]):
+        problems.append(f"resources must be {wanted['resources']}")
+    # The service-account plugin mounts its token volume into every container of a pod the
+    # mutation does not touch (an egress-deny pod without the sandbox label): not the guard's.
+    tokens = set(injected_token_volumes(spec))
+    mounts = [m for m in g.get("volumeMounts") or [] if m.get("name") not in tokens]
+    if mounts != wanted["volumeMounts"]:
+        problems.append(f"volumeMounts must be {wanted['volumeMounts']} as sandman renders it")
+    skip = {"name", "image", "command", "args", "securityContext", "resources", "volumeMounts",
+            *_API_DEFAULTED}
+    for key in sorted((set(g) | set(wanted)) - skip):
+        if g.get(key) != wanted.get(key):
+            problems.append(f"{key} must not be set" if key not in wanted else
+                            f"{key} must be {wanted[key]} as sandman renders it")
+    return [Refusal("guard-misconfigured", NETGUARD_CONTAINER, p) for p in problems]
+
+
+def _guard_applied_deny(pod: dict) -> list[Refusal]:
+    """On UPDATE: did the pod's own guard (its args cannot change) apply egress deny? Judged
+    with netguard's own parser, so abbreviations and defaults mean what they mean to it."""
+    spec = pod.get("spec") or {}
+    inits = spec.get("initContainers") or []
+    if not inits or not isinstance(inits[0], dict) or inits[0].get("name") != NETGUARD_CONTAINER:
+        return _guard_missing(pod, inits if inits and isinstance(inits[0], dict) else [])
+    g = inits[0]
+    from netguard.cli import build_parser  # the sandman image carries both
+
     try:
-        wanted = netguard_args(pod, policy)
-    except SandboxError as e:
-        return [e.refusal]
-    argv = list(g.get("command") or []) + list(g.get("args") or [])
-    if argv[-len(wanted):] != wanted:
-        problems.append(f"args are not the pod's policy ({' '.join(wanted)})")
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = build_parser().parse_args(["apply", *map(str, g.get("args") or [])])
+    except SystemExit:
+        parsed = None
+    problems = []
+    if g.get("command") != NETGUARD_COMMAND:
+        problems.append(f"command {g.get('command')} is not {' '.join(NETGUARD_COMMAND)}")
+    if parsed is None or parsed.egress not in (None, EGRESS_DENY) or parsed.allow_egress:
+        problems.append(f"the running guard did not apply egress deny (args "
+                        f"{' '.join(map(str, g.get('args') or []))}); relabelling it to deny "
+                        "needs a new pod")
+    if (g.get("securityContext") or {}) != _guard_security_context():
+        problems.append("its securityContext is not the one sandman renders")
     return [Refusal("guard-misconfigured", NETGUARD_CONTAINER, p) for p in problems]
 
 

@@ -24,12 +24,16 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress-from", action="append", default=None, metavar="CIDR",
                    help="who may reach execd when the pod has no ingress-from annotation "
                         "(repeatable; default 0.0.0.0/0)")
+    p.add_argument("--allow-secrets", action="store_true",
+                   help="admit Secret volumes and env from Secrets in sandboxes (refused by "
+                        "default: a legacy service-account-token Secret looks like any other)")
 
 
 def policy_from(args: argparse.Namespace) -> SandboxPolicy:
     return SandboxPolicy(image=args.image, default_cpu=args.default_cpu,
                          default_memory=args.default_memory, guard=args.guard,
-                         ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)))
+                         ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
+                         allow_secrets=args.allow_secrets)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -16,13 +16,14 @@ import jsonpatch
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_EGRESS, is_token_sha256
 from sandman.sandbox import (
-    INPUT_ANNOTATIONS,
     INPUT_LABELS,
     Refusal,
     SandboxError,
     SandboxPolicy,
     check_sandbox,
+    check_update,
     injected_token_volumes,
+    is_input_annotation,
     is_sandbox,
     make_sandbox,
 )
@@ -50,10 +51,11 @@ def _essence(pod: dict, drop_token: bool) -> str | None:
     meta = pod.get("metadata") or {}
     labels = meta.get("labels") or {}
     annotations = meta.get("annotations") or {}
-    wanted = [k for k in INPUT_ANNOTATIONS if not (drop_token and k == ANNOTATION_TOKEN_SHA256)]
+    wanted = {k: v for k, v in annotations.items() if is_input_annotation(k)
+              and not (drop_token and k == ANNOTATION_TOKEN_SHA256)}
     try:
         essence = json.dumps([{k: labels[k] for k in INPUT_LABELS if k in labels},
-                              {k: annotations[k] for k in wanted if k in annotations},
+                              dict(sorted(wanted.items())),
                               drop_token, "spec" in pod, pod.get("spec")], separators=(",", ":"))
     except (TypeError, ValueError):
         return None
@@ -168,8 +170,10 @@ def mutate(review, policy: SandboxPolicy) -> tuple[dict, str, int]:
 
 
 def validate(review, policy: SandboxPolicy) -> tuple[dict, str]:
-    """Returns (response review, metric reason). On UPDATE only new breakage is refused, so a pod
-    admitted under older rules can still have its finalizers removed."""
+    """Returns (response review, metric reason). An UPDATE (including the
+    `pods/ephemeralcontainers` subresource, whose object is the whole pod) is judged by
+    check_update on the new pod itself: never by comparing refusals with the old pod's, which
+    let a relabel to egress=deny through once a policy change made the old pod fail anything."""
     request = _request(review)
     uid = request["uid"]
     operation = request.get("operation")
@@ -179,12 +183,10 @@ def validate(review, policy: SandboxPolicy) -> tuple[dict, str]:
     labels = (pod.get("metadata") or {}).get("labels") or {}
     if not is_sandbox(pod) and LABEL_EGRESS not in labels:
         return _review(uid, {"allowed": True}), "not-sandbox"
-    refusals = refusals_for(pod, policy)
-    if operation == "UPDATE" and refusals:
-        old = request.get("oldObject")
-        before = ({(r.rule, r.container) for r in refusals_for(old, policy)}
-                  if isinstance(old, dict) else set())
-        refusals = [r for r in refusals if (r.rule, r.container) not in before]
+    if operation == "UPDATE":
+        refusals = check_update(pod, request.get("oldObject"), policy)
+    else:
+        refusals = refusals_for(pod, policy)
     if not refusals:
         return _review(uid, {"allowed": True}), "ok"
     return _denied(uid, "; ".join(r.message() for r in refusals)), refusals[0].rule

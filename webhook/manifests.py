@@ -44,12 +44,12 @@ def namespace_selector(exclude: list[str], only: list[str] | None = None) -> dic
 
 
 def _hook(name: str, path: str, operations: list[str], object_selector: dict, ns_selector: dict,
-          ca_bundle: bytes | None, url: str | None, service) -> dict:
+          ca_bundle: bytes | None, url: str | None, service, resources=("pods",)) -> dict:
     return {
         "name": name,
         "clientConfig": client_config(path, ca_bundle, url, service),
         "rules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": operations,
-                   "resources": ["pods"], "scope": "Namespaced"}],
+                   "resources": list(resources), "scope": "Namespaced"}],
         "objectSelector": object_selector,
         "namespaceSelector": ns_selector,
         # Fail: an unguarded "sandbox" is worse than a refused create; the selectors keep the
@@ -78,9 +78,12 @@ def configurations(name: str, webhook_namespace: str, ca_bundle: bytes | None = 
                    {"matchExpressions": [_SANDBOX]}, ns, ca_bundle, url, service)
     # Re-run after later mutating webhooks changed the pod, so ours has the last word.
     mutate["reinvocationPolicy"] = "IfNeeded"
+    # `kubectl debug` adds containers through pods/ephemeralcontainers (UPDATE of that
+    # subresource, never of `pods`): without it a netadmin/sysadmin debug profile is unchecked.
+    validated = ("pods", "pods/ephemeralcontainers")
     validate_sandbox = _hook(f"validate.{DOMAIN}", VALIDATE_PATH,
                              ["CREATE", "UPDATE"], {"matchExpressions": [_SANDBOX]}, ns,
-                             ca_bundle, url, service)
+                             ca_bundle, url, service, validated)
     # Egress label without the sandbox label: still validated, so a deny label never goes
     # unguarded (paper: 6 of 6 pods labelled egress-denied reached the internet).
     validate_egress = _hook(
@@ -88,7 +91,7 @@ def configurations(name: str, webhook_namespace: str, ca_bundle: bytes | None = 
         {"matchExpressions": [{"key": LABEL_EGRESS, "operator": "Exists"},
                               {"key": LABEL_SANDBOX, "operator": "NotIn",
                                "values": [SANDBOX_TRUE]}]},
-        ns, ca_bundle, url, service)
+        ns, ca_bundle, url, service, validated)
     meta = {"name": name, "labels": {"app.kubernetes.io/name": "sandman-webhook"}}
     mutating = {"apiVersion": "admissionregistration.k8s.io/v1",
                 "kind": "MutatingWebhookConfiguration", "metadata": dict(meta),

@@ -19,8 +19,9 @@ from sandman.contract import (
     LABEL_EGRESS,
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
+    SANDMAN_VOLUME,
 )
-from sandman.sandbox import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox
+from sandman.sandbox import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox, netguard_container
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 # docs/install.md's narrowed ingress (the trainers' pod CIDR); the controller replica that builds
@@ -223,4 +224,175 @@ def cases() -> dict[str, dict]:
     # annotation says is refused, whoever added the extra source.
     c["validate-narrowed-ingress-controller-admitted-by-a-user-refused"] = review("n4", _edit(
         ctl_pod, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_INGRESS_FROM)))
+    c.update(bypass_cases())
+    return c
+
+
+# An older webhook (image tag of the day before an upgrade) built these running pods: under
+# today's policy their guard already fails `guard-misconfigured`, which main's UPDATE rule (new
+# refusals minus the old pod's) used to mask.
+OLD_IMAGE = "ghcr.io/sandman-dev/sandman:0.0.9"
+SIDECAR = {"name": "proxy", "image": "envoy:1"}
+DROP_NET_RAW = {"capabilities": {"drop": ["NET_RAW"]}}
+
+
+def deny_pod(**spec) -> dict:
+    """An egress-deny pod without the sandbox label (never mutated) that carries everything it
+    must: the guard exactly as sandman renders it and NET_RAW dropped elsewhere."""
+    p = pod(labels={LABEL_EGRESS: "deny"}, annotations={},
+            containers=[{"name": "worker", "image": "batch:1", "securityContext": DROP_NET_RAW}],
+            volumes=[{"name": SANDMAN_VOLUME, "emptyDir": {}}], **spec)
+    p["spec"]["initContainers"] = [netguard_container(p, SandboxPolicy())]
+    return p
+
+
+def ephemeral(p: dict, **container) -> dict:
+    """What `kubectl debug` sends: UPDATE of pods/ephemeralcontainers with the whole pod."""
+    new = _edit(p, lambda q: q["spec"].setdefault("ephemeralContainers", []).append(
+        {"name": "debugger", "image": "busybox", "targetContainerName": "task", **container}))
+    r = review("e", new, operation="UPDATE", old=p)
+    r["request"]["subResource"] = "ephemeralcontainers"
+    r["request"]["resource"] = {"group": "", "version": "v1", "resource": "pods"}
+    return r
+
+
+def bypass_cases() -> dict[str, dict]:
+    """Issue 13: each of these was admitted by main."""
+    task = {"name": "task", "image": "swe-task:django-11099"}
+    two = good(pod(containers=[task, SIDECAR]))
+    g = good()
+    c = {}
+
+    def uid(n):
+        return f"b{len(c) + 1}-{n}"
+
+    def add(name, obj, **kw):
+        c[name] = review(uid(name[:12]), obj, **kw)
+
+    def caps(index, kind="containers", **sc):
+        return lambda p: p["spec"][kind][index].setdefault("securityContext", {}).setdefault(
+            "capabilities", {}).update(**sc)
+
+    # 1. added capabilities, any case, any container kind
+    add("mutate-net-raw-dropped-in-every-other-container", pod(
+        containers=[task, SIDECAR], initContainers=[
+            {"name": "log-shipper", "image": "fluent-bit:3", "restartPolicy": "Always"}]))
+    add("validate-cap-all-in-sidecar-refused", _edit(two, caps(1, add=["all"])))
+    sidecar_init = good(pod(initContainers=[{"name": "log-shipper", "image": "fluent-bit:3",
+                                             "restartPolicy": "Always"}]))
+    add("validate-cap-all-in-init-sidecar-refused", _edit(sidecar_init, caps(2, "initContainers",
+                                                                             add=["ALL"])))
+    add("validate-cap-all-in-sandbox-container-refused", _edit(g, caps(0, add=["ALL"])))
+    add("validate-cap-sys-admin-refused", _edit(g, caps(0, add=["SYS_ADMIN", "CAP_SYS_MODULE"])))
+    add("validate-net-raw-not-dropped-in-sidecar-refused", _edit(two, caps(1, drop=[])))
+    # 2. volumes, seccomp/AppArmor, secrets
+    add("validate-hostpath-root-refused", _edit(g, lambda p: p["spec"]["volumes"].append(
+        {"name": "host", "hostPath": {"path": "/"}})))
+    add("validate-hostpath-containerd-socket-refused", _edit(two, lambda p: p["spec"][
+        "volumes"].append({"name": "cri", "hostPath": {
+            "path": "/run/containerd/containerd.sock", "type": "Socket"}})))
+    add("validate-csi-inline-volume-refused", _edit(g, lambda p: p["spec"]["volumes"].append(
+        {"name": "s3", "csi": {"driver": "s3.csi.aws.com"}})))
+    add("validate-pvc-and-configmap-volumes-allowed", _edit(g, lambda p: p["spec"][
+        "volumes"].extend([{"name": "data", "persistentVolumeClaim": {"claimName": "swe"}},
+                           {"name": "cfg", "configMap": {"name": "task"}},
+                           {"name": "info", "downwardAPI": {"items": []}}])))
+    add("validate-secret-volume-legacy-sa-token-refused", _edit(
+        g, lambda p: p["spec"]["volumes"].append(
+            {"name": "tok", "secret": {"secretName": "trainer-token"}})))
+    add("validate-projected-secret-refused", _edit(g, lambda p: p["spec"]["volumes"].append(
+        {"name": "tok", "projected": {"sources": [{"secret": {"name": "trainer-token"}}]}})))
+    add("validate-env-from-secret-refused", _edit(g, lambda p: p["spec"]["containers"][0][
+        "env"].append({"name": "K8S_TOKEN", "valueFrom": {"secretKeyRef": {
+            "name": "trainer-token", "key": "token"}}})))
+    add("validate-seccomp-unconfined-pod-refused", _edit(g, lambda p: p["spec"].update(
+        securityContext={"seccompProfile": {"type": "Unconfined"}})))
+    add("validate-seccomp-unconfined-container-refused", _edit(g, lambda p: p["spec"][
+        "containers"][0]["securityContext"].update(seccompProfile={"type": "Unconfined"})))
+    add("validate-apparmor-unconfined-container-refused", _edit(g, lambda p: p["spec"][
+        "containers"][0]["securityContext"].update(appArmorProfile={"type": "Unconfined"})))
+    add("validate-apparmor-annotation-unconfined-refused", _edit(g, lambda p: p["metadata"][
+        "annotations"].update({"container.apparmor.security.beta.kubernetes.io/task":
+                               "unconfined"})))
+    add("validate-seccomp-pod-annotation-unconfined-refused", _edit(g, lambda p: p["metadata"][
+        "annotations"].update({"seccomp.security.alpha.kubernetes.io/pod": "unconfined"})))
+    # 7. execd's command belongs to the mutation
+    add("mutate-execd-insecure-no-token-replaced", pod(containers=[
+        {**task, "command": ["python3", EXECD_PATH, "--insecure-no-token"]}]))
+    add("mutate-execd-author-token-flag-replaced", pod(containers=[
+        {**task, "command": ["python3", EXECD_PATH], "args": ["--token-sha256", "0" * 64]}]))
+    add("validate-execd-insecure-no-token-refused", _edit(g, lambda p: p["spec"]["containers"][
+        0].update(args=["--insecure-no-token"])))
+    # 8. one spelling per path
+    for n, path in (("double-slash", "//sandman"), ("trailing-slash", "/sandman/"),
+                    ("dot", "/./sandman")):
+        add(f"mutate-mount-{n}-over-sandman-removed", pod(
+            containers=[{**task, "volumeMounts": [{"name": "fake", "mountPath": path}]}],
+            volumes=[{"name": "fake", "emptyDir": {}}]))
+    add("validate-mount-double-slash-shadows-sandman-refused", _edit(g, lambda p: (
+        p["spec"]["volumes"].append({"name": "fake", "emptyDir": {}}),
+        p["spec"]["containers"][0]["volumeMounts"].append(
+            {"name": "fake", "mountPath": "//sandman"}))))
+    # 3. UPDATE judged on the new pod's own guard
+    old_allow = make_sandbox(pod(), SandboxPolicy(image=OLD_IMAGE))
+    add("validate-update-relabel-deny-after-image-upgrade-refused", _edit(
+        old_allow, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "deny"})),
+        operation="UPDATE", old=old_allow)
+    unguarded = make_sandbox(pod(), SandboxPolicy(guard=GUARD_EGRESS_DENY))
+    add("validate-update-relabel-deny-after-guard-switch-refused", _edit(
+        unguarded, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "deny"})),
+        operation="UPDATE", old=unguarded)
+    add("validate-update-guard-image-swapped-refused", _edit(
+        old_allow, lambda p: p["spec"]["initContainers"][0].update(image="evil/netguard:1")),
+        operation="UPDATE", old=old_allow)
+    add("validate-update-label-change-after-image-upgrade-allowed", _edit(
+        old_allow, lambda p: p["metadata"]["labels"].update(team="a")),
+        operation="UPDATE", old=old_allow)
+    old_deny = make_sandbox(pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"}),
+                            SandboxPolicy(image=OLD_IMAGE))
+    add("validate-update-deny-pod-relabelled-after-upgrade-allowed", _edit(
+        old_deny, lambda p: p["metadata"]["labels"].update(team="a")),
+        operation="UPDATE", old=old_deny)
+    # 4. pods/ephemeralcontainers
+    c["validate-ephemeral-netadmin-refused"] = ephemeral(g, securityContext={
+        "capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}})
+    c["validate-ephemeral-sysadmin-refused"] = ephemeral(g, securityContext={
+        "privileged": True})
+    c["validate-ephemeral-default-profile-refused"] = ephemeral(g)
+    c["validate-ephemeral-restricted-allowed"] = ephemeral(g, securityContext={
+        "capabilities": {"drop": ["ALL"]}})
+    c["validate-ephemeral-on-egress-deny-pod-refused"] = ephemeral(deny_pod(), securityContext={
+        "capabilities": {"add": ["NET_ADMIN"]}})
+    # 5. egress=deny without the sandbox label: the whole guard and the pod-level rules
+    add("validate-egress-deny-correct-pod-allowed", deny_pod())
+    # What the API server stores: the service-account plugin mounted its token everywhere.
+    plugin_token = {"name": "kube-api-access-4x7rq", "projected": {"sources": [
+        {"serviceAccountToken": {"expirationSeconds": 3607, "path": "token"}}]}}
+    plugin_mount = {"name": "kube-api-access-4x7rq", "readOnly": True,
+                    "mountPath": "/var/run/secrets/kubernetes.io/serviceaccount"}
+    add("validate-egress-deny-plugin-token-mount-allowed", _edit(deny_pod(), lambda p: (
+        p["spec"]["volumes"].append(plugin_token),
+        [c.setdefault("volumeMounts", []).append(plugin_mount)
+         for c in p["spec"]["initContainers"] + p["spec"]["containers"]])))
+    add("validate-egress-deny-guard-sh-exit-refused", _edit(deny_pod(), lambda p: p["spec"][
+        "initContainers"][0].update(command=["sh", "-c", "exit 0"])))
+    add("validate-egress-deny-guard-allow-egress-prefix-refused", _edit(
+        deny_pod(), lambda p: p["spec"]["initContainers"][0].update(args=[
+            "--allow-egress", "0.0.0.0/0", "--allow-egress", "::/0",
+            *p["spec"]["initContainers"][0]["args"]])))
+    add("validate-egress-deny-guard-env-overridden-refused", _edit(
+        deny_pod(), lambda p: p["spec"]["initContainers"][0].update(
+            env=[{"name": "SANDMAN_NODE_IP", "value": "0.0.0.0/0"}])))
+    add("validate-egress-deny-guard-as-sidecar-refused", _edit(
+        deny_pod(), lambda p: p["spec"]["initContainers"][0].update(restartPolicy="Always")))
+    add("validate-egress-deny-net-admin-sidecar-refused", _edit(deny_pod(), lambda p: p["spec"][
+        "containers"].append({"name": "helper", "image": "x", "securityContext": {
+            "capabilities": {"add": ["NET_ADMIN"], "drop": ["NET_RAW"]}}})))
+    add("validate-egress-deny-privileged-refused", _edit(deny_pod(), lambda p: p["spec"][
+        "containers"][0]["securityContext"].update(privileged=True)))
+    add("validate-egress-deny-host-network-refused", deny_pod(hostNetwork=True))
+    add("validate-egress-deny-net-raw-kept-refused", _edit(deny_pod(), lambda p: p["spec"][
+        "containers"][0].pop("securityContext")))
+    add("validate-egress-deny-hostpath-refused", _edit(deny_pod(), lambda p: p["spec"][
+        "volumes"].append({"name": "host", "hostPath": {"path": "/"}})))
     return c

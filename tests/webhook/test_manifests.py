@@ -27,7 +27,10 @@ def test_configurations_fields():
         ns = h["namespaceSelector"]["matchExpressions"]
         assert ns == [{"key": "kubernetes.io/metadata.name", "operator": "NotIn",
                        "values": ["kube-system", "sandman-system"]}]
-        assert h["rules"][0]["resources"] == ["pods"]
+    # kubectl debug's UPDATE of pods/ephemeralcontainers is validated too (issue 13).
+    assert m["webhooks"][0]["rules"][0]["resources"] == ["pods"]
+    for h in v["webhooks"]:
+        assert h["rules"][0]["resources"] == ["pods", "pods/ephemeralcontainers"]
     assert m["webhooks"][0]["reinvocationPolicy"] == "IfNeeded"
     assert m["webhooks"][0]["rules"][0]["operations"] == ["CREATE"]
     assert m["webhooks"][0]["clientConfig"]["service"]["path"] == "/mutate"

@@ -277,3 +277,123 @@ def test_unmutated_pod_refused_with_the_reason(cluster, namespace, server):
             except ApiException as e:
                 body = e.body
         assert "did not run on this pod" in body and "sandman service-links:" in body
+
+
+# --- issue 13: the bypasses, on the real API server -------------------------------------------
+
+def _bed_object(obj: dict, namespace: str) -> dict:
+    import copy
+
+    obj = copy.deepcopy(obj)
+    obj["metadata"]["namespace"] = namespace
+    return obj
+
+
+def _first_rule(refusals) -> str:
+    return refusals[0].rule
+
+
+def test_bypass_pods_refused_by_the_api_server_with_their_rule(cluster, namespace, registered):
+    """Every CREATE case of golden_cases.bypass_cases() sent to the real API server: it answers
+    as the handlers do in process (tests/webhook/test_invariants.admitted: mutation patch
+    applied, then validation). Refused pods name the rule; a sandbox whose only fault the
+    mutation fixes (NET_RAW kept in a sidecar, execd flags, a //sandman mount) is stored fixed.
+    Privileged cases are left to the goldens: this API server refuses them before admission."""
+    from tests.webhook import golden_cases
+    from tests.webhook.test_invariants import admitted, assert_invariants
+
+    core, policy = cluster.core, SandboxPolicy()
+    wrong = []
+    checked = 0
+    for name, review in golden_cases.bypass_cases().items():
+        request = review["request"]
+        obj = request["object"]
+        if request["operation"] != "CREATE" or "privileged" in name:
+            continue
+        expected = admitted(obj)
+        checked += 1
+        try:
+            got = as_dict(cluster.api_client, create(core, namespace, _bed_object(obj, namespace)))
+        except ApiException as e:
+            if expected is not None:
+                wrong.append(f"{name}: refused but admitted in process: {e.body[:300]}")
+                continue
+            rule = _first_rule(check_sandbox(obj, policy) or [
+                r for r in check_sandbox(make_sandbox(obj, policy), policy)])
+            if e.status != 403 or f"sandman {rule}:" not in e.body:
+                wrong.append(f"{name}: expected sandman {rule}: got {e.status} {e.body[:300]}")
+            continue
+        if expected is None:
+            wrong.append(f"{name}: admitted by the API server, refused in process")
+            continue
+        stored = {k: got[k] for k in ("metadata", "spec")}
+        assert_invariants(stored)
+        assert check_sandbox(stored, policy) == [], name
+    assert checked >= 25, checked
+    assert wrong == [], "\n".join(wrong)
+    # Only the pods the handlers admit were stored.
+    assert len(core.list_namespaced_pod(namespace).items) == sum(
+        1 for n, r in golden_cases.bypass_cases().items()
+        if r["request"]["operation"] == "CREATE" and "privileged" not in n
+        and admitted(r["request"]["object"]) is not None)
+
+
+def _update_refusal(fn) -> str:
+    try:
+        fn()
+    except ApiException as e:
+        assert e.status == 403, e.body
+        return e.body
+    raise AssertionError("admitted, expected a refusal")
+
+
+def test_updates_judged_on_the_new_pods_own_guard(cluster, namespace, server):
+    """Running sandboxes built by an older webhook (another image tag; `--guard egress-deny`)
+    exist before today's webhook is registered; then: a relabel to egress=deny is refused when
+    their guard applied allow or there is none, a swapped guard image is refused, an unrelated
+    label change is admitted, and `kubectl debug` (pods/ephemeralcontainers) is judged."""
+    from tests.webhook.golden_cases import OLD_IMAGE
+
+    core = cluster.core
+    from sandman.sandbox import GUARD_EGRESS_DENY
+
+    def make(policy):
+        pod = make_sandbox(make_pod(), policy)
+        return create(core, namespace, pod).metadata.name
+
+    old_allow = make(SandboxPolicy(image=OLD_IMAGE))
+    unguarded = make(SandboxPolicy(guard=GUARD_EGRESS_DENY))
+    current = make(SandboxPolicy())
+    with registration(cluster, namespace, server.url, server.ca.read_bytes()):
+        wait_webhook_active(core, namespace)
+        deny = {"metadata": {"labels": {LABEL_EGRESS: "deny"}}}
+        deadline = time.monotonic() + 15
+        while True:  # the validating configuration may be picked up a moment after the other
+            try:
+                core.patch_namespaced_pod(old_allow, namespace, deny, dry_run="All")
+            except ApiException as e:
+                body = e.body
+                break
+            assert time.monotonic() < deadline, "relabel to deny never refused"
+            time.sleep(0.2)
+        assert "sandman guard-misconfigured:" in body and "did not apply egress deny" in body, body
+        body = _update_refusal(lambda: core.patch_namespaced_pod(unguarded, namespace, deny))
+        assert "sandman guard-missing:" in body, body
+        body = _update_refusal(lambda: core.patch_namespaced_pod(old_allow, namespace, {
+            "spec": {"initContainers": [{"name": NETGUARD_CONTAINER,
+                                         "image": "evil/netguard:1"}]}}))
+        assert "sandman guard-immutable:" in body, body
+        core.patch_namespaced_pod(old_allow, namespace, {"metadata": {"labels": {"team": "a"}}})
+
+        def debug(name, pod_name, **sc):
+            return core.patch_namespaced_pod_ephemeralcontainers(pod_name, namespace, {
+                "spec": {"ephemeralContainers": [{"name": name, "image": "busybox",
+                                                  "targetContainerName": "task", **sc}]}})
+        body = _update_refusal(lambda: debug("netadmin", current, securityContext={
+            "capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}}))
+        assert "sandman net-admin-added: container netadmin:" in body, body
+        body = _update_refusal(lambda: debug("plain", current))
+        assert "sandman net-raw-not-dropped: container plain:" in body, body
+        debug("restricted", current, securityContext={"capabilities": {"drop": ["ALL"]}})
+        got = core.read_namespaced_pod(current, namespace)
+        assert [c.name for c in got.spec.ephemeral_containers] == ["restricted"]
