@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import functools
 import io
 import ipaddress
 import posixpath
@@ -963,6 +964,21 @@ def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     return [Refusal("guard-misconfigured", NETGUARD_CONTAINER, p) for p in problems]
 
 
+@functools.lru_cache(maxsize=64)
+def _args_apply_deny(args: tuple[str, ...]) -> bool:
+    """netguard's own parser on the guard's args: egress deny (or the default) and no
+    --allow-egress. Cached: every label update of a running deny sandbox asks (the
+    controller's acquire), and a pod's args never change."""
+    from netguard.cli import build_parser  # the sandman image carries both
+
+    try:
+        with contextlib.redirect_stderr(io.StringIO()):
+            parsed = build_parser().parse_args(["apply", *args])
+    except SystemExit:
+        return False
+    return parsed.egress in (None, EGRESS_DENY) and not parsed.allow_egress
+
+
 def _guard_applied_deny(pod: dict) -> list[Refusal]:
     """On UPDATE: did the pod's own guard (its args cannot change) apply egress deny? Judged
     with netguard's own parser, so abbreviations and defaults mean what they mean to it."""
@@ -971,17 +987,10 @@ def _guard_applied_deny(pod: dict) -> list[Refusal]:
     if not inits or not isinstance(inits[0], dict) or inits[0].get("name") != NETGUARD_CONTAINER:
         return _guard_missing(pod, inits if inits and isinstance(inits[0], dict) else [])
     g = inits[0]
-    from netguard.cli import build_parser  # the sandman image carries both
-
-    try:
-        with contextlib.redirect_stderr(io.StringIO()):
-            parsed = build_parser().parse_args(["apply", *map(str, g.get("args") or [])])
-    except SystemExit:
-        parsed = None
     problems = []
     if g.get("command") != NETGUARD_COMMAND:
         problems.append(f"command {g.get('command')} is not {' '.join(NETGUARD_COMMAND)}")
-    if parsed is None or parsed.egress not in (None, EGRESS_DENY) or parsed.allow_egress:
+    if not _args_apply_deny(tuple(map(str, g.get("args") or []))):
         problems.append(f"the running guard did not apply egress deny (args "
                         f"{' '.join(map(str, g.get('args') or []))}); relabelling it to deny "
                         "needs a new pod")
