@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import zlib
 
 from sandman.contract import (
     ANNOTATION_CONTAINER,
@@ -32,7 +33,8 @@ POLICIES = {"mutate-guard-mode-egress-deny-only": SandboxPolicy(guard=GUARD_EGRE
             "mutate-narrowed-ingress-default": NARROWED,
             "mutate-narrowed-ingress-controller-pod-unchanged": NARROWED,
             "validate-narrowed-ingress-controller-pod-allowed": NARROWED,
-            "validate-narrowed-ingress-controller-admitted-by-a-user-refused": NARROWED}
+            "validate-narrowed-ingress-controller-admitted-by-a-user-refused": NARROWED,
+            "validate-secret-volume-allowed-with-allow-secrets": SandboxPolicy(allow_secrets=True)}
 
 
 def pod(labels=None, annotations=None, containers=None, **spec) -> dict:
@@ -263,11 +265,8 @@ def bypass_cases() -> dict[str, dict]:
     g = good()
     c = {}
 
-    def uid(n):
-        return f"b{len(c) + 1}-{n}"
-
-    def add(name, obj, **kw):
-        c[name] = review(uid(name[:12]), obj, **kw)
+    def add(name, obj, **kw):  # uid from the name: adding a case changes no other file
+        c[name] = review(f"b-{zlib.crc32(name.encode()):08x}", obj, **kw)
 
     def caps(index, kind="containers", **sc):
         return lambda p: p["spec"][kind][index].setdefault("securityContext", {}).setdefault(
@@ -300,6 +299,9 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-secret-volume-legacy-sa-token-refused", _edit(
         g, lambda p: p["spec"]["volumes"].append(
             {"name": "tok", "secret": {"secretName": "trainer-token"}})))
+    add("validate-secret-volume-allowed-with-allow-secrets", _edit(
+        g, lambda p: p["spec"]["volumes"].append(
+            {"name": "tok", "secret": {"secretName": "api-keys"}})))
     add("validate-projected-secret-refused", _edit(g, lambda p: p["spec"]["volumes"].append(
         {"name": "tok", "projected": {"sources": [{"secret": {"name": "trainer-token"}}]}})))
     add("validate-env-from-secret-refused", _edit(g, lambda p: p["spec"]["containers"][0][
