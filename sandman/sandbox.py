@@ -426,6 +426,25 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
     return out
 
 
+def guarded_pod(pod: dict, policy: SandboxPolicy) -> dict:
+    """An egress-deny pod WITHOUT the sandbox label as the validating webhook admits it (such
+    pods are never mutated): sandman's guard at initContainers[0], the `sandman` volume it writes
+    its status to, NET_RAW dropped in every other init container and container. What
+    `python3 -m webhook guard` prints for their authors; the other rules (no added
+    capabilities, no hostPath, ...) stay the author's to meet."""
+    out = copy.deepcopy(pod)
+    labels = out.setdefault("metadata", {}).setdefault("labels", {})
+    labels[LABEL_EGRESS] = EGRESS_DENY
+    spec = out.setdefault("spec", {})
+    inits = [c for c in spec.get("initContainers") or [] if c.get("name") != NETGUARD_CONTAINER]
+    for c in inits + list(spec.get("containers") or []):
+        _drop_net_raw(c)
+    spec["initContainers"] = [netguard_container(out, policy)] + inits
+    if not any(v.get("name") == SANDMAN_VOLUME for v in spec.get("volumes") or []):
+        spec.setdefault("volumes", []).append({"name": SANDMAN_VOLUME, "emptyDir": {}})
+    return out
+
+
 def injected_token_volumes(spec: dict) -> list[str]:
     """Names of the token volumes the service-account plugin added (make_sandbox removes them
     and every mount of them)."""
@@ -907,7 +926,7 @@ def _guard_missing(pod: dict, inits: list) -> list[Refusal]:
     first = inits[0].get("name") if inits else "absent"
     fix = "" if is_sandbox(pod) else (
         f" (label it {LABEL_SANDBOX}={SANDBOX_TRUE} to have the guard injected, or add it "
-        "as initContainers[0] exactly as sandman renders it)")
+        "as initContainers[0] exactly as `python3 -m webhook guard -f POD.json` prints it)")
     return [Refusal("guard-missing", NETGUARD_CONTAINER,
                     f"{why} but initContainers[0] is {first}, not netguard; "
                     f"a label alone is not enforcement{fix}")]

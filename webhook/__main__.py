@@ -79,6 +79,11 @@ def main(argv: list[str] | None = None) -> int:
     man.add_argument("--url", help="use url: client config (base URL) instead of service:")
     man.add_argument("--ca-file", help="PEM bundle for caBundle")
 
+    guard = sub.add_parser("guard", help="print an egress-deny pod (no sandbox label) with "
+                                         "sandman's guard and NET_RAW drops, as admitted")
+    guard.add_argument("-f", "--file", default="-", help="the pod as JSON ('-': stdin)")
+    _policy_args(guard)
+
     args = parser.parse_args(argv)
     logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
                         format="%(asctime)s %(name)s %(levelname)s %(message)s")
@@ -123,6 +128,17 @@ def main(argv: list[str] | None = None) -> int:
                                args.force_ca_rotation, args.propagation_seconds, args.write_dir)
         print(json.dumps({"ca_rotated": res.ca_rotated, "bundle_patched": res.bundle_patched,
                           "leaf_issued": res.leaf_issued}))
+        return 0
+
+    if args.verb == "guard":
+        from sandman.sandbox import SandboxError, guarded_pod
+
+        try:
+            text = sys.stdin.read() if args.file == "-" else open(args.file).read()
+            print(json.dumps(guarded_pod(json.loads(text), policy_from(args)), indent=2))
+        except (OSError, ValueError, SandboxError, AttributeError) as e:
+            print(f"webhook guard: {e}", file=sys.stderr)
+            return 1
         return 0
 
     if args.verb == "manifests":

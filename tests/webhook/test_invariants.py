@@ -295,3 +295,29 @@ def test_every_admitted_pod_keeps_the_invariants():
     # Not vacuous: each kind of pod is both admitted and refused a fair number of times.
     for key in ("sandbox", "deny-only", "update", "relabel"):
         assert seen[(key, True)] >= 30 and seen[(key, False)] >= 30, sorted(seen.items())
+
+
+def test_guard_cli_prints_an_admitted_egress_deny_pod():
+    """The refusal of an unmutated egress-deny pod points at `python3 -m webhook guard`; what it
+    prints is admitted, and a pod that is not JSON gets one line and exit code 1."""
+    import subprocess
+    import sys
+
+    from tests.webhook.conftest import ROOT
+
+    pod = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"name": "batch", "labels": {LABEL_EGRESS: "deny"}},
+           "spec": {"initContainers": [{"name": "fetch", "image": "git"},
+                                       {"name": "logs", "image": "fb", "restartPolicy": "Always"}],
+                    "containers": [{"name": "worker", "image": "batch:1"}]}}
+    refused, _ = admission.validate(_review(pod), POLICY)
+    assert "python3 -m webhook guard" in refused["response"]["status"]["message"]
+    p = subprocess.run([sys.executable, "-m", "webhook", "guard"], input=json.dumps(pod),
+                       cwd=ROOT, capture_output=True, text=True, timeout=60, check=True)
+    guarded = json.loads(p.stdout)
+    out, _ = admission.validate(_review(guarded), POLICY)
+    assert out["response"]["allowed"], out
+    assert_invariants(guarded)
+    bad = subprocess.run([sys.executable, "-m", "webhook", "guard"], input="{not json",
+                         cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 1 and len(bad.stderr.strip().splitlines()) == 1, bad.stderr
