@@ -54,7 +54,7 @@ EXECD_COMMAND = ["python3", EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
 EXECD_HEALTH_PATH = "/health"
 GUARD_CAPS = ("NET_ADMIN", "NET_RAW")  # netguard's only capabilities; dropped in the sandbox
 # containerd and CRI-O grant NET_RAW to every container by default; with it an AF_PACKET socket
-# sends frames past every iptables rule (tests/netguard/test_netns.py shows it), so every
+# sends frames past every iptables rule (tests/netguard/test_net_raw.py shows it), so every
 # container but the guard must drop it.
 NET_RAW = "NET_RAW"
 NETGUARD_COMMAND = ["python3", "-m", "netguard", "apply"]
@@ -786,6 +786,8 @@ def _pod_rules(pod: dict, policy: SandboxPolicy, sandbox: bool, guarded: bool) -
                                "egress-deny pod"))
     out.extend(_volume_rules(spec, policy, sandbox))
     psc = spec.get("securityContext") if isinstance(spec.get("securityContext"), dict) else {}
+    if (psc.get("windowsOptions") or {}).get("hostProcess"):
+        out.append(Refusal("privileged", "", "hostProcess pods are not allowed"))
     for field in ("seccompProfile", "appArmorProfile"):
         if ((psc.get(field) or {}).get("type") or "").lower() == "unconfined":
             out.append(Refusal("unconfined", "", f"pod securityContext.{field} is Unconfined"))
