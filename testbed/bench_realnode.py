@@ -64,6 +64,7 @@ ARMS = ("bare", "webhook", "controller")
 WAVE_TIMEOUT_S = 180.0
 GONE_TIMEOUT_S = 120.0
 AGENT_PREFIX = "BENCH "
+RAW = ROOT / ".testbed" / "bench-realnode.json"
 
 
 class BenchError(RuntimeError):
@@ -930,6 +931,9 @@ def run(args, argv_used: list[str] | None = None) -> int:
         for i in range(args.rounds):
             rounds.append(bench.round(i, wave))
             tb.check()
+            RAW.parent.mkdir(exist_ok=True)
+            RAW.with_suffix(".partial.json").write_text(json.dumps(
+                {"meta": info, "rounds": rounds}, default=str))
     except (BenchError, TestbedError, InstallError, build.BuildError) as e:
         print(f"bench-realnode: {e}", file=sys.stderr)
         return 1
@@ -948,24 +952,33 @@ def run(args, argv_used: list[str] | None = None) -> int:
     if bench.errors or bench.watch.errors:
         print(f"bench-realnode: errors: {(bench.errors + bench.watch.errors)[:10]}",
               file=sys.stderr)
-    res = {**aggregate(rounds), **info, "rounds": args.rounds, "sandboxes": args.sandboxes,
-           "errors": "; ".join(bench.errors[:5]), "leftovers": "; ".join(leftovers),
-           "release_leftovers": ", ".join(release_left), "echo_cpu": bench.echo_cpu,
-           "command": " ".join([".venv/bin/python -m testbed.bench_realnode",
-                                *(argv_used or [])]),
-           "wall_s": time.monotonic() - t_start,
-           "machine": {**machine, "load_after": _load()}}
-    res["echo"].update(n_per_block=args.echo, warmup=20, blocks=args.echo_blocks)
-    raw = ROOT / ".testbed" / "bench-realnode.json"
-    raw.parent.mkdir(exist_ok=True)
-    raw.write_text(json.dumps({"results": res, "rounds": rounds}, indent=1, default=str))
+    meta = {**info, "rounds": args.rounds, "sandboxes": args.sandboxes,
+            "errors": "; ".join(bench.errors[:5]), "leftovers": "; ".join(leftovers),
+            "release_leftovers": ", ".join(release_left), "echo_cpu": bench.echo_cpu,
+            "command": " ".join([".venv/bin/python -m testbed.bench_realnode",
+                                 *(argv_used or [])]),
+            "wall_s": time.monotonic() - t_start,
+            "machine": {**machine, "load_after": _load()},
+            "echo": {"n_per_block": args.echo, "warmup": 20, "blocks": args.echo_blocks}}
+    # Raw first: a section that fails to render is re-rendered from it (--render).
+    RAW.parent.mkdir(exist_ok=True)
+    RAW.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1, default=str))
+    print(f"# raw results: {RAW}", file=sys.stderr)
+    render(RAW, args.update_docs)
+    return 1 if bench.errors or leftovers else 0
+
+
+def render(raw: Path, update: bool) -> None:
+    """The docs section from a raw results file (printed; written with update)."""
+    data = json.loads(raw.read_text())
+    meta = data["meta"]
+    res = {**aggregate(data["rounds"]), **{k: v for k, v in meta.items() if k != "echo"}}
+    res["echo"].update(meta["echo"])
     section = render_section(res)
     print(section)
-    print(f"# raw results: {raw}", file=sys.stderr)
-    if args.update_docs:
+    if update:
         update_docs(section)
         print(f"# wrote the `{SECTION}` section of {DOCS.relative_to(ROOT)}", file=sys.stderr)
-    return 1 if bench.errors or leftovers else 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -981,7 +994,16 @@ def main(argv: list[str] | None = None) -> int:
                     help="seconds to wait for the machine's real-node slot (900)")
     ap.add_argument("--update-docs", action="store_true",
                     help=f"replace the `{SECTION}` section of docs/benchmarks.md")
+    ap.add_argument("--render", type=Path, metavar="RAW",
+                    help="no run: the section from a raw results file of an earlier run")
     args = ap.parse_args(argv)
+    if args.render is not None:
+        try:
+            render(args.render, args.update_docs)
+        except (OSError, ValueError, KeyError) as e:
+            print(f"bench-realnode: cannot render {args.render}: {e}", file=sys.stderr)
+            return 1
+        return 0
     if min(args.rounds, args.sandboxes, args.wave, args.echo, args.echo_blocks) < 1:
         print("bench-realnode: --rounds, --sandboxes, --wave, --echo, --echo-blocks must be >= 1",
               file=sys.stderr)

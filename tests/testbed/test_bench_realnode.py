@@ -125,3 +125,19 @@ def test_section_renders_ratios_and_replaces_only_its_own_part(tmp_path):
     text = doc.read_text()
     assert text.count(B.SECTION) == 1 and "9.99x" in text and "2.50x |" not in text
     assert "## netguard\n\nkept\n" in text and "## webhook\n\nalso kept\n" in text
+
+
+def test_a_raw_results_file_renders_again(tmp_path, capsys):
+    import json
+
+    meta = {"alloc_cpu": 2.0, "used_cpu": 1.2, "wave": 8, "setup_s": 60.0, "rounds": 1,
+            "sandboxes": 4, "errors": "", "leftovers": "", "release_leftovers": "lease x",
+            "echo_cpu": "800m", "command": "c", "wall_s": 1.0,
+            "machine": {"cpus": 2, "arch": "a", "kernel": "k", "python": "p", "date": "d",
+                        "load_before": "1", "load_after": "2"},
+            "echo": {"n_per_block": 200, "warmup": 20, "blocks": 2}}
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"meta": meta, "rounds": [_round(1.0)]}))
+    B.render(raw, update=False)
+    out = capsys.readouterr().out
+    assert out.startswith(B.SECTION) and "`helm uninstall` left lease x" in out
