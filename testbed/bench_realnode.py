@@ -156,10 +156,6 @@ def parse_agent_line(line: str) -> dict | None:
     return data
 
 
-def _ms(x: float) -> str:
-    return f"{x * 1000:.0f}" if x >= 0.1 else f"{x * 1000:.2f}"
-
-
 def _cell(agg: dict, unit: str = "s") -> str:
     def f(x: float) -> str:
         return f"{x:.2f}" if unit == "s" else f"{x * 1000:.2f}"
