@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
-        demo bench-loadtest
+        demo bench-loadtest bench-realnode
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -88,6 +88,10 @@ bench-webhook: deps testbed-build  ## creates/s through the API server with vs w
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
 	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
+
+bench-realnode: REAL_NODE := 1
+bench-realnode: deps testbed-build  ## real node: create-to-Ready, acquire-to-first-command, execd echo vs a bare pod (docs/benchmarks.md)
+	$(VPY) -m testbed.bench_realnode --update-docs
 
 SHAPE ?= burst64
 RAMP_MAX ?= 1000
