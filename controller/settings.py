@@ -26,9 +26,18 @@ class Settings:
     # next acquire of its key instead of deleted (the paper's late grading pods).
     ready_budget: float = 120.0
     api_timeout: float = 15.0  # one API call; the controller retries, never the client library
+    # A handed-out sandbox lives this long unless renewed (acquire's lifetime_s, bounded by
+    # min/max): a trainer killed with SIGKILL leaks its sandboxes for at most this long.
+    default_lifetime: float = 3600.0
+    min_lifetime: float = 30.0  # a shorter one would make the SDK renew every few seconds
+    max_lifetime: float = 86400.0
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):
             raise ValueError("ready_check must be execd or pod")
         if self.node_pool_label and "=" not in self.node_pool_label:
             raise ValueError("node_pool_label must be key=value")
+        if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:
+            raise ValueError("lifetimes must satisfy 0 < min <= default <= max "
+                             f"(got {self.min_lifetime:g}, {self.default_lifetime:g}, "
+                             f"{self.max_lifetime:g})")
