@@ -19,6 +19,7 @@ from controller.forward import ForwardToLeader
 from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
+from controller.settings import load_pod_template
 from sandman.sandbox import GUARD_MODES, SandboxPolicy
 
 log = logging.getLogger("controller")
@@ -63,6 +64,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="smallest lifetime_s accepted (tests lower it)")
     s.add_argument("--max-lifetime", type=float, default=Settings.max_lifetime,
                    help="largest lifetime_s accepted by acquire and renew (400 above)")
+    s.add_argument("--pod-template-file", default=None,
+                   help="YAML/JSON: tolerations, affinity, priorityClassName, "
+                        "runtimeClassName, imagePullSecrets, annotations, labels for every "
+                        "sandbox pod (checked at startup; the chart mounts sandbox.podTemplate)")
     s.add_argument("--lease-name", default="sandman-controller")
     s.add_argument("--lease-duration", type=float, default=10.0,
                    help="a standby takes over this long after the leader's last renewal")
@@ -94,6 +99,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
         api_timeout=args.api_timeout, default_lifetime=args.default_lifetime,
         min_lifetime=args.min_lifetime, max_lifetime=args.max_lifetime,
+        pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
+                      else {}),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
