@@ -19,6 +19,7 @@ from controller.forward import ForwardToLeader
 from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
+from controller.settings import load_pod_template
 from sandman.sandbox import GUARD_MODES, SandboxPolicy
 
 log = logging.getLogger("controller")
@@ -56,6 +57,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "whatever the caller's timeout_s (late pods are then parked, not lost)")
     s.add_argument("--api-timeout", type=float, default=15.0,
                    help="seconds per API server call before it counts as failed and is retried")
+    s.add_argument("--default-lifetime", type=float, default=Settings.default_lifetime,
+                   help="seconds a handed-out sandbox lives unless renewed (acquire's "
+                        "lifetime_s; the SDK renews while the handle is open)")
+    s.add_argument("--min-lifetime", type=float, default=Settings.min_lifetime,
+                   help="smallest lifetime_s accepted (tests lower it)")
+    s.add_argument("--max-lifetime", type=float, default=Settings.max_lifetime,
+                   help="largest lifetime_s accepted by acquire and renew (400 above)")
+    s.add_argument("--pod-template-file", default=None,
+                   help="YAML/JSON: tolerations, affinity, priorityClassName, "
+                        "runtimeClassName, imagePullSecrets, annotations, labels for every "
+                        "sandbox pod (checked at startup; the chart mounts sandbox.podTemplate)")
     s.add_argument("--lease-name", default="sandman-controller")
     s.add_argument("--lease-duration", type=float, default=10.0,
                    help="a standby takes over this long after the leader's last renewal")
@@ -85,7 +97,10 @@ def settings_from(args: argparse.Namespace) -> Settings:
         ready_check=args.ready_check, node_pool_label=args.node_pool_label,
         sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
         default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
-        api_timeout=args.api_timeout,
+        api_timeout=args.api_timeout, default_lifetime=args.default_lifetime,
+        min_lifetime=args.min_lifetime, max_lifetime=args.max_lifetime,
+        pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
+                      else {}),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
 from controller.forward import not_leader_headers
+from controller.pods import iso_utc
 from sandman import api
 
 log = logging.getLogger("controller.api")
@@ -60,7 +61,7 @@ def build_app(state: dict) -> FastAPI:
         task = asyncio.ensure_future(c.acquire(
             spec, body.job, owner=body.owner.to_json() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
-            request_id=body.request_id))
+            request_id=body.request_id, lifetime_s=body.lifetime_s))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.
@@ -101,6 +102,15 @@ def build_app(state: dict) -> FastAPI:
     @app.delete(api.RELEASE.path)
     async def release(id: str):
         return api.Released(id, await ctl().release(id)).to_json()
+
+    @app.post(api.RENEW.path)
+    async def renew(id: str, body: api.RenewRequest | None = None):
+        c = ctl()
+        e = await c.renew(id, body.lifetime_s if body else None)
+        if e is None:
+            return _err(api.SANDBOX_GONE, f"no handed-out sandbox {id} (released, drained or "
+                                          "expired)")
+        return _view(c, e).to_json()
 
     @app.post(api.PREWARM.path)
     async def prewarm(body: api.PrewarmRequest):
@@ -173,4 +183,6 @@ def _lease(result: dict) -> api.Lease:
 def _view(c: Controller, e) -> api.SandboxView:
     return api.SandboxView(id=e.id, pod=e.name, job=e.job, state=e.state, address=e.ip,
                            port=c.s.execd_port, image=e.spec.image, cpu=e.spec.cpu,
-                           memory=e.spec.memory, egress=e.spec.egress)
+                           memory=e.spec.memory, egress=e.spec.egress,
+                           expires_at=iso_utc(e.expires_at) if e.expires_at else None,
+                           lifetime_s=e.lifetime if e.expires_at else None)

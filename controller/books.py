@@ -151,6 +151,9 @@ class Entry:
     warm_since: float | None = None
     error: str | None = None
     owner_ref: dict | None = None  # the job's ConfigMap, when no caller pod owns it
+    lifetime: float | None = None  # seconds from hand-out (or renew) to expiry
+    expires_at: float | None = None  # wall clock (epoch s), set at hand-out; None: never
+    renewed: bool = False
 
     @property
     def stage(self) -> State:
@@ -198,6 +201,8 @@ class Books:
         e = Entry(P.name(pod), P.spec_of(pod), labels.get(contract.LABEL_JOB, POOL_JOB),
                   labels.get(contract.LABEL_NONCE, ""), None, uid=P.uid(pod),
                   ip=P.pod_ip(pod), slot=slot, _stage=stage)
+        # The lease survives a restart or a new leader: it is read back from the pod.
+        e.lifetime, e.expires_at = P.lifetime(pod), P.expires_at(pod)
         return self.add(e)
 
     def move(self, e: Entry, to: State, why: str = "") -> None:

@@ -19,6 +19,7 @@ import secrets
 import time
 
 from controller import metrics
+from controller import pods as P
 from controller.books import (  # noqa: F401 - re-exported
     ENDING,
     ENTRY_STATES,
@@ -33,6 +34,7 @@ from controller.create import Creator, job_object_name, new_name, token_pair  # 
 from controller.errors import (  # noqa: F401 - re-exported for controller/api.py
     AcquireError,
     AcquireTimeout,
+    BadOwner,
     BadRequest,
     FirstAttemptLeft,
     NotLeader,
@@ -125,6 +127,7 @@ class Controller:
         while True:
             await asyncio.sleep(1.0)
             self.warm.tick()
+            self.sweeper.expire()
             metrics.QUEUE_DEPTH.set(sum(self.pacer.queue_depth().values()))
             metrics.LIVE.set(self.pacer.live)
             metrics.CREATING.set(self.pacer.creating)
@@ -158,12 +161,13 @@ class Controller:
     async def acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None = None,
                       labels: dict | None = None, timeout_s: float = 300.0,
                       warm_ok: bool = True, wait: bool = True,
-                      request_id: str | None = None) -> dict:
+                      request_id: str | None = None, lifetime_s: float | None = None) -> dict:
         """`request_id` makes a retried acquire (its answer was lost) return the same sandbox
         instead of a second one, while the first is in flight or still leased."""
         if request_id is None:
             return await self._acquire(spec, job, owner=owner, labels=labels,
-                                       timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
+                                       timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
+                                       lifetime_s=lifetime_s)
         key = (job, request_id)
         for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
             prior = self._requests.get(key)
@@ -188,7 +192,8 @@ class Controller:
             self._requests.pop(next(iter(self._requests)))
         try:
             result = await self._acquire(spec, job, owner=owner, labels=labels,
-                                         timeout_s=timeout_s, warm_ok=warm_ok, wait=wait)
+                                         timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
+                                         lifetime_s=lifetime_s)
         except BaseException as ex:
             self._requests.pop(key, None)
             if not fut.done():
@@ -202,20 +207,23 @@ class Controller:
 
     async def _acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None,
                        labels: dict | None, timeout_s: float, warm_ok: bool,
-                       wait: bool) -> dict:
+                       wait: bool, lifetime_s: float | None = None) -> dict:
         labels = dict(labels or {})
         self.validate(spec, job, labels, owner)
+        lifetime = self.lifetime(lifetime_s)
         if not self.ready:
             raise NotLeader("this controller replica is not the leader; retry")
+        if owner is not None:
+            await self.check_owner(owner)
         t0 = time.monotonic()
         if warm_ok:
-            got = await self.warm.take(spec, job, owner, labels)
+            got = await self.warm.take(spec, job, owner, labels, lifetime)
             if got is not None:
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
         token, token_sha = token_pair()
         e = Entry(new_name(job), spec, job, secrets.token_hex(8), token, owner=owner,
-                  labels=labels)
+                  labels=labels, lifetime=lifetime)
         if not wait:
             try:
                 e.slot = await self.pacer.acquire(job, wait=False)
@@ -247,6 +255,65 @@ class Controller:
             raise
         metrics.acquired("ok", False, time.monotonic() - t0)
         return result
+
+    async def check_owner(self, owner: dict) -> None:
+        """owner= must be a pod of the sandbox namespace with that uid. An ownerReference
+        cannot cross namespaces: the garbage collector treats a foreign owner as absent and
+        deletes the sandbox at once, so such an acquire is refused, never silently collected."""
+        try:
+            pod = await self.kube.read_pod(owner["name"])
+        except Exception as ex:  # noqa: BLE001
+            if getattr(ex, "status", None) != 404:
+                raise AcquireError(f"could not check owner {owner['name']!r}: {ex}") from None
+            pod = None
+        if pod is None or P.uid(pod) != owner["uid"]:
+            raise BadOwner(
+                f"owner pod {owner['name']!r} (uid {owner['uid']}) is not in the sandbox "
+                f"namespace {self.s.namespace!r}: ownerReferences cannot cross namespaces and "
+                "the garbage collector would delete the sandbox at once; leave owner out and "
+                "rely on lifetime_s (the SDK renews while the sandbox is open)")
+
+    def lifetime(self, lifetime_s: float | None) -> float:
+        """The lifetime an acquire or renew asks for, within the flags; BadRequest otherwise."""
+        if lifetime_s is None:
+            return self.s.default_lifetime
+        lo, hi = self.s.min_lifetime, self.s.max_lifetime
+        if not lifetime_s >= lo:  # NaN included
+            raise BadRequest(f"lifetime_s {lifetime_s:g} is below the controller's minimum "
+                             f"({lo:g}s)")
+        if lifetime_s > hi:
+            raise BadRequest(f"lifetime_s {lifetime_s:g} is above the controller's maximum "
+                             f"({hi:g}s); renew before it runs out instead")
+        return float(lifetime_s)
+
+    async def renew(self, sid: str, lifetime_s: float | None) -> Entry | None:
+        """expires_at = now + lifetime (the asked one, else the sandbox's own), written to the
+        pod first so a new leader keeps it. None: no such handed-out sandbox (any more)."""
+        e = self.books.entries.get(sid)
+        if e is None or e.stage is not S.LEASED:
+            metrics.renewed("gone")
+            return None
+        try:
+            lifetime = self.lifetime(lifetime_s if lifetime_s is not None else e.lifetime)
+        except BadRequest:
+            metrics.renewed("refused")
+            raise
+        expires = P.lease_end(lifetime)
+        try:
+            await self.kube.patch_pod(e.name, {"metadata": {
+                "annotations": P.lease_annotations(lifetime, expires)}})
+        except Exception as ex:  # noqa: BLE001
+            if getattr(ex, "status", None) == 404:
+                metrics.renewed("gone")
+                return None
+            metrics.renewed("failed")
+            raise AcquireError(f"renew of {sid} failed, retry: {ex}") from None
+        if e.stage is not S.LEASED:  # expired, released or drained during the patch
+            metrics.renewed("gone")
+            return None
+        e.lifetime, e.expires_at, e.renewed = lifetime, expires, True
+        metrics.renewed("ok")
+        return e
 
     # ---- release, drain, prewarm, sweep -----------------------------------------------------
     def get(self, sid: str) -> Entry | None:

@@ -7,6 +7,7 @@ tenant's pod holds the name: it is never touched, and a new name is drawn."""
 from __future__ import annotations
 
 import asyncio
+import copy
 import hashlib
 import json
 import re
@@ -55,7 +56,9 @@ class Creator:
         self.job_owner_uid: dict[str, str] = {}
 
     def build_pod(self, e: Entry, token_sha: str) -> dict:
+        t = self.s.pod_template  # checked at startup: none of its keys is sandman's own
         labels = {
+            **t.get("labels", {}),
             contract.LABEL_SANDBOX: contract.SANDBOX_TRUE,
             contract.LABEL_JOB: e.job,
             contract.LABEL_NONCE: e.nonce,
@@ -84,8 +87,14 @@ class Creator:
         if self.s.node_pool_label:
             k, v = self.s.node_pool_label.split("=", 1)
             spec["nodeSelector"] = {k: v}
+        # A shared pool's rules (taints, classes, pull secrets): the pod template.
+        for k in ("tolerations", "affinity", "priorityClassName", "runtimeClassName",
+                  "imagePullSecrets"):
+            if k in t:
+                spec[k] = copy.deepcopy(t[k])
         meta = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
-                "annotations": {contract.ANNOTATION_TOKEN_SHA256: token_sha}}
+                "annotations": {**t.get("annotations", {}),
+                                contract.ANNOTATION_TOKEN_SHA256: token_sha}}
         if e.owner:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod",
                                         "name": e.owner["name"], "uid": e.owner["uid"]}]

@@ -31,6 +31,12 @@ class BadRequest(AcquireError):
     status, kind = api.BAD_REQUEST
 
 
+class BadOwner(BadRequest):
+    """owner= names no pod of the sandbox namespace (an ownerReference cannot cross one)."""
+
+    status, kind = api.BAD_OWNER
+
+
 class PodFailed(AcquireError):
     status, kind = api.POD_FAILED
 

@@ -9,6 +9,7 @@ watch) that delivers slim pods (`pods.slim_pod`) to the event loop."""
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import json
 import logging
 import threading
@@ -79,6 +80,9 @@ class Kube(Protocol):
         ...
 
     async def create_config_map(self, body: dict) -> dict: ...
+
+    async def pod_event(self, pod: dict, reason: str, message: str) -> None:
+        """A Kubernetes Event about `pod` (slim copy is enough); best effort, never raises."""
 
     async def read_config_map(self, name: str) -> dict: ...
 
@@ -156,6 +160,21 @@ class KubeClient:
             return []
         items = sorted(ev.items, key=lambda e: (e.last_timestamp or e.event_time or 0).__str__())
         return [f"{e.type} {e.reason}: {e.message}" for e in items[-limit:]]
+
+    async def pod_event(self, pod: dict, reason: str, message: str) -> None:
+        now = dt.datetime.now(dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        meta = pod.get("metadata") or {}
+        body = {"metadata": {"generateName": f"{meta.get('name', 'pod')}.",
+                             "namespace": self.ns},
+                "involvedObject": {"apiVersion": "v1", "kind": "Pod", "namespace": self.ns,
+                                   "name": meta.get("name"), "uid": meta.get("uid")},
+                "reason": reason, "message": message, "type": "Normal", "count": 1,
+                "firstTimestamp": now, "lastTimestamp": now,
+                "source": {"component": "sandman-controller"}}
+        try:
+            await self._raw(self.core.create_namespaced_event, self.ns, body)
+        except Exception as ex:  # noqa: BLE001 - an event is a courtesy, the delete stands
+            log.warning("event %s for pod %s not recorded: %s", reason, meta.get("name"), ex)
 
     def shutdown(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -5,7 +5,13 @@ within `duration` seconds of the leader's last renewal. Losing the lease ends th
 The leader also writes the URL where it serves the API into the Lease (annotation
 `sandman.dev/leader-url`), in the same resourceVersion-guarded update that renews it, so a
 standby that reads the Lease learns who leads and where in one fenced object: it forwards API
-calls there (controller/forward.py) and is Ready without being the leader."""
+calls there (controller/forward.py) and is Ready without being the leader.
+
+Expiry is judged on this replica's own clock, as client-go does: a standby notes the local
+monotonic time at which it last saw the Lease's record CHANGE (`Observed`), and takes over only
+after the record stayed the same for a whole lease duration. The holder's `renewTime` is never
+compared with this replica's wall clock, so a skewed clock on either side can neither steal a
+lease that is being renewed nor keep a dead holder's lease alive forever."""
 
 from __future__ import annotations
 
@@ -15,6 +21,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Callable
 
 from kubernetes import client
 
@@ -27,10 +34,36 @@ log = logging.getLogger("controller.leader")
 LEADER_URL_ANNOTATION = f"{DOMAIN}/leader-url"
 
 
+class Observed:
+    """client-go's observedRecord/observedTime: when (on `clock`, monotonic) the Lease's
+    record was last seen to change. Pure logic: tests drive it with a fake clock."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self.clock = clock
+        self.record: tuple | None = None
+        self.at: float = 0.0
+
+    def see(self, record: tuple) -> None:
+        if record != self.record:  # a renewal (or any write): the holder is alive now
+            self.record, self.at = record, self.clock()
+
+    def expired(self, duration: float) -> bool:
+        """No change seen for more than `duration` s of local time (a first sighting counts
+        as a change: a replica that just started waits a whole duration)."""
+        return self.record is None or self.clock() - self.at > duration
+
+
+def record_of(spec: client.V1LeaseSpec) -> tuple:
+    """What a renewal changes. Compared as values, never against this replica's clock."""
+    return (spec.holder_identity or "", str(spec.renew_time), str(spec.acquire_time),
+            spec.lease_transitions, spec.lease_duration_seconds)
+
+
 class LeaderElector:
     def __init__(self, kube: KubeClient, name: str = "sandman-controller", duration: float = 10.0,
                  renew: float = 2.0, identity: str | None = None,
-                 advertise_url: str | None = None):
+                 advertise_url: str | None = None,
+                 clock: Callable[[], float] = time.monotonic):
         if not 0 < renew < duration:
             raise ValueError("renew period must be positive and shorter than the lease duration")
         self.kube = kube
@@ -46,6 +79,7 @@ class LeaderElector:
         self.holder: str | None = None
         self._last_renew: float = 0.0
         self._contact: float | None = None  # monotonic time of the last API round trip
+        self.observed = Observed(clock)
         self.coord = client.CoordinationV1Api(kube.api)
 
     def connected(self) -> bool:
@@ -85,10 +119,11 @@ class LeaderElector:
                 raise
         self._contact = time.monotonic()
         spec = lease.spec
-        holder = spec.holder_identity
-        renewed = spec.renew_time or spec.acquire_time
-        expired = renewed is None or (now - renewed).total_seconds() > (
-            spec.lease_duration_seconds or self.duration)
+        holder = spec.holder_identity or ""
+        self.observed.see(record_of(spec))
+        # An empty holder is a released lease (release() below): free at once.
+        expired = not holder or self.observed.expired(spec.lease_duration_seconds
+                                                      or self.duration)
         if holder != self.identity and not expired:
             self.holder = holder
             self.leader_url = (lease.metadata.annotations or {}).get(LEADER_URL_ANNOTATION)
@@ -105,6 +140,7 @@ class LeaderElector:
             # replace carries resourceVersion: two candidates cannot both win, and the URL a
             # standby forwards to is only ever written by the holder of this very version.
             await self.kube.call(self.coord.replace_namespaced_lease, self.name, ns, lease)
+            self.observed.see(record_of(spec))
             return True
         except client.ApiException as e:
             if e.status == 409:
@@ -143,7 +179,10 @@ class LeaderElector:
         try:
             lease = await self.kube.call(self.coord.read_namespaced_lease, self.name, self.kube.ns)
             if lease.spec.holder_identity == self.identity:
-                lease.spec.renew_time = self._now() - dt.timedelta(seconds=self.duration * 2)
+                # As client-go's ReleaseOnCancel: no holder, so a standby takes over at its
+                # next try (a renewTime in the past would mean nothing to its local clock).
+                lease.spec.holder_identity = None
+                lease.spec.lease_duration_seconds = 1
                 await self.kube.call(self.coord.replace_namespaced_lease, self.name,
                                      self.kube.ns, lease)
         except Exception as e:  # noqa: BLE001

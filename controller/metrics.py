@@ -37,6 +37,12 @@ ILLEGAL_TRANSITIONS = Counter("sandman_controller_illegal_transitions_total",
                               ["from_state", "to_state"])
 API_BACKOFF = Counter("sandman_controller_api_backoff_total",
                       "API answers (429/5xx) that slowed the create bucket")
+EXPIRED = Counter("sandman_controller_expired_total",
+                  "Handed-out sandboxes deleted because their lifetime ran out; renewed: "
+                  "whether any renew had come (true: the renewing caller went away)",
+                  ["renewed"])
+RENEWS = Counter("sandman_controller_renews_total", "Renew requests by result", ["result"])
+RENEW_RESULTS = ("ok", "gone", "refused", "failed")
 SWEPT = Counter("sandman_controller_swept_total", "Unowned pods deleted by the sweep")
 PARKED = Counter("sandman_controller_parked_total",
                  "Pods whose caller left after the create, kept warm for reuse")
@@ -62,6 +68,14 @@ def created(result: str) -> None:
 
 def deleted(result: str) -> None:
     DELETES.labels(bounded(result, DELETE_RESULTS)).inc()
+
+
+def expired(renewed: bool) -> None:
+    EXPIRED.labels(_warm(renewed)).inc()
+
+
+def renewed(result: str) -> None:
+    RENEWS.labels(bounded(result, RENEW_RESULTS)).inc()
 
 
 def illegal_transition(frm: str, to: str) -> None:

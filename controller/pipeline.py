@@ -145,7 +145,10 @@ class Pipeline:
             self.delete(e, why)
 
     async def _hand_out(self, e: Entry) -> None:
-        patch = {"metadata": {"labels": {contract.LABEL_STATE: contract.STATE_LEASED, **e.labels}}}
+        lifetime = e.lifetime or self.s.default_lifetime
+        expires = P.lease_end(lifetime)  # the clock starts at hand-out, not at the create
+        patch = {"metadata": {"labels": {contract.LABEL_STATE: contract.STATE_LEASED, **e.labels},
+                              "annotations": P.lease_annotations(lifetime, expires)}}
         try:
             await self.kube.patch_pod(e.name, patch)
         except Exception as ex:  # noqa: BLE001
@@ -154,6 +157,7 @@ class Pipeline:
             fail(e, PodFailed(f"pod {e.name} could not be marked leased: {ex}"))
             return
         if e.stage is S.STARTING:
+            e.lifetime, e.expires_at = lifetime, expires
             self.books.move(e, S.LEASED, "handed out")
             e.handed.set_result(self.result(e, warm=False))
             return
@@ -187,7 +191,9 @@ class Pipeline:
         return {"id": e.id, "pod": e.name, "address": e.ip, "port": self.s.execd_port,
                 "token": e.token, "warm": warm,
                 "timings": {k: e.timings.get(k, 0.0) for k in ("queued_ms", "create_ms",
-                                                                "ready_ms")}}
+                                                                "ready_ms")},
+                "expires_at": P.iso_utc(e.expires_at) if e.expires_at else None,
+                "lifetime_s": e.lifetime}
 
     async def events(self, e: Entry) -> list[str]:
         return await self.kube.pod_events(e.name) if e.uid else []

@@ -8,6 +8,8 @@ Each reader must give the same answer on the slim copy as on the whole object
 from __future__ import annotations
 
 import datetime as dt
+import math
+import time
 from dataclasses import dataclass
 
 from sandman import api, contract
@@ -24,6 +26,9 @@ class SandboxSpec:
     egress: str = contract.EGRESS_DENY
 
 
+LEASE_ANNOTATIONS = (contract.ANNOTATION_EXPIRES_AT, contract.ANNOTATION_LIFETIME)
+
+
 def slim_pod(pod: dict) -> dict:
     """The fields the controller's books read, and nothing else.
 
@@ -37,6 +42,9 @@ def slim_pod(pod: dict) -> dict:
     c = (spec.get("containers") or [{}])[0]
     out_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels",
                                      "creationTimestamp", "deletionTimestamp") if k in meta}
+    lease = {k: v for k, v in (meta.get("annotations") or {}).items() if k in LEASE_ANNOTATIONS}
+    if lease:
+        out_meta["annotations"] = lease
     out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}
     req = (c.get("resources") or {}).get("requests")
     if req:
@@ -68,6 +76,38 @@ def uid(pod: dict) -> str | None:
 
 def labels(pod: dict) -> dict:
     return meta(pod).get("labels") or {}
+
+
+def iso_utc(epoch: float) -> str:
+    """RFC 3339 UTC, whole seconds rounded up (an expiry is never earlier than promised)."""
+    return dt.datetime.fromtimestamp(-(-epoch // 1), dt.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def lease_end(lifetime_s: float, now: float | None = None) -> float:
+    """now + lifetime in whole seconds (what the annotation can say), rounded up."""
+    return float(math.ceil((time.time() if now is None else now) + lifetime_s))
+
+
+def expires_at(pod: dict) -> float | None:
+    """The lease's end (epoch s) from the pod's annotation; None: none or unreadable."""
+    text = (meta(pod).get("annotations") or {}).get(contract.ANNOTATION_EXPIRES_AT)
+    try:
+        return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
+    except (AttributeError, ValueError):
+        return None
+
+
+def lifetime(pod: dict) -> float | None:
+    try:
+        v = float((meta(pod).get("annotations") or {})[contract.ANNOTATION_LIFETIME])
+    except (KeyError, TypeError, ValueError):
+        return None
+    return v if v > 0 else None
+
+
+def lease_annotations(lifetime_s: float, expires: float) -> dict:
+    return {contract.ANNOTATION_EXPIRES_AT: iso_utc(expires),
+            contract.ANNOTATION_LIFETIME: f"{lifetime_s:g}"}
 
 
 def deleting(pod: dict) -> bool:

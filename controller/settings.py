@@ -2,11 +2,90 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
+
+import yaml
 
 from controller.pacer import Limits
 from sandman import contract
 from sandman.sandbox import SandboxPolicy
+
+# ---- the sandbox pod template (--pod-template-file): what a shared node pool asks of pods ---
+# Applied by Creator.build_pod to every pod the controller builds (warm builds too). Checked
+# at startup: a bad file stops the controller with one line, never a pod refused at create.
+_DNS = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
+_TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
+_AFFINITY_KEYS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
+TEMPLATE_KEYS = ("tolerations", "affinity", "priorityClassName", "runtimeClassName",
+                 "imagePullSecrets", "annotations", "labels")
+# Keys a template may not set: sandman's own (state, job, token hash, ingress-from, expiry...)
+# and the app.kubernetes.io/* labels that select sandman's components (a sandbox carrying the
+# controller's labels would be the sandbox NetworkPolicy's "controller" peer).
+_RESERVED_LABEL_PREFIXES = (contract.DOMAIN + "/", "app.kubernetes.io/")
+_RESERVED_ANNOTATION_PREFIXES = (contract.DOMAIN + "/",)
+
+
+def _str_map(v: object, what: str, reserved: tuple[str, ...]) -> None:
+    if not isinstance(v, dict):
+        raise ValueError(f"pod template: {what} must be a mapping of strings")
+    for k, x in v.items():
+        if not isinstance(k, str) or not isinstance(x, str):
+            raise ValueError(f"pod template: {what} {k!r}: keys and values must be strings")
+        if k.startswith(reserved) or k == contract.LABEL_MANAGED_BY:
+            raise ValueError(f"pod template: {what} {k!r} collides with sandman's own keys "
+                             f"({', '.join(p + '*' for p in reserved)})")
+
+
+def check_pod_template(t: object) -> dict:
+    """The template if valid, else ValueError with one line naming the bad part."""
+    if t is None:
+        return {}
+    if not isinstance(t, dict):
+        raise ValueError("pod template: must be a mapping")
+    for k in t:
+        if k not in TEMPLATE_KEYS:
+            raise ValueError(f"pod template: unknown key {k!r} (allowed: "
+                             f"{', '.join(TEMPLATE_KEYS)})")
+    tol = t.get("tolerations", [])
+    if not isinstance(tol, list) or not all(isinstance(x, dict) and x and set(x) <=
+                                            _TOLERATION_KEYS for x in tol):
+        raise ValueError("pod template: tolerations must be a list of {key, operator, value, "
+                         "effect, tolerationSeconds}")
+    aff = t.get("affinity", {})
+    if not isinstance(aff, dict) or not set(aff) <= _AFFINITY_KEYS:
+        raise ValueError("pod template: affinity may hold only nodeAffinity, podAffinity, "
+                         "podAntiAffinity")
+    for k in ("priorityClassName", "runtimeClassName"):
+        v = t.get(k, "")
+        if not isinstance(v, str) or (v and not _DNS.match(v)):
+            raise ValueError(f"pod template: {k} {v!r} is not a valid object name")
+    ips = t.get("imagePullSecrets", [])
+    if not isinstance(ips, list) or not all(
+            isinstance(x, dict) and set(x) == {"name"} and isinstance(x["name"], str)
+            and _DNS.match(x["name"]) for x in ips):
+        raise ValueError("pod template: imagePullSecrets must be a list of {name: SECRET}")
+    _str_map(t.get("annotations", {}), "annotation", _RESERVED_ANNOTATION_PREFIXES)
+    labels = t.get("labels", {})
+    _str_map(labels, "label", _RESERVED_LABEL_PREFIXES)
+    for k, v in labels.items():
+        if not _LABEL_VALUE.match(v):
+            raise ValueError(f"pod template: label {k}={v!r}: not a valid label value")
+    # Empty entries (the chart renders every key) are left out of the pods.
+    return {k: v for k, v in t.items() if v not in ("", [], {}, None)}
+
+
+_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
+
+
+def load_pod_template(path: str) -> dict:
+    """--pod-template-file: YAML or JSON (the chart mounts JSON from a ConfigMap)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            data = yaml.safe_load(f)
+    except (OSError, yaml.YAMLError) as e:
+        raise ValueError(f"pod template {path}: {' '.join(str(e).split())}") from None
+    return check_pod_template(data)
 
 
 @dataclass
@@ -26,9 +105,20 @@ class Settings:
     # next acquire of its key instead of deleted (the paper's late grading pods).
     ready_budget: float = 120.0
     api_timeout: float = 15.0  # one API call; the controller retries, never the client library
+    # A handed-out sandbox lives this long unless renewed (acquire's lifetime_s, bounded by
+    # min/max): a trainer killed with SIGKILL leaks its sandboxes for at most this long.
+    default_lifetime: float = 3600.0
+    min_lifetime: float = 30.0  # a shorter one would make the SDK renew every few seconds
+    max_lifetime: float = 86400.0
+    pod_template: dict = field(default_factory=dict)  # checked: check_pod_template
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):
             raise ValueError("ready_check must be execd or pod")
         if self.node_pool_label and "=" not in self.node_pool_label:
             raise ValueError("node_pool_label must be key=value")
+        self.pod_template = check_pod_template(self.pod_template)
+        if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:
+            raise ValueError("lifetimes must satisfy 0 < min <= default <= max "
+                             f"(got {self.min_lifetime:g}, {self.default_lifetime:g}, "
+                             f"{self.max_lifetime:g})")

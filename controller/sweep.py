@@ -83,6 +83,27 @@ class Sweeper:
                 self.books.gone(e)
         return n
 
+    def expire(self, now: float | None = None) -> int:
+        """Delete every handed-out sandbox whose lifetime ran out (no renew came): a trainer
+        killed with SIGKILL leaks its sandboxes for at most their lifetime. Warm and parked
+        pods never expire (nobody holds them; the pool's idle timeout bounds them). Runs once
+        a second over the books alone: no API call until something expires."""
+        now = time.time() if now is None else now
+        n = 0
+        for e in list(self.books.entries.values()):
+            if e.stage is not S.LEASED or e.expires_at is None or e.expires_at > now:
+                continue
+            why = (f"lifetime {e.lifetime or 0:g}s ran out "
+                   f"({'no renew since the last one' if e.renewed else 'never renewed'})")
+            self.pipeline.delete(e, f"expired: {why}")
+            metrics.expired(e.renewed)
+            pod = self.books.pods.get(e.name) or {"metadata": {"name": e.name, "uid": e.uid}}
+            self.spawn(self.kube.pod_event(pod, "SandboxExpired",
+                                           f"sandman deleted the sandbox: {why}"),
+                       f"event-{e.name}")
+            n += 1
+        return n
+
     async def drain(self, job: str) -> int:
         """Every pod of the job goes (queued creates are withdrawn, creates in flight are
         deleted once they settle), and the job's owner ConfigMap with them."""

@@ -97,7 +97,7 @@ class WarmPool:
 
     # ---- hand-out ---------------------------------------------------------------------------
     async def take(self, spec: SandboxSpec, job: str, owner: dict | None,
-                   labels: dict) -> dict | None:
+                   labels: dict, lifetime: float | None = None) -> dict | None:
         """A warm pod of exactly this key, handed out to `job`; None when there is none."""
         pool = self.pools.get(spec)
         if pool is None:
@@ -107,7 +107,8 @@ class WarmPool:
             e = pool.warm[0]  # oldest first; surplus is trimmed newest first
             self.books.move(e, S.CHECKING, "taken for an acquire")
             try:
-                got = await self._hand_out(e, job, owner, labels)
+                got = await self._hand_out(e, job, owner, labels,
+                                           lifetime or self.s.default_lifetime)
             except BaseException:
                 # The caller was cancelled mid-check, or an API call failed: the pod may already
                 # carry the caller's labels, so it goes (fail closed, never back to the pool).
@@ -122,7 +123,7 @@ class WarmPool:
         return None
 
     async def _hand_out(self, e: Entry, job: str, owner: dict | None,
-                        labels: dict) -> dict | None:
+                        labels: dict, lifetime: float) -> dict | None:
         t0 = time.monotonic()
         if self.s.ready_check == "pod":
             ok = P.is_ready(self.books.pods.get(e.name))
@@ -135,10 +136,13 @@ class WarmPool:
             return None
         ref = ({"apiVersion": "v1", "kind": "Pod", "name": owner["name"], "uid": owner["uid"]}
                if owner else await self.creator.owner_ref(job))
+        # A warm pod never expires: its lifetime starts here, at hand-out.
+        expires = P.lease_end(lifetime)
         try:
             await self.pipeline.kube.patch_pod(e.name, {"metadata": {
                 "labels": {contract.LABEL_STATE: contract.STATE_LEASED,
                            contract.LABEL_JOB: job, **labels},
+                "annotations": P.lease_annotations(lifetime, expires),
                 "ownerReferences": [ref]}})
         except Exception as ex:  # noqa: BLE001
             self.pipeline.delete(e, f"warm hand-out patch failed: {ex}")
@@ -150,6 +154,7 @@ class WarmPool:
             e.slot.gone()
         e.slot = self.pacer.adopt(job)
         e.job, e.owner, e.labels = job, owner, labels
+        e.lifetime, e.expires_at = lifetime, expires
         self.books.move(e, S.LEASED, "warm hand-out")
         e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "ready_ms": ms(time.monotonic() - t0)}
         return self.pipeline.result(e, warm=True)

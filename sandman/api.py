@@ -50,13 +50,14 @@ LIST = Route("LIST", "GET", "/v1/sandboxes")
 GET = Route("GET", "GET", "/v1/sandboxes/{id}")
 RELEASE = Route("RELEASE", "DELETE", "/v1/sandboxes/{id}")
 PREWARM = Route("PREWARM", "POST", "/v1/prewarm")
+RENEW = Route("RENEW", "POST", "/v1/sandboxes/{id}/renew")  # pushes expires_at back
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
 HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as LIVEZ)
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message
@@ -67,6 +68,9 @@ class ErrorType(NamedTuple):
 
 
 BAD_REQUEST = ErrorType(400, "BadRequest")  # refused by the controller's checks
+# owner= names no pod of the sandbox namespace: an ownerReference cannot cross namespaces and
+# the garbage collector would delete the sandbox at once, so the acquire is refused instead.
+BAD_OWNER = ErrorType(400, "BadOwner")
 INVALID_BODY = ErrorType(422, "BadRequest")  # refused by the body's validation: same type
 SANDBOX_GONE = ErrorType(404, "SandboxGone")
 QUEUE_FULL = ErrorType(429, "QueueFull")  # wait=false and over a cap
@@ -76,7 +80,7 @@ POD_FAILED = ErrorType(502, "PodFailed")  # events: the pod's last events
 NOT_LEADER = ErrorType(503, "NotLeader")  # no leader to forward to; retry on a new connection
 NOT_READY = ErrorType(503, "NotReady")  # /readyz only: this replica cannot serve yet
 ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
-ERRORS = (BAD_REQUEST, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
+ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
           POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
@@ -95,6 +99,14 @@ class _Model:
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise ValueError(message)
+
+
+def _check_lifetime(lifetime_s: Any) -> None:
+    # Only the type here: the bounds are the controller's flags (a 400 names them).
+    _check(lifetime_s is None or (not isinstance(lifetime_s, bool)
+                                  and isinstance(lifetime_s, int | float)
+                                  and lifetime_s == lifetime_s),
+           "lifetime_s: must be a number of seconds")
 
 
 def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
@@ -146,11 +158,15 @@ class AcquireRequest(_Model):
     warm_ok: bool = True
     wait: bool = True
     request_id: str | None = None
+    # Seconds the sandbox lives after hand-out unless renewed (None: the controller's default;
+    # its --min-lifetime/--max-lifetime bound it). The SDK renews while the handle is open.
+    lifetime_s: float | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
         _check_size(self.cpu, self.memory, self.egress)
+        _check_lifetime(self.lifetime_s)
         _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, int | float)
                and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
                f"timeout_s: must be > 0 and <= {MAX_ACQUIRE_TIMEOUT_S:g}")
@@ -161,6 +177,17 @@ class AcquireRequest(_Model):
     def spec(self) -> Spec:
         return Spec(cpu=self.cpu, memory=self.memory, workspace=self.workspace,
                     egress=self.egress)
+
+
+@dataclass(frozen=True, kw_only=True)
+class RenewRequest(_Model):
+    """`POST /v1/sandboxes/{id}/renew`: expires_at becomes now + `lifetime_s` (None: the
+    lifetime the sandbox was acquired or last renewed with), bounded by the controller's max."""
+
+    lifetime_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check_lifetime(self.lifetime_s)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -201,6 +228,8 @@ class Lease(_Model):
     token: str = field(repr=False)
     warm: bool = False
     timings: Timings = field(default_factory=Timings)
+    expires_at: str | None = None  # RFC 3339 UTC; deleted after it unless renewed
+    lifetime_s: float | None = None  # what a renew without lifetime_s extends by
 
 
 @dataclass(frozen=True)
@@ -218,6 +247,8 @@ class SandboxView(_Model):
     cpu: str
     memory: str
     egress: str
+    expires_at: str | None = None  # handed-out sandboxes only (warm ones never expire)
+    lifetime_s: float | None = None
 
 
 @dataclass(frozen=True)

@@ -40,6 +40,11 @@ LABEL_NODE_POOL_DEFAULT = f"{DOMAIN}/node-pool"
 ANNOTATION_TOKEN_SHA256 = f"{DOMAIN}/token-sha256"  # SHA-256 hex of execd's token; never the token
 ANNOTATION_INGRESS_FROM = f"{DOMAIN}/ingress-from"  # "CIDR,...": callers allowed to reach execd
 ANNOTATION_CONTAINER = f"{DOMAIN}/container"  # names the sandbox container (default: the first)
+# A handed-out sandbox's lease (controller only): on the pod, so a restarted or new leader keeps
+# it. EXPIRES_AT is RFC 3339 UTC ("2026-01-02T03:04:05Z"); after it the controller deletes the
+# pod unless a renew moved it. LIFETIME is the seconds a renew without lifetime_s extends by.
+ANNOTATION_EXPIRES_AT = f"{DOMAIN}/expires-at"
+ANNOTATION_LIFETIME = f"{DOMAIN}/lifetime-s"
 
 # execd inside a sandbox.
 EXECD_PORT = 9470

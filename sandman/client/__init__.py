@@ -18,6 +18,7 @@ from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
 from sandman.client.errors import (
     AcquireTimeout,
+    BadOwner,
     BadRequest,
     CommandTimeout,
     ControllerError,
@@ -53,7 +54,7 @@ from sandman.client.models import (
 )
 
 __all__ = [
-    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AsyncSandbox", "BadRequest", "Client",
+    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
     "CommandTimeout", "Conditions", "ControllerError", "ControllerUnreachable", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",

@@ -53,6 +53,12 @@ class BadRequest(SandmanError):
     """The request was refused as invalid (400/422), by the controller or by execd."""
 
 
+class BadOwner(BadRequest):
+    """`owner=` names no pod in the sandbox namespace: an ownerReference cannot cross
+    namespaces (the garbage collector would delete the sandbox at once). Rely on `lifetime_s`
+    instead: the SDK renews while the handle is open, and a dead trainer's sandboxes expire."""
+
+
 class PodFailed(ControllerError):
     """The pod failed or never became ready (502); `events` holds the pod's last events."""
 
@@ -126,6 +132,7 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.ACQUIRE_TIMEOUT.type: AcquireTimeout,
     api.QUEUE_FULL.type: QueueFull,
     api.BAD_REQUEST.type: BadRequest,
+    api.BAD_OWNER.type: BadOwner,
     api.POD_FAILED.type: PodFailed,
     api.NOT_LEADER.type: NotLeader,
     # /readyz only (a replica still syncing): retryable like NotLeader, on another replica.

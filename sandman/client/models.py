@@ -74,6 +74,8 @@ class Lease:
     token: str = field(repr=False)
     warm: bool = False
     timings: AcquireTimings = field(default_factory=AcquireTimings)
+    expires_at: str | None = None  # RFC 3339 UTC; None from a controller without lifetimes
+    lifetime_s: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -90,7 +92,9 @@ class Lease:
         return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
                    address=_req(d, "address", str, what), port=port, token=token,
                    warm=bool(_opt(d, "warm", bool, what, False)),
-                   timings=AcquireTimings.from_json(d.get("timings")), raw=raw)
+                   timings=AcquireTimings.from_json(d.get("timings")),
+                   expires_at=_opt(d, "expires_at", str, what),
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what), raw=raw)
 
 
 @dataclass(frozen=True)
@@ -107,6 +111,8 @@ class SandboxInfo:
     cpu: str | None = None
     memory: str | None = None
     egress: str | None = None
+    expires_at: str | None = None  # handed-out sandboxes: deleted after it unless renewed
+    lifetime_s: float | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -119,7 +125,8 @@ class SandboxInfo:
                    address=_opt(d, "address", str, what), port=_opt(d, "port", int, what),
                    image=_opt(d, "image", str, what), cpu=_opt(d, "cpu", str, what),
                    memory=_opt(d, "memory", str, what), egress=_opt(d, "egress", str, what),
-                   raw=raw)
+                   expires_at=_opt(d, "expires_at", str, what),
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what), raw=raw)
 
 
 @dataclass(frozen=True)

@@ -163,7 +163,7 @@ def test_webhook_ha_defaults(helm):
     assert spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
     assert spec["priorityClassName"] == _find(objs, "PriorityClass")["metadata"]["name"]
     assert spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
-    assert _find(objs, "PodDisruptionBudget")["spec"]["maxUnavailable"] == 1
+    assert _find(objs, "PodDisruptionBudget", "-webhook")["spec"]["maxUnavailable"] == 1
     # Never Helm's genCA, never a pre-delete hook that removes the configurations.
     for obj in objs:
         hook = obj["metadata"].get("annotations", {}).get("helm.sh/hook", "")
@@ -327,7 +327,8 @@ def test_replicated_deployments_probe_readiness_that_does_not_depend_on_leadersh
         in c0["env"]
 
 
-def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_place(helm):
+def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_place(helm,
+                                                                                 tmp_path):
     """docs/install.md narrows sandbox.ingressFrom to the trainers' CIDR (custom-selectors
     case). The chart's controller args, run through the controller's own code, must build pods
     whose guard admits that replica's pod IP; the `helm test` pod gets the same CIDRs and its
@@ -340,7 +341,13 @@ def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_plac
     pod_ip_env = {"name": "SANDMAN_POD_IP",
                   "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}}
     assert pod_ip_env in c0["env"] and "--ingress-from=10.32.0.0/12" in c0["args"]
+    # The rendered pod template, as the controller reads it from the mounted ConfigMap.
+    tpl = _find(objs, "ConfigMap", "-controller-pod-template")["data"]["pod-template.json"]
+    tpl_file = tmp_path / "pod-template.json"
+    tpl_file.write_text(tpl)
     args = [a.replace("$(SANDMAN_POD_IP)", "10.200.0.7") for a in c0["args"]]
+    args = [f"--pod-template-file={tpl_file}" if a.startswith("--pod-template-file=") else a
+            for a in args]
     ctl = Controller(None, settings_from(parse_args(["serve", *args])))
     pod = ctl.creator.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
     guard = pod["spec"]["initContainers"][0]
@@ -357,3 +364,45 @@ def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_plac
     dflt = _render(helm)
     tc = next(o for o in dflt if o["kind"] == "Pod")["spec"]["containers"][0]
     assert not [a for a in tc["args"] if a.startswith("--ingress-from")]
+
+
+def test_controller_disruption_budget_priority_and_sandbox_pod_template(helm, tmp_path):
+    """Two replicas get a PDB (minAvailable 1) and the webhook's class; one replica gets no
+    PDB (it would block every drain). The values' pod template reaches the controller, which
+    checks it and puts it on the pods it builds."""
+    from controller.__main__ import parse_args, settings_from
+    from controller.core import Controller, Entry, SandboxSpec
+
+    objs = _render(helm)
+    pdb = _find(objs, "PodDisruptionBudget", "-controller")
+    dep = _find(objs, "Deployment", "-controller")
+    assert pdb["spec"] == {"minAvailable": 1, "selector": dep["spec"]["selector"]}
+    assert dep["spec"]["template"]["spec"]["priorityClassName"] == \
+        _find(objs, "PriorityClass")["metadata"]["name"]
+
+    objs = _render(helm, *_values_args("sandbox-pool"))
+    assert not [o for o in objs if o["kind"] == "PodDisruptionBudget"
+                and o["metadata"]["name"].endswith("-controller")]
+    dep = _find(objs, "Deployment", "-controller")
+    spec = dep["spec"]["template"]["spec"]
+    assert spec["priorityClassName"] == "platform-critical"
+    c0 = spec["containers"][0]
+    for flag in ("--default-lifetime=900", "--min-lifetime=60", "--max-lifetime=14400"):
+        assert flag in c0["args"]
+    mount = next(m for m in c0["volumeMounts"] if m["name"] == "pod-template")
+    arg = next(a for a in c0["args"] if a.startswith("--pod-template-file="))
+    assert arg.split("=", 1)[1].startswith(mount["mountPath"] + "/")
+    tpl_file = tmp_path / "pod-template.json"
+    tpl_file.write_text(_find(objs, "ConfigMap", "-controller-pod-template")["data"][
+        "pod-template.json"])
+    args = [f"--pod-template-file={tpl_file}" if a == arg else a for a in c0["args"]]
+    ctl = Controller(None, settings_from(parse_args(["serve", *args])))
+    pod = ctl.creator.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"),
+                                "a" * 64)
+    assert pod["spec"]["priorityClassName"] == "sandbox-standard"
+    assert pod["spec"]["runtimeClassName"] == "gvisor"
+    assert pod["spec"]["tolerations"][0]["key"] == "dedicated"
+    assert pod["spec"]["imagePullSecrets"] == [{"name": "regcred"}]
+    assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
+    assert pod["metadata"]["labels"]["team"] == "rl"
+    assert "nodeAffinity" in pod["spec"]["affinity"]

@@ -365,10 +365,16 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             assert "--ready-check=execd" in container["args"]  # the production default
             port = free_port()
             kc = _service_account_kubeconfig(cluster, namespace, controller, tmp_path)
+            # The mounted sandbox pod template, as the Deployment's volume would hold it.
+            cm = next(o for o in manifest if o["kind"] == "ConfigMap" and
+                      o["metadata"]["name"] == f"{controller}-pod-template")
+            tpl = tmp_path / "pod-template.json"
+            tpl.write_text(cm["data"]["pod-template.json"])
             # The rendered args as they are (namespace, ready check, lease...), but on loopback.
             ctl = ControllerProc(None, kc, tmp_path / "controller.log",
                                  _rewrite(container["args"], listen=f"127.0.0.1:{port}",
-                                          advertise_address="127.0.0.1"),
+                                          advertise_address="127.0.0.1",
+                                          pod_template_file=str(tpl)),
                                  port=port, ready_check=None)
             try:
                 ctl.start()

@@ -219,6 +219,8 @@ class FakeController:
     answers: list[tuple[int, Any]] = field(default_factory=list)
     acquire_delay_s: float = 0.0
     release_delay_s: float = 0.0
+    lifetime_s: float | None = None  # answered with each acquire: the SDK then renews
+    renew_answers: list[tuple[int, Any]] = field(default_factory=list)  # canned renew replies
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
     by_request: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # request_id
     requests: list[tuple[str, str, Any]] = field(default_factory=list)
@@ -283,6 +285,18 @@ class _Handler(BaseHTTPRequestHandler):
                 for k in gone:
                     del ctl.sandboxes[k]
             return self._reply(200, {"job": m.group(1), "deleting": len(gone)})
+        m = re.fullmatch(r"/v1/sandboxes/([^/]+)/renew", self.path)
+        if m:
+            with ctl.lock:
+                canned = ctl.renew_answers.pop(0) if ctl.renew_answers else None
+                sb = ctl.sandboxes.get(m.group(1))
+            if canned is not None:
+                return self._reply(*canned)
+            if sb is None:
+                return self._reply(*_error(404, "SandboxGone", "no such sandbox"))
+            lifetime = (body or {}).get("lifetime_s") or ctl.lifetime_s
+            return self._reply(200, dict(sb, lifetime_s=lifetime, expires_at=time.strftime(
+                "%Y-%m-%dT%H:%M:%SZ", time.gmtime(time.time() + lifetime))))
         if self.path != "/v1/sandboxes":
             return self._reply(*_error(404, "BadRequest", "no such route"))
         if ctl.acquire_delay_s:
@@ -310,6 +324,8 @@ class _Handler(BaseHTTPRequestHandler):
               "address": ctl.target.address, "port": ctl.target_port or ctl.target.port}
         answer = dict(sb, token=ctl.token or ctl.target.token, warm=False,
                       timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25})
+        if ctl.lifetime_s:
+            answer.update(lifetime_s=ctl.lifetime_s, expires_at="2026-01-01T00:00:00Z")
         with ctl.lock:
             ctl.sandboxes[sid] = sb
         if mine is not None:

@@ -53,7 +53,7 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
     assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
-                    "request_id": sent["request_id"]}
+                    "request_id": sent["request_id"], "lifetime_s": None}
     assert controller.target.token not in caplog.text
 
 
@@ -63,7 +63,7 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
             a = await client.acquire("img:2", job="j1", cpu=4, memory="16Gi", egress="allow",
                                      workspace="/testbed", owner=Owner("trainer-0", "u-1"),
                                      labels={"task": "t1"}, timeout_s=60, warm_ok=False,
-                                     wait=False)
+                                     wait=False, lifetime_s=600)
             b = await client.acquire("img:2", job="j2")
             assert [s.id for s in await client.list(job="j1")] == [a.id]
             assert {s.id for s in await client.list()} == {a.id, b.id}
@@ -82,7 +82,7 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
     assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
                     "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
-                    "request_id": sent["request_id"]}
+                    "request_id": sent["request_id"], "lifetime_s": 600}
     # Each acquire has its own request_id (one per logical call, shared by its retries).
     assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 
@@ -351,3 +351,43 @@ def test_on_request_reports_each_call_once(flavor: Flavor, controller: FakeContr
                     ("EXEC", "/exec", True, True, None),
                     ("RELEASE", "/v1/sandboxes/{id}", True, True, None),
                     ("GET", "/v1/sandboxes/{id}", True, False, "SandboxGone")]
+
+
+def test_renewing_survives_failures_and_stops_at_release(flavor: Flavor,
+                                                        controller: FakeController,
+                                                        caplog) -> None:
+    """Renews at a third of the lifetime; a failed renew is logged and retried sooner, never
+    raised into the caller's work; releasing stops it. SandboxGone stops it with one error."""
+    controller.lifetime_s = 3.0  # renews at 1 s; a failure is retried 0.5 s later
+    controller.renew_answers = [(500, {"error": {"type": "InternalError", "message": "boom",
+                                                 "events": []}})] * 2
+
+    def renews() -> int:
+        return len([c for c in controller.calls("POST") if c[1].endswith("/renew")])
+
+    async def body():
+        async with flavor.client(controller.url) as client:
+            async with await client.acquire("img", job="j") as sb:
+                for _ in range(100):  # bounded: ~5 s of work while it renews
+                    assert (await sb.exec("echo ok")).output.strip() == "ok"
+                    if renews() >= 4 and sb.expires_at != "2026-01-01T00:00:00Z":
+                        break
+                    await asyncio.sleep(0.05)
+                assert renews() >= 4 and sb.expires_at != "2026-01-01T00:00:00Z"
+            n = renews()
+            await asyncio.sleep(1.3)
+            assert renews() == n  # released: nothing renews it any more
+            # Gone at the controller: renewing stops with one error line, work goes on.
+            sb2 = await client.acquire("img", job="j")
+            controller.sandboxes.clear()
+            await asyncio.sleep(1.3)
+            n = renews()
+            assert n >= 1
+            await asyncio.sleep(1.3)
+            assert renews() == n
+            await sb2.aclose()
+
+    with caplog.at_level("INFO", logger="sandman.client"):
+        flavor.run(body)
+    assert "renew failed (ControllerError: boom" in caplog.text and "retrying in" in caplog.text
+    assert "it is gone or expired, renewing stops" in caplog.text

@@ -88,7 +88,9 @@ def test_standby_and_validation_errors(flavor: Flavor, real_api) -> None:
             with pytest.raises(NotLeader):
                 await client.acquire("img", job="j", cpu=1, memory="1Gi", egress="allow",
                                      workspace="/w", owner=Owner("p", "u"), labels={"k": "v"},
-                                     timeout_s=5, warm_ok=False, wait=False)
+                                     timeout_s=5, warm_ok=False, wait=False, lifetime_s=30)
+            with pytest.raises(NotLeader):
+                await client.renew("sb-x", 60)
             with pytest.raises(NotLeader):
                 await client.prewarm("img", 2, cpu="500m", idle_timeout_s=30)
             with pytest.raises(NotLeader):

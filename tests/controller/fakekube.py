@@ -59,6 +59,7 @@ class FakeKube:
         self.pods: dict[str, dict] = {}  # the truth
         self.view: dict[str, dict] = {}  # what the lagging list and watch have shown so far
         self.config_maps: dict[str, dict] = {}
+        self.events: list[tuple[str, str, str]] = []  # (pod, reason, message)
         self.calls: list[tuple[str, str]] = []
         self.faults: list[Fault] = []
         self.created_names: list[str] = []  # every pod actually stored, in order
@@ -186,6 +187,9 @@ class FakeKube:
 
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         return []
+
+    async def pod_event(self, pod: dict, reason: str, message: str) -> None:
+        self.events.append((pod["metadata"]["name"], reason, message))
 
     async def create_config_map(self, body: dict) -> dict:
         name = body["metadata"]["name"]

@@ -53,7 +53,8 @@ def test_every_reading_is_the_same_on_the_slim_copy(case):
     full = _pod(**copy.deepcopy(CASES[case]))
     slim = slim_pod(copy.deepcopy(full))
     for read in (pods.name, pods.uid, pods.labels, pods.deleting, pods.pod_ip,
-                 pods.is_ready, pods.failure, pods.spec_of, lambda p: pods.age(p, 1.8e9)):
+                 pods.is_ready, pods.failure, pods.spec_of, lambda p: pods.age(p, 1.8e9),
+                 pods.expires_at, pods.lifetime):
         assert read(slim) == read(full), read.__name__
     assert pods.meta(slim)["creationTimestamp"] == pods.meta(full)["creationTimestamp"]
     # The cases do reach the interesting answers, so equality above is not None == None.
@@ -69,6 +70,17 @@ def test_deleting_and_empty_pods():
     assert pods.deleting(slim) and pods.failure(slim) == pods.failure(full)
     assert slim_pod({}) == {"metadata": {}, "spec": {"containers": [{}]}, "status": {}}
     assert pods.spec_of(slim_pod({})) == pods.spec_of({})
+
+
+def test_the_lease_annotations_survive_the_slim_copy():
+    """A leader rebuilt from the informer's copies keeps every sandbox's expiry."""
+    full = _pod(**READY)
+    full["metadata"]["annotations"].update(pods.lease_annotations(90, 1.8e9 + 0.2))
+    slim = slim_pod(full)
+    assert pods.expires_at(slim) == pods.expires_at(full) == 1.8e9 + 1  # rounded up
+    assert pods.lifetime(slim) == pods.lifetime(full) == 90
+    assert contract.ANNOTATION_TOKEN_SHA256 not in slim["metadata"]["annotations"]
+    assert pods.expires_at(_pod()) is None and pods.lifetime(_pod()) is None
 
 
 def test_slim_copy_is_small():

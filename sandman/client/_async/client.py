@@ -101,9 +101,13 @@ class AsyncClient:
                       owner: Owner | Mapping[str, str] | None = None,
                       labels: Mapping[str, str] | None = None,
                       timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
-                      wait: bool = True) -> AsyncSandbox:
+                      wait: bool = True, lifetime_s: float | None = None,
+                      renew: bool = True) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
+        `lifetime_s` (None: the controller's default) is how long the sandbox outlives this
+        process if it dies: with `renew`, the handle renews it at each third of it until
+        released or closed.
 
         Every attempt carries one request_id, so an attempt whose answer was lost is retried
         and the controller answers it with the first attempt's sandbox, not a second one. Only
@@ -115,12 +119,12 @@ class AsyncClient:
             api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
             egress=egress, workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
-            wait=bool(wait),
+            wait=bool(wait), lifetime_s=lifetime_s,
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
             request_id=_core.new_request_id())
         if True:  # ASYNC
-            task = _core.keep(asyncio.ensure_future(self._acquire(body)))
+            task = _core.keep(asyncio.ensure_future(self._acquire(body, renew)))
             try:
                 return await asyncio.shield(task)
             except asyncio.CancelledError:
@@ -130,9 +134,9 @@ class AsyncClient:
                 task.add_done_callback(self._release_orphan)
                 raise
         else:
-            return self._acquire(body)
+            return self._acquire(body, renew)
 
-    async def _acquire(self, body: api.AcquireRequest) -> AsyncSandbox:
+    async def _acquire(self, body: api.AcquireRequest, renew: bool = True) -> AsyncSandbox:
         resp = await self._send(api.ACQUIRE, json=body.to_json(),
                                 read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         lease = Lease.from_json(_core.decode_json(resp, "acquire"))
@@ -143,6 +147,10 @@ class AsyncClient:
                           _client=self)
         with self._lock:
             self._live[lease.id] = sb
+        if renew:
+            sb._start_renewing(lease.lifetime_s, lease.expires_at)
+        else:
+            sb.expires_at, sb.lifetime_s = lease.expires_at, lease.lifetime_s
         log.info("sandbox %s acquired: pod %s at %s:%d (warm %s)", lease.id, lease.pod,
                  lease.address, lease.port, lease.warm)
         return sb
@@ -168,6 +176,14 @@ class AsyncClient:
         log.info("sandbox %s %s", sandbox_id,
                  "released" if released else "was already released")
         return released
+
+    async def renew(self, sandbox_id: str, lifetime_s: float | None = None) -> SandboxInfo:
+        """Push a sandbox's expiry to now + `lifetime_s` (None: its current lifetime).
+        SandboxGone when it was released, drained or expired."""
+        body = _core.request(api.RenewRequest, lifetime_s=lifetime_s)
+        resp = await self._send(api.RENEW, id=_check_id(sandbox_id), json=body.to_json(),
+                                read_s=self._timeout_s)
+        return SandboxInfo.from_json(_core.decode_json(resp, "renew"))
 
     async def get(self, sandbox_id: str) -> SandboxInfo:
         """What the controller knows of a sandbox; SandboxGone when it does not exist."""

@@ -80,6 +80,14 @@ class AsyncSandbox:
         self._lock = threading.Lock()  # _closed and _released; held for no I/O
         if True:  # ASYNC
             self._release_task: asyncio.Task[bool] | None = None
+        if True:  # ASYNC
+            self._renew_stop = asyncio.Event()
+            self._renewer: asyncio.Task[None] | None = None
+        else:
+            self._renew_stop = threading.Event()
+            self._renewer: threading.Thread | None = None
+        self.expires_at: str | None = None  # RFC 3339 UTC; None: no lifetime (or not known)
+        self.lifetime_s: float | None = None
         self._closed = False  # no execd call is sent any more
         self._released = False  # the controller confirmed the release (or there is none)
         self._gone = False  # the controller said the sandbox no longer exists
@@ -133,6 +141,7 @@ class AsyncSandbox:
             self._closed = True
             if self._released:
                 return False
+        self._renew_stop.set()
         if True:  # ASYNC
             task = self._release_task
             first = task is None or (task.done() and (task.cancelled()
@@ -158,8 +167,74 @@ class AsyncSandbox:
         return released
 
     async def aclose(self) -> None:
-        """Close the connections without releasing (the sandbox stays the caller's)."""
+        """Close the connections without releasing (the sandbox stays the caller's, and
+        expires after its lifetime: renewing stops here)."""
+        self._renew_stop.set()
         await self._http.aclose()
+
+    # ---- the lifetime: renewed in the background while the handle is open
+
+    async def renew(self, lifetime_s: float | None = None) -> str | None:
+        """Push the sandbox's expiry to now + `lifetime_s` (None: its current lifetime);
+        returns the new expires_at. The client does this by itself while the handle is open;
+        call it to change the lifetime. SandboxGone once it was released or expired."""
+        if self._client is None or self.id is None:
+            raise SandmanError("renew: this handle has no controller behind it")
+        info = await self._client.renew(self.id, lifetime_s)
+        self.expires_at, self.lifetime_s = info.expires_at, info.lifetime_s or self.lifetime_s
+        return self.expires_at
+
+    def _start_renewing(self, lifetime_s: float | None, expires_at: str | None) -> None:
+        """From the client's acquire: renew every lifetime/3 until release() or aclose()."""
+        self.expires_at, self.lifetime_s = expires_at, lifetime_s
+        if not lifetime_s or self._client is None or self.id is None:
+            return
+        if True:  # ASYNC
+            self._renewer = _core.keep(asyncio.ensure_future(self._renew_loop()))
+        else:
+            self._renewer = threading.Thread(target=self._renew_loop, daemon=True,
+                                             name=f"sandman-renew-{self.id}")
+            self._renewer.start()
+
+    async def _pause(self, seconds: float) -> bool:
+        """Wait up to `seconds`; True when renewing was stopped meanwhile."""
+        if True:  # ASYNC
+            try:
+                await asyncio.wait_for(self._renew_stop.wait(), seconds)
+            except TimeoutError:
+                return False
+            return True
+        else:
+            return self._renew_stop.wait(seconds)
+
+    async def _renew_loop(self) -> None:
+        """A renew at each third of the lifetime, so two in a row may fail before it runs
+        out. A failed renew is logged and retried sooner, until the lease has run out; it
+        never raises into the caller's work (its next execd call says SandboxGone)."""
+        lifetime = float(self.lifetime_s or 0)
+        deadline = time.monotonic() + lifetime
+        wait = lifetime / 3
+        while not await self._pause(wait):
+            try:
+                await self.renew()
+            except SandmanError as e:
+                if self._renew_stop.is_set():
+                    return  # released or closed meanwhile: nothing to say
+                left = deadline - time.monotonic()
+                if isinstance(e, SandboxGone) or left <= 0:
+                    log.error("sandbox %s: renew failed (%s: %s); it is gone or expired, "
+                              "renewing stops", self.id, type(e).__name__, e)
+                    return
+                wait = max(0.5, min(lifetime / 3, left / 4))  # bounded: ~4 tries are left
+                log.warning("sandbox %s: renew failed (%s: %s); retrying in %.1fs, %.0fs "
+                            "before it expires", self.id, type(e).__name__, e, wait, left)
+                continue
+            except Exception:  # noqa: BLE001 - a bug here must not end the caller's work
+                log.exception("sandbox %s: renew crashed; renewing stops", self.id)
+                return
+            lifetime = float(self.lifetime_s or lifetime)
+            deadline = time.monotonic() + lifetime
+            wait = lifetime / 3
 
     # ---- execd calls
 
