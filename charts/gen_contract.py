@@ -1,4 +1,5 @@
-"""Write charts/sandman/templates/_contract.tpl from sandman/contract.py and sandman/api.py.
+"""Write charts/sandman/templates/_contract.tpl from sandman/contract.py and sandman/api.py, and
+_policy.tpl (the ValidatingAdmissionPolicy's spec) from webhook/policy.py.
 
 The chart spells no label, annotation or port of the contract itself, nor a route of the
 controller's API: templates use `include "sandman.contract.LABEL_SANDBOX" .`,
@@ -14,6 +15,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 TPL = ROOT / "charts" / "sandman" / "templates" / "_contract.tpl"
+POLICY_TPL = ROOT / "charts" / "sandman" / "templates" / "_policy.tpl"
 
 
 def constants() -> dict[str, str | int]:
@@ -51,6 +53,15 @@ def render() -> str:
     return "\n".join(lines) + "\n"
 
 
+def render_policy() -> str:
+    sys.path.insert(0, str(ROOT))
+    from webhook import policy
+
+    return policy.chart_template()
+
+
 if __name__ == "__main__":
     TPL.write_text(render())
     print(TPL)
+    POLICY_TPL.write_text(render_policy())
+    print(POLICY_TPL)

@@ -41,6 +41,7 @@ NAMESPACE = "sandman-system"
 SANDBOX_NAMESPACE = "sandboxes"
 # Cluster-scoped objects the chart renders: after an uninstall none may carry the release.
 CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
+                 "validatingadmissionpolicies", "validatingadmissionpolicybindings",
                  "clusterroles", "clusterrolebindings", "priorityclasses")
 # Kinds checked for leftovers after an uninstall (besides CLUSTER_KINDS), in every namespace.
 NAMESPACED_KINDS = ("deployments", "replicasets", "pods", "services", "serviceaccounts",

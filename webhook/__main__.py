@@ -51,6 +51,11 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dns", action="append", default=[], help="SAN for --self-signed-dir")
     serve.add_argument("--ip", action="append", default=[], help="SAN for --self-signed-dir")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--max-body-bytes", type=int, default=None,
+                       help="larger reviews are answered 413 unread (default 1 MiB)")
+    serve.add_argument("--request-read-seconds", type=float, default=None,
+                       help="a request not received whole this long after its first byte "
+                            "closes its connection (default 5)")
     _policy_args(serve)
 
     certs = sub.add_parser("certs", help="CA and serving certificate in a Secret, caBundle")
@@ -101,7 +106,16 @@ def main(argv: list[str] | None = None) -> int:
             cert, key = args.tls_cert, args.tls_key
         else:
             parser.error("serve needs --tls-cert and --tls-key, or --self-signed-dir")
-        run(policy, args.host, args.port, cert, key, log_level=args.log_level.lower())
+        from webhook.app import MAX_BODY_BYTES
+        from webhook.server import REQUEST_READ_SECONDS
+
+        max_body = MAX_BODY_BYTES if args.max_body_bytes is None else args.max_body_bytes
+        read_s = (REQUEST_READ_SECONDS if args.request_read_seconds is None
+                  else args.request_read_seconds)
+        if max_body < 1 or read_s <= 0:
+            parser.error("--max-body-bytes and --request-read-seconds must be positive")
+        run(policy, args.host, args.port, cert, key, log_level=args.log_level.lower(),
+            max_body=max_body, read_seconds=read_s)
         return 0
 
     if args.verb == "certs":

@@ -22,22 +22,29 @@ from webhook.metrics import Metrics
 
 log = logging.getLogger("webhook")
 
-# etcd stores objects up to 1.5 MiB; a review carries the object and, on UPDATE, the old one.
-MAX_BODY_BYTES = 4 * 1024 * 1024
+# A sandbox pod's review is ~5-10 KiB. Larger ones are refused (413) without being read: two
+# clients sending 2 MB reviews raised every other review's latency from 2 ms to 0.5-1.3 s
+# (issue 13), since reviews are parsed one at a time on the event loop. `--max-body-bytes`.
+MAX_BODY_BYTES = 1024 * 1024
 # All request bodies held at once: past this, 503 (a refused sandbox) instead of memory growth
 # until the kernel kills the webhook (paper: one 384 MiB replica, 115 restarts, 6,126 failed
 # creates of other jobs). Real reviews are ~5-10 KiB, so this only bites under abuse.
 BODY_BUDGET_BYTES = 64 * 1024 * 1024
 
 
+def too_large(limit: int) -> bytes:
+    return json.dumps({"error": f"request body larger than {limit} bytes: refused unread (a "
+                                "sandbox pod's AdmissionReview is ~10 KiB)"}).encode()
+
+
 def answer(operation: str, body: bytes, policy: SandboxPolicy,
-           metrics: Metrics) -> tuple[int, bytes]:
+           metrics: Metrics, max_body: int = MAX_BODY_BYTES) -> tuple[int, bytes]:
     """(HTTP status, JSON body) for one AdmissionReview; counts and times it."""
     start = time.perf_counter()
     try:
-        if len(body) > MAX_BODY_BYTES:
+        if len(body) > max_body:
             metrics.count(operation, "error", "bad-request")
-            return 413, b'{"error":"body too large"}'
+            return 413, too_large(max_body)
         try:
             review = json.loads(body)
             if operation == "mutate":
@@ -73,8 +80,9 @@ class AdmissionFastPath:
     ROUTES = {"/mutate": "mutate", "/validate": "validate"}
 
     def __init__(self, app: FastAPI, policy: SandboxPolicy, metrics: Metrics,
-                 budget: int = BODY_BUDGET_BYTES):
+                 budget: int = BODY_BUDGET_BYTES, max_body: int = MAX_BODY_BYTES):
         self.app, self.policy, self.metrics, self.budget = app, policy, metrics, budget
+        self.max_body = max_body
         self.buffered = 0  # request bytes held by all requests being received right now
 
     async def __call__(self, scope, receive, send):
@@ -82,28 +90,44 @@ class AdmissionFastPath:
         if operation is None or scope.get("method") != "POST":
             return await self.app(scope, receive, send)
         chunks, size = [], 0
+        close = False
         try:
-            while True:
-                message = await receive()
-                if message["type"] == "http.disconnect":
-                    return
-                chunk = message.get("body", b"")
-                if size <= MAX_BODY_BYTES:  # past it, answer() refuses with 413; stop keeping
+            declared = dict(scope.get("headers") or ()).get(b"content-length")
+            if declared is not None and declared.isdigit() and int(declared) > self.max_body:
+                # Refused before a byte of the body is read; the connection is closed, so the
+                # rest of what the client sends is never read either.
+                self.metrics.count(operation, "error", "bad-request")
+                status, payload, close = 413, too_large(self.max_body), True
+            else:
+                while True:
+                    message = await receive()
+                    if message["type"] == "http.disconnect":
+                        return
+                    chunk = message.get("body", b"")
+                    size += len(chunk)
+                    if size > self.max_body:  # chunked, no length: stop reading at the bound
+                        self.metrics.count(operation, "error", "bad-request")
+                        status, payload, close = 413, too_large(self.max_body), True
+                        break
                     chunks.append(chunk)
                     self.buffered += len(chunk)
-                size += len(chunk)
-                if not message.get("more_body"):
-                    break
-            if self.buffered > self.budget:
-                self.metrics.count(operation, "error", "overloaded")
-                status, payload = 503, b'{"error":"webhook overloaded"}'
-            else:
-                status, payload = answer(operation, b"".join(chunks), self.policy, self.metrics)
+                    if not message.get("more_body"):
+                        break
+                if close:
+                    pass
+                elif self.buffered > self.budget:
+                    self.metrics.count(operation, "error", "overloaded")
+                    status, payload = 503, b'{"error":"webhook overloaded"}'
+                else:
+                    status, payload = answer(operation, b"".join(chunks), self.policy,
+                                             self.metrics, self.max_body)
         finally:
             self.buffered -= sum(len(c) for c in chunks)
-        await send({"type": "http.response.start", "status": status,
-                    "headers": [(b"content-type", b"application/json"),
-                                (b"content-length", str(len(payload)).encode())]})
+        headers = [(b"content-type", b"application/json"),
+                   (b"content-length", str(len(payload)).encode())]
+        if close:
+            headers.append((b"connection", b"close"))
+        await send({"type": "http.response.start", "status": status, "headers": headers})
         await send({"type": "http.response.body", "body": payload})
 
 

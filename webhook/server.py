@@ -10,6 +10,13 @@ socket's proto is IPPROTO_TCP; a listening socket made with socket.socket(family
 has proto 0, and then every response stalled ~44 ms on delayed ACKs (measured here). bind()
 passes the proto and sets the option on the listener too (Linux copies it to accepted sockets);
 tests/webhook/test_server.py::test_no_nagle_stall keeps it so.
+
+Bounds per connection (BoundedHttpTools): a request must arrive whole (request line, headers,
+body) within `--request-read-seconds` of its first byte, or of the connection's opening, and its
+headers may not exceed 64 KiB; otherwise the connection is closed. uvicorn alone waits forever
+for a request that trickles in, and each such connection holds one of the 512 slots of
+`limit_concurrency`, past which every review is answered 503. The body size bound is in
+webhook/app.py (413 before reading it). tests/webhook/test_bounds.py plays both with sockets.
 """
 
 from __future__ import annotations
@@ -24,14 +31,77 @@ import sys
 
 import uvicorn
 from cryptography import x509
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sandman.sandbox import SandboxPolicy
-from webhook.app import AdmissionFastPath, create_app
+from webhook.app import MAX_BODY_BYTES, AdmissionFastPath, create_app
 from webhook.metrics import Metrics
 
 log = logging.getLogger("webhook")
 
 RELOAD_POLL_SECONDS = 1.0  # a stat() of two files a second; Secret volumes update in ~1 min
+REQUEST_READ_SECONDS = 5.0  # the API server sends a review at once (webhook timeout: 5 s)
+MAX_HEADER_BYTES = 64 * 1024  # the API server's headers are a few hundred bytes
+
+
+def bounded_protocol(read_seconds: float, max_header_bytes: int = MAX_HEADER_BYTES) -> type:
+    """uvicorn's httptools protocol with a deadline on receiving each request and a bound on
+    its headers (see the module docstring)."""
+
+    class BoundedHttpTools(HttpToolsProtocol):
+        _deadline = None
+        _header_bytes = 0
+
+        def _arm(self) -> None:
+            self._disarm()
+            self._header_bytes = 0
+            self._deadline = self.loop.call_later(read_seconds, self._too_slow)
+
+        def _disarm(self) -> None:
+            if self._deadline is not None:
+                self._deadline.cancel()
+                self._deadline = None
+
+        def _too_slow(self) -> None:
+            self._deadline = None
+            log.warning("closing connection from %s: request not received within %g s",
+                        self.client, read_seconds)
+            self.transport.close()
+
+        def _count(self, n: int) -> None:
+            self._header_bytes += n
+            if self._header_bytes > max_header_bytes:
+                log.warning("closing connection from %s: headers over %d bytes", self.client,
+                            max_header_bytes)
+                self._disarm()
+                self.transport.close()
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm()  # a connection that never sends a whole request is closed too
+
+        def on_message_begin(self) -> None:
+            super().on_message_begin()
+            if self._deadline is None:  # the next request on a kept-alive connection
+                self._arm()
+
+        def on_url(self, url: bytes) -> None:
+            self._count(len(url))
+            super().on_url(url)
+
+        def on_header(self, name: bytes, value: bytes) -> None:
+            self._count(len(name) + len(value))
+            super().on_header(name, value)
+
+        def on_message_complete(self) -> None:
+            self._disarm()  # the handler's own time is not bounded here
+            super().on_message_complete()
+
+        def connection_lost(self, exc) -> None:
+            self._disarm()
+            super().connection_lost(exc)
+
+    return BoundedHttpTools
 
 
 def _stamp(path: str) -> tuple:
@@ -139,18 +209,20 @@ def bind(host: str, port: int) -> socket.socket:
 
 
 def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
-          log_level: str = "warning") -> None:
+          log_level: str = "warning", max_body: int = MAX_BODY_BYTES,
+          read_seconds: float = REQUEST_READ_SECONDS) -> None:
     metrics = Metrics()
     tls = TLSFiles(cert, key, metrics)
     app = create_app(policy, metrics, ready=tls.not_ready, background=tls.watch)
 
     sock = bind(host, port)
     config = uvicorn.Config(
-        CloseOnReload(AdmissionFastPath(app, policy, metrics), tls), log_level=log_level,
+        CloseOnReload(AdmissionFastPath(app, policy, metrics, max_body=max_body), tls),
+        log_level=log_level,
         access_log=False,
         # The C parser and loop: webhook CPU per pod create 0.88 ms instead of 1.51 with
-        # h11/asyncio (make bench-webhook, docs/webhook.md).
-        http="httptools", loop="uvloop",
+        # h11/asyncio (make bench-webhook, docs/webhook.md); bounded per connection.
+        http=bounded_protocol(read_seconds), loop="uvloop",
         ssl_context_factory=lambda _config, _default: tls.context,
         # Bounded work in flight: past this, uvicorn answers 503 instead of growing memory
         # (the paper's single 384 MiB webhook replica was OOM-killed under a burst).

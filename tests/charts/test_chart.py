@@ -18,6 +18,7 @@ import yaml
 from charts import gen_contract
 from sandman import api, contract
 from tests.charts.helm import CHART, NAMESPACE, RELEASE, Helm, objects
+from webhook import policy as vap
 from webhook.manifests import configurations
 
 TESTDATA = Path(__file__).parent / "testdata"
@@ -83,6 +84,8 @@ def test_contract_template_is_generated_from_the_contract():
     tpl = CHART / "templates" / "_contract.tpl"
     assert tpl.read_text() == gen_contract.render(), (
         "_contract.tpl is stale: run .venv/bin/python charts/gen_contract.py")
+    assert gen_contract.POLICY_TPL.read_text() == gen_contract.render_policy(), (
+        "_policy.tpl is stale: run .venv/bin/python charts/gen_contract.py")
 
 
 def test_contract_names_render_equal_to_sandman_contract(helm, tmp_path):
@@ -126,7 +129,8 @@ def test_templates_spell_no_contract_name():
                if isinstance(v, str) and contract.DOMAIN in v}
     assert spelled
     for path in (CHART / "templates").rglob("*"):
-        if path.is_file() and path.name != "_contract.tpl":
+        # The generated files spell them from the contract (tested above to be current).
+        if path.is_file() and path.name not in ("_contract.tpl", "_policy.tpl"):
             text = path.read_text()
             for name in spelled:
                 assert name not in text, f"{path.name} spells {name}; include it instead"
@@ -142,7 +146,9 @@ def test_default_image_is_the_contract_image(helm):
 
 def test_webhook_configurations_equal_webhook_manifests(helm):
     """The chart renders the objects webhook/manifests.py builds (service client config)."""
-    objs = _render(helm)
+    assert not [o for o in _render(helm) if o["kind"] == "ValidatingWebhookConfiguration"], (
+        "the validating webhook is off by default (docs/webhook.md: the policy replaces it)")
+    objs = _render(helm, "--set", "webhook.validating.enabled=true")
     name = f"{RELEASE}-webhook-{NAMESPACE}"
     want_m, want_v = configurations(name, NAMESPACE, None,
                                     service=(NAMESPACE, f"{RELEASE}-webhook", 443))
@@ -195,7 +201,8 @@ def test_cert_modes(helm):
     assert m["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
         f"{NAMESPACE}/{RELEASE}-webhook")
     dev = _render(helm, "--set", "webhook.development.url=https://127.0.0.1:9443",
-                  "--set", "webhook.development.caBundle=Q0E=")
+                  "--set", "webhook.development.caBundle=Q0E=",
+                  "--set", "webhook.validating.enabled=true")
     hook = _find(dev, "ValidatingWebhookConfiguration")["webhooks"][1]["clientConfig"]
     assert hook == {"url": "https://127.0.0.1:9443/validate", "caBundle": "Q0E="}
 
@@ -228,14 +235,102 @@ def test_network_policies(helm):
 
 def test_release_namespace_and_kube_system_always_excluded(helm):
     objs = _render(helm, "--set", "webhook.excludedNamespaces={monitoring}",
-                   "--set", "webhook.namespaceSelector.matchLabels.team=rl")
-    for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration"):
-        for hook in _find(objs, kind)["webhooks"]:
-            sel = hook["namespaceSelector"]
-            assert sel["matchLabels"] == {"team": "rl"}
-            assert sel["matchExpressions"][0] == {
-                "key": "kubernetes.io/metadata.name", "operator": "NotIn",
-                "values": ["kube-system", "monitoring", NAMESPACE]}
+                   "--set", "webhook.namespaceSelector.matchLabels.team=rl",
+                   "--set", "webhook.validating.enabled=true")
+    selectors = [hook["namespaceSelector"]
+                 for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
+                 for hook in _find(objs, kind)["webhooks"]]
+    # The policy is bound where the webhooks look: the same selector.
+    selectors.append(_find(objs, "ValidatingAdmissionPolicyBinding")["spec"]["matchResources"][
+        "namespaceSelector"])
+    assert len(selectors) == 4
+    for sel in selectors:
+        assert sel["matchLabels"] == {"team": "rl"}
+        assert sel["matchExpressions"][0] == {
+            "key": "kubernetes.io/metadata.name", "operator": "NotIn",
+            "values": ["kube-system", "monitoring", NAMESPACE]}
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_policy_is_the_one_webhook_policy_builds(helm, case):
+    """The rendered ValidatingAdmissionPolicy is webhook/policy.py's, for the values' image,
+    default ingress sources and guard mode (so its rule names are docs/webhook.md's)."""
+    from sandman.sandbox import SandboxPolicy
+
+    objs = _render(helm, *_values_args(case))
+    got = _find(objs, "ValidatingAdmissionPolicy")
+    dep = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]
+    flags = [a.split("=", 1) for a in dep["args"] if a.startswith("--")]
+    pol = SandboxPolicy(image=next(v for k, v in flags if k == "--image"),
+                        guard=next(v for k, v in flags if k == "--guard"),
+                        ingress_from=tuple(v for k, v in flags if k == "--ingress-from")
+                        or ("0.0.0.0/0",))
+    want = vap.admission_policy(got["metadata"]["name"], pol)
+    assert got["spec"] == want["spec"]
+    binding = _find(objs, "ValidatingAdmissionPolicyBinding")
+    assert binding["spec"]["policyName"] == got["metadata"]["name"]
+    assert binding["spec"]["validationActions"] == ["Deny"]
+    assert not [o for o in _render(helm, "--set", "admissionPolicy.enabled=false")
+                if o["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def test_sandbox_namespace_is_separate_and_never_an_excluded_one(helm):
+    values = yaml.safe_load((CHART / "values.yaml").read_text())
+    assert values["sandboxNamespace"] == "sandboxes"
+    for ns, extra in ((NAMESPACE, []), ("kube-system", []),
+                      ("monitoring", ["--set", "webhook.excludedNamespaces={monitoring}"])):
+        res = helm.template("--set", f"sandboxNamespace={ns}", *extra, check=False)
+        assert res.returncode != 0, ns
+        assert f'sandboxNamespace "{ns}" is excluded from admission' in res.stderr, res.stderr
+    assert helm.template("--set", "sandboxNamespace=", check=False).returncode != 0
+
+
+def test_controller_rbac_lives_only_in_the_sandbox_namespace(helm):
+    """The controller's ServiceAccount may create pods only in the sandbox namespace; nothing
+    binds it in the release namespace, where the webhook's ServiceAccount (allowed to patch
+    the webhook configurations and read the CA key) and its Secrets live."""
+    for case in CASES:
+        objs = _render(helm, *_values_args(case))
+        sa = _find(objs, "ServiceAccount", "-controller")["metadata"]
+        sandboxes = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"][
+            "containers"][0]["args"]
+        sandboxes = next(a.split("=", 1)[1] for a in sandboxes if a.startswith("--namespace="))
+        assert sandboxes != NAMESPACE, case
+        bound = [o for o in objs if o["kind"] in ("RoleBinding", "ClusterRoleBinding")
+                 and {"kind": "ServiceAccount", "name": sa["name"],
+                      "namespace": sa["namespace"]} in o["subjects"]]
+        assert bound, case
+        roles = {(o["kind"], o["metadata"]["name"]): o for o in objs
+                 if o["kind"] in ("Role", "ClusterRole")}
+        for b in bound:
+            ref = b["roleRef"]
+            role = roles[(ref["kind"], ref["name"])]
+            if b["kind"] == "RoleBinding":
+                assert b["metadata"]["namespace"] == sandboxes, (case, b["metadata"])
+                if ref["kind"] == "Role":
+                    assert role["metadata"]["namespace"] == sandboxes, (case, role["metadata"])
+            for rule in role["rules"]:
+                if b["kind"] == "ClusterRoleBinding":  # cluster-wide: never pods or secrets
+                    assert not {"pods", "secrets"} & set(rule["resources"]), (case, rule)
+                assert "secrets" not in rule["resources"], (case, rule)
+
+
+def test_webhook_network_policy_admits_only_the_configured_cidrs(helm):
+    objs = _render(helm)
+    pol = _find(objs, "NetworkPolicy", "-webhook")
+    cidrs = [p["ipBlock"]["cidr"] for r in pol["spec"]["ingress"] for p in r["from"]]
+    assert cidrs and "0.0.0.0/0" not in cidrs and "::/0" not in cidrs, cidrs
+    values = yaml.safe_load((CHART / "values.yaml").read_text())["webhook"]
+    assert cidrs == values["apiServerCIDRs"]
+    eks = _find(_render(helm, "--set", "webhook.apiServerCIDRs={10.20.0.0/16}"),
+                "NetworkPolicy", "-webhook")
+    assert eks["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+    assert helm.template("--set", "webhook.apiServerCIDRs=null", check=False).returncode != 0
+    # The webhook process gets the per-connection bounds.
+    args = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0][
+        "args"]
+    assert f"--max-body-bytes={values['maxBodyBytes']}" in args
+    assert f"--request-read-seconds={values['requestReadSeconds']}" in args
 
 
 def test_schema_rejects_a_misspelt_key(helm):

@@ -24,7 +24,14 @@ import yaml
 from kubernetes import client
 from kubernetes.client.rest import ApiException
 
-from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_INSTALL_CONTAINER, LABEL_SANDBOX
+from sandman.contract import (
+    ANNOTATION_TOKEN_SHA256,
+    EXECD_INSTALL_CONTAINER,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+)
+from sandman.sandbox import SandboxPolicy, make_sandbox
 from testbed.controller import ControllerProc
 from testbed.procs import free_port
 from testbed.standin import Standin
@@ -33,6 +40,7 @@ from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
+                 "validatingadmissionpolicies", "validatingadmissionpolicybindings",
                  "clusterroles", "clusterrolebindings", "priorityclasses")
 
 
@@ -94,6 +102,7 @@ def _ref(obj: dict, default_ns: str) -> list[str]:
     name = obj["metadata"]["name"]
     ns = obj["metadata"].get("namespace")
     cluster_scoped = kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
+                              "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
                               "ClusterRole", "ClusterRoleBinding", "PriorityClass")
     args = [f"{kind}/{name}"]
     if not cluster_scoped:
@@ -172,22 +181,26 @@ def _check_webhook_serves(dep: dict, tls_secret, tmp_path: Path, server_name: st
 
 def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, figures):
     other = cluster.new_namespace("chart-other")
+    sandboxes = cluster.new_namespace("chart-sandboxes")
     t0 = time.monotonic()
     try:
         with Release(helm, cluster, namespace) as rel:
             values = _values_file(tmp_path, "v1", _scoped(namespace),
-                                  {"controller": {"readyCheck": "pod"}})
+                                  {"controller": {"readyCheck": "pod"},
+                                   "sandboxNamespace": sandboxes})
             # Every rendered object (the helm test pod included) passes the API server's
             # validation with unknown fields refused, before anything is created.
             rendered = helm.run("template", rel.name, str(CHART), "--namespace", namespace,
                                 "-f", values).stdout
+            # (Objects name their namespace: the sandbox namespace is not the release one.)
             kubectl(cluster.kubeconfig, "apply", "--dry-run=server", "--validate=strict",
-                    "-n", namespace, "-f", "-", stdin=rendered)
+                    "-f", "-", stdin=rendered)
             rel.install(values, "--wait", "--timeout", "120s")
             first = rel.manifest()
             kinds = {o["kind"] for o in first}
             assert {"Deployment", "Service", "PodDisruptionBudget", "PriorityClass",
-                    "MutatingWebhookConfiguration", "ValidatingWebhookConfiguration", "Role",
+                    "MutatingWebhookConfiguration", "ValidatingAdmissionPolicy",
+                    "ValidatingAdmissionPolicyBinding", "Role",
                     "RoleBinding", "ClusterRole", "ClusterRoleBinding", "ServiceAccount",
                     "NetworkPolicy", "Job", "CronJob"} <= kinds, kinds
             for obj in first:
@@ -196,15 +209,22 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             controller = f"{rel.name}-sandman-controller"
             webhook = f"{rel.name}-sandman-webhook"
             cfg = f"{webhook}-{namespace}"
-            # The controller: pods in its namespace, nowhere else.
-            assert _can(cluster, namespace, controller, "create", "pods", namespace)
-            assert _can(cluster, namespace, controller, "patch", "pods", namespace)
-            assert _can(cluster, namespace, controller, "create", "configmaps", namespace)
-            assert _can(cluster, namespace, controller, "update", "leases", namespace,
+            # The controller: pods in the sandbox namespace, nowhere else; in particular
+            # nothing in the release namespace, where the webhook's ServiceAccount (which may
+            # patch the webhook configurations and read the CA key) and its Secrets live.
+            assert _can(cluster, namespace, controller, "create", "pods", sandboxes)
+            assert _can(cluster, namespace, controller, "patch", "pods", sandboxes)
+            assert _can(cluster, namespace, controller, "create", "configmaps", sandboxes)
+            assert _can(cluster, namespace, controller, "update", "leases", sandboxes,
                         "coordination.k8s.io", "sandman-controller")
             assert not _can(cluster, namespace, controller, "create", "pods", other)
             assert not _can(cluster, namespace, controller, "list", "pods")  # cluster-wide
-            assert not _can(cluster, namespace, controller, "get", "secrets", namespace)
+            for verb, resource in (("create", "pods"), ("patch", "pods"), ("get", "secrets"),
+                                   ("list", "secrets"), ("create", "configmaps"),
+                                   ("update", "leases"), ("patch", "serviceaccounts")):
+                assert not _can(cluster, namespace, controller, verb, resource, namespace), (
+                    f"the controller may {verb} {resource} in the webhook's namespace")
+            assert not _can(cluster, namespace, controller, "get", "secrets", sandboxes)
             # The webhook: its own Secrets and configurations, never pods.
             assert not _can(cluster, namespace, webhook, "list", "pods", namespace)
             assert not _can(cluster, namespace, webhook, "list", "pods")
@@ -247,9 +267,8 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                 assert [(r.kind, r.name) for r in secret.metadata.owner_references] == [
                     ("ServiceAccount", webhook)]
             bundle = tls.data["ca.crt"]
-            for read in (cluster.admissionregistration.read_mutating_webhook_configuration,
-                         cluster.admissionregistration.read_validating_webhook_configuration):
-                assert {w.client_config.ca_bundle for w in read(cfg).webhooks} == {bundle}
+            mwc = cluster.admissionregistration.read_mutating_webhook_configuration(cfg)
+            assert {w.client_config.ca_bundle for w in mwc.webhooks} == {bundle}
 
             # The webhook Deployment's exact args, serving the issued Secret: the API server's
             # view (the Service's DNS name, verified against caBundle) gets a ready webhook.
@@ -260,14 +279,15 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             # Upgrade with changed values: the new values reach the objects.
             values2 = _values_file(tmp_path, "v2", _scoped(namespace),
                                    {"controller": {"readyCheck": "pod", "rate": 5},
+                                    "sandboxNamespace": sandboxes,
                                     "webhook": {"timeoutSeconds": 7, "replicas": 2}})
             helm.run("upgrade", rel.name, str(CHART), "--namespace", namespace, "-f", values2,
                      "--wait", "--timeout", "120s")
             dep = json.loads(kubectl(cluster.kubeconfig, "get", "deploy", controller, "-n",
                                      namespace, "-o", "json").stdout)
             assert "--rate=5" in dep["spec"]["template"]["spec"]["containers"][0]["args"]
-            vwc = cluster.admissionregistration.read_validating_webhook_configuration(cfg)
-            assert [w.timeout_seconds for w in vwc.webhooks] == [7, 7]
+            mwc = cluster.admissionregistration.read_mutating_webhook_configuration(cfg)
+            assert [w.timeout_seconds for w in mwc.webhooks] == [7]
             wh = client.AppsV1Api(cluster.api_client).read_namespaced_deployment(webhook,
                                                                                  namespace)
             assert wh.spec.replicas == 2
@@ -305,14 +325,32 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             assert not left_secrets, f"left after uninstall: {left_secrets}"
     finally:
         cluster.delete_namespace(other)
+        cluster.delete_namespace(sandboxes)
     figures.add(f"chart: install + RBAC + upgrade + uninstall on the test bed in "
                 f"{time.monotonic() - t0:.1f}s")
+
+
+def _refused(cluster, namespace: str, pod: dict, timeout: float = 30) -> ApiException:
+    """The refusal of a dry-run create of `pod`, retried while the API server still admits it
+    (admission configuration changes take about a second to load)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            cluster.core.create_namespaced_pod(namespace, pod, dry_run="All")
+        except ApiException as e:
+            return e
+        assert time.monotonic() < deadline, f"still admitted after {timeout:g}s: {pod['metadata']}"
+        time.sleep(0.2)
 
 
 def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, namespace, helm,
                                                                    tmp_path):
     """The rendered configurations, pointed at a webhook process on 127.0.0.1 (the values
-    switch `webhook.development.url`), mutate labelled pods in the sandbox namespace."""
+    switch `webhook.development.url`), mutate labelled pods in the sandbox namespace; the
+    chart's default admission (mutating webhook + policy) refuses a pod that is no correct
+    sandbox. Then the outage of docs/operations.md step 2: with the webhook configurations
+    deleted, the policy still refuses an unguarded egress-deny pod and a client's raw sandbox,
+    while the controller's pods (built by make_sandbox) are admitted."""
     sandboxes = cluster.new_namespace("chart-sbx")
     server = start_webhook(tmp_path / "webhook")
     try:
@@ -334,11 +372,33 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
             names = [c.name for c in got.spec.init_containers or []]
             assert EXECD_INSTALL_CONTAINER in names, names
             assert got.spec.enable_service_links is False
-            # A pod that is no correct sandbox is refused by the validating configuration.
+            # A pod that is no correct sandbox is refused (by the policy: the validating
+            # webhook is off by default).
             bad = dict(pod, metadata={"generateName": "bad-", "labels": {LABEL_SANDBOX: "true"}})
+            refusal = _refused(cluster, sandboxes, bad)  # the policy loads asynchronously too
+            assert refusal.status == 403 and "token-hash" in refusal.body, refusal.body
+
+            # Outage, docs/operations.md step 2: the webhook configurations are deleted.
+            cfg = next(o["metadata"]["name"] for o in rel.manifest()
+                       if o["kind"] == "MutatingWebhookConfiguration")
+            kubectl(cluster.kubeconfig, "delete", "mutatingwebhookconfiguration", cfg)
+            kubectl(cluster.kubeconfig, "delete", "validatingwebhookconfiguration", cfg,
+                    "--ignore-not-found")
+            # Once the API server stops calling the mutating webhook, a client's raw sandbox
+            # reaches the policy as sent.
+            raw_refusal = _refused(cluster, sandboxes, pod)
+            assert raw_refusal.status == 403, raw_refusal.body
+            assert "ValidatingAdmissionPolicy" in raw_refusal.body
+            unguarded = {"apiVersion": "v1", "kind": "Pod",
+                         "metadata": {"generateName": "deny-", "labels": {LABEL_EGRESS: "deny"}},
+                         "spec": {"containers": [{"name": "task", "image": "python:3.12-slim"}]}}
             with pytest.raises(ApiException) as e:
-                cluster.core.create_namespaced_pod(sandboxes, bad, dry_run="All")
-            assert e.value.status == 403 and "token-hash" in e.value.body
+                cluster.core.create_namespaced_pod(sandboxes, unguarded, dry_run="All")
+            assert e.value.status == 403 and "sandman guard-missing" in e.value.body, e.value.body
+            # The controller builds its pods itself: they keep being admitted.
+            built = make_sandbox(pod, SandboxPolicy())
+            got = cluster.core.create_namespaced_pod(sandboxes, built, dry_run="All")
+            assert got.spec.init_containers[0].name == NETGUARD_CONTAINER
     finally:
         server.stop()
         cluster.delete_namespace(sandboxes)
@@ -351,11 +411,13 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
     kwok runs no container, so the kubelet stand-in (testbed/standin.py) starts the real execd
     on each sandbox pod's loopback IP."""
     other = cluster.new_namespace("chart-nowhere")
-    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
+    sandboxes = cluster.new_namespace("chart-sbx")
+    standin = Standin(cluster.core, sandboxes, tmp_path / "standin").start()
     ctl = None
     try:
         with Release(helm, cluster, namespace) as rel:
-            rel.install(_values_file(tmp_path, "v", _scoped(other)))
+            rel.install(_values_file(tmp_path, "v", _scoped(other),
+                                     {"sandboxNamespace": sandboxes}))
             manifest = rel.manifest()
             controller = f"{rel.name}-sandman-controller"
             dep = next(o for o in manifest if o["kind"] == "Deployment" and
@@ -414,4 +476,5 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             ctl.stop()
         standin.stop()
         cluster.delete_namespace(other)
+        cluster.delete_namespace(sandboxes)
     figures.add(f"chart: helm test script against the controller under its RBAC: {took:.1f}s")

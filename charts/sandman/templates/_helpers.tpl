@@ -22,9 +22,20 @@ collide (a leftover webhook configuration of another release would refuse its sa
 {{- define "sandman.webhook.secret" -}}{{ include "sandman.webhook.fullname" . }}-tls{{- end -}}
 
 {{- /* Where sandbox pods live: the controller's Role, its --namespace and the sandbox
-NetworkPolicies go there. */ -}}
+NetworkPolicies go there. Never a namespace the webhooks exclude: sandboxes other clients made
+there would be admitted unchecked, and the controller's Role there would reach the webhook's
+Secrets' namespace. */ -}}
 {{- define "sandman.sandboxNamespace" -}}
-{{- default .Release.Namespace .Values.sandboxNamespace -}}
+{{- $ns := .Values.sandboxNamespace -}}
+{{- if has $ns (include "sandman.webhook.excludedNamespaces" . | fromJsonArray) -}}
+{{- fail (printf "sandboxNamespace %q is excluded from admission (the release namespace, kube-system and webhook.excludedNamespaces never reach the webhooks): sandboxes there would be admitted unchecked; use a namespace of their own (default: sandboxes)" $ns) -}}
+{{- end -}}
+{{- $ns -}}
+{{- end -}}
+
+{{- /* Namespaces never sent to the webhooks, as a JSON list. */ -}}
+{{- define "sandman.webhook.excludedNamespaces" -}}
+{{- concat (list "kube-system" .Release.Namespace) .Values.webhook.excludedNamespaces | uniq | sortAlpha | toJson -}}
 {{- end -}}
 
 {{- define "sandman.image" -}}
@@ -77,7 +88,7 @@ development URL is used. */ -}}
 {{- /* The one namespaceSelector of every webhook: kube-system and the release namespace are
 always excluded (a broken webhook can then never block its own recovery), plus the user's. */ -}}
 {{- define "sandman.webhook.namespaceSelector" -}}
-{{- $excluded := concat (list "kube-system" .Release.Namespace) .Values.webhook.excludedNamespaces | uniq | sortAlpha -}}
+{{- $excluded := include "sandman.webhook.excludedNamespaces" . | fromJsonArray -}}
 {{- $sel := .Values.webhook.namespaceSelector -}}
 {{- with $sel.matchLabels }}
 matchLabels:
@@ -211,7 +222,9 @@ spec:
         - --service={{ include "sandman.webhook.fullname" . }}
         - --secret={{ include "sandman.webhook.secret" . }}
         - --mutating-config={{ include "sandman.clusterName" . }}
+        {{- if .Values.webhook.validating.enabled }}
         - --validating-config={{ include "sandman.clusterName" . }}
+        {{- end }}
         - --propagation-seconds={{ .Values.webhook.certs.propagationSeconds }}
       {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
   containers:

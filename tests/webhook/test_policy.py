@@ -1,0 +1,291 @@
+"""The ValidatingAdmissionPolicy (webhook/policy.py) on the real API server of the test bed.
+
+Agreement: every golden AdmissionReview in testdata/ (whatever cases exist when this runs) goes
+through the Python check (`webhook.admission`, what the golden files pin) and, as a real pod
+create (`dryRun=All`) or update, through the API server with ONLY the policy registered (no
+webhook). The policy enforces a subset of the Python rules, so:
+- a pod the Python check refuses for a rule in that subset is refused by the policy, for one of
+  the rules the Python check named;
+- a pod the Python check admits (for /mutate cases: after applying its patch) is admitted.
+Every disagreement is one line naming the case; the test fails on any.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import re
+import secrets
+from pathlib import Path
+
+import jsonpatch
+import pytest
+from kubernetes import client
+from kubernetes.client.rest import ApiException
+
+from sandman.contract import (
+    ANNOTATION_TOKEN_SHA256,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+)
+from sandman.sandbox import SandboxPolicy, make_sandbox
+from tests.webhook import golden_cases
+from tests.webhook.test_golden import CASES, TESTDATA, decode
+from webhook import admission, policy
+
+# The webhook's rule name -> the policy's, where the policy's rule is wider (any added
+# capability, not only NET_ADMIN/NET_RAW).
+EQUIVALENT = {"net-admin-added": "capability-added"}
+EXEMPT = "sandman-test/policy-exempt"  # the binding skips pods carrying it (an UPDATE's old pod)
+_RULE = re.compile(r"sandman ([a-z-]+):")
+TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
+
+
+def _policy_for(name: str) -> SandboxPolicy:
+    return golden_cases.POLICIES.get(name, SandboxPolicy())
+
+
+def python_verdict(name: str, review: dict) -> tuple[bool, set[str], dict | None]:
+    """(allowed, refused rules, the pod to play): /mutate cases play the patched pod."""
+    pol = _policy_for(name)
+    req = review["request"]
+    if name.startswith("mutate-"):
+        out, _, _ = admission.mutate(review, pol)
+        resp = decode(out)["response"]
+        if not resp["allowed"]:
+            return False, _rules(resp["status"]["message"]), None
+        obj = req["object"]
+        if resp.get("patch"):
+            obj = jsonpatch.apply_patch(obj, resp["patch"])
+        if req["operation"] != "CREATE":
+            return True, set(), None  # not mutated on UPDATE: nothing new to play
+        # The patched pod must pass the validating check too (test_golden pins it).
+        v = dict(review, request=dict(req, object=obj))
+        out, _ = admission.validate(v, pol)
+        resp = out["response"]
+        rules = set() if resp["allowed"] else _rules(resp["status"]["message"])
+        return resp["allowed"], rules, obj
+    out, _ = admission.validate(review, pol)
+    resp = out["response"]
+    rules = set() if resp["allowed"] else _rules(resp["status"]["message"])
+    return resp["allowed"], rules, req["object"]
+
+
+def _rules(message: str) -> set[str]:
+    """The rules a refusal names. The policy's not-mutated covers only the first of the
+    webhook's two (the install container missing), not "make_sandbox would change it"."""
+    rules = set(_RULE.findall(message))
+    if "not-mutated" in rules and "did not run on this pod" not in message:
+        rules = (rules - {"not-mutated"}) | {"not-mutated (the pod differs)"}
+    return rules
+
+
+def _subset(rules: set[str]) -> set[str]:
+    return {EQUIVALENT.get(r, r) for r in rules} & set(policy.RULE_NAMES)
+
+
+def _clean(obj: dict) -> dict:
+    obj = copy.deepcopy(obj)
+    meta = obj.setdefault("metadata", {})
+    meta.pop("namespace", None)
+    for k in ("uid", "resourceVersion", "creationTimestamp"):
+        meta.pop(k, None)
+    if not meta.get("name"):
+        meta.setdefault("generateName", "case-")
+    obj.pop("status", None)
+    return obj
+
+
+class Bed:
+    """One policy + binding per distinct SandboxPolicy of the cases, each binding scoped to its
+    own namespace; removed (and the namespaces) at the end."""
+
+    def __init__(self, cluster):
+        self.cluster = cluster
+        self.api = client.AdmissionregistrationV1Api(cluster.api_client)
+        self.run = secrets.token_hex(3)
+        self.namespaces: dict[SandboxPolicy, str] = {}
+        self.names: list[str] = []
+
+    def namespace_for(self, pol: SandboxPolicy) -> str:
+        if pol not in self.namespaces:
+            i = len(self.namespaces)
+            ns = self.cluster.new_namespace(f"vap-{i}")
+            name = f"sandman-agree-{self.run}-{i}"
+            self.api.create_validating_admission_policy(policy.admission_policy(name, pol))
+            self.names.append(name)
+            b = policy.binding(name, name, {"matchLabels": {
+                "kubernetes.io/metadata.name": ns}})
+            b["spec"]["matchResources"]["objectSelector"] = {
+                "matchExpressions": [{"key": EXEMPT, "operator": "DoesNotExist"}]}
+            self.api.create_validating_admission_policy_binding(b)
+            self.namespaces[pol] = ns
+            wait_policy_active(self.cluster.core, ns)
+        return self.namespaces[pol]
+
+    def close(self) -> None:
+        for name in self.names:
+            for delete in (self.api.delete_validating_admission_policy_binding,
+                           self.api.delete_validating_admission_policy):
+                try:
+                    delete(name)
+                except ApiException as e:
+                    if e.status != 404:
+                        raise
+        for ns in self.namespaces.values():
+            self.cluster.delete_namespace(ns)
+
+
+def _unguarded_deny_pod() -> dict:
+    return {"apiVersion": "v1", "kind": "Pod",
+            "metadata": {"generateName": "probe-", "labels": {LABEL_EGRESS: "deny"}},
+            "spec": {"containers": [{"name": "task", "image": "swe-task:1"}]}}
+
+
+def wait_policy_active(core, namespace: str, timeout: float = 30) -> None:
+    """The API server loads new policies and bindings asynchronously (about a second)."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            core.create_namespaced_pod(namespace, _unguarded_deny_pod(), dry_run="All")
+        except ApiException as e:
+            if e.status == 403 and "guard-missing" in str(e.body):
+                return
+            raise
+        if time.monotonic() > deadline:
+            raise AssertionError(f"the policy is not enforced in {namespace} after {timeout}s")
+        time.sleep(0.2)
+
+
+def play(bed: Bed, name: str, review: dict, obj: dict) -> tuple[str, str]:
+    """('admitted' | 'policy' | 'api', message) for the case's pod on the test bed."""
+    ns = bed.namespace_for(_policy_for(name))
+    core = bed.cluster.core
+    req = review["request"]
+    try:
+        if req["operation"] == "CREATE":
+            core.create_namespaced_pod(ns, _clean(obj), dry_run="All")
+        else:
+            old = _clean(req["oldObject"])
+            old["metadata"].setdefault("labels", {})[EXEMPT] = "true"
+            stored = core.create_namespaced_pod(ns, old)
+            # The update the case makes, as a JSON patch on the pod as stored (with its
+            # defaults and node), which also drops the exemption.
+            ops = list(jsonpatch.make_patch(_clean(req["oldObject"]), _clean(obj)))
+            ops.append({"op": "remove",
+                        "path": "/metadata/labels/" + EXEMPT.replace("/", "~1")})
+            core.patch_namespaced_pod(stored.metadata.name, ns, ops, dry_run="All")
+    except ApiException as e:
+        body = str(e.body)
+        try:
+            body = json.loads(body)["message"]
+        except (ValueError, KeyError):
+            pass
+        return ("policy" if "ValidatingAdmissionPolicy" in body else "api"), body
+    return "admitted", ""
+
+
+@pytest.fixture(scope="module")
+def bed(cluster):
+    b = Bed(cluster)
+    yield b
+    b.close()
+
+
+def test_policy_agrees_with_the_python_check_on_every_golden_case(bed, figures):
+    assert CASES, "no golden cases"
+    disagreements, played, skipped, counts = [], 0, [], {"refused": 0, "admitted": 0}
+    unplayable: list[str] = []
+    for name in CASES:
+        review = json.loads((TESTDATA / f"{name}.json").read_text())
+        allowed, rules, obj = python_verdict(name, review)
+        if obj is None:
+            skipped.append(f"{name} (python: refused by {sorted(rules)}, not a policy rule)"
+                           if not allowed else f"{name} (UPDATE, nothing to play)")
+            continue
+        wanted = _subset(rules)
+        if not allowed and not wanted:
+            skipped.append(f"{name} (python refuses by {sorted(rules)}, outside the policy)")
+            continue
+        got, message = play(bed, name, review, obj)
+        if got == "api":
+            # The API server's own validation refused the pod before admission (the bed runs
+            # without --allow-privileged; a case may not be a valid pod): nothing to compare.
+            skipped.append(f"{name} (API validation: {message[:120]})")
+            unplayable.append(name)
+            continue
+        played += 1
+        if allowed:
+            counts["admitted"] += 1
+            if got != "admitted":
+                disagreements.append(f"{name}: python admits, the bed says {got}: {message}")
+        else:
+            counts["refused"] += 1
+            policy_rules = set(_RULE.findall(message))
+            if got != "policy":
+                disagreements.append(f"{name}: python refuses {sorted(wanted)}, the bed says "
+                                     f"{got}: {message[:300]}")
+            elif not policy_rules & wanted:
+                disagreements.append(f"{name}: python refuses {sorted(wanted)}, the policy "
+                                     f"refuses for {sorted(policy_rules)}: {message[:300]}")
+    figures.add(f"policy agreement: {played} golden cases played on the bed "
+                f"({counts['refused']} refused by both, {counts['admitted']} admitted by both), "
+                f"{len(skipped) - len(unplayable)} outside the policy's rules, "
+                f"{len(unplayable)} refused by API validation before admission "
+                f"({', '.join(unplayable)})")
+    assert not disagreements, "\n".join(disagreements)
+    assert counts["refused"] >= 5 and counts["admitted"] >= 5, counts
+
+
+def test_policy_admits_the_controllers_pods_and_refuses_what_the_webhook_would_fix(bed):
+    """make_sandbox's output passes in every mode; the client's raw pod (what arrives when the
+    mutating configuration is gone) is refused with the rules that matter."""
+    ns = bed.namespace_for(SandboxPolicy())
+    raw = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": "raw-", "labels": {LABEL_SANDBOX: "true",
+                                                            LABEL_EGRESS: "deny"},
+                        "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+           "spec": {"containers": [{"name": "task", "image": "swe-task:1"}]}}
+    bed.cluster.core.create_namespaced_pod(ns, make_sandbox(raw, SandboxPolicy()), dry_run="All")
+    with pytest.raises(ApiException) as e:
+        bed.cluster.core.create_namespaced_pod(ns, raw, dry_run="All")
+    assert e.value.status == 403 and "sandman guard-missing" in e.value.body, e.value.body
+    # A guard whose args allow egress under a deny label, or run something else.
+    good = make_sandbox(raw, SandboxPolicy())
+    for edit, rule in (
+            (lambda g: g.update(args=["--egress", "allow"] + g["args"][2:]), "guard-misconfigured"),
+            (lambda g: g.update(command=["sh", "-c", "exit 0"]), "guard-misconfigured"),
+            (lambda g: g.update(image="evil/netguard:1"), "guard-misconfigured"),
+            (lambda g: g["securityContext"]["capabilities"].update(add=["ALL"]),
+             "guard-misconfigured")):
+        pod = copy.deepcopy(good)
+        g = pod["spec"]["initContainers"][0]
+        assert g["name"] == NETGUARD_CONTAINER
+        edit(g)
+        with pytest.raises(ApiException) as e:
+            bed.cluster.core.create_namespaced_pod(ns, pod, dry_run="All")
+        assert e.value.status == 403 and f"sandman {rule}" in e.value.body, e.value.body
+    # Added capabilities anywhere else, in any spelling, and hostPath.
+    for edit, rule in (
+            (lambda s: s["containers"][0].setdefault("securityContext", {}).update(
+                capabilities={"add": ["all"]}), "capability-added"),
+            (lambda s: s["containers"].append({"name": "side", "image": "x", "resources": s[
+                "containers"][0]["resources"], "securityContext": {"capabilities": {
+                    "add": ["cap_sys_admin"]}}}), "capability-added"),
+            (lambda s: s["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
+             "host-path")):
+        pod = copy.deepcopy(good)
+        edit(pod["spec"])
+        with pytest.raises(ApiException) as e:
+            bed.cluster.core.create_namespaced_pod(ns, pod, dry_run="All")
+        assert e.value.status == 403 and f"sandman {rule}" in e.value.body, e.value.body
+
+
+def test_policy_rule_names_are_documented():
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "webhook.md").read_text()
+    section = doc.split("## The policy", 1)[1].split("\n## ", 1)[0]
+    for rule in policy.RULE_NAMES:
+        assert f"`{rule}`" in section, f"docs/webhook.md's policy section lacks {rule}"

@@ -1,0 +1,341 @@
+"""The rules that must survive the webhook, as a ValidatingAdmissionPolicy (CEL, evaluated inside
+the API server) and its binding. The chart renders the same objects (a test compares them); the
+validations come from here through the generated `charts/sandman/templates/_policy.tpl`.
+
+Why: while the webhook is down, or its configurations were deleted during an outage
+(docs/operations.md step 2), the API server still refuses an unguarded egress-deny pod, added
+capabilities, privileged containers, host namespaces and paths, requests != limits and
+service-account tokens. The policy is a subset of `sandman.sandbox.check_sandbox`: it never
+refuses a pod that the Python check admits (tests/webhook/test_policy.py plays every golden
+AdmissionReview through both on the test bed), and each validation names its rule like the
+webhook does (`sandman <rule>: ...`, docs/webhook.md).
+
+The policy's own inputs are the chart's sandbox values: the sandman image (the guard's image),
+the default ingress sources (the guard's args when a pod has no ingress-from annotation) and the
+guard mode. They are CEL variables rendered from values, so no params object is needed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+from sandman.contract import (
+    ANNOTATION_INGRESS_FROM,
+    ANNOTATION_TOKEN_SHA256,
+    EGRESS_ALLOW,
+    EGRESS_DENY,
+    EXECD_INSTALL_CONTAINER,
+    EXECD_PORT,
+    LABEL_EGRESS,
+    LABEL_SANDBOX,
+    NETGUARD_CONTAINER,
+    SANDBOX_TRUE,
+)
+from sandman.sandbox import (
+    GUARD_ALWAYS,
+    GUARD_CAPS,
+    INPUT_ANNOTATIONS,
+    INPUT_LABELS,
+    NODE_IP_ENV,
+    SandboxPolicy,
+    netguard_container,
+)
+
+API_VERSION = "admissionregistration.k8s.io/v1"
+
+
+def _q(text: str) -> str:
+    """A CEL string literal (JSON's escaping is valid CEL for these ASCII names)."""
+    return json.dumps(text)
+
+
+def _list(items) -> str:
+    return "[" + ", ".join(_q(i) for i in items) + "]"
+
+
+_GUARD_COMMAND = netguard_container({"metadata": {}}, SandboxPolicy())["command"]
+_CAPS = sorted(GUARD_CAPS)
+
+# Variables the chart renders from values (image, default ingress sources, guard mode); the
+# rest are fixed. Order matters: a variable may use the ones before it.
+POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways")
+
+
+def policy_variables(policy: SandboxPolicy) -> list[dict]:
+    return [
+        {"name": "image", "expression": _q(policy.image)},
+        {"name": "defaultIngressFrom", "expression": _list(policy.ingress_from)},
+        {"name": "guardAlways", "expression": "true" if policy.guard == GUARD_ALWAYS else "false"},
+    ]
+
+
+# Every capability name is compared like the webhook does (sandbox._cap): upper case, no CAP_.
+def _norm(x: str) -> str:
+    return (f"({x}.upperAscii().startsWith('CAP_') ? {x}.upperAscii().substring(4) "
+            f": {x}.upperAscii())")
+
+
+FIXED_VARIABLES: list[dict] = [
+    {"name": "labels", "expression": "object.metadata.?labels.orValue({})"},
+    {"name": "annotations", "expression": "object.metadata.?annotations.orValue({})"},
+    {"name": "sandbox",
+     "expression": f"variables.labels[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)}"},
+    {"name": "egress", "expression": f"variables.labels[?{_q(LABEL_EGRESS)}]"},
+    {"name": "deny", "expression": f"variables.egress.orValue('') == {_q(EGRESS_DENY)}"},
+    # The pod-level rules hold for sandboxes and for every pod that asks for egress deny.
+    {"name": "guarded", "expression": "variables.sandbox || variables.deny"},
+    {"name": "inits", "expression": "object.spec.?initContainers.orValue([])"},
+    {"name": "ephemeral", "expression": "object.spec.?ephemeralContainers.orValue([])"},
+    {"name": "guardFirst", "expression":
+        f"variables.inits.size() > 0 && variables.inits[0].name == {_q(NETGUARD_CONTAINER)}"},
+    {"name": "guardRequired",
+     "expression": "variables.deny || (variables.sandbox && variables.guardAlways)"},
+    # What sandbox.netguard_args renders: the annotation's CIDRs (split on commas, trimmed,
+    # empties dropped) or the default sources, then the node's own address.
+    {"name": "ingressFrom", "expression":
+        f"variables.annotations[?{_q(ANNOTATION_INGRESS_FROM)}].hasValue() ? "
+        f"variables.annotations[{_q(ANNOTATION_INGRESS_FROM)}].split(',')"
+        ".map(p, p.trim()).filter(p, p != '') : variables.defaultIngressFrom"},
+    {"name": "guardArgs", "expression":
+        f"['--egress', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
+        f"'--ingress-port', {_q(str(EXECD_PORT))}] + "
+        "variables.ingressFrom.map(c, ['--ingress-from', c]).flatten() + "
+        f"['--ingress-from', {_q(f'$({NODE_IP_ENV})')}]"},
+    # Every container but the guard at initContainers[0] (names are unique in a pod).
+    {"name": "others", "expression":
+        "variables.inits.filter(c, !(variables.guardFirst && "
+        f"c.name == {_q(NETGUARD_CONTAINER)})) + object.spec.containers + variables.ephemeral"},
+    {"name": "everyContainer",
+     "expression": "variables.inits + object.spec.containers + variables.ephemeral"},
+    {"name": "sized", "expression": "variables.inits + object.spec.containers"},
+]
+
+
+@dataclass(frozen=True)
+class Rule:
+    rule: str  # the webhook's rule name (docs/webhook.md), the message's prefix
+    expression: str  # true: admit
+    message: str  # CEL string expression; the caller prefixes "sandman <rule>: "
+
+
+def _added(c: str) -> str:
+    return f"{c}.?securityContext.?capabilities.?add.orValue([]).map(a, {_norm('a')})"
+
+
+def _guard(field: str) -> str:
+    return f"variables.inits[0].{field}"
+
+
+_G = _q(f"container {NETGUARD_CONTAINER}: ")
+_RES = ("cpu", "memory")
+
+
+def _equal(base: str, name: str) -> str:
+    """<base>'s resources: requests.<name> and limits.<name> both set and equal quantities."""
+    req = f"{base}.?resources.?requests[?{_q(name)}]"
+    lim = f"{base}.?resources.?limits[?{_q(name)}]"
+    return (f"({req}.hasValue() && {lim}.hasValue() && "
+            f"quantity({req}.value()).compareTo(quantity({lim}.value())) == 0)")
+
+
+def _pod_level_equal(name: str) -> str:
+    req = f"object.spec.?resources.?requests[?{_q(name)}]"
+    lim = f"object.spec.?resources.?limits[?{_q(name)}]"
+    return f"(!{req}.hasValue() && !{lim}.hasValue()) || {_equal('object.spec', name)}"
+
+
+def _sized_ok(c: str) -> str:
+    return " && ".join(_equal(c, n) for n in _RES)
+
+
+RULES: list[Rule] = [
+    Rule("egress-label-invalid",
+         f"!variables.egress.hasValue() || variables.egress.value() in "
+         f"{_list([EGRESS_DENY, EGRESS_ALLOW])}",
+         f"'label {LABEL_EGRESS}=' + variables.egress.value() + ' is neither "
+         f"{EGRESS_DENY} nor {EGRESS_ALLOW}; a mistyped deny would leave egress open'"),
+    Rule("guard-missing",
+         "!variables.guardRequired || variables.guardFirst",
+         f"{_G} + (variables.deny ? 'egress is denied by label' : "
+         "'the cluster guards every sandbox') + ' but initContainers[0] is ' + "
+         "(variables.inits.size() > 0 ? variables.inits[0].name : 'absent') + "
+         "', not netguard; a label alone is not enforcement'"),
+    Rule("guard-misconfigured",
+         f"!variables.guardRequired || !variables.guardFirst || {_guard('?image')}.orValue('') "
+         "== variables.image",
+         f"{_G} + 'image ' + {_guard('?image')}.orValue('') + ' is not ' + variables.image"),
+    Rule("guard-misconfigured",
+         "!variables.guardRequired || !variables.guardFirst || "
+         f"({_guard('?command')}.orValue([]) == {_list(_GUARD_COMMAND)} && "
+         f"{_guard('?args')}.orValue([]) == variables.guardArgs)",
+         f"{_G} + 'command and args must be exactly ' + "
+         f"({_list(_GUARD_COMMAND)} + variables.guardArgs).join(' ') + ' (the pod\\'s policy)'"),
+    Rule("guard-misconfigured",
+         "!variables.guardRequired || !variables.guardFirst || "
+         f"(sets.equivalent({_added('variables.inits[0]')}, {_list(_CAPS)}) && "
+         f"{_guard('?securityContext.?capabilities.?drop')}.orValue([])"
+         f".exists(d, {_norm('d')} == 'ALL') && "
+         f"{_guard('?securityContext.?readOnlyRootFilesystem')}.orValue(false) == true && "
+         f"{_guard('?securityContext.?privileged')}.orValue(false) != true && "
+         f"!{_guard('?restartPolicy')}.hasValue())",
+         f"{_G} + 'capabilities must add exactly {'+'.join(_CAPS)} and drop ALL, with a "
+         "read-only root filesystem, not privileged, and no restartPolicy (it must finish "
+         "before the pod starts)'"),
+    Rule("guard-misconfigured",
+         "!variables.sandbox || "
+         f"!variables.others.exists(c, c.name == {_q(NETGUARD_CONTAINER)})",
+         f"{_G} + 'netguard must be initContainers[0]'"),
+    Rule("capability-added",
+         f"!variables.guarded || variables.others.all(c, {_added('c')}.size() == 0)",
+         "'containers ' + variables.others.filter(c, "
+         f"{_added('c')}.size() > 0).map(c, c.name).join(', ') + ' add capabilities; only "
+         f"netguard at initContainers[0] may add {'+'.join(_CAPS)} (every container shares "
+         "the pod\\'s network and could undo the guard)'"),
+    Rule("capability-added",
+         f"!variables.guarded || !variables.guardFirst || {_added('variables.inits[0]')}"
+         f".all(a, a in {_list(_CAPS)})",
+         f"{_G} + 'adds more than {'+'.join(_CAPS)}'"),
+    Rule("privileged",
+         "!variables.guarded || !variables.everyContainer.exists(c, "
+         "c.?securityContext.?privileged.orValue(false) == true)",
+         "'containers ' + variables.everyContainer.filter(c, "
+         "c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join(', ') + "
+         "' are privileged; a privileged container can undo every guard'"),
+    Rule("host-namespace",
+         "!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || "
+         "object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))",
+         "'hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\\'s "
+         "network guard and isolation'"),
+    Rule("host-path",
+         "!variables.guarded || !object.spec.?volumes.orValue([]).exists(v, has(v.hostPath))",
+         "'hostPath volumes ' + object.spec.?volumes.orValue([]).filter(v, has(v.hostPath))"
+         ".map(v, v.name).join(', ') + ' expose the node (its root, the container runtime\\'s "
+         "socket)'"),
+    Rule("resources-unequal",
+         f"!variables.sandbox || variables.sized.all(c, {_sized_ok('c')})",
+         f"'containers ' + variables.sized.filter(c, !({_sized_ok('c')})).map(c, c.name)"
+         ".join(', ') + ' need cpu and memory requests == limits (Guaranteed QoS)'"),
+    Rule("resources-unequal",
+         "!variables.sandbox || !has(object.spec.resources) || ("
+         + " && ".join(f"({_pod_level_equal(n)})" for n in _RES) + ")",
+         "'pod-level resources need cpu and memory requests == limits'"),
+    Rule("service-account-token",
+         "!variables.sandbox || object.spec.?automountServiceAccountToken.orValue(true) == false",
+         "'automountServiceAccountToken must be false'"),
+    Rule("service-account-token",
+         "!variables.sandbox || !object.spec.?volumes.orValue([]).exists(v, "
+         "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken)))",
+         "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
+         "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken)))"
+         ".map(v, v.name).join(', ') + ' project a service-account token'"),
+    Rule("service-links",
+         "!variables.sandbox || object.spec.?enableServiceLinks.orValue(true) == false",
+         "'enableServiceLinks must be false (every Service in the namespace becomes environment "
+         "variables in the sandbox)'"),
+    Rule("token-hash",
+         f"!variables.sandbox || variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"
+         ".orValue('').matches('^[0-9a-f]{64}$')",
+         f"'annotation {ANNOTATION_TOKEN_SHA256} must be 64 lowercase hex characters'"),
+    Rule("not-mutated",
+         f"!variables.sandbox || variables.inits.exists(c, c.name == "
+         f"{_q(EXECD_INSTALL_CONTAINER)})",
+         "'sandman\\'s mutating webhook did not run on this pod (is its configuration "
+         "missing?)'"),
+]
+
+# The rule names the policy enforces (docs/webhook.md lists each).
+RULE_NAMES = tuple(dict.fromkeys(r.rule for r in RULES))
+
+
+def validations() -> list[dict]:
+    return [{"expression": r.expression,
+             "messageExpression": f"'sandman {r.rule}: ' + {r.message}",
+             "reason": "Forbidden"} for r in RULES]
+
+
+def _same(a: str, b: str) -> str:
+    return f"({a}.hasValue() == {b}.hasValue() && {a}.orValue('') == {b}.orValue(''))"
+
+
+def _inputs_same() -> str:
+    """The UPDATE changes nothing the rules read (sandbox.INPUT_LABELS / INPUT_ANNOTATIONS and
+    the spec)."""
+    parts = ["object.spec == oldObject.spec"]
+    for field, keys in (("labels", INPUT_LABELS), ("annotations", INPUT_ANNOTATIONS)):
+        for k in keys:
+            parts.append(_same(f"object.metadata.?{field}.orValue({{}})[?{_q(k)}]",
+                               f"oldObject.metadata.?{field}.orValue({{}})[?{_q(k)}]"))
+    return " && ".join(parts)
+
+
+def match_conditions() -> list[dict]:
+    """Sandboxes and pods carrying the egress label; on UPDATE only when the update changes
+    an input of the rules. So a pod admitted under older rules (before an image upgrade, a
+    narrowed ingress default, the policy itself) can still have its state labels or finalizers
+    changed, while a relabel to egress=deny, a changed ingress-from annotation, a swapped guard
+    image or an added ephemeral container is judged on the new pod as a whole."""
+    return [
+        {"name": "sandman-labelled", "expression":
+            f"has(object.metadata.labels) && "
+            f"(object.metadata.labels[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)}"
+            f" || {_q(LABEL_EGRESS)} in object.metadata.labels)"},
+        {"name": "inputs-changed", "expression":
+            f"request.operation != 'UPDATE' || !({_inputs_same()})"},
+    ]
+
+
+def admission_policy(name: str, policy: SandboxPolicy) -> dict:
+    return {
+        "apiVersion": API_VERSION, "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": name},
+        "spec": {
+            # An expression that errors refuses (fail closed), like the webhook's Fail.
+            "failurePolicy": "Fail",
+            "matchConstraints": {"resourceRules": [{
+                "apiGroups": [""], "apiVersions": ["v1"], "operations": ["CREATE", "UPDATE"],
+                "resources": ["pods", "pods/ephemeralcontainers"], "scope": "Namespaced"}]},
+            "matchConditions": match_conditions(),
+            "variables": policy_variables(policy) + FIXED_VARIABLES,
+            "validations": validations(),
+        },
+    }
+
+
+def binding(name: str, policy_name: str, namespace_selector: dict) -> dict:
+    return {
+        "apiVersion": API_VERSION, "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": name},
+        "spec": {"policyName": policy_name, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": namespace_selector}},
+    }
+
+
+# --- the chart ---------------------------------------------------------------------------------
+
+# The three values-dependent variables, as the chart renders them (CEL literals from values).
+CHART_VARIABLES = {
+    "image": '{{ include "sandman.image" . | toJson | quote }}',
+    "defaultIngressFrom":
+        '{{ default (list "0.0.0.0/0") .Values.sandbox.ingressFrom | toJson | quote }}',
+    "guardAlways": '{{ eq .Values.sandbox.guard "always" | toString | quote }}',
+}
+_PLACEHOLDER = "SANDMAN_CHART_VARIABLE_{}"
+
+
+def chart_template() -> str:
+    """charts/sandman/templates/_policy.tpl: the policy's spec as a named template, the
+    values-dependent variables filled in by Helm (charts/gen_contract.py writes it)."""
+    import yaml
+
+    spec = admission_policy("x", SandboxPolicy())["spec"]
+    for v in spec["variables"]:
+        if v["name"] in CHART_VARIABLES:
+            v["expression"] = _PLACEHOLDER.format(v["name"])
+    text = yaml.safe_dump(spec, sort_keys=False, width=10_000, default_flow_style=False)
+    if "{{" in text or "}}" in text:
+        raise ValueError("template delimiters in the policy's CEL")
+    for name, action in CHART_VARIABLES.items():
+        text = text.replace(_PLACEHOLDER.format(name), action)
+    return ("{{- /* GENERATED by charts/gen_contract.py from webhook/policy.py: do not edit. */ -}}\n"
+            '{{- define "sandman.policy.spec" -}}\n' + text.rstrip("\n") + "\n{{- end -}}\n")
