@@ -26,6 +26,7 @@ class Settings:
     # next acquire of its key instead of deleted (the paper's late grading pods).
     ready_budget: float = 120.0
     api_timeout: float = 15.0  # one API call; the controller retries, never the client library
+    tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):

@@ -69,15 +69,20 @@ class ErrorType(NamedTuple):
 BAD_REQUEST = ErrorType(400, "BadRequest")  # refused by the controller's checks
 INVALID_BODY = ErrorType(422, "BadRequest")  # refused by the body's validation: same type
 SANDBOX_GONE = ErrorType(404, "SandboxGone")
+UNAUTHENTICATED = ErrorType(401, "Unauthenticated")  # no token, or one the API server refused
+FORBIDDEN = ErrorType(403, "Forbidden")  # the caller's RBAC does not allow it in that tenant
 QUEUE_FULL = ErrorType(429, "QueueFull")  # wait=false and over a cap
 CLIENT_CLOSED = ErrorType(499, "ClientClosed")  # to a caller that left: nobody reads it
 INTERNAL_ERROR = ErrorType(500, "InternalError")
 POD_FAILED = ErrorType(502, "PodFailed")  # events: the pod's last events
 NOT_LEADER = ErrorType(503, "NotLeader")  # no leader to forward to; retry on a new connection
 NOT_READY = ErrorType(503, "NotReady")  # /readyz only: this replica cannot serve yet
+# The API server did not answer the TokenReview/SubjectAccessReview: refused (fail closed).
+AUTH_UNAVAILABLE = ErrorType(503, "AuthUnavailable")
 ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
 ERRORS = (BAD_REQUEST, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
-          POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT)
+          POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED, FORBIDDEN,
+          AUTH_UNAVAILABLE)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -146,6 +151,8 @@ class AcquireRequest(_Model):
     warm_ok: bool = True
     wait: bool = True
     request_id: str | None = None
+    # The tenant namespace; None: the caller's ServiceAccount namespace (docs/controller.md).
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
@@ -218,6 +225,7 @@ class SandboxView(_Model):
     cpu: str
     memory: str
     egress: str
+    tenant: str | None = None  # the tenant namespace (None: unscoped, e.g. the warm pool)
 
 
 @dataclass(frozen=True)

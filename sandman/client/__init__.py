@@ -18,12 +18,14 @@ from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
 from sandman.client.errors import (
     AcquireTimeout,
+    AuthUnavailable,
     BadRequest,
     CommandTimeout,
     ControllerError,
     ControllerUnreachable,
     ExecdError,
     FileNotFound,
+    Forbidden,
     IntegrityError,
     NotLeader,
     PodFailed,
@@ -33,6 +35,7 @@ from sandman.client.errors import (
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    Unauthenticated,
     Unauthorized,
     WriteConflict,
 )
@@ -53,7 +56,8 @@ from sandman.client.models import (
 )
 
 __all__ = [
-    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AsyncSandbox", "BadRequest", "Client",
+    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
+    "Unauthenticated", "AsyncSandbox", "BadRequest", "Client",
     "CommandTimeout", "Conditions", "ControllerError", "ControllerUnreachable", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",

@@ -107,6 +107,7 @@ class SandboxInfo:
     cpu: str | None = None
     memory: str | None = None
     egress: str | None = None
+    tenant: str | None = None  # the tenant namespace (None: unscoped, --auth none)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -119,7 +120,7 @@ class SandboxInfo:
                    address=_opt(d, "address", str, what), port=_opt(d, "port", int, what),
                    image=_opt(d, "image", str, what), cpu=_opt(d, "cpu", str, what),
                    memory=_opt(d, "memory", str, what), egress=_opt(d, "egress", str, what),
-                   raw=raw)
+                   tenant=_opt(d, "tenant", str, what), raw=raw)
 
 
 @dataclass(frozen=True)
