@@ -45,7 +45,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
 
     def tenant_for(who: A.Caller, namespace: str | None) -> str | None:
         """The tenant a call names, or the caller's own (its ServiceAccount's namespace).
-        None only under --auth none without an explicit namespace (unscoped)."""
+        None under --auth none (one local user: unscoped, `namespace` only checked)."""
         if namespace is not None:
             A.check_tenant(namespace)
         if not auth.enabled:
