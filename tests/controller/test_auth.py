@@ -5,7 +5,9 @@ and SubjectAccessReview. The controller runs `--auth kubernetes`."""
 
 from __future__ import annotations
 
+import asyncio
 import secrets
+import time
 
 import httpx
 import pytest
@@ -61,6 +63,38 @@ def test_service_account_namespace_is_the_default_tenant():
     assert A.Caller("system:serviceaccount:team-a:trainer").namespace == "team-a"
     assert A.Caller("alice@example.com").namespace is None
     assert A.Caller("u", "1").key != A.Caller("u", "2").key
+
+
+def test_concurrent_questions_share_one_review_and_errors_are_not_cached():
+    """A run start of many acquires with one token sends one TokenReview; a review that
+    failed is asked again next time (never remembered, neither as a pass nor as a refusal).
+    The review itself is replaced here: pure logic (the real one runs on the test bed below)."""
+    ka = A.KubeAuth(client.ApiClient(), ttl=10)
+    calls: list[str] = []
+
+    def review(token: str):
+        calls.append(token)
+        time.sleep(0.05)
+        if token == "down":
+            raise A.AuthUnavailable("no answer")
+        return None if token == "refused" else A.Caller("system:serviceaccount:a:b")
+
+    ka._review = review
+
+    async def main():
+        got = await asyncio.gather(*(ka.authenticate("Bearer good") for _ in range(50)))
+        assert {c.username for c in got} == {"system:serviceaccount:a:b"}
+        for tok in ("down", "down", "refused", "refused"):
+            with pytest.raises((A.AuthUnavailable, A.Unauthenticated)):
+                await ka.authenticate(f"Bearer {tok}")
+
+    try:
+        asyncio.run(main())
+    finally:
+        ka.close()
+    assert calls.count("good") == 1
+    assert calls.count("down") == 2  # errors are not cached
+    assert calls.count("refused") == 1  # a refusal is an answer: cached for the TTL
 
 
 # ---- on the test bed
