@@ -40,7 +40,11 @@ def sdk_env(controller: str) -> list[dict]:
 
 
 def bind_trainer(api_client, ns: str, sa: str = "default", role: str = "sandman-user") -> None:
-    """Bind the chart's user ClusterRole to `sa` in `ns`, its tenant (409: already bound)."""
+    """An admin's two steps for a trainer namespace: label it for the controller's
+    NetworkPolicy (networkPolicy.controllerCallers' default namespaceSelector) and bind the
+    chart's user ClusterRole to `sa` in `ns`, its tenant (409: already bound)."""
+    client.CoreV1Api(api_client).patch_namespace(
+        ns, {"metadata": {"labels": {"sandman.dev/trainers": "true"}}})
     try:
         client.RbacAuthorizationV1Api(api_client).create_namespaced_role_binding(ns, {
             "metadata": {"name": f"{role}-{sa}"},
