@@ -3,7 +3,7 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 
     from sandman.client import Client
 
-    with Client("http://sandman-controller:8080") as client:
+    with Client() as client:  # in a pod: $SANDMAN_URL, $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE
         with client.acquire(image="swebench/astropy-12907", job="grpo-7") as sb:
             r = sb.exec("cd /testbed && git status --short", timeout=60)
             src = sb.read("/testbed/setup.py")
