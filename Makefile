@@ -86,7 +86,7 @@ bench-netguard: deps  ## netguard apply + self-verify time in a real network nam
 bench-webhook: deps testbed-build  ## creates/s through the API server with vs without the webhooks
 	$(VPY) -m webhook.bench --update-docs
 
-bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare
+bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare, acquire p50 with vs without auth
 	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
 
 bench-realnode: REAL_NODE := 1

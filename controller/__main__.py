@@ -13,6 +13,7 @@ import sys
 
 import uvicorn
 
+from controller import auth as A
 from controller.api import build_app
 from controller.core import Controller, Settings
 from controller.forward import ForwardToLeader
@@ -83,6 +84,20 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--guard", choices=GUARD_MODES, default=SandboxPolicy.guard)
     s.add_argument("--ingress-from", action="append", default=None,
                    help="CIDR allowed to reach execd (repeatable); default anywhere")
+    s.add_argument("--auth", choices=A.MODES, default="kubernetes",
+                   help="kubernetes: callers send a ServiceAccount token (TokenReview) and "
+                        "need RBAC on sandboxes.sandman.dev in their tenant namespace "
+                        "(SubjectAccessReview); none: anyone who reaches the port may do "
+                        "anything, for local use only")
+    s.add_argument("--auth-audience", default=A.DEFAULT_AUDIENCE,
+                   help="the audience callers' tokens must be issued for")
+    s.add_argument("--auth-cache-ttl", type=float, default=10.0,
+                   help="seconds a TokenReview/SubjectAccessReview answer is reused (a revoked "
+                        "binding or deleted ServiceAccount takes effect within it)")
+    s.add_argument("--caller-label-prefix", action="append", default=[], metavar="PREFIX",
+                   help="a label-key prefix (e.g. example.com) callers may use on their "
+                        "sandboxes besides unprefixed keys (repeatable); Kubernetes' and "
+                        "sandman's own prefixes are always refused")
     s.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -101,6 +116,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         min_lifetime=args.min_lifetime, max_lifetime=args.max_lifetime,
         pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
                       else {}),
+        tenants=args.auth == "kubernetes",
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
@@ -120,6 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, port = args.listen.rsplit(":", 1)
         settings = settings_from(args)
+        labels = label_policy(args.caller_label_prefix)
         threads = max(32, min(256, args.max_creating))
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
         # bursts (seen in a profile at 50 creates/s).
@@ -134,8 +151,16 @@ def main(argv: list[str] | None = None) -> int:
     if elector.advertise_url is None:
         log.warning("no --advertise-address: as leader, standbys cannot forward API calls "
                     "here and answer NotLeader (retried by the SDK) instead")
+    if args.auth == "none":
+        log.warning("*** --auth none: NO AUTHENTICATION. Anyone who reaches %s can acquire, "
+                    "list, release and drain every sandbox and read their tokens. For local "
+                    "use only; the chart always runs --auth kubernetes. ***", args.listen)
+        auth = A.NoAuth()
+    else:
+        auth = A.KubeAuth(api, audience=args.auth_audience, ttl=args.auth_cache_ttl,
+                          timeout=min(5.0, args.api_timeout))
     state: dict = {"elector": elector}
-    app = build_app(state)
+    app = build_app(state, auth, labels)
 
     def serving() -> bool:
         c = state.get("controller")
@@ -173,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
             await elector.release()
             await forwarder.aclose()
             kube.shutdown()
+            auth.close()
 
     app.router.lifespan_context = lifespan
     # The ~65k objects of the imported libraries never die: freeze them out of the collector,
@@ -185,6 +211,18 @@ def main(argv: list[str] | None = None) -> int:
     uvicorn.run(forwarder, host=host, port=port, log_level="warning", access_log=False,
                 backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools")
     return 0
+
+
+def label_policy(prefixes: list[str]) -> A.LabelPolicy:
+    """The caller-label allowlist from --caller-label-prefix; a reserved prefix is a bad flag."""
+    out = []
+    for p in prefixes:
+        p = p.strip().rstrip("/")
+        if not p or A.reserved_prefix(p):
+            raise ValueError(f"--caller-label-prefix {p!r}: empty or reserved (Kubernetes' and "
+                             "sandman's own prefixes are never a caller's)")
+        out.append(p)
+    return A.LabelPolicy(tuple(out))
 
 
 def advertise_url(address: str, listen_host: str, port: int) -> str | None:

@@ -12,6 +12,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from controller import auth as A
 from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
 from controller.forward import not_leader_headers
 from controller.pods import iso_utc
@@ -26,12 +27,44 @@ def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
                         status_code=status or e.status, headers=headers)
 
 
-def build_app(state: dict) -> FastAPI:
+def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
+              labels: A.LabelPolicy | None = None) -> FastAPI:
     """`state["controller"]` is set once this replica leads; until then the API routes answer
     NotLeader (503). `state["elector"]` (the LeaderElector) tells a standby's /readyz whether
     it is in touch with the API server; on a standby, controller/forward.py sends API calls to
-    the leader before they reach these routes."""
+    the leader before they reach these routes.
+
+    `auth` checks every /v1 call (controller/auth.py; default: none, for local use). Each
+    sandbox belongs to a tenant namespace, encoded in its job key (`auth.scoped_job`); a
+    caller sees and touches only the tenants its RBAC allows."""
     app = FastAPI(title="sandman controller", version="0.1.0")
+    auth = auth or A.NoAuth()
+    labels = labels or A.LabelPolicy()
+
+    async def caller(request: Request) -> A.Caller:
+        return await auth.authenticate(request.headers.get("authorization"))
+
+    def tenant_for(who: A.Caller, namespace: str | None) -> str | None:
+        """The tenant a call names, or the caller's own (its ServiceAccount's namespace).
+        None under --auth none (one local user: unscoped, `namespace` only checked)."""
+        if namespace is not None:
+            A.check_tenant(namespace)
+        if not auth.enabled:
+            return None  # --auth none: one local user, no tenants
+        if namespace is not None:
+            return namespace
+        if who.namespace is None:
+            raise A.BadRequest(f"namespace: required, {who.username} is not a ServiceAccount "
+                               "(no default tenant)")
+        return who.namespace
+
+    def split(key: str) -> tuple[str | None, str]:
+        return A.split_job(key) if auth.enabled else (None, key)
+
+    async def may_see(who: A.Caller, verb: str, e) -> bool:
+        tenant, _job = split(e.job)
+        # Unscoped entries (the warm pool) belong to no tenant: cluster-wide rights only.
+        return await auth.allowed(who, verb, tenant or A.CLUSTER)
 
     def ctl() -> Controller:
         c = state.get("controller")
@@ -47,6 +80,10 @@ def build_app(state: dict) -> FastAPI:
                    if isinstance(exc, NotLeader) else None)
         return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events, headers=headers)
 
+    @app.exception_handler(A.Unauthenticated)
+    async def _unauth(_req, exc: A.Unauthenticated):
+        return _err(api.UNAUTHENTICATED, str(exc), headers={"WWW-Authenticate": "Bearer"})
+
     @app.exception_handler(RequestValidationError)
     async def _bad(_req, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {}
@@ -56,12 +93,21 @@ def build_app(state: dict) -> FastAPI:
 
     @app.post(api.ACQUIRE.path, status_code=201)
     async def acquire(body: api.AcquireRequest, request: Request):
+        who = await caller(request)
+        tenant = tenant_for(who, body.namespace)
+        if tenant is not None:
+            await auth.require(who, A.CREATE, tenant)
+        labels.check(body.labels)
         c = ctl()
         spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress)
+        # The controller dedups by (job, request_id): the job key carries the tenant and the
+        # request id the caller's identity, so nobody else's replay finds this sandbox.
+        rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
         task = asyncio.ensure_future(c.acquire(
-            spec, body.job, owner=body.owner.to_json() if body.owner else None,
+            spec, A.scoped_job(tenant, body.job),
+            owner=body.owner.to_json() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
-            request_id=body.request_id, lifetime_s=body.lifetime_s))
+            request_id=rid, lifetime_s=body.lifetime_s))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.
@@ -85,23 +131,60 @@ def build_app(state: dict) -> FastAPI:
         return _err(api.CLIENT_CLOSED, "client disconnected")
 
     @app.get(api.LIST.path)
-    async def list_sandboxes(job: str | None = None):
+    async def list_sandboxes(request: Request, job: str | None = None,
+                             namespace: str | None = None):
+        """Only the tenants the caller may list (`namespace`: that one alone, or 403)."""
+        who = await caller(request)
+        only = None
+        if namespace is not None:
+            A.check_tenant(namespace)
+            if auth.enabled:  # --auth none has no tenants
+                only = namespace
+                await auth.require(who, A.LIST, only)
         c = ctl()
-        return api.SandboxList([_view(c, e) for e in c.entries.values()
-                                if e.state not in ("gone",)
-                                and (job is None or e.job == job)]).to_json()
+        seen: dict[str | None, bool] = {}
+        items = []
+        for e in list(c.entries.values()):
+            if e.state == "gone":
+                continue
+            tenant, plain = split(e.job)
+            if (only is not None and tenant != only) or job not in (None, plain, e.job):
+                continue
+            if tenant not in seen:
+                seen[tenant] = await auth.allowed(who, A.LIST, tenant or A.CLUSTER)
+            if seen[tenant]:
+                items.append(_view(c, e, split))
+        if not items and only is None and auth.enabled:
+            # Nothing to show: say so only to a caller that may list its own tenant.
+            await auth.require(who, A.LIST, who.namespace or A.CLUSTER)
+        return api.SandboxList(items).to_json()
 
     @app.get(api.GET.path)
-    async def get_sandbox(id: str):
+    async def get_sandbox(id: str, request: Request):
+        who = await caller(request)
         c = ctl()
         e = c.get(id)
         if e is None:
             return _err(api.SANDBOX_GONE, f"no sandbox {id}")
-        return _view(c, e).to_json()
+        if not await may_see(who, A.GET, e):
+            raise A.Forbidden(f"{who.username} may not get sandbox {id} (another tenant's)")
+        return _view(c, e, split).to_json()
 
     @app.delete(api.RELEASE.path)
-    async def release(id: str):
-        return api.Released(id, await ctl().release(id)).to_json()
+    async def release(id: str, request: Request):
+        who = await caller(request)
+        c = ctl()
+        if not auth.enabled:
+            return api.Released(id, await c.release(id)).to_json()
+        e = c.get(id)
+        if e is None:
+            # Nothing to release; a caller without delete rights learns nothing either way.
+            await auth.require(who, A.DELETE, who.namespace or A.CLUSTER)
+            return api.Released(id, False).to_json()
+        if not await may_see(who, A.DELETE, e):
+            raise A.Forbidden(f"{who.username} may not release sandbox {id} "
+                              "(another tenant's)")
+        return api.Released(id, await c.release(id)).to_json()
 
     @app.post(api.RENEW.path)
     async def renew(id: str, body: api.RenewRequest | None = None):
@@ -113,7 +196,9 @@ def build_app(state: dict) -> FastAPI:
         return _view(c, e).to_json()
 
     @app.post(api.PREWARM.path)
-    async def prewarm(body: api.PrewarmRequest):
+    async def prewarm(body: api.PrewarmRequest, request: Request):
+        who = await caller(request)
+        await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
         s = body.spec
         spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress)
@@ -122,11 +207,19 @@ def build_app(state: dict) -> FastAPI:
                               idle_timeout_s=pool.idle_timeout).to_json()
 
     @app.post(api.DRAIN.path)
-    async def drain(job: str):
-        return api.Drained(job, await ctl().drain(job)).to_json()
+    async def drain(job: str, request: Request, namespace: str | None = None):
+        """The job of the caller's tenant (or of `namespace`): never another tenant's."""
+        who = await caller(request)
+        tenant = tenant_for(who, namespace)
+        if tenant is not None:
+            await auth.require(who, A.DELETECOLLECTION, tenant)
+        key = A.scoped_job(tenant, job)
+        return api.Drained(job, await ctl().drain(key)).to_json()
 
     @app.get(api.STATS.path)
-    async def stats():
+    async def stats(request: Request):
+        who = await caller(request)
+        await auth.require(who, A.GET, A.CLUSTER, A.STATS_SUB)
         return api.Stats(**ctl().stats()).to_json()
 
     @app.get(api.HEALTHZ.path)
@@ -180,9 +273,10 @@ def _lease(result: dict) -> api.Lease:
     return api.Lease(**{**result, "timings": api.Timings(**result["timings"])})
 
 
-def _view(c: Controller, e) -> api.SandboxView:
-    return api.SandboxView(id=e.id, pod=e.name, job=e.job, state=e.state, address=e.ip,
+def _view(c: Controller, e, split) -> api.SandboxView:
+    tenant, job = split(e.job)
+    return api.SandboxView(id=e.id, pod=e.name, job=job, state=e.state, address=e.ip,
                            port=c.s.execd_port, image=e.spec.image, cpu=e.spec.cpu,
-                           memory=e.spec.memory, egress=e.spec.egress,
+                           memory=e.spec.memory, egress=e.spec.egress, tenant=tenant,
                            expires_at=iso_utc(e.expires_at) if e.expires_at else None,
                            lifetime_s=e.lifetime if e.expires_at else None)

@@ -6,6 +6,9 @@
    them, releases them and waits until the namespace is empty (the paper's ramp).
 2. Warm-hit acquire p50/p99 (sequential, one caller).
 3. Acquire overhead against a bare `create_namespaced_pod` + watch-until-Ready loop, same run.
+4. Authentication's cost: warm-hit acquire p50 through three controllers side by side, `--auth
+   none`, `--auth kubernetes` (TokenReview + SubjectAccessReview, cached 10 s) and `--auth
+   kubernetes --auth-cache-ttl 0` (both reviews on every call), rounds interleaved.
 
 Writes a markdown table to stdout (and `--out FILE`), a plot of acquired-vs-time per step
 (`--plot FILE`). Not a test: numbers are reported, not asserted.
@@ -190,12 +193,90 @@ def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
             "ctl_p50_ms": pct(via, .5), "ctl_p99_ms": pct(via, .99)}
 
 
+AUTH_ARMS = (("none", ["--auth", "none"]),
+             ("kubernetes (cache 10 s)", ["--auth", "kubernetes"]),
+             ("kubernetes (no cache)", ["--auth", "kubernetes", "--auth-cache-ttl", "0"]))
+
+
+def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> dict:
+    """Warm-hit acquires (sequential, one caller, the pool prewarmed) through one controller
+    per arm, each in its own sandbox namespace; the arms take turns, `n / rounds` acquires a
+    turn, so the machine's noise falls on all of them. Callers are a real ServiceAccount with
+    a token from the TokenRequest API (audience sandman), allowed by a ClusterRoleBinding."""
+    rbac = client.RbacAuthorizationV1Api(core.api_client)
+    tenant = new_namespace(core, "bench-tenant")
+    core.create_namespaced_service_account(tenant, {"metadata": {"name": "trainer"}})
+    role = f"bench-sandman-{tenant}"
+    rbac.create_cluster_role({"metadata": {"name": role}, "rules": [
+        {"apiGroups": ["sandman.dev"], "resources": ["sandboxes", "sandboxes/prewarm"],
+         "verbs": ["create", "get", "list", "delete"]}]})
+    rbac.create_cluster_role_binding({
+        "metadata": {"name": role},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": role},
+        "subjects": [{"kind": "ServiceAccount", "name": "trainer", "namespace": tenant}]})
+    token = core.create_namespaced_service_account_token("trainer", tenant, {"spec": {
+        "audiences": ["sandman"], "expirationSeconds": 3600}}).status.token
+    headers = {"Authorization": f"Bearer {token}"}
+    per = max(1, n // rounds)
+    ctls, lat = [], {name: [] for name, _ in AUTH_ARMS}
+    warm_hits = {name: 0 for name, _ in AUTH_ARMS}
+    body = {"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "auth", "warm_ok": True}
+    try:
+        for i, (_name, flags) in enumerate(AUTH_ARMS):
+            ns = new_namespace(core, f"bench-auth{i}")
+            ctl = ControllerProc(ns, tb.kubeconfig, state / f"controller-auth{i}.log",
+                                 ["--rate", "100", "--burst", "100", "--lease-name",
+                                  f"bench-auth{i}", "--log-level", "WARNING", *flags],
+                                 auth=None).start(timeout=180)
+            ctls.append(ctl)
+            with httpx.Client(timeout=60, headers=headers) as cl:
+                r = cl.post(ctl.url + api.PREWARM.path, json={
+                    "image": IMAGE, "count": per + 5,
+                    "spec": {"cpu": "100m", "memory": "128Mi"}})
+                r.raise_for_status()
+        for ctl in ctls:  # the pools filled
+            deadline = time.monotonic() + 120
+            with httpx.Client(timeout=60, headers=headers) as cl:
+                while time.monotonic() < deadline:
+                    pools = cl.get(ctl.url + api.STATS.path).json().get("warm")
+                    if pools and all(v["warm"] >= per for v in pools.values()):
+                        break
+                    time.sleep(0.5)
+        for _ in range(rounds):
+            for (name, _flags), ctl in zip(AUTH_ARMS, ctls, strict=True):
+                ids = []
+                with httpx.Client(timeout=60, headers=headers) as cl:
+                    for _ in range(per):
+                        t = time.perf_counter()
+                        r = cl.post(ctl.url + api.ACQUIRE.path, json=body)
+                        lat[name].append((time.perf_counter() - t) * 1000)
+                        r.raise_for_status()
+                        warm_hits[name] += bool(r.json()["warm"])
+                        ids.append(r.json()["id"])
+                        time.sleep(THINK_S)
+                    for sid in ids:
+                        cl.delete(ctl.url + api.RELEASE.url(id=sid))
+                # Refill before the next turn (replacements run through the pacer).
+                time.sleep(per / 100 + 1)
+    finally:
+        for ctl in ctls:
+            ctl.stop()
+        rbac.delete_cluster_role_binding(role)
+        rbac.delete_cluster_role(role)
+    return {"n": per * rounds, "rounds": rounds, "warm_hits": warm_hits,
+            "p50_ms": {k: pct(v, .5) for k, v in lat.items()},
+            "p99_ms": {k: pct(v, .99) for k, v in lat.items()}}
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(prog="python -m controller.bench")
     ap.add_argument("--steps", default="99,500,1000,2000,5000,12000")
     ap.add_argument("--rate", type=float, default=25.0)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--overhead", type=int, default=50)
+    ap.add_argument("--auth", type=int, default=60,
+                    help="warm acquires per arm of the authentication phase (0: skip)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     ap.add_argument("--plot", default=None, help="PNG of acquired vs time per step")
     args = ap.parse_args(argv)
@@ -211,6 +292,7 @@ def main(argv=None) -> int:
         cfg.connection_pool_maxsize = 8
         core = client.CoreV1Api(client.ApiClient(cfg))
         ns = new_namespace(core, "bench")
+        auth = auth_overhead(tb, core, state, args.auth) if args.auth else None
         ctl = ControllerProc(ns, tb.kubeconfig, state / "controller.log",
                              ["--rate", str(args.rate), "--burst", str(int(args.rate)),
                               "--max-creating", "2000", "--max-live", "20000",
@@ -255,6 +337,13 @@ def main(argv=None) -> int:
                f"{over['ctl_p99_ms']:.0f} ms; bare p50 {over['bare_p50_ms']:.0f} ms / p99 "
                f"{over['bare_p99_ms']:.0f} ms; ratio p50 "
                f"{over['ctl_p50_ms'] / over['bare_p50_ms']:.2f}x."]
+    if auth:
+        base = auth["p50_ms"]["none"]
+        md += ["", f"Authentication ({auth['n']} sequential warm acquires per arm, "
+               f"{auth['rounds']} interleaved rounds, same run): " + "; ".join(
+                   f"{k}: p50 {v:.1f} ms ({v / base:.2f}x none), p99 "
+                   f"{auth['p99_ms'][k]:.1f} ms, {auth['warm_hits'][k]} warm hits"
+                   for k, v in auth["p50_ms"].items()) + "."]
     text = "\n".join(md) + "\n"
     print(text)
     if args.out:

@@ -17,12 +17,19 @@ from kubernetes import client
 
 from controller import metrics
 from controller import pods as P
+from controller.auth import split_job
 from controller.books import Books, Entry
 from controller.kube import AMBIGUOUS_STATUSES, Kube, is_transport_error
 from controller.pacer import Pacer
 from controller.settings import Settings
 from sandman import contract
 from sandman.sandbox import make_sandbox
+
+
+def tenant_labels(settings: Settings, job: str) -> dict[str, str]:
+    """The tenant label of a job key's pods (--auth kubernetes), for selectors and humans."""
+    tenant = split_job(job)[0] if settings.tenants else None
+    return {contract.LABEL_TENANT: tenant} if tenant else {}
 
 
 def job_object_name(job: str) -> str:
@@ -64,6 +71,7 @@ class Creator:
             contract.LABEL_NONCE: e.nonce,
             contract.LABEL_EGRESS: e.spec.egress,
             contract.LABEL_MANAGED_BY: contract.MANAGED_BY_CONTROLLER,
+            **tenant_labels(self.s, e.job),
         }
         if e.warm_build:
             labels[contract.LABEL_STATE] = contract.STATE_WARM

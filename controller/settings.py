@@ -111,6 +111,7 @@ class Settings:
     min_lifetime: float = 30.0  # a shorter one would make the SDK renew every few seconds
     max_lifetime: float = 86400.0
     pod_template: dict = field(default_factory=dict)  # checked: check_pod_template
+    tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from controller import pods as P
 from controller.books import POOL_JOB, POOLED, Books, Entry, State
-from controller.create import Creator, new_name, token_pair
+from controller.create import Creator, new_name, tenant_labels, token_pair
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
 from controller.pods import SandboxSpec
@@ -141,7 +141,7 @@ class WarmPool:
         try:
             await self.pipeline.kube.patch_pod(e.name, {"metadata": {
                 "labels": {contract.LABEL_STATE: contract.STATE_LEASED,
-                           contract.LABEL_JOB: job, **labels},
+                           contract.LABEL_JOB: job, **tenant_labels(self.s, job), **labels},
                 "annotations": P.lease_annotations(lifetime, expires),
                 "ownerReferences": [ref]}})
         except Exception as ex:  # noqa: BLE001

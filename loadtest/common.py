@@ -20,6 +20,7 @@ from loadtest import users
 from loadtest.audit import core_api, describe, leak_audit
 from loadtest.run import LEAK, RUN, RequestFailed, check_thresholds, fire, write_summary
 from loadtest.watch import sample_stats, watch_pods
+from sandman.client._core import ENV_URL
 
 log = logging.getLogger("loadtest")
 
@@ -31,8 +32,10 @@ DEFAULT_IMAGE = "registry.invalid/loadtest/task:1"  # kwok never pulls it; a rea
 @events.init_command_line_parser.add_listener
 def _args(parser) -> None:
     g = parser.add_argument_group("sandman")
-    g.add_argument("--controller-url", default=os.environ.get("SANDMAN_CONTROLLER_URL",
-                                                              "http://127.0.0.1:8080"))
+    # The SDK's in-cluster names (docs/sdk.md): the users' Client also reads
+    # $SANDMAN_TOKEN_FILE and $SANDMAN_CA_FILE, so a locust pod authenticates like a trainer.
+    g.add_argument("--controller-url", default=os.environ.get(ENV_URL, "http://127.0.0.1:8080"),
+                   help=f"default: ${ENV_URL}")
     g.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""),
                    help="enables the POD_READY watch and the leak audit")
     g.add_argument("--namespace", default="sandboxes", help="the controller's namespace")

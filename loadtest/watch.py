@@ -13,6 +13,7 @@ import httpx
 
 from loadtest.run import POD_READY, RUN, fire
 from sandman import api, contract
+from sandman.client._core import TokenSource
 
 log = logging.getLogger("loadtest")
 
@@ -70,10 +71,11 @@ def sample_stats(base_url: str, stop: gevent.event.Event, every_s: float = 1.0,
     Not a locust request: the sampler's own calls stay out of the run's stats."""
     deadline = time.monotonic() + max_s
     url = base_url.rstrip("/") + api.STATS.path
+    token = TokenSource(None, None)  # $SANDMAN_TOKEN_FILE, like the SDK (stats: admin rights)
     with httpx.Client(timeout=5, trust_env=False) as http:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
-                st = http.get(url).json()
+                st = http.get(url, headers=token.header()).json()
                 RUN.samples.append([RUN.rel(), st.get("rate"), st.get("queue_depth"),
                                     st.get("creating"), st.get("live")])
             except (httpx.HTTPError, ValueError):

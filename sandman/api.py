@@ -73,15 +73,20 @@ BAD_REQUEST = ErrorType(400, "BadRequest")  # refused by the controller's checks
 BAD_OWNER = ErrorType(400, "BadOwner")
 INVALID_BODY = ErrorType(422, "BadRequest")  # refused by the body's validation: same type
 SANDBOX_GONE = ErrorType(404, "SandboxGone")
+UNAUTHENTICATED = ErrorType(401, "Unauthenticated")  # no token, or one the API server refused
+FORBIDDEN = ErrorType(403, "Forbidden")  # the caller's RBAC does not allow it in that tenant
 QUEUE_FULL = ErrorType(429, "QueueFull")  # wait=false and over a cap
 CLIENT_CLOSED = ErrorType(499, "ClientClosed")  # to a caller that left: nobody reads it
 INTERNAL_ERROR = ErrorType(500, "InternalError")
 POD_FAILED = ErrorType(502, "PodFailed")  # events: the pod's last events
 NOT_LEADER = ErrorType(503, "NotLeader")  # no leader to forward to; retry on a new connection
 NOT_READY = ErrorType(503, "NotReady")  # /readyz only: this replica cannot serve yet
+# The API server did not answer the TokenReview/SubjectAccessReview: refused (fail closed).
+AUTH_UNAVAILABLE = ErrorType(503, "AuthUnavailable")
 ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
-ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED, INTERNAL_ERROR,
-          POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT)
+ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
+          INTERNAL_ERROR, POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
+          FORBIDDEN, AUTH_UNAVAILABLE)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -161,6 +166,8 @@ class AcquireRequest(_Model):
     # Seconds the sandbox lives after hand-out unless renewed (None: the controller's default;
     # its --min-lifetime/--max-lifetime bound it). The SDK renews while the handle is open.
     lifetime_s: float | None = None
+    # The tenant namespace; None: the caller's ServiceAccount namespace (docs/controller.md).
+    namespace: str | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
@@ -249,6 +256,7 @@ class SandboxView(_Model):
     egress: str
     expires_at: str | None = None  # handed-out sandboxes only (warm ones never expire)
     lifetime_s: float | None = None
+    tenant: str | None = None  # the tenant namespace (None: unscoped, e.g. the warm pool)
 
 
 @dataclass(frozen=True)

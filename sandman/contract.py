@@ -16,6 +16,9 @@ LABEL_EGRESS = f"{DOMAIN}/egress"  # "deny": outbound traffic denied, the guard 
 LABEL_JOB = f"{DOMAIN}/job"  # the job a pod belongs to (pacing fairness, caps, drain)
 LABEL_NONCE = f"{DOMAIN}/nonce"  # one per create: finds the pod after an ambiguous create error
 LABEL_STATE = f"{DOMAIN}/state"  # warm|leased, set by the controller only
+# The tenant namespace a controller sandbox belongs to (--auth kubernetes); its job label is
+# then `<tenant>.<job>`, so job names are scoped per tenant.
+LABEL_TENANT = f"{DOMAIN}/tenant"
 
 SANDBOX_TRUE = "true"
 EGRESS_DENY = "deny"

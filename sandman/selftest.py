@@ -20,6 +20,7 @@ import socket
 import sys
 
 from sandman.client import Client, SandmanError
+from sandman.client._core import ENV_URL
 
 # A guard that drops answers nothing: a connect that has not succeeded within this is dropped.
 REFUSAL_WAIT_S = 3.0
@@ -48,10 +49,11 @@ def connects(address: str, port: int, timeout: float = REFUSAL_WAIT_S) -> bool:
             return False
 
 
-def run(controller: str, image: str, job: str, timeout_s: float, own_ip: str | None,
+def run(controller: str | None, image: str, job: str, timeout_s: float, own_ip: str | None,
         sources: list[str]) -> str:
     """The one-line success message; raises SystemExit("FAIL: ...") otherwise."""
     inside = admitted(own_ip, sources)
+    # None: the in-cluster configuration ($SANDMAN_URL, $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE).
     with Client(controller) as client:
         with client.acquire(image=image, job=job, cpu="500m", memory="512Mi",
                             timeout_s=timeout_s) as sb:
@@ -77,8 +79,9 @@ def run(controller: str, image: str, job: str, timeout_s: float, own_ip: str | N
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python3 -m sandman.selftest", description=__doc__)
-    p.add_argument("--controller", default=os.environ.get("SANDMAN_CONTROLLER"),
-                   help="controller URL (default: $SANDMAN_CONTROLLER)")
+    p.add_argument("--controller-url", default=None,
+                   help="controller URL (default: $SANDMAN_URL; the token is read from "
+                        "$SANDMAN_TOKEN_FILE, the CA from $SANDMAN_CA_FILE)")
     p.add_argument("--image", default="python:3.12-slim")
     p.add_argument("--job", default="selftest")
     p.add_argument("--timeout", type=float, default=300.0, help="acquire timeout_s")
@@ -88,11 +91,11 @@ def main(argv: list[str] | None = None) -> int:
                    help="the sandbox ingress sources (the chart's sandbox.ingressFrom); "
                         "none: anywhere")
     args = p.parse_args(argv)
-    if not args.controller:
-        p.error("--controller or $SANDMAN_CONTROLLER is required")
+    if not (args.controller_url or os.environ.get(ENV_URL)):
+        p.error(f"--controller-url or ${ENV_URL} is required")
     sources = [s for x in args.ingress_from for s in x.split(",") if s.strip()]
     try:
-        print(run(args.controller, args.image, args.job, args.timeout, args.own_ip, sources))
+        print(run(args.controller_url, args.image, args.job, args.timeout, args.own_ip, sources))
     except SandmanError as e:
         print(f"FAIL: {type(e).__name__}: {e}", file=sys.stderr)
         return 1

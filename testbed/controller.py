@@ -6,7 +6,9 @@ test bed (or any kubeconfig).
     ctl.kill()   # SIGKILL: a crash        ctl.stop()   # SIGTERM: a clean shutdown
 
 `--ready-check pod` by default: kwok pods run nothing, so `execd` needs a real execd at the pod
-IP (testbed/standin.py).
+IP (testbed/standin.py). `--auth none` by default, said on the command line (the controller's
+own default is `kubernetes`): tests where authentication is the point pass `auth="kubernetes"`
+(tests/controller/test_auth.py), and a chart's rendered args carry their own `--auth`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ class ControllerProc:
     flags: list[str] = field(default_factory=list)  # last on the command line: they override
     port: int = 0  # 0: a free port at the first start; kept across restarts
     ready_check: str | None = "pod"  # None: the controller's own default (execd) or `flags`
+    auth: str | None = "none"  # None: the controller's own default (kubernetes) or `flags`
     cwd: Path | None = None  # the tree whose controller/ runs (default: this repository)
     proc: Proc | None = None
 
@@ -48,6 +51,8 @@ class ControllerProc:
             cmd += ["--namespace", self.namespace]
         if self.ready_check is not None:
             cmd += ["--ready-check", self.ready_check]
+        if self.auth is not None:
+            cmd += ["--auth", self.auth]
         return cmd + list(self.flags)
 
     def start(self, wait_ready: bool = True, timeout: float = 30,

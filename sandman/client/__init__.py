@@ -3,7 +3,7 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 
     from sandman.client import Client
 
-    with Client("http://sandman-controller:8080") as client:
+    with Client() as client:  # in a pod: $SANDMAN_URL, $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE
         with client.acquire(image="swebench/astropy-12907", job="grpo-7") as sb:
             r = sb.exec("cd /testbed && git status --short", timeout=60)
             src = sb.read("/testbed/setup.py")
@@ -18,6 +18,7 @@ from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
 from sandman.client.errors import (
     AcquireTimeout,
+    AuthUnavailable,
     BadOwner,
     BadRequest,
     CommandTimeout,
@@ -25,6 +26,7 @@ from sandman.client.errors import (
     ControllerUnreachable,
     ExecdError,
     FileNotFound,
+    Forbidden,
     IntegrityError,
     NotLeader,
     PodFailed,
@@ -34,6 +36,7 @@ from sandman.client.errors import (
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    Unauthenticated,
     Unauthorized,
     WriteConflict,
 )
@@ -54,7 +57,8 @@ from sandman.client.models import (
 )
 
 __all__ = [
-    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
+    "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
+    "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
     "CommandTimeout", "Conditions", "ControllerError", "ControllerUnreachable", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",

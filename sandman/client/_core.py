@@ -10,6 +10,7 @@ import functools
 import hashlib
 import json
 import logging
+import os
 import random
 import re
 import socket
@@ -27,6 +28,7 @@ from sandman.client.errors import (
     BadRequest,
     IntegrityError,
     ProtocolError,
+    SandmanError,
     controller_error,
     execd_error,
 )
@@ -76,6 +78,62 @@ def tls_context() -> ssl.SSLContext:
     Building one loads the whole CA bundle; each acquired sandbox paid that for its own
     connection pool before, although execd speaks plain HTTP and never uses it."""
     return httpx.create_ssl_context()
+
+
+# ---- in-cluster configuration: Client() with no arguments (docs/sdk.md, "Before you start")
+
+ENV_URL = "SANDMAN_URL"  # the controller, e.g. https://sandman-controller.sandman.svc:8080
+ENV_TOKEN_FILE = "SANDMAN_TOKEN_FILE"  # a projected ServiceAccount token (audience sandman)
+ENV_CA_FILE = "SANDMAN_CA_FILE"  # the CA bundle of the controller's serving certificate
+
+
+def controller_url(url: str | None) -> str:
+    url = url or os.environ.get(ENV_URL, "")
+    if not url.strip():
+        raise SandmanError(f"no controller URL: pass Client(url) or set ${ENV_URL} (e.g. "
+                           "http://sandman-controller.sandman.svc:8080)")
+    return url.strip().rstrip("/")
+
+
+class TokenSource:
+    """The bearer token: given, or read from a file that is read again whenever it changes
+    (the kubelet rotates projected tokens by swapping the file under a symlink). Sends
+    nothing when there is neither (a controller under --auth none)."""
+
+    def __init__(self, token: str | None, token_file: str | None) -> None:
+        self._token = token.strip() if token else None
+        self.file = None if token else (token_file or os.environ.get(ENV_TOKEN_FILE) or None)
+        self._seen: tuple[int, int, int] | None = None
+        if self.file:
+            self.header()  # a missing or empty file is one clear error at construction
+
+    def header(self) -> dict[str, str]:
+        if self.file:
+            try:
+                st = os.stat(self.file)
+                key = (st.st_ino, st.st_mtime_ns, st.st_size)
+                if key != self._seen:
+                    with open(self.file, encoding="utf-8") as f:
+                        tok = f.read().strip()
+                    if not tok:
+                        raise SandmanError(f"token file {self.file} is empty")
+                    self._token, self._seen = tok, key
+            except OSError as e:
+                raise SandmanError(f"cannot read the token file {self.file} "
+                                   f"(${ENV_TOKEN_FILE}): {e.strerror or e}") from None
+        return {"Authorization": f"Bearer {self._token}"} if self._token else {}
+
+
+def controller_tls(ca_file: str | None) -> ssl.SSLContext:
+    """Verification for an https controller: the CA file given or in $SANDMAN_CA_FILE (the
+    chart's CA bundle ConfigMap), else the system's CAs."""
+    ca_file = ca_file or os.environ.get(ENV_CA_FILE) or None
+    if not ca_file:
+        return tls_context()
+    try:
+        return ssl.create_default_context(cafile=ca_file)
+    except (OSError, ssl.SSLError) as e:
+        raise SandmanError(f"cannot load the CA file {ca_file} (${ENV_CA_FILE}): {e}") from None
 
 
 # asyncio: aclose() waits this long for the acquires and releases of cancelled callers.

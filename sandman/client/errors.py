@@ -68,6 +68,22 @@ class NotLeader(ControllerError):
     retries are used up."""
 
 
+class Unauthenticated(ControllerError):
+    """The controller refused the caller's identity (401): no token, or a token the API server
+    did not accept for the controller's audience (expired, wrong audience, deleted
+    ServiceAccount). Never retried."""
+
+
+class Forbidden(ControllerError):
+    """The caller's RBAC does not allow this in that tenant namespace (403): bind the
+    `sandman-user` ClusterRole there (docs/sdk.md, "Before you start"). Never retried."""
+
+
+class AuthUnavailable(ControllerError):
+    """The controller could not ask the API server who the caller is or what it may do (503);
+    it refuses rather than guesses. Retried by the SDK like NotLeader."""
+
+
 class SandboxGone(SandmanError):
     """The sandbox does not exist any more: released (by this handle or by the controller),
     or deleted. Nothing sent to it can run."""
@@ -138,6 +154,9 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     # /readyz only (a replica still syncing): retryable like NotLeader, on another replica.
     api.NOT_READY.type: NotLeader,
     api.SANDBOX_GONE.type: SandboxGone,
+    api.UNAUTHENTICATED.type: Unauthenticated,
+    api.FORBIDDEN.type: Forbidden,
+    api.AUTH_UNAVAILABLE.type: AuthUnavailable,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,
     api.CLIENT_CLOSED.type: ControllerError,
@@ -147,7 +166,8 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
 _CONTROLLER_STATUS: dict[int, type[SandmanError]] = {
     e.status: _CONTROLLER_TYPES[e.type]
     for e in (api.BAD_REQUEST, api.INVALID_BODY, api.SANDBOX_GONE, api.QUEUE_FULL,
-              api.POD_FAILED, api.NOT_LEADER, api.ACQUIRE_TIMEOUT)
+              api.POD_FAILED, api.NOT_LEADER, api.ACQUIRE_TIMEOUT, api.UNAUTHENTICATED,
+              api.FORBIDDEN)
 }
 
 

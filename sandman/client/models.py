@@ -113,6 +113,7 @@ class SandboxInfo:
     egress: str | None = None
     expires_at: str | None = None  # handed-out sandboxes: deleted after it unless renewed
     lifetime_s: float | None = None
+    tenant: str | None = None  # the tenant namespace (None: unscoped, --auth none)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -126,7 +127,8 @@ class SandboxInfo:
                    image=_opt(d, "image", str, what), cpu=_opt(d, "cpu", str, what),
                    memory=_opt(d, "memory", str, what), egress=_opt(d, "egress", str, what),
                    expires_at=_opt(d, "expires_at", str, what),
-                   lifetime_s=_opt(d, "lifetime_s", _NUM, what), raw=raw)
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
+                   tenant=_opt(d, "tenant", str, what), raw=raw)
 
 
 @dataclass(frozen=True)

@@ -177,6 +177,12 @@ def test_webhook_ha_defaults(helm):
     assert "genCA" not in "".join(p.read_text() for p in (CHART / "templates").rglob("*.*"))
 
 
+UNNAMED_OK = [(["authentication.k8s.io"], ["tokenreviews"]),
+              (["authorization.k8s.io"], ["subjectaccessreviews"]),
+              ([contract.DOMAIN], ["sandboxes"]), ([contract.DOMAIN], ["sandboxes/prewarm"]),
+              ([contract.DOMAIN], ["sandboxes/stats"])]
+
+
 def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
     for case in CASES:
         objs = _render(helm, *_values_args(case))
@@ -188,7 +194,11 @@ def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
                     assert "*" not in rule.get(field, []), (case, obj["metadata"]["name"], rule)
                 if obj["kind"] == "ClusterRole":
                     assert "pods" not in rule["resources"], (case, rule)
-                    assert rule.get("resourceNames"), (case, rule)
+                    # Unnamed cluster-wide rules: only the controller's reviews (create-only,
+                    # they change nothing) and the virtual sandboxes the controller checks.
+                    if not rule.get("resourceNames"):
+                        assert (rule["apiGroups"], rule["resources"]) in UNNAMED_OK, (
+                            case, obj["metadata"]["name"], rule)
 
 
 def test_cert_modes(helm):
@@ -196,7 +206,10 @@ def test_cert_modes(helm):
     assert {"Job", "CronJob", "ClusterRole"} <= own and "Certificate" not in own
     cm = _render(helm, *_values_args("cert-manager"))
     kinds = {o["kind"] for o in cm}
-    assert {"Certificate", "Issuer"} <= kinds and not kinds & {"Job", "CronJob", "ClusterRole"}
+    assert {"Certificate", "Issuer"} <= kinds and not kinds & {"Job", "CronJob"}
+    # No ClusterRole for the webhook's certificates (the controller's reviews have theirs).
+    assert not [o for o in cm if o["kind"] == "ClusterRole" and "-webhook" in
+                o["metadata"]["name"]]
     m = _find(cm, "MutatingWebhookConfiguration")
     assert m["metadata"]["annotations"]["cert-manager.io/inject-ca-from"] == (
         f"{NAMESPACE}/{RELEASE}-webhook")
@@ -501,3 +514,68 @@ def test_controller_disruption_budget_priority_and_sandbox_pod_template(helm, tm
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     assert pod["metadata"]["labels"]["team"] == "rl"
     assert "nodeAffinity" in pod["spec"]["affinity"]
+def test_controller_auth_rbac_and_the_helm_test_identity(helm):
+    """The controller always runs --auth kubernetes and may create the reviews it needs; the
+    user/admin ClusterRoles carry the verbs controller/auth.py checks; the helm test pod
+    authenticates with a projected token for the controller's audience and is bound to the
+    user role in the release namespace."""
+    from controller import auth as A
+
+    objs = _render(helm)
+    dep = _find(objs, "Deployment", "-controller")
+    full = dep["metadata"]["name"].removesuffix("-controller")
+    args = dep["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--auth=kubernetes" in args and f"--auth-audience={A.DEFAULT_AUDIENCE}" in args
+    rules = {r["resources"][0]: r["verbs"] for r in _find(objs, "ClusterRole",
+                                                          f"-controller-{NAMESPACE}")["rules"]}
+    assert rules == {"tokenreviews": ["create"], "subjectaccessreviews": ["create"]}
+    crb = _find(objs, "ClusterRoleBinding", f"-controller-{NAMESPACE}")
+    assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
+    user = _find(objs, "ClusterRole", "sandman-user")["rules"]
+    assert user == [{"apiGroups": [A.GROUP], "resources": [A.RESOURCE],
+                     "verbs": [A.CREATE, A.GET, A.LIST, A.DELETE]}]
+    admin = {r["resources"][0]: r["verbs"] for r in _find(objs, "ClusterRole",
+                                                          "sandman-admin")["rules"]}
+    assert A.DELETECOLLECTION in admin[A.RESOURCE]
+    assert admin[f"{A.RESOURCE}/{A.PREWARM_SUB}"] == [A.CREATE]
+    assert admin[f"{A.RESOURCE}/{A.STATS_SUB}"] == [A.GET]
+    pod = _find(objs, "Pod", "-test")["spec"]
+    assert pod["serviceAccountName"] == f"{full}-test"
+    assert pod["automountServiceAccountToken"] is False
+    src = pod["volumes"][0]["projected"]["sources"][0]["serviceAccountToken"]
+    assert src["audience"] == A.DEFAULT_AUDIENCE
+    env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
+    mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
+    assert env["SANDMAN_TOKEN_FILE"] == f"{mount}/{src['path']}"
+    assert env["SANDMAN_URL"].startswith(f"http://{full}-controller.{NAMESPACE}.svc")
+    rb = _find(objs, "RoleBinding", "-test")
+    assert rb["roleRef"]["name"] == "sandman-user" and rb["metadata"]["namespace"] == NAMESPACE
+
+
+def test_controller_network_policy_admits_only_the_selected_callers(helm):
+    """Trainers only through an admin's namespaceSelector (the default needs a namespace
+    label), the controller's own pods (forwarding), the helm test pod and Prometheus; a peer
+    without a namespaceSelector is refused by the schema."""
+    objs = _render(helm)
+    dep = _find(objs, "Deployment", "-controller")
+    pol = _find(objs, "NetworkPolicy", "-controller")
+    assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
+    (rule,) = pol["spec"]["ingress"]
+    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] == "http"
+    peers = rule["from"]
+    assert peers[0] == {"namespaceSelector": {"matchLabels": {"sandman.dev/trainers": "true"}},
+                        "podSelector": {"matchLabels": {contract.DOMAIN + "/trainer": "true"}}}
+    assert peers[1] == {"podSelector": {"matchLabels": dep["spec"]["selector"]["matchLabels"]}}
+    assert peers[2]["podSelector"]["matchLabels"]["app.kubernetes.io/component"] == "helm-test"
+    assert peers[3]["podSelector"]["matchLabels"] == {"app.kubernetes.io/name": "prometheus"}
+    assert len(peers) == 4
+    # No empty peer (which would admit everything), and a bare podSelector is refused.
+    assert all(p for p in peers)
+    bad = helm.run("template", RELEASE, str(CHART), "--namespace", NAMESPACE, "--set",
+                   "networkPolicy.controllerCallers[0].podSelector.matchLabels.a=b",
+                   "--set", "networkPolicy.controllerCallers[0].namespaceSelector=null",
+                   check=False)
+    assert bad.returncode != 0 and "namespaceSelector" in bad.stderr, bad.stderr
+    none = _render(helm, "--set", "networkPolicy.prometheus=null")
+    assert len(_find(none, "NetworkPolicy", "-controller")["spec"]["ingress"][0]["from"]) == 3

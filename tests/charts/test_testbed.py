@@ -451,20 +451,34 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             tc = pod["spec"]["containers"][0]
             assert tc["command"] == ["python3", "-m", "sandman.selftest"]
             env = {e["name"]: e["value"] for e in tc["env"] if "value" in e}
-            assert env["SANDMAN_CONTROLLER"].startswith(f"http://{controller}.{namespace}.svc:")
+            assert env["SANDMAN_URL"].startswith(f"http://{controller}.{namespace}.svc:")
+            # The test pod's identity: its ServiceAccount's token for the projected volume's
+            # audience, bound to sandman-user by the chart (the controller checks both).
+            sa = pod["spec"]["serviceAccountName"]
+            audience = pod["spec"]["volumes"][0]["projected"]["sources"][0][
+                "serviceAccountToken"]["audience"]
+            token = tmp_path / "token"
+            token.write_text(cluster.core.create_namespaced_service_account_token(
+                sa, namespace, {"spec": {"audiences": [audience]}}).status.token)
             test_cmd = [sys.executable, "-m", "sandman.selftest", *tc["args"]]
             t0 = time.monotonic()
             res = subprocess.run(test_cmd, cwd=tmp_path,
-                                 env={**os.environ, "SANDMAN_CONTROLLER": url,
+                                 env={**os.environ, "SANDMAN_URL": url,
+                                      "SANDMAN_TOKEN_FILE": str(token),
                                       "SANDMAN_POD_IP": "127.0.0.1"},
                                  capture_output=True, text=True, timeout=120)
             took = time.monotonic() - t0
             assert res.returncode == 0, f"{res.stdout}{res.stderr}\n{log.read_text()[-2000:]}"
             assert "ok: acquired, ran `echo ok`, released" in res.stdout
+            # Without the token the controller refuses it (401), and says so in one line.
+            anon = {k: v for k, v in os.environ.items() if k != "SANDMAN_TOKEN_FILE"}
+            res = subprocess.run(test_cmd, cwd=tmp_path, env={**anon, "SANDMAN_URL": url},
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode != 0 and "Unauthenticated" in res.stderr, res.stderr
             # ... and it fails loudly when there is no controller to talk to.
             bad = subprocess.run(test_cmd, cwd=tmp_path,
-                                 env={**os.environ,
-                                      "SANDMAN_CONTROLLER": f"http://127.0.0.1:{free_port()}"},
+                                 env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
+                                      "SANDMAN_URL": f"http://127.0.0.1:{free_port()}"},
                                  capture_output=True, text=True, timeout=120)
             assert bad.returncode != 0 and bad.stderr.strip()
             # A clean shutdown (it releases the Lease) while the chart's RBAC still exists:

@@ -53,7 +53,7 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
     assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
-                    "request_id": sent["request_id"], "lifetime_s": None}
+                    "request_id": sent["request_id"], "lifetime_s": None, "namespace": None}
     assert controller.target.token not in caplog.text
 
 
@@ -82,7 +82,7 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
     assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
                     "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
-                    "request_id": sent["request_id"], "lifetime_s": 600}
+                    "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None}
     # Each acquire has its own request_id (one per logical call, shared by its retries).
     assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 
@@ -391,3 +391,29 @@ def test_renewing_survives_failures_and_stops_at_release(flavor: Flavor,
         flavor.run(body)
     assert "renew failed (ControllerError: boom" in caplog.text and "retrying in" in caplog.text
     assert "it is gone or expired, renewing stops" in caplog.text
+def test_in_cluster_config_from_the_environment(tmp_path, monkeypatch) -> None:
+    """`Client()` reads SANDMAN_URL and SANDMAN_TOKEN_FILE, and reads the token again when the
+    kubelet rotates the file; a missing URL or token file is one clear error."""
+    from sandman.client import Client, _core
+    from sandman.client.errors import SandmanError
+
+    for k in (_core.ENV_URL, _core.ENV_TOKEN_FILE, _core.ENV_CA_FILE):
+        monkeypatch.delenv(k, raising=False)
+    with pytest.raises(SandmanError, match="SANDMAN_URL"):
+        Client()
+    tok = tmp_path / "token"
+    tok.write_text("first\n")
+    monkeypatch.setenv(_core.ENV_URL, "http://127.0.0.1:1/")
+    monkeypatch.setenv(_core.ENV_TOKEN_FILE, str(tok))
+    with Client() as c:
+        assert c.url == "http://127.0.0.1:1"
+        assert c._token.header() == {"Authorization": "Bearer first"}
+        new = tmp_path / "token.new"  # the kubelet's atomic swap
+        new.write_text("second-longer")
+        new.replace(tok)
+        assert c._token.header() == {"Authorization": "Bearer second-longer"}
+    with Client("http://127.0.0.1:1", token="given") as c:
+        assert c._token.header() == {"Authorization": "Bearer given"}
+    monkeypatch.setenv(_core.ENV_TOKEN_FILE, str(tmp_path / "missing"))
+    with pytest.raises(SandmanError, match="token file"):
+        Client()

@@ -26,6 +26,34 @@ from testbed import realnode
 PROBE = Path(__file__).with_name("probe.py")
 TASK_IMAGE = "sandman.local/task:bookworm"
 TRAINER_LABEL = "sandman.dev/trainer"
+# A trainer's identity for the controller (docs/sdk.md, "Before you start"): a projected token
+# for the controller's audience, read by the SDK from $SANDMAN_TOKEN_FILE.
+SDK_TOKEN_DIR = "/var/run/secrets/sandman"
+SDK_TOKEN_VOLUME = {"name": "sandman-token", "projected": {"sources": [{"serviceAccountToken": {
+    "audience": "sandman", "expirationSeconds": 3600, "path": "token"}}]}}
+SDK_TOKEN_MOUNT = {"name": "sandman-token", "mountPath": SDK_TOKEN_DIR, "readOnly": True}
+
+
+def sdk_env(controller: str) -> list[dict]:
+    return [{"name": "SANDMAN_URL", "value": controller},
+            {"name": "SANDMAN_TOKEN_FILE", "value": f"{SDK_TOKEN_DIR}/token"}]
+
+
+def bind_trainer(api_client, ns: str, sa: str = "default", role: str = "sandman-user") -> None:
+    """An admin's two steps for a trainer namespace: label it for the controller's
+    NetworkPolicy (networkPolicy.controllerCallers' default namespaceSelector) and bind the
+    chart's user ClusterRole to `sa` in `ns`, its tenant (409: already bound)."""
+    client.CoreV1Api(api_client).patch_namespace(
+        ns, {"metadata": {"labels": {"sandman.dev/trainers": "true"}}})
+    try:
+        client.RbacAuthorizationV1Api(api_client).create_namespaced_role_binding(ns, {
+            "metadata": {"name": f"{role}-{sa}"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                        "name": role},
+            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]})
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
 
 
 def placement() -> dict:

@@ -23,7 +23,7 @@ from concurrent.futures import ThreadPoolExecutor
 from kubernetes import client
 
 from sandman.contract import LABEL_JOB
-from tests.e2e.helpers import new_token, plain_pod, sandbox_pod
+from tests.e2e.helpers import bind_trainer, new_token, plain_pod, sandbox_pod
 from tests.e2e.test_sdk import run_trainer
 
 
@@ -147,7 +147,7 @@ retry = RetryPolicy(attempts=80, backoff_s=0.2, backoff_max_s=1.0, budget_s=90)
 out = {"ok": [], "errors": []}
 lock = threading.Lock()
 def one(i):
-    with Client(os.environ["SANDMAN_CONTROLLER"], retry=retry, timeout_s=30) as c:
+    with Client(retry=retry, timeout_s=30) as c:
         try:
             sb = c.acquire(os.environ["TASK_IMAGE"], job="e2e-burst", cpu="100m",
                            memory="128Mi", timeout_s=150)
@@ -166,7 +166,7 @@ for i in range(n):
     time.sleep(0.5)
 for t in threads:
     t.join(300)
-with Client(os.environ["SANDMAN_CONTROLLER"], retry=retry) as c:
+with Client(retry=retry) as c:
     out["drained"] = c.drain("e2e-burst")
 print("E2E-RESULT " + json.dumps(out), flush=True)
 """
@@ -203,6 +203,8 @@ def test_controller_leader_killed_mid_burst(sandman, ns, figures):
             time.sleep(0.2)
 
     killer = threading.Thread(target=kill_when_started)
+    # The script drains its job at the end: deletecollection is the admin role's.
+    bind_trainer(sandman.cluster.api_client, ns, role="sandman-admin")
     killer.start()
     t0 = time.monotonic()
     try:

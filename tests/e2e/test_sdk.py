@@ -10,7 +10,15 @@ import time
 
 from kubernetes import client
 
-from tests.e2e.helpers import TASK_IMAGE, TRAINER_LABEL, placement
+from tests.e2e.helpers import (
+    SDK_TOKEN_MOUNT,
+    SDK_TOKEN_VOLUME,
+    TASK_IMAGE,
+    TRAINER_LABEL,
+    bind_trainer,
+    placement,
+    sdk_env,
+)
 
 MEMORY = 160 * 1024 * 1024
 
@@ -18,7 +26,7 @@ SCRIPT = r"""
 import hashlib, json, os, sys
 from sandman.client import Client
 res = {}
-with Client(os.environ["SANDMAN_CONTROLLER"], timeout_s=60) as c:
+with Client(timeout_s=60) as c:  # in-cluster config: SANDMAN_URL, SANDMAN_TOKEN_FILE
     with c.acquire(image=os.environ["TASK_IMAGE"], job="e2e-sdk", cpu="250m",
                    memory="160Mi", timeout_s=150) as sb:
         res["pod"] = sb.pod
@@ -60,6 +68,9 @@ print("E2E-RESULT " + json.dumps(res))
 
 
 def trainer_pod(name: str, image: str, script: str, controller: str, **env: str) -> dict:
+    """A trainer as docs/sdk.md sets one up: the namespace's `default` ServiceAccount (bound
+    to sandman-user by `bind_trainer`), a projected token for the controller's audience, and
+    the SDK's environment, so the script's `Client()` takes no arguments."""
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": {TRAINER_LABEL: "true"}},
             "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
@@ -67,15 +78,18 @@ def trainer_pod(name: str, image: str, script: str, controller: str, **env: str)
                      "containers": [{
                          "name": "trainer", "image": image, "imagePullPolicy": "Never",
                          "command": ["python3", "-c", script],
-                         "env": [{"name": "SANDMAN_CONTROLLER", "value": controller},
+                         "env": [*sdk_env(controller),
                                  {"name": "TASK_IMAGE", "value": TASK_IMAGE},
                                  *({"name": k, "value": v} for k, v in env.items())],
+                         "volumeMounts": [SDK_TOKEN_MOUNT],
                          "resources": {"limits": {"cpu": "200m", "memory": "192Mi"}}}],
+                     "volumes": [SDK_TOKEN_VOLUME],
                      **placement()}}
 
 
 def run_trainer(sandman, ns: str, name: str, script: str, timeout: float = 400, **env) -> dict:
     url = sandman.inst.controller_url_in_cluster()
+    bind_trainer(sandman.cluster.api_client, ns)
     sandman.create(ns, trainer_pod(name, sandman.inst.image_ref, script, url, **env))
     pod = sandman.wait_done(ns, name, timeout=timeout)
     logs = sandman.logs(ns, name)

@@ -19,6 +19,7 @@
 {{- define "sandman.contract.LABEL_NONCE" -}}sandman.dev/nonce{{- end -}}
 {{- define "sandman.contract.LABEL_SANDBOX" -}}sandman.dev/sandbox{{- end -}}
 {{- define "sandman.contract.LABEL_STATE" -}}sandman.dev/state{{- end -}}
+{{- define "sandman.contract.LABEL_TENANT" -}}sandman.dev/tenant{{- end -}}
 {{- define "sandman.contract.MANAGED_BY_CONTROLLER" -}}sandman-controller{{- end -}}
 {{- define "sandman.contract.NETGUARD_CONTAINER" -}}sandman-netguard{{- end -}}
 {{- define "sandman.contract.NETGUARD_STATUS_PATH" -}}/sandman/run/netguard.json{{- end -}}

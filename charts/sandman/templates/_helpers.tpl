@@ -19,6 +19,9 @@ collide (a leftover webhook configuration of another release would refuse its sa
 
 {{- define "sandman.webhook.fullname" -}}{{ include "sandman.fullname" . }}-webhook{{- end -}}
 {{- define "sandman.controller.fullname" -}}{{ include "sandman.fullname" . }}-controller{{- end -}}
+{{- define "sandman.controller.clusterName" -}}
+{{- printf "%s-%s" (include "sandman.controller.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
 {{- define "sandman.webhook.secret" -}}{{ include "sandman.webhook.fullname" . }}-tls{{- end -}}
 
 {{- /* Where sandbox pods live: the controller's Role, its --namespace and the sandbox

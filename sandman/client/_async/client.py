@@ -18,6 +18,7 @@ from sandman import api
 from sandman.client import _core
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.errors import (
+    AuthUnavailable,
     BadRequest,
     ControllerUnreachable,
     NotLeader,
@@ -35,6 +36,12 @@ log = logging.getLogger("sandman.client")
 class AsyncClient:
     """The controller at `url` (e.g. "http://sandman-controller:8080").
 
+    In a pod, `AsyncClient()` with no arguments is configured from the environment:
+    `$SANDMAN_URL`, `$SANDMAN_TOKEN_FILE` (a projected ServiceAccount token with audience
+    `sandman`, read again whenever the kubelet rotates it, sent as `Authorization: Bearer`)
+    and `$SANDMAN_CA_FILE` (the controller's CA, for https). `token=` / `token_file=` /
+    `ca_file=` override them (docs/sdk.md, "Before you start").
+
     Leaving `async with AsyncClient(...)` (or aclose()) releases every sandbox acquired
     through it that was not released yet, so a crashed rollout loop does not leave pods
     behind. With asyncio, an acquire whose caller is cancelled runs on, and the sandbox it
@@ -46,12 +53,15 @@ class AsyncClient:
     `kind` is the operation ("ACQUIRE", "EXEC", ...), `name` its route template, `exception`
     the error the call raises (None on success). The load tests report it to locust."""
 
-    def __init__(self, url: str, *, timeout_s: float = 30.0, retry: RetryPolicy | None = None,
+    def __init__(self, url: str | None = None, *, token: str | None = None,
+                 token_file: str | None = None, ca_file: str | None = None,
+                 timeout_s: float = 30.0, retry: RetryPolicy | None = None,
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  execd_transport: httpx.AsyncBaseTransport | None = None,
                  on_request: OnRequest | None = None) -> None:
-        self.url = url.rstrip("/")
+        self.url = _core.controller_url(url)
+        self._token = _core.TokenSource(token, token_file)
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
@@ -59,7 +69,7 @@ class AsyncClient:
         self._on_request = on_request
         if transport is None:
             transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
-                                                 verify=_core.tls_context())
+                                                 verify=_core.controller_tls(ca_file))
         self._http = httpx.AsyncClient(base_url=self.url, transport=transport, trust_env=False,
                                        headers={"User-Agent": _core.USER_AGENT})
         self._lock = threading.Lock()  # _live and _closed; held for no I/O
@@ -102,7 +112,7 @@ class AsyncClient:
                       labels: Mapping[str, str] | None = None,
                       timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
                       wait: bool = True, lifetime_s: float | None = None,
-                      renew: bool = True) -> AsyncSandbox:
+                      renew: bool = True, namespace: str | None = None) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
         `lifetime_s` (None: the controller's default) is how long the sandbox outlives this
@@ -112,14 +122,17 @@ class AsyncClient:
         Every attempt carries one request_id, so an attempt whose answer was lost is retried
         and the controller answers it with the first attempt's sandbox, not a second one. Only
         if the controller itself was replaced in between can a retry get a second sandbox;
-        the first then stays leased under the job until `drain` (docs/sdk.md)."""
+        the first then stays leased under the job until `drain` (docs/sdk.md).
+
+        `namespace`: the tenant the sandbox belongs to; default the caller's ServiceAccount
+        namespace (another needs the caller's RBAC there)."""
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(
             api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
             egress=egress, workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
-            wait=bool(wait), lifetime_s=lifetime_s,
+            wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace,
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
             request_id=_core.new_request_id())
@@ -190,8 +203,10 @@ class AsyncClient:
         resp = await self._send(api.GET, id=_check_id(sandbox_id), read_s=self._timeout_s)
         return SandboxInfo.from_json(_core.decode_json(resp, "get"))
 
-    async def list(self, job: str | None = None) -> list[SandboxInfo]:
-        params = {"job": job} if job else None
+    async def list(self, job: str | None = None,
+                   namespace: str | None = None) -> list[SandboxInfo]:
+        """The sandboxes of every tenant the caller may list (`namespace`: that one only)."""
+        params = {k: v for k, v in (("job", job), ("namespace", namespace)) if v} or None
         resp = await self._send(api.LIST, params=params, read_s=self._timeout_s)
         data = _core.decode_json(resp, "list")
         items = data.get("items") if isinstance(data, dict) else None
@@ -214,13 +229,14 @@ class AsyncClient:
         resp = await self._send(api.PREWARM, json=body.to_json(), read_s=self._timeout_s)
         return PoolStatus.from_json(_core.decode_json(resp, "prewarm"))
 
-    async def drain(self, job: str) -> int:
+    async def drain(self, job: str, namespace: str | None = None) -> int:
         """End of a job: the controller deletes every sandbox of `job` and withdraws its
         queued acquires. Handles of this client for that job are gone afterwards. Returns how
         many sandboxes the controller is deleting."""
         if not job:
             raise BadRequest("job is required")
-        resp = await self._send(api.DRAIN, job=job, read_s=self._timeout_s)
+        resp = await self._send(api.DRAIN, job=job, read_s=self._timeout_s,
+                                params={"namespace": namespace} if namespace else None)
         data = _core.decode_json(resp, "drain")
         with self._lock:
             ending = [sb for sb in self._live.values() if sb.job == job]
@@ -262,14 +278,14 @@ class AsyncClient:
             err: SandmanError | httpx.TransportError
             try:
                 resp = await self._http.request(method, path, json=json, params=params,
-                                                timeout=tmo)
+                                                headers=self._token.header(), timeout=tmo)
             except _core.RETRYABLE as e:
                 err = e
             else:
                 try:
                     _core.raise_for_controller(resp)
                     return resp
-                except NotLeader as e:
+                except (NotLeader, AuthUnavailable) as e:
                     err = e
             delay = attempts.delay()
             if delay is None:
