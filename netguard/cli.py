@@ -39,16 +39,26 @@ def _ruleset_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--ingress-from", action="append", metavar="CIDR",
                    help="sources allowed to reach --ingress-port (repeatable or comma-separated);"
                         " none: loopback only")
+    g.add_argument("--ingress-from-gateway", action="store_const", const=True, default=None,
+                   help="also admit the pod's default gateway(s) (/32, /128) to --ingress-port, "
+                        "read from this netns's routing table: on a bridge CNI the kubelet's "
+                        "probes come from there; none found admits nothing more")
 
 
-def _config(args: argparse.Namespace) -> Config:
-    return Config.from_strings(args.egress, args.allow_egress, args.ingress_port,
-                               args.ingress_from)
+def _config(args: argparse.Namespace, gateways: list[str] | None = None) -> Config:
+    """The Config of the command line; with --ingress-from-gateway, the gateways given, or
+    (None) those of this netns's routing table."""
+    config = Config.from_strings(args.egress, args.allow_egress, args.ingress_port,
+                                 args.ingress_from, args.ingress_from_gateway)
+    if config.ingress_from_gateway and gateways is None:
+        gateways = netinfo.gateways()
+    return config.with_gateways(gateways or [])
 
 
 def _given(args: argparse.Namespace) -> bool:
     return any(getattr(args, k) is not None
-               for k in ("egress", "allow_egress", "ingress_port", "ingress_from"))
+               for k in ("egress", "allow_egress", "ingress_port", "ingress_from",
+                         "ingress_from_gateway"))
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -174,7 +184,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
         timings[name] = round((now - t0) * 1000, 2)
         return now
 
-    config = _config(args)
+    config = _config(args, gateways=[])  # the gateways come with the netns read below
     blocked = [verify.parse_target(x) for x in args.verify_blocked]
     status = {
         "version": STATUS_VERSION, "ok": False, "mode": config.egress,
@@ -192,7 +202,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
         info = netinfo.read()
         chosen, found, live, missing = detect_finish(pending)
         t = lap("detect", t)
-        status.update(backend=chosen, families=list(info.families), pod_ips=info.pod_ips)
+        config = config.with_gateways(info.gateways)
+        status.update(backend=chosen, families=list(info.families), pod_ips=info.pod_ips,
+                      options=config.to_dict(), ruleset_sha256=ruleset_sha256(config))
         for family in info.families:
             if family in missing:
                 raise GuardError(f"cannot guard {family}: {missing[family]}")
@@ -237,6 +249,9 @@ def cmd_apply(args: argparse.Namespace) -> int:
         except OSError as e:
             if status["ok"]:
                 raise GuardError(f"cannot write status file {args.status_file}: {e}") from None
+    if config.ingress_from_gateway:
+        print("netguard: gateway admitted to port "
+              f"{config.ingress_port}: {', '.join(map(str, config.ingress_gateways)) or 'none found (no default route)'}")
     print(f"netguard: egress {config.egress}, {'+'.join(status['families'])} via "
           f"{status['backend']}, ruleset {status['ruleset_sha256'][:12]}, "
           f"{'verified' if status['verified'] else 'NOT verified (--no-verify)'} "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from sandman.contract import EXECD_PORT
 
@@ -92,6 +92,11 @@ class Config:
     allow_egress: tuple[EgressAllow, ...] = ()
     ingress_port: int = EXECD_PORT
     ingress_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    # --ingress-from-gateway: admit the pod's default gateway(s), resolved at apply time in
+    # the pod's netns (netinfo.read) and then held here as /32 (/128) networks, so the ruleset
+    # stays a pure function of the Config and the status file records what was admitted.
+    ingress_from_gateway: bool = False
+    ingress_gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
     lockdown: bool = field(default=False, compare=False)  # rendered after a failed apply
 
     def __post_init__(self) -> None:
@@ -101,6 +106,11 @@ class Config:
             raise ConfigError(f"--ingress-port must be 1-65535, not {self.ingress_port}")
         if self.egress == "allow" and self.allow_egress:
             raise ConfigError("--allow-egress only makes sense with --egress deny")
+        if self.ingress_gateways and not self.ingress_from_gateway:
+            raise ConfigError("gateway addresses without --ingress-from-gateway")
+        for gw in self.ingress_gateways:
+            if gw.prefixlen != gw.max_prefixlen:
+                raise ConfigError(f"a gateway is one address, not {gw}")
 
     @classmethod
     def from_strings(
@@ -109,6 +119,8 @@ class Config:
         allow_egress: list[str] | None = None,
         ingress_port: int | None = None,
         ingress_from: list[str] | None = None,
+        ingress_from_gateway: bool | None = None,
+        ingress_gateways: list[str] | None = None,
     ) -> Config:
         """Build from CLI-style strings; list items may also be comma-separated."""
         return cls(
@@ -116,6 +128,8 @@ class Config:
             allow_egress=tuple(EgressAllow.parse(x) for x in _split(allow_egress)),
             ingress_port=EXECD_PORT if ingress_port is None else int(ingress_port),
             ingress_from=tuple(parse_network(x) for x in _split(ingress_from)),
+            ingress_from_gateway=bool(ingress_from_gateway),
+            ingress_gateways=tuple(parse_network(x) for x in _split(ingress_gateways)),
         )
 
     def to_dict(self) -> dict:
@@ -125,13 +139,29 @@ class Config:
             "allow_egress": [str(a) for a in self.allow_egress],
             "ingress_port": self.ingress_port,
             "ingress_from": [str(n) for n in self.ingress_from],
+            "ingress_from_gateway": self.ingress_from_gateway,
+            "ingress_gateways": [str(n) for n in self.ingress_gateways],
         }
 
     @classmethod
     def from_dict(cls, d: dict) -> Config:
         return cls.from_strings(
-            d.get("egress"), d.get("allow_egress"), d.get("ingress_port"), d.get("ingress_from")
+            d.get("egress"), d.get("allow_egress"), d.get("ingress_port"), d.get("ingress_from"),
+            d.get("ingress_from_gateway"), d.get("ingress_gateways"),
         )
+
+    def with_gateways(self, gateways: list[str]) -> Config:
+        """This Config with the gateways found in the pod's netns (only if the flag is set):
+        each one address, deduplicated, in the order the routing table listed them."""
+        if not self.ingress_from_gateway:
+            return self
+        nets: list = []
+        for gw in gateways:
+            net = parse_network(gw)
+            net = ipaddress.ip_network(f"{net.network_address}/{net.max_prefixlen}")
+            if net not in nets:
+                nets.append(net)
+        return replace(self, ingress_gateways=tuple(nets))
 
     def locked_down(self) -> Config:
         """The fail-closed ruleset: egress denied, no allow entries, no inbound sources."""

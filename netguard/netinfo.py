@@ -16,6 +16,7 @@ class NetInfo:
     pod_ips: list[str] = field(default_factory=list)  # global addresses on non-loopback links
     ipv6_enabled: bool = False
     has_ipv6_loopback: bool = False
+    gateways: list[str] = field(default_factory=list)  # default routes' next hops, v4 first
 
 
 def ipv6_enabled() -> bool:
@@ -48,8 +49,44 @@ def read() -> NetInfo:
                 v6_loopback = v6_loopback or addr == "::1"
             if names.get(a["index"]) != "lo" and a["scope"] == 0 and addr:  # global scope
                 pod_ips.append(addr)
+        gateways = default_gateways(ipr)
     enabled = ipv6_enabled()
     families = (IPV4, IPV6) if (any_v6 or enabled) else (IPV4,)
     # IPv4 first: the pod IP most callers use.
     pod_ips.sort(key=lambda ip: ":" in ip)
-    return NetInfo(families, pod_ips, enabled, v6_loopback)
+    return NetInfo(families, pod_ips, enabled, v6_loopback, gateways)
+
+
+def gateways() -> list[str]:
+    """`default_gateways` of this netns, on its own (render and check)."""
+    from pyroute2 import IPRoute
+
+    with IPRoute() as ipr:
+        return default_gateways(ipr)
+
+
+_MAIN_TABLE = 254
+_RTN_UNICAST = 1
+
+
+def default_gateways(ipr) -> list[str]:
+    """The next hops of the main table's default routes (IPv4, then IPv6; multipath next hops
+    included), as the pod's own netns holds them. On a bridge CNI this is the bridge's address
+    on the node, where the kubelet's probes come from. None found (a pod without a default
+    route) is not an error: nothing more is admitted."""
+    out: list[str] = []
+    for fam in (socket.AF_INET, socket.AF_INET6):
+        try:
+            routes = ipr.get_routes(family=fam)
+        except Exception:  # noqa: BLE001 - e.g. no IPv6 in this kernel: no v6 gateway
+            if fam == socket.AF_INET:
+                raise
+            continue
+        for r in routes:
+            table = r.get_attr("RTA_TABLE") or r["table"]
+            if r["dst_len"] != 0 or table != _MAIN_TABLE or r["type"] != _RTN_UNICAST:
+                continue
+            hops = [r.get_attr("RTA_GATEWAY")]
+            hops += [nh.get_attr("RTA_GATEWAY") for nh in r.get_attr("RTA_MULTIPATH") or []]
+            out += [h for h in hops if h and h not in out]
+    return out

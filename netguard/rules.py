@@ -125,6 +125,12 @@ def chain_rules(config: Config, family: str) -> list[Rule]:
         if (src.version == 4) == (family == IPV4):
             rules.append(Rule(inn, f"{_addr('-s', src)}-p tcp -m tcp --dport {port}",
                               f"allow port {port} from {src}", "ACCEPT"))
+    # The pod's default gateway is the host side of its link (a bridge CNI's bridge address):
+    # the kubelet's probes come from there, not from status.hostIP (docs/netguard.md).
+    for gw in config.ingress_gateways:
+        if (gw.version == 4) == (family == IPV4):
+            rules.append(Rule(inn, f"-s {gw} -p tcp -m tcp --dport {port}",
+                              f"allow port {port} from gateway {gw}", "ACCEPT"))
     rules.append(Rule(inn, "", "drop other new inbound", "DROP"))
     return rules
 

@@ -287,9 +287,11 @@ def ingress_cidrs(pod: dict, policy: SandboxPolicy) -> list[str]:
     return cidrs
 
 
-# The kubelet probes execd's /health from the node's address: the guard must let the node in,
-# or a narrowed --ingress-from (the trainers' CIDR) would leave every sandbox unready. The
-# kubelet expands $(VAR) in args from the container's env (downward API status.hostIP).
+# The kubelet probes execd's /health from the node: the guard must let the node in, or a
+# narrowed --ingress-from (the trainers' CIDR) would leave every sandbox unready. The kubelet
+# expands $(VAR) in args from the container's env (downward API status.hostIP). On a bridge
+# CNI the probes come from the bridge's address instead, the pod's default gateway, which
+# netguard resolves in the pod's netns (--ingress-from-gateway; docs/netguard.md).
 NODE_IP_ENV = "SANDMAN_NODE_IP"
 
 
@@ -319,7 +321,7 @@ def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
     for cidr in ingress_cidrs(pod, policy):
         args += ["--ingress-from", cidr]
-    return args + ["--ingress-from", f"$({NODE_IP_ENV})"]
+    return args + ["--ingress-from", f"$({NODE_IP_ENV})", "--ingress-from-gateway"]
 
 
 def _injected_resources() -> dict:

@@ -170,10 +170,15 @@ def test_webhook_ha_defaults(helm):
     assert spec["priorityClassName"] == _find(objs, "PriorityClass")["metadata"]["name"]
     assert spec["containers"][0]["readinessProbe"]["httpGet"]["path"] == "/readyz"
     assert _find(objs, "PodDisruptionBudget", "-webhook")["spec"]["maxUnavailable"] == 1
-    # Never Helm's genCA, never a pre-delete hook that removes the configurations.
+    # Never Helm's genCA, never a delete hook that removes the configurations: the only delete
+    # hooks are the uninstall cleanup's (post-delete), whose RBAC has no admission objects.
     for obj in objs:
         hook = obj["metadata"].get("annotations", {}).get("helm.sh/hook", "")
-        assert "delete" not in hook, obj["metadata"]["name"]
+        if "delete" in hook:
+            assert hook == "post-delete", obj["metadata"]["name"]
+            assert obj["metadata"]["labels"]["app.kubernetes.io/component"] == "cleanup"
+            for rule in obj.get("rules", []):
+                assert "admissionregistration.k8s.io" not in rule["apiGroups"], rule
     assert "genCA" not in "".join(p.read_text() for p in (CHART / "templates").rglob("*.*"))
 
 
@@ -201,11 +206,15 @@ def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
                             case, obj["metadata"]["name"], rule)
 
 
+def _not_hooks(objs: list[dict]) -> list[dict]:
+    return [o for o in objs if "helm.sh/hook" not in o["metadata"].get("annotations", {})]
+
+
 def test_cert_modes(helm):
-    own = {o["kind"] for o in _render(helm)}
+    own = {o["kind"] for o in _not_hooks(_render(helm))}
     assert {"Job", "CronJob", "ClusterRole"} <= own and "Certificate" not in own
     cm = _render(helm, *_values_args("cert-manager"))
-    kinds = {o["kind"] for o in cm}
+    kinds = {o["kind"] for o in _not_hooks(cm)}
     assert {"Certificate", "Issuer"} <= kinds and not kinds & {"Job", "CronJob"}
     # No ClusterRole for the webhook's certificates (the controller's reviews have theirs).
     assert not [o for o in cm if o["kind"] == "ClusterRole" and "-webhook" in
@@ -223,7 +232,7 @@ def test_cert_modes(helm):
 def test_certs_job_is_named_by_its_pod(helm):
     """Job pods are immutable: a changed image must give a new Job, an unchanged one the same."""
     def name(*args):
-        return _find(_render(helm, *args), "Job")["metadata"]["name"]
+        return _find(_not_hooks(_render(helm, *args)), "Job")["metadata"]["name"]
 
     assert name() == name("--set", "controller.rate=5")
     assert name() != name("--set", "image.tag=0.1.1")
@@ -514,6 +523,8 @@ def test_controller_disruption_budget_priority_and_sandbox_pod_template(helm, tm
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     assert pod["metadata"]["labels"]["team"] == "rl"
     assert "nodeAffinity" in pod["spec"]["affinity"]
+
+
 def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     """The controller always runs --auth kubernetes and may create the reviews it needs; the
     user/admin ClusterRoles carry the verbs controller/auth.py checks; the helm test pod
@@ -579,3 +590,68 @@ def test_controller_network_policy_admits_only_the_selected_callers(helm):
     assert bad.returncode != 0 and "namespaceSelector" in bad.stderr, bad.stderr
     none = _render(helm, "--set", "networkPolicy.prometheus=null")
     assert len(_find(none, "NetworkPolicy", "-controller")["spec"]["ingress"][0]["from"]) == 3
+
+
+# ---------------------------------------------------------------- uninstall cleanup hook
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_uninstall_cleanup_hook_is_bounded_minimal_and_points_at_this_release(helm, case):
+    """`helm uninstall` leaves nothing: a post-delete Job removes the controller's run-time
+    objects. Its RBAC is the minimum (only the sandbox namespace's pods/ConfigMaps, the Lease by
+    name, the helm test pod by name), it is bounded, and its args name this release's objects."""
+    from controller.cleanup import parse_args
+
+    objs = _render(helm, *_values_args(case))
+    hooks = [o for o in objs if o["metadata"].get("annotations", {}).get("helm.sh/hook")
+             == "post-delete"]
+    assert sorted((o["kind"], o["metadata"]["name"]) for o in hooks) == sorted([
+        ("ServiceAccount", f"{RELEASE}-cleanup"), ("Role", f"{RELEASE}-cleanup"),
+        ("RoleBinding", f"{RELEASE}-cleanup"), ("Role", f"{RELEASE}-cleanup-sandboxes"),
+        ("RoleBinding", f"{RELEASE}-cleanup-sandboxes"), ("Job", f"{RELEASE}-cleanup")])
+    for o in hooks:
+        ann = o["metadata"]["annotations"]
+        # Deleted when they succeed; a failed run keeps them for `kubectl logs`.
+        assert ann["helm.sh/hook-delete-policy"] == "before-hook-creation,hook-succeeded"
+        # The account and its rights exist before the Job starts.
+        assert ann["helm.sh/hook-weight"] == ("0" if o["kind"] == "Job" else "-10")
+    ctl = _find(objs, "Deployment", "-controller")
+    ctl_args = ctl["spec"]["template"]["spec"]["containers"][0]["args"]
+    sbx = next(a.split("=", 1)[1] for a in ctl_args if a.startswith("--namespace="))
+    lease = next(a.split("=", 1)[1] for a in ctl_args if a.startswith("--lease-name="))
+    roles = {o["metadata"]["name"]: o for o in hooks if o["kind"] == "Role"}
+    test_pod = next(o for o in objs if o["kind"] == "Pod"
+                    and o["metadata"]["annotations"].get("helm.sh/hook") == "test")
+    assert roles[f"{RELEASE}-cleanup"]["metadata"]["namespace"] == NAMESPACE
+    assert roles[f"{RELEASE}-cleanup"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["list"]},
+        {"apiGroups": [""], "resources": ["pods"],
+         "resourceNames": [test_pod["metadata"]["name"]], "verbs": ["get", "delete"]}]
+    assert roles[f"{RELEASE}-cleanup-sandboxes"]["metadata"]["namespace"] == sbx
+    assert roles[f"{RELEASE}-cleanup-sandboxes"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods", "configmaps"],
+         "verbs": ["list", "deletecollection"]},
+        {"apiGroups": ["coordination.k8s.io"], "resources": ["leases"],
+         "resourceNames": [lease], "verbs": ["delete"]}]
+    for b in (o for o in hooks if o["kind"] == "RoleBinding"):
+        assert b["roleRef"]["name"] == b["metadata"]["name"]
+        assert b["subjects"] == [{"kind": "ServiceAccount", "name": f"{RELEASE}-cleanup",
+                                  "namespace": NAMESPACE}]
+
+    job = next(o for o in hooks if o["kind"] == "Job")
+    assert job["spec"]["backoffLimit"] <= 1 and job["spec"]["activeDeadlineSeconds"] <= 300
+    pod = job["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == f"{RELEASE}-cleanup"
+    c = pod["containers"][0]
+    assert c["command"] == ["python3", "-m", "controller.cleanup"]
+    assert c["image"] == ctl["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert c["securityContext"]["readOnlyRootFilesystem"] is True
+    args = parse_args(c["args"])
+    assert (args.namespace, args.lease_name, args.release_namespace, args.test_pod) == (
+        sbx, lease, NAMESPACE, test_pod["metadata"]["name"])
+    assert args.timeout < job["spec"]["activeDeadlineSeconds"]
+    # It waits for exactly the release's controller pods, never for itself.
+    want = dict(x.split("=") for x in args.controller_selector.split(","))
+    ctl_labels = ctl["spec"]["template"]["metadata"]["labels"]
+    assert want.items() <= ctl_labels.items()
+    assert not want.items() <= job["spec"]["template"]["metadata"]["labels"].items()

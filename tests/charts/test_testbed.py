@@ -86,8 +86,11 @@ class Release:
         return self
 
     def __exit__(self, *exc):
+        # --no-hooks: the post-delete cleanup Job never completes on kwok (no containers run);
+        # test_uninstall_cleanup_under_its_rbac runs its command here instead, and the e2e
+        # suite runs the real hook on the real node.
         self.helm.run("uninstall", self.name, "--namespace", self.namespace, "--wait",
-                      "--timeout", "60s", check=False)
+                      "--timeout", "60s", "--no-hooks", check=False)
         for kind in CLUSTER_KINDS:  # a failed uninstall must not leave admission behind
             kubectl(self.cluster.kubeconfig, "delete", kind, "-l",
                     f"app.kubernetes.io/instance={self.name}", "--ignore-not-found",
@@ -297,7 +300,7 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
 
             # Uninstall: nothing of ours is left, in any namespace or cluster-wide.
             helm.run("uninstall", rel.name, "--namespace", namespace, "--wait",
-                     "--timeout", "60s")
+                     "--timeout", "60s", "--no-hooks")  # see Release.__exit__
             for obj in first + second:
                 res = kubectl(cluster.kubeconfig, "get", *_ref(obj, namespace), check=False)
                 assert res.returncode != 0 and "NotFound" in res.stderr, (obj["kind"], res.stdout)
@@ -492,3 +495,101 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
         cluster.delete_namespace(other)
         cluster.delete_namespace(sandboxes)
     figures.add(f"chart: helm test script against the controller under its RBAC: {took:.1f}s")
+
+
+def test_uninstall_cleanup_under_its_rbac(cluster, namespace, helm, tmp_path):
+    """The post-delete hook's exact command (`python3 -m controller.cleanup`, the rendered
+    args), run here under the hook's own ServiceAccount and Roles (kwok runs no Job): it waits
+    for the release's controller pods, then removes the controller's sandbox pods, per-job
+    ConfigMaps and Lease and the helm test pod, and nothing else."""
+    from sandman.contract import LABEL_MANAGED_BY, MANAGED_BY_CONTROLLER
+
+    sbx = cluster.new_namespace("chart-cleanup-sbx")
+    other = cluster.new_namespace("chart-cleanup-other")
+    core = cluster.core
+    coord = client.CoordinationV1Api(cluster.api_client)
+    try:
+        with Release(helm, cluster, namespace) as rel:
+            rel.install(_values_file(tmp_path, "v", _scoped(other), {
+                "sandboxNamespace": sbx, "controller": {"readyCheck": "pod"}}))
+            hooks = [o for o in objects(helm.run("get", "hooks", rel.name, "-n",
+                                                 namespace).stdout)
+                     if o["metadata"]["annotations"].get("helm.sh/hook") == "post-delete"]
+            job = next(o for o in hooks if o["kind"] == "Job")
+            args = job["spec"]["template"]["spec"]["containers"][0]["args"]
+            sa = job["spec"]["template"]["spec"]["serviceAccountName"]
+            helm.run("uninstall", rel.name, "--namespace", namespace, "--wait",
+                     "--timeout", "60s", "--no-hooks")
+            lease = next(a.split("=", 1)[1] for a in args if a.startswith("--lease-name="))
+            test_pod = next(a.split("=", 1)[1] for a in args if a.startswith("--test-pod="))
+
+            def pod(name: str, ns: str, labels: dict) -> None:
+                core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels},
+                    "spec": {"containers": [{"name": "c", "image": "img"}]}})
+
+            managed = {LABEL_MANAGED_BY: MANAGED_BY_CONTROLLER, LABEL_SANDBOX: "true"}
+            for i in range(3):
+                pod(f"sbx-{i}", sbx, managed)
+            pod("users-own-sandbox", sbx, {LABEL_SANDBOX: "true"})  # not the controller's
+            pod(test_pod, namespace, {"app.kubernetes.io/component": "helm-test"})
+            pod("bystander", namespace, {})
+            core.create_namespaced_config_map(sbx, {"metadata": {
+                "name": "sandman-job-a", "labels": {LABEL_MANAGED_BY: MANAGED_BY_CONTROLLER}}})
+            core.create_namespaced_config_map(sbx, {"metadata": {"name": "someone-elses"}})
+            for name in (lease, "someone-elses"):
+                coord.create_namespaced_lease(sbx, {"metadata": {"name": name},
+                                                    "spec": {"holderIdentity": "x"}})
+            # A controller pod of the release still there: the cleanup waits for it (bounded),
+            # then fails saying so, having deleted nothing.
+            pod("ctl-shutting-down", namespace, {"app.kubernetes.io/instance": rel.name,
+                                                 "app.kubernetes.io/component": "controller"})
+
+            for o in hooks:  # the hook's account and rights, as Helm creates them first
+                if o["kind"] != "Job":
+                    kubectl(cluster.kubeconfig, "apply", "-f", "-", stdin=yaml.safe_dump(o))
+            kc = _service_account_kubeconfig(cluster, namespace, sa, tmp_path)
+            assert _can(cluster, namespace, sa, "deletecollection", "pods", sbx)
+            assert not _can(cluster, namespace, sa, "delete", "pods", sbx, name="sbx-0")
+            assert _can(cluster, namespace, sa, "delete", "leases", sbx, "coordination.k8s.io",
+                        lease)
+            assert not _can(cluster, namespace, sa, "delete", "leases", sbx,
+                            "coordination.k8s.io", "someone-elses")
+            assert not _can(cluster, namespace, sa, "delete", "pods", namespace, name="bystander")
+            assert not _can(cluster, namespace, sa, "delete", "pods", other)
+            assert not _can(cluster, namespace, sa, "create", "pods", sbx)
+            assert not _can(cluster, namespace, sa, "get", "secrets", sbx)
+            assert not _can(cluster, namespace, sa, "list", "pods")  # cluster-wide
+
+            def cleanup(*extra: str) -> subprocess.CompletedProcess:
+                return subprocess.run([sys.executable, "-m", "controller.cleanup", *args,
+                                       "--kubeconfig", str(kc), *extra], cwd=ROOT,
+                                      capture_output=True, text=True, timeout=120)
+
+            res = cleanup("--timeout=2")
+            assert res.returncode == 1, res.stdout + res.stderr
+            assert "controller pods still there" in res.stderr and "ctl-shutting-down" in \
+                res.stderr, res.stderr
+            assert len(core.list_namespaced_pod(sbx).items) == 4  # nothing deleted yet
+
+            core.delete_namespaced_pod("ctl-shutting-down", namespace, grace_period_seconds=0)
+            res = cleanup()
+            assert res.returncode == 0, res.stdout + res.stderr
+            assert "deleted 3 pods, 1 configmaps, 1 lease, 1 test pod" in res.stdout, res.stdout
+            assert [p.metadata.name for p in core.list_namespaced_pod(sbx).items] == [
+                "users-own-sandbox"]
+            assert [p.metadata.name for p in core.list_namespaced_pod(namespace).items] == [
+                "bystander"]
+            assert [c.metadata.name for c in core.list_namespaced_config_map(sbx).items
+                    if c.metadata.name != "kube-root-ca.crt"] == ["someone-elses"]
+            assert [x.metadata.name for x in coord.list_namespaced_lease(sbx).items] == [
+                "someone-elses"]
+            # Idempotent: a second run finds nothing and still succeeds.
+            res = cleanup()
+            assert res.returncode == 0 and "deleted 0 pods" in res.stdout, res.stdout + res.stderr
+            for o in hooks:
+                if o["kind"] != "Job":
+                    kubectl(cluster.kubeconfig, "delete", "-f", "-", "--ignore-not-found",
+                            stdin=yaml.safe_dump(o), check=False)
+    finally:
+        cluster.delete_namespace(sbx)
+        cluster.delete_namespace(other)

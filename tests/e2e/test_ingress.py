@@ -14,9 +14,7 @@ from __future__ import annotations
 
 import time
 
-import pytest
-
-from sandman.contract import ANNOTATION_INGRESS_FROM, EXECD_PORT
+from sandman.contract import ANNOTATION_INGRESS_FROM, EXECD_PORT, NETGUARD_CONTAINER
 from testbed import realnode
 from tests.e2e.helpers import TRAINER_LABEL, new_token, plain_pod, sandbox_pod
 
@@ -26,13 +24,11 @@ PORT = str(EXECD_PORT)
 def test_guard_alone_refuses_a_neighbour(sandman, ns):
     pods = sandman.run_ready(ns, plain_pod("admitted"), plain_pod("neighbour"))
     admitted = pods["admitted"].status.pod_ip
-    # The kubelet's readiness probes come from the bridge's address on this CNI (the pod's
-    # gateway, not status.hostIP; see test_lifecycle's xfail): admitted too, or the narrowed
-    # sandbox never becomes Ready.
-    gateway = sandman.rn.gateway
+    # Only the admitted pod is listed: the kubelet's probes (from the bridge's address here)
+    # get in through the guard's own --ingress-from-gateway.
     _, sha = new_token()
     sandman.create(ns, sandbox_pod("narrow", sha, annotations={
-        ANNOTATION_INGRESS_FROM: f"{admitted}/32,{gateway}/32"}))
+        ANNOTATION_INGRESS_FROM: f"{admitted}/32"}))
     sandman.create(ns, sandbox_pod("open", sha))
     narrow = sandman.wait_ready(ns, "narrow").status.pod_ip
     open_ = sandman.wait_ready(ns, "open").status.pod_ip
@@ -69,12 +65,14 @@ def test_network_policy_alone_refuses_a_non_trainer(sandman, ns):
         sandman.delete(sbx_ns, name)
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "product defect found on the real node: netguard admits the node by status.hostIP, but on "
-    "a bridge CNI the kubelet's probes come from the bridge's address (the pod's gateway), so "
-    "a sandbox whose ingress is narrowed to the trainers' CIDR never becomes Ready"))
 def test_narrowed_guard_admits_the_kubelets_probes(sandman, ns):
+    """Found on the real node: netguard admitted the node by status.hostIP only, but on a
+    bridge CNI the kubelet's probes come from the bridge's address (the pod's default
+    gateway), so a sandbox whose ingress was narrowed to the trainers' CIDR never became
+    Ready. The guard now admits the gateway it finds in the pod's netns, and records it."""
     _, sha = new_token()
     sandman.create(ns, sandbox_pod("narrow", sha, annotations={
         ANNOTATION_INGRESS_FROM: realnode.OUTSIDE_NET}))  # a "trainers' CIDR" with no pod in it
     sandman.wait_ready(ns, "narrow", timeout=45)
+    logs = sandman.logs(ns, "narrow", NETGUARD_CONTAINER)
+    assert f"gateway admitted to port {PORT}: {sandman.rn.gateway}/32" in logs, logs

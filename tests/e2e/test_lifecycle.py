@@ -3,17 +3,22 @@ real node. Runs last in tests/e2e (conftest orders it): it ends the install.
 
 Catches, on real pods (kwok marked them all Ready): a standby controller that is never Ready
 (`helm install --wait` and a rolling upgrade with maxUnavailable 0 never finish), a default
-guard that cannot start (helm test's sandbox never Ready), and a narrowed
-`sandbox.ingressFrom` that locks the controller's execd check (and so helm test) out.
+guard that cannot start (helm test's sandbox never Ready), a narrowed `sandbox.ingressFrom`
+that locks the controller's execd check (and so helm test) out, or the kubelet's probes (they
+come from the bridge's address on this CNI), and an uninstall that leaves the controller's
+run-time objects (its sandboxes, ConfigMaps, Lease) or the helm test pod behind.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 
 import pytest
 
+from sandman.contract import LABEL_MANAGED_BY, MANAGED_BY_CONTROLLER
 from testbed import realnode
+from tests.e2e.helpers import TASK_IMAGE, plain_pod
 
 # A CIDR no pod is in: "the trainers' CIDR" of an install where neither the controller nor
 # the helm test pod is a trainer.
@@ -36,12 +41,12 @@ def _rolled_out(d: dict) -> bool:
 def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, figures):
     """sandbox.ingressFrom narrowed to a CIDR neither the controller nor the helm test pod is
     in: the controller's execd check (a sandbox is Ready for it only when execd answers it
-    through the guard) and `helm test` must still get through. The bridge's address is in the
-    list too: the kubelet's probes come from it on this CNI, not from status.hostIP, which is
-    what netguard admits for the node (test_ingress's xfail records that gap)."""
+    through the guard) and `helm test` must still get through. Nothing else is listed: the
+    kubelet's probes (from the bridge's address on this CNI, not status.hostIP) get in through
+    the guard's --ingress-from-gateway."""
     inst = sandman.inst
     t0 = time.monotonic()
-    inst.upgrade({"sandbox": {"ingressFrom": [NARROWED, f"{sandman.rn.gateway}/32"]}})
+    inst.upgrade({"sandbox": {"ingressFrom": [NARROWED]}})
     try:
         res = inst.test(check=False)
         assert res.returncode == 0, (f"helm test with sandbox.ingressFrom={NARROWED} failed:\n"
@@ -52,7 +57,24 @@ def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, fig
                     f"{time.monotonic() - t0:.1f}s")
 
 
-def test_install_test_upgrade_uninstall(sandman, figures):
+# Run in a caller pod's netns: acquire one sandbox and exit WITHOUT releasing it (no close),
+# so it is still leased, running, when the release is uninstalled.
+ACQUIRE_AND_KEEP = """
+import sys
+from sandman.client import Client
+c = Client(sys.argv[1], timeout_s=120)
+sb = c.acquire(sys.argv[2], job="e2e-uninstall", cpu="100m", memory="128Mi")
+print("E2E-POD " + sb.pod)
+"""
+
+
+def _managed_pods(inst) -> list[str]:
+    return [p["metadata"]["name"] for p in inst.kget(
+        "pods", "-n", inst.sandbox_namespace, "-l",
+        f"{LABEL_MANAGED_BY}={MANAGED_BY_CONTROLLER}")["items"]]
+
+
+def test_install_test_upgrade_uninstall(sandman, ns, figures):
     inst = sandman.inst
     # `helm install --wait` (the fixture) returned: every replica Ready, the standby included.
     deps = _deployments(inst)
@@ -93,21 +115,34 @@ def test_install_test_upgrade_uninstall(sandman, figures):
     assert res.returncode == 0, f"helm test after the upgrade:\n{res.stdout[-3000:]}"
     t_test2 = time.monotonic() - t1
 
+    # A sandbox still running (leased, never released) when the release goes.
+    sandman.run_ready(ns, plain_pod("caller"))
+    svc = inst.kget("service", inst.controller_service(), "-n", inst.namespace)["spec"]
+    res = sandman.netns(ns, "caller", [sys.executable, "-c", ACQUIRE_AND_KEEP,
+                                       f"http://{svc['clusterIP']}:{svc['ports'][0]['port']}",
+                                       TASK_IMAGE], timeout=180)
+    kept = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("E2E-POD ")]
+    assert res.returncode == 0 and kept, f"acquire failed: {res.stderr[-2000:]}"
+    assert kept[0] in _managed_pods(inst), (kept, _managed_pods(inst))
+
     t2 = time.monotonic()
     inst.uninstall()
-    # Helm never deletes a test hook's pod (test_nothing_at_all_left_after_uninstall).
-    hook_pod = f"pod/{inst.release}-test"
-
-    def left_by_helm() -> list[str]:
-        return [n for n in inst.leftovers() if n != hook_pod]
-
+    # Helm's own objects, then the post-delete hook's cleanup (the test pod, the controller's
+    # sandboxes, ConfigMaps and Lease); the hook's Job pod and the sandboxes go through the GC
+    # and their grace periods.
+    test_pod = f"pod/{inst.release}-test"
     deadline = time.monotonic() + 90
-    left = left_by_helm()
-    while left and time.monotonic() < deadline:  # pods and ReplicaSets go through the GC
+    left = inst.leftovers() + inst.runtime_leftovers()
+    while left and time.monotonic() < deadline:
         time.sleep(1)
-        left = left_by_helm()
-    assert not left, f"left after helm uninstall: {left}"
-    AFTER_UNINSTALL["runtime"] = inst.runtime_leftovers()
+        left = inst.leftovers() + inst.runtime_leftovers()
+    # Here Helm's rendered objects; the rest (test_nothing_at_all_left_after_uninstall) is the
+    # cleanup hook's: the helm test pod and what the controller made at run time.
+    by_helm = [n for n in inst.leftovers() if n != test_pod]
+    assert not by_helm, f"left after helm uninstall: {by_helm}"
+    AFTER_UNINSTALL["runtime"] = sorted(
+        [f"{inst.namespace}/{n}" for n in inst.leftovers() if n == test_pod]
+        + inst.runtime_leftovers())
     figures.add(f"e2e: helm test {t_test:.1f}s; upgrade --wait (both Deployments rolled) "
                 f"{took:.1f}s; helm test again {t_test2:.1f}s; uninstall + nothing left "
                 f"{time.monotonic() - t2:.1f}s")
@@ -122,11 +157,10 @@ def _template_hash(inst, component: str) -> str:
 
 
 
-@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
-    "product gap found on the real node: helm uninstall leaves the helm test pod (its hook "
-    "delete policy is before-hook-creation), the controller's Lease and its per-job ConfigMaps "
-    "in the sandbox namespace"))
 def test_nothing_at_all_left_after_uninstall():
+    """Found on the real node: helm uninstall left the helm test pod (hook policy
+    before-hook-creation), the controller's Lease and its per-job ConfigMaps, and any sandbox
+    still running. The chart's post-delete hook (controller/cleanup.py) removes them."""
     if "runtime" not in AFTER_UNINSTALL:
         pytest.fail("test_install_test_upgrade_uninstall did not get to its uninstall",
                     pytrace=False)

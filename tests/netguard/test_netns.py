@@ -22,9 +22,12 @@ from tests.netguard import nslab
 from tests.netguard.nslab import (
     METADATA_V4,
     METADATA_V6,
+    OTHER_V4,
+    OTHER_V6,
     PEER_V4,
     PEER_V6,
     POD_OTHER_V4,
+    POD_OTHER_V6,
     POD_PEER_V4,
     POD_PEER_V6,
     REMOTE_V4,
@@ -312,6 +315,66 @@ def test_narrowed_ingress_admits_the_controller_that_built_the_pod_and_no_other(
     assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
     assert nslab.tcp(lab.peer, POD_PEER_V6, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
     assert nslab.tcp(lab.peer, POD_PEER_V4, 2222, timeout=DROP_WAIT).what == "timeout"
+    assert execd.accepted == 1
+
+
+# ------------------------------------------------------------------ the pod's gateway
+# On a bridge CNI the kubelet's probes come from the bridge's address, the pod's default
+# gateway, not from status.hostIP (found on the test bed's real node: a sandbox with a narrowed
+# ingress never became Ready). Here the "other" namespace plays the bridge: the pod's default
+# routes go via it, and the node IP the webhook passes is an address elsewhere.
+
+NARROW_ARGS = ("--ingress-from", "10.32.0.0/12", "--ingress-from", "10.251.7.7")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_ingress_from_gateway_admits_the_default_gateways_and_no_other(lab, backend):
+    execd, other_port = lab.serve(lab.pod, EXECD_PORT), lab.serve(lab.pod, 2222)
+    lab.ip(lab.pod, "route", "add", "default", "via", OTHER_V4)
+    lab.ip(lab.pod, "-6", "route", "add", "default", "via", OTHER_V6)
+    other_if = "ngr" + lab.other.removeprefix("ngr-") + "b"
+    lab.ip(lab.other, "addr", "add", "10.251.2.3/24", "dev", other_if)  # not the gateway
+    # Control: without the flag, the gateway is dropped like anyone outside the list.
+    lab.apply("--backend", backend, *NARROW_ARGS)
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
+
+    p = lab.apply("--backend", backend, *NARROW_ARGS, "--ingress-from-gateway")
+    assert "gateway admitted to port 9470: 10.251.2.2/32, fd00:5a:2::2/128" in p.stdout
+    st = status(lab)
+    assert st["ok"] and st["verified"]
+    assert st["options"]["ingress_from_gateway"] is True
+    assert st["options"]["ingress_gateways"] == [f"{OTHER_V4}/32", f"{OTHER_V6}/128"]
+    assert lab.netguard("check").returncode == 0  # re-renders with the recorded gateways
+    for family in (4, 6):
+        gw = OTHER_V4 if family == 4 else OTHER_V6
+        assert (f'-A SANDMAN-IN -s {gw}/{32 if family == 4 else 128} -p tcp -m tcp --dport '
+                f'{EXECD_PORT} -m comment --comment "sandman: allow port {EXECD_PORT} from '
+                f'gateway {gw}/{32 if family == 4 else 128}" -j ACCEPT') in lab.save(family,
+                                                                                   backend)
+    # The gateway reaches execd, both families, and its echo gets back out.
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, payload=b"health").through
+    assert nslab.tcp(lab.other, POD_OTHER_V6, EXECD_PORT, payload=b"health").through
+    # Only the gateway's address, only execd's port: a second address on the same link, the
+    # unlisted peer and another port are still dropped.
+    for o in (nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, src="10.251.2.3",
+                        timeout=DROP_WAIT),
+              nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, timeout=DROP_WAIT),
+              nslab.tcp(lab.other, POD_OTHER_V4, 2222, timeout=DROP_WAIT)):
+        assert o.what == "timeout", o
+    assert execd.accepted == 2 and other_port.accepted == 0
+
+
+def test_ingress_from_gateway_without_a_default_route_admits_nothing_more(lab):
+    """A pod without a default route (the lab's pod has none) still applies and verifies: no
+    gateway rule, the listed sources and the node as before."""
+    execd = lab.serve(lab.pod, EXECD_PORT)
+    p = lab.apply(*NARROW_ARGS, "--ingress-from", f"{PEER_V4}/32", "--ingress-from-gateway")
+    assert "none found (no default route)" in p.stdout
+    st = status(lab)
+    assert st["ok"] and st["verified"] and st["options"]["ingress_gateways"] == []
+    assert "gateway" not in lab.save(4) + lab.save(6)
+    assert nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, payload=b"x").through
+    assert nslab.tcp(lab.other, POD_OTHER_V4, EXECD_PORT, timeout=DROP_WAIT).what == "timeout"
     assert execd.accepted == 1
 
 

@@ -89,9 +89,36 @@ def test_golden_lockdown():
     _golden("lockdown", render(cfg.locked_down()))
 
 
+# What the webhook's default arguments become in a pod whose netns has default routes via
+# 10.244.0.1 and fd00:244::1 (`--ingress-from-gateway` resolves them at apply time, so the CLI
+# `render` would show this machine's gateway: the golden is rendered from the Config).
+GATEWAY_CONFIG = Config.from_strings(
+    "allow", None, 9470, ["10.32.0.0/12", "10.0.0.1"], True).with_gateways(
+    ["10.244.0.1", "fd00:244::1", "10.244.0.1"])
+
+
+def test_golden_gateway():
+    assert [str(g) for g in GATEWAY_CONFIG.ingress_gateways] == ["10.244.0.1/32",
+                                                                 "fd00:244::1/128"]
+    _golden("ingress-from-gateway", render(GATEWAY_CONFIG))
+
+
+def test_gateways_need_the_flag_and_are_single_addresses():
+    assert Config().with_gateways(["10.244.0.1"]).ingress_gateways == ()  # flag not set
+    with pytest.raises(ConfigError, match="without --ingress-from-gateway"):
+        Config(ingress_gateways=(ipaddress.ip_network("10.244.0.1/32"),))
+    with pytest.raises(ConfigError, match="one address"):
+        Config(ingress_from_gateway=True, ingress_gateways=(ipaddress.ip_network("10.0.0.0/8"),))
+    # Found or not, the flag is recorded, and the gateways round-trip through the status.
+    assert Config.from_dict(GATEWAY_CONFIG.to_dict()) == GATEWAY_CONFIG
+    none_found = Config.from_strings(ingress_from_gateway=True).with_gateways([])
+    assert Config.from_dict(none_found.to_dict()) == none_found
+    assert render(none_found) == render(Config())  # nothing found admits nothing more
+
+
 def test_no_stray_golden_files():
     names = {p.stem for p in TESTDATA.glob("*.golden")}
-    assert names == set(GOLDEN_CASES) | {"lockdown"}
+    assert names == set(GOLDEN_CASES) | {"lockdown", "ingress-from-gateway"}
 
 
 def test_module_entry_point_renders_the_same():
@@ -107,7 +134,7 @@ ALL_CONFIGS = [Config.from_strings(*a) for a in [
     (None, None, None, None),
     ("deny", ["10.0.0.0/8", "[fd00::/8]:53"], 9470, ["10.1.0.0/16", "fd00:1::/64"]),
     ("allow", None, None, ["10.1.0.0/16"]),
-]] + [Config().locked_down()]
+]] + [Config().locked_down(), GATEWAY_CONFIG]
 
 
 @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.egress + ("-lock" * c.lockdown))
@@ -314,6 +341,8 @@ def test_docs_table_lists_every_rule():
         for family in (IPV4, IPV6):
             for r in chain_rules(cfg, family):
                 c = re.sub(r"^allow egress .*", "allow egress <entry>", r.comment)
+                c = re.sub(r"^allow port \d+ from gateway .*",
+                           "allow port <port> from gateway <address>", c)
                 comments.add(re.sub(r"^allow port \d+ from .*", "allow port <port> from <source>",
                                     c))
     comments |= {jump_rule("OUTPUT", CHAIN_OUT).comment, jump_rule("INPUT", CHAIN_IN).comment}

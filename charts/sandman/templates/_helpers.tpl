@@ -270,3 +270,16 @@ securityContext:
   capabilities:
     drop: [ALL]
 {{- end -}}
+
+{{- /* `helm uninstall` leaves nothing: a post-delete hook Job (python3 -m controller.cleanup)
+removes what the controller made at run time and Helm never knew about: its sandbox pods and
+per-job ConfigMaps (label app.kubernetes.io/managed-by=sandman-controller) and its leader Lease
+in the sandbox namespace, and the `helm test` pod. It first waits for the release's controller
+pods to be gone, so nothing recreates them. Its account, Roles and bindings are hooks too,
+created just before it and deleted with it when it succeeds; a failed run keeps all of them
+(and the Job's pod) for `kubectl logs`. docs/install.md, "Uninstall". */ -}}
+{{- define "sandman.cleanup.name" -}}{{ include "sandman.fullname" . }}-cleanup{{- end -}}
+{{- define "sandman.cleanup.hook" -}}
+helm.sh/hook: post-delete
+helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end -}}
