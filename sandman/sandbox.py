@@ -321,7 +321,12 @@ def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
     for cidr in ingress_cidrs(pod, policy):
         args += ["--ingress-from", cidr]
-    return args + ["--ingress-from", f"$({NODE_IP_ENV})", "--ingress-from-gateway"]
+    return args + list(GUARD_ARGS_TAIL)
+
+
+# The end of every guard's args: the node's own address and the pod's gateway (the kubelet's
+# probes come from one of them). webhook/policy.py's CEL renders the same tail.
+GUARD_ARGS_TAIL = ("--ingress-from", f"$({NODE_IP_ENV})", "--ingress-from-gateway")
 
 
 def _injected_resources() -> dict:

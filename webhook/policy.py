@@ -34,10 +34,10 @@ from sandman.contract import (
 )
 from sandman.sandbox import (
     GUARD_ALWAYS,
+    GUARD_ARGS_TAIL,
     GUARD_CAPS,
     INPUT_ANNOTATIONS,
     INPUT_LABELS,
-    NODE_IP_ENV,
     SandboxPolicy,
     netguard_container,
 )
@@ -101,7 +101,7 @@ FIXED_VARIABLES: list[dict] = [
         f"['--egress', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
         f"'--ingress-port', {_q(str(EXECD_PORT))}] + "
         "variables.ingressFrom.map(c, ['--ingress-from', c]).flatten() + "
-        f"['--ingress-from', {_q(f'$({NODE_IP_ENV})')}]"},
+        f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}]"},
     # Every container but the guard at initContainers[0] (names are unique in a pod).
     {"name": "others", "expression":
         "variables.inits.filter(c, !(variables.guardFirst && "
