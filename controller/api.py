@@ -187,13 +187,23 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         return api.Released(id, await c.release(id)).to_json()
 
     @app.post(api.RENEW.path)
-    async def renew(id: str, body: api.RenewRequest | None = None):
+    async def renew(id: str, request: Request, body: api.RenewRequest | None = None):
+        who = await caller(request)
         c = ctl()
+        if auth.enabled:
+            cur = c.get(id)
+            if cur is None:
+                await auth.require(who, A.UPDATE, who.namespace or A.CLUSTER)
+            elif not await may_see(who, A.UPDATE, cur):
+                # Another tenant's sandbox: renewing it would keep its pod alive past its
+                # owner's lifetime.
+                raise A.Forbidden(f"{who.username} may not renew sandbox {id} "
+                                  "(another tenant's)")
         e = await c.renew(id, body.lifetime_s if body else None)
         if e is None:
             return _err(api.SANDBOX_GONE, f"no handed-out sandbox {id} (released, drained or "
                                           "expired)")
-        return _view(c, e).to_json()
+        return _view(c, e, split).to_json()
 
     @app.post(api.PREWARM.path)
     async def prewarm(body: api.PrewarmRequest, request: Request):

@@ -34,6 +34,7 @@ GROUP = contract.DOMAIN  # the virtual API group the RBAC rules name
 RESOURCE = "sandboxes"
 # Verbs, as RBAC spells them: what each route needs.
 CREATE, GET, LIST, DELETE, DELETECOLLECTION = "create", "get", "list", "delete", "deletecollection"
+UPDATE = "update"  # renew: moves a sandbox's expiry
 # Admin operations: subresources checked at cluster scope (namespace ""), which only a
 # ClusterRoleBinding grants: prewarm makes pods no tenant owns, stats shows every tenant.
 PREWARM_SUB, STATS_SUB = "prewarm", "stats"

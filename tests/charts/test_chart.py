@@ -544,7 +544,7 @@ def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
     user = _find(objs, "ClusterRole", "sandman-user")["rules"]
     assert user == [{"apiGroups": [A.GROUP], "resources": [A.RESOURCE],
-                     "verbs": [A.CREATE, A.GET, A.LIST, A.DELETE]}]
+                     "verbs": [A.CREATE, A.GET, A.LIST, A.UPDATE, A.DELETE]}]
     admin = {r["resources"][0]: r["verbs"] for r in _find(objs, "ClusterRole",
                                                           "sandman-admin")["rules"]}
     assert A.DELETECOLLECTION in admin[A.RESOURCE]

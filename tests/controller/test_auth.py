@@ -23,7 +23,7 @@ from tests.controller.faultproxy import FaultProxy, Rule
 from tests.controller.harness import pods
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
-VERBS = ["create", "get", "list", "delete", "deletecollection"]
+VERBS = ["create", "get", "list", "update", "delete", "deletecollection"]
 
 
 # ---- pure logic: no cluster
@@ -236,6 +236,8 @@ def test_who_may_call_and_tenants_never_meet(cluster, namespace, tenants, authct
             ca.get(sb["id"])
         with pytest.raises(Forbidden):
             ca.release(sb["id"])
+        with pytest.raises(Forbidden):  # renewing would keep B's pod past B's lifetime
+            ca.renew(sb["id"])
         with pytest.raises(Forbidden):
             ca.drain("run-1", namespace=b)
         # Replays of B's request_id (same job name) by A, and of A's by another identity of
