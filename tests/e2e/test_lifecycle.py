@@ -18,7 +18,7 @@ import pytest
 
 from sandman.contract import LABEL_MANAGED_BY, MANAGED_BY_CONTROLLER
 from testbed import realnode
-from tests.e2e.helpers import TASK_IMAGE, plain_pod
+from tests.e2e.helpers import TASK_IMAGE, TRAINER_LABEL, bind_trainer, plain_pod
 
 # A CIDR no pod is in: "the trainers' CIDR" of an install where neither the controller nor
 # the helm test pod is a trainer.
@@ -62,7 +62,7 @@ def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, fig
 ACQUIRE_AND_KEEP = """
 import sys
 from sandman.client import Client
-c = Client(sys.argv[1], timeout_s=120)
+c = Client(sys.argv[1], token=sys.argv[3], timeout_s=120)
 sb = c.acquire(sys.argv[2], job="e2e-uninstall", cpu="100m", memory="128Mi")
 print("E2E-POD " + sb.pod)
 """
@@ -116,11 +116,16 @@ def test_install_test_upgrade_uninstall(sandman, ns, figures):
     t_test2 = time.monotonic() - t1
 
     # A sandbox still running (leased, never released) when the release goes.
-    sandman.run_ready(ns, plain_pod("caller"))
+    # A trainer as docs/sdk.md sets one up: its namespace labelled and bound to sandman-user,
+    # the pod labelled (the controller's NetworkPolicy), a token for the controller's audience.
+    bind_trainer(sandman.cluster.api_client, ns)
+    sandman.run_ready(ns, plain_pod("caller", labels={TRAINER_LABEL: "true"}))
+    token = sandman.core.create_namespaced_service_account_token("default", ns, {
+        "spec": {"audiences": ["sandman"], "expirationSeconds": 600}}).status.token
     svc = inst.kget("service", inst.controller_service(), "-n", inst.namespace)["spec"]
     res = sandman.netns(ns, "caller", [sys.executable, "-c", ACQUIRE_AND_KEEP,
                                        f"http://{svc['clusterIP']}:{svc['ports'][0]['port']}",
-                                       TASK_IMAGE], timeout=180)
+                                       TASK_IMAGE, token], timeout=180)
     kept = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("E2E-POD ")]
     assert res.returncode == 0 and kept, f"acquire failed: {res.stderr[-2000:]}"
     assert kept[0] in _managed_pods(inst), (kept, _managed_pods(inst))

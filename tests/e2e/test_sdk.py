@@ -23,7 +23,7 @@ from tests.e2e.helpers import (
 MEMORY = 160 * 1024 * 1024
 
 SCRIPT = r"""
-import hashlib, json, os, sys
+import hashlib, json, os, sys, time
 from sandman.client import Client
 res = {}
 with Client(timeout_s=60) as c:  # in-cluster config: SANDMAN_URL, SANDMAN_TOKEN_FILE
@@ -47,7 +47,12 @@ with Client(timeout_s=60) as c:  # in-cluster config: SANDMAN_URL, SANDMAN_TOKEN
         sb.exec("setsid sleep 601 >/dev/null 2>&1 < /dev/null &", timeout=30)
         count = ("for p in /proc/[0-9]*; do tr '\\0' ' ' < $p/cmdline 2>/dev/null; echo; done"
                  " | grep -c '^sleep 60[01]'")
-        res["before_reset"] = sb.exec(count, timeout=30).output.strip()
+        # `setsid` execs sleep a moment after the command returned: poll (bounded) for both.
+        for _ in range(20):
+            res["before_reset"] = sb.exec(count, timeout=30).output.strip()
+            if res["before_reset"] == "2":
+                break
+            time.sleep(0.25)
         sb.reset()
         res["after_reset"] = sb.exec(count, timeout=30).output.strip()
         res["pid_gone"] = sb.exec(f"kill -0 {pid} 2>/dev/null && echo alive || echo gone",
