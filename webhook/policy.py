@@ -4,7 +4,8 @@ validations come from here through the generated `charts/sandman/templates/_poli
 
 Why: while the webhook is down, or its configurations were deleted during an outage
 (docs/operations.md step 2), the API server still refuses an unguarded egress-deny pod, added
-capabilities, privileged containers, host namespaces and paths, requests != limits and
+capabilities, privileged containers, host namespaces, volumes outside the allowlist (hostPath,
+nfs, ...), containers that keep NET_RAW, Unconfined profiles, Secrets, requests != limits and
 service-account tokens. The policy is a subset of `sandman.sandbox.check_sandbox`: it never
 refuses a pod that the Python check admits (tests/webhook/test_policy.py plays every golden
 AdmissionReview through both on the test bed), and each validation names its rule like the
@@ -31,13 +32,23 @@ from sandman.contract import (
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
     SANDBOX_TRUE,
+    SANDMAN_VOLUME,
 )
 from sandman.sandbox import (
+    APPARMOR_CONTAINER_PREFIX,
     GUARD_ALWAYS,
     GUARD_ARGS_TAIL,
     GUARD_CAPS,
     INPUT_ANNOTATIONS,
     INPUT_LABELS,
+    NET_RAW,
+    NODE_IP_ENV,
+    PROJECTED_SOURCES,
+    RUN_DIR,
+    SA_TOKEN_VOLUME_PREFIX,
+    SECCOMP_CONTAINER_PREFIX,
+    SECCOMP_POD_ANNOTATION,
+    VOLUME_TYPES,
     SandboxPolicy,
     netguard_container,
 )
@@ -57,16 +68,22 @@ def _list(items) -> str:
 _GUARD_COMMAND = netguard_container({"metadata": {}}, SandboxPolicy())["command"]
 _CAPS = sorted(GUARD_CAPS)
 
-# Variables the chart renders from values (image, default ingress sources, guard mode); the
-# rest are fixed. Order matters: a variable may use the ones before it.
-POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways")
+# Variables the chart renders from values (image, default ingress sources, guard mode, the
+# webhook's --allow-secrets); the rest are fixed. Order matters: a variable may use the ones
+# before it.
+POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways", "allowSecrets")
+
+
+def _bool(b: bool) -> str:
+    return "true" if b else "false"
 
 
 def policy_variables(policy: SandboxPolicy) -> list[dict]:
     return [
         {"name": "image", "expression": _q(policy.image)},
         {"name": "defaultIngressFrom", "expression": _list(policy.ingress_from)},
-        {"name": "guardAlways", "expression": "true" if policy.guard == GUARD_ALWAYS else "false"},
+        {"name": "guardAlways", "expression": _bool(policy.guard == GUARD_ALWAYS)},
+        {"name": "allowSecrets", "expression": _bool(policy.allow_secrets)},
     ]
 
 
@@ -109,6 +126,30 @@ FIXED_VARIABLES: list[dict] = [
     {"name": "everyContainer",
      "expression": "variables.inits + object.spec.containers + variables.ephemeral"},
     {"name": "sized", "expression": "variables.inits + object.spec.containers"},
+    # What sandbox.check_update judges. An UPDATE that makes the pod a sandbox or egress-deny
+    # is judged whole (like a create); any other UPDATE only on the ephemeral containers it
+    # adds, so a pod admitted under older rules can still be debugged and relabelled.
+    {"name": "isUpdate", "expression": "request.operation == 'UPDATE' && oldObject != null"},
+    {"name": "oldLabels",
+     "expression": "variables.isUpdate ? oldObject.metadata.?labels.orValue({}) : {}"},
+    {"name": "whole", "expression":
+        "!variables.isUpdate || (variables.sandbox && "
+        f"variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != {_q(SANDBOX_TRUE)}) || "
+        f"(variables.deny && variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
+        f"{_q(EGRESS_DENY)})"},
+    {"name": "oldEphemeralNames", "expression":
+        "variables.isUpdate ? oldObject.spec.?ephemeralContainers.orValue([]).map(c, c.name) "
+        ": []"},
+    {"name": "judged", "expression":
+        "variables.whole ? variables.everyContainer : "
+        "variables.ephemeral.filter(c, !(c.name in variables.oldEphemeralNames))"},
+    # ...less the guard at initContainers[0] where the pod requires one (sandbox._is_guard_slot;
+    # _check_guard judges its capabilities whole).
+    {"name": "judgedNotGuard", "expression":
+        "variables.whole ? variables.inits.filter(c, !(variables.guardRequired && "
+        f"variables.guardFirst && c.name == {_q(NETGUARD_CONTAINER)})) + object.spec.containers "
+        "+ variables.ephemeral : variables.judged"},
+    {"name": "secretsRefused", "expression": "variables.sandbox && !variables.allowSecrets"},
 ]
 
 
@@ -121,6 +162,49 @@ class Rule:
 
 def _added(c: str) -> str:
     return f"{c}.?securityContext.?capabilities.?add.orValue([]).map(a, {_norm('a')})"
+
+
+def _raw_dropped(c: str) -> str:
+    return (f"{c}.?securityContext.?capabilities.?drop.orValue([]).exists(d, {_norm('d')} in "
+            f"{_list([NET_RAW, 'ALL'])})")
+
+
+def _unconfined_type(sc: str) -> str:
+    """<sc> (a securityContext optional) sets seccompProfile or appArmorProfile Unconfined."""
+    return " || ".join(f"{sc}.?{f}.?type.orValue('').lowerAscii() == 'unconfined'"
+                       for f in ("seccompProfile", "appArmorProfile"))
+
+
+def _unconfined(c: str) -> str:
+    return (f"({_unconfined_type(f'{c}.?securityContext')} || "
+            f"{c}.?securityContext.?procMount.orValue('Default') != 'Default')")
+
+
+_UNCONFINED_ANNOTATION = (
+    f"(k == {_q(SECCOMP_POD_ANNOTATION)} || k.startsWith({_q(SECCOMP_CONTAINER_PREFIX)}) || "
+    f"k.startsWith({_q(APPARMOR_CONTAINER_PREFIX)})) && "
+    "variables.annotations[k].lowerAscii() == 'unconfined'")
+
+
+def _secret_env(c: str) -> str:
+    return (f"({c}.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || "
+            f"{c}.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue()))")
+
+
+_SECRET_VOLUME = ("has(v.secret) || v.?projected.?sources.orValue([])"
+                  ".exists(s, has(s.secret))")
+_WHY_SECRET = ("a Secret of type service-account-token cannot be told from others at admission "
+               "(the webhook\\'s --allow-secrets admits them)")
+
+
+# API validation leaves exactly one source per volume and per projection, so "has one of the
+# allowed fields" is sandbox._volume_rules' allowlist (a source Kubernetes adds later has none).
+def _any_of(x: str, fields) -> str:
+    return "(" + " || ".join(f"has({x}.{f})" for f in fields) + ")"
+
+
+_VOLUME_OK = (f"{_any_of('v', VOLUME_TYPES)} && v.?projected.?sources.orValue([])"
+              f".all(s, {_any_of('s', PROJECTED_SOURCES)})")
 
 
 def _guard(field: str) -> str:
@@ -182,6 +266,27 @@ RULES: list[Rule] = [
          f"{_G} + 'capabilities must add exactly {'+'.join(_CAPS)} and drop ALL, with a "
          "read-only root filesystem, not privileged, and no restartPolicy (it must finish "
          "before the pod starts)'"),
+    # The guard's environment, working directory and mounts (sandbox._check_guard): an env
+    # var of its own expands into --ingress-from ($(SANDMAN_NODE_IP)=0.0.0.0/0 opens ingress),
+    # PYTHONPATH or a working directory or mount over its code runs something else with
+    # NET_ADMIN. API validation leaves one source per env var, so name + fieldPath is exact;
+    # the service-account plugin's token mount is tolerated (an egress-deny pod is not mutated).
+    Rule("guard-misconfigured",
+         "!variables.guardRequired || !variables.guardFirst || ("
+         f"{_guard('?env')}.orValue([]).size() == 1 && "
+         f"{_guard('?env')}.orValue([])[0].name == {_q(NODE_IP_ENV)} && "
+         f"{_guard('?env')}.orValue([])[0].?valueFrom.?fieldRef.?fieldPath.orValue('') == "
+         "'status.hostIP' && "
+         f"!{_guard('?envFrom')}.hasValue() && !{_guard('?workingDir')}.hasValue() && "
+         f"{_guard('?volumeMounts')}.orValue([]).all(m, "
+         f"(m.name == {_q(SANDMAN_VOLUME)} && m.mountPath == {_q(RUN_DIR)} && "
+         "m.?subPath.orValue('') == 'run' && !has(m.subPathExpr)) || "
+         f"(m.name.startsWith({_q(SA_TOKEN_VOLUME_PREFIX)}) && "
+         "object.spec.?volumes.orValue([]).exists(v, v.name == m.name && "
+         "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken))))))",
+         f"{_G} + 'env must be exactly {NODE_IP_ENV} from status.hostIP, with no envFrom, no "
+         f"workingDir and only the {SANDMAN_VOLUME} volume at {RUN_DIR} (subPath run) mounted "
+         "(as sandman renders it)'"),
     Rule("guard-misconfigured",
          "!variables.sandbox || "
          f"!variables.others.exists(c, c.name == {_q(NETGUARD_CONTAINER)})",
@@ -196,6 +301,40 @@ RULES: list[Rule] = [
          f"!variables.guarded || !variables.guardFirst || {_added('variables.inits[0]')}"
          f".all(a, a in {_list(_CAPS)})",
          f"{_G} + 'adds more than {'+'.join(_CAPS)}'"),
+    Rule("net-raw-not-dropped",
+         f"!variables.guarded || variables.judgedNotGuard.all(c, {_raw_dropped('c')})",
+         "'containers ' + variables.judgedNotGuard.filter(c, "
+         f"!{_raw_dropped('c')}).map(c, c.name).join(', ') + ': add NET_RAW (or ALL) to "
+         "securityContext.capabilities.drop: runtimes grant it by default and an AF_PACKET "
+         "socket sends past the guard\\'s rules'"),
+    Rule("unconfined",
+         f"!variables.guarded || !variables.judged.exists(c, {_unconfined('c')})",
+         "'containers ' + variables.judged.filter(c, "
+         f"{_unconfined('c')}).map(c, c.name).join(', ') + ' set a seccomp or AppArmor "
+         "profile Unconfined or an unmasked procMount'"),
+    Rule("unconfined",
+         f"!variables.guarded || !variables.whole || !({_unconfined_type('object.spec.?securityContext')}"
+         f" || variables.annotations.exists(k, {_UNCONFINED_ANNOTATION}))",
+         "'the pod sets a seccomp or AppArmor profile Unconfined (securityContext or a legacy "
+         "annotation)'"),
+    # inline csi, nfs, iscsi, cephfs, image, ...: mounted by the node, from the node's network
+    # (an nfs server anywhere is a way out that netguard never sees) or exposing the node.
+    Rule("volume-type",
+         f"!variables.guarded || !variables.whole || object.spec.?volumes.orValue([])"
+         f".all(v, {_VOLUME_OK})",
+         "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
+         f"!({_VOLUME_OK})).map(v, v.name).join(', ') + ' are not of an allowed type "
+         f"({', '.join(VOLUME_TYPES)}; projected: {', '.join(PROJECTED_SOURCES)})'"),
+    Rule("secret-refused",
+         "!variables.secretsRefused || !variables.whole || "
+         f"!object.spec.?volumes.orValue([]).exists(v, {_SECRET_VOLUME})",
+         "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
+         f"{_SECRET_VOLUME}).map(v, v.name).join(', ') + ' mount a Secret; {_WHY_SECRET}'"),
+    Rule("secret-refused",
+         f"!variables.secretsRefused || !variables.judged.exists(c, {_secret_env('c')})",
+         "'containers ' + variables.judged.filter(c, "
+         f"{_secret_env('c')}).map(c, c.name).join(', ') + ' take env from a Secret; "
+         f"{_WHY_SECRET}'"),
     Rule("privileged",
          "!variables.guarded || !variables.everyContainer.exists(c, "
          "c.?securityContext.?privileged.orValue(false) == true)",
@@ -207,11 +346,6 @@ RULES: list[Rule] = [
          "object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))",
          "'hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\\'s "
          "network guard and isolation'"),
-    Rule("host-path",
-         "!variables.guarded || !object.spec.?volumes.orValue([]).exists(v, has(v.hostPath))",
-         "'hostPath volumes ' + object.spec.?volumes.orValue([]).filter(v, has(v.hostPath))"
-         ".map(v, v.name).join(', ') + ' expose the node (its root, the container runtime\\'s "
-         "socket)'"),
     Rule("resources-unequal",
          f"!variables.sandbox || variables.sized.all(c, {_sized_ok('c')})",
          f"'containers ' + variables.sized.filter(c, !({_sized_ok('c')})).map(c, c.name)"
@@ -313,12 +447,13 @@ def binding(name: str, policy_name: str, namespace_selector: dict) -> dict:
 
 # --- the chart ---------------------------------------------------------------------------------
 
-# The three values-dependent variables, as the chart renders them (CEL literals from values).
+# The four values-dependent variables, as the chart renders them (CEL literals from values).
 CHART_VARIABLES = {
     "image": '{{ include "sandman.image" . | toJson | quote }}',
     "defaultIngressFrom":
         '{{ default (list "0.0.0.0/0") .Values.sandbox.ingressFrom | toJson | quote }}',
     "guardAlways": '{{ eq .Values.sandbox.guard "always" | toString | quote }}',
+    "allowSecrets": '{{ .Values.sandbox.allowSecrets | toString | quote }}',
 }
 _PLACEHOLDER = "SANDMAN_CHART_VARIABLE_{}"
 

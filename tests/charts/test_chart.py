@@ -282,11 +282,12 @@ def test_policy_is_the_one_webhook_policy_builds(helm, case):
     objs = _render(helm, *_values_args(case))
     got = _find(objs, "ValidatingAdmissionPolicy")
     dep = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]
-    flags = [a.split("=", 1) for a in dep["args"] if a.startswith("--")]
+    flags = [(a.split("=", 1) + [""])[:2] for a in dep["args"] if a.startswith("--")]
     pol = SandboxPolicy(image=next(v for k, v in flags if k == "--image"),
                         guard=next(v for k, v in flags if k == "--guard"),
                         ingress_from=tuple(v for k, v in flags if k == "--ingress-from")
-                        or ("0.0.0.0/0",))
+                        or ("0.0.0.0/0",),
+                        allow_secrets=any(k == "--allow-secrets" for k, _ in flags))
     want = vap.admission_policy(got["metadata"]["name"], pol)
     assert got["spec"] == want["spec"]
     binding = _find(objs, "ValidatingAdmissionPolicyBinding")

@@ -35,7 +35,8 @@ from tests.webhook.test_golden import CASES, TESTDATA, decode
 from webhook import admission, policy
 
 # The webhook's rule name -> the policy's, where the policy's rule is wider (any added
-# capability, not only NET_ADMIN/NET_RAW).
+# capability, not only NET_ADMIN/NET_RAW). The containment rules the policy shares by name
+# (net-raw-not-dropped, unconfined, secret-refused, ...) need no entry: policy.RULE_NAMES.
 EQUIVALENT = {"net-admin-added": "capability-added"}
 EXEMPT = "sandman-test/policy-exempt"  # the binding skips pods carrying it (an UPDATE's old pod)
 _RULE = re.compile(r"sandman ([a-z-]+):")
@@ -172,6 +173,16 @@ def play(bed: Bed, name: str, review: dict, obj: dict) -> tuple[str, str]:
             old = _clean(req["oldObject"])
             old["metadata"].setdefault("labels", {})[EXEMPT] = "true"
             stored = core.create_namespaced_pod(ns, old)
+            if req.get("subResource") == "ephemeralcontainers":
+                # What `kubectl debug` does: the pod's own update cannot add ephemeral
+                # containers. The exemption goes first (a label update the policy lets through:
+                # it changes none of its inputs), then the subresource sends the whole pod.
+                core.patch_namespaced_pod(stored.metadata.name, ns, [{
+                    "op": "remove", "path": "/metadata/labels/" + EXEMPT.replace("/", "~1")}])
+                core.patch_namespaced_pod_ephemeralcontainers(
+                    stored.metadata.name, ns, {"spec": {"ephemeralContainers": obj["spec"][
+                        "ephemeralContainers"]}}, dry_run="All")
+                return "admitted", ""
             # The update the case makes, as a JSON patch on the pod as stored (with its
             # defaults and node), which also drops the exemption.
             ops = list(jsonpatch.make_patch(_clean(req["oldObject"]), _clean(obj)))
@@ -268,7 +279,7 @@ def test_policy_admits_the_controllers_pods_and_refuses_what_the_webhook_would_f
         with pytest.raises(ApiException) as e:
             bed.cluster.core.create_namespaced_pod(ns, pod, dry_run="All")
         assert e.value.status == 403 and f"sandman {rule}" in e.value.body, e.value.body
-    # Added capabilities anywhere else, in any spelling, and hostPath.
+    # Added capabilities anywhere else, in any spelling, and hostPath (the volume allowlist).
     for edit, rule in (
             (lambda s: s["containers"][0].setdefault("securityContext", {}).update(
                 capabilities={"add": ["all"]}), "capability-added"),
@@ -276,7 +287,7 @@ def test_policy_admits_the_controllers_pods_and_refuses_what_the_webhook_would_f
                 "containers"][0]["resources"], "securityContext": {"capabilities": {
                     "add": ["cap_sys_admin"]}}}), "capability-added"),
             (lambda s: s["volumes"].append({"name": "root", "hostPath": {"path": "/"}}),
-             "host-path")):
+             "volume-type")):
         pod = copy.deepcopy(good)
         edit(pod["spec"])
         with pytest.raises(ApiException) as e:
@@ -289,3 +300,101 @@ def test_policy_rule_names_are_documented():
     section = doc.split("## The policy", 1)[1].split("\n## ", 1)[0]
     for rule in policy.RULE_NAMES:
         assert f"`{rule}`" in section, f"docs/webhook.md's policy section lacks {rule}"
+
+
+def _refused_by_policy(call) -> str:
+    """The policy's message for a refused call; fails unless the policy refused it."""
+    with pytest.raises(ApiException) as e:
+        call()
+    body = str(e.value.body)
+    assert e.value.status == 403 and "ValidatingAdmissionPolicy" in body, body
+    return body
+
+
+def test_policy_alone_refuses_an_egress_deny_pod_that_keeps_net_raw(bed):
+    """An egress-deny pod without the sandbox label is never mutated: with only the policy
+    registered (no webhook), a container that keeps the runtime's NET_RAW (an AF_PACKET socket
+    sends past netguard's deny: tests/netguard/test_net_raw.py), a guard whose env opens its
+    ingress, an nfs volume (mounted from the node's network), an Unconfined profile are each
+    refused; the correct pod is admitted."""
+    ns = bed.namespace_for(SandboxPolicy())
+    core = bed.cluster.core
+    good = golden_cases.deny_pod()
+    good["metadata"] = {"generateName": "deny-", "labels": {LABEL_EGRESS: "deny"}}
+    core.create_namespaced_pod(ns, good, dry_run="All")
+    for edit, rule in (
+            (lambda s: s["containers"][0].pop("securityContext"), "net-raw-not-dropped"),
+            (lambda s: s["containers"][0]["securityContext"]["capabilities"].update(
+                drop=["CHOWN"]), "net-raw-not-dropped"),
+            (lambda s: s["initContainers"].append({"name": "prep", "image": "x"}),
+             "net-raw-not-dropped"),
+            (lambda s: s["initContainers"][0].update(
+                env=[{"name": "SANDMAN_NODE_IP", "value": "0.0.0.0/0"}]), "guard-misconfigured"),
+            (lambda s: s["initContainers"][0].update(workingDir="/tmp"), "guard-misconfigured"),
+            (lambda s: s["volumes"].append({"name": "out", "nfs": {
+                "server": "127.0.0.1", "path": "/x"}}), "volume-type"),
+            (lambda s: s["containers"][0]["securityContext"].update(
+                seccompProfile={"type": "Unconfined"}), "unconfined"),
+            (lambda s: s.update(securityContext={"appArmorProfile": {"type": "Unconfined"}}),
+             "unconfined")):
+        pod = copy.deepcopy(good)
+        edit(pod["spec"])
+        body = _refused_by_policy(lambda p=pod: core.create_namespaced_pod(ns, p, dry_run="All"))
+        assert f"sandman {rule}:" in body, body
+    # Any spelling of the drop counts, like the webhook's.
+    for drop in (["net_raw"], ["CAP_NET_RAW"], ["all"], ["cap_all"]):
+        pod = copy.deepcopy(good)
+        pod["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] = drop
+        core.create_namespaced_pod(ns, pod, dry_run="All")
+
+
+def _debug(core, ns: str, pod: str, **container) -> None:
+    core.patch_namespaced_pod_ephemeralcontainers(pod, ns, {"spec": {"ephemeralContainers": [
+        {"name": "debugger", "image": "busybox", **container}]}}, dry_run="All")
+
+
+def test_policy_alone_judges_ephemeral_containers_through_the_subresource(bed):
+    """`kubectl debug` (pods/ephemeralcontainers) on a sandbox, with only the policy: its
+    legacy profile keeps NET_RAW and is refused; a debugger that drops it is admitted, also on
+    a pod admitted before the rule whose own containers keep NET_RAW (check_update judges
+    only the containers an update adds); Unconfined and env from a Secret are refused."""
+    ns = bed.namespace_for(SandboxPolicy())
+    core = bed.cluster.core
+    raw = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": "dbg-", "labels": {LABEL_SANDBOX: "true"},
+                        "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+           "spec": {"containers": [{"name": "task", "image": "swe-task:1"}]}}
+    pod = core.create_namespaced_pod(ns, make_sandbox(raw, SandboxPolicy())).metadata.name
+    drop = {"capabilities": {"drop": ["ALL"]}}
+    for container, rule in (
+            ({}, "net-raw-not-dropped"),
+            ({"securityContext": {"capabilities": {"drop": ["CHOWN"]}}}, "net-raw-not-dropped"),
+            ({"securityContext": {**drop, "seccompProfile": {"type": "Unconfined"}}},
+             "unconfined"),
+            ({"securityContext": drop, "env": [{"name": "T", "valueFrom": {
+                "secretKeyRef": {"name": "s", "key": "k"}}}]}, "secret-refused")):
+        body = _refused_by_policy(lambda c=container: _debug(core, ns, pod, **c))
+        assert f"sandman {rule}:" in body, body
+    _debug(core, ns, pod, securityContext=drop)
+    _debug(core, ns, pod, securityContext={"capabilities": {"drop": ["NET_RAW"]}})
+    # A sandbox from before the rule (created exempt, NET_RAW kept): debugging it with a
+    # debugger that drops NET_RAW is admitted, like the webhook's check_update does.
+    old = make_sandbox(raw, SandboxPolicy())
+    old["metadata"]["labels"][EXEMPT] = "true"
+    old["spec"]["containers"][0]["securityContext"]["capabilities"]["drop"] = ["CHOWN"]
+    name = core.create_namespaced_pod(ns, old).metadata.name
+    core.patch_namespaced_pod(name, ns, [{"op": "remove", "path": "/metadata/labels/"
+                                          + EXEMPT.replace("/", "~1")}])
+    _debug(core, ns, name, securityContext=drop)
+    body = _refused_by_policy(lambda: _debug(core, ns, name))
+    assert "sandman net-raw-not-dropped:" in body, body
+    # ...but labelling such a pod a sandbox judges it whole (check_update: a new sandbox).
+    unlabelled = copy.deepcopy(old)
+    del unlabelled["metadata"]["labels"][LABEL_SANDBOX]
+    name = core.create_namespaced_pod(ns, unlabelled).metadata.name
+    body = _refused_by_policy(lambda: core.patch_namespaced_pod(name, ns, [
+        {"op": "add", "path": "/metadata/labels/" + LABEL_SANDBOX.replace("/", "~1"),
+         "value": "true"},
+        {"op": "remove", "path": "/metadata/labels/" + EXEMPT.replace("/", "~1")}],
+        dry_run="All"))
+    assert "sandman net-raw-not-dropped:" in body, body

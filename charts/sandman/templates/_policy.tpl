@@ -26,6 +26,8 @@ variables:
   expression: {{ default (list "0.0.0.0/0") .Values.sandbox.ingressFrom | toJson | quote }}
 - name: guardAlways
   expression: {{ eq .Values.sandbox.guard "always" | toString | quote }}
+- name: allowSecrets
+  expression: {{ .Values.sandbox.allowSecrets | toString | quote }}
 - name: labels
   expression: object.metadata.?labels.orValue({})
 - name: annotations
@@ -56,6 +58,20 @@ variables:
   expression: variables.inits + object.spec.containers + variables.ephemeral
 - name: sized
   expression: variables.inits + object.spec.containers
+- name: isUpdate
+  expression: request.operation == 'UPDATE' && oldObject != null
+- name: oldLabels
+  expression: 'variables.isUpdate ? oldObject.metadata.?labels.orValue({}) : {}'
+- name: whole
+  expression: '!variables.isUpdate || (variables.sandbox && variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true") || (variables.deny && variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny")'
+- name: oldEphemeralNames
+  expression: 'variables.isUpdate ? oldObject.spec.?ephemeralContainers.orValue([]).map(c, c.name) : []'
+- name: judged
+  expression: 'variables.whole ? variables.everyContainer : variables.ephemeral.filter(c, !(c.name in variables.oldEphemeralNames))'
+- name: judgedNotGuard
+  expression: 'variables.whole ? variables.inits.filter(c, !(variables.guardRequired && variables.guardFirst && c.name == "sandman-netguard")) + object.spec.containers + variables.ephemeral : variables.judged'
+- name: secretsRefused
+  expression: variables.sandbox && !variables.allowSecrets
 validations:
 - expression: '!variables.egress.hasValue() || variables.egress.value() in ["deny", "allow"]'
   messageExpression: '''sandman egress-label-invalid: '' + ''label sandman.dev/egress='' + variables.egress.value() + '' is neither deny nor allow; a mistyped deny would leave egress open'''
@@ -72,6 +88,9 @@ validations:
 - expression: '!variables.guardRequired || !variables.guardFirst || (sets.equivalent(variables.inits[0].?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())), ["NET_ADMIN", "NET_RAW"]) && variables.inits[0].?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) == ''ALL'') && variables.inits[0].?securityContext.?readOnlyRootFilesystem.orValue(false) == true && variables.inits[0].?securityContext.?privileged.orValue(false) != true && !variables.inits[0].?restartPolicy.hasValue())'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''capabilities must add exactly NET_ADMIN+NET_RAW and drop ALL, with a read-only root filesystem, not privileged, and no restartPolicy (it must finish before the pod starts)'''
   reason: Forbidden
+- expression: '!variables.guardRequired || !variables.guardFirst || (variables.inits[0].?env.orValue([]).size() == 1 && variables.inits[0].?env.orValue([])[0].name == "SANDMAN_NODE_IP" && variables.inits[0].?env.orValue([])[0].?valueFrom.?fieldRef.?fieldPath.orValue('''') == ''status.hostIP'' && !variables.inits[0].?envFrom.hasValue() && !variables.inits[0].?workingDir.hasValue() && variables.inits[0].?volumeMounts.orValue([]).all(m, (m.name == "sandman" && m.mountPath == "/sandman/run" && m.?subPath.orValue('''') == ''run'' && !has(m.subPathExpr)) || (m.name.startsWith("kube-api-access-") && object.spec.?volumes.orValue([]).exists(v, v.name == m.name && v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken))))))'
+  messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''env must be exactly SANDMAN_NODE_IP from status.hostIP, with no envFrom, no workingDir and only the sandman volume at /sandman/run (subPath run) mounted (as sandman renders it)'''
+  reason: Forbidden
 - expression: '!variables.sandbox || !variables.others.exists(c, c.name == "sandman-netguard")'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''netguard must be initContainers[0]'''
   reason: Forbidden
@@ -81,14 +100,29 @@ validations:
 - expression: '!variables.guarded || !variables.guardFirst || variables.inits[0].?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())).all(a, a in ["NET_ADMIN", "NET_RAW"])'
   messageExpression: '''sandman capability-added: '' + "container sandman-netguard: " + ''adds more than NET_ADMIN+NET_RAW'''
   reason: Forbidden
+- expression: '!variables.guarded || variables.judgedNotGuard.all(c, c.?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) in ["NET_RAW", "ALL"]))'
+  messageExpression: '''sandman net-raw-not-dropped: '' + ''containers '' + variables.judgedNotGuard.filter(c, !c.?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) in ["NET_RAW", "ALL"])).map(c, c.name).join('', '') + '': add NET_RAW (or ALL) to securityContext.capabilities.drop: runtimes grant it by default and an AF_PACKET socket sends past the guard\''s rules'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.judged.exists(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?procMount.orValue(''Default'') != ''Default''))'
+  messageExpression: '''sandman unconfined: '' + ''containers '' + variables.judged.filter(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?procMount.orValue(''Default'') != ''Default'')).map(c, c.name).join('', '') + '' set a seccomp or AppArmor profile Unconfined or an unmasked procMount'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.whole || !(object.spec.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || object.spec.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || variables.annotations.exists(k, (k == "seccomp.security.alpha.kubernetes.io/pod" || k.startsWith("container.seccomp.security.alpha.kubernetes.io/") || k.startsWith("container.apparmor.security.beta.kubernetes.io/")) && variables.annotations[k].lowerAscii() == ''unconfined''))'
+  messageExpression: '''sandman unconfined: '' + ''the pod sets a seccomp or AppArmor profile Unconfined (securityContext or a legacy annotation)'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.whole || object.spec.?volumes.orValue([]).all(v, (has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))'
+  messageExpression: '''sandman volume-type: '' + ''volumes '' + object.spec.?volumes.orValue([]).filter(v, !((has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))).map(v, v.name).join('', '') + '' are not of an allowed type (emptyDir, configMap, secret, downwardAPI, projected, persistentVolumeClaim, ephemeral; projected: configMap, secret, downwardAPI, clusterTrustBundle, serviceAccountToken)'''
+  reason: Forbidden
+- expression: '!variables.secretsRefused || !variables.whole || !object.spec.?volumes.orValue([]).exists(v, has(v.secret) || v.?projected.?sources.orValue([]).exists(s, has(s.secret)))'
+  messageExpression: '''sandman secret-refused: '' + ''volumes '' + object.spec.?volumes.orValue([]).filter(v, has(v.secret) || v.?projected.?sources.orValue([]).exists(s, has(s.secret))).map(v, v.name).join('', '') + '' mount a Secret; a Secret of type service-account-token cannot be told from others at admission (the webhook\''s --allow-secrets admits them)'''
+  reason: Forbidden
+- expression: '!variables.secretsRefused || !variables.judged.exists(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue())))'
+  messageExpression: '''sandman secret-refused: '' + ''containers '' + variables.judged.filter(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue()))).map(c, c.name).join('', '') + '' take env from a Secret; a Secret of type service-account-token cannot be told from others at admission (the webhook\''s --allow-secrets admits them)'''
+  reason: Forbidden
 - expression: '!variables.guarded || !variables.everyContainer.exists(c, c.?securityContext.?privileged.orValue(false) == true)'
   messageExpression: '''sandman privileged: '' + ''containers '' + variables.everyContainer.filter(c, c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join('', '') + '' are privileged; a privileged container can undo every guard'''
   reason: Forbidden
 - expression: '!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))'
   messageExpression: '''sandman host-namespace: '' + ''hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\''s network guard and isolation'''
-  reason: Forbidden
-- expression: '!variables.guarded || !object.spec.?volumes.orValue([]).exists(v, has(v.hostPath))'
-  messageExpression: '''sandman host-path: '' + ''hostPath volumes '' + object.spec.?volumes.orValue([]).filter(v, has(v.hostPath)).map(v, v.name).join('', '') + '' expose the node (its root, the container runtime\''s socket)'''
   reason: Forbidden
 - expression: '!variables.sandbox || variables.sized.all(c, (c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))'
   messageExpression: '''sandman resources-unequal: '' + ''containers '' + variables.sized.filter(c, !((c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))).map(c, c.name).join('', '') + '' need cpu and memory requests == limits (Guaranteed QoS)'''
