@@ -24,8 +24,8 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
-from controller.errors import AcquireError, BadRequest
-from sandman import api, contract
+from controller.errors import AuthUnavailable, BadRequest, Forbidden, Unauthenticated
+from sandman import contract
 
 log = logging.getLogger("controller.auth")
 
@@ -49,18 +49,6 @@ _DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9
 # (app.kubernetes.io/* names the controller and the chart's pods: a sandbox carrying the
 # controller's labels would be the sandbox NetworkPolicy's "controller" peer) and sandman's.
 RESERVED_SUFFIXES = ("kubernetes.io", "k8s.io", contract.DOMAIN)
-
-
-class Unauthenticated(AcquireError):
-    status, kind = api.UNAUTHENTICATED
-
-
-class Forbidden(AcquireError):
-    status, kind = api.FORBIDDEN
-
-
-class AuthUnavailable(AcquireError):
-    status, kind = api.AUTH_UNAVAILABLE
 
 
 @dataclass(frozen=True)

@@ -43,3 +43,21 @@ class PodFailed(AcquireError):
 
 class NotLeader(AcquireError):
     status, kind = api.NOT_LEADER
+
+
+class Unauthenticated(AcquireError):
+    """No token, or one the API server's TokenReview refused (controller/auth.py)."""
+
+    status, kind = api.UNAUTHENTICATED
+
+
+class Forbidden(AcquireError):
+    """The caller's RBAC does not allow the verb in that tenant (SubjectAccessReview)."""
+
+    status, kind = api.FORBIDDEN
+
+
+class AuthUnavailable(AcquireError):
+    """The API server did not answer the review: refused, never admitted (fail closed)."""
+
+    status, kind = api.AUTH_UNAVAILABLE
