@@ -251,7 +251,9 @@ def deny_pod(**spec) -> dict:
 def ephemeral(p: dict, **container) -> dict:
     """What `kubectl debug` sends: UPDATE of pods/ephemeralcontainers with the whole pod."""
     new = _edit(p, lambda q: q["spec"].setdefault("ephemeralContainers", []).append(
-        {"name": "debugger", "image": "busybox", "targetContainerName": "task", **container}))
+        {"name": "debugger", "image": "busybox",
+         # The pod's own container (a sandbox's is `task`, deny_pod's `worker`).
+         "targetContainerName": p["spec"]["containers"][0]["name"], **container}))
     r = review("e", new, operation="UPDATE", old=p)
     r["request"]["subResource"] = "ephemeralcontainers"
     r["request"]["resource"] = {"group": "", "version": "v1", "resource": "pods"}
