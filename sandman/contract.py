@@ -57,12 +57,13 @@ EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
 # netguard writes its status here, on a volume shared with the sandbox container.
 NETGUARD_STATUS_PATH = f"{EXECD_DIR}/run/netguard.json"
 
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
+_SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 
 
 def is_token_sha256(value: str) -> bool:
-    """True for a lowercase 64-hex SHA-256 digest, the only accepted token-hash form."""
-    return bool(_SHA256_HEX.match(value or ""))
+    """True for a lowercase 64-hex SHA-256 digest, the only accepted token-hash form.
+    fullmatch: `$` would also accept a trailing newline, which the policy's CEL refuses."""
+    return bool(_SHA256_HEX.fullmatch(value or ""))
 
 # The one sandman image: it carries netguard and the execd.py that the webhook copies into pods.
 SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.1.0"

@@ -12,7 +12,6 @@ import json
 import logging
 import os
 import random
-import re
 import socket
 import ssl
 import time
@@ -33,6 +32,7 @@ from sandman.client.errors import (
     execd_error,
 )
 from sandman.client.models import FileContent, Owner, WriteResult
+from sandman.contract import is_token_sha256
 
 if TYPE_CHECKING:
     from sandman.api import Route
@@ -53,7 +53,6 @@ ACQUIRE_ANSWER_GRACE_S = 30.0
 # difference (exec p50 2.6 vs 2.4 ms, docs/sdk.md); it is kept for real pod networks.
 SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
-_SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _M = TypeVar("_M")
 
 # on_request(kind, name, elapsed_ms, response_length, exception): once per call, retries
@@ -302,7 +301,7 @@ def write_body(path: str, data: bytes, mode: int | str | None,
     if mode is not None:
         body["mode"] = mode
     if if_sha256 is not None:
-        if not _SHA256_HEX.match(if_sha256.lower()):
+        if not is_token_sha256(if_sha256.lower()):  # the same digest syntax
             raise BadRequest("if_sha256 must be a SHA-256 hex digest")
         body["if_sha256"] = if_sha256.lower()
     return body
@@ -313,7 +312,7 @@ def write_body(path: str, data: bytes, mode: int | str | None,
 def check_read(path: str, resp: httpx.Response) -> FileContent:
     """The bytes of `GET /files`, only if their length and SHA-256 match what execd sent."""
     want = (resp.headers.get("x-content-sha256") or "").strip().lower()
-    if not _SHA256_HEX.match(want):
+    if not is_token_sha256(want):
         raise IntegrityError(f"read {path}: execd sent no valid X-Content-SHA256; refusing "
                              "bytes that cannot be checked")
     data = resp.content

@@ -208,6 +208,9 @@ def cases() -> dict[str, dict]:
         g, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_TOKEN_SHA256)))
     c["validate-token-hash-malformed"] = review("v22", _edit(
         g, lambda p: p["metadata"]["annotations"].update({ANNOTATION_TOKEN_SHA256: TOKEN.upper()})))
+    # `re.match` with `$` accepted a trailing newline; the policy's CEL never did.
+    c["validate-token-hash-trailing-newline-refused"] = review("v22n", _edit(
+        g, lambda p: p["metadata"]["annotations"].update({ANNOTATION_TOKEN_SHA256: TOKEN + "\n"})))
     c["validate-not-mutated-probe-removed"] = review("v23", _edit(
         g, lambda p: p["spec"]["containers"][0].pop("readinessProbe")))
     c["validate-dry-run-same-as-real"] = review("v24", pod(), dry_run=True)
