@@ -17,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import logging
-import re
 import time
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
@@ -41,10 +40,7 @@ PREWARM_SUB, STATS_SUB = "prewarm", "stats"
 CLUSTER = ""
 DEFAULT_AUDIENCE = "sandman"
 SA_PREFIX = "system:serviceaccount:"
-NAMESPACE_RE = re.compile(r"^[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?$")  # a DNS label
 # A label key: optional DNS-subdomain prefix, then a name.
-_LABEL_NAME = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")
-_DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$")
 # Prefixes no caller may set, whatever --caller-label-prefix says: Kubernetes' own
 # (app.kubernetes.io/* names the controller and the chart's pods: a sandbox carrying the
 # controller's labels would be the sandbox NetworkPolicy's "controller" peer) and sandman's.
@@ -81,7 +77,7 @@ LOCAL = Caller("system:sandman:auth-none")  # every caller under --auth none
 # ---- tenants and jobs
 
 def check_tenant(ns: str) -> str:
-    if not NAMESPACE_RE.match(ns or ""):
+    if not contract.is_dns_label(ns or ""):
         raise BadRequest(f"namespace {ns!r} is not a namespace name (1-63 of [a-z0-9-])")
     return ns
 
@@ -104,7 +100,7 @@ def split_job(key: str) -> tuple[str | None, str]:
     none's). Keys made under --auth none with a dot read as scoped: switching a controller
     with live sandboxes from none to kubernetes is not supported (docs/controller.md)."""
     tenant, dot, job = key.partition(".")
-    if dot and NAMESPACE_RE.match(tenant):
+    if dot and contract.is_dns_label(tenant):
         return tenant, job
     return None, key
 
@@ -119,8 +115,7 @@ class LabelPolicy:
     def check(self, labels: dict[str, str]) -> None:
         for k in labels:
             prefix, slash, name = k.rpartition("/")
-            if not _LABEL_NAME.match(name) or (slash and not (
-                    len(prefix) <= 253 and _DNS_SUBDOMAIN.match(prefix))):
+            if not contract.is_label_name(name) or (slash and not contract.is_dns_subdomain(prefix)):
                 raise BadRequest(f"label {k!r}: not a valid label key")
             if not slash:
                 continue

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import secrets
 import time
 
@@ -52,7 +51,6 @@ from sandman import contract
 
 log = logging.getLogger("controller")
 
-JOB_RE = re.compile(r"^[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?$")  # a label value
 S = State
 
 
@@ -134,7 +132,7 @@ class Controller:
 
     # ---- acquire ----------------------------------------------------------------------------
     def validate(self, spec: SandboxSpec, job: str, labels: dict, owner: dict | None) -> None:
-        if not JOB_RE.match(job or ""):
+        if not contract.is_label_value(job or "", allow_empty=False):
             raise BadRequest(f"job {job!r} is not a valid label value (1-63 of [A-Za-z0-9-_.])")
         if not spec.image or any(c.isspace() for c in spec.image):
             raise BadRequest(f"image {spec.image!r} is not an image reference")
@@ -153,7 +151,7 @@ class Controller:
         for k, v in labels.items():
             if k.startswith(contract.DOMAIN + "/") or k == contract.LABEL_MANAGED_BY:
                 raise BadRequest(f"label {k!r} is reserved for sandman")
-            if not JOB_RE.match(str(v)) and v != "":
+            if not contract.is_label_value(str(v)):
                 raise BadRequest(f"label {k}={v!r}: value is not a valid label value")
         if owner is not None and not (owner.get("name") and owner.get("uid")):
             raise BadRequest("owner needs both name and uid of the caller's pod")

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, field
 
 import yaml
@@ -14,7 +13,6 @@ from sandman.sandbox import SandboxPolicy
 # ---- the sandbox pod template (--pod-template-file): what a shared node pool asks of pods ---
 # Applied by Creator.build_pod to every pod the controller builds (warm builds too). Checked
 # at startup: a bad file stops the controller with one line, never a pod refused at create.
-_DNS = re.compile(r"^[a-z0-9]([-a-z0-9.]{0,251}[a-z0-9])?$")
 _TOLERATION_KEYS = {"key", "operator", "value", "effect", "tolerationSeconds"}
 _AFFINITY_KEYS = {"nodeAffinity", "podAffinity", "podAntiAffinity"}
 TEMPLATE_KEYS = ("tolerations", "affinity", "priorityClassName", "runtimeClassName",
@@ -58,24 +56,23 @@ def check_pod_template(t: object) -> dict:
                          "podAntiAffinity")
     for k in ("priorityClassName", "runtimeClassName"):
         v = t.get(k, "")
-        if not isinstance(v, str) or (v and not _DNS.match(v)):
+        if not isinstance(v, str) or (v and not contract.is_dns_subdomain(v)):
             raise ValueError(f"pod template: {k} {v!r} is not a valid object name")
     ips = t.get("imagePullSecrets", [])
     if not isinstance(ips, list) or not all(
             isinstance(x, dict) and set(x) == {"name"} and isinstance(x["name"], str)
-            and _DNS.match(x["name"]) for x in ips):
+            and contract.is_dns_subdomain(x["name"]) for x in ips):
         raise ValueError("pod template: imagePullSecrets must be a list of {name: SECRET}")
     _str_map(t.get("annotations", {}), "annotation", _RESERVED_ANNOTATION_PREFIXES)
     labels = t.get("labels", {})
     _str_map(labels, "label", _RESERVED_LABEL_PREFIXES)
     for k, v in labels.items():
-        if not _LABEL_VALUE.match(v):
+        if not contract.is_label_value(v):
             raise ValueError(f"pod template: label {k}={v!r}: not a valid label value")
     # Empty entries (the chart renders every key) are left out of the pods.
     return {k: v for k, v in t.items() if v not in ("", [], {}, None)}
 
 
-_LABEL_VALUE = re.compile(r"^([A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?)?$")
 
 
 def load_pod_template(path: str) -> dict:

@@ -65,6 +65,39 @@ def is_token_sha256(value: str) -> bool:
     fullmatch: `$` would also accept a trailing newline, which the policy's CEL refuses."""
     return bool(_SHA256_HEX.fullmatch(value or ""))
 
+
+# Kubernetes' label syntax: a value is empty or 1-63 of [A-Za-z0-9-_.], alphanumeric at both
+# ends; a key's name part (after an optional `prefix/`) is a non-empty value. fullmatch again:
+# the API server refuses "job\n", so nothing of ours may accept it first.
+_LABEL_VALUE = re.compile(r"[A-Za-z0-9]([-A-Za-z0-9_.]{0,61}[A-Za-z0-9])?")
+# A DNS-1123 subdomain (a label key's prefix, object names): lowercase, at most 253 characters.
+_DNS_SUBDOMAIN = re.compile(r"[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*")
+
+
+def is_label_value(value: str, *, allow_empty: bool = True) -> bool:
+    """True for a valid label value; the empty value only with `allow_empty`."""
+    if value == "":
+        return allow_empty
+    return isinstance(value, str) and bool(_LABEL_VALUE.fullmatch(value))
+
+
+def is_label_name(name: str) -> bool:
+    """True for a valid label key's name part (what follows `prefix/`, or the whole key)."""
+    return is_label_value(name, allow_empty=False)
+
+
+_DNS_LABEL = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")
+
+
+def is_dns_label(name: str) -> bool:
+    """True for a DNS-1123 label: a namespace name."""
+    return isinstance(name, str) and bool(_DNS_LABEL.fullmatch(name))
+
+
+def is_dns_subdomain(name: str) -> bool:
+    """True for a DNS-1123 subdomain: a label key's prefix, or an object name."""
+    return isinstance(name, str) and len(name) <= 253 and bool(_DNS_SUBDOMAIN.fullmatch(name))
+
 # The one sandman image: it carries netguard and the execd.py that the webhook copies into pods.
 SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.1.0"
 # Names the webhook (sandman/sandbox.py) gives what it injects into a sandbox pod.

@@ -121,3 +121,47 @@ def test_no_python_outside_the_contract_spells_the_wire():
            if not f.startswith("tests/") and f != "sandman/api.py"
            and spelled.search((ROOT / f).read_text())]
     assert bad == []
+
+
+# ---- Kubernetes name syntax: one spelling (sandman/contract.py), fullmatch everywhere
+
+@pytest.mark.parametrize("value,ok", [
+    ("job-1", True), ("a", True), ("A.b_c-9", True), ("x" * 63, True),
+    ("x" * 64, False), ("-a", False), ("a-", False), ("a b", False),
+    ("job\n", False),  # `re.match("...$")` accepted it; the API server refuses it
+])
+def test_label_value_syntax(value, ok):
+    from sandman import contract
+
+    assert contract.is_label_value(value) is ok
+    assert contract.is_label_name(value) is ok
+
+
+def test_the_empty_label_value_is_a_value_but_not_a_name():
+    from sandman import contract
+
+    assert contract.is_label_value("") and not contract.is_label_value("", allow_empty=False)
+    assert not contract.is_label_name("")
+
+
+@pytest.mark.parametrize("name,label,subdomain", [
+    ("team-a", True, True), ("a.b", False, True), ("Team", False, False),
+    ("team\n", False, False), ("x" * 64, False, True), ("a..b", False, False),
+])
+def test_dns_names(name, label, subdomain):
+    from sandman import contract
+
+    assert contract.is_dns_label(name) is label
+    assert contract.is_dns_subdomain(name) is subdomain
+
+
+def test_the_controller_refuses_a_label_or_tenant_with_a_trailing_newline():
+    from controller.auth import LabelPolicy, check_tenant
+    from controller.errors import BadRequest
+
+    with pytest.raises(BadRequest, match="not a valid label key"):
+        LabelPolicy().check({"team\n": "a"})
+    with pytest.raises(BadRequest, match="not a namespace name"):
+        check_tenant("team-a\n")
+    check_tenant("team-a")
+    LabelPolicy(prefixes=("example.com",)).check({"example.com/team": "a", "run": "1"})
