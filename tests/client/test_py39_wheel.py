@@ -1,0 +1,167 @@
+"""The `sandman-client` wheel in a bare Python 3.9 venv (issue 16): built from the tree,
+installed with its one dependency into a fresh venv of Debian bullseye's python3.9
+(testbed/dist.py: a cached debootstrapped tree, entered with chroot), then driven for real:
+acquire from a controller on 127.0.0.1 (the FakeController of conftest.py), a command in the
+real execd it hands out, release, with the sync and the async client; a controller that is not
+there gives the typed error. Nothing of the server may land in that venv.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import textwrap
+import tomllib
+import uuid
+from pathlib import Path
+
+import pytest
+
+from testbed import dist
+from testbed.build import cache_dir
+from testbed.procs import free_port
+
+from .conftest import LOOPBACK, FakeController
+
+PY39 = dist.PYTHON
+# What may be in the venv: the client, httpx and httpx's own dependencies on 3.9, and what
+# `python3.9 -m venv` puts there.
+ALLOWED = {"sandman-client", "httpx", "httpcore", "anyio", "sniffio", "idna", "certifi", "h11",
+           "exceptiongroup", "typing-extensions", "pip", "setuptools", "pkg-resources"}
+# The server's distribution and its dependencies, named to make a failure readable.
+SERVER = {"sandman", "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn",
+          "kubernetes", "cryptography", "pyroute2", "prometheus-client", "jsonpatch", "pyyaml",
+          "uvloop", "httptools", "locust"}
+CLIENT_FILES = {"client", "api.py", "contract.py", "_version.py", "__pycache__"}
+
+SCRIPT = textwrap.dedent('''
+    import asyncio, importlib, json, pkgutil, sys
+    import sandman.client
+    from sandman.client import AsyncClient, Client, ControllerUnreachable, RetryPolicy
+
+    url, dead = sys.argv[1], sys.argv[2]
+    out = {"python": list(sys.version_info[:3])}
+    # Every module of the distribution imports on 3.9 (not only those __init__ pulls in).
+    out["modules"] = sorted(m.name for m in pkgutil.walk_packages(
+        sandman.client.__path__, "sandman.client.") if importlib.import_module(m.name))
+    with Client(url) as client:
+        with client.acquire(image="task:py39", job="py39") as sb:
+            r = sb.exec("echo sync-$((6 * 7))")
+            out["sync"] = [r.exit_code, r.output]
+
+    async def main():
+        async with AsyncClient(url) as client:
+            async with await client.acquire(image="task:py39", job="py39") as sb:
+                r = await sb.exec("echo async-$((6 * 7))")
+                return [r.exit_code, r.output]
+    out["async"] = asyncio.run(main())
+    try:
+        with Client(dead, retry=RetryPolicy(attempts=2, backoff_s=0.05, budget_s=2.0)) as c:
+            c.acquire(image="task:py39", job="py39")
+    except ControllerUnreachable as e:
+        out["dead"] = type(e).__name__
+    import importlib.metadata as md
+    out["dists"] = sorted(d.metadata["Name"].lower().replace("_", "-")
+                          for d in md.distributions())
+    from pathlib import Path
+    out["sandman_dir"] = sorted(p.name for p in Path(sandman.client.__file__).parent.parent.iterdir())
+    print("RESULT " + json.dumps(out))
+''')
+
+
+@pytest.fixture(scope="module")
+def py39_root() -> Path:
+    why = dist.missing()
+    if why:
+        pytest.skip(f"bare Python 3.9 from Debian bullseye: {why}")
+    return dist.rootfs()
+
+
+def _client_requirements() -> list[str]:
+    text = (dist.REPO / "client" / "pyproject.toml").read_text()
+    return tomllib.loads(text)["project"]["dependencies"]
+
+
+def _run_twice(argv: list[str], offline: list[str], timeout: float) -> str:
+    """`argv` offline (from caches) first, then with the index."""
+    r = subprocess.run([*argv, *offline], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 0, f"{argv[:3]}: {r.stderr[-2000:]}"
+    return r.stdout
+
+
+def _dependency_wheels() -> list[Path]:
+    """The client's dependencies as wheels for CPython 3.9, cached. Resolved by uv for 3.9:
+    `pip download --python-version` would evaluate markers for this 3.11 (and leave out
+    anyio's `exceptiongroup; python_version < "3.11"`)."""
+    wheels = cache_dir() / "py39-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or "uv"
+    with tempfile.TemporaryDirectory(prefix="sandman-py39-") as tmp:
+        src = Path(tmp) / "requirements.in"
+        src.write_text("\n".join(_client_requirements()) + "\n")
+        pins = _run_twice([uv, "pip", "compile", "--quiet", "--no-header", "--no-annotate",
+                           "--python-version", "3.9", "--only-binary", ":all:", str(src)],
+                          ["--offline"], timeout=120).split()
+    assert any(p.startswith("httpx==") for p in pins), pins
+    _run_twice([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--disable-pip-version-check", "--only-binary=:all:", "--python-version", "3.9",
+                "--implementation", "cp", "-d", str(wheels), *pins],
+               ["--no-index", "--find-links", str(wheels)], timeout=300)
+    found = []
+    for pin in pins:
+        name, version = pin.split("==")
+        found += wheels.glob(f"{re.sub(r'[-_.]+', '_', name)}-{version}-*.whl")
+    assert len(found) == len(pins), (pins, found)
+    return found
+
+
+def _in_root(root: Path, argv: list[str], timeout: float = 300) -> str:
+    r = dist.run(root, argv, timeout=timeout)
+    assert r.returncode == 0, f"{argv[:3]} exited {r.returncode}: {r.stderr[-3000:]}"
+    return r.stdout
+
+
+def test_client_wheel_in_a_bare_python39_venv(py39_root: Path, controller: FakeController,
+                                               tmp_path: Path) -> None:
+    wheel = dist.build_wheel("client", tmp_path / "wheel")
+    deps = _dependency_wheels()
+    work = f"/sandman-test-{uuid.uuid4().hex[:12]}"
+    host_work = py39_root / work.lstrip("/")
+    try:
+        (host_work / "wheels").mkdir(parents=True)
+        for w in [wheel, *deps]:
+            shutil.copy2(w, host_work / "wheels" / w.name)
+        (host_work / "check.py").write_text(SCRIPT)
+        _in_root(py39_root, [PY39, "-m", "venv", f"{work}/venv"])
+        vpy = f"{work}/venv/bin/python"
+        assert _in_root(py39_root, [vpy, "-c", "import sys; print(sys.version_info[:2])"]) \
+            .strip() == "(3, 9)"
+        # Offline, from the wheel a user gets: the client's metadata must pull in httpx.
+        _in_root(py39_root, [vpy, "-m", "pip", "install", "--quiet", "--no-index",
+                             "--disable-pip-version-check", "--find-links", f"{work}/wheels",
+                             f"{work}/wheels/{wheel.name}"])
+        dead = f"http://{LOOPBACK}:{free_port(LOOPBACK)}"
+        out = _in_root(py39_root, [vpy, f"{work}/check.py", controller.url, dead], timeout=120)
+    finally:
+        shutil.rmtree(host_work, ignore_errors=True)
+    result = json.loads(next(ln for ln in out.splitlines()
+                             if ln.startswith("RESULT "))[len("RESULT "):])
+    assert result["python"][:2] == [3, 9]
+    assert "sandman.client._async.sandbox" in result["modules"]
+    assert result["sync"] == [0, "sync-42\n"]
+    assert result["async"] == [0, "async-42\n"]
+    assert result["dead"] == "ControllerUnreachable"
+    # Both acquires reached the controller, and both sandboxes were released.
+    assert len(controller.calls("POST")) >= 2
+    assert len(controller.calls("DELETE")) == 2
+    dists = set(result["dists"])
+    assert "sandman-client" in dists and "httpx" in dists
+    assert not dists & SERVER, f"server packages in the client's venv: {dists & SERVER}"
+    assert dists <= ALLOWED, f"unexpected packages in the client's venv: {dists - ALLOWED}"
+    assert set(result["sandman_dir"]) <= CLIENT_FILES, result["sandman_dir"]
