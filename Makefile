@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain lock kind-up lint test test-windows-full testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -117,6 +117,14 @@ demo: deps testbed-build  ## one-machine sandman + locust: SHAPE (burst64|two-ru
 
 bench-loadtest: deps testbed-build  ## the locust ramp to 12,000 at 50 creates/s: the highest step this machine holds
 	$(VPY) -m loadtest.demo --shape ramp --ramp-max 12000 --rate 50 --burst 100
+
+# Users with Docker only: our machines have no Docker engine, and there it stops at once with
+# one line (testbed/kind_up.py).
+kind-up: $(STAMP)  ## with Docker: kind cluster, docker build + kind load, helm install --wait, helm test
+	$(VPY) -m testbed.kind_up
+
+kind-down: $(STAMP)  ## delete the kind cluster of kind-up
+	$(VPY) -m testbed.kind_up --down
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache
