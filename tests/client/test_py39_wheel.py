@@ -135,6 +135,7 @@ def _in_root(root: Path, argv: list[str], timeout: float = 300) -> str:
     return r.stdout
 
 
+@pytest.mark.timeout(1200)  # the first run debootstraps bullseye (196 s here)
 def test_client_wheel_in_a_bare_python39_venv(py39_root: Path, controller: FakeController,
                                                tmp_path: Path) -> None:
     wheel = dist.build_wheel("client", tmp_path / "wheel")
