@@ -68,13 +68,21 @@ def input_digest(reqs: list[str]) -> str:
     return hashlib.sha256(("\n".join(reqs) + "\n").encode()).hexdigest()
 
 
-def pins(lock: Path) -> dict[str, str]:
-    """name -> pinned version of every `name==version` entry of a lock."""
-    out = {}
-    for line in lock.read_text().splitlines():
-        m = re.match(r"([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
-        if m:
-            out[canonical(m.group(1))] = m.group(2)
+ENTRY = re.compile(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)(?: ; ([^\\\n]+?))?\s*\\?$", re.M)
+
+
+def entries(lock: Path) -> list[tuple[str, str, str | None]]:
+    """(name, version, marker or None) of every entry of a lock. A universal lock can pin one
+    package twice, under exclusive markers (numpy: one version below Python 3.12, one above)."""
+    return [(canonical(m.group(1)), m.group(2), m.group(3)) for m in ENTRY.finditer(
+        lock.read_text())]
+
+
+def pins(lock: Path) -> dict[str, set[str]]:
+    """name -> every version a lock pins it at."""
+    out: dict[str, set[str]] = {}
+    for name, version, _ in entries(lock):
+        out.setdefault(name, set()).add(version)
     return out
 
 
@@ -95,11 +103,12 @@ def problems(lock: Path, dev: bool) -> list[str]:
     pinned = pins(lock)
     for r in reqs:
         req = Requirement(r)
-        version = pinned.get(canonical(req.name))
-        if version is None:
+        versions = pinned.get(canonical(req.name))
+        if not versions:
             out.append(f"{lock.name} has no pin for {req.name}")
-        elif not req.specifier.contains(version, prereleases=True):
-            out.append(f"{lock.name} pins {req.name}=={version}, outside {r!r}")
+        for version in sorted(versions or ()):
+            if not req.specifier.contains(version, prereleases=True):
+                out.append(f"{lock.name} pins {req.name}=={version}, outside {r!r}")
     entries = re.split(r"\n(?=[A-Za-z0-9])", text)
     unhashed = [e.split("==")[0] for e in entries if "==" in e and "--hash=sha256:" not in e]
     if unhashed:
@@ -135,9 +144,10 @@ def _compile(reqs: list[str], out: Path, constraints: Path | None) -> None:
 def generate() -> None:
     _compile(declared(dev=True), DEV_LOCK, None)
     with tempfile.TemporaryDirectory(prefix="sandman-lock-") as tmp:
-        # The dev lock's versions as plain constraints (no hashes: uv reads them as pins).
+        # The dev lock's versions as plain constraints, markers kept (no hashes).
         cons = Path(tmp) / "constraints.txt"
-        cons.write_text("".join(f"{n}=={v}\n" for n, v in sorted(pins(DEV_LOCK).items())))
+        cons.write_text("".join(f"{n}=={v}" + (f" ; {m}" if m else "") + "\n"
+                                for n, v, m in entries(DEV_LOCK)))
         _compile(declared(dev=False), RUNTIME_LOCK, cons)
 
 
