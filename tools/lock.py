@@ -1,8 +1,8 @@
 """The server's lock files: every transitive PyPI package at one version, hash-checked.
 
 pyproject.toml (and client/pyproject.toml) declare ranges; what machines install is
-- requirements-dev.lock: the server, the client, their build backend and the dev extra
-  (`make deps`, so CI);
+- requirements-dev.lock: the server, the client, their build backend and every extra of both
+  (dev, the client's adapters; `make deps`, so CI);
 - requirements.lock: the server, the client and their build backend (images/Dockerfile),
 both `uv pip compile --universal --generate-hashes` for Python 3.11 (the server's floor and
 the image's interpreter), installed with `pip install --require-hashes --no-deps`. The runtime
@@ -53,14 +53,18 @@ def _name(req: str) -> str:
 def declared(dev: bool) -> list[str]:
     """The third-party requirements the lock must satisfy, sorted: the server's dependencies
     (without our own distributions), the client's, what builds both (setuptools: they are
-    installed without build isolation), and with `dev` the dev extra."""
+    installed without build isolation), and with `dev` every extra of both (dev included)."""
     server_toml = tomllib.loads(SERVER.read_text())
     client_toml = tomllib.loads(CLIENT.read_text())
     server, client = server_toml["project"], client_toml["project"]
     reqs = list(server["dependencies"]) + list(client["dependencies"])
     reqs += server_toml["build-system"]["requires"] + client_toml["build-system"]["requires"]
     if dev:
-        reqs += server["optional-dependencies"]["dev"]
+        # The dev venv has every extra of both: the tests of an adapter (the client's extras,
+        # e.g. swerex) and of the load tests need their packages.
+        for project in (server, client):
+            for extra in project.get("optional-dependencies", {}).values():
+                reqs += extra
     return sorted({r.strip() for r in reqs if _name(r) not in OURS})
 
 
