@@ -20,11 +20,14 @@ took 196 s here (2 shared cores), 123 MB.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import subprocess
 import sys
 import tempfile
 import time
+import tomllib
+import uuid
 from pathlib import Path
 
 from testbed.build import cache_dir
@@ -117,6 +120,92 @@ def run(root: Path, argv: list[str], *, timeout: float,
            str(root), "/usr/bin/env", "-i", *(f"{k}={v}" for k, v in {**base, **(env or {})}
                                               .items()), *argv]
     return subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+
+
+def _run_twice(argv: list[str], offline: list[str], timeout: float) -> str:
+    """`argv` offline (from caches) first, then with the index."""
+    r = subprocess.run([*argv, *offline], capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
+    if r.returncode != 0:
+        raise RuntimeError(f"{' '.join(argv[:4])} failed: {r.stderr.strip()[-2000:]}")
+    return r.stdout
+
+
+def client_dependency_wheels() -> list[Path]:
+    """The client's dependencies as wheels for CPython 3.9, cached in py39-wheels/. Resolved
+    by uv for 3.9: `pip download --python-version` evaluates markers for the running 3.11
+    (and left out anyio's `exceptiongroup; python_version < "3.11"`)."""
+    wheels = cache_dir() / "py39-wheels"
+    wheels.mkdir(parents=True, exist_ok=True)
+    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or "uv"
+    requirements = tomllib.loads((REPO / "client" / "pyproject.toml").read_text())[
+        "project"]["dependencies"]
+    with tempfile.TemporaryDirectory(prefix="sandman-py39-") as tmp:
+        src = Path(tmp) / "requirements.in"
+        src.write_text("\n".join(requirements) + "\n")
+        pins = _run_twice([uv, "pip", "compile", "--quiet", "--no-header", "--no-annotate",
+                           "--python-version", "3.9", "--only-binary", ":all:", str(src)],
+                          ["--offline"], timeout=120).split()
+    _run_twice([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
+                "--disable-pip-version-check", "--only-binary=:all:", "--python-version", "3.9",
+                "--implementation", "cp", "-d", str(wheels), *pins],
+               ["--no-index", "--find-links", str(wheels)], timeout=300)
+    found = []
+    for pin in pins:
+        name, version = pin.split("==")
+        found += wheels.glob(f"{re.sub(r'[-_.]+', '_', name)}-{version}-*.whl")
+    if len(found) != len(pins) or not any(p.startswith("httpx==") for p in pins):
+        raise RuntimeError(f"client dependencies for 3.9: pinned {pins}, found {found}")
+    return found
+
+
+class Py39Venv:
+    """A fresh venv of bullseye's python3.9 in the cached tree, with the client wheel built
+    from this tree installed offline (its dependencies from `client_dependency_wheels()`):
+    what `pip install sandman-client` gives a 3.9 trainer. Everything lives in one folder of
+    the tree, /sandman-test-<random>, removed by `close()`."""
+
+    def __init__(self, root: Path, scratch: Path) -> None:
+        self.root, self.scratch = root, scratch
+        self.work = f"/sandman-test-{uuid.uuid4().hex[:12]}"
+        self.host_work = root / self.work.lstrip("/")
+        self.python = f"{self.work}/venv/bin/python"
+
+    def __enter__(self) -> Py39Venv:
+        try:
+            wheel = build_wheel("client", self.scratch / "wheel")
+            deps = client_dependency_wheels()
+            (self.host_work / "wheels").mkdir(parents=True)
+            for w in [wheel, *deps]:
+                shutil.copy2(w, self.host_work / "wheels" / w.name)
+            self.check([PYTHON, "-m", "venv", f"{self.work}/venv"])
+            # Offline, from the wheel: the client's own metadata must bring httpx.
+            self.check([self.python, "-m", "pip", "install", "--quiet", "--no-index",
+                        "--disable-pip-version-check", "--find-links", f"{self.work}/wheels",
+                        f"{self.work}/wheels/{wheel.name}"])
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        shutil.rmtree(self.host_work, ignore_errors=True)
+
+    def put(self, name: str, text: str) -> str:
+        """Write a file into the work folder; its path inside the tree."""
+        (self.host_work / name).write_text(text)
+        return f"{self.work}/{name}"
+
+    def check(self, argv: list[str], timeout: float = 300) -> str:
+        r = run(self.root, argv, timeout=timeout)
+        if r.returncode != 0:
+            raise RuntimeError(f"{' '.join(argv[:3])} exited {r.returncode} in the py39 "
+                               f"tree: {r.stderr[-3000:]}")
+        return r.stdout
 
 
 if __name__ == "__main__":

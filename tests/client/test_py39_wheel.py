@@ -9,20 +9,12 @@ there gives the typed error. Nothing of the server may land in that venv.
 from __future__ import annotations
 
 import json
-import re
-import shutil
-import subprocess
-import sys
-import tempfile
 import textwrap
-import tomllib
-import uuid
 from pathlib import Path
 
 import pytest
 
 from testbed import dist
-from testbed.build import cache_dir
 from testbed.procs import free_port
 
 from .conftest import LOOPBACK, FakeController
@@ -89,76 +81,15 @@ def py39_root() -> Path:
     return dist.rootfs()
 
 
-def _client_requirements() -> list[str]:
-    text = (dist.REPO / "client" / "pyproject.toml").read_text()
-    return tomllib.loads(text)["project"]["dependencies"]
-
-
-def _run_twice(argv: list[str], offline: list[str], timeout: float) -> str:
-    """`argv` offline (from caches) first, then with the index."""
-    r = subprocess.run([*argv, *offline], capture_output=True, text=True, timeout=timeout)
-    if r.returncode != 0:
-        r = subprocess.run(argv, capture_output=True, text=True, timeout=timeout)
-    assert r.returncode == 0, f"{argv[:3]}: {r.stderr[-2000:]}"
-    return r.stdout
-
-
-def _dependency_wheels() -> list[Path]:
-    """The client's dependencies as wheels for CPython 3.9, cached. Resolved by uv for 3.9:
-    `pip download --python-version` would evaluate markers for this 3.11 (and leave out
-    anyio's `exceptiongroup; python_version < "3.11"`)."""
-    wheels = cache_dir() / "py39-wheels"
-    wheels.mkdir(parents=True, exist_ok=True)
-    uv = shutil.which("uv", path=str(Path(sys.executable).parent)) or "uv"
-    with tempfile.TemporaryDirectory(prefix="sandman-py39-") as tmp:
-        src = Path(tmp) / "requirements.in"
-        src.write_text("\n".join(_client_requirements()) + "\n")
-        pins = _run_twice([uv, "pip", "compile", "--quiet", "--no-header", "--no-annotate",
-                           "--python-version", "3.9", "--only-binary", ":all:", str(src)],
-                          ["--offline"], timeout=120).split()
-    assert any(p.startswith("httpx==") for p in pins), pins
-    _run_twice([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps",
-                "--disable-pip-version-check", "--only-binary=:all:", "--python-version", "3.9",
-                "--implementation", "cp", "-d", str(wheels), *pins],
-               ["--no-index", "--find-links", str(wheels)], timeout=300)
-    found = []
-    for pin in pins:
-        name, version = pin.split("==")
-        found += wheels.glob(f"{re.sub(r'[-_.]+', '_', name)}-{version}-*.whl")
-    assert len(found) == len(pins), (pins, found)
-    return found
-
-
-def _in_root(root: Path, argv: list[str], timeout: float = 300) -> str:
-    r = dist.run(root, argv, timeout=timeout)
-    assert r.returncode == 0, f"{argv[:3]} exited {r.returncode}: {r.stderr[-3000:]}"
-    return r.stdout
-
-
 @pytest.mark.timeout(1200)  # the first run debootstraps bullseye (196 s here)
 def test_client_wheel_in_a_bare_python39_venv(py39_root: Path, controller: FakeController,
                                                tmp_path: Path) -> None:
-    wheel = dist.build_wheel("client", tmp_path / "wheel")
-    deps = _dependency_wheels()
-    work = f"/sandman-test-{uuid.uuid4().hex[:12]}"
-    host_work = py39_root / work.lstrip("/")
-    try:
-        (host_work / "wheels").mkdir(parents=True)
-        for w in [wheel, *deps]:
-            shutil.copy2(w, host_work / "wheels" / w.name)
-        (host_work / "check.py").write_text(SCRIPT)
-        _in_root(py39_root, [PY39, "-m", "venv", f"{work}/venv"])
-        vpy = f"{work}/venv/bin/python"
-        assert _in_root(py39_root, [vpy, "-c", "import sys; print(sys.version_info[:2])"]) \
+    dead = f"http://{LOOPBACK}:{free_port(LOOPBACK)}"
+    with dist.Py39Venv(py39_root, tmp_path) as venv:
+        assert venv.check([venv.python, "-c", "import sys; print(sys.version_info[:2])"]) \
             .strip() == "(3, 9)"
-        # Offline, from the wheel a user gets: the client's metadata must pull in httpx.
-        _in_root(py39_root, [vpy, "-m", "pip", "install", "--quiet", "--no-index",
-                             "--disable-pip-version-check", "--find-links", f"{work}/wheels",
-                             f"{work}/wheels/{wheel.name}"])
-        dead = f"http://{LOOPBACK}:{free_port(LOOPBACK)}"
-        out = _in_root(py39_root, [vpy, f"{work}/check.py", controller.url, dead], timeout=120)
-    finally:
-        shutil.rmtree(host_work, ignore_errors=True)
+        out = venv.check([venv.python, venv.put("check.py", SCRIPT), controller.url, dead],
+                         timeout=120)
     result = json.loads(next(ln for ln in out.splitlines()
                              if ln.startswith("RESULT "))[len("RESULT "):])
     assert result["python"][:2] == [3, 9]
