@@ -6,19 +6,35 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
 
-$(STAMP): pyproject.toml
+# Go for the test bed's builds: a `go` >= 1.26 on PATH, else the toolchain `make deps` fetched
+# from the Go module proxy into the cache (tools/gotoolchain.py).
+export PATH := $(or $(SANDMAN_TESTBED_CACHE),$(HOME)/.cache/sandman-testbed)/go-toolchain/bin:$(PATH)
+
+PIP := $(VPY) -m pip --disable-pip-version-check
+# Every PyPI package at its locked version, hash-checked (tools/lock.py); then the two
+# distributions of this tree, editable, adding nothing (--no-deps) and building without
+# isolation (the isolated build's setuptools would be unlocked).
+$(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(PIP) install --quiet --require-hashes --no-deps -r requirements-dev.lock
+	$(PIP) install --quiet --no-deps --no-build-isolation -e ./client -e .
+	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) sysdeps  ## install the venv, pinned PyPI deps and Debian packages the tests need
+deps: $(STAMP) sysdeps gotoolchain  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing
+
+gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
+	@$(PY) tools/gotoolchain.py
+
+lock: $(STAMP)  ## regenerate requirements*.lock from the pyprojects (needs PyPI); commit them
+	$(VPY) tools/lock.py
 
 # REAL_NODE=1: the test bed adds a node that runs real containers (docs/testbed.md "Real node").
 # REAL_NODE=auto (what `make test` uses): install and build what it needs where it can run (root).
@@ -28,11 +44,12 @@ export REAL_NODE
 sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; REAL_NODE=1: containerd, runc, CNI plugins, ipset, conntrack)
 	@$(PY) tools/sysdeps.py
 
-lint: $(STAMP)  ## ruff on the tree; vermin checks execd stays python3.8-compatible
+lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9
 	$(VENV)/bin/ruff check .
 	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
+	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/contract.py sandman/_version.py
 
-testbed-build: $(STAMP)  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
+testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
 	$(VPY) -m testbed build
 
 test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
@@ -100,6 +117,14 @@ demo: deps testbed-build  ## one-machine sandman + locust: SHAPE (burst64|two-ru
 
 bench-loadtest: deps testbed-build  ## the locust ramp to 12,000 at 50 creates/s: the highest step this machine holds
 	$(VPY) -m loadtest.demo --shape ramp --ramp-max 12000 --rate 50 --burst 100
+
+# Users with Docker only: our machines have no Docker engine, and there it stops at once with
+# one line (testbed/kind_up.py).
+kind-up: $(STAMP)  ## with Docker: kind cluster, docker build + kind load, helm install --wait, helm test
+	$(VPY) -m testbed.kind_up
+
+kind-down: $(STAMP)  ## delete the kind cluster of kind-up
+	$(VPY) -m testbed.kind_up --down
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
 	rm -rf $(VENV) .pytest_cache .ruff_cache

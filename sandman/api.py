@@ -3,7 +3,8 @@ error types, the default sandbox size. Nothing else in the tree spells them.
 
 Read by the controller (`controller/api.py` serves these routes and validates these bodies),
 the SDK (`sandman.client` sends them), the load tests, and the chart (`charts/gen_contract.py`
-writes the route paths into `_contract.tpl`). Stdlib only: the SDK imports it.
+writes the route paths into `_contract.tpl`). Stdlib only and Python >= 3.9: the client
+distribution (`sandman-client`, client/pyproject.toml) ships it with the SDK.
 
 The request models are plain dataclasses that FastAPI validates as they are: pydantic reads
 `__pydantic_config__` (unknown fields refused; a number is accepted where a quantity string is
@@ -13,6 +14,7 @@ the same `__post_init__` raises ValueError before anything is sent.
 
 from __future__ import annotations
 
+import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
 from urllib.parse import quote
@@ -28,6 +30,10 @@ EGRESS_VALUES = (contract.EGRESS_DENY, contract.EGRESS_ALLOW)
 DEFAULT_ACQUIRE_TIMEOUT_S = 300.0
 MAX_ACQUIRE_TIMEOUT_S = 3600.0
 MAX_REQUEST_ID_LEN = 128
+
+# Request models are keyword-only where dataclasses can say so (3.10+, so on the server); on a
+# 3.9 client they are plain dataclasses, and the SDK passes every field by keyword.
+_KW_ONLY: dict[str, Any] = {"kw_only": True} if sys.version_info >= (3, 10) else {}
 
 
 # ---- routes
@@ -109,7 +115,7 @@ def _check(ok: bool, message: str) -> None:
 def _check_lifetime(lifetime_s: Any) -> None:
     # Only the type here: the bounds are the controller's flags (a 400 names them).
     _check(lifetime_s is None or (not isinstance(lifetime_s, bool)
-                                  and isinstance(lifetime_s, int | float)
+                                  and isinstance(lifetime_s, (int, float))
                                   and lifetime_s == lifetime_s),
            "lifetime_s: must be a number of seconds")
 
@@ -146,7 +152,7 @@ class Spec(_Model):
         _check_size(self.cpu, self.memory, self.egress)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, **_KW_ONLY)
 class AcquireRequest(_Model):
     """`POST /v1/sandboxes`. `request_id` is the idempotency key: a retry with the same key
     (and job) gets the same sandbox back while it is in flight or leased."""
@@ -174,7 +180,7 @@ class AcquireRequest(_Model):
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
         _check_size(self.cpu, self.memory, self.egress)
         _check_lifetime(self.lifetime_s)
-        _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, int | float)
+        _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, (int, float))
                and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
                f"timeout_s: must be > 0 and <= {MAX_ACQUIRE_TIMEOUT_S:g}")
         _check(self.request_id is None or 0 < len(self.request_id) <= MAX_REQUEST_ID_LEN,
@@ -186,7 +192,7 @@ class AcquireRequest(_Model):
                     egress=self.egress)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, **_KW_ONLY)
 class RenewRequest(_Model):
     """`POST /v1/sandboxes/{id}/renew`: expires_at becomes now + `lifetime_s` (None: the
     lifetime the sandbox was acquired or last renewed with), bounded by the controller's max."""
@@ -197,7 +203,7 @@ class RenewRequest(_Model):
         _check_lifetime(self.lifetime_s)
 
 
-@dataclass(frozen=True, kw_only=True)
+@dataclass(frozen=True, **_KW_ONLY)
 class PrewarmRequest(_Model):
     """`POST /v1/prewarm`: keep `count` never-used sandboxes of (image, spec) ready; they go
     after `idle_timeout_s` without an acquire (the controller's default when None)."""

@@ -346,8 +346,8 @@ def debian_mirror() -> str:
     return "http://deb.debian.org/debian"
 
 
-def debootstrap(target: Path, include: list[str], log: Path) -> None:
-    """`debootstrap --variant=minbase --include=...` into `target`, then clean it.
+def debootstrap(target: Path, include: list[str], log: Path, suite: str = SUITE) -> None:
+    """`debootstrap --variant=minbase --include=...` of `suite` into `target`, then clean it.
 
     Downloaded .debs are kept in the cache (debs/): the second tree and every rebuild skip
     most of the download.
@@ -359,7 +359,7 @@ def debootstrap(target: Path, include: list[str], log: Path) -> None:
     debs = cache_dir() / "debs"
     debs.mkdir(parents=True, exist_ok=True)
     cmd = ["debootstrap", "--variant=minbase", f"--include={','.join(include)}",
-           f"--cache-dir={debs}", SUITE, str(target), debian_mirror()]
+           f"--cache-dir={debs}", suite, str(target), debian_mirror()]
     with open(log, "ab") as f:
         f.write(f"$ {' '.join(cmd)}\n".encode())
         f.flush()
@@ -462,8 +462,13 @@ BUD_FLAGS = ("--isolation", "chroot", "--network", "host", "--layers", "--pull=n
 
 
 def sandman_version() -> str:
-    import tomllib
-    return tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["version"]
+    """sandman/_version.py, the one version of both distributions (read, not imported: this
+    runs before the tree is installed)."""
+    text = (REPO / "sandman" / "_version.py").read_text()
+    m = re.search(r'^__version__ = "([^"]+)"$', text, re.M)
+    if not m:
+        raise ImageError("sandman/_version.py has no `__version__ = \"...\"` line")
+    return m.group(1)
 
 
 def dockerfile_copy_sources() -> list[str]:

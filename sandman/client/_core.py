@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
-from sandman import __version__
+from sandman._version import __version__
 from sandman.client.errors import (
     BadRequest,
     IntegrityError,

@@ -1,0 +1,110 @@
+"""The two distributions of the tree, built as wheels (testbed/dist.py): `sandman-client`
+(client/pyproject.toml) and `sandman` (pyproject.toml) share the `sandman` namespace without
+sharing a file, together ship every file of it, and the client's files import nothing but the
+standard library, httpx and each other. The bare-3.9 install is tests/client/test_py39_wheel.py.
+"""
+
+from __future__ import annotations
+
+import ast
+import re
+import sys
+import tomllib
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from testbed.dist import REPO, build_wheel
+
+CLIENT_DEPENDENCIES = {"httpx"}
+
+
+@pytest.fixture(scope="module")
+def wheels(tmp_path_factory) -> dict[str, Path]:
+    out = tmp_path_factory.mktemp("wheels")
+    return {dist: build_wheel(dist, out / dist) for dist in ("client", "server")}
+
+
+def _names(wheel: Path) -> set[str]:
+    with zipfile.ZipFile(wheel) as z:
+        return {n for n in z.namelist() if ".dist-info/" not in n}
+
+
+def _metadata(wheel: Path) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        return z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
+
+
+def test_the_namespace_is_split_without_overlap_or_gap(wheels):
+    client = {n for n in _names(wheels["client"]) if n.startswith("sandman/")}
+    server = {n for n in _names(wheels["server"]) if n.startswith("sandman/")}
+    tree = {p.relative_to(REPO).as_posix() for p in (REPO / "sandman").rglob("*")
+            if p.is_file() and "__pycache__" not in p.parts}
+    assert not client & server, f"shipped by both distributions: {sorted(client & server)}"
+    assert client | server == tree, (
+        f"in the tree but in no wheel: {sorted(tree - client - server)}; "
+        f"in a wheel but not in the tree: {sorted((client | server) - tree)} "
+        "(add a new sandman/ module to pyproject.toml's py-modules, or to the client's)")
+    # A namespace package (PEP 420): neither may own sandman/__init__.py.
+    assert "sandman/__init__.py" not in tree
+    assert "sandman/client/py.typed" in client
+    assert {"sandman/api.py", "sandman/contract.py", "sandman/_version.py"} <= client
+
+
+def test_the_client_wheel_has_only_the_client_and_its_wire(wheels):
+    tops = {n.split("/")[0] for n in _names(wheels["client"])}
+    assert tops == {"sandman"}, tops
+    meta = _metadata(wheels["client"])
+    assert "Name: sandman-client" in meta
+    assert "Requires-Python: >=3.9" in meta
+    requires = re.findall(r"^Requires-Dist: ([A-Za-z0-9_.-]+)(.*)$", meta, re.M)
+    plain = {name.lower() for name, rest in requires if "extra ==" not in rest}
+    assert plain == CLIENT_DEPENDENCIES, requires
+    # A range, not a pin: trainers bring their own httpx.
+    assert any(name == "httpx" and "<" in rest and ">=" in rest for name, rest in requires)
+
+
+def _imports(source: str, filename: str) -> set[str]:
+    found = set()
+    for node in ast.walk(ast.parse(source, filename)):
+        if isinstance(node, ast.Import):
+            found |= {a.name for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            found.add(node.module)
+            if node.module == "sandman":
+                found |= {f"sandman.{a.name}" for a in node.names}
+    return found
+
+
+def test_client_files_import_only_stdlib_httpx_and_each_other(wheels):
+    with zipfile.ZipFile(wheels["client"]) as z:
+        py = {n: z.read(n).decode() for n in z.namelist() if n.endswith(".py")}
+    shipped = {n[:-3].replace("/", ".").removesuffix(".__init__") for n in py}
+    bad = []
+    for name, source in py.items():
+        for mod in _imports(source, name):
+            top = mod.split(".")[0]
+            if top in sys.stdlib_module_names or top in CLIENT_DEPENDENCIES or top == "__future__":
+                continue
+            if mod in shipped or mod == "sandman":
+                continue
+            bad.append(f"{name}: {mod}")
+    assert not bad, f"the client distribution imports what it does not ship: {bad}"
+
+
+def test_the_server_depends_on_the_client_at_the_same_version(wheels):
+    from sandman._version import __version__
+
+    meta = _metadata(wheels["server"])
+    assert f"Version: {__version__}" in meta
+    assert f"Version: {__version__}" in _metadata(wheels["client"])
+    assert f"Requires-Dist: sandman-client=={__version__}" in meta
+    server = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert f"sandman-client=={__version__}" in server["dependencies"]
+
+
+def test_the_check_sees_a_server_module_in_the_client():
+    src = "from sandman import sandbox\nimport controller.api\nfrom sandman.api import Route\n"
+    assert _imports(src, "x.py") == {"sandman", "sandman.sandbox", "controller.api",
+                                     "sandman.api"}
