@@ -15,7 +15,7 @@ help:  ## list targets
 
 $(STAMP): pyproject.toml
 	@test -x $(VPY) || $(PY) -m venv $(VENV)
-	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[dev]'
+	$(VPY) -m pip install --quiet --disable-pip-version-check -e '.[dev,swerex]'
 	@touch $@
 
 deps: $(STAMP) sysdeps  ## install the venv, pinned PyPI deps and Debian packages the tests need
