@@ -28,6 +28,7 @@ from swerex.exceptions import (
     NonZeroExitCodeError,
     SessionDoesNotExistError,
     SessionExistsError,
+    SwerexException,
 )
 from swerex.runtime.abstract import (
     BashAction,
@@ -361,7 +362,7 @@ def test_same_answers_as_local_runtime(srt, tmp_path) -> None:
     local = LocalRuntime()
 
     async def on_local():
-        await local.create_session(CreateBashSessionRequest())
+        await local.create_session(CreateBashSessionRequest(startup_timeout=30))
         try:
             return [await local.run_in_session(a) for a in actions]
         finally:
@@ -450,3 +451,34 @@ def test_core_client_does_not_import_swerex() -> None:
             "or m == 'sandman.client.swerex'); print(bad); sys.exit(1 if bad else 0)")
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
+
+
+def test_dead_shell_is_replaced_and_said(srt) -> None:
+    run(srt.run_in_session(A("cd /tmp", check="raise")))
+    obs = run(srt.run_in_session(A("exit 3", check="silent")))
+    assert obs.exit_code == 3 and "state lost" in obs.failure_reason
+    obs = run(srt.run_in_session(A("pwd", check="raise")))
+    assert obs.output != "/tmp\n" and obs.failure_reason == ""
+
+
+def test_output_cap(execd) -> None:
+    r = SandmanRuntime.connect(execd.address, execd.port, execd.token, retry=FAST_RETRY,
+                               max_output=1000)
+    try:
+        run(r.create_session(CreateBashSessionRequest()))
+        obs = run(r.run_in_session(A("head -c 5000 /dev/zero | tr '\\0' a", check="raise")))
+        assert obs.output.count("a") == 1000 and "omitted" in obs.output
+        # the separator survived the cut: split, execd's omission note inside stdout
+        resp = run(r.execute(Command(command="head -c 5000 /dev/zero | tr '\\0' a; echo e >&2",
+                                     shell=True)))
+        assert "omitted" in resp.stdout and resp.stderr == "e\n"
+        with pytest.raises(SwerexException, match="truncated"):  # cut out: never a guess
+            run(r.execute(Command(command="head -c 5000 /dev/zero | tr '\\0' a; "
+                                          "head -c 5000 /dev/zero | tr '\\0' e >&2",
+                                  shell=True)))
+        resp = run(r.execute(Command(command="head -c 5000 /dev/zero", shell=True,
+                                     merge_output_streams=True)))
+        assert resp.exit_code == 0
+    finally:
+        run(r.close())
+        r.sandbox.close()
