@@ -36,37 +36,41 @@ from collections.abc import Callable
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeVar
 
-from pydantic import BaseModel, ConfigDict
-from swerex.deployment.abstract import AbstractDeployment
-from swerex.deployment.hooks.abstract import CombinedDeploymentHook, DeploymentHook
-from swerex.exceptions import (
-    BashIncorrectSyntaxError,
-    CommandTimeoutError,
-    DeploymentNotStartedError,
-    NonZeroExitCodeError,
-    SessionDoesNotExistError,
-    SessionExistsError,
-    SwerexException,
-)
-from swerex.runtime.abstract import (
-    AbstractRuntime,
-    BashAction,
-    BashInterruptAction,
-    BashObservation,
-    CloseBashSessionResponse,
-    CloseResponse,
-    Command,
-    CommandResponse,
-    CreateBashSessionRequest,
-    CreateBashSessionResponse,
-    IsAliveResponse,
-    ReadFileRequest,
-    ReadFileResponse,
-    UploadRequest,
-    UploadResponse,
-    WriteFileRequest,
-    WriteFileResponse,
-)
+try:
+    from pydantic import BaseModel, ConfigDict
+    from swerex.deployment.abstract import AbstractDeployment
+    from swerex.deployment.hooks.abstract import CombinedDeploymentHook, DeploymentHook
+    from swerex.exceptions import (
+        BashIncorrectSyntaxError,
+        CommandTimeoutError,
+        DeploymentNotStartedError,
+        NonZeroExitCodeError,
+        SessionDoesNotExistError,
+        SessionExistsError,
+        SwerexException,
+    )
+    from swerex.runtime.abstract import (
+        AbstractRuntime,
+        BashAction,
+        BashInterruptAction,
+        BashObservation,
+        CloseBashSessionResponse,
+        CloseResponse,
+        Command,
+        CommandResponse,
+        CreateBashSessionRequest,
+        CreateBashSessionResponse,
+        IsAliveResponse,
+        ReadFileRequest,
+        ReadFileResponse,
+        UploadRequest,
+        UploadResponse,
+        WriteFileRequest,
+        WriteFileResponse,
+    )
+except ImportError as e:  # one clear line instead of a missing-module trace
+    raise ImportError(f"sandman.client.swerex needs swe-rex: pip install "
+                      f"'sandman-client[swerex]' (Python >= 3.10) ({e})") from e
 
 from sandman import api
 from sandman.client._sync.client import Client
@@ -150,8 +154,9 @@ class SandmanRuntime(AbstractRuntime):
         with self._lock:
             self._running += 1
             try:
-                return self.sandbox.exec(command, timeout=timeout or NO_TIMEOUT_S,
-                                         max_output=self._max_output)
+                return self.sandbox.exec(
+                    command, timeout=NO_TIMEOUT_S if timeout is None else timeout,
+                    max_output=self._max_output)
             finally:
                 self._running -= 1
 

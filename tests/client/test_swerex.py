@@ -482,3 +482,13 @@ def test_output_cap(execd) -> None:
     finally:
         run(r.close())
         r.sandbox.close()
+
+
+def test_missing_swerex_is_one_clear_error() -> None:
+    code = ("import sys; sys.modules['swerex'] = None\n"
+            "try:\n    import sandman.client.swerex\n"
+            "except ImportError as e:\n    print(e); sys.exit(0)\n"
+            "sys.exit(1)")
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert "pip install 'sandman-client[swerex]'" in p.stdout
