@@ -354,25 +354,31 @@ def test_rex_cases(srt) -> None:
 
 
 def test_same_answers_as_local_runtime(srt, tmp_path) -> None:
-    """SWE-ReX's docker-less LocalRuntime and the adapter, same actions: same exit codes and
-    the same output once LocalRuntime's terminal residue (\\r\\n around it) is taken off."""
-    actions = [A("echo hi"), A("cd /tmp && pwd"), A("false", check="silent"),
-               A("printf 'a\\nb'"), A("echo err >&2"), A("X=5; echo $((X*2))"),
-               A("echo $X"), A("python3 -c \"print('é' * 3)\"")]
-    local = LocalRuntime()
+    """SWE-ReX's docker-less LocalRuntime and the adapter, same actions: the same exit codes
+    and outputs, once LocalRuntime's terminal residue (\\r\\n around it) is taken off. Both
+    are held to the literal answers; LocalRuntime gets up to 3 tries, as its pexpect reading
+    sometimes loses an output on a loaded machine (docs/benchmarks.md, SWE-ReX adapter)."""
+    cases = [(A("echo hi"), 0, "hi"), (A("cd /tmp && pwd"), 0, "/tmp"),
+             (A("false", check="silent"), 1, ""), (A("printf 'a\\nb'"), 0, "a\nb"),
+             (A("echo err >&2"), 0, "err"), (A("X=5; echo $((X*2))"), 0, "10"),
+             (A("echo $X"), 0, "5"), (A("python3 -c \"print('é' * 3)\""), 0, "ééé")]
 
     async def on_local():
+        local = LocalRuntime()
         await local.create_session(CreateBashSessionRequest(startup_timeout=30))
         try:
-            return [await local.run_in_session(a) for a in actions]
+            return [await local.run_in_session(a) for a, _, _ in cases]
         finally:
             await local.close()
 
-    want = run(on_local())
-    got = [run(srt.run_in_session(a)) for a in actions]
-    for a, w, g in zip(actions, want, got, strict=True):
-        assert g.exit_code == w.exit_code, a.command
-        assert g.output.strip() == w.output.replace("\r\n", "\n").strip(), a.command
+    want = [(code, out) for _, code, out in cases]
+    for _ in range(3):
+        local = [(o.exit_code, o.output.replace("\r\n", "\n").strip()) for o in run(on_local())]
+        if local == want:
+            break
+    assert local == want
+    got = [run(srt.run_in_session(a)) for a, _, _ in cases]
+    assert [(o.exit_code, o.output.strip()) for o in got] == want
 
 
 def test_is_alive_false_when_execd_is_gone(fresh_execd) -> None:
