@@ -33,6 +33,7 @@ import shlex
 import stat
 import threading
 from collections.abc import Callable
+from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
 from typing import Any, Literal, TypeVar
 
@@ -104,10 +105,11 @@ class UnsupportedActionError(SwerexException, NotImplementedError):
     each command to completion with stdin /dev/null."""
 
 
-async def _in_thread(fn: Callable[..., T], *args: Any, **kw: Any) -> T:
-    # asyncio.to_thread is 3.9+; run_in_executor keeps the loop free while execd works.
+async def _in_thread(fn: Callable[..., T], *args: Any, _pool: Executor | None = None,
+                     **kw: Any) -> T:
+    """fn in a worker thread; the loop stays free while execd works."""
     loop = asyncio.get_running_loop()
-    return await loop.run_in_executor(None, functools.partial(fn, *args, **kw))
+    return await loop.run_in_executor(_pool, functools.partial(fn, *args, **kw))
 
 
 def _is_syntax_refusal(r: ExecResult) -> bool:
@@ -136,6 +138,11 @@ class SandmanRuntime(AbstractRuntime):
         self._session: str | None = None  # the one named session mapped onto execd's shell
         self._lock = threading.Lock()  # one execd call at a time, held in the worker thread
         self._running = 0  # commands in flight (read by interrupt without the lock)
+        # Its own threads, not the loop's default executor: asyncio.run() (once per call in
+        # SWE-agent) makes and joins a new default executor each time, a thread per call.
+        # 4: the serialized command plus is_alive and an interrupt beside it.
+        self._pool: ThreadPoolExecutor | None = None
+        self._pool_lock = threading.Lock()
 
     @classmethod
     def connect(cls, address: str, port: int, token: str, **kwargs: Any) -> SandmanRuntime:
@@ -149,6 +156,14 @@ class SandmanRuntime(AbstractRuntime):
         return [] if self._session is None else [self._session]
 
     # ---- blocking halves, run in a worker thread under the lock
+
+    async def _run(self, fn: Callable[..., T], *args: Any) -> T:
+        with self._pool_lock:
+            if self._pool is None:
+                self._pool = ThreadPoolExecutor(max_workers=4,
+                                                thread_name_prefix="sandman-swerex")
+            pool = self._pool
+        return await _in_thread(fn, *args, _pool=pool)
 
     def _exec(self, command: str, timeout: float | None) -> ExecResult:
         with self._lock:
@@ -169,7 +184,7 @@ class SandmanRuntime(AbstractRuntime):
     async def is_alive(self, *, timeout: float | None = None) -> IsAliveResponse:
         """execd's /health (no lock: it answers while a command runs)."""
         try:
-            fut = _in_thread(self.sandbox.health)
+            fut = self._run(self.sandbox.health)
             health = await (asyncio.wait_for(fut, timeout) if timeout else fut)
         except (TimeoutError, SandmanError) as e:
             return IsAliveResponse(is_alive=False, message=f"{type(e).__name__}: {e}")
@@ -191,12 +206,12 @@ class SandmanRuntime(AbstractRuntime):
         self._session = request.session
         try:
             if self._reset_on_create:
-                await _in_thread(self._locked, self.sandbox.reset)
+                await self._run(self._locked, self.sandbox.reset)
             output = ""
             if request.startup_source:
                 cmd = " ; ".join(f"source {shlex.quote(p)}" for p in request.startup_source)
                 try:
-                    r = await _in_thread(self._exec, cmd, request.startup_timeout)
+                    r = await self._run(self._exec, cmd, request.startup_timeout)
                 except CommandTimeout as e:
                     raise CommandTimeoutError(
                         f"timeout after {request.startup_timeout} seconds while sourcing "
@@ -219,7 +234,7 @@ class SandmanRuntime(AbstractRuntime):
                 "interactive actions and `expect` need a terminal; execd runs each command to "
                 "completion with stdin /dev/null (docs/sdk.md, SWE-agent / SWE-ReX)")
         try:
-            r = await _in_thread(self._exec, action.command, action.timeout)
+            r = await self._run(self._exec, action.command, action.timeout)
         except CommandTimeout as e:
             raise CommandTimeoutError(
                 f"timeout after {action.timeout} seconds while running command "
@@ -250,7 +265,7 @@ class SandmanRuntime(AbstractRuntime):
             raise UnsupportedActionError("`expect` needs a terminal")
         if self._running == 0:
             return BashObservation(output="", exit_code=0)
-        await _in_thread(self.sandbox.reset)  # not under the lock: the command holds it
+        await self._run(self.sandbox.reset)  # not under the lock: the command holds it
         return BashObservation(output="", exit_code=0, failure_reason=(
             "the running command was stopped by resetting the sandbox's shell: its cwd, "
             "variables and background jobs were lost"))
@@ -268,7 +283,7 @@ class SandmanRuntime(AbstractRuntime):
         unless `merge_output_streams`."""
         script, sep = _execute_script(command)
         try:
-            r = await _in_thread(self._exec, script, command.timeout)
+            r = await self._run(self._exec, script, command.timeout)
         except CommandTimeout as e:
             raise CommandTimeoutError(
                 f"Timeout ({command.timeout}s) exceeded while running command") from e
@@ -295,13 +310,13 @@ class SandmanRuntime(AbstractRuntime):
     async def read_file(self, request: ReadFileRequest) -> ReadFileResponse:
         """The file's bytes (length and SHA-256 checked), decoded as `Path.read_text` would,
         except that line endings are kept as they are (no universal-newline translation)."""
-        data = await _in_thread(self._locked, self.sandbox.read, request.path)
+        data = await self._run(self._locked, self.sandbox.read, request.path)
         return ReadFileResponse(content=data.decode(request.encoding or "utf-8",
                                                     request.errors or "strict"))
 
     async def write_file(self, request: WriteFileRequest) -> WriteFileResponse:
         """UTF-8, atomic replace; missing parent directories are created, as SWE-ReX does."""
-        await _in_thread(self._locked, self._write, request.path, request.content, None)
+        await self._run(self._locked, self._write, request.path, request.content, None)
         return WriteFileResponse()
 
     def _write(self, path: str, data: Any, mode: int | None) -> None:
@@ -318,7 +333,7 @@ class SandmanRuntime(AbstractRuntime):
         """A local file or directory tree into the sandbox (as SWE-ReX's server does: missing
         parents created, a directory merged into an existing target, a file replacing the
         target), byte-exact, file modes kept (SWE-ReX's zip transfer drops them)."""
-        await _in_thread(self._locked, self._upload, request.source_path, request.target_path)
+        await self._run(self._locked, self._upload, request.source_path, request.target_path)
         return UploadResponse()
 
     def _upload(self, source_path: str, target_path: str) -> None:
@@ -348,8 +363,14 @@ class SandmanRuntime(AbstractRuntime):
     async def close(self) -> CloseResponse:
         """Closes the session; releases the sandbox if this runtime owns it."""
         self._session = None
-        if self._release_on_close:
-            await _in_thread(self.sandbox.release)
+        try:
+            if self._release_on_close:
+                await self._run(self.sandbox.release)
+        finally:
+            with self._pool_lock:
+                pool, self._pool = self._pool, None
+            if pool is not None:
+                pool.shutdown(wait=False)
         return CloseResponse()
 
 

@@ -162,18 +162,24 @@ def test_timeout_kills_and_interrupt_recovers(srt, tmp_path) -> None:
     assert not marker.exists()  # the command's tree was killed, not left running
 
 
-def test_interrupt_of_a_running_command_resets_the_shell(srt) -> None:
+def test_interrupt_of_a_running_command_resets_the_shell(srt, tmp_path) -> None:
+    started = tmp_path / "started"
+
     async def both():
-        long = asyncio.ensure_future(srt.run_in_session(A("cd /tmp; sleep 20", timeout=30,
-                                                           check="silent")))
-        await asyncio.sleep(0.5)
+        long = asyncio.ensure_future(srt.run_in_session(A(
+            f"cd /tmp; touch {started}; sleep 20", timeout=30, check="silent")))
+        for _ in range(200):  # until the command runs in execd (bounded: 10 s)
+            if started.exists():
+                break
+            await asyncio.sleep(0.05)
+        assert started.exists()
         intr = await srt.run_in_session(BashInterruptAction())
         first = await asyncio.wait_for(long, 10)
         return intr, first
 
     t0 = time.monotonic()
     intr, first = run(both())
-    assert time.monotonic() - t0 < 10
+    assert time.monotonic() - t0 < 19
     assert "reset" in intr.failure_reason
     assert first.exit_code != 0 and "state lost" in first.failure_reason
     assert run(srt.run_in_session(A("pwd"))).output != "/tmp\n"
