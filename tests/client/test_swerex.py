@@ -504,3 +504,43 @@ def test_missing_swerex_is_one_clear_error() -> None:
     p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert p.returncode == 0, p.stdout + p.stderr
     assert "pip install 'sandman-client[swerex]'" in p.stdout
+
+
+def test_runtimes_share_one_loop_without_blocking(execd, fresh_execd) -> None:
+    rts = [SandmanRuntime.connect(e.address, e.port, e.token, retry=FAST_RETRY)
+           for e in (execd, fresh_execd)]
+
+    async def both():
+        for r in rts:
+            await r.create_session(CreateBashSessionRequest())
+        t0 = time.monotonic()
+        obs = await asyncio.gather(*(r.run_in_session(A("sleep 1.5; echo done"))
+                                     for r in rts))
+        return time.monotonic() - t0, obs
+
+    try:
+        took, obs = run(both())
+        assert [o.output for o in obs] == ["done\n", "done\n"]
+        assert took < 2.9  # side by side, not one after the other
+    finally:
+        for r in rts:
+            run(r.close())
+            r.sandbox.close()
+
+
+def test_lease_is_renewed_across_event_loops(controller: FakeController) -> None:
+    """SWE-agent's asyncio.run() per call ends each loop: the lease renewer must not live in
+    one (the sync Sandbox renews from a thread at each third of the lifetime)."""
+    controller.lifetime_s = 3.0
+    dep = SandmanDeployment(image="img", job="rex-renew", url=controller.url, lifetime_s=3.0)
+    run(dep.start())
+    try:
+        run(dep.runtime.create_session(CreateBashSessionRequest()))
+        deadline = time.monotonic() + 3.5
+        while time.monotonic() < deadline:
+            run(dep.runtime.run_in_session(A("true")))
+            time.sleep(0.2)
+        renews = controller.calls("POST", f"/v1/sandboxes/{dep.sandbox.id}/renew")
+        assert len(renews) >= 2
+    finally:
+        run(dep.stop())
