@@ -20,6 +20,7 @@ import sys
 import time
 from pathlib import Path
 
+import pexpect
 import pytest
 from swerex.exceptions import (
     BashIncorrectSyntaxError,
@@ -363,7 +364,7 @@ def test_same_answers_as_local_runtime(srt, tmp_path) -> None:
     """SWE-ReX's docker-less LocalRuntime and the adapter, same actions: the same exit codes
     and outputs, once LocalRuntime's terminal residue (\\r\\n around it) is taken off. Both
     are held to the literal answers; LocalRuntime gets up to 3 tries, as its pexpect reading
-    sometimes loses an output on a loaded machine (docs/benchmarks.md, SWE-ReX adapter)."""
+    sometimes loses an output or times out on a loaded machine (docs/benchmarks.md)."""
     cases = [(A("echo hi"), 0, "hi"), (A("cd /tmp && pwd"), 0, "/tmp"),
              (A("false", check="silent"), 1, ""), (A("printf 'a\\nb'"), 0, "a\nb"),
              (A("echo err >&2"), 0, "err"), (A("X=5; echo $((X*2))"), 0, "10"),
@@ -379,7 +380,11 @@ def test_same_answers_as_local_runtime(srt, tmp_path) -> None:
 
     want = [(code, out) for _, code, out in cases]
     for _ in range(3):
-        local = [(o.exit_code, o.output.replace("\r\n", "\n").strip()) for o in run(on_local())]
+        try:  # LocalRuntime raises its own timeouts reading the exit code on a loaded machine
+            local = [(o.exit_code, o.output.replace("\r\n", "\n").strip())
+                     for o in run(on_local())]
+        except (SwerexException, pexpect.exceptions.ExceptionPexpect) as e:
+            local = [repr(e)]
         if local == want:
             break
     assert local == want
