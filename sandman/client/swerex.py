@@ -500,8 +500,29 @@ class SandmanDeployment(AbstractDeployment):
         return self._runtime
 
     def __del__(self) -> None:
-        # AbstractDeployment.__del__ runs stop() on whatever loop it finds; a sandbox left
-        # held is released by the Client's close (on exit) or its lifetime, not from a GC hook.
-        if self._runtime is not None:
-            self.logger.warning("SandmanDeployment garbage-collected without stop(): sandbox %s "
-                                "stays leased until its lifetime ends", self._runtime.sandbox.id)
+        # AbstractDeployment.__del__ runs stop() on whatever loop it finds (or none). The
+        # sandbox's renewer thread would keep a forgotten lease alive for the whole process,
+        # so a deployment dropped without stop() releases it, from a thread: a finalizer must
+        # not block on the network.
+        rt = getattr(self, "_runtime", None)
+        if rt is None:
+            return
+        self._runtime = None
+        client = self._client if getattr(self, "_own_client", False) else None
+        try:
+            self.logger.warning("SandmanDeployment dropped without stop(): releasing sandbox %s",
+                                rt.sandbox.id)
+            threading.Thread(target=_release_quietly, args=(rt.sandbox, client),
+                             name="sandman-swerex-release", daemon=True).start()
+        except Exception:  # interpreter shutdown: the lifetime ends the lease instead
+            pass
+
+
+def _release_quietly(sandbox: Sandbox, client: Client | None) -> None:
+    try:
+        sandbox.release()
+        if client is not None:
+            client.close()
+    except Exception as e:
+        log.warning("releasing sandbox %s of a dropped deployment failed: %s (its lifetime "
+                    "ends the lease)", sandbox.id, e)

@@ -12,6 +12,7 @@ SWE-agent's SWEEnv does.
 from __future__ import annotations
 
 import asyncio
+import gc
 import hashlib
 import os
 import stat
@@ -549,3 +550,17 @@ def test_lease_is_renewed_across_event_loops(controller: FakeController) -> None
         assert len(renews) >= 2
     finally:
         run(dep.stop())
+
+
+def test_dropped_deployment_releases_its_sandbox(controller: FakeController) -> None:
+    """A deployment garbage-collected without stop() must not keep renewing a lease."""
+    dep = SandmanDeployment(image="img", job="rex-drop", url=controller.url)
+    run(dep.start())
+    sid = dep.sandbox.id
+    assert sid in controller.sandboxes
+    del dep
+    gc.collect()
+    deadline = time.monotonic() + 10
+    while sid in controller.sandboxes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert sid not in controller.sandboxes
