@@ -87,7 +87,9 @@ def test_swe_agent_sequence(rt, tmp_path) -> None:
     export variables, commands with check, execute, write_file/read_file, upload, close."""
     bashrc = tmp_path / "bashrc"
     bashrc.write_text("export FROM_BASHRC=yes\nalias ll='ls -l'\n")
-    r = run(rt.create_session(CreateBashSessionRequest(startup_source=[str(bashrc)])))
+    # SWE-ReX's default startup_timeout (1 s) is too short on a machine at load 20
+    r = run(rt.create_session(CreateBashSessionRequest(startup_source=[str(bashrc)],
+                                                       startup_timeout=30)))
     assert r.output == ""
     run(rt.run_in_session(A("cd /", check="raise")))
     run(rt.run_in_session(A("export LANG=C.UTF-8 && export LC_ALL=C.UTF-8", check="raise")))

@@ -62,12 +62,17 @@ def test_swe_agent_sequence_on_the_test_bed(cluster, namespace, stack):
         assert sb.pod in standin.alive()
         rt = dep.runtime
         assert run(dep.is_alive())
-        run(rt.create_session(CreateBashSessionRequest(startup_source=["/root/.bashrc"])))
+        bashrc = work / "bashrc"
+        bashrc.write_text("export FROM_RC=1\n")
+        # SWE-agent sources /root/.bashrc with SWE-ReX's 1 s default; this host's own one, at
+        # a load average of 20 from other work, can take longer.
+        run(rt.create_session(CreateBashSessionRequest(startup_source=[str(bashrc)],
+                                                       startup_timeout=30)))
         run(rt.run_in_session(BashAction(command="export LANG=C.UTF-8 && cd /tmp",
                                          check="raise")))
-        obs = run(rt.run_in_session(BashAction(command="echo $LANG; pwd", timeout=25,
+        obs = run(rt.run_in_session(BashAction(command="echo $LANG $FROM_RC; pwd", timeout=25,
                                                check="silent")))
-        assert (obs.output, obs.exit_code) == ("C.UTF-8\n/tmp\n", 0)
+        assert (obs.output, obs.exit_code) == ("C.UTF-8 1\n/tmp\n", 0)
         with pytest.raises(NonZeroExitCodeError):
             run(rt.run_in_session(BashAction(command="false", check="raise")))
         with pytest.raises(CommandTimeoutError):
