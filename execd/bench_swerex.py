@@ -18,6 +18,7 @@ import asyncio
 import os
 import re
 import shlex
+import shutil
 import statistics
 import sys
 import tempfile
@@ -138,6 +139,7 @@ def main(argv: list[str] | None = None) -> int:
             adapter.sandbox.close()
             sdk.close()
             ex.stop()
+            shutil.rmtree(work, ignore_errors=True)
 
     med = {n: {k: statistics.median(r[k] for r in runs) for k in runs[0]}
            for n, runs in rows.items()}
