@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full testbed-build testbed-up testbed-down \
-        testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
+        testbed-status e2e bench-execd bench-swerex bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
 help:  ## list targets
@@ -96,6 +96,9 @@ testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
 	$(VPY) -m execd.bench --write-docs
+
+bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
+	$(VPY) -m execd.bench_swerex --write-docs
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench
