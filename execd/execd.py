@@ -100,6 +100,9 @@ __sm_chk() {
   local __sm_s __sm_x=1
   builtin shopt -q extglob || __sm_x=0
   builtin shopt -s extglob
+  # A job that died since the last call (say, killed by a timeout) has a notice pending, which
+  # bash prints at the next eval: flush it to the output here, not into the check's diagnostics.
+  builtin eval :
   __sm_chk1
   __sm_s=$?
   ((__sm_x)) || builtin shopt -u extglob
@@ -207,7 +210,14 @@ def process_tree(pids, root):
 
 
 def boot_ticks():
-    """Now, in the clock ticks /proc/<pid>/stat counts process start times in."""
+    """Now, in the clock ticks /proc/<pid>/stat counts process start times in (the kernel
+    counts them from CLOCK_BOOTTIME, truncated to whole ticks)."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    if clock is not None:
+        try:
+            return float(int(time.clock_gettime(clock) * _CLK_TCK))
+        except OSError:
+            pass
     try:
         with open("/proc/uptime") as f:
             return float(f.read().split()[0]) * _CLK_TCK
@@ -573,22 +583,49 @@ class Daemon:
         return sorted(out)
 
     def call_pids(self, tag, root, since_ticks):
-        """The processes of one call: those carrying its tag anywhere, plus untagged descendants
-        of `root` (the shell; execd once the shell died) started since the call began (forked
-        subshells never exec, so carry no tag)."""
-        shell_pid = root
-        info, desc = process_tree(all_pids(), shell_pid)
-        out = set()
+        """The processes of one call: those carrying its tag anywhere, plus untagged processes
+        started since the call began whose parent is the shell, execd or another process of the
+        call. execd is PID 1 or a subreaper, so a child that left the session, dropped the tag
+        (`env -i setsid -f ...`) and was orphaned is re-parented to execd and still found; forked
+        subshells never exec, so carry no tag either. A process of an earlier call (its tag, or
+        untagged and older than this call) is never entered: earlier background jobs and their
+        children stay."""
         me = os.getpid()
+        shell_pid = root if root != me else None
+        info, _ = process_tree(all_pids(), -1)
+        children = collections.defaultdict(list)
         for p, s in info.items():
-            if p == me or (p == shell_pid and root != me) or s[1] == "Z":
+            children[s[0]].append(p)
+        skip = self.own_pids()
+        tags = {}
+        out = set()
+        for p, s in info.items():
+            if p == me or p == shell_pid or p in skip or s[1] == "Z":
                 continue
-            t = proc_tag(p)
+            t = tags[p] = proc_tag(p)
             if t == tag:
                 out.add(p)
-            elif t is None and p in desc and (since_ticks is None or s[2] >= since_ticks):
-                out.add(p)
+        # Ancestry: from the shell and from execd (orphans), through this call's processes only.
+        stack = [me] + ([shell_pid] if shell_pid is not None else [])
+        seen = set(stack)
+        while stack:
+            for c in children.get(stack.pop(), ()):
+                if c in seen or c == shell_pid or c in skip:
+                    continue
+                seen.add(c)
+                s = info[c]
+                t = tags.get(c)
+                mine = t == tag or (t is None and (since_ticks is None or s[2] >= since_ticks))
+                if not mine:
+                    continue
+                if s[1] != "Z":
+                    out.add(c)
+                stack.append(c)
         return out
+
+    def own_pids(self):
+        """execd's own helper processes (the readiness check's fork): never a call's."""
+        return set()
 
     def kill_pids(self, pids, sig):
         for p in pids:
@@ -701,6 +738,8 @@ class Daemon:
 
     def _run(self, data, timeout, max_output):
         t0 = now()
+        # A process started in this tick or later may be the call's (10 ms ticks).
+        since0 = boot_ticks()
         notice = self._ensure_shell()
         sh = self.shell
         self.calls += 1
@@ -770,8 +809,7 @@ class Daemon:
                     break
             if phase == "run" and t >= deadline:
                 phase, phase_at, last_look = "term", t, t
-                bt = boot_ticks()
-                since = None if bt is None else bt - (t - t0) * _CLK_TCK - 2
+                since = since0
                 self.kill_pids(self.call_pids(tag, sh.pid, since), signal.SIGTERM)
             elif phase == "term" and (t >= phase_at + self.kill_grace or (
                     t - last_look >= 0.05 and not self.call_pids(tag, sh.pid, since))):
@@ -791,8 +829,7 @@ class Daemon:
         if dead_st is not None:
             code = exit_code_of(dead_st)
             # Its children are ours now (subreaper): the call's, tagged or started since, go.
-            bt = boot_ticks()
-            since = None if bt is None else bt - (now() - t0) * _CLK_TCK - 2
+            since = since0
             self._kill_call(tag, os.getpid(), since)
             result["exit_code"] = code
             msg = "shell exited (status %d); a new shell was started, state lost" % code

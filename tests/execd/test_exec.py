@@ -301,6 +301,50 @@ def test_timeout_spares_earlier_background_jobs(execd, tmp_path):
     assert all(alive(p) for p in keep)
 
 
+
+def test_timeout_with_sigterm_ignoring_child_next_command_runs_state_kept(execd):
+    # Issue 15: bash's "Killed" notice for the timed-out job landed in the next command's syntax
+    # check, which refused it (exit 2, not run).
+    assert execd.exec("export V=42")["exit_code"] == 0
+    r = execd.exec('(trap "" TERM; sleep 1000) & sleep 1000', timeout=1)
+    assert r["exit_code"] == 124
+    r = execd.exec("echo $V")
+    assert r["exit_code"] == 0 and r["error"] is None, r
+    assert r["output"].endswith("42\n"), r
+    r = execd.exec("echo $V")
+    assert (r["exit_code"], r["output"], r["error"]) == (0, "42\n", None)
+    assert execd.others() == []
+
+
+@pytest.mark.parametrize("start", [
+    "env -i setsid -f bash -c 'echo $$ > {f}; exec sleep 1000';",
+    "(env -i setsid bash -c 'echo $$ > {f}; exec sleep 1000' &);",
+    "env -i setsid bash -c 'echo $$ > {f}; exec sleep 1000' &",
+])
+def test_child_timeout_env_cleared_own_session_orphaned(execd, tmp_path, start):
+    # Issue 15: no tag, own session, parent gone (re-parented to execd): the timeout kills it.
+    f = tmp_path / "pids"
+    r = execd.exec(start.format(f=f) + " sleep 1000", timeout=1)
+    assert r["exit_code"] == 124
+    pids = read_pids(f)
+    assert len(pids) == 1
+    _no_survivors(execd, pids)
+    assert execd.others() == []
+
+
+def test_timeout_spares_earlier_env_cleared_jobs(execd, tmp_path):
+    # Documented behaviour kept: what an earlier call left running on purpose survives a later
+    # call's timeout, even with the tag dropped and re-parented to execd.
+    f = tmp_path / "pids"
+    execd.exec(f"env -i setsid -f bash -c 'echo $$ > {f}; exec sleep 1000'")
+    keep = read_pids(f)
+    assert wait_for(lambda: keep and all(alive(p) for p in keep))
+    time.sleep(0.05)  # start times are 10 ms ticks: one in the call's first tick counts as its
+    r = execd.exec("(env -i setsid -f sleep 1000); sleep 1000", timeout=1)
+    assert r["exit_code"] == 124
+    assert all(alive(p) for p in keep)
+    assert wait_for(lambda: [p for p in execd.others() if p not in keep] == [], 5)
+
 # ---------------------------------------------------------------- output cap and floods (A27)
 
 
