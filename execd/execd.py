@@ -11,6 +11,7 @@ import binascii
 import collections
 import errno
 import fcntl
+import io
 import json
 import os
 import pwd
@@ -67,6 +68,14 @@ DEFAULT_MAX_OUTPUT = 102400
 MAX_OUTPUT_LIMIT = 64 << 20
 CACHE_BYTES = 8 << 20  # stored answers for request_id retries
 IDLE_TIMEOUT = 180.0  # keep-alive idle limit; callers pool connections for minutes
+# Pre-auth budget: what a client without the token can pin (connections, threads, header bytes,
+# time). The agent's connections are never refused for the sake of unauthenticated ones: those
+# are capped below the total and the oldest is shed to admit a new one.
+MAX_CONNECTIONS = 64  # connections (one thread each), authenticated or not
+MAX_PREAUTH = 16  # of which not (yet) authenticated
+MAX_HEADER_BYTES = 32 << 10  # request line and headers together
+HEADER_TIMEOUT = 10.0  # from a request's first byte to the end of its headers
+PREAUTH_IDLE = 10.0  # idle limit of a connection that has not authenticated
 BODY_DEADLINE = 30.0  # a request body must arrive within this (slow clients get 408)
 PIPE_SIZE = 1 << 20
 READ_SIZE = 1 << 20
@@ -1322,6 +1331,79 @@ def write_file(d, req):
 # ---------------------------------------------------------------- HTTP
 
 
+_HEAD_END = re.compile(b"\n\r?\n")
+
+
+def head_end(buf, start=0):
+    """Length of the header block at the start of buf (through its empty line), or -1."""
+    if buf[:1] == b"\n" or buf[:2] == b"\r\n":  # an empty request line: let http.server judge
+        return buf.index(b"\n") + 1
+    m = _HEAD_END.search(buf, start)
+    return m.end() if m else -1
+
+
+class ConnBudget:
+    """Live connections in accept order, each authenticated or not. Over MAX_PREAUTH
+    unauthenticated ones, the oldest is shed (shutdown wakes its thread, which exits); over
+    MAX_CONNECTIONS with none to shed, the new one gets a 503 and is closed at once."""
+
+    def __init__(self, max_conns, max_preauth):
+        self.max_conns = max_conns
+        self.max_preauth = max_preauth
+        self.lock = threading.Lock()
+        self.conns = collections.OrderedDict()  # socket -> authenticated
+        self.shed = 0
+        self.refused = 0
+
+    def admit(self, sock):
+        shed = []
+        with self.lock:
+            pre = [c for c, a in self.conns.items() if not a]
+            n_pre, n_all = len(pre), len(self.conns)
+            while pre and (n_pre >= self.max_preauth or n_all >= self.max_conns):
+                c = pre.pop(0)
+                del self.conns[c]
+                shed.append(c)
+                n_pre -= 1
+                n_all -= 1
+            ok = n_all < self.max_conns
+            if ok:
+                self.conns[sock] = False
+            self.shed += len(shed)
+            self.refused += 0 if ok else 1
+        for c in shed:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return ok
+
+    def authed(self, sock):
+        with self.lock:
+            return self.conns.get(sock, False)
+
+    def mark_authed(self, sock):
+        with self.lock:
+            if sock in self.conns:
+                self.conns[sock] = True
+
+    def release(self, sock):
+        with self.lock:
+            self.conns.pop(sock, None)
+
+    def counts(self):
+        with self.lock:
+            pre = sum(1 for a in self.conns.values() if not a)
+            return {"connections": len(self.conns), "preauth": pre, "shed": self.shed,
+                    "refused": self.refused}
+
+
+_BUSY_BODY = b'{"error":"too many connections","code":503}'
+_BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY),
+                                                                        _BUSY_BODY))
+
+
 def json_bytes(obj):
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -1333,6 +1415,74 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     timeout = IDLE_TIMEOUT
     daemon = None  # set in main()
+
+    # ------------------------------------------------------------ pre-auth budget
+
+    def handle_one_request(self):
+        """http.server's, with the header block read under a byte and time budget first (the
+        stdlib allows 64 KiB per line, 100 lines and IDLE_TIMEOUT per read)."""
+        head = self.read_head()
+        if head is None:
+            self.close_connection = True
+            return
+        nl = head.find(b"\n") + 1
+        self.raw_requestline = head[:nl]
+        rfile = self.rfile
+        self.rfile = io.BytesIO(head[nl:])
+        try:
+            ok = self.parse_request()
+        finally:
+            self.rfile = rfile
+        if not ok:
+            return
+        method = getattr(self, "do_" + self.command, None)
+        if method is None:
+            self.send_error(405, "unsupported method %r" % self.command[:20])
+            return
+        method()
+        self.wfile.flush()
+
+    def read_head(self):
+        """The request line and headers (through the empty line), or None after replying 431 or
+        408, or when the peer closed or was shed. One socket read at a time (peek), so the
+        time limit holds however slowly the bytes drip, and no body byte is consumed."""
+        budget = self.server.budget
+        authed = budget.authed(self.connection)
+        limit = self.daemon.args.max_header_bytes
+        buf = bytearray()
+        deadline = now() + (IDLE_TIMEOUT if authed else self.daemon.args.preauth_idle)
+        started = False
+        try:
+            while True:
+                left = deadline - now()
+                if left <= 0:
+                    raise socket.timeout()
+                self.connection.settimeout(left)
+                data = self.rfile.peek(1)
+                if not data:
+                    return None
+                if not started:
+                    started = True
+                    deadline = now() + self.daemon.args.header_timeout
+                start = max(0, len(buf) - 2)
+                cand = buf + data[:limit + 1 - len(buf)]
+                end = head_end(cand, start)
+                # Consume through the empty line only: what follows is the body or the next
+                # request, read from the same buffer.
+                buf += self.rfile.read((end if end >= 0 else len(cand)) - len(buf))
+                if end >= 0:
+                    return bytes(buf)
+                if len(buf) > limit:
+                    self.requestline, self.request_version, self.command = "", "", ""
+                    self.send_error(431, "request line and headers over %d bytes" % limit)
+                    return None
+        except socket.timeout:
+            if started:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(408, "request headers too slow")
+            return None
+        except OSError:
+            return None
 
     def log_message(self, fmt, *args):
         if self.daemon.args.verbose:
@@ -1453,8 +1603,11 @@ class Handler(BaseHTTPRequestHandler):
             handler = ROUTES.get(route)
             if handler is None:
                 raise HTTPError(404, "no such route: %s" % route[:200], {"close_body": True})
-            if route != "/health" and not self.authorized():
+            if route not in PUBLIC_ROUTES and not self.authorized():
                 raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
+            if route not in PUBLIC_ROUTES or self.authorized():
+                # Authenticated connections leave the pre-auth budget (longer idle, no shedding).
+                self.server.budget.mark_authed(self.connection)
             want_method = handler[0]
             if method != want_method:
                 raise HTTPError(405, "use %s for %s" % (want_method, route),
@@ -1571,6 +1724,8 @@ class Handler(BaseHTTPRequestHandler):
             os.close(fd)
 
 
+PUBLIC_ROUTES = ("/health",)  # no token: the kubelet calls them
+
 ROUTES = {
     "/health": ("GET", Handler.r_health),
     "/exec": ("POST", Handler.r_exec),
@@ -1586,8 +1741,26 @@ ROUTES = {
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False
     allow_reuse_address = True
     request_queue_size = 128
+    budget = None  # a ConnBudget, set in main()
+
+    def process_request(self, request, client_address):
+        # In the accept thread: cheap refusals only (no thread, no read).
+        if not self.budget.admit(request):
+            try:
+                request.setblocking(False)
+                request.send(_BUSY_503)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        ThreadingHTTPServer.process_request(self, request, client_address)
+
+    def shutdown_request(self, request):
+        self.budget.release(request)
+        ThreadingHTTPServer.shutdown_request(self, request)
 
     def handle_error(self, request, client_address):
         pass  # a client that vanished is not our error; never print a traceback
@@ -1617,6 +1790,16 @@ def main(argv=None):
     p.add_argument("--body-timeout", type=float, default=BODY_DEADLINE,
                    help="a request body must arrive within this many seconds")
     # Tests only: small status reads split frames at chosen points.
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="open connections (one thread each); over it a new one gets 503")
+    p.add_argument("--max-preauth", type=int, default=MAX_PREAUTH,
+                   help="connections not yet authenticated; over it the oldest is closed")
+    p.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
+                   help="request line plus headers (431 above)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help="seconds from a request's first byte to the end of its headers")
+    p.add_argument("--preauth-idle", type=float, default=PREAUTH_IDLE,
+                   help="idle seconds allowed to a connection that has not authenticated")
     p.add_argument("--status-read-size", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -1638,6 +1821,8 @@ def main(argv=None):
     daemon = Daemon(args)
     Handler.daemon = daemon
     Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    Server.budget = ConnBudget(args.max_connections, min(args.max_preauth,
+                                                         args.max_connections))
     srv = Server((host, port), Handler)
     stopping = threading.Event()
 
