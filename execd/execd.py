@@ -51,6 +51,7 @@ EXECD_PORT = 9470
 EXECD_PATH = "/sandman/execd.py"
 EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
 NETGUARD_STATUS_PATH = "/sandman/run/netguard.json"
+EXECD_READY_PATH = "/ready"
 
 NETGUARD_STATUS_ENV = "SANDMAN_NETGUARD_STATUS"
 WORKSPACE_ENV = "SANDMAN_WORKSPACE"
@@ -77,6 +78,8 @@ MAX_HEADER_BYTES = 32 << 10  # request line and headers together
 HEADER_TIMEOUT = 10.0  # from a request's first byte to the end of its headers
 PREAUTH_IDLE = 10.0  # idle limit of a connection that has not authenticated
 BODY_DEADLINE = 30.0  # a request body must arrive within this (slow clients get 408)
+READY_BUDGET = 2.0  # /ready answers within this, or fails
+READY_CACHE = 1.0  # at most one readiness check a second, whoever asks
 PIPE_SIZE = 1 << 20
 READ_SIZE = 1 << 20
 PR_SET_CHILD_SUBREAPER = 36
@@ -516,6 +519,152 @@ class Shell:
             self.d.reaper.forget(self.pid)
 
 
+# ---------------------------------------------------------------- readiness (/ready)
+
+
+class ReadyCheck:
+    """Is the pod still able to work: can it fork and exec a process, can it write and fsync a
+    file where the agent works? /health only proves execd's HTTP thread runs; a pod whose pids
+    limit is exhausted or whose disk is full also answers it (paper A44).
+
+    One long-lived checker thread (started with execd, so the check works when no new thread
+    can be created); concurrent callers share the in-flight check and a result is reused for
+    READY_CACHE seconds, so the unauthenticated route cannot be used to amplify load. Never
+    touches the agent's shell or the exec lock."""
+
+    def __init__(self, daemon):
+        self.d = daemon
+        self.lock = threading.Lock()
+        self.want = threading.Event()
+        self.running = None  # Event set when the in-flight check finishes
+        self.last = None  # (monotonic time done, result)
+        self.pids = set()  # our probe processes: never a call's, never a reset's
+        self.checks = 0
+        threading.Thread(target=self._loop, name="ready-check", daemon=True).start()
+
+    def get(self):
+        with self.lock:
+            if self.last is not None and now() - self.last[0] < READY_CACHE:
+                return dict(self.last[1], age_s=round(now() - self.last[0], 3),
+                            checks=self.checks)
+            ev = self.running
+            if ev is None:
+                ev = self.running = threading.Event()
+                self.want.set()
+        if not ev.wait(READY_BUDGET):
+            return {"ok": False, "error": "the readiness check did not finish within %gs (a "
+                    "fork or an fsync hangs)" % READY_BUDGET}
+        with self.lock:
+            return dict(self.last[1], age_s=round(now() - self.last[0], 3), checks=self.checks)
+
+    def _loop(self):
+        while True:
+            self.want.wait()
+            self.want.clear()
+            try:
+                res = self.check()
+            except Exception as e:  # noqa: BLE001 - a failed check, never a dead checker
+                res = {"ok": False, "error": "readiness check failed: %r" % (e,)}
+            with self.lock:
+                self.last = (now(), res)
+                ev, self.running = self.running, None
+                self.checks += 1
+            if ev is not None:
+                ev.set()
+
+    def check(self):
+        t0 = now()
+        err = self.check_fork(t0 + READY_BUDGET * 0.75)
+        fork_ms = round((now() - t0) * 1000, 3)
+        t1 = now()
+        if err is None:
+            err = self.check_disk()
+        return {"ok": err is None, "error": err, "fork_ms": fork_ms,
+                "disk_ms": round((now() - t1) * 1000, 3)}
+
+    def check_fork(self, deadline):
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
+            pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc", "-c", ":"],
+                                 {}, file_actions=actions, setsid=True)
+        except OSError as e:
+            return "cannot fork and exec a process: %s" % (e.strerror or e)
+        finally:
+            os.close(devnull)
+        with self.lock:
+            self.pids.add(pid)
+        self.d.reaper.watch(pid)
+        try:
+            while True:
+                st = self.d.reaper.status(pid)
+                if st is not None:
+                    code = exit_code_of(st)
+                    return None if code == 0 else "the probe process exited %d" % code
+                if now() >= deadline:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    return "the probe process did not finish within %gs" % (
+                        READY_BUDGET * 0.75)
+                time.sleep(0.002)
+        finally:
+            self.d.reaper.forget(pid)
+            with self.lock:
+                self.pids.discard(pid)
+
+    def check_disk(self):
+        """Write, fsync and drop 4 KiB on the workspace's and the temp dir's filesystems. An
+        unnamed O_TMPFILE where the filesystem has it (nothing appears in the directory), else a
+        `.sandman-ready-*` file unlinked at once. A read-only filesystem is not a fault."""
+        seen = set()
+        for path in (self.d.workspace, tempfile.gettempdir()):
+            if not path:
+                continue
+            try:
+                dev = os.stat(path).st_dev
+            except OSError as e:
+                return "cannot stat %s: %s" % (path, e.strerror or e)
+            if dev in seen:
+                continue
+            seen.add(dev)
+            err = write_probe_file(path)
+            if err is not None:
+                return err
+        return None
+
+
+def write_probe_file(path):
+    data = b"\0" * 4096
+    name = None
+    flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(path, flags | os.O_TMPFILE, 0o600)
+        except (AttributeError, OSError) as e:
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS,
+                                             errno.EACCES):
+                raise
+            name = os.path.join(path, ".sandman-ready-%d-%s" % (os.getpid(),
+                                                                os.urandom(4).hex()))
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            if name is not None:
+                os.unlink(name)
+    except OSError as e:
+        if e.errno == errno.EROFS:
+            return None
+        return "cannot write and fsync a file in %s: %s" % (path, e.strerror or e)
+    return None
+
+
 # ---------------------------------------------------------------- the daemon
 
 
@@ -545,6 +694,7 @@ class Daemon:
         self.shell = None
         self.umask = os.umask(0o022)
         os.umask(self.umask)
+        self.ready = ReadyCheck(self)
         self.start_shell()
 
     def _become_subreaper(self):
@@ -580,7 +730,8 @@ class Daemon:
         me = os.getpid()
         pids = all_pids()
         if me == 1:
-            return [p for p in pids if p != me]
+            own = self.own_pids()
+            return [p for p in pids if p != me and p not in own]
         info, out = process_tree(pids, me)
         prefix = self.instance + "-"
         for p in info:
@@ -589,7 +740,7 @@ class Daemon:
                 if tag is not None and tag.startswith(prefix):
                     out.add(p)
         out.discard(me)
-        return sorted(out)
+        return sorted(out - self.own_pids())
 
     def call_pids(self, tag, root, since_ticks):
         """The processes of one call: those carrying its tag anywhere, plus untagged processes
@@ -634,7 +785,8 @@ class Daemon:
 
     def own_pids(self):
         """execd's own helper processes (the readiness check's fork): never a call's."""
-        return set()
+        with self.ready.lock:
+            return set(self.ready.pids)
 
     def kill_pids(self, pids, sig):
         for p in pids:
@@ -1636,6 +1788,11 @@ class Handler(BaseHTTPRequestHandler):
     def r_health(self, query):
         self.reply(200, {"ok": True, "version": VERSION})
 
+    def r_ready(self, query):
+        res = self.daemon.ready.get()
+        res["version"] = VERSION
+        self.reply(200 if res.get("ok") else 503, res)
+
     def r_exec(self, query):
         self.reply(200, self.daemon.exec_command(self.json_body()))
 
@@ -1724,10 +1881,11 @@ class Handler(BaseHTTPRequestHandler):
             os.close(fd)
 
 
-PUBLIC_ROUTES = ("/health",)  # no token: the kubelet calls them
+PUBLIC_ROUTES = ("/health", EXECD_READY_PATH)  # no token: the kubelet calls them
 
 ROUTES = {
     "/health": ("GET", Handler.r_health),
+    EXECD_READY_PATH: ("GET", Handler.r_ready),
     "/exec": ("POST", Handler.r_exec),
     "/files/read": ("POST", Handler.r_files_read),
     "/files": ("GET", Handler.r_files_get),
