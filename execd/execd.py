@@ -617,9 +617,12 @@ class ReadyCheck:
     def check_disk(self):
         """Write, fsync and drop 4 KiB on the workspace's and the temp dir's filesystems. An
         unnamed O_TMPFILE where the filesystem has it (nothing appears in the directory), else a
-        `.sandman-ready-*` file unlinked at once. A read-only filesystem is not a fault."""
+        `.sandman-ready-*` file unlinked at once. A read-only filesystem or a directory our user
+        may not write (EROFS, EACCES) is by design, not a fault; a full disk (ENOSPC, EDQUOT),
+        an I/O error or an immutable directory (EPERM) is."""
         seen = set()
-        for path in (self.d.workspace, tempfile.gettempdir()):
+        # The shell's first cwd (the pod's workingDir without --workspace) and the temp dir.
+        for path in (self.d.workspace or os.getcwd(), tempfile.gettempdir()):
             if not path:
                 continue
             try:
@@ -644,7 +647,7 @@ def write_probe_file(path):
             fd = os.open(path, flags | os.O_TMPFILE, 0o600)
         except (AttributeError, OSError) as e:
             if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS,
-                                             errno.EACCES):
+                                             errno.EACCES, errno.EPERM):
                 raise
             name = os.path.join(path, ".sandman-ready-%d-%s" % (os.getpid(),
                                                                 os.urandom(4).hex()))
@@ -659,7 +662,7 @@ def write_probe_file(path):
             if name is not None:
                 os.unlink(name)
     except OSError as e:
-        if e.errno == errno.EROFS:
+        if e.errno in (errno.EROFS, errno.EACCES):
             return None
         return "cannot write and fsync a file in %s: %s" % (path, e.strerror or e)
     return None
