@@ -87,6 +87,9 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
 _LINE_NO = re.compile(r"\bline (\d+)")
+# bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
+# A parse diagnostic goes on in lower case ("syntax error", "warning", "unexpected EOF").
+_JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
 
 # Shell-side helpers. The check parses the whole command with `set -n` inside eval: nothing runs
 # (a `x; }; cmd` escape is parsed, not executed), an open quote or heredoc ends at the string's
@@ -354,6 +357,11 @@ def parse_frame(buf, marker):
     if len(rest) > nl + 1:
         return ("invalid", "bytes after the frame", None)
     return ("ok", kind.decode(), int(digits))
+
+
+def job_notices_only(diag):
+    lines = [ln for ln in diag.splitlines() if ln.strip()]
+    return bool(lines) and all(_JOB_NOTICE.match(ln) for ln in lines)
 
 
 def fix_diag(text, offset):
@@ -865,7 +873,7 @@ class Daemon:
                 entry[0].set()
             raise HTTPError(409, "busy", {"busy": True})
         try:
-            resp = self._run(data, float(timeout), max_output)
+            resp = self._run_checked(data, float(timeout), max_output)
         except BaseException:
             if entry is not None:
                 with self.cache_lock:
@@ -887,6 +895,17 @@ class Daemon:
                     self.cache.pop(k)
                     self.cache_bytes -= len(e[1]["output"])
         return resp
+
+    def _run_checked(self, data, timeout, max_output):
+        r = self._run(data, timeout, max_output)
+        notices = r.pop("notices", None)
+        if notices is not None:
+            # Only a job notice (a job died between the flush and the check) reached the check:
+            # nothing ran, so run the command again, once, with the notice as output.
+            r = self._run(data, timeout, max_output)
+            r.pop("notices", None)
+            r["output"] = notices + "\n" + r["output"]
+        return r
 
     def _ensure_shell(self):
         sh = self.shell
@@ -1024,6 +1043,8 @@ class Daemon:
                 # The check's own plumbing failed (say, fd 61 closed): a fresh shell fixes it.
                 diag = "the syntax check failed without a diagnosis; the shell was restarted"
                 self.restart_shell()
+            elif job_notices_only(diag):
+                result["notices"] = diag
             errors.append(diag)
         else:
             result["exit_code"] = 124 if timed_out else frame[2]
@@ -1067,7 +1088,7 @@ class Daemon:
         if not isinstance(script, bytes):
             script = script.encode("utf-8")
         try:
-            r = self._run(script, timeout, MAX_OUTPUT_LIMIT)
+            r = self._run_checked(script, timeout, MAX_OUTPUT_LIMIT)
         finally:
             self.exec_lock.release()
         if r["exit_code"] != 0 or r["error"]:

@@ -3,6 +3,9 @@ child-process scenarios (appendix G, tables A22, A25, A26, A27), floods, shell d
 
 from __future__ import annotations
 
+import os
+import signal
+import subprocess
 import threading
 import time
 from pathlib import Path
@@ -314,6 +317,40 @@ def test_timeout_with_sigterm_ignoring_child_next_command_runs_state_kept(execd)
     r = execd.exec("echo $V")
     assert (r["exit_code"], r["output"], r["error"]) == (0, "42\n", None)
     assert execd.others() == []
+
+
+def test_job_notice_told_apart_from_parse_diagnostics(execd, tmp_path):
+    # The fallback for a notice that slips past the flush (a job killed between flush and
+    # check): real notices from bash for jobs killed by signals, real diagnostics from the check.
+    # As in execd: the job is killed from outside while bash waits for its next line.
+    notes, pidf = tmp_path / "notes", tmp_path / "pid"
+    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE)
+    try:
+        for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGSEGV, signal.SIGUSR1):
+            pidf.unlink(missing_ok=True)
+            sh.stdin.write(f"(trap '' INT; sleep 100) & echo $! > {pidf}\n".encode())
+            sh.stdin.flush()
+            pid = read_pids(pidf)[0]
+            os.kill(pid, sig)
+            assert wait_for(lambda p=pid: not alive(p), 5)
+            time.sleep(0.1)
+            sh.stdin.write(f"{{ builtin eval : ; }} 2>>{notes}\n".encode())
+            sh.stdin.flush()
+        sh.stdin.close()
+        sh.wait(10)
+    finally:
+        sh.kill()
+    found = [ln for ln in notes.read_text().splitlines() if ln.strip()]
+    assert len(found) >= 3, found  # bash reports no notice for some (SIGTERM here)
+    for ln in found:
+        assert execd_mod.job_notices_only(execd_mod.fix_diag(ln, 0)), ln
+    diags = []
+    for bad in ("echo 'open", "cat <<EOF\nx", "if true; then", "echo )", "f() {", "x=$((1+"):
+        r = execd.exec(bad)
+        assert r["exit_code"] == 2, (bad, r)
+        diags.append(r["error"])
+        assert not execd_mod.job_notices_only(r["error"]), r["error"]
+    assert not execd_mod.job_notices_only(found[0] + "\n" + diags[0])
 
 
 @pytest.mark.parametrize("start", [
