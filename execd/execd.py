@@ -1601,6 +1601,10 @@ class Handler(BaseHTTPRequestHandler):
         if head is None:
             self.close_connection = True
             return
+        try:  # the header budget is over: writes (a slow reader of a big file) get the old limit
+            self.connection.settimeout(IDLE_TIMEOUT)
+        except OSError:
+            pass
         nl = head.find(b"\n") + 1
         self.raw_requestline = head[:nl]
         rfile = self.rfile
