@@ -630,7 +630,9 @@ class ReadyCheck:
         an I/O error or an immutable directory (EPERM) is."""
         seen = set()
         # The shell's first cwd (the pod's workingDir without --workspace) and the temp dir.
-        for path in (self.d.workspace or os.getcwd(), tempfile.gettempdir()):
+        # (Not tempfile.gettempdir(): it probes by writing and caches a fallback dir.)
+        tmp = self.d.base_env.get("TMPDIR") or "/tmp"
+        for path in (self.d.workspace or os.getcwd(), tmp):
             if not path:
                 continue
             try:
@@ -1831,7 +1833,9 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, self.daemon.reset(self.json_body()))
 
     def r_state(self, query):
-        self.reply(200, self.daemon.state())
+        st = self.daemon.state()
+        st["connections"] = self.server.budget.counts()  # the pre-auth budget at work
+        self.reply(200, st)
 
     def r_conditions(self, query):
         self.reply(200, self.daemon.conditions(query))

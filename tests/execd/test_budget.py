@@ -182,6 +182,9 @@ def test_connection_cap_sheds_unauthenticated_first_then_refuses_503(execd_facto
         # The authenticated ones were never shed.
         for c in clients:
             assert c.post("/exec", json={"command": "true"}).status_code == 200
+        counts = clients[0].get("/state").json()["connections"]
+        assert counts["shed"] >= 4 and counts["preauth"] == 1 and counts["connections"] == 4, \
+            counts
         # A fourth authenticated connection takes the last slot, then a fifth is refused.
         fourth = httpx.Client(base_url=d.url, headers=AUTH, timeout=10)
         clients.append(fourth)
