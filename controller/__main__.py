@@ -44,7 +44,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--job-max-creating", type=int, default=0, help="per job (0: none)")
     s.add_argument("--job-max-live", type=int, default=0, help="per job (0: none)")
     s.add_argument("--ready-check", choices=("execd", "pod"), default="execd",
-                   help="execd: Ready and execd /health answers; pod: Ready only (kwok)")
+                   help="execd: Ready and execd /ready passes; pod: Ready only (kwok)")
     s.add_argument("--node-pool-label", default=Settings.node_pool_label,
                    help="key=value node selector for a node POOL (never an instance type); "
                         "empty: none")
@@ -54,7 +54,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--idle-timeout", type=float, default=300.0,
                    help="warm pool idle timeout per key (s); 300 s was the paper's sweet spot")
     s.add_argument("--ready-budget", type=float, default=120.0,
-                   help="seconds an owner waits for Ready (+ execd /health) after its create, "
+                   help="seconds an owner waits for Ready (+ execd /ready) after its create, "
                         "whatever the caller's timeout_s (late pods are then parked, not lost)")
     s.add_argument("--api-timeout", type=float, default=15.0,
                    help="seconds per API server call before it counts as failed and is retried")

@@ -44,7 +44,7 @@ class State(enum.Enum):
                                      "pod is parked when Ready (no per-caller state) or deleted")
     CREATING_DRAINED = "creating", ("drained or released during the create: deleted once the "
                                     "create settles")
-    STARTING = "starting", "stored; waiting for Ready (+ execd /health), then the hand-out patch"
+    STARTING = "starting", "stored; waiting for Ready (+ execd /ready), then the hand-out patch"
     STARTING_ORPHANED = "starting", ("the caller left: parked once Ready (no per-caller state) "
                                      "or deleted")
     STARTING_DRAINED = "starting", ("drained or released while starting: the owner deletes it "

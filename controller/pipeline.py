@@ -244,7 +244,7 @@ class Pipeline:
                     ready = False
                 left = deadline - time.monotonic()
                 if left <= 0:
-                    return False, "not Ready and answering execd /health within the budget"
+                    return False, "not Ready and answering execd /ready within the budget"
                 # Event-driven: a pod change wakes us. Only an execd probe that failed on a
                 # Ready pod is retried on a timer (no per-pod polling at 12,000 pods).
                 waker.clear()
@@ -257,9 +257,11 @@ class Pipeline:
             self.books.drop_waker(e.name)
 
     async def healthy(self, ip: str) -> bool:
+        """execd's /ready: forks a process and writes a file in the pod (a wedged pod with its
+        pids or disk exhausted still answers /health), within 2 s."""
         host = f"[{ip}]" if ":" in ip else ip
         try:
-            r = await self._http.get(f"http://{host}:{self.s.execd_port}/health")
+            r = await self._http.get(f"http://{host}:{self.s.execd_port}{contract.EXECD_READY_PATH}")
             return r.status_code == 200 and r.json().get("ok") is True
         except Exception:  # noqa: BLE001 - not answering yet
             return False

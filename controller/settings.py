@@ -89,7 +89,7 @@ def load_pod_template(path: str) -> dict:
 class Settings:
     namespace: str
     limits: Limits = field(default_factory=Limits)
-    ready_check: str = "execd"  # execd: Ready AND execd /health answers; pod: Ready alone (kwok)
+    ready_check: str = "execd"  # execd: Ready AND execd /ready passes; pod: Ready alone (kwok)
     node_pool_label: str = f"{contract.LABEL_NODE_POOL_DEFAULT}=sandbox"
     sweep_interval: float = 30.0
     sweep_grace: float = 120.0  # an unowned pod younger than this may still be a create in flight
@@ -97,7 +97,7 @@ class Settings:
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
     execd_port: int = contract.EXECD_PORT
     health_timeout: float = 2.0
-    # An owner waits this long for Ready (+ execd /health) after its create, whatever the
+    # An owner waits this long for Ready (+ execd /ready) after its create, whatever the
     # caller's timeout_s: a pod that turns Ready just after its caller gave up is parked for the
     # next acquire of its key instead of deleted (the paper's late grading pods).
     ready_budget: float = 120.0

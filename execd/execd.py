@@ -11,6 +11,7 @@ import binascii
 import collections
 import errno
 import fcntl
+import io
 import json
 import os
 import pwd
@@ -50,6 +51,7 @@ EXECD_PORT = 9470
 EXECD_PATH = "/sandman/execd.py"
 EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
 NETGUARD_STATUS_PATH = "/sandman/run/netguard.json"
+EXECD_READY_PATH = "/ready"
 
 NETGUARD_STATUS_ENV = "SANDMAN_NETGUARD_STATUS"
 WORKSPACE_ENV = "SANDMAN_WORKSPACE"
@@ -67,7 +69,17 @@ DEFAULT_MAX_OUTPUT = 102400
 MAX_OUTPUT_LIMIT = 64 << 20
 CACHE_BYTES = 8 << 20  # stored answers for request_id retries
 IDLE_TIMEOUT = 180.0  # keep-alive idle limit; callers pool connections for minutes
+# Pre-auth budget: what a client without the token can pin (connections, threads, header bytes,
+# time). The agent's connections are never refused for the sake of unauthenticated ones: those
+# are capped below the total and the oldest is shed to admit a new one.
+MAX_CONNECTIONS = 64  # connections (one thread each), authenticated or not
+MAX_PREAUTH = 16  # of which not (yet) authenticated
+MAX_HEADER_BYTES = 32 << 10  # request line and headers together
+HEADER_TIMEOUT = 10.0  # from a request's first byte to the end of its headers
+PREAUTH_IDLE = 10.0  # idle limit of a connection that has not authenticated
 BODY_DEADLINE = 30.0  # a request body must arrive within this (slow clients get 408)
+READY_BUDGET = 2.0  # /ready answers within this, or fails
+READY_CACHE = 1.0  # at most one readiness check a second, whoever asks
 PIPE_SIZE = 1 << 20
 READ_SIZE = 1 << 20
 PR_SET_CHILD_SUBREAPER = 36
@@ -75,6 +87,9 @@ _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
 _LINE_NO = re.compile(r"\bline (\d+)")
+# bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
+# A parse diagnostic goes on in lower case ("syntax error", "warning", "unexpected EOF").
+_JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
 
 # Shell-side helpers. The check parses the whole command with `set -n` inside eval: nothing runs
 # (a `x; }; cmd` escape is parsed, not executed), an open quote or heredoc ends at the string's
@@ -100,6 +115,9 @@ __sm_chk() {
   local __sm_s __sm_x=1
   builtin shopt -q extglob || __sm_x=0
   builtin shopt -s extglob
+  # A job that died since the last call (say, killed by a timeout) has a notice pending, which
+  # bash prints at the next eval: flush it to the output here, not into the check's diagnostics.
+  builtin eval :
   __sm_chk1
   __sm_s=$?
   ((__sm_x)) || builtin shopt -u extglob
@@ -207,7 +225,14 @@ def process_tree(pids, root):
 
 
 def boot_ticks():
-    """Now, in the clock ticks /proc/<pid>/stat counts process start times in."""
+    """Now, in the clock ticks /proc/<pid>/stat counts process start times in (the kernel
+    counts them from CLOCK_BOOTTIME, truncated to whole ticks)."""
+    clock = getattr(time, "CLOCK_BOOTTIME", None)
+    if clock is not None:
+        try:
+            return float(int(time.clock_gettime(clock) * _CLK_TCK))
+        except OSError:
+            pass
     try:
         with open("/proc/uptime") as f:
             return float(f.read().split()[0]) * _CLK_TCK
@@ -332,6 +357,11 @@ def parse_frame(buf, marker):
     if len(rest) > nl + 1:
         return ("invalid", "bytes after the frame", None)
     return ("ok", kind.decode(), int(digits))
+
+
+def job_notices_only(diag):
+    lines = [ln for ln in diag.splitlines() if ln.strip()]
+    return bool(lines) and all(_JOB_NOTICE.match(ln) for ln in lines)
 
 
 def fix_diag(text, offset):
@@ -497,6 +527,157 @@ class Shell:
             self.d.reaper.forget(self.pid)
 
 
+# ---------------------------------------------------------------- readiness (/ready)
+
+
+class ReadyCheck:
+    """Is the pod still able to work: can it fork and exec a process, can it write and fsync a
+    file where the agent works? /health only proves execd's HTTP thread runs; a pod whose pids
+    limit is exhausted or whose disk is full also answers it (paper A44).
+
+    One long-lived checker thread (started with execd, so the check works when no new thread
+    can be created); concurrent callers share the in-flight check and a result is reused for
+    READY_CACHE seconds, so the unauthenticated route cannot be used to amplify load. Never
+    touches the agent's shell or the exec lock."""
+
+    def __init__(self, daemon):
+        self.d = daemon
+        self.lock = threading.Lock()
+        self.want = threading.Event()
+        self.running = None  # Event set when the in-flight check finishes
+        self.last = None  # (monotonic time done, result)
+        self.pids = set()  # our probe processes: never a call's, never a reset's
+        self.checks = 0
+        threading.Thread(target=self._loop, name="ready-check", daemon=True).start()
+
+    def get(self):
+        with self.lock:
+            if self.last is not None and now() - self.last[0] < READY_CACHE:
+                return dict(self.last[1], age_s=round(now() - self.last[0], 3),
+                            checks=self.checks)
+            ev = self.running
+            if ev is None:
+                ev = self.running = threading.Event()
+                self.want.set()
+        if not ev.wait(READY_BUDGET):
+            return {"ok": False, "error": "the readiness check did not finish within %gs (a "
+                    "fork or an fsync hangs)" % READY_BUDGET}
+        with self.lock:
+            return dict(self.last[1], age_s=round(now() - self.last[0], 3), checks=self.checks)
+
+    def _loop(self):
+        while True:
+            self.want.wait()
+            self.want.clear()
+            try:
+                res = self.check()
+            except Exception as e:  # noqa: BLE001 - a failed check, never a dead checker
+                res = {"ok": False, "error": "readiness check failed: %r" % (e,)}
+            with self.lock:
+                self.last = (now(), res)
+                ev, self.running = self.running, None
+                self.checks += 1
+            if ev is not None:
+                ev.set()
+
+    def check(self):
+        t0 = now()
+        err = self.check_fork(t0 + READY_BUDGET * 0.75)
+        fork_ms = round((now() - t0) * 1000, 3)
+        t1 = now()
+        if err is None:
+            err = self.check_disk()
+        return {"ok": err is None, "error": err, "fork_ms": fork_ms,
+                "disk_ms": round((now() - t1) * 1000, 3)}
+
+    def check_fork(self, deadline):
+        devnull = os.open(os.devnull, os.O_RDWR)
+        try:
+            actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
+            pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc", "-c", ":"],
+                                 {}, file_actions=actions, setsid=True)
+        except OSError as e:
+            return "cannot fork and exec a process: %s" % (e.strerror or e)
+        finally:
+            os.close(devnull)
+        with self.lock:
+            self.pids.add(pid)
+        self.d.reaper.watch(pid)
+        try:
+            while True:
+                st = self.d.reaper.status(pid)
+                if st is not None:
+                    code = exit_code_of(st)
+                    return None if code == 0 else "the probe process exited %d" % code
+                if now() >= deadline:
+                    try:
+                        os.kill(pid, signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
+                    return "the probe process did not finish within %gs" % (
+                        READY_BUDGET * 0.75)
+                time.sleep(0.002)
+        finally:
+            self.d.reaper.forget(pid)
+            with self.lock:
+                self.pids.discard(pid)
+
+    def check_disk(self):
+        """Write, fsync and drop 4 KiB on the workspace's and the temp dir's filesystems. An
+        unnamed O_TMPFILE where the filesystem has it (nothing appears in the directory), else a
+        `.sandman-ready-*` file unlinked at once. A read-only filesystem or a directory our user
+        may not write (EROFS, EACCES) is by design, not a fault; a full disk (ENOSPC, EDQUOT),
+        an I/O error or an immutable directory (EPERM) is."""
+        seen = set()
+        # The shell's first cwd (the pod's workingDir without --workspace) and the temp dir.
+        # (Not tempfile.gettempdir(): it probes by writing and caches a fallback dir.)
+        tmp = self.d.base_env.get("TMPDIR") or "/tmp"
+        for path in (self.d.workspace or os.getcwd(), tmp):
+            if not path:
+                continue
+            try:
+                dev = os.stat(path).st_dev
+            except OSError as e:
+                return "cannot stat %s: %s" % (path, e.strerror or e)
+            if dev in seen:
+                continue
+            seen.add(dev)
+            err = write_probe_file(path)
+            if err is not None:
+                return err
+        return None
+
+
+def write_probe_file(path):
+    data = b"\0" * 4096
+    name = None
+    flags = os.O_WRONLY | getattr(os, "O_CLOEXEC", 0)
+    try:
+        try:
+            fd = os.open(path, flags | os.O_TMPFILE, 0o600)
+        except (AttributeError, OSError) as e:
+            if getattr(e, "errno", None) in (errno.ENOSPC, errno.EDQUOT, errno.EIO, errno.EROFS,
+                                             errno.EACCES, errno.EPERM):
+                raise
+            name = os.path.join(path, ".sandman-ready-%d-%s" % (os.getpid(),
+                                                                os.urandom(4).hex()))
+            fd = os.open(name, flags | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            if name is not None:
+                os.unlink(name)
+    except OSError as e:
+        if e.errno in (errno.EROFS, errno.EACCES):
+            return None
+        return "cannot write and fsync a file in %s: %s" % (path, e.strerror or e)
+    return None
+
+
 # ---------------------------------------------------------------- the daemon
 
 
@@ -526,6 +707,7 @@ class Daemon:
         self.shell = None
         self.umask = os.umask(0o022)
         os.umask(self.umask)
+        self.ready = ReadyCheck(self)
         self.start_shell()
 
     def _become_subreaper(self):
@@ -561,7 +743,8 @@ class Daemon:
         me = os.getpid()
         pids = all_pids()
         if me == 1:
-            return [p for p in pids if p != me]
+            own = self.own_pids()
+            return [p for p in pids if p != me and p not in own]
         info, out = process_tree(pids, me)
         prefix = self.instance + "-"
         for p in info:
@@ -570,25 +753,53 @@ class Daemon:
                 if tag is not None and tag.startswith(prefix):
                     out.add(p)
         out.discard(me)
-        return sorted(out)
+        return sorted(out - self.own_pids())
 
     def call_pids(self, tag, root, since_ticks):
-        """The processes of one call: those carrying its tag anywhere, plus untagged descendants
-        of `root` (the shell; execd once the shell died) started since the call began (forked
-        subshells never exec, so carry no tag)."""
-        shell_pid = root
-        info, desc = process_tree(all_pids(), shell_pid)
-        out = set()
+        """The processes of one call: those carrying its tag anywhere, plus untagged processes
+        started since the call began whose parent is the shell, execd or another process of the
+        call. execd is PID 1 or a subreaper, so a child that left the session, dropped the tag
+        (`env -i setsid -f ...`) and was orphaned is re-parented to execd and still found; forked
+        subshells never exec, so carry no tag either. A process of an earlier call (its tag, or
+        untagged and older than this call) is never entered: earlier background jobs and their
+        children stay."""
         me = os.getpid()
+        shell_pid = root if root != me else None
+        info, _ = process_tree(all_pids(), -1)
+        children = collections.defaultdict(list)
         for p, s in info.items():
-            if p == me or (p == shell_pid and root != me) or s[1] == "Z":
+            children[s[0]].append(p)
+        skip = self.own_pids()
+        tags = {}
+        out = set()
+        for p, s in info.items():
+            if p == me or p == shell_pid or p in skip or s[1] == "Z":
                 continue
-            t = proc_tag(p)
+            t = tags[p] = proc_tag(p)
             if t == tag:
                 out.add(p)
-            elif t is None and p in desc and (since_ticks is None or s[2] >= since_ticks):
-                out.add(p)
+        # Ancestry: from the shell and from execd (orphans), through this call's processes only.
+        stack = [me] + ([shell_pid] if shell_pid is not None else [])
+        seen = set(stack)
+        while stack:
+            for c in children.get(stack.pop(), ()):
+                if c in seen or c == shell_pid or c in skip:
+                    continue
+                seen.add(c)
+                s = info[c]
+                t = tags.get(c)
+                mine = t == tag or (t is None and (since_ticks is None or s[2] >= since_ticks))
+                if not mine:
+                    continue
+                if s[1] != "Z":
+                    out.add(c)
+                stack.append(c)
         return out
+
+    def own_pids(self):
+        """execd's own helper processes (the readiness check's fork): never a call's."""
+        with self.ready.lock:
+            return set(self.ready.pids)
 
     def kill_pids(self, pids, sig):
         for p in pids:
@@ -664,7 +875,7 @@ class Daemon:
                 entry[0].set()
             raise HTTPError(409, "busy", {"busy": True})
         try:
-            resp = self._run(data, float(timeout), max_output)
+            resp = self._run_checked(data, float(timeout), max_output)
         except BaseException:
             if entry is not None:
                 with self.cache_lock:
@@ -687,6 +898,17 @@ class Daemon:
                     self.cache_bytes -= len(e[1]["output"])
         return resp
 
+    def _run_checked(self, data, timeout, max_output):
+        r = self._run(data, timeout, max_output)
+        notices = r.pop("notices", None)
+        if notices is not None:
+            # Only a job notice (a job died between the flush and the check) reached the check:
+            # nothing ran, so run the command again, once, with the notice as output.
+            r = self._run(data, timeout, max_output)
+            r.pop("notices", None)
+            r["output"] = notices + "\n" + r["output"]
+        return r
+
     def _ensure_shell(self):
         sh = self.shell
         if sh is None or sh.dead():
@@ -701,6 +923,8 @@ class Daemon:
 
     def _run(self, data, timeout, max_output):
         t0 = now()
+        # A process started in this tick or later may be the call's (10 ms ticks).
+        since0 = boot_ticks()
         notice = self._ensure_shell()
         sh = self.shell
         self.calls += 1
@@ -770,8 +994,7 @@ class Daemon:
                     break
             if phase == "run" and t >= deadline:
                 phase, phase_at, last_look = "term", t, t
-                bt = boot_ticks()
-                since = None if bt is None else bt - (t - t0) * _CLK_TCK - 2
+                since = since0
                 self.kill_pids(self.call_pids(tag, sh.pid, since), signal.SIGTERM)
             elif phase == "term" and (t >= phase_at + self.kill_grace or (
                     t - last_look >= 0.05 and not self.call_pids(tag, sh.pid, since))):
@@ -791,8 +1014,7 @@ class Daemon:
         if dead_st is not None:
             code = exit_code_of(dead_st)
             # Its children are ours now (subreaper): the call's, tagged or started since, go.
-            bt = boot_ticks()
-            since = None if bt is None else bt - (now() - t0) * _CLK_TCK - 2
+            since = since0
             self._kill_call(tag, os.getpid(), since)
             result["exit_code"] = code
             msg = "shell exited (status %d); a new shell was started, state lost" % code
@@ -823,6 +1045,8 @@ class Daemon:
                 # The check's own plumbing failed (say, fd 61 closed): a fresh shell fixes it.
                 diag = "the syntax check failed without a diagnosis; the shell was restarted"
                 self.restart_shell()
+            elif job_notices_only(diag):
+                result["notices"] = diag
             errors.append(diag)
         else:
             result["exit_code"] = 124 if timed_out else frame[2]
@@ -866,7 +1090,7 @@ class Daemon:
         if not isinstance(script, bytes):
             script = script.encode("utf-8")
         try:
-            r = self._run(script, timeout, MAX_OUTPUT_LIMIT)
+            r = self._run_checked(script, timeout, MAX_OUTPUT_LIMIT)
         finally:
             self.exec_lock.release()
         if r["exit_code"] != 0 or r["error"]:
@@ -1285,6 +1509,79 @@ def write_file(d, req):
 # ---------------------------------------------------------------- HTTP
 
 
+_HEAD_END = re.compile(b"\n\r?\n")
+
+
+def head_end(buf, start=0):
+    """Length of the header block at the start of buf (through its empty line), or -1."""
+    if buf[:1] == b"\n" or buf[:2] == b"\r\n":  # an empty request line: let http.server judge
+        return buf.index(b"\n") + 1
+    m = _HEAD_END.search(buf, start)
+    return m.end() if m else -1
+
+
+class ConnBudget:
+    """Live connections in accept order, each authenticated or not. Over MAX_PREAUTH
+    unauthenticated ones, the oldest is shed (shutdown wakes its thread, which exits); over
+    MAX_CONNECTIONS with none to shed, the new one gets a 503 and is closed at once."""
+
+    def __init__(self, max_conns, max_preauth):
+        self.max_conns = max_conns
+        self.max_preauth = max_preauth
+        self.lock = threading.Lock()
+        self.conns = collections.OrderedDict()  # socket -> authenticated
+        self.shed = 0
+        self.refused = 0
+
+    def admit(self, sock):
+        shed = []
+        with self.lock:
+            pre = [c for c, a in self.conns.items() if not a]
+            n_pre, n_all = len(pre), len(self.conns)
+            while pre and (n_pre >= self.max_preauth or n_all >= self.max_conns):
+                c = pre.pop(0)
+                del self.conns[c]
+                shed.append(c)
+                n_pre -= 1
+                n_all -= 1
+            ok = n_all < self.max_conns
+            if ok:
+                self.conns[sock] = False
+            self.shed += len(shed)
+            self.refused += 0 if ok else 1
+        for c in shed:
+            try:
+                c.shutdown(socket.SHUT_RDWR)
+            except OSError:
+                pass
+        return ok
+
+    def authed(self, sock):
+        with self.lock:
+            return self.conns.get(sock, False)
+
+    def mark_authed(self, sock):
+        with self.lock:
+            if sock in self.conns:
+                self.conns[sock] = True
+
+    def release(self, sock):
+        with self.lock:
+            self.conns.pop(sock, None)
+
+    def counts(self):
+        with self.lock:
+            pre = sum(1 for a in self.conns.values() if not a)
+            return {"connections": len(self.conns), "preauth": pre, "shed": self.shed,
+                    "refused": self.refused}
+
+
+_BUSY_BODY = b'{"error":"too many connections","code":503}'
+_BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+             b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(_BUSY_BODY),
+                                                                        _BUSY_BODY))
+
+
 def json_bytes(obj):
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -1296,6 +1593,78 @@ class Handler(BaseHTTPRequestHandler):
     sys_version = ""
     timeout = IDLE_TIMEOUT
     daemon = None  # set in main()
+
+    # ------------------------------------------------------------ pre-auth budget
+
+    def handle_one_request(self):
+        """http.server's, with the header block read under a byte and time budget first (the
+        stdlib allows 64 KiB per line, 100 lines and IDLE_TIMEOUT per read)."""
+        head = self.read_head()
+        if head is None:
+            self.close_connection = True
+            return
+        try:  # the header budget is over: writes (a slow reader of a big file) get the old limit
+            self.connection.settimeout(IDLE_TIMEOUT)
+        except OSError:
+            pass
+        nl = head.find(b"\n") + 1
+        self.raw_requestline = head[:nl]
+        rfile = self.rfile
+        self.rfile = io.BytesIO(head[nl:])
+        try:
+            ok = self.parse_request()
+        finally:
+            self.rfile = rfile
+        if not ok:
+            return
+        method = getattr(self, "do_" + self.command, None)
+        if method is None:
+            self.send_error(405, "unsupported method %r" % self.command[:20])
+            return
+        method()
+        self.wfile.flush()
+
+    def read_head(self):
+        """The request line and headers (through the empty line), or None after replying 431 or
+        408, or when the peer closed or was shed. One socket read at a time (peek), so the
+        time limit holds however slowly the bytes drip, and no body byte is consumed."""
+        budget = self.server.budget
+        authed = budget.authed(self.connection)
+        limit = self.daemon.args.max_header_bytes
+        buf = bytearray()
+        deadline = now() + (IDLE_TIMEOUT if authed else self.daemon.args.preauth_idle)
+        started = False
+        try:
+            while True:
+                left = deadline - now()
+                if left <= 0:
+                    raise socket.timeout()
+                self.connection.settimeout(left)
+                data = self.rfile.peek(1)
+                if not data:
+                    return None
+                if not started:
+                    started = True
+                    deadline = now() + self.daemon.args.header_timeout
+                start = max(0, len(buf) - 2)
+                cand = buf + data[:limit + 1 - len(buf)]
+                end = head_end(cand, start)
+                # Consume through the empty line only: what follows is the body or the next
+                # request, read from the same buffer.
+                buf += self.rfile.read((end if end >= 0 else len(cand)) - len(buf))
+                if end >= 0:
+                    return bytes(buf)
+                if len(buf) > limit:
+                    self.requestline, self.request_version, self.command = "", "", ""
+                    self.send_error(431, "request line and headers over %d bytes" % limit)
+                    return None
+        except socket.timeout:
+            if started:
+                self.requestline, self.request_version, self.command = "", "", ""
+                self.send_error(408, "request headers too slow")
+            return None
+        except OSError:
+            return None
 
     def log_message(self, fmt, *args):
         if self.daemon.args.verbose:
@@ -1416,8 +1785,11 @@ class Handler(BaseHTTPRequestHandler):
             handler = ROUTES.get(route)
             if handler is None:
                 raise HTTPError(404, "no such route: %s" % route[:200], {"close_body": True})
-            if route != "/health" and not self.authorized():
+            if route not in PUBLIC_ROUTES and not self.authorized():
                 raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
+            if route not in PUBLIC_ROUTES or self.authorized():
+                # Authenticated connections leave the pre-auth budget (longer idle, no shedding).
+                self.server.budget.mark_authed(self.connection)
             want_method = handler[0]
             if method != want_method:
                 raise HTTPError(405, "use %s for %s" % (want_method, route),
@@ -1446,6 +1818,11 @@ class Handler(BaseHTTPRequestHandler):
     def r_health(self, query):
         self.reply(200, {"ok": True, "version": VERSION})
 
+    def r_ready(self, query):
+        res = self.daemon.ready.get()
+        res["version"] = VERSION
+        self.reply(200 if res.get("ok") else 503, res)
+
     def r_exec(self, query):
         self.reply(200, self.daemon.exec_command(self.json_body()))
 
@@ -1456,7 +1833,9 @@ class Handler(BaseHTTPRequestHandler):
         self.reply(200, self.daemon.reset(self.json_body()))
 
     def r_state(self, query):
-        self.reply(200, self.daemon.state())
+        st = self.daemon.state()
+        st["connections"] = self.server.budget.counts()  # the pre-auth budget at work
+        self.reply(200, st)
 
     def r_conditions(self, query):
         self.reply(200, self.daemon.conditions(query))
@@ -1534,8 +1913,11 @@ class Handler(BaseHTTPRequestHandler):
             os.close(fd)
 
 
+PUBLIC_ROUTES = ("/health", EXECD_READY_PATH)  # no token: the kubelet calls them
+
 ROUTES = {
     "/health": ("GET", Handler.r_health),
+    EXECD_READY_PATH: ("GET", Handler.r_ready),
     "/exec": ("POST", Handler.r_exec),
     "/files/read": ("POST", Handler.r_files_read),
     "/files": ("GET", Handler.r_files_get),
@@ -1549,8 +1931,26 @@ ROUTES = {
 
 class Server(ThreadingHTTPServer):
     daemon_threads = True
+    block_on_close = False
     allow_reuse_address = True
     request_queue_size = 128
+    budget = None  # a ConnBudget, set in main()
+
+    def process_request(self, request, client_address):
+        # In the accept thread: cheap refusals only (no thread, no read).
+        if not self.budget.admit(request):
+            try:
+                request.setblocking(False)
+                request.send(_BUSY_503)
+            except OSError:
+                pass
+            self.shutdown_request(request)
+            return
+        ThreadingHTTPServer.process_request(self, request, client_address)
+
+    def shutdown_request(self, request):
+        self.budget.release(request)
+        ThreadingHTTPServer.shutdown_request(self, request)
 
     def handle_error(self, request, client_address):
         pass  # a client that vanished is not our error; never print a traceback
@@ -1580,6 +1980,16 @@ def main(argv=None):
     p.add_argument("--body-timeout", type=float, default=BODY_DEADLINE,
                    help="a request body must arrive within this many seconds")
     # Tests only: small status reads split frames at chosen points.
+    p.add_argument("--max-connections", type=int, default=MAX_CONNECTIONS,
+                   help="open connections (one thread each); over it a new one gets 503")
+    p.add_argument("--max-preauth", type=int, default=MAX_PREAUTH,
+                   help="connections not yet authenticated; over it the oldest is closed")
+    p.add_argument("--max-header-bytes", type=int, default=MAX_HEADER_BYTES,
+                   help="request line plus headers (431 above)")
+    p.add_argument("--header-timeout", type=float, default=HEADER_TIMEOUT,
+                   help="seconds from a request's first byte to the end of its headers")
+    p.add_argument("--preauth-idle", type=float, default=PREAUTH_IDLE,
+                   help="idle seconds allowed to a connection that has not authenticated")
     p.add_argument("--status-read-size", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     args = p.parse_args(argv)
@@ -1601,6 +2011,8 @@ def main(argv=None):
     daemon = Daemon(args)
     Handler.daemon = daemon
     Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    Server.budget = ConnBudget(args.max_connections, min(args.max_preauth,
+                                                         args.max_connections))
     srv = Server((host, port), Handler)
     stopping = threading.Event()
 

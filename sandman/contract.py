@@ -54,6 +54,9 @@ EXECD_PORT = 9470
 EXECD_DIR = "/sandman"
 EXECD_PATH = f"{EXECD_DIR}/execd.py"
 EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
+# execd's readiness route: forks a process and writes+fsyncs a file, 503 when the pod is wedged
+# (the kubelet's readiness probe and the controller's hand-out check use it; /health does not).
+EXECD_READY_PATH = "/ready"
 # netguard writes its status here, on a volume shared with the sandbox container.
 NETGUARD_STATUS_PATH = f"{EXECD_DIR}/run/netguard.json"
 

@@ -34,6 +34,7 @@ from sandman.contract import (
     EXECD_INSTALL_CONTAINER,
     EXECD_PATH,
     EXECD_PORT,
+    EXECD_READY_PATH,
     EXECD_TOKEN_ENV,
     LABEL_EGRESS,
     LABEL_SANDBOX,
@@ -51,7 +52,6 @@ GUARD_MODES = (GUARD_ALWAYS, GUARD_EGRESS_DENY)
 
 RUN_DIR = posixpath.dirname(NETGUARD_STATUS_PATH)  # writable for netguard, read-only in sandbox
 EXECD_COMMAND = ["python3", EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
-EXECD_HEALTH_PATH = "/health"
 GUARD_CAPS = ("NET_ADMIN", "NET_RAW")  # netguard's only capabilities; dropped in the sandbox
 # containerd and CRI-O grant NET_RAW to every container by default; with it an AF_PACKET socket
 # sends frames past every iptables rule (tests/netguard/test_net_raw.py shows it), so every
@@ -562,11 +562,14 @@ def _make_sandbox_container(c: dict, spec: dict) -> None:
 
     probe = c.get("readinessProbe") or {}
     http = probe.get("httpGet") or {}
-    if not (http.get("path") == EXECD_HEALTH_PATH and http.get("port") in (EXECD_PORT, "execd")):
+    if not (http.get("path") == EXECD_READY_PATH and http.get("port") in (EXECD_PORT, "execd")):
         # Readiness is on every acquire's path; one loopback request a second costs little.
+        # /ready (not /health) forks and writes a file, so a wedged pod (pids exhausted, disk
+        # full) goes NotReady; it answers within 2 s, hence the 3 s timeout.
         c["readinessProbe"] = {
-            "httpGet": {"path": EXECD_HEALTH_PATH, "port": EXECD_PORT},
+            "httpGet": {"path": EXECD_READY_PATH, "port": EXECD_PORT},
             "periodSeconds": 1,
+            "timeoutSeconds": 3,
             "failureThreshold": 3,
         }
 

@@ -25,7 +25,7 @@ IMAGE = "registry.invalid/swe/task:1"
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
     standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
-    # The controller's default readiness check: Ready AND execd /health from the pod IP.
+    # The controller's default readiness check: Ready AND execd /ready from the pod IP.
     ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
                          ["--lease-name", f"sdk-{namespace}"], ready_check="execd")
     try:

@@ -248,7 +248,7 @@ def test_w06_cancel_during_the_ready_wait(window):
 
 
 def test_w07_cancel_during_the_execd_health_probe(window):
-    """--ready-check execd: a stand-in execd on the pod's loopback address holds /health."""
+    """--ready-check execd: a stand-in execd on the pod's loopback address holds /ready."""
     w = window("--ready-check", "execd")
 
     def trial(i: int, mark: int) -> None:
@@ -256,7 +256,7 @@ def test_w07_cancel_during_the_execd_health_probe(window):
         name = created_pod(w.proxy, mark, pred=lambda r: r.status == 201)
         gate = GatedExecd(w.wait_ready(name))
         try:
-            assert gate.reached.wait(10), "the controller never probed execd /health"
+            assert gate.reached.wait(10), "the controller never probed execd /ready"
             c.hang_up()
             time.sleep(CANCEL_SETTLE_S)
             gate.release.set()

@@ -162,7 +162,7 @@ class Caller:
         return self.status, self.result
 
 
-# ---- a stand-in execd on a pod's loopback address, with a gate on /health ---------------------
+# ---- a stand-in execd on a pod's loopback address, with a gate on its readiness route ------
 class GatedExecd:
     def __init__(self, ip: str, port: int = contract.EXECD_PORT):
         self.reached = threading.Event()

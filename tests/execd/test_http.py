@@ -49,6 +49,7 @@ def test_constants_match_contract():
     assert execd_mod.EXECD_PATH == contract.EXECD_PATH
     assert execd_mod.EXECD_TOKEN_ENV == contract.EXECD_TOKEN_ENV
     assert execd_mod.NETGUARD_STATUS_PATH == contract.NETGUARD_STATUS_PATH
+    assert execd_mod.EXECD_READY_PATH == contract.EXECD_READY_PATH
 
 
 def test_idle_timeout_at_least_120s_and_nodelay_set():

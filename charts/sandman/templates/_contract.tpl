@@ -11,6 +11,7 @@
 {{- define "sandman.contract.EXECD_INSTALL_CONTAINER" -}}sandman-execd-install{{- end -}}
 {{- define "sandman.contract.EXECD_PATH" -}}/sandman/execd.py{{- end -}}
 {{- define "sandman.contract.EXECD_PORT" -}}9470{{- end -}}
+{{- define "sandman.contract.EXECD_READY_PATH" -}}/ready{{- end -}}
 {{- define "sandman.contract.EXECD_TOKEN_ENV" -}}SANDMAN_TOKEN_SHA256{{- end -}}
 {{- define "sandman.contract.LABEL_EGRESS" -}}sandman.dev/egress{{- end -}}
 {{- define "sandman.contract.LABEL_JOB" -}}sandman.dev/job{{- end -}}
