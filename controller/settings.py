@@ -96,7 +96,9 @@ class Settings:
     default_idle_timeout: float = 300.0  # the paper's measured sweet spot for warm pods
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
     execd_port: int = contract.EXECD_PORT
-    health_timeout: float = 2.0
+    # Above execd /ready's own 2 s budget (it answers 503 itself when a check overruns), like
+    # the kubelet probe's 3 s timeout: a slow but honest answer is not a lost one.
+    health_timeout: float = 3.0
     # An owner waits this long for Ready (+ execd /ready) after its create, whatever the
     # caller's timeout_s: a pod that turns Ready just after its caller gave up is parked for the
     # next acquire of its key instead of deleted (the paper's late grading pods).
