@@ -98,6 +98,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a label-key prefix (e.g. example.com) callers may use on their "
                         "sandboxes besides unprefixed keys (repeatable); Kubernetes' and "
                         "sandman's own prefixes are always refused")
+    s.add_argument("--conditions-attempts", type=int, default=Settings.conditions_attempts,
+                   help="pods tried per acquire with declared conditions before it fails "
+                        "ConditionsRefused (within its timeout_s)")
+    s.add_argument("--conditions-egress-probe", default=None, metavar="HOST:PORT",
+                   help="an address a pod with outbound network reaches: an acquire declaring "
+                        "egress has the pod try it (default: netguard's status only)")
     s.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -117,6 +123,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
                       else {}),
         tenants=args.auth == "kubernetes",
+        conditions_attempts=args.conditions_attempts,
+        conditions_egress_probe=args.conditions_egress_probe,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

@@ -154,6 +154,8 @@ class Entry:
     lifetime: float | None = None  # seconds from hand-out (or renew) to expiry
     expires_at: float | None = None  # wall clock (epoch s), set at hand-out; None: never
     renewed: bool = False
+    conditions: dict | None = None  # declared run conditions (controller/conditions.py)
+    conditions_check: dict | None = None  # {"verified", "unverified"} once checked
 
     @property
     def stage(self) -> State:
