@@ -153,12 +153,23 @@ class Checker:
         await self._http.aclose()
 
     async def read(self, ip: str, token: str, declared: dict[str, Any]) -> dict:
-        """The pod's answer; raises on any failure (the caller refuses the pod: fail closed)."""
+        """The pod's answer; raises on any failure (the caller refuses the pod: fail closed).
+        A declared hash seed is applied first (execd /env: the shell and every later shell),
+        then read back like the rest: no image sets PYTHONHASHSEED, so refusing pods for it
+        would refuse them all."""
         host = f"[{ip}]" if ":" in ip else ip
+        auth = {"Authorization": f"Bearer {token}"}
+        seed = declared.get("hash_seed")
+        if seed is not None:
+            body = ({"unset": ["PYTHONHASHSEED"]} if seed == "random"
+                    else {"set": {"PYTHONHASHSEED": str(seed)}})
+            r = await self._http.post(f"http://{host}:{self.port}/env", json=body, headers=auth)
+            if r.status_code != 200:
+                raise RuntimeError(f"execd /env answered {r.status_code}")
         params = ({"egress_probe": self.egress_probe}
                   if self.egress_probe and "egress" in declared else None)
         r = await self._http.get(f"http://{host}:{self.port}/conditions", params=params,
-                                 headers={"Authorization": f"Bearer {token}"})
+                                 headers=auth)
         if r.status_code != 200:
             raise RuntimeError(f"execd /conditions answered {r.status_code}")
         data = r.json()

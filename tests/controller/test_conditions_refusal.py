@@ -112,7 +112,8 @@ def events_of(cluster, namespace, pod: str) -> list[str]:
     return [f"{e.reason}: {e.message}" for e in evs if e.involved_object.name == pod]
 
 
-DECLARED = {"cpu_quota": 2, "memory_limit": "1Gi", "tz": "UTC", "time_limit_s": 30}
+DECLARED = {"cpu_quota": 2, "memory_limit": "1Gi", "tz": "UTC", "hash_seed": "7",
+            "time_limit_s": 30}
 
 
 def test_contradicted_pod_is_refused_and_replaced(cluster, namespace, stack):
@@ -124,8 +125,13 @@ def test_contradicted_pod_is_refused_and_replaced(cluster, namespace, stack):
             refused, handed = roots.order
             assert sb.pod == handed and sb.pod in standin.alive()
             check = sb.conditions_check
-            assert check.verified == {"cpu_quota": 2.0, "memory_limit": GI, "tz": "UTC"}
+            assert check.verified == {"cpu_quota": 2.0, "memory_limit": GI, "tz": "UTC",
+                                      "hash_seed": "7"}
             assert check.unverified == ["time_limit_s"]
+            # The declared seed was applied to the shell, and survives its restart.
+            assert sb.exec("echo $PYTHONHASHSEED").output.strip() == "7"
+            sb.reset()
+            assert sb.exec("echo $PYTHONHASHSEED").output.strip() == "7"
             # What the sandbox reads itself agrees with what the controller verified.
             c = sb.conditions()
             assert c.cpus == 2.0 and c.memory_limit_bytes == GI
