@@ -12,7 +12,7 @@ from tests.e2e.test_sdk import run_trainer
 
 MI = 1 << 20
 # Two sizes, so a reader that hard-codes either cannot pass both.
-SIZES = (("700m", 0.7, "320Mi", 320 * MI), ("300m", 0.3, "448Mi", 448 * MI))
+SIZES = (("400m", 0.4, "320Mi", 320 * MI), ("150m", 0.15, "448Mi", 448 * MI))
 
 
 def test_real_pods_limits_are_read_by_conditions(sandman, ns):
