@@ -118,3 +118,36 @@ def test_sdk_refuses_unknown_fields_and_keeps_known_ones():
     assert c.declared() == {"cpu_quota": 1.5, "memory_limit": "0.5Gi", "hash_seed": "0"}
     body = api.AcquireRequest(image="i", job="j", conditions=c).to_json()
     assert body["conditions"]["cpu_quota"] == 1.5 and body["conditions"]["user"] is None
+
+
+# ---- the probe against a real execd --------------------------------------------------------
+
+def test_checker_reads_a_real_execd_and_fails_closed_on_a_wrong_token(tmp_path):
+    import asyncio
+    import os
+
+    from tests.execd.conftest import TOKEN, start_execd
+
+    d = start_execd(tmp_path, env={"TZ": ":Europe/Paris"})
+    n = len(os.sched_getaffinity(0))
+    try:
+        async def main():
+            ck = C.Checker(d.port, 2.0)
+            try:
+                good = await ck.check("127.0.0.1", TOKEN, {"visible_cpus": n, "tz": "Europe/Paris",
+                                                           "hash_seed": "42"})
+                bad = await ck.check("127.0.0.1", "not-the-token", {"tz": "Europe/Paris"})
+                more = await ck.check("127.0.0.1", TOKEN, {"visible_cpus": n + 1})
+            finally:
+                await ck.close()
+            return good, bad, more
+
+        good, bad, more = asyncio.run(main())
+        assert good.ok and good.verified == {"visible_cpus": n, "tz": "Europe/Paris",
+                                             "hash_seed": "42"}
+        # The seed was applied to the shell (and its successors), not only reported.
+        assert d.exec("echo $PYTHONHASHSEED")["output"].strip() == "42"
+        assert bad.contradicted[0][0] == "probe" and "401" in bad.message()
+        assert more.contradicted == [("visible_cpus", n + 1, n)]
+    finally:
+        d.stop()
