@@ -162,10 +162,11 @@ def _positive_quantity(v: str) -> bool:
 
 
 def _number(v: Any) -> bool:
-    return not isinstance(v, bool) and isinstance(v, int | float) and v == v
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == v
 
 
-@dataclass(frozen=True, kw_only=True)
+# Every field has a default, so no kw_only (which Python 3.9 clients lack): pass by keyword.
+@dataclass(frozen=True)
 class Conditions(_Model):
     """Run conditions an acquire declares (docs/controller.md, "Declared conditions"). The
     controller reads them inside the pod before hand-out and refuses a pod that contradicts
