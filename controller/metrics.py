@@ -72,6 +72,10 @@ def created(result: str) -> None:
     CREATES.labels(bounded(result, CREATE_RESULTS)).inc()
 
 
+def conditions_refused(field: str) -> None:
+    CONDITIONS_REFUSED.labels(bounded(field, CONDITION_LABELS)).inc()
+
+
 def deleted(result: str) -> None:
     DELETES.labels(bounded(result, DELETE_RESULTS)).inc()
 
@@ -82,10 +86,6 @@ def expired(renewed: bool) -> None:
 
 def renewed(result: str) -> None:
     RENEWS.labels(bounded(result, RENEW_RESULTS)).inc()
-
-
-def conditions_refused(field: str) -> None:
-    CONDITIONS_REFUSED.labels(bounded(field, CONDITION_LABELS)).inc()
 
 
 def illegal_transition(frm: str, to: str) -> None:
