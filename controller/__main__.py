@@ -56,6 +56,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--ready-budget", type=float, default=120.0,
                    help="seconds an owner waits for Ready (+ execd /ready) after its create, "
                         "whatever the caller's timeout_s (late pods are then parked, not lost)")
+    s.add_argument("--conditions-attempts", type=int, default=Settings.conditions_attempts,
+                   help="pods tried per acquire with declared conditions before it fails "
+                        "ConditionsRefused (within its timeout_s)")
+    s.add_argument("--conditions-egress-probe", default=None, metavar="HOST:PORT",
+                   help="an address a pod with outbound network reaches: an acquire declaring "
+                        "egress has the pod try it (default: netguard's status only)")
     s.add_argument("--api-timeout", type=float, default=15.0,
                    help="seconds per API server call before it counts as failed and is retried")
     s.add_argument("--default-lifetime", type=float, default=Settings.default_lifetime,
@@ -113,6 +119,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
         default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,
         api_timeout=args.api_timeout, default_lifetime=args.default_lifetime,
+        conditions_attempts=args.conditions_attempts,
+        conditions_egress_probe=args.conditions_egress_probe,
         min_lifetime=args.min_lifetime, max_lifetime=args.max_lifetime,
         pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
                       else {}),

@@ -107,7 +107,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             spec, A.scoped_job(tenant, body.job),
             owner=body.owner.to_json() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
-            request_id=rid, lifetime_s=body.lifetime_s))
+            request_id=rid, lifetime_s=body.lifetime_s,
+            conditions=body.conditions.declared() if body.conditions else None))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.
@@ -280,7 +281,9 @@ async def _disconnect(request: Request) -> None:
 def _lease(result: dict) -> api.Lease:
     """The controller's acquire result as the contract's answer (a key it does not know fails
     here, loudly, not in a client)."""
-    return api.Lease(**{**result, "timings": api.Timings(**result["timings"])})
+    check = result.get("conditions")
+    return api.Lease(**{**result, "timings": api.Timings(**result["timings"]),
+                        "conditions": api.ConditionsCheck(**check) if check else None})
 
 
 def _view(c: Controller, e, split) -> api.SandboxView:

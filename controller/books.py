@@ -149,6 +149,8 @@ class Entry:
     timings: dict = field(default_factory=dict)
     created_wall: float = field(default_factory=time.time)
     warm_since: float | None = None
+    conditions: dict | None = None  # declared run conditions (controller/conditions.py)
+    conditions_check: dict | None = None  # {"verified", "unverified"} once checked
     error: str | None = None
     owner_ref: dict | None = None  # the job's ConfigMap, when no caller pod owns it
     lifetime: float | None = None  # seconds from hand-out (or renew) to expiry

@@ -35,6 +35,7 @@ from controller.errors import (  # noqa: F401 - re-exported for controller/api.p
     AcquireTimeout,
     BadOwner,
     BadRequest,
+    ConditionsRefused,
     FirstAttemptLeft,
     NotLeader,
     PodFailed,
@@ -47,7 +48,7 @@ from controller.pods import SandboxSpec  # noqa: F401 - re-exported for controll
 from controller.settings import Settings  # noqa: F401 - re-exported for controller/__main__.py
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
-from sandman import contract
+from sandman import api, contract
 
 log = logging.getLogger("controller")
 
@@ -159,13 +160,15 @@ class Controller:
     async def acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None = None,
                       labels: dict | None = None, timeout_s: float = 300.0,
                       warm_ok: bool = True, wait: bool = True,
-                      request_id: str | None = None, lifetime_s: float | None = None) -> dict:
-        """`request_id` makes a retried acquire (its answer was lost) return the same sandbox
+                      request_id: str | None = None, lifetime_s: float | None = None,
+                      conditions: dict | None = None) -> dict:
+        """`conditions`: declared run conditions (controller/conditions.py), checked in the
+        pod before hand-out. `request_id` makes a retried acquire (its answer was lost) return the same sandbox
         instead of a second one, while the first is in flight or still leased."""
         if request_id is None:
             return await self._acquire(spec, job, owner=owner, labels=labels,
                                        timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                       lifetime_s=lifetime_s)
+                                       lifetime_s=lifetime_s, conditions=conditions)
         key = (job, request_id)
         for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
             prior = self._requests.get(key)
@@ -191,7 +194,7 @@ class Controller:
         try:
             result = await self._acquire(spec, job, owner=owner, labels=labels,
                                          timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                         lifetime_s=lifetime_s)
+                                         lifetime_s=lifetime_s, conditions=conditions)
         except BaseException as ex:
             self._requests.pop(key, None)
             if not fut.done():
@@ -205,23 +208,70 @@ class Controller:
 
     async def _acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None,
                        labels: dict | None, timeout_s: float, warm_ok: bool,
-                       wait: bool, lifetime_s: float | None = None) -> dict:
+                       wait: bool, lifetime_s: float | None = None,
+                       conditions: dict | None = None) -> dict:
         labels = dict(labels or {})
         self.validate(spec, job, labels, owner)
+        self.validate_conditions(conditions)
         lifetime = self.lifetime(lifetime_s)
         if not self.ready:
             raise NotLeader("this controller replica is not the leader; retry")
         if owner is not None:
             await self.check_owner(owner)
         t0 = time.monotonic()
+        # Pods refused for contradicting the declared conditions (each deleted), bounded by
+        # --conditions-attempts and the acquire's own timeout.
+        refused: list[str] = []
+        attempts = self.s.conditions_attempts if conditions else 1
         if warm_ok:
-            got = await self.warm.take(spec, job, owner, labels, lifetime)
+            got = await self.warm.take(spec, job, owner, labels, lifetime, conditions,
+                                       refused, attempts)
             if got is not None:
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
+        while True:
+            left = timeout_s - (time.monotonic() - t0)
+            if len(refused) >= attempts or (refused and left <= 0):
+                metrics.acquired("failed", False)
+                raise ConditionsRefused(
+                    f"{len(refused)} pod(s) refused for contradicting the declared conditions "
+                    f"(each deleted); last: {refused[-1]}")
+            try:
+                return await self._fresh(spec, job, owner, labels, lifetime, left, wait,
+                                         conditions, t0)
+            except ConditionsRefused as ex:
+                refused.append(str(ex))
+            except AcquireTimeout as ex:
+                if refused:
+                    raise AcquireTimeout(f"{ex}; {len(refused)} earlier pod(s) refused for "
+                                         f"contradicting the declared conditions; last: "
+                                         f"{refused[-1]}", ex.events) from None
+                raise
+
+    def validate_conditions(self, conditions: dict | None) -> None:
+        if not conditions:
+            return
+        unknown = set(conditions) - set(api.CONDITION_FIELDS)
+        if unknown:
+            raise BadRequest(f"conditions: unknown field(s) {', '.join(sorted(unknown))}")
+        mem = conditions.get("memory_limit")
+        if mem is not None:
+            from sandman.sandbox import parse_quantity
+
+            try:
+                if parse_quantity(mem) <= 0:
+                    raise ValueError
+            except Exception:  # noqa: BLE001 - any parse failure is the caller's bad input
+                raise BadRequest(f"conditions.memory_limit {mem!r} is not a positive "
+                                 "quantity") from None
+
+    async def _fresh(self, spec: SandboxSpec, job: str, owner: dict | None, labels: dict,
+                     lifetime: float, timeout_s: float, wait: bool,
+                     conditions: dict | None, t0: float) -> dict:
+        """One new pod for this acquire, handed out once Ready (and its conditions hold)."""
         token, token_sha = token_pair()
         e = Entry(new_name(job), spec, job, secrets.token_hex(8), token, owner=owner,
-                  labels=labels, lifetime=lifetime)
+                  labels=labels, lifetime=lifetime, conditions=conditions or None)
         if not wait:
             try:
                 e.slot = await self.pacer.acquire(job, wait=False)
@@ -248,6 +298,8 @@ class Controller:
                                  await self.pipeline.events(e))
         try:
             result = e.handed.result()
+        except ConditionsRefused:
+            raise  # the caller tries another pod, or counts the failure
         except AcquireError:
             metrics.acquired("failed", False)
             raise

@@ -41,6 +41,12 @@ class PodFailed(AcquireError):
     status, kind = api.POD_FAILED
 
 
+class ConditionsRefused(PodFailed):
+    """Every pod tried contradicted a declared run condition (each was deleted)."""
+
+    status, kind = api.CONDITIONS_REFUSED
+
+
 class NotLeader(AcquireError):
     status, kind = api.NOT_LEADER
 

@@ -49,6 +49,12 @@ PARKED = Counter("sandman_controller_parked_total",
 QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a create slot")
 LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any state)")
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
+# Declared run conditions (controller/conditions.py): field is api.CONDITION_FIELDS or "probe".
+CONDITION_LABELS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
+                    "hash_seed", "time_limit_s", "probe")
+CONDITIONS_REFUSED = Counter("sandman_conditions_refused_total",
+                             "Pods refused at hand-out: a reading contradicted a declared "
+                             "condition (probe: the pod did not answer the probe)", ["field"])
 LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease")
 
 
@@ -64,6 +70,10 @@ def acquired(result: str, warm: bool, seconds: float | None = None) -> None:
 
 def created(result: str) -> None:
     CREATES.labels(bounded(result, CREATE_RESULTS)).inc()
+
+
+def conditions_refused(field: str) -> None:
+    CONDITIONS_REFUSED.labels(bounded(field, CONDITION_LABELS)).inc()
 
 
 def deleted(result: str) -> None:

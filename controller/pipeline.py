@@ -23,8 +23,9 @@ from kubernetes import client
 from controller import metrics
 from controller import pods as P
 from controller.books import DRAINED, ENDING, ORPHANED, POOL_JOB, Books, Entry, State
+from controller.conditions import Checker, Verdict
 from controller.create import Creator
-from controller.errors import AcquireError, AcquireTimeout, PodFailed
+from controller.errors import AcquireError, AcquireTimeout, ConditionsRefused, PodFailed
 from controller.kube import Kube
 from controller.pacer import Pacer
 from controller.pods import SandboxSpec
@@ -68,9 +69,12 @@ class Pipeline:
         self.spawn = spawn
         self.has_room = has_room  # the warm pool: may a built pod of this key stay warm?
         self._http = httpx.AsyncClient(timeout=settings.health_timeout)
+        self.checker = Checker(settings.execd_port, settings.health_timeout,
+                               settings.conditions_egress_probe)
 
     async def close(self) -> None:
         await self._http.aclose()
+        await self.checker.close()
 
     # ---- the owner task -----------------------------------------------------------------------
     async def own(self, e: Entry, token_sha: str, budget: float) -> None:
@@ -126,12 +130,43 @@ class Pipeline:
                     self.books.move(e, S.WARM, "warm build Ready")
                 else:
                     self.delete(e, "warm surplus")
-            else:
+            elif await self.conditions_hold(e):
                 await self._hand_out(e)
         except Exception as ex:  # noqa: BLE001 - the owner must clean up whatever happened
             log.exception("owner task for %s failed", e.name)
             self.fail_closed(e, f"owner error: {ex}")
             fail(e, AcquireError(f"internal error: {ex}"))
+
+    # ---- declared run conditions (controller/conditions.py) -------------------------------
+    async def conditions_hold(self, e: Entry) -> bool:
+        """A fresh pod with declared conditions: True to hand it out; False when it was
+        refused (deleted, its caller answered ConditionsRefused; the acquire tries another)."""
+        if not e.conditions:
+            return True
+        v = await self.check_conditions(e, e.conditions)
+        if v.ok:
+            e.conditions_check = v.answer()
+            return True
+        self.refuse(e, v)
+        fail(e, ConditionsRefused(f"pod {e.name} refused: {v.message()}"))
+        return False
+
+    async def check_conditions(self, e: Entry, declared: dict) -> Verdict:
+        """Read the pod's conditions with the sandbox token this controller holds."""
+        if not e.ip or not e.token:
+            return Verdict(contradicted=[("probe", "an answer", "no pod IP or token")])
+        return await self.checker.check(e.ip, e.token, declared)
+
+    def refuse(self, e: Entry, v: Verdict) -> None:
+        """The pod contradicts a declared condition: counted, an event, deleted."""
+        for name, _, _ in v.contradicted:
+            metrics.conditions_refused(name)
+        msg = f"declared run conditions contradicted: {v.message()}"
+        log.info("refusing %s: %s", e.name, msg)
+        pod = self.books.pods.get(e.name) or {"metadata": {"name": e.name, "uid": e.uid}}
+        self.spawn(self.kube.pod_event(pod, "ConditionsRefused", msg[:1000]),
+                   f"event-{e.name}")
+        self.delete(e, "conditions contradicted")
 
     def fail_closed(self, e: Entry, why: str) -> None:
         """Whatever went wrong, the pod goes: withdrawn if never sent, else deleted."""
@@ -193,7 +228,7 @@ class Pipeline:
                 "timings": {k: e.timings.get(k, 0.0) for k in ("queued_ms", "create_ms",
                                                                 "ready_ms")},
                 "expires_at": P.iso_utc(e.expires_at) if e.expires_at else None,
-                "lifetime_s": e.lifetime}
+                "lifetime_s": e.lifetime, "conditions": e.conditions_check}
 
     async def events(self, e: Entry) -> list[str]:
         return await self.kube.pod_events(e.name) if e.uid else []

@@ -110,6 +110,10 @@ class Settings:
     min_lifetime: float = 30.0  # a shorter one would make the SDK renew every few seconds
     max_lifetime: float = 86400.0
     pod_template: dict = field(default_factory=dict)  # checked: check_pod_template
+    # Declared conditions: pods tried per acquire before ConditionsRefused (within timeout_s),
+    # and a host:port that a pod with outbound network reaches (execd's egress probe).
+    conditions_attempts: int = 3
+    conditions_egress_probe: str | None = None
     tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
 
     def __post_init__(self) -> None:
@@ -118,6 +122,8 @@ class Settings:
         if self.node_pool_label and "=" not in self.node_pool_label:
             raise ValueError("node_pool_label must be key=value")
         self.pod_template = check_pod_template(self.pod_template)
+        if self.conditions_attempts < 1:
+            raise ValueError("conditions_attempts must be >= 1")
         if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:
             raise ValueError("lifetimes must satisfy 0 < min <= default <= max "
                              f"(got {self.min_lifetime:g}, {self.default_lifetime:g}, "

@@ -97,18 +97,23 @@ class WarmPool:
 
     # ---- hand-out ---------------------------------------------------------------------------
     async def take(self, spec: SandboxSpec, job: str, owner: dict | None,
-                   labels: dict, lifetime: float | None = None) -> dict | None:
-        """A warm pod of exactly this key, handed out to `job`; None when there is none."""
+                   labels: dict, lifetime: float | None = None, conditions: dict | None = None,
+                   refused: list[str] | None = None, max_refused: int = 1) -> dict | None:
+        """A warm pod of exactly this key, handed out to `job`; None when there is none.
+        With declared `conditions`, a pod contradicting them is refused (its message appended
+        to `refused`) and the next one tried, until `max_refused` refusals in all."""
         pool = self.pools.get(spec)
         if pool is None:
             return None
         pool.last_used = time.monotonic()
-        while pool.warm:
+        refused = refused if refused is not None else []
+        while pool.warm and len(refused) < max_refused:
             e = pool.warm[0]  # oldest first; surplus is trimmed newest first
             self.books.move(e, S.CHECKING, "taken for an acquire")
             try:
                 got = await self._hand_out(e, job, owner, labels,
-                                           lifetime or self.s.default_lifetime)
+                                           lifetime or self.s.default_lifetime,
+                                           conditions, refused)
             except BaseException:
                 # The caller was cancelled mid-check, or an API call failed: the pod may already
                 # carry the caller's labels, so it goes (fail closed, never back to the pool).
@@ -122,8 +127,9 @@ class WarmPool:
                 return got
         return None
 
-    async def _hand_out(self, e: Entry, job: str, owner: dict | None,
-                        labels: dict, lifetime: float) -> dict | None:
+    async def _hand_out(self, e: Entry, job: str, owner: dict | None, labels: dict,
+                        lifetime: float, conditions: dict | None = None,
+                        refused: list[str] | None = None) -> dict | None:
         t0 = time.monotonic()
         if self.s.ready_check == "pod":
             ok = P.is_ready(self.books.pods.get(e.name))
@@ -134,6 +140,17 @@ class WarmPool:
         if not ok:
             self.pipeline.delete(e, "warm pod failed its health check")
             return None
+        check = None
+        if conditions:
+            v = await self.pipeline.check_conditions(e, conditions)
+            if e.stage is not S.CHECKING:
+                return None
+            if not v.ok:
+                self.pipeline.refuse(e, v)
+                if refused is not None:
+                    refused.append(f"pod {e.name} refused: {v.message()}")
+                return None
+            check = v.answer()
         ref = ({"apiVersion": "v1", "kind": "Pod", "name": owner["name"], "uid": owner["uid"]}
                if owner else await self.creator.owner_ref(job))
         # A warm pod never expires: its lifetime starts here, at hand-out.
@@ -155,6 +172,7 @@ class WarmPool:
         e.slot = self.pacer.adopt(job)
         e.job, e.owner, e.labels = job, owner, labels
         e.lifetime, e.expires_at = lifetime, expires
+        e.conditions, e.conditions_check = conditions, check
         self.books.move(e, S.LEASED, "warm hand-out")
         e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "ready_ms": ms(time.monotonic() - t0)}
         return self.pipeline.result(e, warm=True)

@@ -14,6 +14,7 @@ the same `__post_init__` raises ValueError before anything is sent.
 
 from __future__ import annotations
 
+import re
 import sys
 from dataclasses import asdict, dataclass, field
 from typing import Any, ClassVar, NamedTuple
@@ -90,8 +91,11 @@ NOT_READY = ErrorType(503, "NotReady")  # /readyz only: this replica cannot serv
 # The API server did not answer the TokenReview/SubjectAccessReview: refused (fail closed).
 AUTH_UNAVAILABLE = ErrorType(503, "AuthUnavailable")
 ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
+# Every pod tried contradicted a declared condition (each was deleted): the cluster cannot
+# give what was declared, the message names the field, the declared and the read value.
+CONDITIONS_REFUSED = ErrorType(502, "ConditionsRefused")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
-          INTERNAL_ERROR, POD_FAILED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
+          INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
           FORBIDDEN, AUTH_UNAVAILABLE)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
@@ -152,6 +156,70 @@ class Spec(_Model):
         _check_size(self.cpu, self.memory, self.egress)
 
 
+_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
+# The declarable run conditions; a refusal's metric label is one of these (or "probe").
+CONDITION_FIELDS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
+                    "hash_seed", "time_limit_s")
+
+
+def _positive_quantity(v: str) -> bool:
+    m = _QUANTITY.fullmatch(v)
+    return m is not None and float(v[:m.start(2)] if m.group(2) else v) > 0
+
+
+def _number(v: Any) -> bool:
+    return not isinstance(v, bool) and isinstance(v, (int, float)) and v == v
+
+
+# Every field has a default, so no kw_only (which Python 3.9 clients lack): pass by keyword.
+@dataclass(frozen=True)
+class Conditions(_Model):
+    """Run conditions an acquire declares (docs/controller.md, "Declared conditions"). The
+    controller reads them inside the pod before hand-out and refuses a pod that contradicts
+    any it can read; `time_limit_s` is never read (it is the grader's), always unverified."""
+
+    egress: str | None = None  # "deny" | "allow": outbound network
+    cpu_quota: float | None = None  # cores of CFS quota (cgroup cpu.max / cfs_quota_us)
+    visible_cpus: int | None = None  # CPUs the tests may run on (affinity within cpuset)
+    memory_limit: str | None = None  # a quantity, e.g. "8Gi": the cgroup memory limit
+    user: str | None = None  # a user name, or a uid as digits
+    tz: str | None = None  # e.g. "UTC", "Europe/Paris"
+    hash_seed: str | None = None  # PYTHONHASHSEED; "random" for unset
+    time_limit_s: float | None = None
+
+    def __post_init__(self) -> None:
+        _check(self.egress is None or self.egress in EGRESS_VALUES,
+               f"conditions.egress: must be one of {', '.join(EGRESS_VALUES)}, "
+               f"not {self.egress!r}")
+        _check(self.cpu_quota is None or (_number(self.cpu_quota) and 0 < self.cpu_quota
+                                          <= 4096),
+               "conditions.cpu_quota: must be a number of cores > 0, such as 2 or 1.5")
+        _check(self.visible_cpus is None or (not isinstance(self.visible_cpus, bool)
+                                             and isinstance(self.visible_cpus, int)
+                                             and 0 < self.visible_cpus <= 65536),
+               "conditions.visible_cpus: must be an integer > 0")
+        _check(self.memory_limit is None or (isinstance(self.memory_limit, str)
+                                             and _positive_quantity(self.memory_limit)),
+               "conditions.memory_limit: must be a quantity such as 8Gi or 512Mi")
+        _check(self.user is None or (isinstance(self.user, str) and 0 < len(self.user) <= 64
+                                     and ":" not in self.user and self.user.strip() == self.user),
+               "conditions.user: must be a user name or a numeric uid")
+        _check(self.tz is None or (isinstance(self.tz, str) and 0 < len(self.tz) <= 64
+                                   and self.tz.strip() == self.tz),
+               "conditions.tz: must be a zone name such as UTC or Europe/Paris")
+        _check(self.hash_seed is None or (isinstance(self.hash_seed, str) and (
+            self.hash_seed == "random" or (self.hash_seed.isdigit() and self.hash_seed.isascii()
+                                           and int(self.hash_seed) <= 4294967295))),
+               "conditions.hash_seed: must be random or an integer 0 to 4294967295")
+        _check(self.time_limit_s is None or (_number(self.time_limit_s)
+                                             and self.time_limit_s > 0),
+               "conditions.time_limit_s: must be a number of seconds > 0")
+
+    def declared(self) -> dict[str, Any]:
+        """The declared fields only."""
+        return {k: v for k, v in asdict(self).items() if v is not None}
+
+
 @dataclass(frozen=True, **_KW_ONLY)
 class AcquireRequest(_Model):
     """`POST /v1/sandboxes`. `request_id` is the idempotency key: a retry with the same key
@@ -174,9 +242,13 @@ class AcquireRequest(_Model):
     lifetime_s: float | None = None
     # The tenant namespace; None: the caller's ServiceAccount namespace (docs/controller.md).
     namespace: str | None = None
+    # Declared run conditions: a pod that contradicts one is refused and replaced.
+    conditions: Conditions | None = None
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
+        _check(self.conditions is None or isinstance(self.conditions, Conditions),
+               "conditions: must be an object of declared run conditions")
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
         _check_size(self.cpu, self.memory, self.egress)
         _check_lifetime(self.lifetime_s)
@@ -231,6 +303,16 @@ class Timings(_Model):
 
 
 @dataclass(frozen=True)
+class ConditionsCheck(_Model):
+    """What the pod read for the declared conditions: `verified` maps each declared field
+    that was read and matched to its reading; `unverified` names the declared fields that
+    could not be read (never a refusal)."""
+
+    verified: dict[str, Any] = field(default_factory=dict)
+    unverified: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
 class Lease(_Model):
     """201 to an acquire. The only answer that carries the sandbox's execd token."""
 
@@ -243,6 +325,7 @@ class Lease(_Model):
     timings: Timings = field(default_factory=Timings)
     expires_at: str | None = None  # RFC 3339 UTC; deleted after it unless renewed
     lifetime_s: float | None = None  # what a renew without lifetime_s extends by
+    conditions: ConditionsCheck | None = None  # None: the acquire declared none
 
 
 @dataclass(frozen=True)

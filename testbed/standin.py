@@ -27,6 +27,12 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
 - readiness: kwok marks the pod Ready on its own; the kubelet's probe of execd /health does
   not exist, and an execd that dies is not restarted.
 
+Because no cgroup limits apply, `/conditions` would read the host's. A test that needs pods
+with given limits passes `conditions_root(pod_name) -> dir | None`: that pod's execd reads its
+cgroup files, mountinfo, passwd and zone under `dir` (execd's `--conditions-root`, a cgroup
+tree the test built), so a contradiction with a declaration is staged for real; visible CPUs
+still come from the real affinity of the pod's shell.
+
 In-process (a watch thread): `Standin(core, namespace, workdir).start()`, `.alive()`, `.stop()`.
 As a process (`start_standin`, used by testbed/stack.py):
 
@@ -44,6 +50,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sandman import contract
@@ -55,8 +62,10 @@ class Standin:
     """A real execd for every pod of `namespace` with an IP, while the pod exists."""
 
     def __init__(self, core, namespace: str, workdir: Path, max_procs: int = 200,
-                 root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None):
+                 root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None,
+                 conditions_root: Callable[[str], str | None] | None = None):
         self.core, self.namespace, self.workdir = core, namespace, Path(workdir)
+        self.conditions_root = conditions_root
         self.max_procs, self.root, self.max_s, self.say = max_procs, root, max_s, say
         self.procs: dict[str, Proc] = {}
         self._lock = threading.Lock()
@@ -119,9 +128,11 @@ class Standin:
             return
         home = self.workdir / name
         home.mkdir(parents=True, exist_ok=True)
+        croot = self.conditions_root(name) if self.conditions_root else None
         proc = Proc(f"execd-{name}", execd_cmd(
             ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
-            "--root", self.root), self.workdir / f"{name}.log", cwd=home).start()
+            "--root", self.root, *(["--conditions-root", croot] if croot else [])),
+            self.workdir / f"{name}.log", cwd=home).start()
         with self._lock:
             self.procs[name] = proc
 

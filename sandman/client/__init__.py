@@ -22,6 +22,7 @@ from sandman.client.errors import (
     BadOwner,
     BadRequest,
     CommandTimeout,
+    ConditionsRefused,
     ControllerError,
     ControllerUnreachable,
     ExecdError,
@@ -43,6 +44,7 @@ from sandman.client.errors import (
 from sandman.client.models import (
     AcquireTimings,
     Conditions,
+    ConditionsCheck,
     ExecResult,
     FileContent,
     Health,
@@ -59,7 +61,7 @@ from sandman.client.models import (
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
     "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
-    "CommandTimeout", "Conditions", "ControllerError", "ControllerUnreachable", "ExecResult",
+    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ControllerError", "ControllerUnreachable", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import httpx
 
+from sandman import api
 from sandman._version import __version__
 from sandman.client.errors import (
     BadRequest,
@@ -267,6 +268,21 @@ def owner_of(owner: Owner | Mapping[str, str] | None) -> Owner | None:
     if owner is None or isinstance(owner, Owner):
         return owner
     return Owner(name=str(owner["name"]), uid=str(owner["uid"]))
+
+
+def conditions_of(c: api.Conditions | Mapping[str, Any] | None) -> api.Conditions | None:
+    if c is None or isinstance(c, api.Conditions):
+        return c
+    if not isinstance(c, Mapping):
+        raise BadRequest("conditions: must be sandman.api.Conditions or a mapping")
+    unknown = sorted(set(c) - set(api.CONDITION_FIELDS))
+    if unknown:
+        raise BadRequest(f"conditions: unknown field(s) {', '.join(unknown)} (known: "
+                         f"{', '.join(api.CONDITION_FIELDS)})")
+    try:
+        return api.Conditions(**dict(c))
+    except ValueError as e:
+        raise BadRequest(str(e)) from None
 
 
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,

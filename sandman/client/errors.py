@@ -63,6 +63,12 @@ class PodFailed(ControllerError):
     """The pod failed or never became ready (502); `events` holds the pod's last events."""
 
 
+class ConditionsRefused(PodFailed):
+    """Every pod the controller tried contradicted a declared run condition (502): each was
+    deleted. The message names the field, the declared value and what the pod read; the
+    cluster cannot give what was declared (fix the declaration or the pods' size)."""
+
+
 class NotLeader(ControllerError):
     """A standby controller replica answered (503). Retried by the SDK; raised when the
     retries are used up."""
@@ -150,6 +156,7 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.BAD_REQUEST.type: BadRequest,
     api.BAD_OWNER.type: BadOwner,
     api.POD_FAILED.type: PodFailed,
+    api.CONDITIONS_REFUSED.type: ConditionsRefused,
     api.NOT_LEADER.type: NotLeader,
     # /readyz only (a replica still syncing): retryable like NotLeader, on another replica.
     api.NOT_READY.type: NotLeader,

@@ -64,6 +64,29 @@ class AcquireTimings:
 
 
 @dataclass(frozen=True)
+class ConditionsCheck:
+    """The controller's check of an acquire's declared conditions, made inside the pod
+    before hand-out: `verified` maps each declared field that was read and matched to the
+    reading; `unverified` names those the pod could not read (and `time_limit_s`, never
+    read). A pod contradicting a field is never handed out (ConditionsRefused)."""
+
+    verified: dict[str, Any] = field(default_factory=dict)
+    unverified: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ConditionsCheck | None:
+        if data is None:
+            return None
+        what = "acquire conditions"
+        d = _obj(data, what)
+        unverified = _opt(d, "unverified", list, what, [])
+        if not all(isinstance(x, str) for x in unverified):
+            raise ProtocolError(f"{what}: unverified must be a list of names")
+        return cls(verified=dict(_opt(d, "verified", dict, what, {})),
+                   unverified=list(unverified))
+
+
+@dataclass(frozen=True)
 class Lease:
     """The controller's answer to an acquire. Holds the token: never printed (repr=False)."""
 
@@ -76,6 +99,7 @@ class Lease:
     timings: AcquireTimings = field(default_factory=AcquireTimings)
     expires_at: str | None = None  # RFC 3339 UTC; None from a controller without lifetimes
     lifetime_s: float | None = None
+    conditions: ConditionsCheck | None = None  # None: the acquire declared none
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -94,7 +118,8 @@ class Lease:
                    warm=bool(_opt(d, "warm", bool, what, False)),
                    timings=AcquireTimings.from_json(d.get("timings")),
                    expires_at=_opt(d, "expires_at", str, what),
-                   lifetime_s=_opt(d, "lifetime_s", _NUM, what), raw=raw)
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
+                   conditions=ConditionsCheck.from_json(d.get("conditions")), raw=raw)
 
 
 @dataclass(frozen=True)
@@ -310,11 +335,17 @@ class Conditions:
     pythonhashseed: str | None
     hostname: str | None
     egress: dict[str, Any] | None
+    cpu_cores: float | None = None  # effective quota in cores (the smallest up the cgroup tree)
+    cpuset_cpus: list[int] | None = None
+    tz: str | None = None  # the zone programs use: TZ, else /etc/localtime
+    netguard_mode: str | None = None  # "deny" | "allow" from a successful netguard status
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
     def cpus(self) -> float | None:
         """The CPU limit in cores (quota / period), None when unlimited or unknown."""
+        if self.cpu_cores is not None:
+            return self.cpu_cores
         if self.cpu_quota_us is None or not self.cpu_period_us:
             return None
         return self.cpu_quota_us / self.cpu_period_us
@@ -336,4 +367,6 @@ class Conditions:
             localtime=_opt(d, "localtime", str, what),
             pythonhashseed=_opt(d, "pythonhashseed", str, what),
             hostname=_opt(d, "hostname", str, what), egress=_opt(d, "egress", dict, what),
-            raw=d)
+            cpu_cores=_opt(d, "cpu_cores", _NUM, what),
+            cpuset_cpus=_opt(d, "cpuset_cpus", list, what), tz=_opt(d, "tz", str, what),
+            netguard_mode=_opt(d, "netguard_mode", str, what), raw=d)

@@ -53,7 +53,8 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
     assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
-                    "request_id": sent["request_id"], "lifetime_s": None, "namespace": None}
+                    "request_id": sent["request_id"], "lifetime_s": None, "namespace": None,
+                    "conditions": None}
     assert controller.target.token not in caplog.text
 
 
@@ -63,7 +64,8 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
             a = await client.acquire("img:2", job="j1", cpu=4, memory="16Gi", egress="allow",
                                      workspace="/testbed", owner=Owner("trainer-0", "u-1"),
                                      labels={"task": "t1"}, timeout_s=60, warm_ok=False,
-                                     wait=False, lifetime_s=600)
+                                     wait=False, lifetime_s=600,
+                                     conditions={"cpu_quota": 4, "tz": "UTC"})
             b = await client.acquire("img:2", job="j2")
             assert [s.id for s in await client.list(job="j1")] == [a.id]
             assert {s.id for s in await client.list()} == {a.id, b.id}
@@ -82,7 +84,10 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
     assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
                     "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
-                    "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None}
+                    "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None,
+                    "conditions": {"egress": None, "cpu_quota": 4, "visible_cpus": None,
+                                   "memory_limit": None, "user": None, "tz": "UTC",
+                                   "hash_seed": None, "time_limit_s": None}}
     # Each acquire has its own request_id (one per logical call, shared by its retries).
     assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 

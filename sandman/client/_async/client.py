@@ -112,7 +112,9 @@ class AsyncClient:
                       labels: Mapping[str, str] | None = None,
                       timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
                       wait: bool = True, lifetime_s: float | None = None,
-                      renew: bool = True, namespace: str | None = None) -> AsyncSandbox:
+                      renew: bool = True, namespace: str | None = None,
+                      conditions: api.Conditions | Mapping[str, Any] | None = None
+                      ) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
         `lifetime_s` (None: the controller's default) is how long the sandbox outlives this
@@ -125,7 +127,13 @@ class AsyncClient:
         the first then stays leased under the job until `drain` (docs/sdk.md).
 
         `namespace`: the tenant the sandbox belongs to; default the caller's ServiceAccount
-        namespace (another needs the caller's RBAC there)."""
+        namespace (another needs the caller's RBAC there).
+
+        `conditions` declares run conditions (`api.Conditions` or a mapping with its fields:
+        egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s).
+        The controller reads them in the pod before hand-out and never hands out one that
+        contradicts a readable field (ConditionsRefused once its tries are used up); the
+        sandbox's `conditions_check` says what was verified and what could not be read."""
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(
@@ -133,6 +141,7 @@ class AsyncClient:
             egress=egress, workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
             wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace,
+            conditions=_core.conditions_of(conditions),
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
             request_id=_core.new_request_id())
@@ -157,7 +166,7 @@ class AsyncClient:
                           warm=lease.warm, timings=lease.timings, retry=self._retry,
                           job=body.job, file_timeout_s=self._file_timeout_s,
                           transport=self._execd_transport, on_request=self._on_request,
-                          _client=self)
+                          conditions_check=lease.conditions, _client=self)
         with self._lock:
             self._live[lease.id] = sb
         if renew:

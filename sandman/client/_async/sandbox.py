@@ -27,6 +27,7 @@ from sandman.client.errors import (
 from sandman.client.models import (
     AcquireTimings,
     Conditions,
+    ConditionsCheck,
     ExecResult,
     FileContent,
     Health,
@@ -64,8 +65,11 @@ class AsyncSandbox:
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  on_request: OnRequest | None = None,
+                 conditions_check: ConditionsCheck | None = None,
                  _client: AsyncClient | None = None) -> None:
         self.id = id
+        # The controller's check of the declared conditions at hand-out (None: none declared).
+        self.conditions_check = conditions_check
         self.pod = pod
         self.job = job
         self.address = address
