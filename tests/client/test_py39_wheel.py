@@ -44,10 +44,13 @@ SCRIPT = textwrap.dedent('''
         try:
             importlib.import_module(m.name)
             out["modules"].append(m.name)
-        except ModuleNotFoundError as e:
-            if (e.name or "sandman").split(".")[0] == "sandman":
+        except ImportError as e:
+            # An adapter re-raises its missing framework as one line, chained to the cause.
+            missing = e if isinstance(e, ModuleNotFoundError) else e.__cause__
+            if not isinstance(missing, ModuleNotFoundError) or \
+                    (missing.name or "sandman").split(".")[0] == "sandman":
                 raise
-            out["optional"][m.name] = e.name
+            out["optional"][m.name] = missing.name
     with Client(url) as client:
         with client.acquire(image="task:py39", job="py39") as sb:
             r = sb.exec("echo sync-$((6 * 7))")
