@@ -112,6 +112,8 @@ class Settings:
     max_lifetime: float = 86400.0
     pod_template: dict = field(default_factory=dict)  # checked: check_pod_template
     tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
+    max_reuse: int = 8  # a grading pod goes back to its pool at most this many times
+    restore_timeout: float = 120.0  # execd /restore of a released grading pod
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):

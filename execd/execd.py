@@ -1293,6 +1293,7 @@ def write_file(d, req):
 # ino change on every write, chmod, rename or utime and cannot be set back), so it costs one
 # directory walk; /restore writes back the stored copies and re-records what it wrote.
 
+EXECD_BASELINE_ENV = "SANDMAN_BASELINE"  # copy of sandman/contract.py: "on" in grading pods
 BASELINE_STORE = "/var/lib/sandman/baseline"
 BASELINE_PATHS = "/etc:/usr/local:/opt:~:/tmp"
 BASELINE_PACKAGES = ("/usr/lib/python3*/site-packages:/usr/lib/python3/dist-packages:"
@@ -1300,13 +1301,14 @@ BASELINE_PACKAGES = ("/usr/lib/python3*/site-packages:/usr/lib/python3/dist-pack
 BASELINE_EXCLUDE = "/proc:/sys:/dev:/sandman"
 BASELINE_COPY_CAP = 64 << 20  # bigger files are "unrestorable if changed"
 BASELINE_STORE_CAP = 2 << 30
-FICLONE = 0x40049409  # reflink: a free copy on btrfs/xfs, refused elsewhere
 _NO_ENV = (TAG_VAR, "_")  # execd's tag and bash's last-argument variable are not state
 
 
 def baseline_args(p):
-    p.add_argument("--baseline-at-start", choices=("auto", "on", "off"), default="auto",
-                   help="record the reuse baseline before serving (auto: when PID 1, a pod)")
+    p.add_argument("--baseline-at-start", choices=("on", "off"),
+                   default="on" if os.environ.get(EXECD_BASELINE_ENV) == "on" else "off",
+                   help="record the reuse baseline before serving (default: %s=on, which "
+                        "the controller sets in grading pods)" % EXECD_BASELINE_ENV)
     p.add_argument("--baseline-store", default=BASELINE_STORE,
                    help="private dir (0700) for the baseline's file copies")
     p.add_argument("--baseline-paths", default=BASELINE_PATHS,
@@ -1316,6 +1318,8 @@ def baseline_args(p):
     p.add_argument("--baseline-exclude", default=BASELINE_EXCLUDE,
                    help="':'-separated paths never watched")
     p.add_argument("--baseline-localtime", default="/etc/localtime")
+    p.add_argument("--baseline-rerecord", action="store_true",
+                   help="let POST /baseline replace an existing baseline (tests, local use)")
     p.add_argument("--baseline-copy-cap", type=int, default=BASELINE_COPY_CAP)
     p.add_argument("--baseline-store-cap", type=int, default=BASELINE_STORE_CAP)
 
@@ -1391,14 +1395,15 @@ class Baseline(object):
         self.recorded_at = None
         self.stored_bytes = 0
         self.blobs = 0
-        self.reflink = True
+        self.baseline_id = None
 
     # ---- roots
 
     def _roots(self):
         roots = []
-        if self.d.workspace:
-            roots.append((os.path.realpath(self.d.workspace), "repo"))
+        ws = self.workspace()
+        if ws:
+            roots.append((ws, "repo"))
         for p in _split_paths(self.args.baseline_packages, globbing=True):
             roots.append((p, "packages"))
         for p in _split_paths(self.args.baseline_paths):
@@ -1414,6 +1419,11 @@ class Baseline(object):
                 seen.add(p)
                 out.append((p, area))
         return out
+
+    def workspace(self):
+        """--workspace, else execd's cwd (a pod: the container's workingDir), never /."""
+        ws = os.path.realpath(self.d.workspace or os.getcwd())
+        return ws if ws != "/" else None
 
     def _excluded(self, path):
         for x in self.exclude:
@@ -1478,20 +1488,14 @@ class Baseline(object):
             return
         try:
             dst = os.open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            h = sha256()
             try:
-                done = False
-                if self.reflink:
-                    try:
-                        fcntl.ioctl(dst, FICLONE, src)
-                        done = True
-                    except OSError:
-                        self.reflink = False
-                if not done:
-                    while True:
-                        chunk = os.read(src, 1 << 20)
-                        if not chunk:
-                            break
-                        os.write(dst, chunk)
+                while True:
+                    chunk = os.read(src, 1 << 20)
+                    if not chunk:
+                        break
+                    h.update(chunk)
+                    os.write(dst, chunk)
             finally:
                 os.close(dst)
             st = os.fstat(src)
@@ -1504,7 +1508,9 @@ class Baseline(object):
             ent.why = "changed while it was copied"
             os.unlink(blob)
             return
-        ent.blob = blob
+        # The hash stays in execd's memory: a copy altered in the store (an agent running as
+        # execd's user can reach it) is refused at restore instead of written back.
+        ent.blob = (blob, h.hexdigest())
         self.stored_bytes += ent.size
 
     def _reset_store(self):
@@ -1588,7 +1594,9 @@ class Baseline(object):
             self.areas = {p: area for p, (st, area) in found.items()}
             _tick(self.store)
             self.recorded_at = time.time()
-        return {"recorded": True, "entries": len(self.entries), "stored_bytes": self.stored_bytes,
+            self.baseline_id = os.urandom(8).hex()
+        return {"recorded": True, "baseline_id": self.baseline_id, "entries": len(self.entries),
+                "stored_bytes": self.stored_bytes,
                 "uncopied": sum(1 for e in self.entries.values() if e.why),
                 "roots": [{"path": p, "area": a} for p, a in self.roots],
                 "processes": sorted(self.procs), "duration_ms": round((now() - t0) * 1000, 3)}
@@ -1644,7 +1652,7 @@ class Baseline(object):
         for d in unreadable:
             if d in self.entries:
                 changes.append({"kind": "unreadable", "path": d, "area": self.areas.get(d)})
-        ws = self.d.workspace and os.path.realpath(self.d.workspace)
+        ws = self.workspace()
         if ws:  # name the repository's own state too
             git = os.path.join(ws, ".git")
             for c in list(changes):
@@ -1692,7 +1700,7 @@ class Baseline(object):
         with self.lock:
             self._need()
             changes = self._file_changes() + self._other_changes(self.shell_env())
-        return {"clean": not changes, "changes": changes,
+        return {"clean": not changes, "changes": changes, "baseline_id": self.baseline_id,
                 "duration_ms": round((now() - t0) * 1000, 3)}
 
     # ---- restore
@@ -1721,7 +1729,7 @@ class Baseline(object):
                 d.cache.clear()
                 d.cache_bytes = 0
             _tick(self.store)
-        return {"restored": not left, "left": left,
+        return {"restored": not left, "left": left, "baseline_id": self.baseline_id,
                 "duration_ms": round((now() - t0) * 1000, 3)}
 
     def _restore_processes(self):
@@ -1819,18 +1827,23 @@ class Baseline(object):
                 return "no copy of the content (%s)" % ent.why
             tmp = os.path.join(os.path.dirname(p), ".sandman-restore-%s" % os.urandom(6).hex())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            h = sha256()
             try:
-                with open(ent.blob, "rb") as src:
+                with open(ent.blob[0], "rb") as src:
                     while True:
                         chunk = src.read(1 << 20)
                         if not chunk:
                             break
+                        h.update(chunk)
                         os.write(fd, chunk)
             except BaseException:
                 os.close(fd)
                 os.unlink(tmp)
                 raise
             os.close(fd)
+            if h.hexdigest() != ent.blob[1]:
+                os.unlink(tmp)
+                return "the stored copy was altered since the baseline"
             os.rename(tmp, p)
         else:
             return "a %s cannot be re-created" % t
@@ -1901,6 +1914,10 @@ def _tick(store):
 def _r_baseline(handler, query):
     handler.json_body()
     d = handler.daemon
+    if d.baseline.entries is not None and not d.args.baseline_rerecord:
+        # Else a holder could make its own changes the state that restore "restores".
+        raise HTTPError(409, "a baseline exists and is fixed for this execd's life "
+                             "(--baseline-rerecord allows recording again)")
     if not d.exec_lock.acquire(True, 30):
         raise HTTPError(409, "busy: a command did not finish within 30 s", {"busy": True})
     d.exec_lock.release()
@@ -1914,6 +1931,18 @@ def _r_diff(handler, query):
 def _r_restore(handler, query):
     handler.json_body()
     handler.reply(200, handler.daemon.baseline.restore())
+
+
+def _r_token(handler, query):
+    """Rotate the token (authenticated with the current one): when a grading pod is reused,
+    the controller gives the next holder a new token and the last holder loses access. Held in
+    memory only: the pod's annotation (and so a restarted execd) keeps the first hash, which is
+    why sandbox pods never restart (restartPolicy Never)."""
+    want = handler.json_body().get("token_sha256")
+    if not isinstance(want, str) or not _SHA256_HEX.match(want) or want.endswith("\n"):
+        raise HTTPError(400, "token_sha256 must be 64 lowercase hex characters")
+    handler.daemon.args.token_sha256 = want
+    handler.reply(200, {"ok": True})
 
 
 def json_bytes(obj):
@@ -2178,6 +2207,7 @@ ROUTES = {
     "/baseline": ("POST", _r_baseline),
     "/diff": ("GET", _r_diff),
     "/restore": ("POST", _r_restore),
+    "/token": ("POST", _r_token),
 }
 
 
@@ -2236,7 +2266,7 @@ def main(argv=None):
     daemon = Daemon(args)
     Handler.daemon = daemon
     daemon.baseline = Baseline(daemon, args)
-    if args.baseline_at_start == "on" or (args.baseline_at_start == "auto" and os.getpid() == 1):
+    if args.baseline_at_start == "on":
         try:  # before serving: the first holder must not act before the baseline exists
             daemon.baseline.record()
         except (OSError, HTTPError) as e:

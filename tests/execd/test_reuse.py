@@ -93,7 +93,7 @@ def rd(execd_factory, world):
         "--baseline-paths", f"{w['etc']}:{w['home']}",
         "--baseline-packages", f"{w['root']}/lib/site-*:{w['dpkg']}/status",
         "--baseline-localtime", str(w["etc"] / "localtime"),
-        "--baseline-copy-cap", "4096",
+        "--baseline-copy-cap", "4096", "--baseline-rerecord",
         env={"HOME": str(w["home"]), "KEEP_ME": "1"})
 
 
@@ -287,7 +287,7 @@ def test_unrestorable_change_is_named_in_left(rd, world):
 def test_unchanged_big_file_is_no_problem(rd):
     sh(rd, "true")
     res = restore(rd)
-    assert res == {"restored": True, "left": [], "duration_ms": res["duration_ms"]}
+    assert (res["restored"], res["left"]) == (True, [])
 
 
 def test_post_baseline_records_a_new_state(rd, world):
@@ -319,6 +319,32 @@ def test_no_baseline_is_a_409(execd_factory, tmp_path):
     assert d.post("/restore", {}).status_code == 409
 
 
+def test_a_recorded_baseline_is_fixed_without_rerecord(execd_factory, world):
+    """A holder must not make its own changes the state a restore goes back to."""
+    d = execd_factory("--workspace", str(world["ws"]), "--baseline-at-start", "on",
+                      "--baseline-store", str(world["store"]), "--baseline-paths", "",
+                      "--baseline-packages", "")
+    sh(d, "echo planted > conftest.py")
+    r = d.post("/baseline", {})
+    assert r.status_code == 409, r.text
+    assert restore(d)["restored"] is True
+    assert not (world["ws"] / "conftest.py").exists()
+
+
+def test_a_stored_copy_altered_in_the_store_is_not_written_back(rd, world):
+    hosts = world["etc"] / "hosts"
+    blobs = list((world["store"] / "blobs").iterdir())
+    for b in blobs:  # every stored copy of "127.0.0.1 localhost\n" becomes the agent's
+        if b.read_bytes() == b"127.0.0.1 localhost\n":
+            b.write_bytes(b"6.6.6.6 localhost\n")
+    sh(rd, f"echo changed > {hosts}")
+    res = restore(rd)
+    assert res["restored"] is False
+    assert [(x["path"], x["why"]) for x in res["left"]] == [
+        (str(hosts), "the stored copy was altered since the baseline")], res
+    assert hosts.read_text() == "changed\n"
+
+
 def test_time_zone_outside_watched_roots(execd_factory, world, tmp_path):
     """/etc/localtime restored by the tz category itself when no watched root holds it."""
     lt = tmp_path / "localtime"
@@ -345,7 +371,7 @@ def test_env_exported_by_a_command_before_baseline_comes_back(rd):
 
 def test_roots_outside_root_are_not_watched(execd_factory, world):
     d = execd_factory("--root", str(world["etc"]), "--workspace", str(world["ws"]),
-                      "--baseline-at-start", "on", "--baseline-store", str(world["store"]),
+                      "--baseline-at-start", "off", "--baseline-store", str(world["store"]),
                       "--baseline-paths", f"{world['etc']}:{world['home']}",
                       "--baseline-packages", "")
     r = d.post("/baseline", {}).json()
@@ -354,3 +380,45 @@ def test_roots_outside_root_are_not_watched(execd_factory, world):
     assert diff(d)["clean"] is True
     assert restore(d)["restored"] is True
     assert (world["home"] / "new").read_text() == "x\n"
+
+
+def test_token_rotation_locks_the_old_holder_out(rd):
+    import hashlib
+
+    import httpx
+
+    from .conftest import AUTH
+    new = "next-holder-token"
+    sha = hashlib.sha256(new.encode()).hexdigest()
+    assert rd.post("/token", {"token_sha256": sha + "\n"}).status_code == 400
+    assert rd.post("/token", {"token_sha256": "ab"}).status_code == 400
+    assert httpx.post(rd.url + "/token", json={"token_sha256": sha}).status_code == 401
+    assert rd.post("/token", {"token_sha256": sha}).status_code == 200
+    assert httpx.get(rd.url + "/state", headers=AUTH).status_code == 401
+    r = httpx.post(rd.url + "/exec", json={"command": "echo hi"},
+                   headers={"Authorization": f"Bearer {new}"})
+    assert r.status_code == 200 and r.json()["output"] == "hi\n"
+
+
+def test_baseline_env_name_matches_contract_and_default_is_off(execd_factory, tmp_path):
+    import importlib.util
+
+    from sandman import contract
+    spec = importlib.util.spec_from_file_location("execd_mod", Path(__file__).parents[2]
+                                                  / "execd" / "execd.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.EXECD_BASELINE_ENV == contract.EXECD_BASELINE_ENV
+    store = tmp_path / "s1"
+    d = execd_factory("--baseline-store", str(store), "--baseline-paths", "",
+                      "--baseline-packages", "")
+    assert d.get("/diff").status_code == 409 and not store.exists()
+    store = tmp_path / "s2"
+    ws = tmp_path / "ws"
+    ws.mkdir()
+    d = execd_factory("--baseline-store", str(store), "--baseline-paths", "",
+                      "--baseline-packages", "", "--workspace", str(ws),
+                      env={contract.EXECD_BASELINE_ENV: "on"})
+    assert d.get("/diff").json()["clean"] is True and store.is_dir()
+    sh(d, "touch x")
+    assert ("added", str(ws / "x")) in kinds(diff(d)["changes"])
