@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps lint test test-windows-full testbed-build testbed-up testbed-down \
-        testbed-status e2e bench-execd bench-netguard bench-webhook bench-controller clean \
+        testbed-status e2e bench-execd bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
 help:  ## list targets
@@ -79,6 +79,9 @@ testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
 	$(VPY) -m execd.bench --write-docs
+
+bench-reuse: deps  ## execd /diff and /restore vs git status on a 10k-file repository + venv
+	$(VPY) -m execd.bench_reuse --write-docs
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench

@@ -53,7 +53,8 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
     assert sent == {"image": "img:1", "cpu": "2", "memory": "8Gi", "workspace": None,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
-                    "request_id": sent["request_id"], "lifetime_s": None, "namespace": None}
+                    "request_id": sent["request_id"], "lifetime_s": None, "namespace": None,
+                    "role": "agent"}
     assert controller.target.token not in caplog.text
 
 
@@ -82,7 +83,8 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
     assert sent == {"image": "img:2", "cpu": "4", "memory": "16Gi", "workspace": "/testbed",
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
                     "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
-                    "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None}
+                    "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None,
+                    "role": "agent"}
     # Each acquire has its own request_id (one per logical call, shared by its retries).
     assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 
@@ -290,7 +292,8 @@ def test_prewarm_and_drain(flavor: Flavor, controller: FakeController) -> None:
     flavor.run(body)
     (_, _, sent), = controller.calls("POST", "/v1/prewarm")
     assert sent == {"image": "img:4", "count": 3, "idle_timeout_s": 60,
-                    "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny"}}
+                    "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny",
+                             "role": "agent"}}
 
 
 def test_release_survives_the_callers_cancellation(controller: FakeController) -> None:

@@ -242,12 +242,14 @@ class AsyncClient:
                       cpu: str | int | float = api.DEFAULT_CPU,
                       memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
                       workspace: str | None = None,
-                      idle_timeout_s: float | None = None) -> PoolStatus:
+                      idle_timeout_s: float | None = None,
+                      role: str = api.DEFAULT_ROLE) -> PoolStatus:
         """Keep `count` never-used sandboxes of this image and size ready, so acquires with
         `warm_ok=True` get one at once. `count=0` empties the pool. Warm pods cost capacity
-        while idle; they go after `idle_timeout_s` without an acquire."""
+        while idle; they go after `idle_timeout_s` without an acquire. `role`: the pool of
+        agent or of grading sandboxes (a separate key)."""
         spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory), egress=egress,
-                             workspace=workspace)
+                             workspace=workspace, role=role)
         body = _core.request(api.PrewarmRequest, image=image, count=count, spec=spec,
                              idle_timeout_s=idle_timeout_s)
         resp = await self._send(api.PREWARM, json=body.to_json(), read_s=self._timeout_s)
