@@ -1396,6 +1396,8 @@ class Baseline(object):
         self.store = os.path.realpath(args.baseline_store)
         self.entries = None  # path -> Entry; None until recorded
         self.areas = {}  # path -> area (repo, packages, system, home)
+        self.kids = {}
+        self.dirty = []
         self.roots = []  # (path, area), most specific first
         self.exclude = []
         self.env = None
@@ -1441,11 +1443,17 @@ class Baseline(object):
                 return True
         return False
 
-    def walk(self):
+    def walk(self, known=None):
         """{path: (stat, area)} of everything under the roots (each path once, in the most
-        specific root), plus the list of dirs that could not be read."""
+        specific root), the dirs that could not be read, and how many `known` entries were
+        seen unchanged. With `known` (the baseline's entries, for /diff) an unchanged entry is
+        counted, not returned: same ctime_ns and inode (a dir: same mode and owner), the
+        cheapest sound test, since any write, chmod, chown, rename or utime moves ctime."""
         out, unreadable = {}, []
+        same = 0
+        self.dirty = []  # known dirs whose ctime moved: where entries may have been removed
         rootset = {p for p, _ in self.roots}
+        skip = rootset.union(self.exclude)  # excluded dirs are never entered, so exact matches
         for root, area in sorted(self.roots, key=lambda r: -len(r[0])):
             if root in out or self._excluded(root):
                 continue
@@ -1456,6 +1464,8 @@ class Baseline(object):
             out[root] = (st, area)
             if not stat.S_ISDIR(st.st_mode):
                 continue
+            if known is not None and root in known and st.st_ctime_ns != known[root].ctime:
+                self.dirty.append(root)
             stack = [root]
             while stack:
                 d = stack.pop()
@@ -1467,16 +1477,32 @@ class Baseline(object):
                 with it:
                     for e in it:
                         p = e.path
-                        if p in rootset or self._excluded(p):
+                        if p in skip:
                             continue
                         try:
                             st = e.stat(follow_symlinks=False)
                         except OSError:
                             continue
+                        if known is not None:
+                            ent = known.get(p)
+                            if ent is not None:
+                                if stat.S_ISDIR(st.st_mode):
+                                    stack.append(p)
+                                    if st.st_ctime_ns != ent.ctime:
+                                        self.dirty.append(p)
+                                    if (st.st_mode == ent.mode and st.st_uid == ent.uid
+                                            and st.st_gid == ent.gid):
+                                        same += 1
+                                        continue
+                                elif st.st_ctime_ns == ent.ctime and st.st_ino == ent.ino:
+                                    same += 1
+                                    continue
+                                out[p] = (st, area)
+                                continue
                         out[p] = (st, area)
                         if stat.S_ISDIR(st.st_mode):
                             stack.append(p)
-        return out, unreadable
+        return out, unreadable, same
 
     # ---- store
 
@@ -1585,7 +1611,7 @@ class Baseline(object):
             self.base_env = dict(self.d.base_env)
             self.tz = self.tz_state()
             self.procs = self.processes()
-            found, _ = self.walk()
+            found, _, _ = self.walk()
             entries = {}
             for p, (st, _area) in found.items():
                 link = None
@@ -1599,6 +1625,10 @@ class Baseline(object):
                     self._copy(p, ent)
                 entries[p] = ent
             self.entries = entries
+            kids = {}
+            for p in entries:
+                kids.setdefault(os.path.dirname(p), []).append(p)
+            self.kids = kids  # dir -> its baseline entries (restore keeps the same paths)
             self.areas = {p: area for p, (st, area) in found.items()}
             _tick(self.store)
             self.recorded_at = time.time()
@@ -1613,9 +1643,29 @@ class Baseline(object):
 
     def _file_changes(self):
         """[(change dict, path)] for the watched files, by stat only."""
-        found, unreadable = self.walk()
+        found, unreadable, same = self.walk(self.entries)
         changes = []
-        for p, ent in self.entries.items():
+        candidates = [p for p in found if p in self.entries]
+        missing = len(self.entries) - same - len(candidates)
+        if missing:
+            # Removals: a removal moves its parent dir's ctime, so only the children of those
+            # dirs (and, below a removed dir, its whole baseline subtree) need a look.
+            gone = []
+            for d in self.dirty:
+                for c in self.kids.get(d, ()):
+                    if c not in found and not os.path.lexists(c):
+                        stack = [c]
+                        while stack:
+                            x = stack.pop()
+                            gone.append(x)
+                            stack.extend(self.kids.get(x, ()))
+            if len(gone) == missing:
+                candidates += gone
+            else:  # e.g. a dir that can no longer be read: compare everything
+                found, unreadable, _ = self.walk()
+                candidates = self.entries
+        for p in candidates:
+            ent = self.entries[p]
             cur = found.get(p)
             area = self.areas.get(p)
             if cur is None:
@@ -1772,7 +1822,7 @@ class Baseline(object):
         return left
 
     def _restore_files(self):
-        found, _ = self.walk()
+        found, _, _ = self.walk()
         left = []
         touched_dirs = set()
         redo = []  # baseline paths to (re)create, parents first
