@@ -80,8 +80,9 @@ testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
 	$(VPY) -m execd.bench --write-docs
 
-bench-reuse: deps  ## execd /diff and /restore vs git status on a 10k-file repository + venv
+bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod
 	$(VPY) -m execd.bench_reuse --write-docs
+	$(VPY) -m controller.bench_reuse --write-docs
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench
