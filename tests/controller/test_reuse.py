@@ -151,3 +151,23 @@ def test_pod_that_cannot_be_checked_is_deleted(cluster, namespace, stack):
         wait_for(lambda: pod not in {p.metadata.name for p in live(cluster, namespace)}, 20,
                  "unrestorable pod deleted")
     assert metric(ctl, "sandman_controller_restore_failures_total") == 1
+
+
+def test_grading_pod_passes_the_webhook_mutation_unchanged(cluster, namespace, stack):
+    """Invariant 7 for the grading variant: its role label and SANDMAN_BASELINE env are part
+    of a pod the webhook admits as it is."""
+    import jsonpatch
+
+    from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+    ctl, standin = stack
+    with Client(ctl.url) as cl:
+        sb = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,
+                        role="grading")
+        pod = cluster.api_client.sanitize_for_serialization(
+            cluster.core.read_namespaced_pod(sb.pod, namespace))
+        env = pod["spec"]["containers"][0].get("env") or []
+        assert {"name": contract.EXECD_BASELINE_ENV, "value": "on"} in env
+        policy = SandboxPolicy()
+        assert jsonpatch.make_patch(pod, make_sandbox(pod, policy)).patch == []
+        assert check_sandbox(pod, policy) == []
+        sb.release()
