@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full testbed-build testbed-up testbed-down \
-        testbed-status e2e bench-execd bench-swerex bench-netguard bench-webhook bench-controller clean \
+        testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
 help:  ## list targets
@@ -99,6 +99,10 @@ bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdo
 
 bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
 	$(VPY) -m execd.bench_swerex --write-docs
+
+bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod
+	$(VPY) -m execd.bench_reuse --write-docs
+	$(VPY) -m controller.bench_reuse --write-docs
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
 	$(VPY) -m netguard.bench

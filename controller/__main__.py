@@ -104,6 +104,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a label-key prefix (e.g. example.com) callers may use on their "
                         "sandboxes besides unprefixed keys (repeatable); Kubernetes' and "
                         "sandman's own prefixes are always refused")
+    s.add_argument("--max-reuse", type=int, default=Settings.max_reuse,
+                   help="a grading pod released with reuse goes back to its pool at most this "
+                        "many times, then it is deleted (0: never reused)")
     s.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
 
@@ -125,6 +128,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
                       else {}),
         tenants=args.auth == "kubernetes",
+        max_reuse=args.max_reuse,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

@@ -99,7 +99,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             await auth.require(who, A.CREATE, tenant)
         labels.check(body.labels)
         c = ctl()
-        spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress)
+        spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress,
+                           body.role)
         # The controller dedups by (job, request_id): the job key carries the tenant and the
         # request id the caller's identity, so nobody else's replay finds this sandbox.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
@@ -171,21 +172,33 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             raise A.Forbidden(f"{who.username} may not get sandbox {id} (another tenant's)")
         return _view(c, e, split).to_json()
 
-    @app.delete(api.RELEASE.path)
-    async def release(id: str, request: Request):
+    async def let_go(id: str, request: Request, verb: str, act) -> dict:
+        """Release or retire: the same rights (delete in the sandbox's tenant)."""
         who = await caller(request)
         c = ctl()
-        if not auth.enabled:
-            return api.Released(id, await c.release(id)).to_json()
-        e = c.get(id)
-        if e is None:
-            # Nothing to release; a caller without delete rights learns nothing either way.
-            await auth.require(who, A.DELETE, who.namespace or A.CLUSTER)
-            return api.Released(id, False).to_json()
-        if not await may_see(who, A.DELETE, e):
-            raise A.Forbidden(f"{who.username} may not release sandbox {id} "
-                              "(another tenant's)")
-        return api.Released(id, await c.release(id)).to_json()
+        if auth.enabled:
+            e = c.get(id)
+            if e is None:
+                # Nothing to release; a caller without delete rights learns nothing either way.
+                await auth.require(who, A.DELETE, who.namespace or A.CLUSTER)
+                return api.Released(id, False).to_json()
+            if not await may_see(who, A.DELETE, e):
+                raise A.Forbidden(f"{who.username} may not {verb} sandbox {id} "
+                                  "(another tenant's)")
+        released, reused = await act(c)
+        return api.Released(id, released, reused).to_json()
+
+    @app.delete(api.RELEASE.path)
+    async def release(id: str, request: Request, reuse: bool = False):
+        async def act(c):
+            return await c.release_reuse(id) if reuse else (await c.release(id), False)
+        return await let_go(id, request, "release", act)
+
+    @app.post(api.RETIRE.path)
+    async def retire(id: str, request: Request):
+        async def act(c):
+            return await c.retire(id), False
+        return await let_go(id, request, "retire", act)
 
     @app.post(api.RENEW.path)
     async def renew(id: str, request: Request, body: api.RenewRequest | None = None):
@@ -212,7 +225,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
         s = body.spec
-        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress)
+        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress, s.role)
         pool = c.prewarm(spec, body.count, body.idle_timeout_s)
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()

@@ -90,9 +90,11 @@ TRANSITIONS: dict[State, frozenset[State]] = {s: frozenset(t) for s, t in {
              S.GONE},
     S.PARKED: {S.CHECKING, S.DELETING, S.GONE},
     S.CHECKING: {S.LEASED,  # W: healthy and patched
+                 S.PARKED,  # R: a released grading pod restored and checked (reuse)
                  S.DELETING,  # W: unhealthy, patch failed, caller left; D
                  S.GONE},
     S.LEASED: {S.DELETING,  # D: released or drained; C: left in the tick it was handed out
+               S.CHECKING,  # R: a grading pod released with reuse, being restored
                S.GONE},
     S.DELETING: {S.GONE},  # X: the API confirmed (404 included); I
     S.GONE: set(),
@@ -156,6 +158,7 @@ class Entry:
     lifetime: float | None = None  # seconds from hand-out (or renew) to expiry
     expires_at: float | None = None  # wall clock (epoch s), set at hand-out; None: never
     renewed: bool = False
+    reuse_count: int = 0  # times this pod went back to a pool after a checked restore
 
     @property
     def stage(self) -> State:

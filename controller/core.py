@@ -381,6 +381,25 @@ class Controller:
         self.pipeline.unwant(e, "released")
         return True
 
+    async def release_reuse(self, sid: str) -> tuple[bool, bool]:
+        """Release with reuse: (released, reused). Only a handed-out grading pod (400 for an
+        agent pod: its state was the agent's and is never handed on)."""
+        e = self.books.entries.get(sid)
+        if e is None or e.stage is not S.LEASED:
+            return await self.release(sid), False
+        if e.spec.role != contract.ROLE_GRADING:
+            raise BadRequest(f"sandbox {sid} has role {e.spec.role}: only {contract.ROLE_GRADING}"
+                             " sandboxes may be released with reuse")
+        return True, await self.warm.give_back(e)
+
+    async def retire(self, sid: str) -> bool:
+        """The caller's grading on this pod contradicted an earlier one: delete it."""
+        e = self.books.entries.get(sid)
+        released = await self.release(sid)
+        if released and e is not None and e.spec.role == contract.ROLE_GRADING:
+            metrics.retired("caller")
+        return released
+
     async def drain(self, job: str) -> int:
         return await self.sweeper.drain(job)
 
@@ -405,7 +424,8 @@ class Controller:
             "creating": self.pacer.creating,
             "live": self.pacer.live,
             "rate": self.pacer.rate,
-            "warm": {f"{k.image}|{k.cpu}|{k.memory}|{k.workspace or ''}|{k.egress}":
+            "warm": {f"{k.image}|{k.cpu}|{k.memory}|{k.workspace or ''}|{k.egress}"
+                     + (f"|{k.role}" if k.role != contract.ROLE_AGENT else ""):
                      {"warm": len(p.warm), "building": p.building, "target": p.target}
                      for k, p in self.pools.items()},
             "jobs": per_job,

@@ -75,11 +75,16 @@ class Creator:
         }
         if e.warm_build:
             labels[contract.LABEL_STATE] = contract.STATE_WARM
+        if e.spec.role != contract.ROLE_AGENT:  # agent pods stay as they were (no label)
+            labels[contract.LABEL_ROLE] = e.spec.role
         container = {"name": "sandbox", "image": e.spec.image,
                      "resources": {"requests": {"cpu": e.spec.cpu, "memory": e.spec.memory},
                                    "limits": {"cpu": e.spec.cpu, "memory": e.spec.memory}}}
         if e.spec.workspace:
             container["workingDir"] = e.spec.workspace
+        if e.spec.role == contract.ROLE_GRADING:
+            # Only grading pods pay for execd's baseline (a copy of what restore writes back).
+            container["env"] = [{"name": contract.EXECD_BASELINE_ENV, "value": "on"}]
         spec: dict = {
             "containers": [container],
             # A sandbox whose daemon died has lost its state: surface it, don't restart it.

@@ -46,6 +46,16 @@ RENEW_RESULTS = ("ok", "gone", "refused", "failed")
 SWEPT = Counter("sandman_controller_swept_total", "Unowned pods deleted by the sweep")
 PARKED = Counter("sandman_controller_parked_total",
                  "Pods whose caller left after the create, kept warm for reuse")
+REUSES = Counter("sandman_controller_reuses_total",
+                 "Grading pods restored, checked clean and returned to their warm pool")
+RETIREMENTS = Counter("sandman_controller_retirements_total",
+                      "Grading pods deleted instead of reused: caller (retire: the grading "
+                      "contradicted an earlier one), max_reuse (reused --max-reuse times)",
+                      ["reason"])
+RETIRE_REASONS = ("caller", "max_reuse")
+RESTORE_FAILURES = Counter("sandman_controller_restore_failures_total",
+                           "Released grading pods deleted because execd could not restore "
+                           "them or /diff was not clean afterwards")
 QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a create slot")
 LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any state)")
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
@@ -86,6 +96,10 @@ def expired(renewed: bool) -> None:
 
 def renewed(result: str) -> None:
     RENEWS.labels(bounded(result, RENEW_RESULTS)).inc()
+
+
+def retired(reason: str) -> None:
+    RETIREMENTS.labels(bounded(reason, RETIRE_REASONS)).inc()
 
 
 def illegal_transition(frm: str, to: str) -> None:

@@ -24,6 +24,7 @@ class SandboxSpec:
     memory: str = api.DEFAULT_MEMORY
     workspace: str | None = None
     egress: str = contract.EGRESS_DENY
+    role: str = contract.ROLE_AGENT  # grading pods may go back to a pool (release with reuse)
 
 
 LEASE_ANNOTATIONS = (contract.ANNOTATION_EXPIRES_AT, contract.ANNOTATION_LIFETIME)
@@ -160,4 +161,5 @@ def spec_of(pod: dict) -> SandboxSpec:
     return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", api.DEFAULT_CPU)),
                        memory=str(req.get("memory", api.DEFAULT_MEMORY)),
                        workspace=c.get("workingDir"),
-                       egress=labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY))
+                       egress=labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY),
+                       role=labels(pod).get(contract.LABEL_ROLE, contract.ROLE_AGENT))

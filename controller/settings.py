@@ -115,6 +115,8 @@ class Settings:
     conditions_attempts: int = 3
     conditions_egress_probe: str | None = None
     tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
+    max_reuse: int = 8  # a grading pod goes back to its pool at most this many times
+    restore_timeout: float = 120.0  # execd /restore of a released grading pod
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):

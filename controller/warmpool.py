@@ -10,11 +10,15 @@ newest first; parked late pods are not surplus, they wait out the key's idle tim
 
 from __future__ import annotations
 
+import logging
 import secrets
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import httpx
+
+from controller import metrics
 from controller import pods as P
 from controller.books import POOL_JOB, POOLED, Books, Entry, State
 from controller.create import Creator, new_name, tenant_labels, token_pair
@@ -25,6 +29,7 @@ from controller.settings import Settings
 from sandman import contract
 
 S = State
+log = logging.getLogger("controller.warmpool")
 
 
 @dataclass
@@ -176,6 +181,88 @@ class WarmPool:
         self.books.move(e, S.LEASED, "warm hand-out")
         e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "ready_ms": ms(time.monotonic() - t0)}
         return self.pipeline.result(e, warm=True)
+
+    # ---- checked reuse: a released grading pod back to its pool ------------------------------
+    async def give_back(self, e: Entry) -> bool:
+        """`e` is a LEASED grading pod its caller released with reuse. Rotate execd's token
+        first (the old holder loses access before anything is checked), restore, re-check
+        `/diff` is clean, then park it in its key's pool with a new token for the next holder.
+        True: back in the pool; False: deleted (or gone meanwhile)."""
+        if e.reuse_count >= self.s.max_reuse:
+            metrics.retired("max_reuse")
+            self.pipeline.delete(e, f"reused {e.reuse_count} times (--max-reuse)")
+            return False
+        self.books.move(e, S.CHECKING, "released for reuse")
+        token, token_sha = token_pair()
+        try:
+            why = await self._restore(e, token, token_sha)
+        except BaseException:
+            if e.stage is S.CHECKING:
+                self.pipeline.delete(e, "reuse interrupted")
+            raise
+        if e.stage is not S.CHECKING:  # drained or deleted meanwhile: its delete stands
+            return False
+        if why:
+            metrics.RESTORE_FAILURES.inc()
+            self.pipeline.delete(e, f"not restorable: {why}")
+            return False
+        drop = {k: None for k in {**e.labels, **tenant_labels(self.s, e.job)}}
+        try:
+            await self.pipeline.kube.patch_pod(e.name, {"metadata": {
+                "labels": {**drop, contract.LABEL_STATE: contract.STATE_WARM,
+                           contract.LABEL_JOB: POOL_JOB},
+                "annotations": {**{k: None for k in P.LEASE_ANNOTATIONS},
+                                contract.ANNOTATION_REUSE_COUNT: str(e.reuse_count + 1)},
+                # replace, not merge (by uid): the last holder's owner must not stay, or its
+                # job's drain or its pod's deletion would take the pool's pod with it
+                "ownerReferences": [await self.creator.owner_ref(POOL_JOB),
+                                    {"$patch": "replace"}]}})
+        except Exception as ex:  # noqa: BLE001
+            self.pipeline.delete(e, f"reuse patch failed: {ex}")
+            return False
+        if e.stage is not S.CHECKING:
+            return False
+        if e.slot:
+            e.slot.gone()
+        e.slot = self.pacer.adopt(POOL_JOB)
+        e.token, e.reuse_count = token, e.reuse_count + 1
+        e.job, e.owner, e.labels = POOL_JOB, None, {}
+        e.lifetime = e.expires_at = None
+        e.renewed = False
+        e.warm_since = time.monotonic()
+        # PARKED, not WARM: not counted as built surplus; it waits out its key's idle timeout.
+        self.books.move(e, S.PARKED, f"restored for reuse ({e.reuse_count})")
+        metrics.REUSES.inc()
+        return True
+
+    async def _restore(self, e: Entry, token: str, token_sha: str) -> str | None:
+        """execd: new token, /restore, /diff; None when clean, else why not."""
+        if not e.ip or not e.token:
+            return "no address or no known token (books rebuilt since the hand-out?)"
+        host = f"[{e.ip}]" if ":" in e.ip else e.ip
+        base = f"http://{host}:{self.s.execd_port}"
+        try:
+            async with httpx.AsyncClient(timeout=self.s.restore_timeout, trust_env=False) as c:
+                r = await c.post(f"{base}/token", json={"token_sha256": token_sha},
+                                 headers={"Authorization": f"Bearer {e.token}"})
+                if r.status_code != 200:
+                    return f"token rotation: HTTP {r.status_code}"
+                auth = {"Authorization": f"Bearer {token}"}
+                r = await c.post(f"{base}/restore", json={}, headers=auth)
+                if r.status_code != 200:
+                    return f"restore: HTTP {r.status_code}: {r.text[:200]}"
+                got = r.json()
+                if got.get("restored") is not True:
+                    return f"restore left {got.get('left')!r:.300}"
+                r = await c.get(f"{base}/diff", headers=auth)
+                if r.status_code != 200:
+                    return f"diff: HTTP {r.status_code}"
+                d = r.json()
+                if d.get("clean") is not True:
+                    return f"not clean after restore: {d.get('changes')!r:.300}"
+        except (httpx.HTTPError, ValueError) as ex:
+            return f"execd: {type(ex).__name__}: {ex}"
+        return None
 
     # ---- maintenance (once a second) ----------------------------------------------------------
     def tick(self) -> None:

@@ -27,6 +27,7 @@ from sandman import contract
 DEFAULT_CPU = "2"
 DEFAULT_MEMORY = "8Gi"
 DEFAULT_EGRESS = contract.EGRESS_DENY
+DEFAULT_ROLE = contract.ROLE_AGENT
 EGRESS_VALUES = (contract.EGRESS_DENY, contract.EGRESS_ALLOW)
 DEFAULT_ACQUIRE_TIMEOUT_S = 300.0
 MAX_ACQUIRE_TIMEOUT_S = 3600.0
@@ -58,13 +59,17 @@ GET = Route("GET", "GET", "/v1/sandboxes/{id}")
 RELEASE = Route("RELEASE", "DELETE", "/v1/sandboxes/{id}")
 PREWARM = Route("PREWARM", "POST", "/v1/prewarm")
 RENEW = Route("RENEW", "POST", "/v1/sandboxes/{id}/renew")  # pushes expires_at back
+# The caller's grading contradicted an earlier one on this pod: delete it, never reuse it.
+RETIRE = Route("RETIRE", "POST", "/v1/sandboxes/{id}/retire")
+# RELEASE with `?reuse=true` (grading pods): restored, checked, back to its warm pool.
+RELEASE_REUSE_PARAM = "reuse"
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
 HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as LIVEZ)
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message
@@ -134,6 +139,11 @@ def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
            f"not {egress!r}")
 
 
+def _check_role(role: Any) -> None:
+    _check(role in contract.ROLES, f"role: must be one of {', '.join(contract.ROLES)}, "
+           f"not {role!r}")
+
+
 @dataclass(frozen=True)
 class Owner(_Model):
     """Who the sandbox belongs to (the trainer's pod): the controller sets an owner reference,
@@ -151,9 +161,11 @@ class Spec(_Model):
     memory: str = DEFAULT_MEMORY
     workspace: str | None = None
     egress: str = DEFAULT_EGRESS
+    role: str = DEFAULT_ROLE  # grading pods may be reused (release with reuse=true)
 
     def __post_init__(self) -> None:
         _check_size(self.cpu, self.memory, self.egress)
+        _check_role(self.role)
 
 
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
@@ -244,6 +256,9 @@ class AcquireRequest(_Model):
     namespace: str | None = None
     # Declared run conditions: a pod that contradicts one is refused and replaced.
     conditions: Conditions | None = None
+    # "grading": may go back to its warm pool after a checked restore (release with reuse).
+    # Part of the warm-pool key: an agent never gets a pod a grading ran in, and vice versa.
+    role: str = DEFAULT_ROLE
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
@@ -251,6 +266,7 @@ class AcquireRequest(_Model):
                "conditions: must be an object of declared run conditions")
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
         _check_size(self.cpu, self.memory, self.egress)
+        _check_role(self.role)
         _check_lifetime(self.lifetime_s)
         _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, (int, float))
                and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
@@ -261,7 +277,7 @@ class AcquireRequest(_Model):
     @property
     def spec(self) -> Spec:
         return Spec(cpu=self.cpu, memory=self.memory, workspace=self.workspace,
-                    egress=self.egress)
+                    egress=self.egress, role=self.role)
 
 
 @dataclass(frozen=True, **_KW_ONLY)
@@ -357,10 +373,14 @@ class SandboxList(_Model):
 
 @dataclass(frozen=True)
 class Released(_Model):
-    """`DELETE /v1/sandboxes/{id}`: idempotent, `released` is false when already gone."""
+    """`DELETE /v1/sandboxes/{id}`: idempotent, `released` is false when already gone.
+    `reused`: with `?reuse=true`, the pod was restored and went back to its warm pool (false:
+    it was deleted: restore failed, reused --max-reuse times, or gone meanwhile). Also the
+    answer to `POST /v1/sandboxes/{id}/retire`."""
 
     id: str
     released: bool
+    reused: bool = False
 
 
 @dataclass(frozen=True)

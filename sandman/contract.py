@@ -48,6 +48,15 @@ ANNOTATION_CONTAINER = f"{DOMAIN}/container"  # names the sandbox container (def
 # pod unless a renew moved it. LIFETIME is the seconds a renew without lifetime_s extends by.
 ANNOTATION_EXPIRES_AT = f"{DOMAIN}/expires-at"
 ANNOTATION_LIFETIME = f"{DOMAIN}/lifetime-s"
+# Checked reuse (docs/controller.md "Reuse"): a sandbox's role is part of its warm-pool key; only
+# grading pods (labelled) go back to a pool after execd's /restore, agent pods are always deleted.
+LABEL_ROLE = f"{DOMAIN}/role"  # on grading pods (no label: agent)
+ROLE_AGENT = "agent"
+ROLE_GRADING = "grading"
+ROLES = (ROLE_AGENT, ROLE_GRADING)
+ANNOTATION_REUSE_COUNT = f"{DOMAIN}/reuse-count"  # times the pod went back to a pool
+# In a grading pod's sandbox container: execd records its reuse baseline before it serves.
+EXECD_BASELINE_ENV = "SANDMAN_BASELINE"
 
 # execd inside a sandbox.
 EXECD_PORT = 9470

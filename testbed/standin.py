@@ -24,6 +24,8 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
 - the filesystem: commands run on the host's filesystem, as the user running the tests, in a
   per-pod directory under the stand-in's workdir; execd's file routes are confined to `root`
   (default /tmp);
+- checked reuse: execd's baseline covers the pod's own directory (its workspace) only, not
+  /etc, /usr/local, /opt, $HOME or /tmp;
 - readiness: kwok marks the pod Ready on its own; the kubelet's probe of execd /health does
   not exist, and an execd that dies is not restarted.
 
@@ -129,9 +131,13 @@ class Standin:
         home = self.workdir / name
         home.mkdir(parents=True, exist_ok=True)
         croot = self.conditions_root(name) if self.conditions_root else None
+        # The reuse baseline (execd's /diff, /restore) covers this pod's own directory only:
+        # a stand-in must never restore, or delete additions in, the host's /etc or /tmp.
         proc = Proc(f"execd-{name}", execd_cmd(
             ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
-            "--root", self.root, *(["--conditions-root", croot] if croot else [])),
+            "--root", self.root, "--workspace", str(home), "--baseline-at-start", "on",
+            "--baseline-store", str(self.workdir / f"{name}.baseline"), "--baseline-paths", "",
+            "--baseline-packages", "", *(["--conditions-root", croot] if croot else [])),
             self.workdir / f"{name}.log", cwd=home).start()
         with self._lock:
             self.procs[name] = proc

@@ -285,6 +285,11 @@ class _Handler(BaseHTTPRequestHandler):
                 for k in gone:
                     del ctl.sandboxes[k]
             return self._reply(200, {"job": m.group(1), "deleting": len(gone)})
+        m = re.fullmatch(r"/v1/sandboxes/([^/]+)/retire", self.path)
+        if m:
+            with ctl.lock:
+                existed = ctl.sandboxes.pop(m.group(1), None) is not None
+            return self._reply(200, {"id": m.group(1), "released": existed, "reused": False})
         m = re.fullmatch(r"/v1/sandboxes/([^/]+)/renew", self.path)
         if m:
             with ctl.lock:
@@ -340,10 +345,13 @@ class _Handler(BaseHTTPRequestHandler):
             if self._client_left():  # as a proxy would: the release is lost, not applied
                 self.close_connection = True
                 return
-        sid = self.path.rsplit("/", 1)[-1]
+        path, _, query = self.path.partition("?")
+        sid = path.rsplit("/", 1)[-1]
         with self.ctl.lock:
             existed = self.ctl.sandboxes.pop(sid, None) is not None
-        self._reply(200, {"id": sid, "released": existed})
+        # As the controller: reuse=true puts a (grading) pod back in its pool.
+        self._reply(200, {"id": sid, "released": existed,
+                          "reused": existed and "reuse=true" in query.split("&")})
 
     def do_GET(self) -> None:
         self._record(None)

@@ -54,7 +54,7 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
                     "request_id": sent["request_id"], "lifetime_s": None, "namespace": None,
-                    "conditions": None}
+                    "role": "agent", "conditions": None}
     assert controller.target.token not in caplog.text
 
 
@@ -85,6 +85,7 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
                     "egress": "allow", "job": "j1", "owner": {"name": "trainer-0", "uid": "u-1"},
                     "labels": {"task": "t1"}, "timeout_s": 60, "warm_ok": False, "wait": False,
                     "request_id": sent["request_id"], "lifetime_s": 600, "namespace": None,
+                    "role": "agent",
                     "conditions": {"egress": None, "cpu_quota": 4, "visible_cpus": None,
                                    "memory_limit": None, "user": None, "tz": "UTC",
                                    "hash_seed": None, "time_limit_s": None}}
@@ -295,7 +296,8 @@ def test_prewarm_and_drain(flavor: Flavor, controller: FakeController) -> None:
     flavor.run(body)
     (_, _, sent), = controller.calls("POST", "/v1/prewarm")
     assert sent == {"image": "img:4", "count": 3, "idle_timeout_s": 60,
-                    "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny"}}
+                    "spec": {"cpu": "1", "memory": "8Gi", "workspace": None, "egress": "deny",
+                             "role": "agent"}}
 
 
 def test_release_survives_the_callers_cancellation(controller: FakeController) -> None:

@@ -94,6 +94,7 @@ class AsyncSandbox:
         self.lifetime_s: float | None = None
         self._closed = False  # no execd call is sent any more
         self._released = False  # the controller confirmed the release (or there is none)
+        self.reused: bool | None = None  # after release(reuse=True): back in a warm pool?
         self._gone = False  # the controller said the sandbox no longer exists
         if transport is None:
             transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
@@ -134,10 +135,13 @@ class AsyncSandbox:
     def released(self) -> bool:
         return self._released
 
-    async def release(self) -> bool:
+    async def release(self, reuse: bool = False) -> bool:
         """Give the sandbox back. Idempotent; True when this call released it. No execd call
         is sent after the first release(), even if the controller's answer was lost: a
         failed release raises and stays with the client, which retries it at aclose().
+
+        `reuse=True` (grading sandboxes): the controller restores the pod and returns it to
+        its warm pool; `self.reused` says whether it did (False: deleted instead).
 
         With asyncio, the release runs to its end even if the caller is cancelled (shielded):
         cleanup must survive a second cancellation."""
@@ -152,18 +156,31 @@ class AsyncSandbox:
                                                       or task.exception() is not None))
             if first:
                 task = self._release_task = _core.keep(
-                    asyncio.ensure_future(self._do_release()))
+                    asyncio.ensure_future(self._do_release(reuse)))
             assert task is not None
             released = await asyncio.shield(task)
             return released if first else False
         else:
-            return self._do_release()
+            return self._do_release(reuse)
 
-    async def _do_release(self) -> bool:
+    async def retire(self) -> bool:
+        """Delete the sandbox because its grading contradicted an earlier one: it is never
+        reused. Idempotent like release(); True when this call released it."""
+        with self._lock:
+            self._closed = True
+            if self._released:
+                return False
+        self._renew_stop.set()
+        return await self._do_release(False, retire=True)
+
+    async def _do_release(self, reuse: bool = False, retire: bool = False) -> bool:
         try:
             released = True
             if self._client is not None and self.id is not None:
-                released = await self._client.release(self.id)
+                if retire:
+                    released = await self._client.retire(self.id)
+                else:
+                    released, self.reused = await self._client._let_go(self.id, reuse)
         finally:
             await self._http.aclose()
         with self._lock:

@@ -109,6 +109,7 @@ class Client:
                 timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, warm_ok: bool = True,
                 wait: bool = True, lifetime_s: float | None = None,
                 renew: bool = True, namespace: str | None = None,
+                role: str = api.DEFAULT_ROLE,
                 conditions: api.Conditions | Mapping[str, Any] | None = None
                 ) -> Sandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
@@ -125,6 +126,9 @@ class Client:
         `namespace`: the tenant the sandbox belongs to; default the caller's ServiceAccount
         namespace (another needs the caller's RBAC there).
 
+        `role`: "agent" (default) or "grading"; a grading sandbox may be released with
+        `reuse=True` (restored, checked, back to its warm pool) and comes from that pool.
+
         `conditions` declares run conditions (`api.Conditions` or a mapping with its fields:
         egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s).
         The controller reads them in the pod before hand-out and never hands out one that
@@ -136,7 +140,7 @@ class Client:
             api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
             egress=egress, workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
-            wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace,
+            wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace, role=role,
             conditions=_core.conditions_of(conditions),
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
@@ -162,15 +166,35 @@ class Client:
                  lease.address, lease.port, lease.warm)
         return sb
 
-    def release(self, sandbox_id: str) -> bool:
-        """Release by id (idempotent; True when this call released it)."""
-        resp = self._send(api.RELEASE, id=_check_id(sandbox_id), read_s=self._timeout_s)
+    def release(self, sandbox_id: str, reuse: bool = False) -> bool:
+        """Release by id (idempotent; True when this call released it). `reuse` (grading
+        sandboxes only, else BadRequest): the controller restores the pod, checks it clean
+        and returns it to its warm pool, or deletes it when it cannot."""
+        return (self._let_go(sandbox_id, reuse))[0]
+
+    def retire(self, sandbox_id: str) -> bool:
+        """Delete a sandbox whose grading contradicted an earlier one (never reused; counted
+        by the controller). True when this call released it."""
+        resp = self._send(api.RETIRE, id=_check_id(sandbox_id), read_s=self._timeout_s)
+        data = _core.decode_json(resp, "retire")
+        self._forget(sandbox_id)
+        released = isinstance(data, dict) and data.get("released") is True
+        log.info("sandbox %s %s", sandbox_id, "retired" if released else "was already gone")
+        return released
+
+    def _let_go(self, sandbox_id: str, reuse: bool) -> tuple[bool, bool]:
+        """(released, reused)."""
+        params = {api.RELEASE_REUSE_PARAM: "true"} if reuse else None
+        resp = self._send(api.RELEASE, id=_check_id(sandbox_id), params=params,
+                          read_s=self._timeout_s)
         data = _core.decode_json(resp, "release")
         self._forget(sandbox_id)
         released = isinstance(data, dict) and data.get("released") is True
+        reused = isinstance(data, dict) and data.get("reused") is True
         log.info("sandbox %s %s", sandbox_id,
-                 "released" if released else "was already released")
-        return released
+                 ("released for reuse" if reused else "released") if released
+                 else "was already released")
+        return released, reused
 
     def renew(self, sandbox_id: str, lifetime_s: float | None = None) -> SandboxInfo:
         """Push a sandbox's expiry to now + `lifetime_s` (None: its current lifetime).
@@ -200,12 +224,14 @@ class Client:
                 cpu: str | int | float = api.DEFAULT_CPU,
                 memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
                 workspace: str | None = None,
-                idle_timeout_s: float | None = None) -> PoolStatus:
+                idle_timeout_s: float | None = None,
+                role: str = api.DEFAULT_ROLE) -> PoolStatus:
         """Keep `count` never-used sandboxes of this image and size ready, so acquires with
         `warm_ok=True` get one at once. `count=0` empties the pool. Warm pods cost capacity
-        while idle; they go after `idle_timeout_s` without an acquire."""
+        while idle; they go after `idle_timeout_s` without an acquire. `role`: the pool of
+        agent or of grading sandboxes (a separate key)."""
         spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory), egress=egress,
-                             workspace=workspace)
+                             workspace=workspace, role=role)
         body = _core.request(api.PrewarmRequest, image=image, count=count, spec=spec,
                              idle_timeout_s=idle_timeout_s)
         resp = self._send(api.PREWARM, json=body.to_json(), read_s=self._timeout_s)

@@ -89,6 +89,7 @@ class Sandbox:
         self.lifetime_s: float | None = None
         self._closed = False  # no execd call is sent any more
         self._released = False  # the controller confirmed the release (or there is none)
+        self.reused: bool | None = None  # after release(reuse=True): back in a warm pool?
         self._gone = False  # the controller said the sandbox no longer exists
         if transport is None:
             transport = httpx.HTTPTransport(socket_options=_core.SOCKET_OPTIONS,
@@ -129,10 +130,13 @@ class Sandbox:
     def released(self) -> bool:
         return self._released
 
-    def release(self) -> bool:
+    def release(self, reuse: bool = False) -> bool:
         """Give the sandbox back. Idempotent; True when this call released it. No execd call
         is sent after the first release(), even if the controller's answer was lost: a
         failed release raises and stays with the client, which retries it at close().
+
+        `reuse=True` (grading sandboxes): the controller restores the pod and returns it to
+        its warm pool; `self.reused` says whether it did (False: deleted instead).
 
         With asyncio, the release runs to its end even if the caller is cancelled (shielded):
         cleanup must survive a second cancellation."""
@@ -141,13 +145,26 @@ class Sandbox:
             if self._released:
                 return False
         self._renew_stop.set()
-        return self._do_release()
+        return self._do_release(reuse)
 
-    def _do_release(self) -> bool:
+    def retire(self) -> bool:
+        """Delete the sandbox because its grading contradicted an earlier one: it is never
+        reused. Idempotent like release(); True when this call released it."""
+        with self._lock:
+            self._closed = True
+            if self._released:
+                return False
+        self._renew_stop.set()
+        return self._do_release(False, retire=True)
+
+    def _do_release(self, reuse: bool = False, retire: bool = False) -> bool:
         try:
             released = True
             if self._client is not None and self.id is not None:
-                released = self._client.release(self.id)
+                if retire:
+                    released = self._client.retire(self.id)
+                else:
+                    released, self.reused = self._client._let_go(self.id, reuse)
         finally:
             self._http.close()
         with self._lock:
