@@ -572,11 +572,32 @@ def sandman_image() -> tuple[str, Path]:
 
 # --- registry of images, import, CLI -------------------------------------------------------
 
-BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman}
+def build_grading_task(force: bool = False) -> Image:
+    """The grading demo's task image (testbed/taskimage.py): git, pytest, a repo at /testbed."""
+    from testbed import taskimage
+
+    return taskimage.build(force)
+
+
+def grading_task_image() -> tuple[str, Path]:
+    """(ref, archive path) of the grading task image, built on first use."""
+    img = build_grading_task()
+    return img.ref, img.archive
+
+
+def _grading_task_image() -> Image:
+    from testbed import taskimage
+
+    return taskimage._image()
+
+
+BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman,
+            "grading-task": build_grading_task}
 
 
 def describe(name: str) -> Image:
-    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image}[name]()
+    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image,
+            "grading-task": _grading_task_image}[name]()
 
 
 class Containerd:
