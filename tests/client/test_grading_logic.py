@@ -145,3 +145,68 @@ def test_task_defaults() -> None:
              test_files=["tests/test a.py"], reference_patch="diff")
     assert t.test_files == ("tests/test a.py",) and t.reference_patch == b"diff"
     assert t.command == "python3 -m pytest -q -p no:cacheprovider 'tests/test a.py'"
+
+
+# ---- feature detection of other parts of issue 15 (role=, conditions=, reuse=, retire())
+
+
+class _OldClient:
+    def __init__(self):
+        self.calls = []
+
+    def acquire(self, image, *, job, cpu="2", memory="8Gi", egress="deny", timeout_s=300,
+                namespace=None):
+        self.calls.append(dict(image=image, job=job))
+        return "sb"
+
+
+class _NewClient(_OldClient):
+    def acquire(self, image, *, job, cpu="2", memory="8Gi", egress="deny", timeout_s=300,
+                namespace=None, role=None, conditions=None):
+        self.calls.append(dict(image=image, job=job, role=role, conditions=conditions))
+        return "sb"
+
+
+class _Sb:
+    id = "s"
+
+    def __init__(self, new: bool):
+        self.log = []
+        if new:
+            self.retire = lambda: self.log.append("retire")
+
+    def release(self, reuse=False):
+        self.log.append(f"release(reuse={reuse})")
+
+
+def _task(**kw):
+    return Task(name="t", image="img", repo="/r", base_commit="abc1234",
+                test_files=("t.py",), **kw)
+
+
+def test_acquire_uses_role_and_conditions_only_where_the_sdk_has_them() -> None:
+    from sandman.client._sync import grading as sync_grading
+
+    new = _NewClient()
+    sync_grading._acquire(new, _task(conditions={"time_limit_s": 60}), "j", 10, None)
+    assert new.calls[-1]["role"] == "grading"
+    assert new.calls[-1]["conditions"] == {"time_limit_s": 60}
+    old = _OldClient()
+    sync_grading._acquire(old, _task(), "j", 10, None)
+    assert old.calls[-1] == {"image": "img", "job": "j"}
+    with pytest.raises(Exception, match="declares run conditions"):
+        sync_grading._acquire(old, _task(conditions={"cpu_quota": 2}), "j", 10, None)
+
+
+def test_pod_give_back_by_verdict_and_reuse() -> None:
+    from sandman.client._sync import grading as sync_grading
+
+    cases = [(True, Verdict.PASSED, True, ["release(reuse=True)"]),
+             (True, Verdict.FAILED, True, ["release(reuse=True)"]),
+             (True, Verdict.NO_VERDICT, True, ["retire"]),
+             (True, Verdict.PASSED, False, ["release(reuse=False)"]),
+             (False, Verdict.NO_VERDICT, True, ["release(reuse=False)"])]
+    for new, verdict, reuse, expected in cases:
+        sb = _Sb(new)
+        sync_grading._finish(None, sb, verdict, reuse)
+        assert sb.log == expected, (new, verdict, reuse)
