@@ -9,7 +9,7 @@ import posixpath
 import re
 import shlex
 from dataclasses import dataclass, field
-from enum import StrEnum
+from enum import Enum
 from typing import Any, NamedTuple
 
 from sandman.client.errors import (
@@ -20,7 +20,7 @@ from sandman.client.errors import (
 )
 
 
-class Verdict(StrEnum):
+class Verdict(str, Enum):  # noqa: UP042 - the client runs on python 3.9 too (StrEnum: 3.11)
     PASSED = "passed"
     FAILED = "failed"  # the agent's patch: tests failed, or it does not apply
     NO_VERDICT = "no_verdict"  # resample: the infrastructure or the task, never the agent
