@@ -264,6 +264,7 @@ def test_acquire_timeout_is_retried_then_graded(flavor, twin, controller, tmp_pa
             await twin.close(c)
         assert r.verdict is Verdict.PASSED and r.attempts == 2, r
         assert len(r.infra_errors) == 1 and "AcquireTimeout" in r.infra_errors[0]
+        assert r.infra_errors[0].startswith("attempt 1 (acquire): "), r.infra_errors
 
     flavor.run(body, timeout_s=60)
 
@@ -295,6 +296,8 @@ def test_killed_shell_is_no_verdict_never_failed(flavor, twin, controller, tmp_p
             await twin.close(c)
         assert r.verdict is Verdict.NO_VERDICT and r.attempts == 2, r
         assert len(r.infra_errors) == 2
+        assert all(e.startswith(f"attempt {i} (run the suite): ")
+                   for i, e in enumerate(r.infra_errors, 1)), r.infra_errors
 
     flavor.run(body, timeout_s=60)
 
@@ -324,6 +327,7 @@ def test_execd_killed_mid_run_is_no_verdict(flavor, twin, fresh_execd: Execd, tm
             await twin.close(c)
         assert r.verdict is Verdict.NO_VERDICT and r.attempts == 2, r
         assert any("Unreachable" in e or "Gone" in e for e in r.infra_errors), r.infra_errors
+        assert r.infra_errors[0].startswith("attempt 1 (run the suite): "), r.infra_errors
 
     flavor.run(body, timeout_s=90)
 

@@ -166,11 +166,13 @@ def _finish(client: Client, sb: Sandbox, verdict: Verdict, reuse: bool) -> None:
         log.info("grading: releasing sandbox %s failed: %s", sb.id, e)
 
 
-def _grade_on(sb: Sandbox, task: Task, patch: bytes,
-              excluded: list[Excluded]) -> tuple[Verdict, str, bool, int | None,
-                                                 dict[str, int], str]:
+def _grade_on(sb: Sandbox, task: Task, patch: bytes, excluded: list[Excluded],
+              stage: list[str]) -> tuple[Verdict, str, bool, int | None,
+                                         dict[str, int], str]:
     """One attempt on one pod: (verdict, reason, infra, exit_code, summary, output).
-    SDK errors propagate (the caller decides: infrastructure or the caller's own)."""
+    SDK errors propagate (the caller decides: infrastructure or the caller's own);
+    `stage[0]` names the step running, for the attempt's error."""
+    stage[0] = "check the base commit"
     q = shlex.quote
     t = _tmpdir()
     base = q(task.base_commit)
@@ -188,9 +190,11 @@ def _grade_on(sb: Sandbox, task: Task, patch: bytes,
                 None, {}, "")
     # The official tests from the base commit (a never-used pod has them; a reused one too,
     # after its checked restore: this is the grader's own guard).
+    stage[0] = "restore the official tests"
     _run(sb, f"set -e; {cd}; {git('checkout', '-q', base, '--', tests)}; "
                    f"mkdir -p {q(t)}", "restore the official tests")
     if patch.strip():
+        stage[0] = "apply the patch"
         for path in patch_paths(patch):
             if path in task.test_files:
                 excluded.append(Excluded(path, "official test file (restored from the base)"))
@@ -233,6 +237,7 @@ def _grade_on(sb: Sandbox, task: Task, patch: bytes,
         if r.error or r.exit_code != 0:
             raise _StepFailed(f"official tests differ from the base after the patch: "
                               f"{r.error or r.output.strip()[:300]}")
+    stage[0] = "run the suite"
     try:
         r = sb.exec(f"{cd} && {task.command}", timeout=task.time_limit_s,
                     max_output=MAX_OUTPUT)
@@ -268,22 +273,23 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
     excluded: list[Excluded] = []
     for n in range(1, attempts + 1):
         excluded = []
+        stage = ["acquire"]
         sb = None
         verdict = Verdict.NO_VERDICT
         try:
             sb = _acquire(client, task, job, acquire_timeout_s, namespace)
             pods.append(sb.pod or sb.id or "?")
-            last = _grade_on(sb, task, data, excluded)
+            last = _grade_on(sb, task, data, excluded, stage)
             verdict = last[0]
             if not last[2]:  # a verdict, or a no-verdict retrying cannot change
                 return GradeResult(verdict, last[1], last[3], last[4], last[5], n,
                                    tuple(errors), tuple(excluded), tuple(pods),
                                    time.monotonic() - t0)
-            errors.append(f"attempt {n}: {last[1]}")
+            errors.append(f"attempt {n} ({stage[0]}): {last[1]}")
         except SandmanError as e:
             if not is_infra(e):
                 raise
-            errors.append(f"attempt {n}: {type(e).__name__}: {e}")
+            errors.append(f"attempt {n} ({stage[0]}): {type(e).__name__}: {e}")
         finally:
             if sb is not None:
                 _finish(client, sb, verdict, reuse)
