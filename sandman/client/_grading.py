@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
 
+from sandman import api
 from sandman.client.errors import (
     BadRequest,
     Forbidden,
@@ -136,9 +137,9 @@ class Task:
     test_command: str | None = None
     reference_patch: bytes | None = None
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
-    cpu: str = "2"
-    memory: str = "8Gi"
-    egress: str = "deny"
+    cpu: str = api.DEFAULT_CPU
+    memory: str = api.DEFAULT_MEMORY
+    egress: str = api.DEFAULT_EGRESS
     conditions: Any = None
     exclude: Exclusions = field(default=DEFAULT_EXCLUDE)
 
