@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -59,6 +59,10 @@ test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests 
 e2e: REAL_NODE := 1
 e2e: deps testbed-build  ## the real-node suite: bed + real node + helm install, tests/e2e, uninstall, teardown
 	$(VPY) tools/run_pytest.py tests/e2e $(PYTEST_ARGS)
+
+demo-grading: REAL_NODE := 1
+demo-grading: deps testbed-build  ## the grading demo on the real node (docs/grading.md): bed + helm install + tests/e2e/test_grading_demo.py + teardown
+	$(VPY) tools/run_pytest.py tests/e2e/test_grading_demo.py $(PYTEST_ARGS)
 
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
 	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)

@@ -13,6 +13,9 @@ the image's inputs: a change rebuilds, a re-run is a no-op) and imported into a 
 - sandman (`sandman_image()`, sandman.local/sandman:<version>): images/Dockerfile, the file
   users build with Docker, built with buildah over localhost/sandman-base:bookworm as
   PYTHON_IMAGE.
+- grading-task (`grading_task_image()`, sandman.local/grading-task:bookworm): the grading
+  demo's task, testbed/taskimage.py (its own debootstrap with git and pytest, a repository at
+  /testbed); built only when named or by the demo.
 
 task and sandman-base are the same debootstrapped tree (`rootfs_layer()`: minbase + bash,
 python3, python3-venv, ca-certificates, configured like debian:bookworm-slim) with their own
@@ -577,11 +580,35 @@ def sandman_image() -> tuple[str, Path]:
 
 # --- registry of images, import, CLI -------------------------------------------------------
 
-BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman}
+def build_grading_task(force: bool = False) -> Image:
+    """The grading demo's task image (testbed/taskimage.py): git, pytest, a repo at /testbed."""
+    from testbed import taskimage
+
+    return taskimage.build(force)
+
+
+def grading_task_image() -> tuple[str, Path]:
+    """(ref, archive path) of the grading task image, built on first use."""
+    img = build_grading_task()
+    return img.ref, img.archive
+
+
+def _grading_task_image() -> Image:
+    from testbed import taskimage
+
+    return taskimage._image()
+
+
+BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman,
+            "grading-task": build_grading_task}
+# What `build`/`import` without names do: the images every real-node run needs. grading-task
+# (its own debootstrap) is built by the grading demo, or when named.
+DEFAULT_BUILD = ("pause", "task", "sandman")
 
 
 def describe(name: str) -> Image:
-    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image}[name]()
+    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image,
+            "grading-task": _grading_task_image}[name]()
 
 
 class Containerd:
@@ -664,16 +691,17 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="build the missing images into the cache")
-    b.add_argument("names", nargs="*", help=f"default: all ({', '.join(BUILDERS)})")
+    b.add_argument("names", nargs="*", help=f"{', '.join(BUILDERS)}; default: "
+                   f"{', '.join(DEFAULT_BUILD)}")
     b.add_argument("--force", action="store_true",
                    help="rebuild even when cached (from the cached debootstrap tree)")
     i = sub.add_parser("import", help="build if needed, then import into a containerd")
     i.add_argument("--address", "-a", required=True, help="containerd socket")
     i.add_argument("--namespace", "-n", default="k8s.io")
-    i.add_argument("names", nargs="*", help="default: all")
+    i.add_argument("names", nargs="*", help=f"default: {', '.join(DEFAULT_BUILD)}")
     sub.add_parser("list", help="ref, cache state and archive path of each image")
     args = ap.parse_args(argv)
-    names = getattr(args, "names", None) or list(BUILDERS)
+    names = getattr(args, "names", None) or list(DEFAULT_BUILD)
     unknown = [n for n in names if n not in BUILDERS]
     if unknown:
         ap.error(f"unknown image(s) {unknown}; known: {list(BUILDERS)}")

@@ -16,6 +16,14 @@ from sandman.client._async.sandbox import AsyncSandbox
 from sandman.client._core import RetryPolicy
 from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
+from sandman.client.editing import (
+    EditAmbiguous,
+    EditConflict,
+    EditError,
+    EditNoMatch,
+    EditRefused,
+    EditResult,
+)
 from sandman.client.errors import (
     AcquireTimeout,
     AuthUnavailable,
@@ -61,7 +69,9 @@ from sandman.client.models import (
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
     "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
-    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ControllerError", "ControllerUnreachable", "ExecResult",
+    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ControllerError",
+    "ControllerUnreachable", "EditAmbiguous", "EditConflict", "EditError", "EditNoMatch",
+    "EditRefused", "EditResult", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",

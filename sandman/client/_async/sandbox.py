@@ -14,8 +14,9 @@ from typing import TYPE_CHECKING, Any
 import httpx
 
 from sandman.api import Route
-from sandman.client import _core
+from sandman.client import _core, editing
 from sandman.client._core import OnRequest, RetryPolicy
+from sandman.client.editing import EditResult
 from sandman.client.errors import (
     CommandTimeout,
     SandboxGone,
@@ -312,6 +313,26 @@ class AsyncSandbox:
             raise
         result = WriteResult.from_json(_core.decode_json(resp, "write"), path)
         return _core.check_write(path, raw, result)
+
+    async def edit(self, path: str, old: str, new: str) -> EditResult:
+        """Replace the one occurrence of `old` with `new` in the file, changing no other byte
+        (docs/grading.md, "The byte-safe editor"). Reads byte-exact with the SHA-256 check,
+        writes with `if_sha256` of that read (EditConflict if the file changed meanwhile) and
+        keeps the file's mode. Refuses, with a message telling to use the shell, what it
+        cannot write back unchanged: not UTF-8, mixed line endings, a bare CR (EditRefused);
+        `old` found 0 times (EditNoMatch) or more than once (EditAmbiguous)."""
+        content = await self.read_file(path)
+        data, line = editing.plan_edit(content.data, old, new, path)
+        if data == content.data:
+            return EditResult(path, line, content.sha256, content.sha256, len(data))
+        try:
+            w = await self.write(path, data, if_sha256=content.sha256)
+        except WriteConflict as e:
+            raise editing.EditConflict(
+                f"edit {path}: the file changed since it was read (now sha256 "
+                f"{e.current_sha256}); nothing was written, read it again and redo the edit",
+                path=path, current_sha256=e.current_sha256) from e
+        return EditResult(path, line, content.sha256, w.sha256, w.size)
 
     async def env(self, set: dict[str, str] | None = None,
                   unset: list[str] | None = None) -> dict[str, str]:

@@ -1,0 +1,330 @@
+"""Grading: capture an agent's patch, grade it on a never-used grading pod, preflight a task set.
+
+`sandman/client/_async/grading.py` is the source of both twins (`tools/gen_sync.py`);
+the I/O-free half (task model, verdicts, exclusions, exit statuses) is `_grading.py`.
+docs/grading.md has the model and the invariants."""
+
+from __future__ import annotations
+
+import asyncio
+import inspect
+import logging
+import shlex
+import time
+import uuid
+from typing import TYPE_CHECKING, Any
+
+from sandman.client._grading import (
+    DEFAULT_EXCLUDE,
+    CapturedPatch,
+    Excluded,
+    Exclusions,
+    GradeResult,
+    PreflightResult,
+    Task,
+    Verdict,
+    apply_refused,
+    classify,
+    git,
+    is_infra,
+    parse_name_status_z,
+    parse_status_z,
+    parse_summary,
+    patch_paths,
+    sections_changed,
+    tail,
+)
+from sandman.client.errors import CommandTimeout, SandmanError
+
+if TYPE_CHECKING:
+    from .client import AsyncClient
+    from .sandbox import AsyncSandbox
+
+log = logging.getLogger("sandman.client.grading")
+
+GRADING_ROLE = "grading"
+STEP_TIMEOUT_S = 120.0  # git steps; the suite has the task's own time limit
+MAX_OUTPUT = 1 << 20
+
+
+def _takes(fn: Any, name: str) -> bool:
+    """Whether a call accepts keyword `name` (the SDK grows role=, conditions=, reuse=)."""
+    try:
+        return name in inspect.signature(fn).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+def _tmpdir() -> str:
+    return f"/tmp/sandman-grading-{uuid.uuid4().hex[:12]}"
+
+
+async def _run(sb: AsyncSandbox, cmd: str, what: str, timeout: float = STEP_TIMEOUT_S) -> str:
+    """A grading step that must succeed; its failure is the infrastructure's (or the task's)."""
+    r = await sb.exec(f"( {cmd} ) 2>&1", timeout=timeout, max_output=MAX_OUTPUT)
+    if r.error or r.exit_code != 0:
+        raise _StepFailed(f"{what}: exit {r.exit_code}"
+                          f"{', ' + r.error if r.error else ''}: {tail(r.output, 600).strip()}")
+    return r.output
+
+
+class _StepFailed(SandmanError):
+    """A setup step of a grading failed without being the agent's fault: no verdict."""
+
+
+# ---- capture
+
+async def capture_patch(sandbox: AsyncSandbox, base_commit: str, *, repo: str = ".",
+                        exclude: Exclusions = DEFAULT_EXCLUDE) -> CapturedPatch:
+    """The agent's change in `repo` against `base_commit`, as `git diff --binary` bytes
+    (new files included, ignored files not), without test configuration (`exclude`).
+
+    The index is reset to the base in a temporary index file (GIT_INDEX_FILE), everything is
+    staged there and diffed: commits the agent made count, and the agent's own index and
+    HEAD are left as they were. Returns (patch, excluded)."""
+    t = _tmpdir()
+    q = shlex.quote
+    base = q(base_commit)
+    env = f"export GIT_INDEX_FILE={q(t + '/index')}"
+    try:
+        await _run(sandbox, (
+            f"set -e; cd -- {q(repo)}; rm -rf {q(t)}; mkdir -p {q(t)}; {env}; "
+            f"{git('rev-parse', '-q', '--verify', q(base_commit + '^{commit}'))} >/dev/null "
+            f"|| {{ echo 'base commit {base_commit} is not in this repository'; exit 3; }}; "
+            f"{git('read-tree', base)}; {git('add', '-A')}; "
+            f"{git('diff', '--cached', '--name-status', '-z', '--no-renames', base)} "
+            f"> {q(t + '/names')}"), "capture: stage the changes")
+        names = parse_name_status_z(await sandbox.read(f"{t}/names"))
+        excluded: list[Excluded] = []
+        candidates: list[tuple[int, str, str]] = []
+        for status, path in names:
+            if exclude.file_excluded(path):
+                excluded.append(Excluded(path, "test configuration file"))
+            elif exclude.section_names(path):
+                candidates.append((len(candidates), status, path))
+        if candidates:
+            cmds = []
+            for i, status, path in candidates:
+                if status != "A":
+                    cmds.append(f"{git('show', q(base_commit + ':' + path))} > {q(f'{t}/base.{i}')}")
+                if status != "D":
+                    cmds.append(f"{git('show', q(':' + path))} > {q(f'{t}/new.{i}')}")
+            await _run(sandbox, f"set -e; cd -- {q(repo)}; {env}; " + "; ".join(cmds),
+                       "capture: read configuration files")
+            for i, status, path in candidates:
+                before = None if status == "A" else await sandbox.read(f"{t}/base.{i}")
+                after = None if status == "D" else await sandbox.read(f"{t}/new.{i}")
+                secs = exclude.section_names(path)
+                if sections_changed(before, after, secs):
+                    excluded.append(Excluded(path, f"changes its test section(s) "
+                                                   f"{', '.join('[' + s + ']' for s in secs)}"))
+        resets = "".join(f"{git('reset', '-q', base, '--', q(':(literal)' + e.path))}; "
+                         for e in excluded)
+        await _run(sandbox, (
+            f"set -e; cd -- {q(repo)}; {env}; {resets}"
+            f"{git('diff', '--cached', '--binary', '--no-renames', '--no-ext-diff', '--no-textconv', '--no-color', base)}"
+            f" > {q(t + '/patch')}"), "capture: diff")
+        patch = await sandbox.read(f"{t}/patch")
+    finally:
+        try:
+            await sandbox.exec(f"rm -rf {q(t)}", timeout=60)
+        except SandmanError as e:
+            log.info("capture: could not remove %s: %s", t, e)
+    return CapturedPatch(patch, excluded)
+
+
+# ---- grade
+
+async def _acquire(client: AsyncClient, task: Task, job: str, timeout_s: float,
+                   namespace: str | None) -> AsyncSandbox:
+    kw: dict[str, Any] = {"job": job, "cpu": task.cpu, "memory": task.memory,
+                          "egress": task.egress, "timeout_s": timeout_s,
+                          "namespace": namespace}
+    if _takes(client.acquire, "role"):
+        kw["role"] = GRADING_ROLE
+    if task.conditions is not None:
+        if not _takes(client.acquire, "conditions"):
+            raise SandmanError(f"task {task.name!r} declares run conditions, but this SDK's "
+                               "acquire() takes no conditions: they would not be checked")
+        kw["conditions"] = task.conditions
+    return await client.acquire(task.image, **kw)
+
+
+async def _finish(client: AsyncClient, sb: AsyncSandbox, verdict: Verdict, reuse: bool) -> None:
+    """Give the pod back: a verdict on a reuse request returns it to its pool (checked
+    reuse); no verdict retires it (paper: a pod with a grading without verdict may be
+    defective); otherwise it is deleted. Never raises: the verdict stands."""
+    try:
+        if verdict is Verdict.NO_VERDICT and reuse and hasattr(sb, "retire"):
+            await sb.retire()
+        elif reuse and verdict is not Verdict.NO_VERDICT and _takes(sb.release, "reuse"):
+            await sb.release(reuse=True)
+        else:
+            await sb.release()
+    except SandmanError as e:
+        log.info("grading: releasing sandbox %s failed: %s", sb.id, e)
+
+
+async def _grade_on(sb: AsyncSandbox, task: Task, patch: bytes, excluded: list[Excluded],
+                    stage: list[str]) -> tuple[Verdict, str, bool, int | None,
+                                               dict[str, int], str]:
+    """One attempt on one pod: (verdict, reason, infra, exit_code, summary, output).
+    SDK errors propagate (the caller decides: infrastructure or the caller's own);
+    `stage[0]` names the step running, for the attempt's error."""
+    stage[0] = "check the base commit"
+    q = shlex.quote
+    t = _tmpdir()
+    base = q(task.base_commit)
+    tests = " ".join(q(f) for f in task.test_files)
+    ex = task.exclude
+    cd = f"cd -- {q(task.repo)}"
+    r = await sb.exec(f"( set -e; {cd}; "
+                      f"{git('rev-parse', '-q', '--verify', q(task.base_commit + '^{commit}'))}"
+                      f" >/dev/null ) 2>&1", timeout=STEP_TIMEOUT_S)
+    if r.error:
+        raise _StepFailed(f"check base commit: {r.error}")
+    if r.exit_code != 0:
+        return (Verdict.NO_VERDICT, f"task: base commit {task.base_commit} or repo "
+                f"{task.repo} not in the image: {tail(r.output, 300).strip()}", False,
+                None, {}, "")
+    # The official tests from the base commit (a never-used pod has them; a reused one too,
+    # after its checked restore: this is the grader's own guard).
+    stage[0] = "restore the official tests"
+    await _run(sb, f"set -e; {cd}; {git('checkout', '-q', base, '--', tests)}; "
+                   f"mkdir -p {q(t)}", "restore the official tests")
+    if patch.strip():
+        stage[0] = "apply the patch"
+        for path in patch_paths(patch):
+            if path in task.test_files:
+                excluded.append(Excluded(path, "official test file (restored from the base)"))
+            elif ex.file_excluded(path):
+                excluded.append(Excluded(path, "test configuration file"))
+        await sb.write(f"{t}/patch.diff", patch)
+        args = " ".join(q(a) for a in
+                        ["--binary", "--whitespace=nowarn", *ex.apply_args(),
+                         *(f"--exclude={f}" for f in task.test_files)])
+        r = await sb.exec(f"( {cd} && {git('apply', args, q(t + '/patch.diff'))} ) 2>&1",
+                          timeout=STEP_TIMEOUT_S, max_output=MAX_OUTPUT)
+        if r.error:
+            raise _StepFailed(f"git apply: {r.error}")
+        if r.exit_code != 0:
+            out = tail(r.output, 1500).strip()
+            if r.exit_code == 1 and apply_refused(out):
+                return (Verdict.FAILED, f"patch does not apply: {out}", False, None, {}, out)
+            raise _StepFailed(f"git apply: exit {r.exit_code}: {out}")
+        # Section-ruled files (setup.cfg, pyproject.toml) the patch changed: their test
+        # sections must stay the base's, else the whole file goes back to the base.
+        await _run(sb, f"set -e; {cd}; {git('status', '--porcelain=v1', '-z', '--untracked-files=all')}"
+                       f" > {q(t + '/status')}", "list the patched files")
+        changed = parse_status_z(await sb.read(f"{t}/status"))
+        for i, path in enumerate(p for p in changed if ex.section_names(p)):
+            r = await sb.exec(f"( {cd} && {git('show', q(task.base_commit + ':' + path))} "
+                              f"> {q(f'{t}/base.{i}')} ) 2>/dev/null", timeout=STEP_TIMEOUT_S)
+            before = await sb.read(f"{t}/base.{i}") if r.exit_code == 0 else None
+            try:
+                after = await sb.read(f"{task.repo}/{path}")
+            except FileNotFoundError:
+                after = None
+            if sections_changed(before, after, ex.section_names(path)):
+                undo = (git("checkout", "-q", base, "--", q(path)) if before is not None
+                        else f"rm -f -- {q(path)}")
+                await _run(sb, f"set -e; {cd}; {undo}", f"restore {path}")
+                excluded.append(Excluded(path, "changes its test section(s)"))
+        # The grader's invariant, checked rather than assumed.
+        r = await sb.exec(f"( {cd} && {git('diff', '--quiet', base, '--', tests)} ) 2>&1",
+                          timeout=STEP_TIMEOUT_S)
+        if r.error or r.exit_code != 0:
+            raise _StepFailed(f"official tests differ from the base after the patch: "
+                              f"{r.error or r.output.strip()[:300]}")
+    stage[0] = "run the suite"
+    try:
+        r = await sb.exec(f"{cd} && {task.command}", timeout=task.time_limit_s,
+                          max_output=MAX_OUTPUT)
+    except CommandTimeout as e:
+        out = tail(e.result.output)
+        return (Verdict.FAILED, f"the suite ran past its declared time limit "
+                f"({task.time_limit_s:g} s)", False, e.result.exit_code, {}, out)
+    out = tail(r.output)
+    o = classify(r.exit_code, r.error, r.output)
+    return (o.verdict, o.reason, o.infra, r.exit_code, parse_summary(r.output) or {}, out)
+
+
+async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
+                job: str = "grading", attempts: int = 3, reuse: bool = False,
+                acquire_timeout_s: float = 300.0, retry_backoff_s: float = 1.0,
+                namespace: str | None = None) -> GradeResult:
+    """Grade `patch` for `task`: a never-used grading pod (or, with `reuse=True`, one the
+    controller restored and checked), the official tests restored from the base commit, the
+    patch applied without test configuration, the suite run under the task's time limit.
+
+    passed / failed are verdicts on the patch (failing tests, a patch that does not apply, a
+    suite past its time limit). Anything the infrastructure did (pod lost, execd unreachable,
+    acquire timeout, a killed run, the controller's 5xx) is retried on a new pod up to
+    `attempts` pods in all and then answered as no_verdict: resample, never score 0. The
+    caller's own errors (BadRequest, Unauthenticated, Forbidden) raise."""
+    if attempts < 1:
+        raise SandmanError("grade: attempts must be >= 1")
+    data = patch.encode() if isinstance(patch, str) else bytes(patch or b"")
+    t0 = time.monotonic()
+    errors: list[str] = []
+    pods: list[str] = []
+    last: tuple[Verdict, str, bool, int | None, dict[str, int], str] | None = None
+    excluded: list[Excluded] = []
+    for n in range(1, attempts + 1):
+        excluded = []
+        stage = ["acquire"]
+        sb = None
+        verdict = Verdict.NO_VERDICT
+        try:
+            sb = await _acquire(client, task, job, acquire_timeout_s, namespace)
+            pods.append(sb.pod or sb.id or "?")
+            last = await _grade_on(sb, task, data, excluded, stage)
+            verdict = last[0]
+            if not last[2]:  # a verdict, or a no-verdict retrying cannot change
+                return GradeResult(verdict, last[1], last[3], last[4], last[5], n,
+                                   tuple(errors), tuple(excluded), tuple(pods),
+                                   time.monotonic() - t0)
+            errors.append(f"attempt {n} ({stage[0]}): {last[1]}")
+        except SandmanError as e:
+            if not is_infra(e):
+                raise
+            errors.append(f"attempt {n} ({stage[0]}): {type(e).__name__}: {e}")
+        finally:
+            if sb is not None:
+                await _finish(client, sb, verdict, reuse)
+        log.warning("grading %s: attempt %d/%d without a verdict: %s", task.name, n, attempts,
+                    errors[-1])
+        if n < attempts:
+            await asyncio.sleep(retry_backoff_s * n)
+    code, summary, out = (last[3], last[4], last[5]) if last else (None, {}, "")
+    return GradeResult(Verdict.NO_VERDICT, f"no verdict after {attempts} attempt(s); last: "
+                       f"{errors[-1] if errors else '?'}", code, summary, out, attempts,
+                       tuple(errors), tuple(excluded), tuple(pods), time.monotonic() - t0)
+
+
+# ---- preflight
+
+async def preflight(client: AsyncClient, tasks: list[Task], **grade_kw: Any) -> PreflightResult:
+    """Grade each task's reference patch (must pass) and the empty patch (must fail); keep
+    the tasks that do both (paper: two Verified tasks' tests pass without the fix). A task
+    without a reference patch, or with no verdict on either check, is dropped too: it cannot
+    be shown to be gradable. `grade_kw` go to grade()."""
+    kept: list[Task] = []
+    dropped: list[tuple[Task, str]] = []
+    results: dict[str, tuple[GradeResult, GradeResult | None]] = {}
+    for task in tasks:
+        if not task.reference_patch:
+            dropped.append((task, "no reference patch"))
+            continue
+        ref = await grade(client, task, task.reference_patch, **grade_kw)
+        if ref.verdict is not Verdict.PASSED:
+            results[task.name] = (ref, None)
+            dropped.append((task, f"reference patch: {ref.verdict}: {ref.reason}"))
+            continue
+        empty = await grade(client, task, b"", **grade_kw)
+        results[task.name] = (ref, empty)
+        if empty.verdict is not Verdict.FAILED:
+            dropped.append((task, f"empty patch: {empty.verdict} (must fail): {empty.reason}"))
+            continue
+        kept.append(task)
+    return PreflightResult(kept, dropped, results)

@@ -1,0 +1,38 @@
+"""Grading in the SDK (docs/grading.md): capture an agent's patch, grade it on a never-used
+grading pod, preflight a task set.
+
+    from sandman.client import Client
+    from sandman.client.grading import Task, capture_patch, grade, preflight
+
+    patch, excluded = capture_patch(agent_sandbox, task.base_commit, repo=task.repo)
+    result = grade(client, task, patch)     # result.verdict: passed | failed | no_verdict
+    kept = preflight(client, tasks).kept    # reference passes, empty patch fails
+
+`acapture_patch`, `agrade` and `apreflight` are the asyncio twins (with an AsyncClient /
+AsyncSandbox). `passed`/`failed` are verdicts on the patch; `no_verdict` means resample:
+an infrastructure failure is retried and never scored 0.
+"""
+
+from sandman.client._async.grading import capture_patch as acapture_patch
+from sandman.client._async.grading import grade as agrade
+from sandman.client._async.grading import preflight as apreflight
+from sandman.client._grading import (
+    DEFAULT_EXCLUDE,
+    NO_EXCLUDE,
+    CapturedPatch,
+    Excluded,
+    Exclusions,
+    GradeResult,
+    PreflightResult,
+    Task,
+    Verdict,
+    classify,
+    parse_summary,
+)
+from sandman.client._sync.grading import GRADING_ROLE, capture_patch, grade, preflight
+
+__all__ = [
+    "DEFAULT_EXCLUDE", "GRADING_ROLE", "NO_EXCLUDE", "CapturedPatch", "Excluded", "Exclusions",
+    "GradeResult", "PreflightResult", "Task", "Verdict", "acapture_patch", "agrade",
+    "apreflight", "capture_patch", "classify", "grade", "parse_summary", "preflight",
+]
