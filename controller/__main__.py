@@ -172,10 +172,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
     try:
         host, port = args.listen.rsplit(":", 1)
+        settings = settings_from(args)
         https = check_tls_flags(args)
         serving_tls = T.ServingTLS(args.tls_cert_file, args.tls_key_file) if https else None
         peer_ca = T.PeerCA(args.tls_ca_file)
-        settings = settings_from(args)
         labels = label_policy(args.caller_label_prefix)
         threads = max(32, min(256, args.max_creating))
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
