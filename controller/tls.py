@@ -30,7 +30,7 @@ import os
 import ssl
 from collections.abc import Callable
 
-from cryptography import x509
+from webhook.certs import load_pair
 
 log = logging.getLogger("controller.tls")
 
@@ -43,23 +43,6 @@ CA_KEY = "ca.crt"  # the key of the published ConfigMap, like the Secrets' own c
 def _stamp(path: str) -> tuple:
     st = os.stat(path)  # follows the ..data symlink of Secret volumes
     return (st.st_ino, st.st_mtime_ns, st.st_size)
-
-
-def _load(ctx: ssl.SSLContext, cert_pem: bytes, key_pem: bytes) -> None:
-    """load_cert_chain from bytes (it reads only paths): anonymous in-memory files, so both
-    loads see exactly the bytes read once, and nothing is written to the read-only root."""
-    fds = []
-    try:
-        for data in (cert_pem, key_pem):
-            fd = os.memfd_create("sandman-tls", os.MFD_CLOEXEC)
-            fds.append(fd)
-            view = memoryview(data)
-            while view:
-                view = view[os.write(fd, view):]
-        ctx.load_cert_chain(f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
-    finally:
-        for fd in fds:
-            os.close(fd)
 
 
 class ServingTLS:
@@ -89,16 +72,10 @@ class ServingTLS:
         if stamps == self._stamps:
             return True
         try:
-            with open(self.cert, "rb") as f:
-                cert_pem = f.read()
-            with open(self.key, "rb") as f:
-                key_pem = f.read()
-            leaf = x509.load_pem_x509_certificate(cert_pem)
             # A trial load first: OpenSSL installs the certificate before it checks the key,
             # so a failed load into the live context would leave a certificate without its
             # key there (every handshake failing) instead of the previous pair.
-            _load(ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER), cert_pem, key_pem)
-            _load(self.context, cert_pem, key_pem)
+            leaf = load_pair(self.context, self.cert, self.key)
         except (OSError, ssl.SSLError, ValueError) as e:
             if first:
                 raise ValueError(f"cannot load the TLS certificate {self.cert} / key "
