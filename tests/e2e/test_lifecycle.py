@@ -64,11 +64,10 @@ def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, fig
 ACQUIRE_AND_KEEP = """
 import ssl, sys, httpx
 url, image, token, ca, name = sys.argv[1:6]
-r = httpx.post(url + "/v1/sandboxes", timeout=150,
-               json={"image": image, "job": "e2e-uninstall", "cpu": "100m",
-                     "memory": "128Mi", "timeout_s": 120},
-               headers={"Authorization": "Bearer " + token},
-               verify=ssl.create_default_context(cafile=ca), extensions={"sni_hostname": name})
+with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=150) as c:
+    r = c.post(url + "/v1/sandboxes", json={"image": image, "job": "e2e-uninstall",
+                                            "cpu": "100m", "memory": "128Mi", "timeout_s": 120},
+               headers={"Authorization": "Bearer " + token}, extensions={"sni_hostname": name})
 r.raise_for_status()
 print("E2E-POD " + r.json()["pod"])
 """
