@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import textwrap
@@ -57,6 +59,19 @@ def copy_ca(api_client, inst, ns: str) -> None:
         if e.status != 409:
             raise
         core.replace_namespaced_config_map(SDK_CA, ns, body)
+
+
+def sigkill_container(sandman, namespace: str, pod: str) -> int:
+    """SIGKILL the pod's main container process on the node; returns its host PID."""
+    rn = sandman.rn
+    sid = rn.crictl("pods", "--namespace", f"^{namespace}$", "--name", f"^{pod}$", "-q",
+                    "--state", "ready").stdout.split()
+    assert sid, f"no sandbox for {namespace}/{pod}"
+    cid = rn.crictl("ps", "-p", sid[0], "--state", "running", "-q").stdout.split()
+    assert cid, f"no running container in {namespace}/{pod}"
+    pid = json.loads(rn.crictl("inspect", "-o", "json", cid[0]).stdout)["info"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def bind_trainer(api_client, ns: str, sa: str = "default", role: str = "sandman-user") -> None:
