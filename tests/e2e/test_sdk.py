@@ -199,7 +199,7 @@ def test_lifetime_30s_renewal_and_a_sigkilled_trainer(sandman, ns, figures):
     deadline = time.monotonic() + 240
     got = None
     while got is None and time.monotonic() < deadline:
-        lines = [ln for ln in sandman.logs(ns, "lifetime").splitlines()
+        lines = [ln for ln in (sandman.logs(ns, "lifetime") or "").splitlines()  # None: empty
                  if ln.startswith("E2E-LIFE ")]
         got = json.loads(lines[0][len("E2E-LIFE "):]) if lines else None
         time.sleep(0.5)
