@@ -14,6 +14,7 @@ import sys
 import uvicorn
 
 from controller import auth as A
+from controller import tls as T
 from controller.api import build_app
 from controller.core import Controller, Settings
 from controller.forward import ForwardToLeader
@@ -107,8 +108,44 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-reuse", type=int, default=Settings.max_reuse,
                    help="a grading pod released with reuse goes back to its pool at most this "
                         "many times, then it is deleted (0: never reused)")
+    s.add_argument("--tls-cert-file", default=None,
+                   help="PEM serving certificate: the API is served over https; the file is "
+                        "re-read when it changes (a renewed Secret), no restart")
+    s.add_argument("--tls-key-file", default=None, help="PEM key of --tls-cert-file")
+    s.add_argument("--tls-ca-file", default=None,
+                   help="PEM CA bundle a standby verifies the leader's certificate with "
+                        "(default: the system CAs); also what --ca-configmap publishes")
+    s.add_argument("--tls-server-name", default="",
+                   help="the name the leader's certificate is verified for (SNI): the "
+                        "Service's DNS name, since a standby reaches the leader by pod IP")
+    s.add_argument("--tls-reload-interval", type=float, default=T.RELOAD_INTERVAL_S,
+                   help="seconds between checks of the TLS files for a renewal")
+    s.add_argument("--ca-configmap", default="", metavar="NAMESPACE/NAME",
+                   help="keep --tls-ca-file's bundle in this ConfigMap (key ca.crt), for "
+                        "trainers' $SANDMAN_CA_FILE")
+    s.add_argument("--insecure-http", action="store_true",
+                   help="serve plain http although --auth kubernetes: ServiceAccount and "
+                        "sandbox tokens then cross the network in clear text (refused "
+                        "otherwise; local use only)")
     s.add_argument("--log-level", default="INFO")
     return ap.parse_args(argv)
+
+
+def check_tls_flags(args: argparse.Namespace) -> bool:
+    """True when the API is served over https; ValueError (one line) on a bad combination.
+    Fail closed: tokens never cross the network in clear text unless explicitly asked for."""
+    if bool(args.tls_cert_file) != bool(args.tls_key_file):
+        raise ValueError("--tls-cert-file and --tls-key-file go together")
+    tls = bool(args.tls_cert_file)
+    if tls and args.insecure_http:
+        raise ValueError("--insecure-http contradicts --tls-cert-file")
+    if args.auth == "kubernetes" and not tls and not args.insecure_http:
+        raise ValueError("--auth kubernetes needs TLS (--tls-cert-file, --tls-key-file): "
+                         "callers' tokens would cross the network in clear text; "
+                         "--insecure-http allows that explicitly (local use only)")
+    if args.ca_configmap and (not args.tls_ca_file or args.ca_configmap.count("/") != 1):
+        raise ValueError("--ca-configmap NAMESPACE/NAME needs --tls-ca-file")
+    return tls
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -148,6 +185,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         host, port = args.listen.rsplit(":", 1)
         settings = settings_from(args)
+        https = check_tls_flags(args)
+        serving_tls = T.ServingTLS(args.tls_cert_file, args.tls_key_file) if https else None
+        peer_ca = T.PeerCA(args.tls_ca_file)
         labels = label_policy(args.caller_label_prefix)
         threads = max(32, min(256, args.max_creating))
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
@@ -156,13 +196,18 @@ def main(argv: list[str] | None = None) -> int:
         port = int(port)
         elector = LeaderElector(KubeClient(api, args.namespace, threads=4), args.lease_name,
                                 args.lease_duration, args.lease_renew,
-                                advertise_url=advertise_url(args.advertise_address, host, port))
+                                advertise_url=advertise_url(args.advertise_address, host, port,
+                                                            https))
     except Exception as e:  # noqa: BLE001 - bad flags or config: one line, exit 2
         print(f"controller: {e}", file=sys.stderr)
         return 2
     if elector.advertise_url is None:
         log.warning("no --advertise-address: as leader, standbys cannot forward API calls "
                     "here and answer NotLeader (retried by the SDK) instead")
+    if args.insecure_http:
+        log.warning("*** --insecure-http: the API is plain http, so ServiceAccount tokens and "
+                    "sandbox tokens cross the network in clear text. For local use only; the "
+                    "chart always serves https. ***")
     if args.auth == "none":
         log.warning("*** --auth none: NO AUTHENTICATION. Anyone who reaches %s can acquire, "
                     "list, release and drain every sandbox and read their tokens. For local "
@@ -184,7 +229,17 @@ def main(argv: list[str] | None = None) -> int:
             return None
         return elector.holder, elector.leader_url
 
-    forwarder = ForwardToLeader(app, serving, target, identity=elector.identity)
+    # Over https a standby verifies the leader (CA file, Service name) and never forwards a
+    # caller's token to a plain-http leader.
+    forwarder = ForwardToLeader(app, serving, target, identity=elector.identity,
+                                verify=peer_ca.context if https else None,
+                                server_name=args.tls_server_name or None, require_https=https)
+    publisher = None
+    if args.ca_configmap:
+        from kubernetes import client as kclient
+
+        cm_ns, cm_name = args.ca_configmap.split("/")
+        publisher = T.CAPublisher(kclient.CoreV1Api(api), cm_ns, cm_name).publish
     kube = KubeClient(api, args.namespace, threads=threads, request_timeout=settings.api_timeout)
 
     async def on_started():
@@ -199,11 +254,17 @@ def main(argv: list[str] | None = None) -> int:
 
     @contextlib.asynccontextmanager
     async def lifespan(_app):
-        task = asyncio.get_running_loop().create_task(elector.run(on_started, on_lost))
+        loop = asyncio.get_running_loop()
+        task = loop.create_task(elector.run(on_started, on_lost))
+        tls_task = (loop.create_task(T.watch(serving_tls, peer_ca if https else None, publisher,
+                                             args.tls_reload_interval))
+                    if https else None)
         try:
             yield
         finally:
             task.cancel()
+            if tls_task is not None:
+                tls_task.cancel()
             c = state.get("controller")
             if c is not None:
                 await c.stop()
@@ -221,7 +282,10 @@ def main(argv: list[str] | None = None) -> int:
     # A run start fires thousands of acquires at once: a short accept backlog would turn the
     # burst into SYN retries (1 s each) before the queue even sees them.
     uvicorn.run(forwarder, host=host, port=port, log_level="warning", access_log=False,
-                backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools")
+                backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools",
+                # The same SSLContext object for the whole run: ServingTLS reloads it in place.
+                **({"ssl_context_factory": lambda _config, _default: serving_tls.context}
+                   if serving_tls else {}))
     return 0
 
 
@@ -237,13 +301,14 @@ def label_policy(prefixes: list[str]) -> A.LabelPolicy:
     return A.LabelPolicy(tuple(out))
 
 
-def advertise_url(address: str, listen_host: str, port: int) -> str | None:
-    """http://ADDRESS:PORT for the Lease; None when nothing routable is known."""
+def advertise_url(address: str, listen_host: str, port: int, https: bool = False) -> str | None:
+    """http(s)://ADDRESS:PORT for the Lease; None when nothing routable is known."""
     host = address or ("" if listen_host in ("", "0.0.0.0", "::", "[::]") else listen_host)
     if not host:
         return None
     host = host.strip("[]")
-    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
+    scheme = "https" if https else "http"
+    return f"{scheme}://[{host}]:{port}" if ":" in host else f"{scheme}://{host}:{port}"
 
 
 if __name__ == "__main__":

@@ -6,9 +6,11 @@
    them, releases them and waits until the namespace is empty (the paper's ramp).
 2. Warm-hit acquire p50/p99 (sequential, one caller).
 3. Acquire overhead against a bare `create_namespaced_pod` + watch-until-Ready loop, same run.
-4. Authentication's cost: warm-hit acquire p50 through three controllers side by side, `--auth
-   none`, `--auth kubernetes` (TokenReview + SubjectAccessReview, cached 10 s) and `--auth
-   kubernetes --auth-cache-ttl 0` (both reviews on every call), rounds interleaved.
+4. Authentication's and TLS's cost: warm-hit acquire p50 through four controllers side by side,
+   `--auth none` over http and over https, `--auth kubernetes` over https (TokenReview +
+   SubjectAccessReview, cached 10 s; what the chart runs) and `--auth kubernetes
+   --auth-cache-ttl 0` over https (both reviews on every call), rounds interleaved; each
+   caller keeps its connection (one TLS handshake per turn), as the SDK does.
 
 Writes a markdown table to stdout (and `--out FILE`), a plot of acquired-vs-time per step
 (`--plot FILE`). Not a test: numbers are reported, not asserted.
@@ -29,7 +31,7 @@ from kubernetes import client, config
 
 from sandman import api
 from testbed.cluster import Testbed, default_state_dir
-from testbed.controller import ControllerProc
+from testbed.controller import ControllerProc, local_tls_dir
 from testbed.kube import new_namespace
 
 IMAGE = "registry.invalid/bench/task:1"
@@ -193,9 +195,12 @@ def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
             "ctl_p50_ms": pct(via, .5), "ctl_p99_ms": pct(via, .99)}
 
 
-AUTH_ARMS = (("none", ["--auth", "none"]),
-             ("kubernetes (cache 10 s)", ["--auth", "kubernetes"]),
-             ("kubernetes (no cache)", ["--auth", "kubernetes", "--auth-cache-ttl", "0"]))
+# (name, flags, https). The first is the baseline of the ratios.
+AUTH_ARMS = (("none, http", ["--auth", "none"], False),
+             ("none, https", ["--auth", "none"], True),
+             ("kubernetes, https (cache 10 s)", ["--auth", "kubernetes"], True),
+             ("kubernetes, https (no cache)", ["--auth", "kubernetes", "--auth-cache-ttl", "0"],
+              True))
 
 
 def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> dict:
@@ -219,34 +224,35 @@ def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> di
         "audiences": ["sandman"], "expirationSeconds": 3600}}).status.token
     headers = {"Authorization": f"Bearer {token}"}
     per = max(1, n // rounds)
-    ctls, lat = [], {name: [] for name, _ in AUTH_ARMS}
-    warm_hits = {name: 0 for name, _ in AUTH_ARMS}
+    ctls, lat = [], {name: [] for name, _, _ in AUTH_ARMS}
+    warm_hits = {name: 0 for name, _, _ in AUTH_ARMS}
     body = {"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "auth", "warm_ok": True}
     try:
-        for i, (_name, flags) in enumerate(AUTH_ARMS):
+        for i, (_name, flags, https) in enumerate(AUTH_ARMS):
             ns = new_namespace(core, f"bench-auth{i}")
             ctl = ControllerProc(ns, tb.kubeconfig, state / f"controller-auth{i}.log",
                                  ["--rate", "100", "--burst", "100", "--lease-name",
                                   f"bench-auth{i}", "--log-level", "WARNING", *flags],
-                                 auth=None).start(timeout=180)
+                                 auth=None, tls=local_tls_dir() if https else None
+                                 ).start(timeout=180)
             ctls.append(ctl)
-            with httpx.Client(timeout=60, headers=headers) as cl:
+            with httpx.Client(timeout=60, headers=headers, verify=ctl.verify()) as cl:
                 r = cl.post(ctl.url + api.PREWARM.path, json={
                     "image": IMAGE, "count": per + 5,
                     "spec": {"cpu": "100m", "memory": "128Mi"}})
                 r.raise_for_status()
         for ctl in ctls:  # the pools filled
             deadline = time.monotonic() + 120
-            with httpx.Client(timeout=60, headers=headers) as cl:
+            with httpx.Client(timeout=60, headers=headers, verify=ctl.verify()) as cl:
                 while time.monotonic() < deadline:
                     pools = cl.get(ctl.url + api.STATS.path).json().get("warm")
                     if pools and all(v["warm"] >= per for v in pools.values()):
                         break
                     time.sleep(0.5)
         for _ in range(rounds):
-            for (name, _flags), ctl in zip(AUTH_ARMS, ctls, strict=True):
+            for (name, _flags, _https), ctl in zip(AUTH_ARMS, ctls, strict=True):
                 ids = []
-                with httpx.Client(timeout=60, headers=headers) as cl:
+                with httpx.Client(timeout=60, headers=headers, verify=ctl.verify()) as cl:
                     for _ in range(per):
                         t = time.perf_counter()
                         r = cl.post(ctl.url + api.ACQUIRE.path, json=body)
@@ -338,10 +344,10 @@ def main(argv=None) -> int:
                f"{over['bare_p99_ms']:.0f} ms; ratio p50 "
                f"{over['ctl_p50_ms'] / over['bare_p50_ms']:.2f}x."]
     if auth:
-        base = auth["p50_ms"]["none"]
-        md += ["", f"Authentication ({auth['n']} sequential warm acquires per arm, "
+        base = auth["p50_ms"][AUTH_ARMS[0][0]]
+        md += ["", f"Authentication and TLS ({auth['n']} sequential warm acquires per arm, "
                f"{auth['rounds']} interleaved rounds, same run): " + "; ".join(
-                   f"{k}: p50 {v:.1f} ms ({v / base:.2f}x none), p99 "
+                   f"{k}: p50 {v:.1f} ms ({v / base:.2f}x {AUTH_ARMS[0][0]}), p99 "
                    f"{auth['p99_ms'][k]:.1f} ms, {auth['warm_hits'][k]} warm hits"
                    for k, v in auth["p50_ms"].items()) + "."]
     text = "\n".join(md) + "\n"

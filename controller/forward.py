@@ -20,6 +20,12 @@ refuses with NotLeader instead of forwarding again, so a call never loops and ne
 deposed leader's books. With no leader to forward to (failover, or the leader still syncing)
 the standby answers NotLeader (503) with `Connection: close` and `Retry-After`; the SDK
 retries NotLeader, and the closed connection lets the retry be balanced afresh.
+
+TLS: a forwarded call carries the caller's token, so over https the standby forwards only to
+an https leader, verifying its certificate with the CA bundle (`--tls-ca-file`) for the
+Service's DNS name (`--tls-server-name`, sent as SNI): the leader is reached by pod IP, which
+no certificate names. A leader that fails verification gets nothing; the caller gets NotLeader
+and retries (tests/controller/test_forward.py, test_tls.py).
 """
 
 from __future__ import annotations
@@ -27,6 +33,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import ssl
 from collections.abc import Awaitable, Callable
 
 import httpx
@@ -63,11 +70,19 @@ class ForwardToLeader:
     target, go to the app, whose routes answer NotLeader."""
 
     def __init__(self, app, serving: Callable[[], bool],
-                 target: Callable[[], tuple[str, str] | None], identity: str = ""):
+                 target: Callable[[], tuple[str, str] | None], identity: str = "",
+                 verify: ssl.SSLContext | None = None, server_name: str | None = None,
+                 require_https: bool = False):
         self.app = app
         self.serving = serving
         self.target = target
         self.identity = identity
+        # TLS to the leader: `verify` (the CA bundle) checks its certificate for `server_name`
+        # (the Service's DNS name: the leader's pod IP is in no certificate). With
+        # require_https a caller's token is never forwarded over plain http.
+        self.verify = verify
+        self.server_name = server_name
+        self.require_https = require_https
         self._client: httpx.AsyncClient | None = None
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -91,6 +106,10 @@ class ForwardToLeader:
         if target is None:
             await self.app(scope, receive, send)  # the routes answer NotLeader
             return
+        if self.require_https and not target[1].lower().startswith("https://"):
+            await _not_leader(send, f"the leader {target[0]} serves plain http, and this replica"
+                                    " forwards callers' tokens over https only; retry")
+            return
         await self._forward(scope, receive, send, *target)
 
     def client(self) -> httpx.AsyncClient:
@@ -101,7 +120,7 @@ class ForwardToLeader:
             self._client = httpx.AsyncClient(
                 timeout=httpx.Timeout(None, connect=CONNECT_TIMEOUT_S),
                 limits=httpx.Limits(max_connections=None, max_keepalive_connections=64),
-                trust_env=False)
+                trust_env=False, verify=self.verify if self.verify is not None else True)
         return self._client
 
     async def aclose(self) -> None:
@@ -125,8 +144,9 @@ class ForwardToLeader:
             "latin-1")
         if scope.get("query_string"):
             target += "?" + scope["query_string"].decode("latin-1")
+        ext = {"sni_hostname": self.server_name} if self.server_name else None
         call = asyncio.ensure_future(self.client().request(
-            scope["method"], target, content=bytes(body), headers=headers))
+            scope["method"], target, content=bytes(body), headers=headers, extensions=ext))
         # The leader must learn that the caller left (an acquire withdraws its create): when
         # the caller disconnects, cancelling the call closes the connection to the leader.
         gone = asyncio.ensure_future(_disconnected(receive))

@@ -13,7 +13,7 @@ import httpx
 
 from loadtest.run import POD_READY, RUN, fire
 from sandman import api, contract
-from sandman.client._core import TokenSource
+from sandman.client._core import TokenSource, controller_tls
 
 log = logging.getLogger("loadtest")
 
@@ -72,7 +72,9 @@ def sample_stats(base_url: str, stop: gevent.event.Event, every_s: float = 1.0,
     deadline = time.monotonic() + max_s
     url = base_url.rstrip("/") + api.STATS.path
     token = TokenSource(None, None)  # $SANDMAN_TOKEN_FILE, like the SDK (stats: admin rights)
-    with httpx.Client(timeout=5, trust_env=False) as http:
+    # https: verified with $SANDMAN_CA_FILE, like the SDK.
+    verify = controller_tls(None) if url.startswith("https:") else True
+    with httpx.Client(timeout=5, trust_env=False, verify=verify) as http:
         while not stop.is_set() and time.monotonic() < deadline:
             try:
                 st = http.get(url, headers=token.header()).json()

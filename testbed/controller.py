@@ -9,11 +9,18 @@ test bed (or any kubeconfig).
 IP (testbed/standin.py). `--auth none` by default, said on the command line (the controller's
 own default is `kubernetes`): tests where authentication is the point pass `auth="kubernetes"`
 (tests/controller/test_auth.py), and a chart's rendered args carry their own `--auth`.
+
+TLS: `tls=DIR` (tls.crt, tls.key, ca.crt, e.g. from `local_tls_dir()`: names 127.0.0.1 and
+localhost) serves https and `url` says so; `verify()` is what a client checks it with. Without
+it, `--auth kubernetes` gets `--insecure-http`, said on the command line (the controller
+refuses plain http with authentication otherwise).
 """
 
 from __future__ import annotations
 
+import ssl
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -34,11 +41,16 @@ class ControllerProc:
     ready_check: str | None = "pod"  # None: the controller's own default (execd) or `flags`
     auth: str | None = "none"  # None: the controller's own default (kubernetes) or `flags`
     cwd: Path | None = None  # the tree whose controller/ runs (default: this repository)
+    tls: Path | None = None  # a directory of tls.crt, tls.key, ca.crt: serve https
     proc: Proc | None = None
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
+        return f"{'https' if self.tls else 'http'}://127.0.0.1:{self.port}"
+
+    def verify(self) -> ssl.SSLContext | bool:
+        """What a client verifies this controller with (its CA when serving https)."""
+        return ssl.create_default_context(cafile=str(self.tls / "ca.crt")) if self.tls else True
 
     @property
     def pid(self) -> int | None:
@@ -53,6 +65,12 @@ class ControllerProc:
             cmd += ["--ready-check", self.ready_check]
         if self.auth is not None:
             cmd += ["--auth", self.auth]
+        if self.tls:
+            cmd += ["--tls-cert-file", str(self.tls / "tls.crt"),
+                    "--tls-key-file", str(self.tls / "tls.key"),
+                    "--tls-ca-file", str(self.tls / "ca.crt")]
+        elif self.auth == "kubernetes":
+            cmd += ["--insecure-http"]
         return cmd + list(self.flags)
 
     def start(self, wait_ready: bool = True, timeout: float = 30,
@@ -75,7 +93,7 @@ class ControllerProc:
             if not self.proc.alive():
                 raise RuntimeError(f"controller exited {self.proc.exit_code()}: {self.tail()}")
             try:
-                r = httpx.get(self.url + api.READYZ.path, timeout=1)
+                r = httpx.get(self.url + api.READYZ.path, timeout=1, verify=self.verify())
                 if r.status_code == 200 and role in (None, r.json().get("role")):
                     return
             except (httpx.HTTPError, ValueError):
@@ -99,6 +117,22 @@ class ControllerProc:
         """SIGTERM (it releases its Lease), SIGKILL after `timeout` s."""
         if self.proc:
             self.proc.stop(timeout)
+
+
+_LOCAL_TLS: Path | None = None
+_LOCAL_TLS_DIR: tempfile.TemporaryDirectory | None = None  # removed at exit
+
+
+def local_tls_dir() -> Path:
+    """A CA and a serving pair for 127.0.0.1 and localhost (tls.crt, tls.key, ca.crt), made
+    once per process in a temporary directory (removed at exit)."""
+    global _LOCAL_TLS, _LOCAL_TLS_DIR
+    if _LOCAL_TLS is None:
+        from webhook.certs import self_signed_dir
+
+        _LOCAL_TLS_DIR = tempfile.TemporaryDirectory(prefix="sandman-ctl-tls-")
+        _LOCAL_TLS = Path(self_signed_dir(_LOCAL_TLS_DIR.name, ["localhost"], ["127.0.0.1"]))
+    return _LOCAL_TLS
 
 
 def start_controller(namespace: str, kubeconfig: Path, log: Path, flags: list[str] = (),

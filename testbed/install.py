@@ -266,10 +266,29 @@ class Install:
                                f"{self.release} in {self.namespace}, found {len(items)}")
         return items[0]["metadata"]["name"]
 
+    def controller_host(self) -> str:
+        """The Service's DNS name: what the controller's certificate names."""
+        return f"{self.controller_service()}.{self.namespace}.svc"
+
     def controller_url_in_cluster(self) -> str:
+        """$SANDMAN_URL of a trainer pod (https; the CA is ca_bundle())."""
         svc = self.kget("service", self.controller_service(), "-n", self.namespace)
         port = svc["spec"]["ports"][0]["port"]
-        return f"http://{self.controller_service()}.{self.namespace}.svc:{port}"
+        return f"https://{self.controller_host()}:{port}"
+
+    def ca_configmap(self) -> str:
+        """The ConfigMap in the release namespace holding the controller's CA bundle (ca.crt),
+        written by the controller (--ca-configmap)."""
+        return self.controller_service().removesuffix("-controller") + "-ca"
+
+    def ca_bundle(self) -> str:
+        """The controller's CA bundle (PEM), as published; InstallError when still empty."""
+        cm = self.kget("configmap", self.ca_configmap(), "-n", self.namespace)
+        pem = (cm.get("data") or {}).get("ca.crt", "")
+        if "BEGIN CERTIFICATE" not in pem:
+            raise InstallError(f"configmap {self.namespace}/{self.ca_configmap()} holds no "
+                               "ca.crt yet (the controller publishes it at start)")
+        return pem
 
     def how_to_reach(self) -> list[str]:
         """Lines for a person: the kubeconfig, and how to talk to the controller from here."""
@@ -281,11 +300,15 @@ class Install:
         for p in self.controller_pods():
             ip = p.get("status", {}).get("podIP")
             if ip:
-                lines.append(f"# controller pod {p['metadata']['name']}: http://{ip}:{port} "
-                             f"(pod IPs are routed from this machine)")
+                lines.append(f"# controller pod {p['metadata']['name']}: https://{ip}:{port} "
+                             f"(pod IPs are routed from this machine; the certificate names "
+                             f"{self.controller_host()}: curl --resolve)")
+        lines.append(f"# CA: kubectl -n {self.namespace} get configmap {self.ca_configmap()} "
+                     "-o jsonpath='{.data.ca\\.crt}' > ca.crt   # SANDMAN_CA_FILE=ca.crt")
         lines.append(f"# or: kubectl -n {self.namespace} port-forward "
-                     f"svc/{self.controller_service()} 8080:{port}   # then "
-                     f"http://127.0.0.1:8080")
+                     f"svc/{self.controller_service()} 8443:{port}   # then curl --cacert "
+                     f"ca.crt --resolve {self.controller_host()}:8443:127.0.0.1 "
+                     f"https://{self.controller_host()}:8443")
         return lines
 
 

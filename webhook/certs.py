@@ -91,6 +91,39 @@ def new_serving(ca_cert_pem: bytes, ca_key_pem: bytes, dns_names: list[str],
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
+def load_pair(context, cert_path: str, key_path: str) -> x509.Certificate:
+    """Load a PEM pair into a live server SSLContext, or raise and leave it as it was.
+
+    OpenSSL installs the certificate before it checks the key: a failed `load_cert_chain`
+    (a torn write: new certificate, old key) leaves the context holding a certificate without
+    its key, and every later handshake fails. So the pair is read once, loaded into a throwaway
+    context first, and only then into the live one, from the same bytes (anonymous in-memory
+    files: load_cert_chain takes paths, and the root filesystem is read-only). Returns the leaf.
+    """
+    import ssl
+
+    with open(cert_path, "rb") as f:
+        cert_pem = f.read()
+    with open(key_path, "rb") as f:
+        key_pem = f.read()
+    leaf = x509.load_pem_x509_certificate(cert_pem)
+    fds = []
+    try:
+        for data in (cert_pem, key_pem):
+            fd = os.memfd_create("sandman-tls", os.MFD_CLOEXEC)
+            fds.append(fd)
+            view = memoryview(data)
+            while view:
+                view = view[os.write(fd, view):]
+        paths = (f"/proc/self/fd/{fds[0]}", f"/proc/self/fd/{fds[1]}")
+        ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER).load_cert_chain(*paths)  # the trial
+        context.load_cert_chain(*paths)
+    finally:
+        for fd in fds:
+            os.close(fd)
+    return leaf
+
+
 def split_bundle(pem: bytes) -> list[x509.Certificate]:
     return x509.load_pem_x509_certificates(pem) if pem and pem.strip() else []
 

@@ -3,7 +3,9 @@
 The SSLContext object given to uvicorn stays the same; `load_cert_chain` on it swaps the
 certificate for new handshakes (established connections keep theirs). Reloading happens on the
 event loop, the thread that runs handshakes. A half-written pair (new cert, old key) fails to
-load and is retried on the next poll while the old pair keeps serving.
+load and is retried on the next poll while the old pair keeps serving: it is tried on a
+throwaway context first (webhook.certs.load_pair), since a failed load into the live context
+left it with the new certificate and no key (every handshake failed).
 
 Nagle: asyncio's socket transport sets TCP_NODELAY on accepted connections, but only when the
 socket's proto is IPPROTO_TCP; a listening socket made with socket.socket(family, SOCK_STREAM)
@@ -30,11 +32,11 @@ import ssl
 import sys
 
 import uvicorn
-from cryptography import x509
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
 from sandman.sandbox import SandboxPolicy
 from webhook.app import MAX_BODY_BYTES, AdmissionFastPath, create_app
+from webhook.certs import load_pair
 from webhook.metrics import Metrics
 
 log = logging.getLogger("webhook")
@@ -133,9 +135,7 @@ class TLSFiles:
         if stamps == self._stamps:
             return True
         try:
-            self.context.load_cert_chain(self.cert, self.key)
-            with open(self.cert, "rb") as f:
-                leaf = x509.load_pem_x509_certificate(f.read())
+            leaf = load_pair(self.context, self.cert, self.key)  # never half-loaded
         except (OSError, ssl.SSLError, ValueError) as e:
             self.metrics.cert_reloads.labels("failed").inc()
             log.warning("certificate reload failed, keeping the previous one: %s", e)

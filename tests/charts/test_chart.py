@@ -325,9 +325,16 @@ def test_controller_rbac_lives_only_in_the_sandbox_namespace(helm):
         assert bound, case
         roles = {(o["kind"], o["metadata"]["name"]): o for o in objs
                  if o["kind"] in ("Role", "ClusterRole")}
+        full = sa["name"].removesuffix("-controller")
         for b in bound:
             ref = b["roleRef"]
             role = roles[(ref["kind"], ref["name"])]
+            if b["kind"] == "RoleBinding" and b["metadata"]["namespace"] == NAMESPACE:
+                # The one exception in the release namespace: the CA bundle ConfigMap, by name.
+                assert role["rules"] == [{"apiGroups": [""], "resources": ["configmaps"],
+                                          "resourceNames": [f"{full}-ca"],
+                                          "verbs": ["get", "patch"]}], (case, role)
+                continue
             if b["kind"] == "RoleBinding":
                 assert b["metadata"]["namespace"] == sandboxes, (case, b["metadata"])
                 if ref["kind"] == "Role":
@@ -557,9 +564,14 @@ def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     src = pod["volumes"][0]["projected"]["sources"][0]["serviceAccountToken"]
     assert src["audience"] == A.DEFAULT_AUDIENCE
     env = {e["name"]: e.get("value") for e in pod["containers"][0]["env"]}
-    mount = pod["containers"][0]["volumeMounts"][0]["mountPath"]
-    assert env["SANDMAN_TOKEN_FILE"] == f"{mount}/{src['path']}"
-    assert env["SANDMAN_URL"].startswith(f"http://{full}-controller.{NAMESPACE}.svc")
+    mounts = {m["name"]: m["mountPath"] for m in pod["containers"][0]["volumeMounts"]}
+    volumes = {v["name"]: v for v in pod["volumes"]}
+    assert env["SANDMAN_TOKEN_FILE"] == f"{mounts[pod['volumes'][0]['name']]}/{src['path']}"
+    assert env["SANDMAN_URL"].startswith(f"https://{full}-controller.{NAMESPACE}.svc:")
+    # The CA bundle ConfigMap, mounted: `Client()` verifies the controller with it.
+    (ca_vol,) = [n for n, v in volumes.items() if "configMap" in v]
+    assert volumes[ca_vol]["configMap"]["name"] == f"{full}-ca"
+    assert env["SANDMAN_CA_FILE"] == f"{mounts[ca_vol]}/ca.crt"
     rb = _find(objs, "RoleBinding", "-test")
     assert rb["roleRef"]["name"] == "sandman-user" and rb["metadata"]["namespace"] == NAMESPACE
 
@@ -573,8 +585,8 @@ def test_controller_network_policy_admits_only_the_selected_callers(helm):
     pol = _find(objs, "NetworkPolicy", "-controller")
     assert pol["spec"]["podSelector"]["matchLabels"] == dep["spec"]["selector"]["matchLabels"]
     (rule,) = pol["spec"]["ingress"]
-    assert rule["ports"] == [{"port": "http", "protocol": "TCP"}]
-    assert dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] == "http"
+    assert rule["ports"] == [{"port": "https", "protocol": "TCP"}]
+    assert dep["spec"]["template"]["spec"]["containers"][0]["ports"][0]["name"] == "https"
     peers = rule["from"]
     assert peers[0] == {"namespaceSelector": {"matchLabels": {"sandman.dev/trainers": "true"}},
                         "podSelector": {"matchLabels": {contract.DOMAIN + "/trainer": "true"}}}
@@ -656,3 +668,59 @@ def test_uninstall_cleanup_hook_is_bounded_minimal_and_points_at_this_release(he
     ctl_labels = ctl["spec"]["template"]["metadata"]["labels"]
     assert want.items() <= ctl_labels.items()
     assert not want.items() <= job["spec"]["template"]["metadata"]["labels"].items()
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_controller_serves_https_with_the_chart_certificate(helm, case):
+    """In both certificate modes: a serving certificate naming the controller Service is
+    issued into the Secret the controller mounts (tls.crt, tls.key, ca.crt); the controller
+    serves https with it, verifies the leader as the Service's name, and publishes the CA
+    bundle in the ConfigMap the helm test pod (and trainers' copies) read; probes, Service and
+    ServiceMonitor speak https."""
+    objs = _render(helm, *_values_args(case), "--set", "serviceMonitor.enabled=true")
+    dep = _find(objs, "Deployment", "-controller")
+    name = dep["metadata"]["name"]
+    full = name.removesuffix("-controller")
+    host = f"{name}.{NAMESPACE}.svc"
+    spec = dep["spec"]["template"]["spec"]
+    c = spec["containers"][0]
+    args = dict(a.split("=", 1) for a in c["args"] if "=" in a)
+    mount = next(m["mountPath"] for m in c["volumeMounts"] if m["name"] == "tls")
+    secret = next(v["secret"]["secretName"] for v in spec["volumes"] if v["name"] == "tls")
+    assert secret == f"{name}-tls"
+    assert (args["--tls-cert-file"], args["--tls-key-file"], args["--tls-ca-file"]) == (
+        f"{mount}/tls.crt", f"{mount}/tls.key", f"{mount}/ca.crt")
+    assert args["--tls-server-name"] == host and "--insecure-http" not in c["args"]
+    assert args["--ca-configmap"] == f"{NAMESPACE}/{full}-ca"
+    for probe in ("readinessProbe", "livenessProbe"):
+        assert c[probe]["httpGet"]["scheme"] == "HTTPS" and c[probe]["httpGet"]["port"] == "https"
+    svc = _find(objs, "Service", "-controller")
+    assert svc["spec"]["ports"][0]["name"] == "https" == svc["spec"]["ports"][0]["targetPort"]
+    cm = _find(objs, "ConfigMap", f"{full}-ca")
+    assert "data" not in cm  # the controller writes ca.crt; Helm upgrades leave it alone
+    sm = _find(objs, "ServiceMonitor", "-controller")["spec"]["endpoints"][0]
+    assert sm["scheme"] == "https" and sm["tlsConfig"]["serverName"] == host
+    assert sm["tlsConfig"]["ca"]["configMap"] == {"name": f"{full}-ca", "key": "ca.crt"}
+    dns = [name, f"{name}.{NAMESPACE}", host, f"{host}.cluster.local"]
+    if case == "cert-manager":
+        cert = _find(objs, "Certificate", "-controller")["spec"]
+        assert cert["secretName"] == secret and cert["dnsNames"] == dns
+        # Signed by a CA of its own (stable across renewals), not self-signed.
+        issuer = _find(objs, "Issuer", f"{name}-ca")["spec"]
+        assert cert["issuerRef"]["name"] == f"{name}-ca"
+        ca = _find(objs, "Certificate", f"{name}-ca")["spec"]
+        assert ca["isCA"] is True and issuer == {"ca": {"secretName": ca["secretName"]}}
+        certs = [o for o in objs if o["kind"] in ("Job", "CronJob")
+                 and "-certs" in o["metadata"]["name"]]
+        assert not certs
+    else:
+        (certs,) = [o for o in objs if o["kind"] == "Job" and "-certs-" in o["metadata"]["name"]]
+        for job in (certs, _find(objs, "CronJob")["spec"]["jobTemplate"]):
+            pod = job["spec"]["template"]["spec"]
+            init = {i["name"]: i for i in pod["initContainers"]}["controller-certs"]
+            assert init["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
+            assert f"--service={name}" in init["args"] and f"--secret={secret}" in init["args"]
+            owned = {e["name"]: e["value"] for e in pod["containers"][0]["env"]}["SECRETS"]
+            assert {secret, f"{secret}-ca"} <= set(owned.split(","))
+        role = _find(objs, "Role", "-webhook")
+        assert {secret, f"{secret}-ca"} <= set(role["rules"][0]["resourceNames"])

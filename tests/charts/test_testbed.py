@@ -34,7 +34,7 @@ from sandman.contract import (
 )
 from sandman.sandbox import SandboxPolicy, make_sandbox
 from testbed.controller import ControllerProc
-from testbed.procs import free_port
+from testbed.procs import free_port, wait_for
 from testbed.standin import Standin
 from testbed.webhook import start_webhook, wait_webhook_active
 from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
@@ -236,6 +236,12 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                 assert not _can(cluster, namespace, controller, verb, resource, namespace), (
                     f"the controller may {verb} {resource} in the webhook's namespace")
             assert not _can(cluster, namespace, controller, "get", "secrets", sandboxes)
+            # ... besides the CA bundle ConfigMap it publishes to trainers, by name.
+            ca_cm = f"{rel.name}-sandman-ca"
+            assert _can(cluster, namespace, controller, "patch", "configmaps", namespace,
+                        name=ca_cm)
+            assert not _can(cluster, namespace, controller, "patch", "configmaps", namespace,
+                            name="someone-elses")
             # The webhook: its own Secrets and configurations, never pods.
             assert not _can(cluster, namespace, webhook, "list", "pods", namespace)
             assert not _can(cluster, namespace, webhook, "list", "pods")
@@ -255,14 +261,17 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             # The certificate Job's exact command, run here under the webhook's own account
             # (kwok runs no containers): its RBAC suffices to issue and patch caBundle.
             job = next(o for o in first if o["kind"] == "Job")
-            ensure = job["spec"]["template"]["spec"]["initContainers"][0]
-            assert ensure["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
             kc = _service_account_kubeconfig(cluster, namespace, webhook, tmp_path)
-            res = subprocess.run([sys.executable, "-m", "webhook", "certs", "ensure",
-                                  "--kubeconfig", str(kc), *ensure["args"],
-                                  "--propagation-seconds=0"], cwd=ROOT, capture_output=True,
-                                 text=True, timeout=60)
-            assert res.returncode == 0, res.stderr[-3000:]
+            # Its init containers: the webhook's certificates, then the controller's.
+            inits = job["spec"]["template"]["spec"]["initContainers"]
+            assert [i["name"] for i in inits] == ["certs", "controller-certs"]
+            for ensure in inits:
+                assert ensure["command"] == ["python3", "-m", "webhook", "certs", "ensure"]
+                res = subprocess.run([sys.executable, "-m", "webhook", "certs", "ensure",
+                                      "--kubeconfig", str(kc), *ensure["args"],
+                                      "--propagation-seconds=0"], cwd=ROOT,
+                                     capture_output=True, text=True, timeout=60)
+                assert res.returncode == 0, res.stderr[-3000:]
             # Its second step: the Secrets become the ServiceAccount's, so uninstall removes them.
             own = job["spec"]["template"]["spec"]["containers"][0]
             assert own["command"][:2] == ["python3", "-c"]
@@ -273,10 +282,20 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             assert res.returncode == 0, res.stderr[-3000:]
             tls = cluster.core.read_namespaced_secret(f"{webhook}-tls", namespace)
             assert tls.type == "kubernetes.io/tls"
+            ctl_tls = cluster.core.read_namespaced_secret(f"{controller}-tls", namespace)
             for secret in (tls, cluster.core.read_namespaced_secret(f"{webhook}-tls-ca",
-                                                                    namespace)):
+                                                                    namespace),
+                           ctl_tls, cluster.core.read_namespaced_secret(f"{controller}-tls-ca",
+                                                                        namespace)):
                 assert [(r.kind, r.name) for r in secret.metadata.owner_references] == [
                     ("ServiceAccount", webhook)]
+            # The controller's pair names its Service and comes from a CA of its own.
+            from cryptography import x509
+
+            leaf = x509.load_pem_x509_certificate(base64.b64decode(ctl_tls.data["tls.crt"]))
+            sans = leaf.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+            assert f"{controller}.{namespace}.svc" in sans.get_values_for_type(x509.DNSName)
+            assert ctl_tls.data["ca.crt"] != tls.data["ca.crt"]
             bundle = tls.data["ca.crt"]
             mwc = cluster.admissionregistration.read_mutating_webhook_configuration(cfg)
             assert {w.client_config.ca_bundle for w in mwc.webhooks} == {bundle}
@@ -443,18 +462,39 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
                       o["metadata"]["name"] == f"{controller}-pod-template")
             tpl = tmp_path / "pod-template.json"
             tpl.write_text(cm["data"]["pod-template.json"])
-            # The rendered args as they are (namespace, ready check, lease...), but on loopback.
+            # A serving pair as `certs ensure` issues it for the Service's names (plus
+            # 127.0.0.1, where it listens here), in place of the mounted Secret.
+            from webhook.certs import self_signed_dir, service_dns_names
+
+            host = f"{controller}.{namespace}.svc"
+            certdir = Path(self_signed_dir(str(tmp_path / "tls"),
+                                           service_dns_names(controller, namespace),
+                                           ["127.0.0.1"]))
+            # The rendered args as they are (namespace, ready check, lease, TLS, CA ConfigMap
+            # ...), but on loopback and with local files.
             ctl = ControllerProc(None, kc, tmp_path / "controller.log",
                                  _rewrite(container["args"], listen=f"127.0.0.1:{port}",
                                           advertise_address="127.0.0.1",
-                                          pod_template_file=str(tpl)),
-                                 port=port, ready_check=None)
+                                          pod_template_file=str(tpl),
+                                          tls_cert_file=str(certdir / "tls.crt"),
+                                          tls_key_file=str(certdir / "tls.key"),
+                                          tls_ca_file=str(certdir / "ca.crt")),
+                                 port=port, ready_check=None, tls=certdir)
+            assert f"--tls-server-name={host}" in container["args"]
             try:
                 ctl.start()
             except RuntimeError as e:
                 raise AssertionError(f"controller not leader/ready: {e}") from None
             url = ctl.url
+            assert url.startswith("https://")
             log = ctl.log
+            # Under the chart's Role, the controller published its CA bundle for trainers.
+            ca_cm = f"{rel.name}-sandman-ca"
+
+            def published() -> bool:
+                data = cluster.core.read_namespaced_config_map(ca_cm, namespace).data or {}
+                return data.get("ca.crt") == (certdir / "ca.crt").read_text()
+            wait_for(published, 30, f"the CA bundle in configmap {ca_cm}")
 
             hooks = objects(helm.run("get", "hooks", rel.name, "-n", namespace).stdout)
             pod = next(o for o in hooks if o["kind"] == "Pod")
@@ -462,7 +502,13 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             tc = pod["spec"]["containers"][0]
             assert tc["command"] == ["python3", "-m", "sandman.selftest"]
             env = {e["name"]: e["value"] for e in tc["env"] if "value" in e}
-            assert env["SANDMAN_URL"].startswith(f"http://{controller}.{namespace}.svc:")
+            assert env["SANDMAN_URL"].startswith(f"https://{host}:")
+            ca_vol = next(v for v in pod["spec"]["volumes"] if "configMap" in v)
+            assert ca_vol["configMap"]["name"] == ca_cm
+            # The pod's $SANDMAN_CA_FILE, as its ConfigMap volume would hold it.
+            ca_file = tmp_path / "ca-from-configmap.crt"
+            ca_file.write_text(cluster.core.read_namespaced_config_map(
+                ca_cm, namespace).data["ca.crt"])
             # The test pod's identity: its ServiceAccount's token for the projected volume's
             # audience, bound to sandman-user by the chart (the controller checks both).
             sa = pod["spec"]["serviceAccountName"]
@@ -476,6 +522,7 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             res = subprocess.run(test_cmd, cwd=tmp_path,
                                  env={**os.environ, "SANDMAN_URL": url,
                                       "SANDMAN_TOKEN_FILE": str(token),
+                                      "SANDMAN_CA_FILE": str(ca_file),
                                       "SANDMAN_POD_IP": "127.0.0.1"},
                                  capture_output=True, text=True, timeout=120)
             took = time.monotonic() - t0
@@ -483,9 +530,17 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             assert "ok: acquired, ran `echo ok`, released" in res.stdout
             # Without the token the controller refuses it (401), and says so in one line.
             anon = {k: v for k, v in os.environ.items() if k != "SANDMAN_TOKEN_FILE"}
-            res = subprocess.run(test_cmd, cwd=tmp_path, env={**anon, "SANDMAN_URL": url},
+            res = subprocess.run(test_cmd, cwd=tmp_path, env={**anon, "SANDMAN_URL": url,
+                                                              "SANDMAN_CA_FILE": str(ca_file)},
                                  capture_output=True, text=True, timeout=120)
             assert res.returncode != 0 and "Unauthenticated" in res.stderr, res.stderr
+            # Without the CA the SDK refuses the controller's certificate: it never sends the
+            # token to a server it cannot verify.
+            noca = {k: v for k, v in os.environ.items() if k != "SANDMAN_CA_FILE"}
+            res = subprocess.run(test_cmd, cwd=tmp_path,
+                                 env={**noca, "SANDMAN_URL": url, "SANDMAN_TOKEN_FILE": str(token)},
+                                 capture_output=True, text=True, timeout=120)
+            assert res.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in res.stderr, res.stderr
             # ... and it fails loudly when there is no controller to talk to.
             bad = subprocess.run(test_cmd, cwd=tmp_path,
                                  env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),

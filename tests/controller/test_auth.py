@@ -1,12 +1,14 @@
 """Authentication, authorization and tenants of the controller API (controller/auth.py), on the
 test bed: real ServiceAccounts, tokens from the TokenRequest API (with audiences), real RBAC
 (a ClusterRole bound by RoleBindings in tenant namespaces), the API server's own TokenReview
-and SubjectAccessReview. The controller runs `--auth kubernetes`."""
+and SubjectAccessReview. The controller runs `--auth kubernetes` over https, as the chart runs
+it (a local CA: raw calls verify it, the SDK through $SANDMAN_CA_FILE)."""
 
 from __future__ import annotations
 
 import asyncio
 import secrets
+import ssl
 import time
 
 import httpx
@@ -17,7 +19,7 @@ from controller import auth as A
 from controller.errors import BadRequest
 from sandman import api, contract
 from sandman.client import Client, Forbidden, Unauthenticated
-from testbed.controller import ControllerProc
+from testbed.controller import ControllerProc, local_tls_dir
 from testbed.procs import wait_for
 from tests.controller.faultproxy import FaultProxy, Rule
 from tests.controller.harness import pods
@@ -155,7 +157,7 @@ def authctl(cluster, namespace, tmp_path):
         p = ControllerProc(namespace, kubeconfig or cluster.kubeconfig,
                            tmp_path / f"controller-{len(procs)}.log",
                            ["--lease-name", f"auth-{namespace}-{len(procs)}", *flags],
-                           auth="kubernetes")
+                           auth="kubernetes", tls=local_tls_dir())
         procs.append(p)
         return p.start()
 
@@ -164,13 +166,26 @@ def authctl(cluster, namespace, tmp_path):
         p.kill()
 
 
+class _Verified:
+    """httpx's get/post/delete, verifying the controller with the local CA."""
+
+    def __getattr__(self, verb: str):
+        def call(url: str, **kw) -> httpx.Response:
+            ctx = ssl.create_default_context(cafile=str(local_tls_dir() / "ca.crt"))
+            return httpx.request(verb.upper(), url, verify=ctx, **kw)
+        return call
+
+
+H = _Verified()
+
+
 def bearer(token: str | None) -> dict:
     return {"Authorization": f"Bearer {token}"} if token else {}
 
 
 def acquire(url: str, token: str | None, job: str = "run-1", **kw) -> httpx.Response:
     body = {"image": IMAGE, "cpu": "1", "memory": "1Gi", "job": job, "timeout_s": 60, **kw}
-    return httpx.post(url + api.ACQUIRE.path, json=body, headers=bearer(token), timeout=90)
+    return H.post(url + api.ACQUIRE.path, json=body, headers=bearer(token), timeout=90)
 
 
 def err(r: httpx.Response) -> str:
@@ -190,6 +205,8 @@ def test_who_may_call_and_tenants_never_meet(cluster, namespace, tenants, authct
     tenants.bind(shared, a, "trainer")
     tok_a, tok_b = tenants.token(a, "trainer"), tenants.token(b, "trainer")
     ctl = authctl()
+    assert ctl.url.startswith("https://")
+    monkeypatch.setenv("SANDMAN_CA_FILE", str(local_tls_dir() / "ca.crt"))
 
     # Who: no token, a token for another audience, garbage -> 401 with WWW-Authenticate.
     for tok in (None, tenants.token(a, "trainer", audience="https://kubernetes.default.svc"),
@@ -197,22 +214,23 @@ def test_who_may_call_and_tenants_never_meet(cluster, namespace, tenants, authct
         r = acquire(ctl.url, tok)
         assert r.status_code == 401 and err(r) == "Unauthenticated", r.text
         assert r.headers["www-authenticate"] == "Bearer"
-        r = httpx.get(ctl.url + api.LIST.path, headers=bearer(tok), timeout=10)
+        r = H.get(ctl.url + api.LIST.path, headers=bearer(tok), timeout=10)
         assert r.status_code == 401, r.text
     # What: a valid identity without RBAC -> 403, and nothing is created.
     tok_none = tenants.token(a, "norbac")
     for r in (acquire(ctl.url, tok_none),
-              httpx.get(ctl.url + api.LIST.path, headers=bearer(tok_none), timeout=10),
-              httpx.post(ctl.url + api.DRAIN.url(job="run-1"), headers=bearer(tok_none),
+              H.get(ctl.url + api.LIST.path, headers=bearer(tok_none), timeout=10),
+              H.post(ctl.url + api.DRAIN.url(job="run-1"), headers=bearer(tok_none),
                          timeout=10)):
         assert r.status_code == 403 and err(r) == "Forbidden", r.text
     assert pods(cluster.core, namespace) == []
     with Client(ctl.url) as anonymous, pytest.raises(Unauthenticated):  # the SDK's type
         anonymous.list()
     # Probes and metrics stay open (the kubelet and Prometheus carry no token).
-    assert httpx.get(ctl.url + api.READYZ.path, timeout=5).status_code == 200
+    assert H.get(ctl.url + api.READYZ.path, timeout=5).status_code == 200
 
-    # Allowed: A through the SDK with `Client()` and the environment only; B by hand, with
+    # Allowed: A through the SDK with `Client()` and the environment only (URL, token file,
+    # CA file); B by hand, with
     # the same job name and the same request_id as A's.
     token_file = tmp_path / "token"
     token_file.write_text(tok_a)
@@ -257,15 +275,15 @@ def test_who_may_call_and_tenants_never_meet(cluster, namespace, tenants, authct
         assert acquire(ctl.url, tok_a, namespace=b).status_code == 403
         # A's drain of "run-1" takes A's sandboxes only; B's survives, still leased.
         assert ca.drain("run-1") == 4
-        got = httpx.get(ctl.url + api.GET.url(id=sb["id"]), headers=bearer(tok_b), timeout=10)
+        got = H.get(ctl.url + api.GET.url(id=sb["id"]), headers=bearer(tok_b), timeout=10)
         assert got.status_code == 200 and got.json()["state"] == "leased", got.text
         assert got.json()["tenant"] == b and got.json()["job"] == "run-1"
         # Admin operations need cluster-wide rights (sandman-admin through a
         # ClusterRoleBinding): a tenant's binding is not enough.
-        r = httpx.post(ctl.url + api.PREWARM.path, json={"image": IMAGE, "count": 5},
+        r = H.post(ctl.url + api.PREWARM.path, json={"image": IMAGE, "count": 5},
                        headers=bearer(tok_a), timeout=10)
         assert r.status_code == 403, r.text
-        assert httpx.get(ctl.url + api.STATS.path, headers=bearer(tok_a),
+        assert H.get(ctl.url + api.STATS.path, headers=bearer(tok_a),
                          timeout=10).status_code == 403
         # Labels: never Kubernetes' or sandman's own (the controller's pod labels would make a
         # sandbox the sandbox NetworkPolicy's "controller" peer).
@@ -273,7 +291,7 @@ def test_who_may_call_and_tenants_never_meet(cluster, namespace, tenants, authct
         assert r.status_code == 400 and "reserved" in r.json()["error"]["message"], r.text
         # B releases its own, A the one in the shared tenant.
         for sid, tok in ((sb["id"], tok_b), (rs.json()["id"], tok_a)):
-            rel = httpx.delete(ctl.url + api.RELEASE.url(id=sid), headers=bearer(tok),
+            rel = H.delete(ctl.url + api.RELEASE.url(id=sid), headers=bearer(tok),
                                timeout=10)
             assert rel.json()["released"] is True, rel.text
     wait_for(lambda: not [p for p in pods(cluster.core, namespace)
@@ -287,9 +305,9 @@ def test_revoked_binding_takes_effect_within_the_cache_ttl(cluster, tenants, aut
     tok = tenants.token(a, "trainer")
     ctl = authctl("--auth-cache-ttl", "1")
     url = ctl.url + api.LIST.path
-    assert httpx.get(url, headers=bearer(tok), timeout=10).status_code == 200
+    assert H.get(url, headers=bearer(tok), timeout=10).status_code == 200
     tenants.rbac.delete_namespaced_role_binding("sandman-user", a)
-    wait_for(lambda: httpx.get(url, headers=bearer(tok), timeout=10).status_code == 403,
+    wait_for(lambda: H.get(url, headers=bearer(tok), timeout=10).status_code == 403,
              10, "the revoked binding to be refused")
 
 
@@ -309,15 +327,15 @@ def test_an_api_server_that_cannot_answer_fails_closed(cluster, namespace, tenan
         ctl = authctl(kubeconfig=proxy.kubeconfig(tmp_path / "proxy.kubeconfig"))
         url = ctl.url + api.LIST.path
         tr = proxy.add(Rule("POST", r"/tokenreviews$", forward=False, answer=500, count=1))
-        r = httpx.get(url, headers=bearer(tok), timeout=20)
+        r = H.get(url, headers=bearer(tok), timeout=20)
         assert r.status_code == 503 and err(r) == "AuthUnavailable", r.text
         assert tr.fired == 1
         sar = proxy.add(Rule("POST", r"/subjectaccessreviews$", forward=False, answer=500,
                              count=1))
-        r = httpx.get(url, headers=bearer(tok), timeout=20)
+        r = H.get(url, headers=bearer(tok), timeout=20)
         assert r.status_code == 503 and err(r) == "AuthUnavailable", r.text
         assert sar.fired == 1
         # The API server answers again: the same token and question now pass.
-        assert httpx.get(url, headers=bearer(tok), timeout=20).status_code == 200
+        assert H.get(url, headers=bearer(tok), timeout=20).status_code == 200
     finally:
         proxy.stop()

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import ssl
 import threading
 import time
 from typing import Any
@@ -17,6 +18,8 @@ import uvicorn
 
 from controller.api import build_app
 from controller.forward import LEADER_HEADER, ForwardToLeader
+from controller.tls import PeerCA, ServingTLS
+from webhook import certs as C
 
 LOOPBACK = "127.0.0.1"
 
@@ -62,20 +65,24 @@ class Elector:
         return self._connected
 
 
-def _serve(app) -> tuple[str, uvicorn.Server, threading.Thread, socket.socket]:
+def _serve(app, tls: ssl.SSLContext | None = None
+           ) -> tuple[str, uvicorn.Server, threading.Thread, socket.socket]:
     sock = socket.socket()
     sock.bind((LOOPBACK, 0))
-    srv = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
+    srv = uvicorn.Server(uvicorn.Config(
+        app, log_level="warning", lifespan="off",
+        **({"ssl_context_factory": lambda _c, _d: tls} if tls else {})))
     t = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     t.start()
     deadline = time.monotonic() + 10
     while not srv.started and time.monotonic() < deadline:
         time.sleep(0.02)
     assert srv.started
-    return f"http://{LOOPBACK}:{sock.getsockname()[1]}", srv, t, sock
+    scheme = "https" if tls else "http"
+    return f"{scheme}://{LOOPBACK}:{sock.getsockname()[1]}", srv, t, sock
 
 
-def _replica(identity: str, elector: Elector, controller: StandIn | None):
+def _replica(identity: str, elector: Elector, controller: StandIn | None, **tls):
     state: dict[str, Any] = {"elector": elector}
     if controller is not None:
         state["controller"] = controller
@@ -89,7 +96,7 @@ def _replica(identity: str, elector: Elector, controller: StandIn | None):
             return None
         return elector.holder, elector.leader_url
 
-    return ForwardToLeader(build_app(state), serving, target, identity=identity), state
+    return ForwardToLeader(build_app(state), serving, target, identity=identity, **tls), state
 
 
 @pytest.fixture
@@ -173,3 +180,49 @@ def test_a_caller_leaving_the_standby_cancels_the_acquire_on_the_leader(pair):
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(standby + "/v1/sandboxes", json={"image": "i", "job": "j"}, timeout=1.0)
     assert ctl.cancelled.wait(5), "the leader never learnt that the caller left"
+
+
+# ---- over TLS: the leader serves the chart's kind of certificate (the Service's DNS name
+# only; the standby reaches it by IP), the standby verifies it or forwards nothing.
+
+SVC = "sandman-controller.sandman-system.svc"
+
+
+@pytest.fixture(scope="module")
+def leader_tls(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tls")
+    ca = C.new_ca("test-ca")
+    cert, key = C.new_serving(ca[0], ca[1], [SVC])
+    (d / "tls.crt").write_bytes(cert)
+    (d / "tls.key").write_bytes(key)
+    (d / "ca.crt").write_bytes(ca[0])
+    other = C.new_ca("another-ca")
+    (d / "other.crt").write_bytes(other[0])
+    return d
+
+
+@pytest.mark.parametrize("case", ["verified", "unknown CA", "other name", "plain http leader"])
+def test_standby_forwards_only_to_a_verified_https_leader(leader_tls, case):
+    ctl = StandIn()
+    leader, _ = _replica("leader-1", Elector("leader-1", is_leader=True), ctl)
+    tls = None if case == "plain http leader" else ServingTLS(str(leader_tls / "tls.crt"),
+                                                              str(leader_tls / "tls.key"))
+    ca = leader_tls / ("other.crt" if case == "unknown CA" else "ca.crt")
+    el = Elector("standby-1")
+    standby, _ = _replica("standby-1", el, None, verify=PeerCA(str(ca)).context,
+                          server_name="wrong.example" if case == "other name" else SVC,
+                          require_https=True)
+    servers = [_serve(leader, tls.context if tls else None), _serve(standby)]
+    el.holder, el.leader_url = "leader-1", servers[0][0]
+    try:
+        r = httpx.post(servers[1][0] + "/v1/sandboxes", json={"image": "i", "job": "j"})
+        if case == "verified":
+            assert r.status_code == 201 and r.json()["id"] == "sb-1" and ctl.n == 1, r.text
+        else:  # nothing reached the leader: the caller retries (NotLeader), never in clear
+            assert r.status_code == 503 and r.json()["error"]["type"] == "NotLeader", r.text
+            assert ctl.n == 0
+    finally:
+        for _url, srv, t, sock in servers:
+            srv.should_exit = True
+            t.join(10)
+            sock.close()

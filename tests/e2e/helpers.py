@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import secrets
+import signal
 import subprocess
 import sys
 import textwrap
@@ -32,11 +34,44 @@ SDK_TOKEN_DIR = "/var/run/secrets/sandman"
 SDK_TOKEN_VOLUME = {"name": "sandman-token", "projected": {"sources": [{"serviceAccountToken": {
     "audience": "sandman", "expirationSeconds": 3600, "path": "token"}}]}}
 SDK_TOKEN_MOUNT = {"name": "sandman-token", "mountPath": SDK_TOKEN_DIR, "readOnly": True}
+# The controller's CA bundle, copied by the admin into the trainer's namespace as ConfigMap
+# `sandman-ca` (copy_ca; docs/install.md, "Trainers: the CA"), read from $SANDMAN_CA_FILE.
+SDK_CA = "sandman-ca"
+SDK_CA_DIR = "/etc/sandman/ca"
+SDK_CA_VOLUME = {"name": SDK_CA, "configMap": {"name": SDK_CA}}
+SDK_CA_MOUNT = {"name": SDK_CA, "mountPath": SDK_CA_DIR, "readOnly": True}
 
 
 def sdk_env(controller: str) -> list[dict]:
     return [{"name": "SANDMAN_URL", "value": controller},
-            {"name": "SANDMAN_TOKEN_FILE", "value": f"{SDK_TOKEN_DIR}/token"}]
+            {"name": "SANDMAN_TOKEN_FILE", "value": f"{SDK_TOKEN_DIR}/token"},
+            {"name": "SANDMAN_CA_FILE", "value": f"{SDK_CA_DIR}/ca.crt"}]
+
+
+def copy_ca(api_client, inst, ns: str) -> None:
+    """The admin's copy of the controller's CA bundle into a trainer namespace (a ConfigMap
+    cannot be mounted across namespaces): ConfigMap `sandman-ca`, key ca.crt."""
+    core = client.CoreV1Api(api_client)
+    body = {"metadata": {"name": SDK_CA}, "data": {"ca.crt": inst.ca_bundle()}}
+    try:
+        core.create_namespaced_config_map(ns, body)
+    except client.ApiException as e:
+        if e.status != 409:
+            raise
+        core.replace_namespaced_config_map(SDK_CA, ns, body)
+
+
+def sigkill_container(sandman, namespace: str, pod: str) -> int:
+    """SIGKILL the pod's main container process on the node; returns its host PID."""
+    rn = sandman.rn
+    sid = rn.crictl("pods", "--namespace", f"^{namespace}$", "--name", f"^{pod}$", "-q",
+                    "--state", "ready").stdout.split()
+    assert sid, f"no sandbox for {namespace}/{pod}"
+    cid = rn.crictl("ps", "-p", sid[0], "--state", "running", "-q").stdout.split()
+    assert cid, f"no running container in {namespace}/{pod}"
+    pid = json.loads(rn.crictl("inspect", "-o", "json", cid[0]).stdout)["info"]["pid"]
+    os.kill(pid, signal.SIGKILL)
+    return pid
 
 
 def bind_trainer(api_client, ns: str, sa: str = "default", role: str = "sandman-user") -> None:

@@ -13,9 +13,6 @@ real ones (the webhooks declare sideEffects None) without 64 pods to start on a 
 
 from __future__ import annotations
 
-import json
-import os
-import signal
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -24,6 +21,7 @@ from kubernetes import client
 
 from sandman.contract import LABEL_JOB
 from tests.e2e.helpers import bind_trainer, new_token, plain_pod, sandbox_pod
+from tests.e2e.helpers import sigkill_container as _kill
 from tests.e2e.test_sdk import run_trainer
 
 
@@ -31,19 +29,6 @@ def _pods(sandman, component: str) -> list:
     return sandman.core.list_namespaced_pod(
         sandman.inst.namespace,
         label_selector=f"app.kubernetes.io/component={component}").items
-
-
-def _kill(sandman, namespace: str, pod: str) -> int:
-    """SIGKILL the pod's main container process on the node; returns its host PID."""
-    rn = sandman.rn
-    sid = rn.crictl("pods", "--namespace", f"^{namespace}$", "--name", f"^{pod}$", "-q",
-                    "--state", "ready").stdout.split()
-    assert sid, f"no sandbox for {namespace}/{pod}"
-    cid = rn.crictl("ps", "-p", sid[0], "--state", "running", "-q").stdout.split()
-    assert cid, f"no running container in {namespace}/{pod}"
-    pid = json.loads(rn.crictl("inspect", "-o", "json", cid[0]).stdout)["info"]["pid"]
-    os.kill(pid, signal.SIGKILL)
-    return pid
 
 
 def _scale(sandman, name: str, replicas: int) -> None:

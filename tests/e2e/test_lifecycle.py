@@ -59,12 +59,17 @@ def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, fig
 
 # Run in a caller pod's netns: acquire one sandbox and exit WITHOUT releasing it (no close),
 # so it is still leased, running, when the release is uninstalled.
+# Runs in the caller pod's network namespace with the host's files, so no cluster DNS: it
+# dials the Service's cluster IP and verifies the certificate for the Service's name (SNI).
 ACQUIRE_AND_KEEP = """
-import sys
-from sandman.client import Client
-c = Client(sys.argv[1], token=sys.argv[3], timeout_s=120)
-sb = c.acquire(sys.argv[2], job="e2e-uninstall", cpu="100m", memory="128Mi")
-print("E2E-POD " + sb.pod)
+import ssl, sys, httpx
+url, image, token, ca, name = sys.argv[1:6]
+with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=150) as c:
+    r = c.post(url + "/v1/sandboxes", json={"image": image, "job": "e2e-uninstall",
+                                            "cpu": "100m", "memory": "128Mi", "timeout_s": 120},
+               headers={"Authorization": "Bearer " + token}, extensions={"sni_hostname": name})
+r.raise_for_status()
+print("E2E-POD " + r.json()["pod"])
 """
 
 
@@ -74,7 +79,7 @@ def _managed_pods(inst) -> list[str]:
         f"{LABEL_MANAGED_BY}={MANAGED_BY_CONTROLLER}")["items"]]
 
 
-def test_install_test_upgrade_uninstall(sandman, ns, figures):
+def test_install_test_upgrade_uninstall(sandman, ns, figures, tmp_path):
     inst = sandman.inst
     # `helm install --wait` (the fixture) returned: every replica Ready, the standby included.
     deps = _deployments(inst)
@@ -123,9 +128,12 @@ def test_install_test_upgrade_uninstall(sandman, ns, figures):
     token = sandman.core.create_namespaced_service_account_token("default", ns, {
         "spec": {"audiences": ["sandman"], "expirationSeconds": 600}}).status.token
     svc = inst.kget("service", inst.controller_service(), "-n", inst.namespace)["spec"]
+    ca = tmp_path / "ca.crt"
+    ca.write_text(inst.ca_bundle())
     res = sandman.netns(ns, "caller", [sys.executable, "-c", ACQUIRE_AND_KEEP,
-                                       f"http://{svc['clusterIP']}:{svc['ports'][0]['port']}",
-                                       TASK_IMAGE, token], timeout=180)
+                                       f"https://{svc['clusterIP']}:{svc['ports'][0]['port']}",
+                                       TASK_IMAGE, token, str(ca), inst.controller_host()],
+                        timeout=180)
     kept = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("E2E-POD ")]
     assert res.returncode == 0 and kept, f"acquire failed: {res.stderr[-2000:]}"
     assert kept[0] in _managed_pods(inst), (kept, _managed_pods(inst))

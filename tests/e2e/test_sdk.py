@@ -5,19 +5,24 @@ real pod on the real node, reached over the pod network through the NetworkPolic
 
 from __future__ import annotations
 
+import datetime
 import json
 import time
 
 from kubernetes import client
 
 from tests.e2e.helpers import (
+    SDK_CA_MOUNT,
+    SDK_CA_VOLUME,
     SDK_TOKEN_MOUNT,
     SDK_TOKEN_VOLUME,
     TASK_IMAGE,
     TRAINER_LABEL,
     bind_trainer,
+    copy_ca,
     placement,
     sdk_env,
+    sigkill_container,
 )
 
 MEMORY = 160 * 1024 * 1024
@@ -26,7 +31,9 @@ SCRIPT = r"""
 import hashlib, json, os, sys, time
 from sandman.client import Client
 res = {}
-with Client(timeout_s=60) as c:  # in-cluster config: SANDMAN_URL, SANDMAN_TOKEN_FILE
+# In-cluster config only: SANDMAN_URL (https), SANDMAN_TOKEN_FILE, SANDMAN_CA_FILE.
+res["url"] = os.environ["SANDMAN_URL"]
+with Client(timeout_s=60) as c:
     with c.acquire(image=os.environ["TASK_IMAGE"], job="e2e-sdk", cpu="250m",
                    memory="160Mi", timeout_s=150) as sb:
         res["pod"] = sb.pod
@@ -74,8 +81,9 @@ print("E2E-RESULT " + json.dumps(res))
 
 def trainer_pod(name: str, image: str, script: str, controller: str, **env: str) -> dict:
     """A trainer as docs/sdk.md sets one up: the namespace's `default` ServiceAccount (bound
-    to sandman-user by `bind_trainer`), a projected token for the controller's audience, and
-    the SDK's environment, so the script's `Client()` takes no arguments."""
+    to sandman-user by `bind_trainer`), a projected token for the controller's audience, the
+    controller's CA bundle (copied by `copy_ca`) and the SDK's environment, so the script's
+    `Client()` takes no arguments."""
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": {TRAINER_LABEL: "true"}},
             "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
@@ -86,15 +94,16 @@ def trainer_pod(name: str, image: str, script: str, controller: str, **env: str)
                          "env": [*sdk_env(controller),
                                  {"name": "TASK_IMAGE", "value": TASK_IMAGE},
                                  *({"name": k, "value": v} for k, v in env.items())],
-                         "volumeMounts": [SDK_TOKEN_MOUNT],
+                         "volumeMounts": [SDK_TOKEN_MOUNT, SDK_CA_MOUNT],
                          "resources": {"limits": {"cpu": "200m", "memory": "192Mi"}}}],
-                     "volumes": [SDK_TOKEN_VOLUME],
+                     "volumes": [SDK_TOKEN_VOLUME, SDK_CA_VOLUME],
                      **placement()}}
 
 
 def run_trainer(sandman, ns: str, name: str, script: str, timeout: float = 400, **env) -> dict:
     url = sandman.inst.controller_url_in_cluster()
     bind_trainer(sandman.cluster.api_client, ns)
+    copy_ca(sandman.cluster.api_client, sandman.inst, ns)
     sandman.create(ns, trainer_pod(name, sandman.inst.image_ref, script, url, **env))
     pod = sandman.wait_done(ns, name, timeout=timeout)
     logs = sandman.logs(ns, name)
@@ -108,6 +117,7 @@ def test_trainer_pod_acquires_through_the_sdk(sandman, ns, figures):
     t0 = time.monotonic()
     res = run_trainer(sandman, ns, "trainer", SCRIPT)
     took = time.monotonic() - t0
+    assert res["url"].startswith("https://"), res["url"]  # verified with the copied CA
     assert res["exec"] == [3, "hello\nerr\n"], res["exec"]
     assert res["shell"] == ["/tmp", "kept"], res["shell"]
     assert res["write_sha"] and res["read_equal"] and res["sha_inside"], res
@@ -135,3 +145,86 @@ def test_trainer_pod_acquires_through_the_sdk(sandman, ns, figures):
     else:
         raise AssertionError(f"sandbox pod {res['pod']} still there 60 s after release")
     figures.add(f"e2e: trainer pod acquire, exec, files, reset, OOM, release: {took:.1f}s")
+
+
+LIFETIME = r"""
+import json, os, time
+from sandman.client import Client
+c = Client(timeout_s=60)  # in-cluster config only, over https
+spec = dict(image=os.environ["TASK_IMAGE"], job="e2e-lifetime", cpu="100m", memory="128Mi",
+            lifetime_s=30, timeout_s=150)
+lone = c.acquire(**spec, renew=False)  # never renewed
+kept = c.acquire(**spec)  # renewed in the background, every 10 s
+print("E2E-LIFE " + json.dumps({"lone": lone.pod, "lone_expires": lone.expires_at,
+                                "kept": kept.pod}), flush=True)
+time.sleep(600)  # until the test SIGKILLs this pod: no release, no atexit
+"""
+
+
+def _gone(core, ns: str, pod: str) -> bool:
+    try:
+        p = core.read_namespaced_pod(pod, ns)
+    except client.ApiException as e:
+        if e.status == 404:
+            return True
+        raise
+    return p.metadata.deletion_timestamp is not None
+
+
+def _expires_at(core, ns: str, pod: str) -> float | None:
+    from sandman.contract import ANNOTATION_EXPIRES_AT
+
+    try:
+        ann = core.read_namespaced_pod(pod, ns).metadata.annotations or {}
+    except client.ApiException:
+        return None
+    text = ann.get(ANNOTATION_EXPIRES_AT)
+    return datetime.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp() if text \
+        else None
+
+
+def test_lifetime_30s_renewal_and_a_sigkilled_trainer(sandman, ns, figures):
+    """Issue 14's lifetime, as the chart runs it (auth, https, the chart's minimum 30 s): a
+    sandbox acquired with lifetime_s 30 and never renewed is gone within 30 s + one expiry
+    pass (1 s) + API slack; its sibling, renewed by the SDK, lives on past that; after the
+    trainer process is SIGKILLed (on the node: no release, no atexit) the renewed one is gone
+    within its lifetime after its last renewal: nothing leaks."""
+    slack = 5.0  # the delete call and this test's 0.5 s polling
+    bind_trainer(sandman.cluster.api_client, ns)
+    copy_ca(sandman.cluster.api_client, sandman.inst, ns)
+    url = sandman.inst.controller_url_in_cluster()
+    sandman.create(ns, trainer_pod("lifetime", sandman.inst.image_ref, LIFETIME, url))
+    sbx = sandman.inst.sandbox_namespace
+    core = sandman.core
+    deadline = time.monotonic() + 240
+    got = None
+    while got is None and time.monotonic() < deadline:
+        lines = [ln for ln in (sandman.logs(ns, "lifetime") or "").splitlines()  # None: empty
+                 if ln.startswith("E2E-LIFE ")]
+        got = json.loads(lines[0][len("E2E-LIFE "):]) if lines else None
+        time.sleep(0.5)
+    assert got, f"no sandboxes: {sandman.logs(ns, 'lifetime')[-3000:]}"
+    lone_expires = datetime.datetime.fromisoformat(
+        got["lone_expires"].replace("Z", "+00:00")).timestamp()
+    # 1. The unrenewed one: alive until its expiry, gone within one pass + slack after it.
+    while not _gone(core, sbx, got["lone"]):
+        assert time.time() < lone_expires + 1.0 + slack, "not expired in 30 s + one pass"
+        time.sleep(0.5)
+    gone_at = time.time()
+    assert gone_at > lone_expires - 1.0, f"deleted {lone_expires - gone_at:.1f}s early"
+    # 2. The renewed one lives past 30 s after its acquire (same moment as the lone one's).
+    while time.time() < lone_expires + 15:
+        assert not _gone(core, sbx, got["kept"]), "the renewed sandbox expired"
+        time.sleep(0.5)
+    # 3. SIGKILL the trainer process on the node; nothing releases.
+    last = _expires_at(core, sbx, got["kept"])
+    assert last and last > lone_expires + 10, "no renewal moved the expiry"
+    sigkill_container(sandman, ns, "lifetime")
+    while not _gone(core, sbx, got["kept"]):
+        last = _expires_at(core, sbx, got["kept"]) or last  # a renewal just before the kill
+        assert time.time() < last + 1.0 + slack, "leaked past its lifetime"
+        time.sleep(0.5)
+    killed_gone = time.time() - last
+    figures.add(f"e2e: lifetime 30 s: unrenewed gone {gone_at - lone_expires:+.1f}s after "
+                f"expiry; renewed kept past it; after SIGKILL gone {killed_gone:+.1f}s after "
+                f"its last expiry")

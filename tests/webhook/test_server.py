@@ -92,12 +92,21 @@ def test_certificate_files_reloaded_without_restart(tmp_path):
         old_ca = (certdir / "ca.crt").read_bytes()
         first = _served_cert(server.port, old_ca)
         with httpx.Client(base_url=server.url, verify=ssl.create_default_context(
-                cadata=old_ca.decode())) as keep:
+                cadata=old_ca.decode()), limits=httpx.Limits(keepalive_expiry=60)) as keep:
             assert keep.get("/healthz").status_code == 200
 
             # A torn write (a key that does not match the cert) is not loaded: old pair serves.
             _, stray_key = certs.new_serving(*certs.new_ca(), ["x"], ["127.0.0.1"])
+            old_key = (certdir / "tls.key").read_bytes()
             (certdir / "tls.key").write_bytes(stray_key)
+            time.sleep(2.5)
+            assert _served_cert(server.port, old_ca).serial_number == first.serial_number
+            # ... nor the other torn write (new cert, old key), whose failed load used to
+            # leave the new certificate without a key in the live context: every handshake
+            # failed until the next good pair.
+            (certdir / "tls.key").write_bytes(old_key)
+            stray_cert, _ = certs.new_serving(*certs.new_ca(), ["x"], ["127.0.0.1"])
+            (certdir / "tls.crt").write_bytes(stray_cert)
             time.sleep(2.5)
             assert _served_cert(server.port, old_ca).serial_number == first.serial_number
 

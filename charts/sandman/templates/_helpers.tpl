@@ -23,6 +23,12 @@ collide (a leftover webhook configuration of another release would refuse its sa
 {{- printf "%s-%s" (include "sandman.controller.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 {{- define "sandman.webhook.secret" -}}{{ include "sandman.webhook.fullname" . }}-tls{{- end -}}
+{{- /* The controller's serving certificate (tls.crt, tls.key, ca.crt), its Service's DNS name
+(what the certificate names, and what a standby verifies the leader as) and the ConfigMap that
+publishes the CA bundle to trainers (key ca.crt; docs/install.md, "Trainers: the CA"). */ -}}
+{{- define "sandman.controller.secret" -}}{{ include "sandman.controller.fullname" . }}-tls{{- end -}}
+{{- define "sandman.controller.host" -}}{{ include "sandman.controller.fullname" . }}.{{ .Release.Namespace }}.svc{{- end -}}
+{{- define "sandman.caConfigMap" -}}{{ include "sandman.fullname" . }}-ca{{- end -}}
 
 {{- /* Where sandbox pods live: the controller's Role, its --namespace and the sandbox
 NetworkPolicies go there. Never a namespace the webhooks exclude: sandboxes other clients made
@@ -86,6 +92,11 @@ app.kubernetes.io/component: controller
 development URL is used. */ -}}
 {{- define "sandman.webhook.ownCerts" -}}
 {{- if and (not .Values.certManager.enabled) (not .Values.webhook.development.url) -}}true{{- end -}}
+{{- end -}}
+{{- /* The certificate Job runs unless cert-manager issues: the controller's certificate is
+needed even with a development webhook URL. */ -}}
+{{- define "sandman.certsJob" -}}
+{{- if not .Values.certManager.enabled -}}true{{- end -}}
 {{- end -}}
 
 {{- /* The one namespaceSelector of every webhook: kube-system and the release namespace are
@@ -216,6 +227,7 @@ spec:
     seccompProfile:
       type: RuntimeDefault
   initContainers:
+    {{- if include "sandman.webhook.ownCerts" . }}
     - name: certs
       image: {{ include "sandman.image" . }}
       imagePullPolicy: {{ .Values.image.pullPolicy }}
@@ -230,6 +242,19 @@ spec:
         {{- end }}
         - --propagation-seconds={{ .Values.webhook.certs.propagationSeconds }}
       {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
+    {{- end }}
+    # The controller's own CA and serving pair (Secrets <controller>-tls and -tls-ca), by the
+    # same command: a CA of its own, so trusting it (trainers) trusts nothing else. The
+    # controller publishes the bundle to trainers itself (--ca-configmap).
+    - name: controller-certs
+      image: {{ include "sandman.image" . }}
+      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      command: [python3, -m, webhook, certs, ensure]
+      args:
+        - --namespace={{ .Release.Namespace }}
+        - --service={{ include "sandman.controller.fullname" . }}
+        - --secret={{ include "sandman.controller.secret" . }}
+      {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
   containers:
     - name: own-secrets
       image: {{ include "sandman.image" . }}
@@ -240,7 +265,7 @@ spec:
         - name: OWNER
           value: {{ include "sandman.webhook.fullname" . }}
         - name: SECRETS
-          value: {{ include "sandman.webhook.secret" . }},{{ include "sandman.webhook.secret" . }}-ca
+          value: {{ if include "sandman.webhook.ownCerts" . }}{{ include "sandman.webhook.secret" . }},{{ include "sandman.webhook.secret" . }}-ca,{{ end }}{{ include "sandman.controller.secret" . }},{{ include "sandman.controller.secret" . }}-ca
       command:
         - python3
         - -c
