@@ -3,10 +3,12 @@
 {{- define "sandman.contract.ANNOTATION_EXPIRES_AT" -}}sandman.dev/expires-at{{- end -}}
 {{- define "sandman.contract.ANNOTATION_INGRESS_FROM" -}}sandman.dev/ingress-from{{- end -}}
 {{- define "sandman.contract.ANNOTATION_LIFETIME" -}}sandman.dev/lifetime-s{{- end -}}
+{{- define "sandman.contract.ANNOTATION_REUSE_COUNT" -}}sandman.dev/reuse-count{{- end -}}
 {{- define "sandman.contract.ANNOTATION_TOKEN_SHA256" -}}sandman.dev/token-sha256{{- end -}}
 {{- define "sandman.contract.DOMAIN" -}}sandman.dev{{- end -}}
 {{- define "sandman.contract.EGRESS_ALLOW" -}}allow{{- end -}}
 {{- define "sandman.contract.EGRESS_DENY" -}}deny{{- end -}}
+{{- define "sandman.contract.EXECD_BASELINE_ENV" -}}SANDMAN_BASELINE{{- end -}}
 {{- define "sandman.contract.EXECD_DIR" -}}/sandman{{- end -}}
 {{- define "sandman.contract.EXECD_INSTALL_CONTAINER" -}}sandman-execd-install{{- end -}}
 {{- define "sandman.contract.EXECD_PATH" -}}/sandman/execd.py{{- end -}}
@@ -18,12 +20,15 @@
 {{- define "sandman.contract.LABEL_MANAGED_BY" -}}app.kubernetes.io/managed-by{{- end -}}
 {{- define "sandman.contract.LABEL_NODE_POOL_DEFAULT" -}}sandman.dev/node-pool{{- end -}}
 {{- define "sandman.contract.LABEL_NONCE" -}}sandman.dev/nonce{{- end -}}
+{{- define "sandman.contract.LABEL_ROLE" -}}sandman.dev/role{{- end -}}
 {{- define "sandman.contract.LABEL_SANDBOX" -}}sandman.dev/sandbox{{- end -}}
 {{- define "sandman.contract.LABEL_STATE" -}}sandman.dev/state{{- end -}}
 {{- define "sandman.contract.LABEL_TENANT" -}}sandman.dev/tenant{{- end -}}
 {{- define "sandman.contract.MANAGED_BY_CONTROLLER" -}}sandman-controller{{- end -}}
 {{- define "sandman.contract.NETGUARD_CONTAINER" -}}sandman-netguard{{- end -}}
 {{- define "sandman.contract.NETGUARD_STATUS_PATH" -}}/sandman/run/netguard.json{{- end -}}
+{{- define "sandman.contract.ROLE_AGENT" -}}agent{{- end -}}
+{{- define "sandman.contract.ROLE_GRADING" -}}grading{{- end -}}
 {{- define "sandman.contract.SANDBOX_TRUE" -}}true{{- end -}}
 {{- define "sandman.contract.SANDMAN_IMAGE" -}}ghcr.io/sandman-dev/sandman:0.1.0{{- end -}}
 {{- define "sandman.contract.SANDMAN_VOLUME" -}}sandman{{- end -}}
@@ -43,4 +48,5 @@
 {{- define "sandman.api.READYZ" -}}/readyz{{- end -}}
 {{- define "sandman.api.RELEASE" -}}/v1/sandboxes/{id}{{- end -}}
 {{- define "sandman.api.RENEW" -}}/v1/sandboxes/{id}/renew{{- end -}}
+{{- define "sandman.api.RETIRE" -}}/v1/sandboxes/{id}/retire{{- end -}}
 {{- define "sandman.api.STATS" -}}/v1/stats{{- end -}}
