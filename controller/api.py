@@ -109,7 +109,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             owner=body.owner.to_json() if body.owner else None,
             labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
             request_id=rid, lifetime_s=body.lifetime_s,
-            conditions=body.conditions.declared() if body.conditions else None))
+            conditions=body.conditions.declared() if body.conditions else None,
+            reused_ok=body.reused_ok))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.

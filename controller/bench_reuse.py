@@ -6,7 +6,7 @@ both arms share the machine's noise:
 
   fresh    acquire(role="grading", warm_ok=False): create, Ready, execd /health, hand-out;
            then a plain release (deleted)
-  reused   acquire(role="grading") served by the pod parked by the previous round's
+  reused   acquire(role="grading", reused_ok=True) served by the pod parked by the previous round's
            release(reuse=True); a command changes the workspace, then release(reuse=True)
            (token rotation, execd /restore, /diff clean, patch) is timed too
 
@@ -62,7 +62,7 @@ def main(argv: list[str] | None = None) -> int:
                 assert not f.warm
                 f.release()
                 t = time.perf_counter()
-                r = cl.acquire(IMAGE, **kw)
+                r = cl.acquire(IMAGE, reused_ok=True, **kw)
                 reused.append(time.perf_counter() - t)
                 assert r.warm, "the parked grading pod was not handed out"
                 r.exec(f"echo {i} > answer.py; export X={i}")

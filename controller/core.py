@@ -161,14 +161,15 @@ class Controller:
                       labels: dict | None = None, timeout_s: float = 300.0,
                       warm_ok: bool = True, wait: bool = True,
                       request_id: str | None = None, lifetime_s: float | None = None,
-                      conditions: dict | None = None) -> dict:
+                      conditions: dict | None = None, reused_ok: bool = False) -> dict:
         """`conditions`: declared run conditions (controller/conditions.py), checked in the
         pod before hand-out. `request_id` makes a retried acquire (its answer was lost) return the same sandbox
         instead of a second one, while the first is in flight or still leased."""
         if request_id is None:
             return await self._acquire(spec, job, owner=owner, labels=labels,
                                        timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                       lifetime_s=lifetime_s, conditions=conditions)
+                                       lifetime_s=lifetime_s, conditions=conditions,
+                                       reused_ok=reused_ok)
         key = (job, request_id)
         for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
             prior = self._requests.get(key)
@@ -194,7 +195,8 @@ class Controller:
         try:
             result = await self._acquire(spec, job, owner=owner, labels=labels,
                                          timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                         lifetime_s=lifetime_s, conditions=conditions)
+                                         lifetime_s=lifetime_s, conditions=conditions,
+                                         reused_ok=reused_ok)
         except BaseException as ex:
             self._requests.pop(key, None)
             if not fut.done():
@@ -209,7 +211,7 @@ class Controller:
     async def _acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None,
                        labels: dict | None, timeout_s: float, warm_ok: bool,
                        wait: bool, lifetime_s: float | None = None,
-                       conditions: dict | None = None) -> dict:
+                       conditions: dict | None = None, reused_ok: bool = False) -> dict:
         labels = dict(labels or {})
         self.validate(spec, job, labels, owner)
         self.validate_conditions(conditions)
@@ -225,7 +227,7 @@ class Controller:
         attempts = self.s.conditions_attempts if conditions else 1
         if warm_ok:
             got = await self.warm.take(spec, job, owner, labels, lifetime, conditions,
-                                       refused, attempts)
+                                       refused, attempts, reused_ok=reused_ok)
             if got is not None:
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got

@@ -103,17 +103,23 @@ class WarmPool:
     # ---- hand-out ---------------------------------------------------------------------------
     async def take(self, spec: SandboxSpec, job: str, owner: dict | None,
                    labels: dict, lifetime: float | None = None, conditions: dict | None = None,
-                   refused: list[str] | None = None, max_refused: int = 1) -> dict | None:
+                   refused: list[str] | None = None, max_refused: int = 1, *,
+                   reused_ok: bool = False) -> dict | None:
         """A warm pod of exactly this key, handed out to `job`; None when there is none.
         With declared `conditions`, a pod contradicting them is refused (its message appended
-        to `refused`) and the next one tried, until `max_refused` refusals in all."""
+        to `refused`) and the next one tried, until `max_refused` refusals in all. A pod an
+        earlier grading ran in (reuse_count > 0) only with `reused_ok`: by default a grading
+        gets a never-used pod."""
         pool = self.pools.get(spec)
         if pool is None:
             return None
         pool.last_used = time.monotonic()
         refused = refused if refused is not None else []
-        while pool.warm and len(refused) < max_refused:
-            e = pool.warm[0]  # oldest first; surplus is trimmed newest first
+        while len(refused) < max_refused:
+            # Oldest first; surplus is trimmed newest first.
+            e = next((x for x in pool.warm if reused_ok or not x.reuse_count), None)
+            if e is None:
+                break
             self.books.move(e, S.CHECKING, "taken for an acquire")
             try:
                 got = await self._hand_out(e, job, owner, labels,

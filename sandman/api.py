@@ -259,9 +259,15 @@ class AcquireRequest(_Model):
     # "grading": may go back to its warm pool after a checked restore (release with reuse).
     # Part of the warm-pool key: an agent never gets a pod a grading ran in, and vice versa.
     role: str = DEFAULT_ROLE
+    # A grading acquire may get a pod an earlier grading ran in (restored and checked: release
+    # with reuse) only when it says so; by default a grading gets a never-used pod.
+    reused_ok: bool = False
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
+        _check(isinstance(self.reused_ok, bool), "reused_ok: must be true or false")
+        _check(not self.reused_ok or self.role == contract.ROLE_GRADING,
+               "reused_ok: only a grading acquire (role=grading) can take a reused pod")
         _check(self.conditions is None or isinstance(self.conditions, Conditions),
                "conditions: must be an object of declared run conditions")
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")

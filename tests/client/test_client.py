@@ -54,7 +54,7 @@ def test_acquire_sends_the_documented_body_and_release_on_exit(flavor: Flavor,
                     "egress": "deny", "job": "job-a", "owner": None, "labels": {},
                     "timeout_s": 300, "warm_ok": True, "wait": True,
                     "request_id": sent["request_id"], "lifetime_s": None, "namespace": None,
-                    "role": "agent", "conditions": None}
+                    "role": "agent", "conditions": None, "reused_ok": False}
     assert controller.target.token not in caplog.text
 
 
@@ -88,7 +88,8 @@ def test_acquire_options_and_list(flavor: Flavor, controller: FakeController) ->
                     "role": "agent",
                     "conditions": {"egress": None, "cpu_quota": 4, "visible_cpus": None,
                                    "memory_limit": None, "user": None, "tz": "UTC",
-                                   "hash_seed": None, "time_limit_s": None}}
+                                   "hash_seed": None, "time_limit_s": None},
+                    "reused_ok": False}
     # Each acquire has its own request_id (one per logical call, shared by its retries).
     assert len({c[2]["request_id"] for c in controller.calls("POST")}) == 2
 

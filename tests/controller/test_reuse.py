@@ -85,7 +85,7 @@ def test_grading_pod_reused_max_times_then_deleted(cluster, namespace, stack):
                           headers=auth(old), trust_env=False)
             assert r.status_code == 401
             sb = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,
-                            role="grading")
+                            role="grading", reused_ok=True)
             assert sb.pod == pod and sb.warm is True
             assert auth(sb)["Authorization"] not in tokens
             d = execd_diff(sb)
@@ -119,6 +119,26 @@ def test_agent_pod_cannot_be_reused_and_is_not_handed_to_grading(cluster, namesp
         a.release()
         stats = httpx.get(f"{ctl.url}/v1/stats", timeout=10).json()
         assert any(k.endswith("|grading") for k in stats["warm"]), stats["warm"]
+
+
+def test_a_grading_gets_a_reused_pod_only_when_it_says_so(cluster, namespace, stack):
+    """grade() without reuse promises a never-used pod: a pod parked after a reuse release is
+    handed only to an acquire with reused_ok=True, and reused_ok is refused for an agent."""
+    ctl, standin = stack
+    with Client(ctl.url) as cl:
+        with pytest.raises(BadRequest, match="reused_ok"):
+            cl.acquire(IMAGE, job="agent", cpu="1", memory="1Gi", timeout_s=60,
+                       reused_ok=True)
+        g = cl.acquire(IMAGE, job="g", cpu="1", memory="1Gi", timeout_s=60, role="grading")
+        assert g.release(reuse=True) is True and g.reused is True
+        fresh = cl.acquire(IMAGE, job="g", cpu="1", memory="1Gi", timeout_s=60,
+                           role="grading")
+        assert fresh.pod != g.pod and fresh.warm is False
+        again = cl.acquire(IMAGE, job="g", cpu="1", memory="1Gi", timeout_s=60,
+                           role="grading", reused_ok=True)
+        assert again.pod == g.pod and again.warm is True
+        fresh.release()
+        again.release()
 
 
 def test_retire_deletes_and_counts(cluster, namespace, stack):

@@ -11,7 +11,8 @@ SCRIPT = r"""
 import json
 from sandman.client import Client
 res = {"rounds": []}
-kw = dict(job="e2e-reuse", cpu="250m", memory="160Mi", timeout_s=150, role="grading")
+kw = dict(job="e2e-reuse", cpu="250m", memory="160Mi", timeout_s=150, role="grading",
+          reused_ok=True)
 import os
 with Client(timeout_s=120) as c:
     sb = c.acquire(image=os.environ["TASK_IMAGE"], **kw)

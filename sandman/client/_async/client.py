@@ -114,8 +114,8 @@ class AsyncClient:
                       wait: bool = True, lifetime_s: float | None = None,
                       renew: bool = True, namespace: str | None = None,
                       role: str = api.DEFAULT_ROLE,
-                      conditions: api.Conditions | Mapping[str, Any] | None = None
-                      ) -> AsyncSandbox:
+                      conditions: api.Conditions | Mapping[str, Any] | None = None,
+                      reused_ok: bool = False) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
         `lifetime_s` (None: the controller's default) is how long the sandbox outlives this
@@ -131,7 +131,8 @@ class AsyncClient:
         namespace (another needs the caller's RBAC there).
 
         `role`: "agent" (default) or "grading"; a grading sandbox may be released with
-        `reuse=True` (restored, checked, back to its warm pool) and comes from that pool.
+        `reuse=True` (restored, checked, back to its warm pool); a later grading acquire gets
+        such a pod only with `reused_ok=True` (else a never-used one).
 
         `conditions` declares run conditions (`api.Conditions` or a mapping with its fields:
         egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s).
@@ -145,7 +146,7 @@ class AsyncClient:
             egress=egress, workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
             wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace, role=role,
-            conditions=_core.conditions_of(conditions),
+            conditions=_core.conditions_of(conditions), reused_ok=bool(reused_ok),
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
             request_id=_core.new_request_id())

@@ -136,12 +136,15 @@ async def capture_patch(sandbox: AsyncSandbox, base_commit: str, *, repo: str = 
 # ---- grade
 
 async def _acquire(client: AsyncClient, task: Task, job: str, timeout_s: float,
-                   namespace: str | None) -> AsyncSandbox:
+                   namespace: str | None, reuse: bool = False) -> AsyncSandbox:
     kw: dict[str, Any] = {"job": job, "cpu": task.cpu, "memory": task.memory,
                           "egress": task.egress, "timeout_s": timeout_s,
                           "namespace": namespace}
     if _takes(client.acquire, "role"):
         kw["role"] = GRADING_ROLE
+        # Without reuse=True a grading runs on a never-used pod, never one a grading ran in.
+        if reuse and _takes(client.acquire, "reused_ok"):
+            kw["reused_ok"] = True
     if task.conditions is not None:
         if not _takes(client.acquire, "conditions"):
             raise SandmanError(f"task {task.name!r} declares run conditions, but this SDK's "
@@ -276,7 +279,7 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
         sb = None
         verdict = Verdict.NO_VERDICT
         try:
-            sb = await _acquire(client, task, job, acquire_timeout_s, namespace)
+            sb = await _acquire(client, task, job, acquire_timeout_s, namespace, reuse)
             pods.append(sb.pod or sb.id or "?")
             last = await _grade_on(sb, task, data, excluded, stage)
             verdict = last[0]
