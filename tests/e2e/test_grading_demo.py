@@ -8,9 +8,11 @@
   captured patch passes; the raw planted patch given to grade() directly is graded without
   its conftest.py too, and fails;
 - a grading whose pod is deleted through the API server while its suite runs, on both
-  attempts, comes back no_verdict, never failed.
-
-Checked reuse and declared conditions (the rest of the Done-when) are other helpers' parts.
+  attempts, comes back no_verdict, never failed;
+- checked reuse: nine gradings with reuse=True run on one pod (reused 8 times, the chart's
+  --max-reuse; the controller restores it and requires a clean /diff before each hand-out),
+  the ninth release deletes it; the next pod, found clean, is retired and never handed out
+  again; a grading declaring more CPUs than the node has is refused, so no_verdict.
 """
 
 from __future__ import annotations
@@ -81,6 +83,29 @@ with Client(timeout_s=60) as c:
                                attempts=2, **KW))
 print("E2E-RESULT " + json.dumps(res))
 """.replace("__SLEEP__", str(SLEEP))
+
+
+REUSE = COMMON + r"""
+kw = dict(job="e2e-grade-reuse", **KW)
+with Client(timeout_s=60) as c:
+    res["rounds"] = [show(grade(c, task, task.reference_patch, reuse=True, **kw))
+                     for _ in range(10)]
+    # The tenth grading's pod went back to the pool: take it as a reused pod, see it clean,
+    # then retire it (as a caller whose grading contradicted an earlier one would).
+    get = dict(job="e2e-grade-reuse", cpu=task.cpu, memory=task.memory, timeout_s=150,
+               role="grading", reused_ok=True)
+    sb = c.acquire(task.image, **get)
+    res["parked_pod"], res["parked_warm"] = sb.pod, sb.warm
+    res["parked_diff"] = sb._http.get("/diff").json()
+    res["retired"] = sb.retire()
+    nxt = c.acquire(task.image, **get)
+    res["after_retire"] = [nxt.pod, nxt.warm]
+    nxt.release()
+    many = dataclasses.replace(task, conditions={"visible_cpus": 64})
+    res["refused"] = show(grade(c, many, task.reference_patch, job="e2e-grade-cond",
+                                attempts=1, **KW))
+print("E2E-RESULT " + json.dumps(res))
+"""
 
 
 def _task_env(image: str) -> dict[str, str]:
@@ -167,3 +192,30 @@ def test_grading_pod_killed_mid_run_is_no_verdict(sandman, ns, figures) -> None:
     assert all("(run the suite)" in e for e in r["infra"]), r["infra"]  # killed mid-suite
     figures.add(f"e2e: grading with its pod deleted mid-suite twice -> no_verdict; "
                 f"infra errors: {' | '.join(e[:90] for e in r['infra'])}")
+
+
+def test_grading_pod_reused_then_retired_and_a_contradicted_pod_refused(sandman, ns,
+                                                                         figures) -> None:
+    (image,) = sandman.rn.load_images("grading_task")
+    t0 = time.monotonic()
+    res = run_trainer(sandman, ns, "grader-reuse", REUSE, timeout=900, **_task_env(image))
+    took = time.monotonic() - t0
+    rounds = res["rounds"]
+    assert [r["verdict"] for r in rounds] == ["passed"] * 10, rounds
+    assert all(r["attempts"] == 1 and not r["infra"] for r in rounds), rounds
+    first = rounds[0]["pods"]
+    assert len(first) == 1, rounds[0]
+    # One pod for nine gradings (reused 8 times), deleted at its ninth release.
+    assert [r["pods"] for r in rounds[:9]] == [first] * 9, [r["pods"] for r in rounds]
+    assert rounds[9]["pods"] != first, rounds[9]
+    assert res["parked_pod"] == rounds[9]["pods"][0] and res["parked_warm"] is True, res
+    assert res["parked_diff"]["clean"] is True, res["parked_diff"]["changes"][:10]
+    assert res["retired"] is True
+    assert res["after_retire"][0] not in (res["parked_pod"], first[0]), res
+    assert res["after_retire"][1] is False, res  # nothing reusable left: a fresh pod
+    refused = res["refused"]
+    assert refused["verdict"] == "no_verdict", refused
+    assert any("ConditionsRefused" in e and "visible_cpus" in e for e in refused["infra"]), \
+        refused["infra"]
+    figures.add(f"e2e: grading with checked reuse (9 gradings on one pod, then a new one, "
+                f"retired) and a refused CPU declaration: {took:.1f}s")
