@@ -134,8 +134,8 @@ def test_standby_forwards_api_calls_and_the_answers_come_back_unchanged(pair):
     leader, standby, ctl, _ = pair
     r = httpx.post(standby + "/v1/sandboxes", json={"image": "i", "job": "j"})
     assert r.status_code == 201 and r.json()["id"] == "sb-1" and ctl.n == 1
-    assert httpx.delete(standby + "/v1/sandboxes/sb-1").json() == {"id": "sb-1",
-                                                                  "released": True}
+    assert httpx.delete(standby + "/v1/sandboxes/sb-1").json() == {
+        "id": "sb-1", "released": True, "reused": False}
     gone = httpx.get(standby + "/v1/sandboxes/sb-9")
     assert gone.status_code == 404 and gone.json()["error"]["type"] == "SandboxGone"
     bad = httpx.post(standby + "/v1/sandboxes", json={"image": "i"})
