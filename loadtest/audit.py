@@ -4,16 +4,45 @@ process with gevent, which a pytest process or the demo must never get."""
 from __future__ import annotations
 
 import json
+import os
 import time
+from collections.abc import Mapping
 
 from sandman import contract
 
+# `--kubeconfig in-cluster`: the pod's ServiceAccount (its token and the cluster CA, mounted
+# by the kubelet) and $KUBERNETES_SERVICE_HOST/PORT, as every in-cluster client does.
+IN_CLUSTER = "in-cluster"
+SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
-def core_api(kubeconfig: str):
+
+def default_kubeconfig(environ: Mapping[str, str] = os.environ, sa_dir: str = SA_DIR) -> str:
+    """$KUBECONFIG, else `in-cluster` inside a pod with a ServiceAccount token, else "" (no
+    pod watch, no leak audit)."""
+    if environ.get("KUBECONFIG"):
+        return environ["KUBECONFIG"]
+    if environ.get("KUBERNETES_SERVICE_HOST") and os.path.exists(f"{sa_dir}/token"):
+        return IN_CLUSTER
+    return ""
+
+
+def core_api(kubeconfig: str, *, sa_dir: str = SA_DIR,
+             environ: Mapping[str, str] = os.environ):
+    """A CoreV1Api from a kubeconfig file, or from the pod's ServiceAccount when `kubeconfig`
+    is `in-cluster` (`sa_dir` and `environ` are where a pod has them)."""
     from kubernetes import client, config
+    from kubernetes.config.incluster_config import InClusterConfigLoader
 
     cfg = client.Configuration()
-    config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
+    if kubeconfig == IN_CLUSTER:
+        try:
+            InClusterConfigLoader(token_filename=f"{sa_dir}/token",
+                                  cert_filename=f"{sa_dir}/ca.crt",
+                                  environ=environ).load_and_set(cfg)
+        except config.ConfigException as e:
+            raise RuntimeError(f"in-cluster config: {e}") from None
+    else:
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
     cfg.connection_pool_maxsize = 4
     return client.CoreV1Api(client.ApiClient(cfg))
 

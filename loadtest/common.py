@@ -17,7 +17,7 @@ import gevent.event
 from locust import events
 
 from loadtest import users
-from loadtest.audit import core_api, describe, leak_audit
+from loadtest.audit import IN_CLUSTER, core_api, default_kubeconfig, describe, leak_audit
 from loadtest.run import LEAK, RUN, RequestFailed, check_thresholds, fire, write_summary
 from loadtest.watch import sample_stats, watch_pods
 from sandman.client._core import ENV_URL
@@ -36,8 +36,10 @@ def _args(parser) -> None:
     # $SANDMAN_TOKEN_FILE and $SANDMAN_CA_FILE, so a locust pod authenticates like a trainer.
     g.add_argument("--controller-url", default=os.environ.get(ENV_URL, "http://127.0.0.1:8080"),
                    help=f"default: ${ENV_URL}")
-    g.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""),
-                   help="enables the POD_READY watch and the leak audit")
+    g.add_argument("--kubeconfig", default=default_kubeconfig(),
+                   help=f"a kubeconfig file, or `{IN_CLUSTER}` (the pod's ServiceAccount); "
+                        "enables the POD_READY watch and the leak audit (default: $KUBECONFIG, "
+                        f"else `{IN_CLUSTER}` inside a pod)")
     g.add_argument("--namespace", default="sandboxes", help="the controller's namespace")
     g.add_argument("--job", default="", help="job name of the run (default: lt-<random>)")
     g.add_argument("--image", default=DEFAULT_IMAGE)
@@ -123,7 +125,8 @@ def _on_stop(environment, **kw) -> None:
 def _on_quit(environment, **kw) -> None:
     o = opts(environment)
     verdicts = check_thresholds(environment.stats, _PRIMARY, o.max_p99_ms, o.max_error_rate,
-                                o.max_leaked, RUN.leaked, RUN.audit)
+                                o.max_leaked, RUN.leaked, RUN.audit,
+                                environment.runner.exceptions if environment.runner else None)
     bad = [v for v in verdicts if not v[1]]
     for text, ok in verdicts:
         log.info("threshold %s: %s", "ok  " if ok else "FAIL", text)
