@@ -509,19 +509,36 @@ def buildah_cmd() -> list[str]:
             "--storage-driver", os.environ.get("SANDMAN_BUILDAH_DRIVER", "overlay")]
 
 
-def _sandman_image() -> Image:
-    ref = f"sandman.local/sandman:{sandman_version()}"
-    return _image("sandman", ref, {
+def _dockerfile_image(name: str, target: str = "") -> Image:
+    ref = f"sandman.local/{name}:{sandman_version()}"
+    return _image(name, ref, {
         "base": _base_image().key, "dockerfile": DOCKERFILE.read_text(),
         "dockerignore": DOCKERIGNORE.read_text(),
         "sources": _tree_hash(dockerfile_copy_sources()), "buildah": _buildah_version(),
-        "flags": BUD_FLAGS})
+        "flags": BUD_FLAGS + (("--target", target) if target else ())})
+
+
+def _sandman_image() -> Image:
+    return _dockerfile_image("sandman")
+
+
+def _loadtest_image() -> Image:
+    return _dockerfile_image("sandman-loadtest", "loadtest")
 
 
 def build_sandman(force: bool = False) -> Image:
     """The product image from images/Dockerfile, the file users build with Docker, here with
     buildah over the Debian base (passed as PYTHON_IMAGE)."""
-    img = _sandman_image()
+    return _build_dockerfile(_sandman_image(), "", force)
+
+
+def build_loadtest(force: bool = False) -> Image:
+    """images/Dockerfile's `loadtest` target: the sandman venv plus locust (the in-cluster
+    load-test Job, loadtest/job.py)."""
+    return _build_dockerfile(_loadtest_image(), "loadtest", force)
+
+
+def _build_dockerfile(img: Image, target: str, force: bool) -> Image:
     if img.built and not force:
         return img
     if os.geteuid() != 0:
@@ -531,7 +548,7 @@ def build_sandman(force: bool = False) -> Image:
     img.archive.parent.mkdir(parents=True, exist_ok=True)
     log = img.archive.parent / "build.log"
     b = buildah_cmd()
-    local = "localhost/sandman:" + img.ref.rsplit(":", 1)[1]
+    local = "localhost/" + img.ref.split("/", 1)[1]
 
     def step(*args: str) -> str:
         with open(log, "a") as f:
@@ -551,7 +568,8 @@ def build_sandman(force: bool = False) -> Image:
     # the host trusts. Debian's pip reads the system bundle.
     bundle = "/etc/ssl/certs/ca-certificates.crt"
     trust = ["--volume", f"{bundle}:{bundle}:ro"] if os.path.exists(bundle) else []
-    step("bud", *BUD_FLAGS, *trust, "-f", str(DOCKERFILE),
+    step("bud", *BUD_FLAGS, *(("--target", target) if target else ()), *trust,
+         "-f", str(DOCKERFILE),
          "--build-arg", f"PYTHON_IMAGE={BASE_REF}", "-t", local, str(REPO))
     tmp = img.archive.with_name(f".{img.archive.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
@@ -570,13 +588,23 @@ def sandman_image() -> tuple[str, Path]:
     return img.ref, img.archive
 
 
+def loadtest_image() -> tuple[str, Path]:
+    """(ref, archive path) of the load-test image, built on first use."""
+    img = build_loadtest()
+    return img.ref, img.archive
+
+
 # --- registry of images, import, CLI -------------------------------------------------------
 
-BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman}
+BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman,
+            "loadtest": build_loadtest}
+# What a real node needs; the load-test image is built on demand (tests/e2e/test_loadtest_job.py).
+DEFAULT = ("pause", "task", "sandman")
 
 
 def describe(name: str) -> Image:
-    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image}[name]()
+    return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image,
+            "loadtest": _loadtest_image}[name]()
 
 
 class Containerd:
@@ -659,16 +687,16 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = ap.add_subparsers(dest="verb", required=True)
     b = sub.add_parser("build", help="build the missing images into the cache")
-    b.add_argument("names", nargs="*", help=f"default: all ({', '.join(BUILDERS)})")
+    b.add_argument("names", nargs="*", help=f"default: {', '.join(DEFAULT)} (also: loadtest)")
     b.add_argument("--force", action="store_true",
                    help="rebuild even when cached (from the cached debootstrap tree)")
     i = sub.add_parser("import", help="build if needed, then import into a containerd")
     i.add_argument("--address", "-a", required=True, help="containerd socket")
     i.add_argument("--namespace", "-n", default="k8s.io")
-    i.add_argument("names", nargs="*", help="default: all")
+    i.add_argument("names", nargs="*", help=f"default: {', '.join(DEFAULT)}")
     sub.add_parser("list", help="ref, cache state and archive path of each image")
     args = ap.parse_args(argv)
-    names = getattr(args, "names", None) or list(BUILDERS)
+    names = getattr(args, "names", None) or list(DEFAULT)
     unknown = [n for n in names if n not in BUILDERS]
     if unknown:
         ap.error(f"unknown image(s) {unknown}; known: {list(BUILDERS)}")
