@@ -141,3 +141,38 @@ def test_build_info_is_one_series_per_component(monkeypatch):
                for s in fam.samples]
     assert [(s.labels["component"], s.labels["version"], s.value) for s in samples] == [
         ("controller", __version__, 1.0)]
+
+
+@pytest.mark.testbed
+def test_running_controller_exports_build_info_and_its_pacing(cluster, namespace, tmp_path):
+    """A controller process on the test bed: /metrics (no token) has its build series and the
+    pacing it was started with, set by its maintenance tick once it leads."""
+    import time
+
+    import httpx
+
+    from testbed.controller import start_controller
+
+    ctl = start_controller(namespace, str(cluster.kubeconfig), tmp_path / "controller.log",
+                           ["--lease-name", f"m-{namespace}", "--rate", "7", "--burst", "9",
+                            "--log-level", "WARNING"], "pod")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"{ctl.url}/metrics", timeout=5).text
+            if 'sandman_controller_limit{limit="rate"} 7.0' in text or (
+                    time.monotonic() > deadline):
+                break
+            time.sleep(0.5)
+    finally:
+        ctl.stop()
+    lines = set(text.splitlines())
+    assert 'sandman_controller_limit{limit="rate"} 7.0' in lines
+    assert 'sandman_controller_limit{limit="burst"} 9.0' in lines
+    assert "sandman_controller_create_rate 7.0" in lines
+    assert "sandman_controller_leader 1.0" in lines
+    from sandman import __version__, buildinfo
+
+    assert [ln for ln in lines if ln.startswith("sandman_build_info{")] == [
+        f'sandman_build_info{{component="controller",revision="{buildinfo.revision()}",'
+        f'version="{__version__}"}} 1.0']  # the process inherits this environment
