@@ -16,6 +16,29 @@ IN_CLUSTER = "in-cluster"
 SA_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+def default_tenant(kubeconfig: str, environ: Mapping[str, str] = os.environ,
+                   sa_dir: str = SA_DIR) -> str:
+    """The tenant the controller files this run's sandboxes under: $SANDMAN_TENANT, else, in a
+    pod, its ServiceAccount's namespace (a caller's tenant by default, docs/controller.md
+    "Authentication and tenants"), else "" (a controller under --auth none: unscoped jobs)."""
+    if "SANDMAN_TENANT" in environ:
+        return environ["SANDMAN_TENANT"]
+    if kubeconfig == IN_CLUSTER:
+        try:
+            with open(f"{sa_dir}/namespace") as f:
+                return f.read().strip()
+        except OSError:
+            return ""
+    return ""
+
+
+def job_label(tenant: str, job: str) -> str:
+    """The pods' job label value: the controller's job key `<tenant>.<job>`, or `job` alone
+    when unscoped. The pod watch and the leak audit select on it: with the bare job name they
+    would match nothing on an authenticating controller and the audit would pass vacuously."""
+    return f"{tenant}.{job}" if tenant else job
+
+
 def default_kubeconfig(environ: Mapping[str, str] = os.environ, sa_dir: str = SA_DIR) -> str:
     """$KUBECONFIG, else `in-cluster` inside a pod with a ServiceAccount token, else "" (no
     pod watch, no leak audit)."""
@@ -47,13 +70,13 @@ def core_api(kubeconfig: str, *, sa_dir: str = SA_DIR,
     return client.CoreV1Api(client.ApiClient(cfg))
 
 
-def leak_audit(core, ns: str, job: str, settle_s: float) -> list[str]:
-    """Pods labelled with the run's job still present after `settle_s` (released pods are
-    deleted by the controller; anything left is a leak), polled every 0.5 s."""
+def leak_audit(core, ns: str, label: str, settle_s: float) -> list[str]:
+    """Pods whose job label is `label` (job_label()) still present after `settle_s` (released
+    pods are deleted by the controller; anything left is a leak), polled every 0.5 s."""
     deadline = time.monotonic() + settle_s
     while True:
         items = json.loads(core.list_namespaced_pod(
-            ns, label_selector=f"{contract.LABEL_JOB}={job}", _preload_content=False).data)
+            ns, label_selector=f"{contract.LABEL_JOB}={label}", _preload_content=False).data)
         names = sorted(p["metadata"]["name"] for p in items["items"])
         if not names or time.monotonic() >= deadline:
             return names

@@ -70,3 +70,15 @@ def test_default_kubeconfig(tmp_path):
     assert default_kubeconfig({}, str(tmp_path)) == ""  # not in a pod: no audit
     assert default_kubeconfig({"KUBERNETES_SERVICE_HOST": "10.0.0.1"},
                               str(tmp_path / "none")) == ""  # no token mounted
+
+
+def test_job_label_is_the_controllers_job_key(tmp_path):
+    from controller.auth import scoped_job
+    from loadtest.audit import default_tenant, job_label
+
+    assert job_label("team-a", "lt-1") == scoped_job("team-a", "lt-1") == "team-a.lt-1"
+    assert job_label("", "lt-1") == scoped_job(None, "lt-1") == "lt-1"
+    (tmp_path / "namespace").write_text("trainers\n")
+    assert default_tenant(IN_CLUSTER, {}, str(tmp_path)) == "trainers"  # the pod's own
+    assert default_tenant(IN_CLUSTER, {"SANDMAN_TENANT": "x"}, str(tmp_path)) == "x"
+    assert default_tenant("/kc", {}, str(tmp_path)) == ""
