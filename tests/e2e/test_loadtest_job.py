@@ -21,6 +21,7 @@ import yaml
 from kubernetes import client
 from kubernetes.utils import parse_quantity
 
+from loadtest.audit import job_label
 from loadtest.job import TRAINERS_NS_LABEL, render
 from sandman import contract
 from sandman.sandbox import INJECTED_RESOURCES as INJECTED
@@ -89,7 +90,7 @@ def run_job(sandman, ns: str, name: str, image: str, locust_args: list[str],
             if job.status.succeeded or job.status.failed:
                 break
             running = [p for p in sandman.core.list_namespaced_pod(
-                sbx_ns, label_selector=f"{contract.LABEL_JOB}={name}").items
+                sbx_ns, label_selector=f"{contract.LABEL_JOB}={job_label(ns, name)}").items
                 if p.status.phase == "Running"]
             peak = max(peak, len(running))
             time.sleep(1.0)
