@@ -73,6 +73,7 @@ test-chart: deps testbed-build  ## the Helm chart: lint, golden renders, schema,
 
 chart-golden: $(STAMP) testbed-build  ## regenerate the chart's _contract.tpl and golden renders (review the diff)
 	$(VPY) charts/gen_contract.py
+	$(VPY) charts/gen_dashboard.py
 	SANDMAN_GOLDEN_UPDATE=1 $(VPY) -m pytest -q tests/charts/test_chart.py
 
 .PHONY: images images-list

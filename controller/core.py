@@ -130,6 +130,7 @@ class Controller:
             metrics.QUEUE_DEPTH.set(sum(self.pacer.queue_depth().values()))
             metrics.LIVE.set(self.pacer.live)
             metrics.CREATING.set(self.pacer.creating)
+            metrics.pacing(self.pacer.limits, self.pacer.rate)
 
     # ---- acquire ----------------------------------------------------------------------------
     def validate(self, spec: SandboxSpec, job: str, labels: dict, owner: dict | None) -> None:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
+from sandman import buildinfo
+
 ACQUIRE_RESULTS = ("ok", "timeout", "failed", "queue_full")
 WARM = ("true", "false")
 CREATE_RESULTS = ("ok", "ok_after_conflict", "ok_after_error", "name_conflict", "refused",
@@ -62,10 +64,16 @@ CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods 
 # Declared run conditions (controller/conditions.py): field is api.CONDITION_FIELDS or "probe".
 CONDITION_LABELS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
                     "hash_seed", "time_limit_s", "probe")
-CONDITIONS_REFUSED = Counter("sandman_conditions_refused_total",
+CONDITIONS_REFUSED = Counter("sandman_controller_conditions_refused_total",
                              "Pods refused at hand-out: a reading contradicted a declared "
                              "condition (probe: the pod did not answer the probe)", ["field"])
 LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease")
+# The pacing the leader applies, next to what it achieves (creates_total): `create_rate` is
+# the bucket's current rate (below limit{limit="rate"} while backing off from 429/5xx).
+CREATE_RATE = Gauge("sandman_controller_create_rate", "Current create rate limit (creates/s)")
+LIMITS = ("rate", "burst", "max_creating", "max_live")
+LIMIT = Gauge("sandman_controller_limit", "Configured pacing limits", ["limit"])
+BUILD_INFO = buildinfo.register("controller")
 
 
 def _warm(warm: bool) -> str:
@@ -104,3 +112,10 @@ def retired(reason: str) -> None:
 
 def illegal_transition(frm: str, to: str) -> None:
     ILLEGAL_TRANSITIONS.labels(bounded(frm, STATES), bounded(to, STATES)).inc()
+
+
+def pacing(limits, rate: float) -> None:
+    """`limits` is a controller.pacer.Limits (not imported: the pacer imports nothing of this)."""
+    CREATE_RATE.set(rate)
+    for name in LIMITS:
+        LIMIT.labels(name).set(getattr(limits, name))

@@ -17,9 +17,18 @@ import gevent.event
 from locust import events
 
 from loadtest import users
-from loadtest.audit import core_api, describe, leak_audit
+from loadtest.audit import (
+    IN_CLUSTER,
+    core_api,
+    default_kubeconfig,
+    default_tenant,
+    describe,
+    job_label,
+    leak_audit,
+)
 from loadtest.run import LEAK, RUN, RequestFailed, check_thresholds, fire, write_summary
 from loadtest.watch import sample_stats, watch_pods
+from sandman import contract
 from sandman.client._core import ENV_URL
 
 log = logging.getLogger("loadtest")
@@ -36,9 +45,15 @@ def _args(parser) -> None:
     # $SANDMAN_TOKEN_FILE and $SANDMAN_CA_FILE, so a locust pod authenticates like a trainer.
     g.add_argument("--controller-url", default=os.environ.get(ENV_URL, "http://127.0.0.1:8080"),
                    help=f"default: ${ENV_URL}")
-    g.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG", ""),
-                   help="enables the POD_READY watch and the leak audit")
+    g.add_argument("--kubeconfig", default=default_kubeconfig(),
+                   help=f"a kubeconfig file, or `{IN_CLUSTER}` (the pod's ServiceAccount); "
+                        "enables the POD_READY watch and the leak audit (default: $KUBECONFIG, "
+                        f"else `{IN_CLUSTER}` inside a pod)")
     g.add_argument("--namespace", default="sandboxes", help="the controller's namespace")
+    g.add_argument("--tenant", default=None,
+                   help="the tenant the controller files the run's sandboxes under (their job "
+                        "label is <tenant>.<job>); default: $SANDMAN_TENANT, else in a pod its "
+                        "ServiceAccount's namespace, else none (a controller under --auth none)")
     g.add_argument("--job", default="", help="job name of the run (default: lt-<random>)")
     g.add_argument("--image", default=DEFAULT_IMAGE)
     g.add_argument("--cpu", default="100m")
@@ -66,6 +81,13 @@ def job_of(env) -> str:
     return RUN.job
 
 
+def label_of(env) -> str:
+    """The run's pods' job label (the watch and the audit select on it)."""
+    o = opts(env)
+    tenant = default_tenant(o.kubeconfig) if o.tenant is None else o.tenant
+    return job_label(tenant, job_of(env))
+
+
 # ---- lifecycle: watch + samples on start; release, audit, thresholds, summary on stop ---------
 
 _STOP = gevent.event.Event()
@@ -82,12 +104,14 @@ def install(primary: list[str], uses_controller: bool = True) -> None:
 def _on_start(environment, **kw) -> None:
     o = opts(environment)
     RUN.t0 = time.time()  # the shape's clock starts here too
-    job = job_of(environment)
+    job_of(environment)  # the run's job name is fixed at start
     RUN.extra.update({"controller_url": o.controller_url, "namespace": o.namespace})
     if o.kubeconfig and RUN.extra.get("uses_controller"):
         try:
             core = core_api(o.kubeconfig)
-            gevent.spawn(watch_pods, environment, core, o.namespace, job, _STOP)
+            gevent.spawn(watch_pods, environment, core, o.namespace, label_of(environment),
+                         _STOP)
+            RUN.extra["watching"] = label_of(environment)
         except Exception as e:  # noqa: BLE001
             log.warning("no pod watch: %s", e)
     if RUN.extra.get("uses_controller"):
@@ -104,8 +128,17 @@ def _on_stop(environment, **kw) -> None:
         else:
             try:
                 core = core_api(o.kubeconfig)
-                RUN.leaked = leak_audit(core, o.namespace, job_of(environment), o.leak_settle_s)
-                RUN.audit = f"{len(RUN.leaked)} pod(s) of job {RUN.job} left"
+                label = label_of(environment)
+                RUN.leaked = leak_audit(core, o.namespace, label, o.leak_settle_s)
+                RUN.audit = f"{len(RUN.leaked)} pod(s) of job {label} left"
+                cold = [a for a in RUN.acquires if a[2] and not a[3]]
+                if "watching" in RUN.extra and cold and not RUN.pods:
+                    # Sandboxes were created for the run but no pod carried the label the
+                    # audit selects on: it would pass whatever was left (wrong --tenant).
+                    RUN.audit = (f"failed: {len(cold)} sandbox(es) created, but the pod watch "
+                                 f"saw no pod labelled {contract.LABEL_JOB}={label}; "
+                                 "set --tenant")
+                    RUN.leaked = ["<audit selects no pod of the run>"]
                 if RUN.leaked:
                     RUN.extra["leaked_detail"] = describe(core, o.namespace, RUN.leaked)
                     log.warning("leaked: %s", json.dumps(RUN.extra["leaked_detail"]))
@@ -123,7 +156,8 @@ def _on_stop(environment, **kw) -> None:
 def _on_quit(environment, **kw) -> None:
     o = opts(environment)
     verdicts = check_thresholds(environment.stats, _PRIMARY, o.max_p99_ms, o.max_error_rate,
-                                o.max_leaked, RUN.leaked, RUN.audit)
+                                o.max_leaked, RUN.leaked, RUN.audit,
+                                environment.runner.exceptions if environment.runner else None)
     bad = [v for v in verdicts if not v[1]]
     for text, ok in verdicts:
         log.info("threshold %s: %s", "ok  " if ok else "FAIL", text)

@@ -63,11 +63,18 @@ def fire(env, rtype: str, name: str, start: float, exc: Exception | None = None,
 
 
 def check_thresholds(stats, primary: list[str], max_p99_ms: float, max_error_rate: float,
-                     max_leaked: int, leaked: list[str], audit: str) -> list[tuple[str, bool]]:
+                     max_leaked: int, leaked: list[str], audit: str,
+                     exceptions: dict | None = None) -> list[tuple[str, bool]]:
+    """`exceptions`: locust's runner.exceptions (a task that raised). Any one fails the run:
+    a task that raises stopped doing what the run measures, whatever the request stats say."""
     out: list[tuple[str, bool]] = []
     total = stats.total
     if total.num_requests == 0:
         out.append(("requests made: 0", False))
+    raised = list((exceptions or {}).values())
+    n = sum(e["count"] for e in raised)
+    first = f" (first: {raised[0]['msg'][:200]})" if raised else ""
+    out.append((f"task exceptions {n} <= 0{first}", n == 0))
     rate = total.fail_ratio
     out.append((f"error rate {rate:.4f} <= {max_error_rate:g} "
                 f"({total.num_failures} of {total.num_requests})", rate <= max_error_rate))
@@ -106,6 +113,9 @@ def write_summary(environment, verdicts) -> None:
         "leaked": RUN.leaked, "leaked_detail": RUN.extra.get("leaked_detail", {}),
         "audit": RUN.audit, "stats": st,
         "thresholds": [{"check": t, "ok": ok} for t, ok in verdicts],
+        "exceptions": [{"msg": e["msg"][:500], "count": e["count"]}
+                       for e in (environment.runner.exceptions.values()
+                                 if environment.runner else [])],
         "exit_code": environment.process_exit_code,
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)

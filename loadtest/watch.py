@@ -23,14 +23,15 @@ def _ready(pod: dict) -> bool:
                for c in (pod.get("status") or {}).get("conditions") or [])
 
 
-def watch_pods(env, core, ns: str, job: str, stop: gevent.event.Event,
+def watch_pods(env, core, ns: str, label: str, stop: gevent.event.Event,
                max_s: float = 7200) -> None:
-    """Every pod of the job: first seen -> Ready, one POD_READY event each. Pods first seen
-    already Ready (a warm hand-out relabelled to the job) are not counted."""
+    """Every pod whose job label is `label` (audit.job_label: the run's job, tenant-scoped):
+    first seen -> Ready, one POD_READY event each. Pods first seen already Ready (a warm
+    hand-out relabelled to the job) are not counted."""
     from kubernetes import watch
 
     deadline = time.monotonic() + max_s
-    selector = f"{contract.LABEL_JOB}={job}"
+    selector = f"{contract.LABEL_JOB}={label}"
     rv = None
     while not stop.is_set() and time.monotonic() < deadline:
         try:

@@ -517,19 +517,36 @@ def buildah_cmd() -> list[str]:
             "--storage-driver", os.environ.get("SANDMAN_BUILDAH_DRIVER", "overlay")]
 
 
-def _sandman_image() -> Image:
-    ref = f"sandman.local/sandman:{sandman_version()}"
-    return _image("sandman", ref, {
+def _dockerfile_image(name: str, target: str = "") -> Image:
+    ref = f"sandman.local/{name}:{sandman_version()}"
+    return _image(name, ref, {
         "base": _base_image().key, "dockerfile": DOCKERFILE.read_text(),
         "dockerignore": DOCKERIGNORE.read_text(),
         "sources": _tree_hash(dockerfile_copy_sources()), "buildah": _buildah_version(),
-        "flags": BUD_FLAGS})
+        "flags": BUD_FLAGS + (("--target", target) if target else ())})
+
+
+def _sandman_image() -> Image:
+    return _dockerfile_image("sandman")
+
+
+def _loadtest_image() -> Image:
+    return _dockerfile_image("sandman-loadtest", "loadtest")
 
 
 def build_sandman(force: bool = False) -> Image:
     """The product image from images/Dockerfile, the file users build with Docker, here with
     buildah over the Debian base (passed as PYTHON_IMAGE)."""
-    img = _sandman_image()
+    return _build_dockerfile(_sandman_image(), "", force)
+
+
+def build_loadtest(force: bool = False) -> Image:
+    """images/Dockerfile's `loadtest` target: the sandman venv plus locust (the in-cluster
+    load-test Job, loadtest/job.py)."""
+    return _build_dockerfile(_loadtest_image(), "loadtest", force)
+
+
+def _build_dockerfile(img: Image, target: str, force: bool) -> Image:
     if img.built and not force:
         return img
     if os.geteuid() != 0:
@@ -539,7 +556,7 @@ def build_sandman(force: bool = False) -> Image:
     img.archive.parent.mkdir(parents=True, exist_ok=True)
     log = img.archive.parent / "build.log"
     b = buildah_cmd()
-    local = "localhost/sandman:" + img.ref.rsplit(":", 1)[1]
+    local = "localhost/" + img.ref.split("/", 1)[1]
 
     def step(*args: str) -> str:
         with open(log, "a") as f:
@@ -559,7 +576,8 @@ def build_sandman(force: bool = False) -> Image:
     # the host trusts. Debian's pip reads the system bundle.
     bundle = "/etc/ssl/certs/ca-certificates.crt"
     trust = ["--volume", f"{bundle}:{bundle}:ro"] if os.path.exists(bundle) else []
-    step("bud", *BUD_FLAGS, *trust, "-f", str(DOCKERFILE),
+    step("bud", *BUD_FLAGS, *(("--target", target) if target else ()), *trust,
+         "-f", str(DOCKERFILE),
          "--build-arg", f"PYTHON_IMAGE={BASE_REF}", "-t", local, str(REPO))
     tmp = img.archive.with_name(f".{img.archive.name}.{os.getpid()}.tmp")
     tmp.unlink(missing_ok=True)
@@ -575,6 +593,12 @@ def build_sandman(force: bool = False) -> Image:
 def sandman_image() -> tuple[str, Path]:
     """(ref, archive path) of the sandman image, built on first use."""
     img = build_sandman()
+    return img.ref, img.archive
+
+
+def loadtest_image() -> tuple[str, Path]:
+    """(ref, archive path) of the load-test image, built on first use."""
+    img = build_loadtest()
     return img.ref, img.archive
 
 
@@ -600,15 +624,16 @@ def _grading_task_image() -> Image:
 
 
 BUILDERS = {"pause": build_pause, "task": build_task, "sandman": build_sandman,
-            "grading-task": build_grading_task}
+            "grading-task": build_grading_task, "loadtest": build_loadtest}
 # What `build`/`import` without names do: the images every real-node run needs. grading-task
-# (its own debootstrap) is built by the grading demo, or when named.
+# (its own debootstrap) is built by the grading demo, loadtest by tests/e2e/test_loadtest_job.py,
+# or either when named.
 DEFAULT_BUILD = ("pause", "task", "sandman")
 
 
 def describe(name: str) -> Image:
     return {"pause": _pause_image, "task": _task_image, "sandman": _sandman_image,
-            "grading-task": _grading_task_image}[name]()
+            "grading-task": _grading_task_image, "loadtest": _loadtest_image}[name]()
 
 
 class Containerd:

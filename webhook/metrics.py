@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
+from sandman import buildinfo
 from sandman.sandbox import RULES
 
 OPERATIONS = ("mutate", "validate")
@@ -40,6 +41,7 @@ class Metrics:
         self.cert_reloads = Counter(
             "sandman_webhook_certificate_reloads", "Serving certificate (re)loads by result.",
             ["result"], registry=self.registry)
+        self.build_info = buildinfo.register("webhook", self.registry)
 
     def count(self, operation: str, decision: str, reason: str) -> None:
         self.requests.labels(bounded(operation, OPERATIONS), bounded(decision, DECISIONS),

@@ -97,7 +97,7 @@ def stack(cluster, namespace, tmp_path, listener, request):
 
 def refused_count(ctl, field: str) -> float:
     text = httpx.get(ctl.url + api.METRICS.path, timeout=5).text
-    m = re.search(r'^sandman_conditions_refused_total\{field="' + field + r'"\} ([0-9.e+]+)$',
+    m = re.search(r'^sandman_controller_conditions_refused_total\{field="' + field + r'"\} ([0-9.e+]+)$',
                   text, re.M)
     return float(m.group(1)) if m else 0.0
 

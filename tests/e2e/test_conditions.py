@@ -46,7 +46,7 @@ def refused():
     n = 0.0
     for addr in os.environ["CONTROLLERS"].split():
         text = httpx.get(f"http://{addr}/metrics", timeout=10).text
-        m = re.search(r'^sandman_conditions_refused_total\{field="visible_cpus"\} (\S+)$',
+        m = re.search(r'^sandman_controller_conditions_refused_total\{field="visible_cpus"\} (\S+)$',
                       text, re.M)
         n += float(m.group(1)) if m else 0.0
     return n

@@ -108,6 +108,23 @@ def test_leak_audit_finds_a_planted_pod(cluster, stack):
     assert s["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0
 
 
+def test_an_audit_that_selects_none_of_the_runs_pods_fails_the_run(stack):
+    """A wrong tenant (the controller here runs unscoped, so its pods' job label is the bare
+    job): the audit would find no pod whatever was left. The run must fail, not pass
+    vacuously (it did when the chart's tenant-scoped labels met the bare job name)."""
+    url = controller(stack)
+    log = stack["tmp"] / "tenant.log"
+    code = locust("acquire_burst.py", ["--shape", "burst64", "--hold-s", "0", "--job", "lt-t",
+                                       "--tenant", "someone-else", "--max-leaked", "0",
+                                       "--leak-settle-s", "2",
+                                       *common_args(stack, url, "tenant")], log, timeout=180)
+    s = summary(stack, "tenant")
+    assert code == 1, log.read_text()[-3000:]
+    assert s["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0
+    assert s["audit"].startswith("failed: 64 sandbox(es) created, but the pod watch saw no pod "
+                                 "labelled sandman.dev/job=someone-else.lt-t"), s["audit"]
+
+
 def test_admission_storm_dry_run_and_raw_reviews(stack):
     log = stack["tmp"] / "adm.log"
     code = locust("admission_storm.py", ["-u", "4", "-r", "4", "-t", "6s",

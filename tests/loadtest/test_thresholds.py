@@ -8,6 +8,7 @@ import json
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 
 import pytest
 
@@ -111,3 +112,24 @@ def test_nothing_listening_fails_the_run(tmp_path):
     code, log, _ = run(tmp_path, f"http://127.0.0.1:{free_port()}")
     assert code == 1, log[-3000:]
     assert "threshold FAIL: error rate" in log
+
+
+RAISING = Path(__file__).parent / "files" / "raising.py"
+
+
+@pytest.mark.parametrize("fake", [("ok", 0.0)], indirect=True)
+def test_a_task_that_raises_fails_the_run(fake, tmp_path):
+    """Every request succeeds; the task raises after its cycle. locust's own exit code would say
+    1, but the threshold hook used to overwrite it with 0."""
+    log = tmp_path / "locust.log"
+    code = locust(str(RAISING), ["--shape", "burst64", "--hold-s", "0", "--budget-s", "30",
+                                 "--controller-url", fake.url, "--max-leaked", "-1",
+                                 "--csv", str(tmp_path / "run")], log, timeout=90)
+    text = log.read_text()
+    summary = json.loads((tmp_path / "run_sandman.json").read_text())
+    assert code == 1, text[-3000:]
+    assert "threshold ok  : error rate 0.0000" in text
+    assert "threshold FAIL: task exceptions" in text and "task raised on purpose" in text
+    assert summary["exit_code"] == 1
+    assert "task raised on purpose" in summary["exceptions"][0]["msg"]
+    assert summary["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0

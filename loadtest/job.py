@@ -1,0 +1,204 @@
+"""The load test as a Kubernetes Job next to the trainers: `python -m loadtest.job [options]
+[-- locust options] > loadtest.yaml; kubectl apply -f loadtest.yaml` (docs/loadtest.md "In the
+cluster"). Rendered here rather than in the chart: a load test is a one-off an operator runs
+against an install, never part of the release itself.
+
+What it renders, in this order (apply it whole; delete it whole with `kubectl delete -f`):
+- ServiceAccount <name> in the trainers' namespace, and a RoleBinding there to the chart's
+  user ClusterRole (`rbac.userClusterRole`, default sandman-user): the Job acquires as a trainer
+  of that tenant namespace, with a projected token for the controller's audience;
+- a Role + RoleBinding in the sandbox namespace: get/list/watch pods, for the POD_READY watch
+  and the leak audit (which read in-cluster config: the pod's own API token);
+- with --locustfile-path, a ConfigMap holding that file (mounted at /etc/loadtest);
+- the Job: one pod labelled as a trainer (the controller's and the sandboxes' NetworkPolicies
+  admit it; the namespace must carry the trainers label, an admin's step), running
+  `python3 -m loadtest <locustfile> --headless --kubeconfig in-cluster ...`, backoffLimit 0
+  (a load test never re-runs by itself), bounded by activeDeadlineSeconds. Its exit code is
+  locust's, so the Job fails when a threshold fails or a task raised.
+
+The controller's URL, token file and CA file reach the SDK as $SANDMAN_URL,
+$SANDMAN_TOKEN_FILE and (only with --ca-configmap, for an https URL) $SANDMAN_CA_FILE.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import yaml
+
+from sandman import contract
+from sandman.client._core import ENV_CA_FILE, ENV_TOKEN_FILE, ENV_URL
+
+TRAINER_LABEL = f"{contract.DOMAIN}/trainer"  # networkPolicy.trainerSelector's default
+TRAINERS_NS_LABEL = f"{contract.DOMAIN}/trainers"  # networkPolicy.controllerCallers' default
+TOKEN_DIR = "/var/run/secrets/sandman"
+CA_DIR = "/var/run/secrets/sandman-ca"
+LOCUSTFILE_DIR = "/etc/loadtest"
+OUT_DIR = "/tmp/loadtest"
+
+
+def render(*, name: str, namespace: str, sandbox_namespace: str, image: str,
+           controller_url: str, locust_args: list[str], locustfile: str = "acquire_burst",
+           locustfile_text: str | None = None, ca_configmap: str = "",
+           ca_key: str = "ca.crt", audience: str = "sandman",
+           user_clusterrole: str = "sandman-user", cpu: str = "500m", memory: str = "512Mi",
+           deadline_s: int = 1800, image_pull_policy: str = "IfNotPresent",
+           node_selector: dict[str, str] | None = None,
+           tolerations: list[dict] | None = None) -> list[dict]:
+    if controller_url.startswith("https://") and not ca_configmap:
+        # The SDK would verify against the system bundle, which does not hold a cluster CA.
+        raise ValueError("an https controller URL needs --ca-configmap (the controller's CA)")
+    labels = {"app.kubernetes.io/name": "sandman-loadtest", "app.kubernetes.io/instance": name}
+    sa = {"apiVersion": "v1", "kind": "ServiceAccount",
+          "metadata": {"name": name, "namespace": namespace, "labels": labels}}
+    subject = [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]
+    user_binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": f"{name}-{user_clusterrole}", "namespace": namespace,
+                     "labels": labels},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
+                    "name": user_clusterrole},
+        "subjects": subject}
+    audit_role = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": f"{name}-leak-audit", "namespace": sandbox_namespace,
+                     "labels": labels},
+        "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}]}
+    audit_binding = {
+        "apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": f"{name}-leak-audit", "namespace": sandbox_namespace,
+                     "labels": labels},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role",
+                    "name": f"{name}-leak-audit"},
+        "subjects": subject}
+    objs = [sa, user_binding, audit_role, audit_binding]
+
+    env = [{"name": ENV_URL, "value": controller_url},
+           {"name": ENV_TOKEN_FILE, "value": f"{TOKEN_DIR}/token"},
+           # The root filesystem is read-only: anything locust writes goes to the emptyDir.
+           {"name": "HOME", "value": OUT_DIR}]
+    volumes = [
+        {"name": "sandman-token", "projected": {"sources": [{"serviceAccountToken": {
+            "audience": audience, "expirationSeconds": 3600, "path": "token"}}]}},
+        {"name": "out", "emptyDir": {}}]
+    mounts = [{"name": "sandman-token", "mountPath": TOKEN_DIR, "readOnly": True},
+              {"name": "out", "mountPath": OUT_DIR}]
+    if ca_configmap:
+        env.append({"name": ENV_CA_FILE, "value": f"{CA_DIR}/{ca_key}"})
+        volumes.append({"name": "sandman-ca", "configMap": {"name": ca_configmap}})
+        mounts.append({"name": "sandman-ca", "mountPath": CA_DIR, "readOnly": True})
+    target = locustfile
+    if locustfile_text is not None:
+        filename = Path(locustfile).name
+        objs.append({"apiVersion": "v1", "kind": "ConfigMap",
+                     "metadata": {"name": f"{name}-locustfile", "namespace": namespace,
+                                  "labels": labels},
+                     "data": {filename: locustfile_text}})
+        volumes.append({"name": "locustfile", "configMap": {"name": f"{name}-locustfile"}})
+        mounts.append({"name": "locustfile", "mountPath": LOCUSTFILE_DIR, "readOnly": True})
+        target = f"{LOCUSTFILE_DIR}/{filename}"
+    args = [target, "--only-summary", "--kubeconfig", "in-cluster",
+            "--namespace", sandbox_namespace, "--job", name, "--csv", f"{OUT_DIR}/run",
+            *locust_args]
+    pod_labels = {**labels, TRAINER_LABEL: "true"}
+    spec: dict = {
+        "serviceAccountName": name,
+        # The API token (in-cluster config of the watch and the audit) is the pod's own.
+        "automountServiceAccountToken": True,
+        "enableServiceLinks": False,
+        "restartPolicy": "Never",
+        "terminationGracePeriodSeconds": 30,
+        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "containers": [{
+            "name": "locust", "image": image, "imagePullPolicy": image_pull_policy,
+            "command": ["python3", "-m", "loadtest"], "args": args, "env": env,
+            "workingDir": OUT_DIR,
+            "volumeMounts": mounts,
+            "resources": {"requests": {"cpu": cpu, "memory": memory},
+                          "limits": {"cpu": cpu, "memory": memory}},
+            "securityContext": {"allowPrivilegeEscalation": False,
+                                "readOnlyRootFilesystem": True,
+                                "capabilities": {"drop": ["ALL"]}}}],
+        "volumes": volumes}
+    if node_selector:
+        spec["nodeSelector"] = node_selector
+    if tolerations:
+        spec["tolerations"] = tolerations
+    objs.append({
+        "apiVersion": "batch/v1", "kind": "Job",
+        "metadata": {"name": name, "namespace": namespace, "labels": labels},
+        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": deadline_s,
+                 "template": {"metadata": {"labels": pod_labels}, "spec": spec}}})
+    return objs
+
+
+def _kv(text: str) -> tuple[str, str]:
+    k, sep, v = text.partition("=")
+    if not sep or not k:
+        raise argparse.ArgumentTypeError(f"expected key=value: {text!r}")
+    return k, v
+
+
+def _toleration(text: str) -> dict:
+    """key=value:Effect"""
+    kv, _, effect = text.partition(":")
+    k, v = _kv(kv)
+    if effect not in ("NoSchedule", "PreferNoSchedule", "NoExecute"):
+        raise argparse.ArgumentTypeError(f"toleration {text!r}: key=value:Effect")
+    return {"key": k, "operator": "Equal", "value": v, "effect": effect}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    extra: list[str] = []
+    if "--" in argv:
+        i = argv.index("--")
+        argv, extra = argv[:i], argv[i + 1:]
+    p = argparse.ArgumentParser(prog="python -m loadtest.job", description=__doc__.split(
+        "\n\n")[0], epilog="Everything after `--` goes to locust (e.g. --shape two-runs "
+        "--max-p99-ms 30000 --max-leaked 0).")
+    p.add_argument("--name", default="sandman-loadtest", help="Job, ServiceAccount and run job")
+    p.add_argument("--namespace", required=True,
+                   help=f"the trainers' namespace (labelled {TRAINERS_NS_LABEL}=true)")
+    p.add_argument("--sandbox-namespace", default="sandboxes")
+    p.add_argument("--image", required=True, help="the `loadtest` target of images/Dockerfile")
+    p.add_argument("--image-pull-policy", default="IfNotPresent")
+    p.add_argument("--controller-url", required=True,
+                   help="e.g. http://sandman-controller.sandman-system.svc:8080")
+    p.add_argument("--ca-configmap", default="",
+                   help="ConfigMap with the controller's CA (https URLs), NAME or NAME:KEY")
+    p.add_argument("--audience", default="sandman", help="controller.auth.audience")
+    p.add_argument("--user-clusterrole", default="sandman-user", help="rbac.userClusterRole")
+    p.add_argument("--locustfile", default="acquire_burst",
+                   help="acquire_burst, admission_storm, execd_storm")
+    p.add_argument("--locustfile-path", type=Path,
+                   help="a local locustfile, shipped in a ConfigMap instead")
+    p.add_argument("--cpu", default="500m")
+    p.add_argument("--memory", default="512Mi")
+    p.add_argument("--deadline-s", type=int, default=1800)
+    p.add_argument("--node-selector", type=_kv, action="append", default=[])
+    p.add_argument("--toleration", type=_toleration, action="append", default=[])
+    o = p.parse_args(argv)
+    cm, _, key = o.ca_configmap.partition(":")
+    try:
+        objs = render(
+            name=o.name, namespace=o.namespace, sandbox_namespace=o.sandbox_namespace,
+            image=o.image, controller_url=o.controller_url, locust_args=extra,
+            locustfile=o.locustfile_path.name if o.locustfile_path else o.locustfile,
+            locustfile_text=o.locustfile_path.read_text() if o.locustfile_path else None,
+            ca_configmap=cm, ca_key=key or "ca.crt", audience=o.audience,
+            user_clusterrole=o.user_clusterrole, cpu=o.cpu, memory=o.memory,
+            deadline_s=o.deadline_s, image_pull_policy=o.image_pull_policy,
+            node_selector=dict(o.node_selector), tolerations=o.toleration)
+    except (ValueError, OSError) as e:
+        print(f"loadtest.job: {e}", file=sys.stderr)
+        return 2
+    sys.stdout.write(yaml.safe_dump_all(objs, sort_keys=False))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

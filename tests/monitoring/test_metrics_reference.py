@@ -1,0 +1,182 @@
+"""docs/metrics.md lists exactly the metrics the components export: names, types, labels, and
+every value of every label (the code's allow-lists)."""
+
+from __future__ import annotations
+
+import enum
+import importlib
+import re
+from pathlib import Path
+
+import pytest
+from prometheus_client import REGISTRY, generate_latest
+
+from tests.monitoring.exported import exported
+
+ROOT = Path(__file__).resolve().parents[2]
+DOC = ROOT / "docs" / "metrics.md"
+
+
+def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
+    """The allow-list the code applies to a label (None: one value per process)."""
+    from controller import metrics as c
+    from sandman import buildinfo
+    from webhook import metrics as w
+
+    states = tuple(c.STATES) + ("other",)
+    table = {
+        ("sandman_build_info", "component"): buildinfo.COMPONENTS,
+        ("sandman_build_info", "version"): None,
+        ("sandman_build_info", "revision"): None,
+        ("sandman_controller_acquires_total", "result"): c.ACQUIRE_RESULTS + ("other",),
+        ("sandman_controller_acquires_total", "warm"): c.WARM,
+        ("sandman_controller_acquire_seconds", "warm"): c.WARM,
+        ("sandman_controller_creates_total", "result"): c.CREATE_RESULTS + ("other",),
+        ("sandman_controller_deletes_total", "result"): c.DELETE_RESULTS + ("other",),
+        ("sandman_controller_renews_total", "result"): c.RENEW_RESULTS + ("other",),
+        ("sandman_controller_expired_total", "renewed"): c.WARM,
+        ("sandman_controller_illegal_transitions_total", "from_state"): states,
+        ("sandman_controller_illegal_transitions_total", "to_state"): states,
+        ("sandman_controller_limit", "limit"): c.LIMITS,
+        ("sandman_controller_retirements_total", "reason"): c.RETIRE_REASONS + ("other",),
+        ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),
+        ("sandman_webhook_requests_total", "operation"): w.OPERATIONS + ("other",),
+        ("sandman_webhook_requests_total", "decision"): w.DECISIONS + ("other",),
+        ("sandman_webhook_requests_total", "reason"): w.REASONS + ("other",),
+        ("sandman_webhook_handler_seconds", "operation"): w.OPERATIONS,
+        ("sandman_webhook_certificate_reloads_total", "result"): ("loaded", "failed"),
+    }
+    if (metric, label) not in table:
+        pytest.fail(f"{metric}{{{label}}}: no allow-list known to this test; add it here "
+                    "(and bound the label in the code)", pytrace=False)
+    return table[(metric, label)]
+
+
+def _resolve(token: str) -> list[str]:
+    """`sandman.sandbox.RULES` -> the tuple's entries; `controller.books.State` -> its names."""
+    if "." not in token:
+        return [token]
+    module, _, attr = token.rpartition(".")
+    value = getattr(importlib.import_module(module), attr)
+    if isinstance(value, type) and issubclass(value, enum.Enum):
+        return [m.name for m in value]
+    return list(value)
+
+
+def documented() -> dict[str, dict]:
+    """Rows of the reference tables: name -> {type, labels: {label: [values] | None}}."""
+    rows: dict[str, dict] = {}
+    for line in DOC.read_text().splitlines():
+        m = re.match(r"\| `(sandman_[a-z0-9_]+)` \| (\w+) \|([^|]*)\|", line)
+        if not m:
+            continue
+        name, kind, cell = m.group(1), m.group(2), m.group(3).strip()
+        assert name not in rows, f"{name} listed twice"
+        labels: dict[str, list[str] | None] = {}
+        for part in filter(None, (p.strip() for p in cell.split(";"))):
+            lm = re.match(r"`([a-z_]+)`: (.*)", part)
+            assert lm, f"{name}: cannot read label cell {part!r}"
+            label, rest = lm.groups()
+            if rest.startswith("one per process"):
+                labels[label] = None
+            else:
+                tokens = re.findall(r"`([^`]+)`", rest)
+                assert tokens and re.fullmatch(r"(`[^`]+`(, )?)+", rest.strip()), (
+                    f"{name}{{{label}}}: values must be a list of `value`s: {rest!r}")
+                labels[label] = [v for t in tokens for v in _resolve(t)]
+        rows[name] = {"type": kind, "labels": labels}
+    return rows
+
+
+def test_reference_lists_exactly_the_exported_metrics():
+    code = exported()
+    doc = documented()
+    assert len(code) >= 20 and len(doc) >= 20  # the collection and the parse found something
+    assert sorted(set(code) - set(doc)) == [], "exported but not in docs/metrics.md"
+    assert sorted(set(doc) - set(code)) == [], "in docs/metrics.md but not exported"
+    for name, e in code.items():
+        row = doc[name]
+        assert row["type"] == e.type, f"{name}: documented {row['type']}, exported {e.type}"
+        assert sorted(row["labels"]) == sorted(e.labels), f"{name}: labels"
+        for label in e.labels:
+            want = _code_values(name, label)
+            got = row["labels"][label]
+            if want is None:
+                assert got is None, f"{name}{{{label}}}: documented as a list, code has none"
+            else:
+                assert got is not None and sorted(got) == sorted(want), (
+                    f"{name}{{{label}}}: documented {got}, code allows {list(want)}")
+
+
+def test_scrape_names_agree_with_the_collection():
+    """The public scrape output names the same metrics (no private-attribute surprise)."""
+    import webhook.metrics
+
+    text = generate_latest(REGISTRY).decode() + generate_latest(
+        webhook.metrics.Metrics().registry).decode()
+    scraped = {m.group(1): m.group(2) for m in re.finditer(
+        r"^# TYPE (sandman_\S+) (\w+)$", text, re.M) if not m.group(1).endswith("_created")}
+    assert scraped == {n: e.type for n, e in exported().items()}
+
+
+def test_build_info_is_one_series_per_component(monkeypatch):
+    from prometheus_client import CollectorRegistry
+
+    from sandman import buildinfo
+    from sandman._version import __version__
+
+    monkeypatch.setenv(buildinfo.ENV_REVISION, "0123abc")
+    reg = CollectorRegistry()
+    buildinfo.register("webhook", reg)
+    assert reg.get_sample_value(buildinfo.NAME, {
+        "version": __version__, "revision": "0123abc", "component": "webhook"}) == 1
+    # A revision that is not a commit id or tag is not worth a label value.
+    monkeypatch.setenv(buildinfo.ENV_REVISION, "x" * 65)
+    assert buildinfo.revision() == "unknown"
+    monkeypatch.setenv(buildinfo.ENV_REVISION, "a b")
+    assert buildinfo.revision() == "unknown"
+    with pytest.raises(ValueError, match="unknown component"):
+        buildinfo.register("execd", CollectorRegistry())
+    # The controller's registry carries its one series.
+    import controller.metrics  # noqa: F401
+
+    samples = [s for fam in REGISTRY.collect() if fam.name == buildinfo.NAME
+               for s in fam.samples]
+    assert [(s.labels["component"], s.labels["version"], s.value) for s in samples] == [
+        ("controller", __version__, 1.0)]
+
+
+@pytest.mark.testbed
+def test_running_controller_exports_build_info_and_its_pacing(cluster, namespace, tmp_path):
+    """A controller process on the test bed: /metrics (no token) has its build series and the
+    pacing it was started with, set by its maintenance tick once it leads."""
+    import time
+
+    import httpx
+
+    from testbed.controller import start_controller
+
+    ctl = start_controller(namespace, str(cluster.kubeconfig), tmp_path / "controller.log",
+                           ["--lease-name", f"m-{namespace}", "--rate", "7", "--burst", "9",
+                            "--log-level", "WARNING"], "pod")
+    try:
+        deadline = time.monotonic() + 30
+        while True:
+            text = httpx.get(f"{ctl.url}/metrics", timeout=5).text
+            if 'sandman_controller_limit{limit="rate"} 7.0' in text or (
+                    time.monotonic() > deadline):
+                break
+            time.sleep(0.5)
+    finally:
+        ctl.stop()
+    lines = set(text.splitlines())
+    assert 'sandman_controller_limit{limit="rate"} 7.0' in lines
+    assert 'sandman_controller_limit{limit="burst"} 9.0' in lines
+    assert "sandman_controller_create_rate 7.0" in lines
+    assert "sandman_controller_leader 1.0" in lines
+    from sandman import buildinfo
+    from sandman._version import __version__
+
+    assert [ln for ln in lines if ln.startswith("sandman_build_info{")] == [
+        f'sandman_build_info{{component="controller",revision="{buildinfo.revision()}",'
+        f'version="{__version__}"}} 1.0']  # the process inherits this environment
