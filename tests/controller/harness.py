@@ -1,13 +1,36 @@
 """Pod-ownership audit for the controller tests (the controller itself is started by
-testbed/controller.py)."""
+testbed/controller.py), and the stand-in stack several of them drive."""
 
 from __future__ import annotations
 
+import contextlib
 import time
+from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 
 from sandman import contract
+
+
+@contextlib.contextmanager
+def standin_stack(cluster, namespace: str, tmp_path: Path, lease: str,
+                  *args: str) -> Iterator[tuple]:
+    """(controller, stand-in): kwok pods with a real execd behind each (testbed/standin.py)
+    and the real controller with its default readiness check (Ready AND execd /ready from the
+    pod IP); both stopped on the way out, whatever happened."""
+    from testbed.controller import ControllerProc
+    from testbed.standin import Standin
+
+    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
+    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
+                         ["--lease-name", f"{lease}-{namespace}", *args], ready_check="execd")
+    try:
+        ctl.start()
+        yield ctl, standin
+    finally:
+        ctl.kill()
+        standin.stop()
 
 
 def pods(core, ns: str) -> list:

@@ -12,10 +12,8 @@ import textwrap
 import pytest
 
 from testbed import dist
-from testbed.controller import ControllerProc
 from testbed.procs import wait_for
-from testbed.standin import Standin
-from tests.controller.harness import pods
+from tests.controller.harness import pods, standin_stack
 
 IMAGE = "registry.invalid/swe/task:1"
 
@@ -39,15 +37,8 @@ SCRIPT = textwrap.dedent('''
 
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
-    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
-    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
-                         ["--lease-name", f"py39-{namespace}"], ready_check="execd")
-    try:
-        ctl.start()
-        yield ctl, standin
-    finally:
-        ctl.kill()
-        standin.stop()
+    with standin_stack(cluster, namespace, tmp_path, "py39") as got:
+        yield got
 
 
 @pytest.mark.timeout(1200)  # a first run debootstraps bullseye (196 s here)

@@ -15,10 +15,8 @@ import pytest
 
 from sandman import contract
 from sandman.client import BadRequest, Client, Unauthorized
-from testbed.controller import ControllerProc
 from testbed.procs import wait_for
-from testbed.standin import Standin
-from tests.controller.harness import pods
+from tests.controller.harness import pods, standin_stack
 
 IMAGE = "registry.invalid/swe/grader:1"
 MAX_REUSE = 8
@@ -26,16 +24,9 @@ MAX_REUSE = 8
 
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
-    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
-    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
-                         ["--lease-name", f"reuse-{namespace}", "--max-reuse", str(MAX_REUSE)],
-                         ready_check="execd")
-    try:
-        ctl.start()
-        yield ctl, standin
-    finally:
-        ctl.kill()
-        standin.stop()
+    with standin_stack(cluster, namespace, tmp_path, "reuse", "--max-reuse",
+                       str(MAX_REUSE)) as got:
+        yield got
 
 
 def live(cluster, namespace) -> list:

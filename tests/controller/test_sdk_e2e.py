@@ -14,26 +14,16 @@ import os
 import pytest
 
 from sandman.client import AsyncClient, Client, CommandTimeout, SandboxGone, Unauthorized
-from testbed.controller import ControllerProc
 from testbed.procs import wait_for
-from testbed.standin import Standin
-from tests.controller.harness import pods
+from tests.controller.harness import pods, standin_stack
 
 IMAGE = "registry.invalid/swe/task:1"
 
 
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
-    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
-    # The controller's default readiness check: Ready AND execd /ready from the pod IP.
-    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
-                         ["--lease-name", f"sdk-{namespace}"], ready_check="execd")
-    try:
-        ctl.start()
-        yield ctl, standin
-    finally:
-        ctl.kill()
-        standin.stop()
+    with standin_stack(cluster, namespace, tmp_path, "sdk") as got:
+        yield got
 
 
 def test_sync_sdk_end_to_end(cluster, namespace, stack):

@@ -24,10 +24,8 @@ from swerex.runtime.abstract import (
 
 from sandman.client import Client, SandboxGone
 from sandman.client.swerex import SandmanDeploymentConfig
-from testbed.controller import ControllerProc
 from testbed.procs import wait_for
-from testbed.standin import Standin
-from tests.controller.harness import pods
+from tests.controller.harness import pods, standin_stack
 
 IMAGE = "registry.invalid/swe/task:1"
 run = asyncio.run
@@ -35,15 +33,8 @@ run = asyncio.run
 
 @pytest.fixture
 def stack(cluster, namespace, tmp_path):
-    standin = Standin(cluster.core, namespace, tmp_path / "standin").start()
-    ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
-                         ["--lease-name", f"rex-{namespace}"], ready_check="execd")
-    try:
-        ctl.start()
-        yield ctl, standin
-    finally:
-        ctl.kill()
-        standin.stop()
+    with standin_stack(cluster, namespace, tmp_path, "rex") as got:
+        yield got
 
 
 def test_swe_agent_sequence_on_the_test_bed(cluster, namespace, stack):
