@@ -38,14 +38,22 @@ def test_real_pods_limits_are_read_by_conditions(sandman, ns):
 
 
 SCRIPT = r"""
-import json, os, re
+import json, os, re, ssl
 import httpx
 from sandman.client import Client, ConditionsRefused
+
+# Each replica's own /metrics (by pod IP: the counter is per process), over https verified
+# with the published CA for the Service's name (SNI), as the ServiceMonitor does.
+TLS = ssl.create_default_context(cafile=os.environ["SANDMAN_CA_FILE"])
 
 def refused():
     n = 0.0
     for addr in os.environ["CONTROLLERS"].split():
-        text = httpx.get(f"http://{addr}/metrics", timeout=10).text
+        with httpx.Client(verify=TLS, timeout=10) as h:
+            r = h.get(f"https://{addr}/metrics",
+                      extensions={"sni_hostname": os.environ["CONTROLLER_NAME"]})
+        r.raise_for_status()
+        text = r.text
         m = re.search(r'^sandman_controller_conditions_refused_total\{field="visible_cpus"\} (\S+)$',
                       text, re.M)
         n += float(m.group(1)) if m else 0.0
@@ -78,7 +86,8 @@ def test_acquire_declaring_an_impossible_cpu_count_is_refused(sandman, ns, figur
              for p in pods if p.status.pod_ip]
     assert addrs, "no controller pod with an IP"
     res = run_trainer(sandman, ns, "trainer-cond", SCRIPT, timeout=700,
-                      CONTROLLERS=" ".join(addrs))
+                      CONTROLLERS=" ".join(addrs),
+                      CONTROLLER_NAME=sandman.inst.controller_host())
     assert res["ok"]["verified"] == {"cpu_quota": 0.25, "memory_limit": 160 * MI}, res
     assert res["ok"]["unverified"] == ["time_limit_s"], res
     msg = res["refused"]

@@ -152,9 +152,10 @@ def test_grading_pod_killed_mid_run_is_no_verdict(sandman, ns, figures) -> None:
     running (seen inside the pod): the grading retries on a new pod, then says no_verdict."""
     (image,) = sandman.rn.load_images("grading_task")
     url = sandman.inst.controller_url_in_cluster()
-    from tests.e2e.helpers import bind_trainer
+    from tests.e2e.helpers import bind_trainer, copy_ca
 
     bind_trainer(sandman.cluster.api_client, ns)
+    copy_ca(sandman.cluster.api_client, sandman.inst, ns)  # $SANDMAN_CA_FILE: https
     sandman.create(ns, trainer_pod("grader-killed", sandman.inst.image_ref, KILLED, url,
                                    **_task_env(image)))
     killed: list[str] = []

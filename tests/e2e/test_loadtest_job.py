@@ -26,7 +26,7 @@ from loadtest.job import TRAINERS_NS_LABEL, render
 from sandman import contract
 from sandman.sandbox import INJECTED_RESOURCES as INJECTED
 from testbed import realnode
-from tests.e2e.helpers import TASK_IMAGE, placement
+from tests.e2e.helpers import SDK_CA, TASK_IMAGE, copy_ca, placement
 
 RAISING = Path(__file__).resolve().parents[1] / "loadtest" / "files" / "raising.py"
 SANDBOX_CPU, SANDBOX_MEMORY = "100m", "128Mi"  # = the injected init containers' size
@@ -71,9 +71,13 @@ def run_job(sandman, ns: str, name: str, image: str, locust_args: list[str],
             locustfile_text: str | None = None, timeout: float = 900) -> dict:
     """Apply the rendered objects, wait for the Job to finish while counting Running sandboxes
     of its run; returns status, logs, summary, peak."""
+    # The controller serves https: the Job verifies it with the admin's copy of the CA in
+    # its own namespace (docs/install.md "Trainers: the CA").
+    copy_ca(sandman.cluster.api_client, sandman.inst, ns)
     objs = render(name=name, namespace=ns, sandbox_namespace=sandman.inst.sandbox_namespace,
                   image=image, image_pull_policy="Never",
                   controller_url=sandman.inst.controller_url_in_cluster(),
+                  ca_configmap=SDK_CA,
                   locust_args=locust_args, cpu=JOB_CPU, memory=JOB_MEMORY,
                   locustfile="raising.py" if locustfile_text else "acquire_burst",
                   locustfile_text=locustfile_text, deadline_s=int(timeout),
