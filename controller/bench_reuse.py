@@ -20,8 +20,8 @@ import argparse
 import statistics
 import sys
 import time
-from pathlib import Path
 
+from execd.bench import write_docs
 from sandman.client import Client
 from testbed.cluster import Testbed, default_state_dir
 from testbed.controller import ControllerProc
@@ -29,7 +29,6 @@ from testbed.kube import Cluster
 from testbed.standin import Standin
 
 IMAGE = "registry.invalid/swe/grader:1"
-DOCS = Path(__file__).resolve().parents[1] / "docs" / "benchmarks.md"
 SECTION = "## Checked reuse (controller)"
 
 
@@ -96,14 +95,7 @@ def main(argv: list[str] | None = None) -> int:
         "(the execd section above times a 10k-file repository plus a venv).", ""])
     print(table)
     if args.write_docs:
-        text = DOCS.read_text()
-        i = text.find(SECTION)
-        if i < 0:
-            text = text.rstrip("\n") + "\n\n" + table
-        else:
-            j = text.find("\n## ", i + len(SECTION))
-            text = text[:i] + table + (text[j + 1:] if j >= 0 else "")
-        DOCS.write_text(text)
+        write_docs(table, SECTION)
     return 0
 
 

@@ -260,12 +260,15 @@ def flood_figures(ex: Execd) -> list[tuple[str, str]]:
     return rows
 
 
-def write_docs(section: str) -> Path:
+def write_docs(section: str, heading: str = "## execd") -> Path:
+    """Replace the `heading` section of docs/benchmarks.md with `section` (which starts with
+    that heading), or append it; every `make bench-*` that writes docs goes through here."""
     path = REPO / "docs" / "benchmarks.md"
     text = path.read_text() if path.exists() else "# Benchmarks\n"
     if not text.startswith("# Benchmarks"):
         text = "# Benchmarks\n\n" + text
-    m = re.search(r"^## execd\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
+    section = section.rstrip("\n") + "\n\n"  # a blank line before the next heading
+    m = re.search(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
     if m:
         text = text[:m.start()] + section + text[m.end():]
     else:

@@ -36,11 +36,11 @@ import time
 import urllib.request
 from pathlib import Path
 
+from execd.bench import write_docs
 from testbed.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXECD = REPO / "execd" / "execd.py"
-DOCS = REPO / "docs" / "benchmarks.md"
 SECTION = "## Checked reuse (execd)"
 COPY_PACKAGES = ("idna", "h11", "certifi", "sniffio", "anyio", "httpx", "httpcore")
 
@@ -249,14 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             "starting a fresh shell.", ""])
         print(table)
         if a.write_docs:
-            text = DOCS.read_text()
-            i = text.find(SECTION)
-            if i < 0:
-                text = text.rstrip("\n") + "\n\n" + table
-            else:
-                j = text.find("\n## ", i + len(SECTION))
-                text = text[:i] + table + (text[j + 1:] if j >= 0 else "")
-            DOCS.write_text(text)
+            write_docs(table, SECTION)
     finally:
         for ex in execds:
             ex.stop()

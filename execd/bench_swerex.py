@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import re
 import shlex
 import shutil
 import statistics
@@ -29,6 +28,7 @@ from pathlib import Path
 from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
 from swerex.runtime.local import LocalRuntime
 
+from execd.bench import write_docs
 from sandman.client import Sandbox
 from sandman.client.swerex import SandmanRuntime
 from testbed.execd import start_execd
@@ -74,18 +74,6 @@ def timed_sdk(sb: Sandbox, calls: int) -> tuple[list[float], int]:
         lat.append(time.perf_counter() - t0)
         wrong += r.output != "hi\n" or r.exit_code != 0
     return lat, wrong
-
-
-def write_docs(section: str) -> Path:
-    path = REPO / "docs" / "benchmarks.md"
-    text = path.read_text()
-    m = re.search(rf"^{re.escape(SECTION)}\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
-    if m:
-        text = text[:m.start()] + section + "\n" + text[m.end():]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
-    return path
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -188,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
     section = "\n".join(lines) + "\n"
     print(section)
     if args.write_docs:
-        print(f"wrote {write_docs(section)}", file=sys.stderr)
+        print(f"wrote {write_docs(section, SECTION)}", file=sys.stderr)
     return 0
 
 
