@@ -11,6 +11,8 @@ from pathlib import Path
 
 import pytest
 
+from controller import api as capi
+from controller import core, pods
 from sandman import api
 from sandman.client import AcquireTimings, Lease, PoolStatus, SandboxInfo, SandmanError, errors
 
@@ -25,7 +27,6 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def test_every_error_type_the_server_sends_is_in_the_contract():
-    core = pytest.importorskip("controller.core")
     sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
     assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
     # controller/api.py sends the rest itself: validation, gone, a caller that left, /readyz.
@@ -52,7 +53,6 @@ def test_the_sdk_knows_no_error_type_the_contract_lacks():
 
 
 def test_the_servers_routes_are_the_contracts():
-    capi = pytest.importorskip("controller.api")
     from fastapi.routing import APIRoute
 
     app = capi.build_app({})
@@ -103,7 +103,6 @@ def test_one_default_size():
 
     assert (SandboxPolicy().default_cpu, SandboxPolicy().default_memory) == (
         api.DEFAULT_CPU, api.DEFAULT_MEMORY)
-    pods = pytest.importorskip("controller.pods")
     spec = pods.spec_of({"spec": {"containers": [{"image": "img"}]}})
     assert (spec.cpu, spec.memory, spec.egress) == (api.DEFAULT_CPU, api.DEFAULT_MEMORY,
                                                     api.DEFAULT_EGRESS)

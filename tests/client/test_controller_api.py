@@ -13,14 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
+from controller import api
 from sandman import api as wire
 from sandman.client.errors import BadRequest, controller_error
 
 from .conftest import FAST_RETRY, LOOPBACK, Execd, Flavor
-
-api = pytest.importorskip("controller.api")
-uvicorn = pytest.importorskip("uvicorn")
 
 
 class StandIn:
