@@ -236,20 +236,30 @@ class Install:
         sel = f"app.kubernetes.io/instance={self.release}"
         kinds = ",".join(k for k in (*NAMESPACED_KINDS, *CLUSTER_KINDS)
                          if "monitoring.coreos.com" not in k)
-        res = self.kubectl("get", kinds, "--all-namespaces", "-l", sel, "-o", "name",
-                           check=False)
-        return res.stdout.split()
+        return self._names("get", kinds, "--all-namespaces", "-l", sel, "-o", "name")
 
     def runtime_leftovers(self) -> list[str]:
         """What the release's pods made at run time and an uninstall does not remove: anything
         left in the release and sandbox namespaces (pods, Secrets, ConfigMaps, Leases)."""
         left = []
         for ns in (self.namespace, self.sandbox_namespace):
-            res = self.kubectl("get", "pods,secrets,configmaps,leases.coordination.k8s.io",
-                               "-n", ns, "-o", "name", check=False)
-            left += [f"{ns}/{n}" for n in res.stdout.split()
-                     if n != "configmap/kube-root-ca.crt"]
+            names = self._names("get", "pods,secrets,configmaps,leases.coordination.k8s.io",
+                                "-n", ns, "-o", "name")
+            left += [f"{ns}/{n}" for n in names if n != "configmap/kube-root-ca.crt"]
         return left
+
+    def _names(self, *args: str) -> list[str]:
+        """`kubectl get -o name`'s names. "Nothing left" must come from an API server that
+        answered: any failure (unreachable, refused, unknown kind) raises, except kubectl's
+        NotFound for an object that is gone, which really means nothing."""
+        res = self.kubectl(*args, check=False)
+        if res.returncode != 0:
+            errs = [line for line in res.stderr.splitlines() if line.strip()]
+            if not errs or not all(line.startswith("Error from server (NotFound):")
+                                   for line in errs):
+                raise InstallError(f"kubectl {' '.join(args[:3])} exited {res.returncode}: "
+                                   f"{_tail(res.stderr + res.stdout)}")
+        return res.stdout.split()
 
     # --- where things are ----------------------------------------------------------------------
     def controller_pods(self) -> list[dict]:
