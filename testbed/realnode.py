@@ -284,14 +284,35 @@ def install_sysdeps() -> str | None:
     return None if rc == 0 else f"installing Debian packages {missing} failed (tools/sysdeps.py)"
 
 
+# Present once the bridge netfilter code is in the kernel (built in, or the loaded module):
+# kube-proxy and kube-router need bridged pod traffic to pass through iptables.
+BRIDGE_NF_DIR = Path("/proc/sys/net/bridge")
+
+
+def load_br_netfilter() -> None:
+    """Load br_netfilter when the kernel lacks it (nothing else on the machine does); a root
+    machine that cannot is a failure, never a reason to skip the real node."""
+    if BRIDGE_NF_DIR.exists():
+        return
+    path = os.pathsep.join([os.environ.get("PATH", ""), "/usr/sbin", "/sbin"])
+    modprobe = shutil.which("modprobe", path=path)
+    if modprobe is None:
+        raise RealNodeError("real node: the kernel has no br_netfilter and there is no "
+                            "modprobe to load it (Debian package kmod)")
+    res = subprocess.run([modprobe, "br_netfilter"], capture_output=True, text=True)
+    if not BRIDGE_NF_DIR.exists():
+        raise RealNodeError(f"real node: `modprobe br_netfilter` exited {res.returncode} and "
+                            f"{BRIDGE_NF_DIR} is still missing: "
+                            f"{(res.stderr or res.stdout).strip()[-300:]}")
+
+
 def unavailable_reason() -> str | None:
-    """One line saying why this machine cannot host a real node, or None when it can."""
+    """One line saying why this machine cannot host a real node, or None when it can. A
+    missing br_netfilter is not one: `prepare` loads it, or fails."""
     if os.geteuid() != 0:
         return "real node needs root (network namespaces, iptables, mounts, cgroups)"
     if not _cgroup_mounts():
         return "real node needs cgroups mounted under /sys/fs/cgroup"
-    if not Path("/proc/sys/net/bridge").exists():
-        return "real node needs the bridge netfilter module (br_netfilter)"
     missing = _sysdeps().missing_packages(real_node=True)
     if missing:
         return f"real node needs Debian packages {missing} (make sysdeps REAL_NODE=1)"
@@ -690,6 +711,7 @@ class RealNode:
         reason = install_sysdeps() or unavailable_reason()
         if reason:
             raise RealNodeError(f"real node: {reason}")
+        load_br_netfilter()
         self.bins = build.build_realnode()
         self.dir.mkdir(parents=True, exist_ok=True)
         claim_machine({

@@ -140,3 +140,35 @@ def test_cleanup_without_the_slot_touches_only_its_own(tmp_path, monkeypatch):
     rec = {"state_dir": str(tmp_path), "dir": str(tmp_path / "realnode")}
     assert realnode.cleanup(rec, machine=False) == []
     assert killed == [] and touched == []
+
+
+def _fake_modprobe(tmp_path, monkeypatch, script: str):
+    """A `modprobe` first on PATH, and the bridge netfilter directory in tmp_path (this kernel
+    may have br_netfilter built in: the missing case cannot be made real here)."""
+    bridge = tmp_path / "bridge"
+    monkeypatch.setattr(realnode, "BRIDGE_NF_DIR", bridge)
+    bindir = tmp_path / "bin"
+    bindir.mkdir()
+    (bindir / "modprobe").write_text(
+        f"#!/bin/sh\necho \"$@\" >> {tmp_path}/calls\n{script.format(bridge=bridge)}\n")
+    (bindir / "modprobe").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{bindir}:/usr/bin:/bin")
+    return bridge
+
+
+def test_a_missing_br_netfilter_is_loaded_not_a_reason_to_skip(tmp_path, monkeypatch):
+    bridge = _fake_modprobe(tmp_path, monkeypatch, "mkdir {bridge}")
+    assert "br_netfilter" not in (realnode.unavailable_reason() or "")
+    realnode.load_br_netfilter()
+    assert (tmp_path / "calls").read_text() == "br_netfilter\n" and bridge.exists()
+    realnode.load_br_netfilter()  # loaded: modprobe is not run again
+    assert (tmp_path / "calls").read_text() == "br_netfilter\n"
+
+
+def test_br_netfilter_that_cannot_be_loaded_fails_the_node(tmp_path, monkeypatch):
+    import pytest
+
+    _fake_modprobe(tmp_path, monkeypatch, "echo 'FATAL: Module br_netfilter not found' >&2; "
+                                          "exit 1")
+    with pytest.raises(realnode.RealNodeError, match="modprobe br_netfilter.*exited 1.*FATAL"):
+        realnode.load_br_netfilter()
