@@ -158,24 +158,34 @@ def namespace(cluster: Cluster, request) -> str:
     cluster.delete_namespace(ns)
 
 
+def _beds_of(fixturenames) -> list[Testbed]:
+    """The session's beds a test uses, through any fixture of its closure: `cluster` for the
+    shared bed, `_real_bed` for the real-node one (`real_cluster`, and the e2e suite's
+    `e2e`/`sandman`/`ns`, which reach it without `real_cluster`)."""
+    names = set(fixturenames)
+    beds = []
+    if "cluster" in names and "testbed" in _BED:
+        beds.append(_BED["testbed"])
+    if "_real_bed" in names and "real" in _BED:
+        beds.append(_BED["real"])
+    return beds
+
+
 @pytest.fixture(autouse=True)
 def _testbed_alive(request):
     """After each test-bed test: a component that crashed fails that test, loudly."""
     yield
-    if "cluster" in request.fixturenames and "testbed" in _BED:
-        _BED["testbed"].check()
-    if "real_cluster" in request.fixturenames and "real" in _BED:
-        _BED["real"].check()
+    for tb in _beds_of(request.fixturenames):
+        tb.check()
 
 
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_makereport(item, call):
     outcome = yield
     rep = outcome.get_result()
-    tb = _BED.get("testbed")
-    if "real_cluster" in item.fixturenames:
-        tb = _BED.get("real")
-    if rep.failed and tb is not None and {"cluster", "real_cluster"} & set(item.fixturenames):
+    if not rep.failed:
+        return
+    for tb in _beds_of(getattr(item, "fixturenames", ())):
         for log in sorted(Path(tb.logs).glob("*.log")):
             lines = log.read_text(errors="replace").splitlines()[-25:]
             rep.sections.append((f"test-bed log {log} (last 25 lines)", "\n".join(lines)))
@@ -198,6 +208,49 @@ def figures() -> Figures:
     return _FIGURES
 
 
+# Skips: `make test` (SANDMAN_NO_SKIPS=1) and CI (CI=true) fail the run on any skipped test
+# not listed here, so a test that silently stops running is seen. Each entry: a node id prefix
+# and a substring of the skip's reason, with a comment saying why that skip is expected on
+# the machines `make test` runs on. Deselected tests (`-m`, `-k`) are not skips.
+ALLOWED_SKIPS: tuple[tuple[str, str], ...] = ()
+
+_SKIPPED: list[tuple[str, str]] = []
+
+
+def _no_skips() -> bool:
+    return (os.environ.get("SANDMAN_NO_SKIPS") == "1"
+            or os.environ.get("CI", "").lower() == "true")
+
+
+def _record_skip(report) -> None:
+    if report.skipped and not hasattr(report, "wasxfail"):
+        reason = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(
+            report.longrepr)
+        _SKIPPED.append((report.nodeid, reason))
+
+
+def pytest_runtest_logreport(report):
+    _record_skip(report)
+
+
+def pytest_collectreport(report):
+    _record_skip(report)  # a module-level skip skips all of its tests at once
+
+
+def _unexpected_skips() -> list[tuple[str, str]]:
+    allowed = list(ALLOWED_SKIPS)
+    if os.environ.get("SANDMAN_KUBECONFIG"):
+        # Against an existing cluster the tests that need the local bed's own parts (its real
+        # node, its CA) cannot run, and say so.
+        allowed.append(("", "SANDMAN_KUBECONFIG is set"))
+    return [(n, r) for n, r in _SKIPPED if not any(n.startswith(p) and s in r for p, s in allowed)]
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if _no_skips() and _unexpected_skips() and exitstatus == pytest.ExitCode.OK:
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED
+
+
 def pytest_terminal_summary(terminalreporter):
     lines = list(_FIGURES.lines)
     if "startup_s" in _BED:
@@ -206,13 +259,20 @@ def pytest_terminal_summary(terminalreporter):
         terminalreporter.section("sandman figures")
         for line in lines:
             terminalreporter.write_line(line)
+    if _no_skips() and _unexpected_skips():
+        terminalreporter.section("unexpected skips (SANDMAN_NO_SKIPS=1 or CI=true)", red=True)
+        for nodeid, reason in _unexpected_skips():
+            terminalreporter.write_line(f"SKIPPED {nodeid}: {reason}")
+        terminalreporter.write_line("the run fails: every test must run here, or its skip "
+                                    "be listed with its reason in tests/conftest.py "
+                                    "ALLOWED_SKIPS")
 
 
 def pytest_collection_modifyitems(items):
     # Every test that touches the cluster carries the marker, so `-m "not testbed"` works.
     for item in items:
         names = getattr(item, "fixturenames", ())
-        if "cluster" in names or "real_cluster" in names:
+        if "cluster" in names or "_real_bed" in names:
             item.add_marker(pytest.mark.testbed)
-        if "real_cluster" in names:
+        if "_real_bed" in names:
             item.add_marker(pytest.mark.realnode)
