@@ -671,12 +671,14 @@ def test_uninstall_cleanup_hook_is_bounded_minimal_and_points_at_this_release(he
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_controller_serves_https_with_the_chart_certificate(helm, case):
-    """In both certificate modes: a serving certificate naming the controller Service is
-    issued into the Secret the controller mounts (tls.crt, tls.key, ca.crt); the controller
-    serves https with it, verifies the leader as the Service's name, and publishes the CA
-    bundle in the ConfigMap the helm test pod (and trainers' copies) read; probes, Service and
-    ServiceMonitor speak https."""
+def test_controller_is_rendered_for_https_with_the_chart_certificate(helm, case):
+    """The render, in both certificate modes: a serving certificate naming the controller
+    Service is issued into the Secret the controller mounts (tls.crt, tls.key, ca.crt); the
+    controller's args serve https with it, verify the leader as the Service's name, and
+    publish the CA bundle in the ConfigMap the helm test pod (and trainers' copies) read;
+    probes, Service and ServiceMonitor speak https. That the installed controller really
+    serves that certificate (verified with the published CA, for the Service's name) is
+    tests/e2e/test_lifecycle.py's check on the real node."""
     objs = _render(helm, *_values_args(case), "--set", "serviceMonitor.enabled=true")
     dep = _find(objs, "Deployment", "-controller")
     name = dep["metadata"]["name"]

@@ -11,6 +11,9 @@ run-time objects (its sandboxes, ConfigMaps, Lease) or the helm test pod behind.
 
 from __future__ import annotations
 
+import base64
+import hashlib
+import ssl
 import sys
 import time
 
@@ -61,9 +64,15 @@ def test_narrowed_ingress_still_admits_the_controller_and_helm_test(sandman, fig
 # so it is still leased, running, when the release is uninstalled.
 # Runs in the caller pod's network namespace with the host's files, so no cluster DNS: it
 # dials the Service's cluster IP and verifies the certificate for the Service's name (SNI).
+# First a bare handshake the same way: the certificate served is printed, to be compared with
+# the chart's Secret.
 ACQUIRE_AND_KEEP = """
-import ssl, sys, httpx
+import hashlib, socket, ssl, sys, urllib.parse, httpx
 url, image, token, ca, name = sys.argv[1:6]
+u = urllib.parse.urlsplit(url)
+with socket.create_connection((u.hostname, u.port), timeout=30) as raw, \\
+        ssl.create_default_context(cafile=ca).wrap_socket(raw, server_hostname=name) as tls:
+    print("E2E-CERT " + hashlib.sha256(tls.getpeercert(binary_form=True)).hexdigest())
 with httpx.Client(verify=ssl.create_default_context(cafile=ca), timeout=150) as c:
     r = c.post(url + "/v1/sandboxes", json={"image": image, "job": "e2e-uninstall",
                                             "cpu": "100m", "memory": "128Mi", "timeout_s": 120},
@@ -136,6 +145,13 @@ def test_install_test_upgrade_uninstall(sandman, ns, figures, tmp_path):
                         timeout=180)
     kept = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("E2E-POD ")]
     assert res.returncode == 0 and kept, f"acquire failed: {res.stderr[-2000:]}"
+    # The controller serves https with the chart's certificate: the leaf in the Secret the
+    # chart mounts (verified above with the published CA, for the Service's name).
+    served = [ln.split()[1] for ln in res.stdout.splitlines() if ln.startswith("E2E-CERT ")]
+    secret = inst.kget("secret", f"{inst.controller_service()}-tls", "-n", inst.namespace)
+    leaf = base64.b64decode(secret["data"]["tls.crt"]).decode()
+    leaf = leaf[:leaf.index("-----END CERTIFICATE-----") + len("-----END CERTIFICATE-----")]
+    assert served == [hashlib.sha256(ssl.PEM_cert_to_DER_cert(leaf)).hexdigest()], served
     assert kept[0] in _managed_pods(inst), (kept, _managed_pods(inst))
 
     t2 = time.monotonic()
