@@ -55,7 +55,7 @@ testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cach
 test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 # SANDMAN_NO_SKIPS=1: a skipped test fails the run unless tests/conftest.py's ALLOWED_SKIPS lists it.
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included; a skip fails it
-	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py $(PYTEST_ARGS)
+	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py --split $(PYTEST_ARGS)
 
 e2e: REAL_NODE := 1
 e2e: deps testbed-build  ## the real-node suite: bed + real node + helm install, tests/e2e, uninstall, teardown

@@ -8,6 +8,8 @@ is read from k8s.io/kubernetes's own go.mod so it never goes stale.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import re
@@ -162,10 +164,28 @@ def _go_install(pkg: str, dest: Path, work: Path, log, env: dict[str, str],
     tmp_out.rename(dest)  # atomic, even when two sessions build at once
 
 
+@contextlib.contextmanager
+def _build_lock():
+    """One build at a time per cache: a second session (the other tier of `make test`, another
+    checkout) waits for the first and then finds the binaries built, instead of compiling the
+    same Kubernetes packages beside it (~2 GB and all the machine's cores each)."""
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".build.lock", "w") as f:
+        fcntl.flock(f, fcntl.LOCK_EX)  # released when f closes, also if this process dies
+        yield
+
+
 def build_realnode(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
     """Build the real node's missing binaries (kubelet, kube-proxy, CoreDNS, kube-router,
     crictl) into their own cache folders; return name -> path."""
     bins = realnode_binaries()
+    if not force and all(p.exists() for p in bins.values()):
+        return bins
+    with _build_lock():
+        return _build_realnode(bins, log_path, force)
+
+
+def _build_realnode(bins: dict[str, Path], log_path: Path | None, force: bool) -> dict[str, Path]:
     missing = [n for n, p in bins.items() if force or not p.exists()]
     if not missing:
         return bins
@@ -201,6 +221,13 @@ def build_realnode(log_path: Path | None = None, force: bool = False) -> dict[st
 def build(log_path: Path | None = None, force: bool = False) -> dict[str, Path]:
     """Build any missing binary; return name -> path. Safe to call on every start."""
     bins = binaries()
+    if not force and all(p.exists() for p in bins.values()):
+        return bins
+    with _build_lock():
+        return _build(bins, log_path, force)
+
+
+def _build(bins: dict[str, Path], log_path: Path | None, force: bool) -> dict[str, Path]:
     missing = [n for n, p in bins.items() if force or not p.exists()]
     if not missing:
         return bins
