@@ -32,7 +32,7 @@ def write_section(section: str, path: Path | None = None) -> Path:
     if m:
         old = m.group(0)
         kept = old.find("\n" + KEEP + "\n")
-        if kept >= 0:
+        if kept >= 0 and KEEP not in section:
             section = section.rstrip("\n") + "\n\n" + old[kept + 1:]
         text = text[:m.start()] + section + text[m.end():]
     else:

@@ -1,27 +1,23 @@
-"""netguard.bench: its docs section rewrite, and one real run (netns, root)."""
+"""bench.netguard: one real run in its smallest configuration (netns, root). The section
+writer is tests/bench/test_docs.py's."""
 
 from __future__ import annotations
 
 import pytest
 
-from netguard import bench
-
-
-def test_update_docs_rewrites_only_its_own_section(tmp_path, monkeypatch):
-    docs = tmp_path / "benchmarks.md"
-    monkeypatch.setattr(bench, "DOCS", docs)
-    bench.update_docs("## netguard\n\nfirst\n")
-    assert docs.read_text() == "# Benchmarks\n\n## netguard\n\nfirst\n"
-    docs.write_text("# Benchmarks\n\n## execd\n\nkeep me\n\n## netguard\n\nold\n\n"
-                    "## webhook\n\nkeep me too\n")
-    bench.update_docs("## netguard\n\nnew\n")
-    assert docs.read_text() == ("# Benchmarks\n\n## execd\n\nkeep me\n\n## netguard\n\nnew\n\n"
-                                "## webhook\n\nkeep me too\n")
+from bench import netguard
 
 
 @pytest.mark.netns
 @pytest.mark.timeout(120)
 def test_bench_runs_and_meets_the_goal(capsys):
-    assert bench.main(["--runs", "1", "--backend", "nft"]) == 0
+    assert netguard.main(["--runs", "1", "--backend", "nft"]) == 0
     out = capsys.readouterr().out
-    assert "| nft |" in out and "met" in out
+    assert out.startswith(netguard.SECTION) and "| nft |" in out and "met" in out
+
+
+@pytest.mark.netns
+@pytest.mark.timeout(120)
+def test_smoke(capsys):
+    assert netguard.main(["--smoke"]) == 0
+    assert "| nft |" in capsys.readouterr().out
