@@ -100,36 +100,35 @@ testbed-down: $(STAMP)  ## stop the test bed started by testbed-up; nothing is l
 testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 	$(VPY) -m testbed status
 
-bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (writes figures to stdout)
-	$(VPY) -m execd.bench --write-docs
+bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (docs/benchmarks.md)
+	$(VPY) -m bench.execd --write-docs
 
 bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
-	$(VPY) -m execd.bench_swerex --write-docs
+	$(VPY) -m bench.swerex --write-docs
 
 bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod
-	$(VPY) -m execd.bench_reuse --write-docs
-	$(VPY) -m controller.bench_reuse --write-docs
+	$(VPY) -m bench.reuse --write-docs
 
-bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace
-	$(VPY) -m netguard.bench
+bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace (docs/benchmarks.md)
+	$(VPY) -m bench.netguard --write-docs
 
 bench-webhook: deps testbed-build  ## creates/s through the API server with vs without the webhooks
-	$(VPY) -m webhook.bench --update-docs
+	$(VPY) -m bench.webhook --write-docs
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare, acquire p50 with vs without auth
-	$(VPY) -m controller.bench --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
+	$(VPY) -m bench.controller --write-docs --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
 
 bench-realnode: REAL_NODE := 1
 bench-realnode: deps testbed-build  ## real node: create-to-Ready, acquire-to-first-command, execd echo vs a bare pod (docs/benchmarks.md)
-	$(VPY) -m testbed.bench_realnode --update-docs
+	$(VPY) -m bench.realnode --write-docs
 
 SHAPE ?= burst64
 RAMP_MAX ?= 1000
 demo: deps testbed-build  ## one-machine sandman + locust: SHAPE (burst64|two-runs|steady|ramp), then a ramp to RAMP_MAX
-	$(VPY) -m loadtest.demo --shape $(SHAPE) --ramp-max $(RAMP_MAX)
+	$(VPY) -m testbed.demo --shape $(SHAPE) --ramp-max $(RAMP_MAX)
 
-bench-loadtest: deps testbed-build  ## the locust ramp to 12,000 at 50 creates/s: the highest step this machine holds
-	$(VPY) -m loadtest.demo --shape ramp --ramp-max 12000 --rate 50 --burst 100
+bench-loadtest: deps testbed-build  ## the locust ramp to 12,000 at 50 creates/s: the highest step this machine holds (docs/benchmarks.md)
+	$(VPY) -m bench.loadtest --write-docs
 
 # Users with Docker only: our machines have no Docker engine, and there it stops at once with
 # one line (testbed/kind_up.py).

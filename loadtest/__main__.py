@@ -1,5 +1,5 @@
 """`python -m loadtest <locustfile> [locust options]`: one headless locust run of a locustfile
-shipped in this package (`acquire_burst`, `admission_storm`, `execd_storm`) or of a path (a
+shipped in this package (`acquire_burst`, `execd_storm`) or of a path (a
 `.py` file, e.g. mounted from a ConfigMap), as the in-cluster Job runs it (loadtest/job.py,
 docs/loadtest.md "In the cluster"). The exit code is locust's (the thresholds' verdict); after
 the run, the summary's verdict is printed as one `SANDMAN-SUMMARY {json}` line, so `kubectl
@@ -13,7 +13,7 @@ import sys
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
-LOCUSTFILES = ("acquire_burst", "admission_storm", "execd_storm")
+LOCUSTFILES = ("acquire_burst", "execd_storm")
 SUMMARY_KEYS = ("job", "shape", "duration_s", "stop_reason", "audit", "leaked", "stats",
                 "thresholds", "exceptions", "exit_code")
 

@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--audience", default="sandman", help="controller.auth.audience")
     p.add_argument("--user-clusterrole", default="sandman-user", help="rbac.userClusterRole")
     p.add_argument("--locustfile", default="acquire_burst",
-                   help="acquire_burst, admission_storm, execd_storm")
+                   help="acquire_burst, execd_storm")
     p.add_argument("--locustfile-path", type=Path,
                    help="a local locustfile, shipped in a ConfigMap instead")
     p.add_argument("--cpu", default="500m")

@@ -23,10 +23,16 @@ from pathlib import Path
 
 
 def pct(xs: list[float], q: float) -> float:
+    """q in [0, 1]; NaN for no values. Linear interpolation between closest ranks, the one
+    definition of docs/benchmarks.md (bench/stats.py; this package is shipped without bench/,
+    tests/bench/test_stats.py checks the two agree)."""
     s = sorted(xs)
     if not s:
         return math.nan
-    return s[min(len(s) - 1, max(0, math.ceil(q * len(s)) - 1))]
+    pos = (len(s) - 1) * q
+    lo = math.floor(pos)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (pos - lo)
 
 
 def load(path: Path) -> dict:

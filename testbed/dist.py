@@ -37,8 +37,10 @@ REPO = Path(__file__).resolve().parent.parent
 # What each distribution is built from (the server's list: its packages.find include).
 SOURCES = {
     "client": ["client", "sandman"],
-    "server": ["pyproject.toml", "sandman", "testbed", "webhook", "controller", "netguard",
-               "execd", "loadtest"],
+    # testbed/ and bench/ are copied although the wheel must not ship them: so a package
+    # discovery that took them would show (tests/test_distributions.py).
+    "server": ["pyproject.toml", "sandman", "testbed", "bench", "webhook", "controller",
+               "netguard", "execd", "loadtest"],
 }
 
 

@@ -24,9 +24,11 @@ from webhook.manifests import Registration
 
 
 def locust(locustfile: str, args: list[str], log: Path, timeout: float) -> int:
-    """One headless locust run of loadtest/<locustfile> as a process; its exit code is the
-    thresholds' verdict (124 when it ran past `timeout` s and was stopped)."""
-    cmd = [sys.executable, "-m", "locust", "-f", str(ROOT / "loadtest" / locustfile),
+    """One headless locust run of loadtest/<locustfile> (a path with a `/`: relative to the
+    repository) as a process; its exit code is the thresholds' verdict (124 when it ran past
+    `timeout` s and was stopped)."""
+    path = ROOT / locustfile if "/" in locustfile else ROOT / "loadtest" / locustfile
+    cmd = [sys.executable, "-m", "locust", "-f", str(path),
            "--headless", "--only-summary", "--loglevel", "INFO", *args]
     p = Proc("locust", cmd, log).start()
     try:

@@ -21,7 +21,9 @@ CLIENT_DEPENDENCIES = {"httpx"}
 # Top-level names of the tree's own first-party code: never importable from the client wheel
 # (beyond the sandman modules it ships).
 FIRST_PARTY = {"sandman", "controller", "webhook", "netguard", "execd", "testbed", "loadtest",
-               "tools", "tests"}
+               "bench", "tools", "tests"}
+# What the server wheel ships: the product packages; never the test bed, the benches or tests.
+SERVER_TOPS = {"sandman", "controller", "webhook", "netguard", "execd", "loadtest"}
 
 
 @pytest.fixture(scope="module")
@@ -121,3 +123,13 @@ def test_the_check_sees_a_server_module_in_the_client():
     src = "from sandman import sandbox\nimport controller.api\nfrom sandman.api import Route\n"
     assert _imports(src, "x.py") == {"sandman", "sandman.sandbox", "controller.api",
                                      "sandman.api"}
+
+
+def test_the_server_wheel_ships_the_product_only(wheels):
+    """Neither the test bed nor the benches (nor tests, tools) are in the server wheel: the
+    image installs it, and nothing it runs needs them (tests/test_layout.py)."""
+    tops = {n.split("/")[0] for n in _names(wheels["server"])}
+    assert tops == SERVER_TOPS, tops
+    names = _names(wheels["server"])
+    assert "execd/execd.py" in names and "loadtest/acquire_burst.py" in names
+    assert not [n for n in names if "/bench" in n or n.split("/")[-1].startswith("bench")]

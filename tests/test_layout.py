@@ -54,3 +54,78 @@ def test_the_check_finds_every_form():
            "def f():\n    from tests import x\nfrom testbed import procs\nimport testsuite\n"
            "from . import tests\n")
     assert [line for line, _ in imports_of_tests(src, "x.py")] == [1, 2, 3, 5]
+
+
+# Product packages: what the wheel and the image ship. They import neither the test bed, the
+# benches nor the tests (those import the product, never the reverse).
+PRODUCT = ("sandman", "controller", "webhook", "netguard", "execd", "loadtest")
+NOT_PRODUCT = ("testbed", "bench", "tests")
+
+
+def imports_of(source: str, filename: str, tops: tuple[str, ...]) -> list[tuple[int, str]]:
+    """(line, module) of every absolute import of one of `tops` (or below), at any depth."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename)):
+        names = []
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+            names = [node.module]
+        found += [(node.lineno, n) for n in names if n.split(".")[0] in tops]
+    return found
+
+
+def test_product_packages_import_neither_testbed_bench_nor_tests():
+    files = [p for top in PRODUCT for p in sorted((ROOT / top).rglob("*.py"))]
+    assert len(files) > 30, "walked nothing"
+    bad = [f"{p.relative_to(ROOT)}:{line}: {mod}"
+           for p in files for line, mod in imports_of(p.read_text(), str(p), NOT_PRODUCT)]
+    assert not bad, "product code importing the test bed, a bench or the tests:\n" + \
+        "\n".join(bad)
+
+
+def test_the_import_check_finds_every_form():
+    src = ("import testbed\nfrom bench.stats import percentile\ndef f():\n"
+           "    import tests.conftest\nfrom . import bench\nimport benchmark\n"
+           "from testbed import procs\n")
+    assert sorted(line for line, _ in imports_of(src, "x.py", NOT_PRODUCT)) == [1, 2, 4, 7]
+
+
+def test_every_bench_lives_in_bench():
+    """No benchmark module left in a product package or the test bed: bench/ is the one place."""
+    strays = [p.relative_to(ROOT).as_posix() for top in (*PRODUCT, "testbed")
+              for p in (ROOT / top).rglob("*.py") if p.stem.startswith("bench")]
+    assert not strays, f"benchmarks outside bench/: {strays}"
+    names = {p.stem for p in (ROOT / "bench").glob("*.py")}
+    assert {"execd", "swerex", "reuse", "netguard", "webhook", "controller", "loadtest",
+            "realnode", "stats", "docs"} <= names, names
+
+
+def test_one_percentile_definition():
+    """Percentiles of docs/benchmarks.md come from bench/stats.py; the only other definition
+    is loadtest/report.py's (shipped without bench/), checked equal in tests/bench."""
+    import re
+
+    defs = [f"{p.relative_to(ROOT)}: {m}" for p in python_files_outside_tests()
+            for m in re.findall(r"^\s*def (pct|percentiles?|quantile)\(", p.read_text(), re.M)]
+    assert sorted(defs) == ["bench/stats.py: percentile", "loadtest/report.py: pct"], defs
+
+
+def test_the_image_copies_neither_testbed_nor_bench():
+    dockerfile = (ROOT / "images" / "Dockerfile").read_text()
+    copied = {line.split()[1].rstrip("/") for line in dockerfile.splitlines()
+              if line.startswith("COPY ") and not line.startswith("COPY --from")}
+    assert {"sandman", "controller", "execd"} <= copied, copied  # the check reads COPY lines
+    assert not copied & {"testbed", "bench", "tests", "."}, copied
+
+
+def test_nothing_the_chart_or_image_runs_needs_testbed_or_bench():
+    """Commands in the chart and the image run product modules only."""
+    import re
+
+    texts = [p for d in ("charts", "images") for p in (ROOT / d).rglob("*")
+             if p.is_file() and p.suffix in ("", ".yaml", ".tpl", ".sh", ".py", ".txt")]
+    bad = [f"{p.relative_to(ROOT)}: {m}" for p in texts
+           for m in re.findall(r"\b(?:testbed|bench)\.[a-z_]+\b|-m (?:testbed|bench)\b",
+                               p.read_text(errors="replace"))]
+    assert not bad, bad

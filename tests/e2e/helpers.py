@@ -24,43 +24,22 @@ from kubernetes import client
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_PORT, LABEL_SANDBOX
 from testbed import realnode
+from testbed.trainer import (  # noqa: F401 - the e2e tests' trainer setup lives in testbed
+    SDK_CA,
+    SDK_CA_DIR,
+    SDK_CA_MOUNT,
+    SDK_CA_VOLUME,
+    SDK_TOKEN_DIR,
+    SDK_TOKEN_MOUNT,
+    SDK_TOKEN_VOLUME,
+    TRAINER_LABEL,
+    bind_trainer,
+    copy_ca,
+    sdk_env,
+)
 
 PROBE = Path(__file__).with_name("probe.py")
 TASK_IMAGE = "sandman.local/task:bookworm"
-TRAINER_LABEL = "sandman.dev/trainer"
-# A trainer's identity for the controller (docs/sdk.md, "Before you start"): a projected token
-# for the controller's audience, read by the SDK from $SANDMAN_TOKEN_FILE.
-SDK_TOKEN_DIR = "/var/run/secrets/sandman"
-SDK_TOKEN_VOLUME = {"name": "sandman-token", "projected": {"sources": [{"serviceAccountToken": {
-    "audience": "sandman", "expirationSeconds": 3600, "path": "token"}}]}}
-SDK_TOKEN_MOUNT = {"name": "sandman-token", "mountPath": SDK_TOKEN_DIR, "readOnly": True}
-# The controller's CA bundle, copied by the admin into the trainer's namespace as ConfigMap
-# `sandman-ca` (copy_ca; docs/install.md, "Trainers: the CA"), read from $SANDMAN_CA_FILE.
-SDK_CA = "sandman-ca"
-SDK_CA_DIR = "/etc/sandman/ca"
-SDK_CA_VOLUME = {"name": SDK_CA, "configMap": {"name": SDK_CA}}
-SDK_CA_MOUNT = {"name": SDK_CA, "mountPath": SDK_CA_DIR, "readOnly": True}
-
-
-def sdk_env(controller: str) -> list[dict]:
-    return [{"name": "SANDMAN_URL", "value": controller},
-            {"name": "SANDMAN_TOKEN_FILE", "value": f"{SDK_TOKEN_DIR}/token"},
-            {"name": "SANDMAN_CA_FILE", "value": f"{SDK_CA_DIR}/ca.crt"}]
-
-
-def copy_ca(api_client, inst, ns: str) -> None:
-    """The admin's copy of the controller's CA bundle into a trainer namespace (a ConfigMap
-    cannot be mounted across namespaces): ConfigMap `sandman-ca`, key ca.crt."""
-    core = client.CoreV1Api(api_client)
-    body = {"metadata": {"name": SDK_CA}, "data": {"ca.crt": inst.ca_bundle()}}
-    try:
-        core.create_namespaced_config_map(ns, body)
-    except client.ApiException as e:
-        if e.status != 409:
-            raise
-        core.replace_namespaced_config_map(SDK_CA, ns, body)
-
-
 def sigkill_container(sandman, namespace: str, pod: str) -> int:
     """SIGKILL the pod's main container process on the node; returns its host PID."""
     rn = sandman.rn
@@ -72,23 +51,6 @@ def sigkill_container(sandman, namespace: str, pod: str) -> int:
     pid = json.loads(rn.crictl("inspect", "-o", "json", cid[0]).stdout)["info"]["pid"]
     os.kill(pid, signal.SIGKILL)
     return pid
-
-
-def bind_trainer(api_client, ns: str, sa: str = "default", role: str = "sandman-user") -> None:
-    """An admin's two steps for a trainer namespace: label it for the controller's
-    NetworkPolicy (networkPolicy.controllerCallers' default namespaceSelector) and bind the
-    chart's user ClusterRole to `sa` in `ns`, its tenant (409: already bound)."""
-    client.CoreV1Api(api_client).patch_namespace(
-        ns, {"metadata": {"labels": {"sandman.dev/trainers": "true"}}})
-    try:
-        client.RbacAuthorizationV1Api(api_client).create_namespaced_role_binding(ns, {
-            "metadata": {"name": f"{role}-{sa}"},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole",
-                        "name": role},
-            "subjects": [{"kind": "ServiceAccount", "name": sa, "namespace": ns}]})
-    except client.ApiException as e:
-        if e.status != 409:
-            raise
 
 
 def placement() -> dict:

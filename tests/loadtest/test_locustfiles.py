@@ -127,7 +127,7 @@ def test_an_audit_that_selects_none_of_the_runs_pods_fails_the_run(stack):
 
 def test_admission_storm_dry_run_and_raw_reviews(stack):
     log = stack["tmp"] / "adm.log"
-    code = locust("admission_storm.py", ["-u", "4", "-r", "4", "-t", "6s",
+    code = locust("testbed/locustfiles/admission_storm.py", ["-u", "4", "-r", "4", "-t", "6s",
                                          "--webhook-url", stack["webhook"],
                                          "--webhook-ca", stack["ca"], "--max-p99-ms", "5000",
                                          *common_args(stack, "http://127.0.0.1:9", "adm")],

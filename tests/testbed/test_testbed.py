@@ -16,6 +16,7 @@ from pathlib import Path
 
 from kubernetes import client, watch
 
+from bench.stats import percentile
 from testbed import pki
 
 IMAGE = "registry.invalid/sandman/tiny:1"  # never pulled: kwok runs no container
@@ -33,11 +34,6 @@ def tiny_pod(name: str, labels: dict | None = None, **spec) -> dict:
 
 def _ready(pod) -> bool:
     return any(c.type == "Ready" and c.status == "True" for c in (pod.status.conditions or []))
-
-
-def pct(values: list[float], q: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))]
 
 
 def test_thousand_pods_become_ready(cluster, namespace, figures):
@@ -84,7 +80,7 @@ def test_thousand_pods_become_ready(cluster, namespace, figures):
     # kwok hands out pod IPs from loopback: nothing ever dials outside this machine.
     assert all(p.status.pod_ip.startswith("127.") for p in pods)
     figures.add(f"1,000 pods: {n / create_s:.0f} creates/s (8 threads); create-to-Ready "
-                f"p50 {statistics.median(lat) * 1000:.0f} ms, p99 {pct(lat, 0.99) * 1000:.0f} ms")
+                f"p50 {statistics.median(lat) * 1000:.0f} ms, p99 {percentile(lat, 99) * 1000:.0f} ms")
 
 
 def test_garbage_collector_deletes_orphaned_dependent(cluster, namespace):

@@ -9,10 +9,15 @@ Two user classes (pick one by name at the end of the command line, or run both):
   AdmissionReviewUser  ADMISSION_REVIEW: raw AdmissionReview v1 requests straight at the
                        webhook's /mutate and /validate (TLS, verified with its CA).
 
-    locust -f loadtest/admission_storm.py --headless -u 20 -r 20 -t 30s \
+    locust -f testbed/locustfiles/admission_storm.py --headless -u 20 -r 20 -t 30s \
         --kubeconfig KC --namespace sandboxes DryRunCreateUser
-    locust -f loadtest/admission_storm.py --headless -u 20 -r 20 -t 30s \
+    locust -f testbed/locustfiles/admission_storm.py --headless -u 20 -r 20 -t 30s \
         --webhook-url https://127.0.0.1:8443 --webhook-ca ca.crt AdmissionReviewUser
+
+It lives with the test bed (it builds its pods with testbed.webhook's probe_pod), not in the
+loadtest package the image ships; an in-cluster Job runs it as a `--locustfile-path` ConfigMap.
+Its own directory: locust puts a locustfile's directory first on sys.path, and testbed/'s
+webhook.py would hide the webhook package.
 
 The paper's reason: an unpaced evaluation of 4,096 trajectories took a shared policy webhook
 down (HTTP 500 to every create, 84.9% of the evaluation's trajectories failed).

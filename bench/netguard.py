@@ -1,4 +1,4 @@
-"""`make bench-netguard`: how long apply + self-verify takes, in real network namespaces.
+"""`make bench-netguard` (`python -m bench.netguard --write-docs`): how long apply + self-verify takes, in real network namespaces.
 
 Builds a pod namespace joined by a veth to a peer namespace (which also holds the metadata
 address, so the verify probes never leave the bench's own namespaces), then times, per backend:
@@ -9,7 +9,7 @@ address, so the verify probes never leave the bench's own namespaces), then time
 - the in-process phases netguard records in its status file.
 
 Repeated (default 21 times), medians reported. Needs root, iproute2 and iptables.
-`--update-docs` rewrites the `## netguard` section of docs/benchmarks.md.
+`--write-docs` rewrites its section of docs/benchmarks.md; `--smoke`: one run, nft only.
 """
 
 from __future__ import annotations
@@ -20,15 +20,17 @@ import os
 import platform
 import secrets
 import shutil
-import statistics
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+from bench import docs
+from bench.stats import median
+
 ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## netguard: `python -m bench.netguard`"
 GOAL_MS = 100
 APPLY_ARGS = ["--allow-egress", "10.250.1.2:53", "--ingress-from", "10.250.1.2/32",
               "--verify-blocked", "10.250.1.2:8080"]
@@ -80,10 +82,6 @@ class Netns:
         return ms
 
 
-def _median(xs: list[float]) -> float:
-    return statistics.median(xs) if xs else float("nan")
-
-
 def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
     status = tmp / f"{backend}.json"
     apply = [sys.executable, "-m", "netguard", "apply", "--backend", backend,
@@ -98,11 +96,11 @@ def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
             again.append(ns.run(*apply))
         finally:
             ns.close()
-    med = {k: _median(v) for k, v in phases.items()}
+    med = {k: median(v) for k, v in phases.items()}
     return {
         "backend": backend, "runs": runs,
-        "first_ms": _median(first), "first_min_ms": min(first), "first_max_ms": max(first),
-        "again_ms": _median(again),
+        "first_ms": median(first), "first_min_ms": min(first), "first_max_ms": max(first),
+        "again_ms": median(again),
         "phases_ms": med,
         "apply_verify_ms": med.get("apply", 0) + med.get("readback", 0) + med.get("verify", 0),
     }
@@ -116,16 +114,16 @@ def bench_baseline(runs: int) -> dict:
         imp = [ns.run(sys.executable, "-c", "import pyroute2") for _ in range(runs)]
     finally:
         ns.close()
-    return {"python_ms": _median(bare), "python_pyroute2_ms": _median(imp)}
+    return {"python_ms": median(bare), "python_pyroute2_ms": median(imp)}
 
 
 def report(results: list[dict], base: dict, runs: int) -> str:
     cpu = platform.processor() or platform.machine()
     lines = [
-        "## netguard",
+        SECTION,
         "",
         "Apply + self-verify of the guard in a real network namespace (`make bench-netguard`,",
-        "i.e. `.venv/bin/python -m netguard.bench`; `--update-docs` rewrites this section).",
+        "i.e. `.venv/bin/python -m bench.netguard --write-docs`, which rewrites this section).",
         f"Options: `apply {' '.join(APPLY_ARGS)}`;",
         "IPv4 + IPv6, both applied, read back and probed. "
         f"{runs} runs per row, a fresh pod namespace per run;",
@@ -161,30 +159,18 @@ def report(results: list[dict], base: dict, runs: int) -> str:
     return "\n".join(lines)
 
 
-def update_docs(section: str) -> None:
-    """Replace (or add) the `## netguard` section; other sections are left as they are."""
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    lines = text.splitlines(keepends=True)
-    start = next((i for i, x in enumerate(lines) if x.rstrip() == "## netguard"), None)
-    if start is None:
-        new = text.rstrip("\n") + "\n\n" + section
-    else:
-        end = next((i for i in range(start + 1, len(lines)) if lines[i].startswith("## ")),
-                   len(lines))
-        tail = "".join(lines[end:])
-        new = "".join(lines[:start]) + section + ("\n" + tail if tail else "")
-    DOCS.write_text(new.rstrip("\n") + "\n")
-
-
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m netguard.bench", description=__doc__)
+    ap = argparse.ArgumentParser(prog="python -m bench.netguard", description=__doc__)
     ap.add_argument("--runs", type=int, default=21)
     ap.add_argument("--backend", action="append", choices=("nft", "legacy"),
                     help="default: nft, and legacy when installed")
-    ap.add_argument("--update-docs", action="store_true")
+    docs.add_flags(ap)
     args = ap.parse_args(argv)
+    docs.check_flags(ap, args)
+    if args.smoke:
+        args.runs, args.backend = 1, args.backend or ["nft"]
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("iptables-nft-restore"):
-        print("netguard.bench: needs root, iproute2 and iptables (make deps)", file=sys.stderr)
+        print("bench.netguard: needs root, iproute2 and iptables (make deps)", file=sys.stderr)
         return 1
     backends = args.backend or ["nft"] + (["legacy"] if shutil.which("iptables-legacy-restore")
                                           else [])
@@ -192,9 +178,8 @@ def main(argv: list[str] | None = None) -> int:
         results = [bench_backend(b, args.runs, Path(tmp)) for b in backends]
     section = report(results, bench_baseline(args.runs), args.runs)
     print(section)
-    if args.update_docs:
-        update_docs(section)
-        print(f"(written to {DOCS.relative_to(ROOT)})")
+    if args.write_docs:
+        print(f"wrote {docs.write_section(section)}", file=sys.stderr)
     worst = max(r["apply_verify_ms"] for r in results)
     return 0 if worst <= GOAL_MS else 1
 

@@ -1,28 +1,13 @@
-"""The real-node bench's pure parts (statistics, planning, parsing, the docs section), without a
-node. `make bench-realnode` runs the bench itself; no timing is asserted here."""
+"""The real-node bench's pure parts (statistics, planning, parsing, the agent, the docs
+section), without a node. Its smoke run on the installed product is
+tests/e2e/test_bench_smoke.py; no timing is asserted here."""
 
 from __future__ import annotations
 
 import pytest
 
-from testbed import bench_realnode as B
-
-
-def test_percentile_interpolates_between_closest_ranks():
-    xs = [5.0, 1.0, 4.0, 2.0, 3.0]
-    assert B.percentile(xs, 50) == 3.0
-    assert B.percentile(xs, 0) == 1.0
-    assert B.percentile(xs, 100) == 5.0
-    assert B.percentile(xs, 99) == pytest.approx(4.96)
-    assert B.percentile([7.0], 99) == 7.0
-    # 64 values: p99 lies between the two largest.
-    assert B.percentile([float(i) for i in range(64)], 99) == pytest.approx(62.37)
-
-
-@pytest.mark.parametrize("values,q", [([], 50), ([1.0], -1), ([1.0], 101)])
-def test_percentile_refuses_bad_input(values, q):
-    with pytest.raises(ValueError):
-        B.percentile(values, q)
+from bench import realnode as B
+from bench import realnode_agent
 
 
 def test_across_rounds_takes_the_median_and_range_of_each_rounds_figures():
@@ -73,8 +58,45 @@ def test_agent_lines_are_found_among_other_output():
         B.parse_agent_line("BENCH [1, 2]")
 
 
-def test_the_agent_script_compiles():
+def test_the_agent_is_the_modules_source_and_answers_each_request(capsys):
     compile(B.AGENT, "<agent>", "exec")
+    assert B.AGENT.startswith('"""The real-node bench')
+
+    class Client:  # the agent's ops that need no controller
+        closed = False
+
+        def close(self):
+            Client.closed = True
+
+    agent = realnode_agent.Agent(Client())
+    agent.serve(['{"op": "release"}', '{"op": "nope"}', '{"op": "quit"}', '{"op": "release"}'])
+    agent.close()
+    answers = [B.parse_agent_line(ln) for ln in capsys.readouterr().out.splitlines()]
+    assert answers == [{"released": 0}, {"error": "unknown op 'nope'"}, {"bye": True}]
+    assert Client.closed
+
+
+def test_the_trainer_pod_carries_what_the_default_install_requires():
+    pod = B.trainer_pod("trainer", "img", "https://ctl.sandman.svc:8080")
+    assert pod["metadata"]["labels"] == {"sandman.dev/trainer": "true"}
+    c = pod["spec"]["containers"][0]
+    env = {e["name"]: e["value"] for e in c["env"]}
+    assert env["SANDMAN_URL"].startswith("https://")
+    assert {"SANDMAN_TOKEN_FILE", "SANDMAN_CA_FILE"} <= set(env)
+    vols = {v["name"]: v for v in pod["spec"]["volumes"]}
+    token = vols["sandman-token"]["projected"]["sources"][0]["serviceAccountToken"]
+    assert token["audience"] == "sandman"
+    assert vols["sandman-ca"]["configMap"]["name"] == "sandman-ca"
+    mounts = {m["mountPath"] for m in c["volumeMounts"]}
+    assert env["SANDMAN_TOKEN_FILE"].rsplit("/", 1)[0] in mounts
+    assert env["SANDMAN_CA_FILE"].rsplit("/", 1)[0] in mounts
+
+
+def test_smoke_is_the_smallest_run_and_writes_no_docs():
+    a = B.parse(["--smoke"])
+    assert (a.rounds, a.sandboxes, a.wave, a.echo_blocks) == (1, 1, 1, 1)
+    with pytest.raises(SystemExit):
+        B.parse(["--smoke", "--write-docs"])
 
 
 def _pod(arm: str, c2r: float, **kw) -> dict:
@@ -109,7 +131,7 @@ def test_section_renders_ratios_and_replaces_only_its_own_part(tmp_path):
     assert res["create_to_ready"]["webhook"]["p50_range"] == (2.5, 5.0)
     res.update(alloc_cpu=2.0, used_cpu=1.2, wave=8, setup_s=60.0, rounds=3, sandboxes=4,
                errors="", leftovers="", release_leftovers="", echo_cpu="800m",
-               command=".venv/bin/python -m testbed.bench_realnode", wall_s=900.0,
+               command="python -m bench.realnode", wall_s=900.0,
                machine={"cpus": 2, "arch": "x86_64", "kernel": "k", "python": "3.11",
                         "date": "d", "load_before": "1 1 1", "load_after": "2 2 2"})
     res["echo"].update(n_per_block=200, warmup=20, blocks=2)

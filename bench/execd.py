@@ -1,8 +1,10 @@
-"""execd vs SWE-ReX vs the bare limit, on loopback, in one invocation (`make bench-execd`).
+"""execd vs SWE-ReX vs the bare limit, on loopback, in one invocation (`make bench-execd`:
+`python -m bench.execd --write-docs`).
 
 A script, not a test: it prints a markdown table of medians over --repeats runs (the machine is
 noisy; targets are interleaved inside each repeat so they share its noise), and with
---write-docs replaces the `## execd` section of docs/benchmarks.md with it.
+--write-docs replaces its section of docs/benchmarks.md with it. --smoke: a few calls, one
+small flood, no SWE-ReX (tests/bench/test_smoke.py).
 
 Targets, each a subprocess on 127.0.0.1:
   bare   a stdlib HTTP server that answers at once plus a persistent bash driven over pipes:
@@ -21,7 +23,6 @@ import json
 import os
 import re
 import secrets
-import shlex
 import signal
 import socket
 import statistics
@@ -30,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 
+from bench import docs
+from bench.stats import percentile
 from testbed.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -37,6 +40,7 @@ EXECD = REPO / "execd" / "execd.py"
 BENCH_VENV = REPO / ".venv-bench"
 SWEREX_PIN = "swe-rex==1.4.0"
 MIB = 1 << 20
+SECTION = "## execd: `python -m bench.execd`"
 
 BARE_SERVER = r'''
 import http.server, json, os, subprocess, sys
@@ -228,23 +232,19 @@ def loop(target: Target, command: str, calls: int, max_output: int, expect: str 
     return lat
 
 
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
-
-
 def summary(lat: list[float]) -> dict:
-    return {"p50": pct(lat, 50) * 1e3, "p90": pct(lat, 90) * 1e3, "p99": pct(lat, 99) * 1e3,
-            "cps": len(lat) / sum(lat)}
+    return {"p50": percentile(lat, 50) * 1e3, "p90": percentile(lat, 90) * 1e3,
+            "p99": percentile(lat, 99) * 1e3, "cps": len(lat) / sum(lat)}
 
 
 def median_of(runs: list[dict]) -> dict:
     return {k: statistics.median(r[k] for r in runs) for k in runs[0]}
 
 
-def flood_figures(ex: Execd) -> list[tuple[str, str]]:
+def flood_figures(ex: Execd, sizes_mib=(16, 256, 1024), yes_timeout: float = 10
+                  ) -> list[tuple[str, str]]:
     rows = [("execd RSS at rest", f"{ex.rss_kib('VmRSS') / 1024:.1f} MiB")]
-    for mib in (16, 256, 1024):
+    for mib in sizes_mib:
         t0 = time.perf_counter()
         r = ex.run(f"head -c {mib * MIB} /dev/zero", 102400)
         took = time.perf_counter() - t0
@@ -252,29 +252,12 @@ def flood_figures(ex: Execd) -> list[tuple[str, str]]:
         rows.append((f"{mib} MiB flood, 100 KiB cap", f"peak RSS {ex.rss_kib('VmHWM') / 1024:.1f}"
                      f" MiB, {took:.2f} s"))
     t0 = time.perf_counter()
-    r = ex.run("yes", 102400, timeout=10)
+    r = ex.run("yes", 102400, timeout=yes_timeout)
     took = time.perf_counter() - t0
     assert r["exit_code"] == 124, r
-    rows.append(("endless `yes`, 10 s timeout", f"peak RSS {ex.rss_kib('VmHWM') / 1024:.1f} MiB,"
+    rows.append((f"endless `yes`, {yes_timeout:g} s timeout", f"peak RSS {ex.rss_kib('VmHWM') / 1024:.1f} MiB,"
                  f" exit 124 after {took:.2f} s"))
     return rows
-
-
-def write_docs(section: str, heading: str = "## execd") -> Path:
-    """Replace the `heading` section of docs/benchmarks.md with `section` (which starts with
-    that heading), or append it; every `make bench-*` that writes docs goes through here."""
-    path = REPO / "docs" / "benchmarks.md"
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    if not text.startswith("# Benchmarks"):
-        text = "# Benchmarks\n\n" + text
-    section = section.rstrip("\n") + "\n\n"  # a blank line before the next heading
-    m = re.search(rf"^{re.escape(heading)}\n.*?(?=^## |\Z)", text, flags=re.S | re.M)
-    if m:
-        text = text[:m.start()] + section + text[m.end():]
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
-    return path
 
 
 def main(argv=None) -> int:
@@ -283,10 +266,14 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="medians over this many repeats")
     p.add_argument("--big-calls", type=int, default=20, help="1 MiB-output calls per repeat")
     p.add_argument("--skip-swerex", action="store_true")
-    p.add_argument("--write-docs", action="store_true",
-                   help="replace the `## execd` section of docs/benchmarks.md")
+    docs.add_flags(p)
     args = p.parse_args(argv)
-    cmdline = "python -m execd.bench " + " ".join(shlex.quote(a) for a in (argv or sys.argv[1:]))
+    docs.check_flags(p, args)
+    cmdline = docs.command("bench.execd", sys.argv[1:] if argv is None else argv)
+    floods = {}
+    if args.smoke:
+        args.calls, args.repeats, args.big_calls, args.skip_swerex = 5, 1, 2, True
+        floods = {"sizes_mib": (1,), "yes_timeout": 1}
 
     targets: list[Target] = [Bare(), Execd()] + ([] if args.skip_swerex else [SweRex()])
     try:
@@ -308,7 +295,7 @@ def main(argv=None) -> int:
                            2 * MIB, None, MIB)
                 big[t.name].append(summary(lat))
         ex = next(t for t in targets if isinstance(t, Execd))
-        floods = flood_figures(ex)
+        floods = flood_figures(ex, **floods)
     finally:
         for t in targets:
             t.stop()
@@ -317,8 +304,8 @@ def main(argv=None) -> int:
     medbig = {name: median_of(runs) for name, runs in big.items()}
     bare, exd = med["bare limit"], med["execd"]
     lines = [
-        "## execd", "",
-        f"Produced by `{cmdline.strip()}` (from the repo root, venv python) on "
+        SECTION, "",
+        f"Produced by `{cmdline}` (from the repo root, venv python) on "
         f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python "
         f"{sys.version.split()[0]}, loopback. Each figure is the median over {args.repeats} "
         f"repeats; per repeat {args.calls} sequential `echo hi` calls over one keep-alive "
@@ -344,7 +331,7 @@ def main(argv=None) -> int:
     section = "\n".join(lines) + "\n"
     print(section)
     if args.write_docs:
-        print(f"wrote {write_docs(section)}", file=sys.stderr)
+        print(f"wrote {docs.write_section(section)}", file=sys.stderr)
     return 0
 
 

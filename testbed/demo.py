@@ -6,9 +6,11 @@ processes, runs `acquire_burst.py` headless with --shape (default burst64), then
 (to --ramp-max, default 1,000 concurrent sandboxes), prints the summary table and the path of
 the HTML report with its plots, and stops every process it started.
 
-    python -m loadtest.demo [--shape burst64|two-runs|steady|ramp] [--ramp-max 1000]
+    python -m testbed.demo [--shape burst64|two-runs|steady|ramp] [--ramp-max 1000]
                             [--rate 20 --burst 40] [--nodes 20] [--no-ramp]
-Exit code: 0 when every run met its thresholds (no errors, 0 leaked pods).
+Exit code: 0 when every run met its thresholds (no errors, 0 leaked pods). It composes the
+test bed and the load tests, so it lives on the test bed's side: it imports loadtest, never
+the reverse. The ramp alone, as a bench: `python -m bench.loadtest`.
 """
 
 from __future__ import annotations
@@ -64,7 +66,7 @@ def ramp_timeout(a) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m loadtest.demo")
+    ap = argparse.ArgumentParser(prog="python -m testbed.demo")
     ap.add_argument("--shape", choices=shapes.SHAPES, default="burst64")
     ap.add_argument("--ramp-max", type=int, default=1000)
     ap.add_argument("--no-ramp", action="store_true", help="only --shape")

@@ -1,5 +1,8 @@
-"""execd's checked-reuse cost vs `git status` on the same tree, in one run (`make bench-reuse`).
+"""Checked reuse, in two parts (`make bench-reuse`: `python -m bench.reuse --write-docs`):
+execd's cost vs `git status` on the same tree (here), and a reused grading pod vs a fresh one
+through the controller on the test bed (bench/reuse_controller.py). `--part` runs one of them.
 
+The execd part:
 A script, not a test. It builds, deterministically in a temp dir, a SWE-bench-sized git
 repository (--files files in nested packages, committed, plus untracked and ignored files) and a
 Python environment (a venv with pip from ensurepip, offline, plus a few packages copied from this
@@ -14,8 +17,9 @@ interleaved in each repeat so they share the machine's noise:
                 directory installed into the venv, an exported variable, a background process),
                 then /diff must be clean again
 
-It prints medians over --repeats and the ratios; with --write-docs it replaces the
-`## Checked reuse (execd)` section of docs/benchmarks.md.
+It prints medians over --repeats and the ratios; with --write-docs it replaces the two
+sections of docs/benchmarks.md. --smoke: a 1,200-file repository, one repeat of two samples;
+one round through the controller (on --kubeconfig's cluster when given, else its own bed).
 """
 
 from __future__ import annotations
@@ -36,12 +40,13 @@ import time
 import urllib.request
 from pathlib import Path
 
-from execd.bench import write_docs
+from bench import docs
+from bench import reuse_controller as pool
 from testbed.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXECD = REPO / "execd" / "execd.py"
-SECTION = "## Checked reuse (execd)"
+SECTION = "## Checked reuse (execd): `python -m bench.reuse`"
 COPY_PACKAGES = ("idna", "h11", "certifi", "sniffio", "anyio", "httpx", "httpcore")
 
 
@@ -146,12 +151,41 @@ def med(xs: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(prog="python -m bench.reuse", description=__doc__.split("\n")[0])
+    ap.add_argument("--part", choices=("execd", "controller", "both"), default="both")
     ap.add_argument("--files", type=int, default=10000)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--samples", type=int, default=15, help="timed calls per repeat")
-    ap.add_argument("--write-docs", action="store_true")
+    ap.add_argument("--rounds", type=int, default=15, help="controller part: rounds")
+    ap.add_argument("--kubeconfig", default=None,
+                    help="controller part: this cluster instead of a test bed of its own")
+    docs.add_flags(ap)
     a = ap.parse_args(argv)
+    docs.check_flags(ap, a)
+    if a.smoke:
+        # The agent-like change edits files of the second package: at least 1,200 files.
+        a.files, a.repeats, a.samples, a.rounds = 1200, 1, 2, 1
+    sections = []
+    if a.part in ("execd", "both"):
+        sections.append(execd_part(a))
+    if a.part in ("controller", "both"):
+        if a.kubeconfig:
+            from testbed.kube import Cluster
+
+            with tempfile.TemporaryDirectory(prefix="sandman-bench-reuse-") as tmp:
+                res = pool.measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a.rounds)
+        else:
+            res = pool.run(a.rounds)
+        sections.append(pool.render(res))
+        print(sections[-1])
+    if a.write_docs:
+        for section in sections:
+            print(f"wrote {docs.write_section(section)}", file=sys.stderr)
+    return 0
+
+
+def execd_part(a) -> str:
+    """The execd part's section (printed too)."""
     work = Path(tempfile.mkdtemp(prefix="sandman-bench-reuse-"))
     execds: list[Execd] = []
     try:
@@ -213,7 +247,7 @@ def main(argv: list[str] | None = None) -> int:
         # The ratio of each repeat (its calls were interleaved), then the median of those.
         r = {k: statistics.median([x / g for x, g in zip(v, rows["git"], strict=True)])
              for k, v in rows.items()}
-        cmd = f"make bench-reuse (python -m execd.bench_reuse --files {a.files} " \
+        cmd = f"make bench-reuse (python -m bench.reuse --files {a.files} " \
               f"--repeats {a.repeats} --samples {a.samples})"
         table = "\n".join([
             SECTION, "",
@@ -248,13 +282,11 @@ def main(argv: list[str] | None = None) -> int:
             "variable and a background process. `/restore` includes killing the process and "
             "starting a fresh shell.", ""])
         print(table)
-        if a.write_docs:
-            write_docs(table, SECTION)
     finally:
         for ex in execds:
             ex.stop()
         shutil.rmtree(work, ignore_errors=True)
-    return 0
+    return table
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
 """A SWE-ReX `echo` action through sandman's adapter vs SWE-ReX's own docker-less runtime, in one
-invocation (`make bench-swerex`).
+invocation (`make bench-swerex`: `python -m bench.swerex --write-docs`).
 
 A script, not a test. Targets, interleaved inside each repeat so they share the machine's noise:
   local    swerex.runtime.local.LocalRuntime: SWE-ReX's pexpect bash in this process (what its
@@ -8,7 +8,7 @@ A script, not a test. Targets, interleaved inside each repeat so they share the 
   sdk      sandman.client.Sandbox.exec() on the same execd: the floor under the adapter
 Each does `run_in_session(BashAction(command="echo hi", check="silent"))` (the SDK: exec) in
 one event loop, and again with one `asyncio.run()` per call as SWE-agent's SWEEnv does.
---write-docs replaces the `## SWE-ReX adapter` section of docs/benchmarks.md.
+--write-docs replaces its section of docs/benchmarks.md; --smoke: a few actions, one repeat.
 """
 
 from __future__ import annotations
@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
-import shlex
 import shutil
 import statistics
 import sys
@@ -28,19 +27,14 @@ from pathlib import Path
 from swerex.runtime.abstract import BashAction, CreateBashSessionRequest
 from swerex.runtime.local import LocalRuntime
 
-from execd.bench import write_docs
+from bench import docs
+from bench.stats import percentile
 from sandman.client import Sandbox
 from sandman.client.swerex import SandmanRuntime
 from testbed.execd import start_execd
 
-REPO = Path(__file__).resolve().parents[1]
-SECTION = "## SWE-ReX adapter"
+SECTION = "## SWE-ReX adapter: `python -m bench.swerex`"
 ECHO = BashAction(command="echo hi", check="silent")
-
-
-def pct(xs: list[float], p: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 def timed_async(rt, calls: int, per_call_loop: bool) -> tuple[list[float], int]:
@@ -80,13 +74,14 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200, help="echo actions per target per repeat")
     p.add_argument("--repeats", type=int, default=5, help="medians over this many repeats")
-    p.add_argument("--write-docs", action="store_true",
-                   help=f"replace the `{SECTION}` section of docs/benchmarks.md")
+    docs.add_flags(p)
     args = p.parse_args(argv)
+    docs.check_flags(p, args)
+    if args.smoke:
+        args.calls, args.repeats = 3, 1
     if not (1 <= args.calls <= 100_000 and 1 <= args.repeats <= 100):
         p.error("--calls in [1, 100000], --repeats in [1, 100]")
-    cmdline = "python -m execd.bench_swerex " + " ".join(
-        shlex.quote(a) for a in (argv if argv is not None else sys.argv[1:]))
+    cmdline = docs.command("bench.swerex", sys.argv[1:] if argv is None else argv)
 
     load = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-swerex-"))
@@ -115,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
             for name, fn in targets:
                 lat, bad = fn()
                 rows.setdefault(name, []).append(
-                    {"p50": pct(lat, 50) * 1e3, "p99": pct(lat, 99) * 1e3,
+                    {"p50": percentile(lat, 50) * 1e3, "p99": percentile(lat, 99) * 1e3,
                      "cps": len(lat) / sum(lat)})
                 wrong[name] = wrong.get(name, 0) + bad
                 print(f"repeat {rep + 1}/{args.repeats} {name}: p50 "
@@ -137,7 +132,7 @@ def main(argv: list[str] | None = None) -> int:
     floor = med["sandman SDK Sandbox.exec (floor)"]
     lines = [
         SECTION, "",
-        f"Produced by `{cmdline.strip()}` (from the repo root, venv python; `make bench-swerex`) "
+        f"Produced by `{cmdline}` (from the repo root, venv python; `make bench-swerex`) "
         f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared with 7 other helpers' "
         f"work (load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: "
         f"noisy, compare the ratios, taken within one run), Python "
@@ -176,7 +171,7 @@ def main(argv: list[str] | None = None) -> int:
     section = "\n".join(lines) + "\n"
     print(section)
     if args.write_docs:
-        print(f"wrote {write_docs(section, SECTION)}", file=sys.stderr)
+        print(f"wrote {docs.write_section(section)}", file=sys.stderr)
     return 0
 
 

@@ -1,4 +1,5 @@
-"""Acquisition of a reused grading pod vs a fresh one, on the test bed (`make bench-reuse`).
+"""Acquisition of a reused grading pod vs a fresh one, on the test bed: the second half of
+`python -m bench.reuse` (`make bench-reuse`).
 
 A script, not a test. The real controller (`--ready-check execd`) on kwok nodes, with the
 kubelet stand-in's real execd behind every pod (testbed/standin.py). Each round, interleaved so
@@ -16,12 +17,11 @@ container start: a real node's fresh acquisition is slower, and the ratio here i
 
 from __future__ import annotations
 
-import argparse
 import statistics
 import sys
 import time
+from pathlib import Path
 
-from execd.bench import write_docs
 from sandman.client import Client
 from testbed.cluster import Testbed, default_state_dir
 from testbed.controller import ControllerProc
@@ -29,32 +29,26 @@ from testbed.kube import Cluster
 from testbed.standin import Standin
 
 IMAGE = "registry.invalid/swe/grader:1"
-SECTION = "## Checked reuse (controller)"
+SECTION = "## Checked reuse (controller): `python -m bench.reuse`"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m controller.bench_reuse")
-    ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--write-docs", action="store_true")
-    args = ap.parse_args(argv)
-    state = default_state_dir("bench-reuse")
-    tb = Testbed(state, nodes=2)
-    print(f"# starting the test bed in {state}", file=sys.stderr)
-    tb.start()
-    ctl = standin = None
+def measure(cluster: Cluster, workdir: Path, rounds: int) -> dict:
+    """`rounds` interleaved fresh/reused rounds on `cluster` (its own namespace, stand-in and
+    controller, all stopped after); latencies in seconds."""
+    ns = cluster.new_namespace("bench-reuse")
+    standin = Standin(cluster.core, ns, workdir / "standin").start()
+    ctl = None
     fresh, reused, give_back = [], [], []
     try:
-        cluster = Cluster.connect(tb.kubeconfig, tb)
-        ns = cluster.new_namespace("bench-reuse")
-        standin = Standin(cluster.core, ns, state / "standin").start()
-        ctl = ControllerProc(ns, tb.kubeconfig, state / "controller.log",
-                             ["--max-reuse", str(args.rounds + 10), "--log-level", "WARNING"],
+        ctl = ControllerProc(ns, cluster.kubeconfig, workdir / "controller.log",
+                             ["--max-reuse", str(rounds + 10), "--log-level", "WARNING",
+                              "--lease-name", f"bench-{ns}"],
                              ready_check="execd").start()
         kw = dict(job="bench", cpu="1", memory="1Gi", timeout_s=120, role="grading")
         with Client(ctl.url) as cl:
             sb = cl.acquire(IMAGE, **kw)
             assert sb.release(reuse=True) and sb.reused, "the first pod did not go back"
-            for i in range(args.rounds):
+            for i in range(rounds):
                 t = time.perf_counter()
                 f = cl.acquire(IMAGE, warm_ok=False, **kw)
                 fresh.append(time.perf_counter() - t)
@@ -74,15 +68,31 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         if ctl:
             ctl.stop()
-        if standin:
-            standin.stop()
+        standin.stop()
+        cluster.delete_namespace(ns)
+    return {"rounds": rounds, "fresh": fresh, "reused": reused, "give_back": give_back}
+
+
+def run(rounds: int) -> dict:
+    """measure() on a test bed of its own (2 kwok nodes), stopped after."""
+    state = default_state_dir("bench-reuse")
+    tb = Testbed(state, nodes=2)
+    print(f"# starting the test bed in {state}", file=sys.stderr)
+    tb.start()
+    try:
+        return measure(Cluster.connect(tb.kubeconfig, tb), state, rounds)
+    finally:
         tb.stop()
-    f, r, g = (statistics.median(x) * 1000 for x in (fresh, reused, give_back))
-    table = "\n".join([
+
+
+def render(res: dict) -> str:
+    rounds = res["rounds"]
+    f, r, g = (statistics.median(res[k]) * 1000 for k in ("fresh", "reused", "give_back"))
+    return "\n".join([
         SECTION, "",
-        f"`make bench-reuse` (`python -m controller.bench_reuse --rounds {args.rounds}`): the "
+        f"`make bench-reuse` (`python -m bench.reuse --rounds {rounds}`): the "
         "test bed (kwok, 2 nodes, the stand-in's real execd), medians of "
-        f"{args.rounds} interleaved rounds; the machine was shared by 8 helpers.", "",
+        f"{rounds} interleaved rounds; the machine was shared by 8 helpers.", "",
         "| measure | median ms | vs fresh |", "|---|---|---|",
         f"| acquire a fresh grading pod (`warm_ok=False`) | {f:.0f} | 1.00x |",
         f"| acquire the reused grading pod | {r:.0f} | {r / f:.2f}x |",
@@ -93,11 +103,3 @@ def main(argv: list[str] | None = None) -> int:
         "stand-in's baseline covers the pod's own directory only; in a real grading pod "
         "`/restore` also walks /etc, /usr/local, /opt, $HOME, /tmp and the package dirs "
         "(the execd section above times a 10k-file repository plus a venv).", ""])
-    print(table)
-    if args.write_docs:
-        write_docs(table, SECTION)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

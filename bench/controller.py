@@ -1,4 +1,4 @@
-"""`make bench-controller`: the controller on the test bed (kwok nodes), three measurements.
+"""`make bench-controller` (`python -m bench.controller --write-docs`): the controller on the test bed (kwok nodes), three measurements.
 
 1. A ramp of concurrent sandboxes (default 99, 500, 1000, 2000, 5000, 12000) paced at 25/s:
    acquired, leaked, achieved create rate, acquire latency p50/p99 with the queue included,
@@ -12,8 +12,11 @@
    --auth-cache-ttl 0` over https (both reviews on every call), rounds interleaved; each
    caller keeps its connection (one TLS handshake per turn), as the SDK does.
 
-Writes a markdown table to stdout (and `--out FILE`), a plot of acquired-vs-time per step
-(`--plot FILE`). Not a test: numbers are reported, not asserted.
+Writes a markdown table to stdout (and `--out FILE`; `--write-docs`: its section of
+docs/benchmarks.md, above the earlier runs' notes kept there), a plot of acquired-vs-time per
+step (`--plot FILE`). Not a test: numbers are reported, not asserted. `--smoke`: one step of 3,
+3 warm hits, 2 cold acquires, 2 acquires per authentication arm; on --kubeconfig's cluster
+when given (tests/bench/test_smoke.py passes the suite's bed), else a bed of its own.
 """
 
 from __future__ import annotations
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import secrets
 import subprocess
 import sys
 import time
@@ -29,17 +33,15 @@ from pathlib import Path
 import httpx
 from kubernetes import client, config
 
+from bench import docs
+from bench.stats import percentile_or_nan as pct
 from sandman import api
 from testbed.cluster import Testbed, default_state_dir
 from testbed.controller import ControllerProc, local_tls_dir
-from testbed.kube import new_namespace
+from testbed.kube import delete_namespace, new_namespace
 
 IMAGE = "registry.invalid/bench/task:1"
-
-
-def pct(xs: list[float], q: float) -> float:
-    s = sorted(xs)
-    return s[min(len(s) - 1, max(0, round(q * (len(s) - 1))))] if s else float("nan")
+SECTION = "## controller: `python -m bench.controller`"
 
 
 def rss_mb(pid: int) -> float:
@@ -109,8 +111,8 @@ def ramp_step(ctl: ControllerProc, core, ns: str, n: int, apiserver_pid: int, ti
     return {
         "n": n, "acquired": len(ok), "failed": n - len(ok), "leaked": leaked,
         "live_at_peak": live, "achieved_rate": achieved, "wall_s": wall,
-        "p50_s": pct(lat, .5), "p99_s": pct(lat, .99),
-        "ready_ms_p50": pct([c["ready_ms"] for c in creates], .5),
+        "p50_s": pct(lat, 50), "p99_s": pct(lat, 99),
+        "ready_ms_p50": pct([c["ready_ms"] for c in creates], 50),
         "ctl_rss_mb": peak_ctl, "apiserver_rss_mb": peak_api, "done_times": done_times,
         "errors": sorted({str(r[1].get("error"))[:120] for r in res if r[0] != 201})[:3],
     }
@@ -156,8 +158,8 @@ def warm_hits(ctl: ControllerProc, n: int, core, ns: str) -> dict:
         bare.append((time.perf_counter() - t) * 1000)
         time.sleep(THINK_S)
     asyncio.run(release_all(ctl.url, ids))
-    return {"n": n, "warm_hits": warm, "p50_ms": pct(lat, .5), "p99_ms": pct(lat, .99),
-            "bare_p50_ms": pct(bare, .5), "bare_p99_ms": pct(bare, .99)}
+    return {"n": n, "warm_hits": warm, "p50_ms": pct(lat, 50), "p99_ms": pct(lat, 99),
+            "bare_p50_ms": pct(bare, 50), "bare_p99_ms": pct(bare, 99)}
 
 
 def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
@@ -191,8 +193,8 @@ def bare_vs_controller(ctl: ControllerProc, core, ns: str, n: int) -> dict:
             via.append((time.perf_counter() - t) * 1000)
             ids.append(r.json()["id"])
     asyncio.run(release_all(ctl.url, ids))
-    return {"n": n, "bare_p50_ms": pct(bare, .5), "bare_p99_ms": pct(bare, .99),
-            "ctl_p50_ms": pct(via, .5), "ctl_p99_ms": pct(via, .99)}
+    return {"n": n, "bare_p50_ms": pct(bare, 50), "bare_p99_ms": pct(bare, 99),
+            "ctl_p50_ms": pct(via, 50), "ctl_p99_ms": pct(via, 99)}
 
 
 # (name, flags, https). The first is the baseline of the ratios.
@@ -203,13 +205,15 @@ AUTH_ARMS = (("none, http", ["--auth", "none"], False),
               True))
 
 
-def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> dict:
+def auth_overhead(kubeconfig: Path, core, state: Path, n: int, rounds: int, run: str,
+                  made: list[str]) -> dict:
     """Warm-hit acquires (sequential, one caller, the pool prewarmed) through one controller
     per arm, each in its own sandbox namespace; the arms take turns, `n / rounds` acquires a
     turn, so the machine's noise falls on all of them. Callers are a real ServiceAccount with
     a token from the TokenRequest API (audience sandman), allowed by a ClusterRoleBinding."""
     rbac = client.RbacAuthorizationV1Api(core.api_client)
-    tenant = new_namespace(core, "bench-tenant")
+    tenant = new_namespace(core, f"bench-tenant-{run}")
+    made.append(tenant)
     core.create_namespaced_service_account(tenant, {"metadata": {"name": "trainer"}})
     role = f"bench-sandman-{tenant}"
     rbac.create_cluster_role({"metadata": {"name": role}, "rules": [
@@ -229,10 +233,11 @@ def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> di
     body = {"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "auth", "warm_ok": True}
     try:
         for i, (_name, flags, https) in enumerate(AUTH_ARMS):
-            ns = new_namespace(core, f"bench-auth{i}")
-            ctl = ControllerProc(ns, tb.kubeconfig, state / f"controller-auth{i}.log",
+            ns = new_namespace(core, f"bench-auth{i}-{run}")
+            made.append(ns)
+            ctl = ControllerProc(ns, kubeconfig, state / f"controller-auth{i}.log",
                                  ["--rate", "100", "--burst", "100", "--lease-name",
-                                  f"bench-auth{i}", "--log-level", "WARNING", *flags],
+                                  f"bench-auth{i}-{run}", "--log-level", "WARNING", *flags],
                                  auth=None, tls=local_tls_dir() if https else None
                                  ).start(timeout=180)
             ctls.append(ctl)
@@ -271,39 +276,59 @@ def auth_overhead(tb: Testbed, core, state: Path, n: int, rounds: int = 5) -> di
         rbac.delete_cluster_role_binding(role)
         rbac.delete_cluster_role(role)
     return {"n": per * rounds, "rounds": rounds, "warm_hits": warm_hits,
-            "p50_ms": {k: pct(v, .5) for k, v in lat.items()},
-            "p99_ms": {k: pct(v, .99) for k, v in lat.items()}}
+            "p50_ms": {k: pct(v, 50) for k, v in lat.items()},
+            "p99_ms": {k: pct(v, 99) for k, v in lat.items()}}
 
 
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m controller.bench")
+    ap = argparse.ArgumentParser(prog="python -m bench.controller")
     ap.add_argument("--steps", default="99,500,1000,2000,5000,12000")
     ap.add_argument("--rate", type=float, default=25.0)
     ap.add_argument("--warm", type=int, default=200)
     ap.add_argument("--overhead", type=int, default=50)
     ap.add_argument("--auth", type=int, default=60,
                     help="warm acquires per arm of the authentication phase (0: skip)")
+    ap.add_argument("--auth-rounds", type=int, default=5)
+    ap.add_argument("--kubeconfig", default=None,
+                    help="this cluster instead of a test bed of its own (no RSS figures)")
     ap.add_argument("--out", default=None, help="also write the markdown here")
     ap.add_argument("--plot", default=None, help="PNG of acquired vs time per step")
+    docs.add_flags(ap)
     args = ap.parse_args(argv)
+    docs.check_flags(ap, args)
+    if args.smoke:
+        args.steps, args.warm, args.overhead, args.auth, args.auth_rounds = "3", 3, 2, 1, 1
+    cmdline = docs.command("bench.controller", sys.argv[1:] if argv is None else argv)
     steps = [int(s) for s in args.steps.split(",") if s]
     state = default_state_dir("bench-controller")
-    tb = Testbed(state, nodes=20)
-    print(f"# starting the test bed in {state}", file=sys.stderr)
-    tb.start()
+    tb = None
+    if args.kubeconfig:
+        kubeconfig = Path(args.kubeconfig)
+        state.mkdir(parents=True, exist_ok=True)
+    else:
+        tb = Testbed(state, nodes=20)
+        print(f"# starting the test bed in {state}", file=sys.stderr)
+        tb.start()
+        kubeconfig = tb.kubeconfig
     ctl = None
+    made: list[str] = []
+    run = secrets.token_hex(3)
     try:
         cfg = client.Configuration()
-        config.load_kube_config(config_file=str(tb.kubeconfig), client_configuration=cfg)
+        config.load_kube_config(config_file=str(kubeconfig), client_configuration=cfg)
         cfg.connection_pool_maxsize = 8
         core = client.CoreV1Api(client.ApiClient(cfg))
-        ns = new_namespace(core, "bench")
-        auth = auth_overhead(tb, core, state, args.auth) if args.auth else None
-        ctl = ControllerProc(ns, tb.kubeconfig, state / "controller.log",
+        ns = new_namespace(core, f"bench-{run}")
+        made.append(ns)
+        auth = auth_overhead(kubeconfig, core, state, args.auth, args.auth_rounds, run,
+                             made) if args.auth else None
+        ctl = ControllerProc(ns, kubeconfig, state / "controller.log",
                              ["--rate", str(args.rate), "--burst", str(int(args.rate)),
                               "--max-creating", "2000", "--max-live", "20000",
+                              "--lease-name", f"bench-{run}",
                               "--sweep-interval", "60", "--log-level", "WARNING"]).start()
-        api_pid = next(c.pid for c in tb.components if c.name == "kube-apiserver")
+        api_pid = next((c.pid for c in tb.components if c.name == "kube-apiserver"), 0) \
+            if tb else 0
         rows = []
         for n in steps:
             timeout_s = n / args.rate * 1.5 + 120
@@ -317,10 +342,15 @@ def main(argv=None) -> int:
     finally:
         if ctl:
             ctl.stop()
-        tb.stop()
+        if tb:
+            tb.stop()
+        else:  # a cluster not ours: leave nothing of the bench in it
+            for name in made:
+                delete_namespace(client.CoreV1Api(client.ApiClient(cfg)), name)
     cpu = subprocess.run(["nproc"], capture_output=True, text=True).stdout.strip()
-    md = [f"Command: `make bench-controller` (`python -m controller.bench --steps {args.steps} "
-          f"--rate {args.rate:g}`), {cpu} cores, kwok nodes (20), {time.strftime('%Y-%m-%d')}.",
+    md = [SECTION, "",
+          f"Command: `make bench-controller` (`{cmdline}`), {cpu} cores, kwok nodes "
+          f"({'20' if tb else 'of ' + str(kubeconfig)}), {time.strftime('%Y-%m-%d')}.",
           "",
           "| sandboxes | acquired | leaked | achieved create rate | vs pacing limit | acquire p50 "
           "(queue incl.) | acquire p99 | controller RSS | apiserver RSS |",
@@ -354,6 +384,8 @@ def main(argv=None) -> int:
     print(text)
     if args.out:
         Path(args.out).write_text(text)
+    if args.write_docs:
+        print(f"wrote {docs.write_section(text)}", file=sys.stderr)
     if args.plot:
         import matplotlib
 

@@ -1,11 +1,16 @@
 """`make bench-realnode`: sandman's latencies on the test bed's real node (real containers),
-against a bare pod of the same image measured in the same run. Issue 12 part 5.
+against a bare pod of the same image measured in the same run.
 
-    python -m testbed.bench_realnode [--rounds 3] [--sandboxes 64] [--update-docs]
+    python -m bench.realnode [--rounds 3] [--sandboxes 64] [--write-docs] [--smoke]
 
 It starts its own bed (control plane, 2 kwok nodes, the real node; waits up to 15 min for the
 machine's one real-node slot), `helm install`s sandman on it (testbed/install.py, the values
-`make e2e` uses), measures, uninstalls and stops the bed, also after a failure.
+`make e2e` uses), measures, uninstalls and stops the bed, also after a failure. It runs against
+the install's security as a trainer does (testbed/trainer.py): the trainer pod carries the
+trainer label, in a namespace labelled and bound to the chart's user role, and calls the
+controller over https with a projected token, verified with the published CA. `--smoke`: one
+round of one pod per arm and a few echoes (tests/e2e/test_bench_smoke.py runs `measure()` on the
+suite's install instead of an install of its own).
 
 What is measured, per round (wall-clock times; the trainer's container and this process read
 the same kernel clock, so their timestamps compare):
@@ -21,8 +26,8 @@ the same kernel clock, so their timestamps compare):
 - **execd echo round trip** on a warm connection to one sandbox, from the trainer pod and from
   this machine (pod IPs are routed to the node's bridge), in alternating blocks.
 
-The trainer pod runs AGENT (stdin/stdout JSON lines over `kubectl exec -i`), so one trainer
-process serves the whole round and its connection pools stay warm. Everything it creates is
+The trainer pod runs bench/realnode_agent.py (stdin/stdout JSON lines over `kubectl exec -i`),
+so one trainer process serves the whole round and its connection pools stay warm. Everything it creates is
 deleted at the end (namespaces, pods; `helm uninstall`), and checked.
 """
 
@@ -32,7 +37,6 @@ import argparse
 import datetime as dt
 import hashlib
 import json
-import math
 import os
 import platform
 import re
@@ -45,9 +49,11 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from bench import docs, realnode_agent
+from bench.stats import summarize
+
 ROOT = Path(__file__).resolve().parent.parent
-DOCS = ROOT / "docs" / "benchmarks.md"
-SECTION = "## real node"
+SECTION = "## real node: `python -m bench.realnode`"
 TASK_IMAGE = "sandman.local/task:bookworm"
 # The injected init containers' request (sandman/sandbox.py INJECTED_RESOURCES) is each
 # sandbox's floor: sizes up to it cost the node nothing more, and a sandbox below it (25m)
@@ -63,7 +69,7 @@ ECHO_MEMORY = "256Mi"
 ARMS = ("bare", "webhook", "controller")
 WAVE_TIMEOUT_S = 180.0
 GONE_TIMEOUT_S = 120.0
-AGENT_PREFIX = "BENCH "
+AGENT_PREFIX = realnode_agent.PREFIX
 RAW = ROOT / ".testbed" / "bench-realnode.json"
 
 
@@ -72,24 +78,6 @@ class BenchError(RuntimeError):
 
 
 # ---- pure parts: statistics, parsing, planning, the docs section ----------------------------
-
-def percentile(values: list[float], q: float) -> float:
-    """Linear interpolation between closest ranks (numpy's default). q in [0, 100]."""
-    if not values:
-        raise ValueError("percentile of no values")
-    if not 0 <= q <= 100:
-        raise ValueError(f"percentile {q} outside 0..100")
-    xs = sorted(values)
-    pos = (len(xs) - 1) * q / 100.0
-    lo = math.floor(pos)
-    hi = min(lo + 1, len(xs) - 1)
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
-def summarize(values: list[float]) -> dict:
-    return {"n": len(values), "p50": percentile(values, 50), "p99": percentile(values, 99),
-            "max": max(values)}
-
 
 def across_rounds(per_round: list[dict]) -> dict:
     """Median and range of each round's p50 and p99 (rounds: summarize() outputs)."""
@@ -277,106 +265,19 @@ Left after the run: {left}. Whole run {res['wall_s']:.0f} s, of which bed + inst
 """
 
 
-def update_docs(section: str, path: Path = DOCS) -> None:
+def update_docs(section: str, path: Path | None = None) -> Path:
     """Replace (or append) the real-node section; the other sections stay as they are."""
-    text = path.read_text() if path.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^" + re.escape(SECTION) + r"\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section.rstrip("\n") + "\n\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    path.write_text(text.rstrip("\n") + "\n")
+    return docs.write_section(section, path)
 
 
 # ---- the trainer pod's side ----------------------------------------------------------------
 
-AGENT = r"""
-import json, os, sys, time, threading
-from concurrent.futures import ThreadPoolExecutor
-from sandman.client import Client, Sandbox
-
-PREFIX = "BENCH "
-client = Client(os.environ["SANDMAN_CONTROLLER"], timeout_s=60)
-held = []
-conns = {}
-
-
-def say(obj):
-    sys.stdout.write(PREFIX + json.dumps(obj) + "\n")
-    sys.stdout.flush()
-
-
-def one(req):
-    t0 = time.time()
-    try:
-        sb = client.acquire(image=req["image"], job=req["job"], cpu=req["cpu"],
-                            memory=req["memory"], timeout_s=req["timeout_s"], warm_ok=False)
-    except Exception as e:
-        return {"error": ("acquire: %s: %s" % (type(e).__name__, e))[:300], "t0": t0}
-    t1 = time.time()
-    held.append(sb)
-    out = {"pod": sb.pod, "warm": sb.warm, "t0": t0, "t1": t1,
-           "timings": {"queued_ms": sb.timings.queued_ms, "create_ms": sb.timings.create_ms,
-                       "ready_ms": sb.timings.ready_ms}}
-    try:
-        r = sb.exec("echo hi", timeout=30)
-        out["t2"] = time.time()
-        if r.exit_code != 0 or r.output != "hi\n":
-            out["error"] = "first command answered %r %r" % (r.exit_code, r.output[:100])
-    except Exception as e:
-        out["error"] = ("first command: %s: %s" % (type(e).__name__, e))[:300]
-    return out
-
-
-def echo(req):
-    key = (req["address"], req["port"])
-    sb = conns.get(key)
-    if sb is None:
-        sb = conns[key] = Sandbox.connect(req["address"], req["port"], req["token"])
-        for _ in range(req["warmup"]):
-            sb.exec("echo hi", timeout=30)
-    rtts = []
-    for _ in range(req["n"]):
-        t = time.perf_counter()
-        r = sb.exec("echo hi", timeout=30)
-        rtts.append(time.perf_counter() - t)
-        if r.output != "hi\n":
-            return {"error": "echo answered %r" % r.output[:100]}
-    return {"rtt_s": rtts}
-
-
-try:
-    for line in sys.stdin:
-        req = json.loads(line)
-        op = req["op"]
-        try:
-            if op == "wave":
-                with ThreadPoolExecutor(req["n"]) as ex:
-                    say({"results": list(ex.map(one, [req] * req["n"]))})
-            elif op == "release":
-                n = len(held)
-                with ThreadPoolExecutor(max(1, n)) as ex:
-                    list(ex.map(lambda sb: sb.release(), held))
-                del held[:]
-                say({"released": n})
-            elif op == "echo":
-                say(echo(req))
-            elif op == "quit":
-                say({"bye": True})
-                break
-            else:
-                say({"error": "unknown op %r" % op})
-        except Exception as e:
-            say({"error": ("%s: %s: %s" % (op, type(e).__name__, e))[:500]})
-finally:
-    for sb in conns.values():
-        sb.close()
-    client.close()  # releases whatever is still held
-"""
+AGENT = Path(realnode_agent.__file__).read_text()
 
 
 class Agent:
-    """AGENT in the trainer pod, over `kubectl exec -i`: one JSON request, one JSON answer."""
+    """bench/realnode_agent.py in the trainer pod, over `kubectl exec -i`: one JSON request,
+    one JSON answer."""
 
     def __init__(self, kubectl: Path, kubeconfig: Path, ns: str, pod: str) -> None:
         self.proc = subprocess.Popen(
@@ -618,20 +519,22 @@ def trainer_labels() -> dict:
 
 
 def trainer_pod(name: str, image: str, controller_url: str) -> dict:
-    from testbed import realnode
+    """A trainer as docs/sdk.md sets one up (testbed/trainer.py): the trainer label, the
+    namespace's `default` ServiceAccount with a projected token for the controller, its CA and
+    the SDK's environment; `sleep`, the agent runs through `kubectl exec`."""
+    from testbed import realnode, trainer
 
     return {"apiVersion": "v1", "kind": "Pod",
             "metadata": {"name": name, "labels": trainer_labels()},
             "spec": {"restartPolicy": "Never", "automountServiceAccountToken": False,
                      "terminationGracePeriodSeconds": 1,
-                     "containers": [{
-                         "name": "trainer", "image": image, "imagePullPolicy": "Never",
-                         "command": ["sleep", "infinity"],
-                         "env": [{"name": "SANDMAN_CONTROLLER", "value": controller_url}],
+                     "containers": [trainer.trainer_container(
+                         "trainer", image, ["sleep", "infinity"], controller_url,
                          # No CPU limit: a quota would throttle the SDK's side of the
                          # timings (a trainer is a big pod in production).
-                         "resources": {"requests": {"cpu": TRAINER_CPU, "memory": TRAINER_MEMORY},
-                                       "limits": {"memory": TRAINER_MEMORY}}}],
+                         resources={"requests": {"cpu": TRAINER_CPU, "memory": TRAINER_MEMORY},
+                                    "limits": {"memory": TRAINER_MEMORY}})],
+                     "volumes": trainer.trainer_volumes(),
                      **realnode.placement()}}
 
 
@@ -659,7 +562,7 @@ class Bench:
     def setup(self) -> None:
         from kubernetes import client
 
-        from testbed import build
+        from testbed import build, trainer
 
         self.core.create_namespace(client.V1Namespace(metadata=client.V1ObjectMeta(
             name=self.ns)))
@@ -671,6 +574,9 @@ class Bench:
             body = {"apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
                     "metadata": {"name": p["metadata"]["name"]}, "spec": p["spec"]}
             self.inst.kubectl("apply", "-n", self.ns, "-f", "-", stdin=json.dumps(body))
+        # The admin's steps for a trainer namespace: the label the controller's NetworkPolicy
+        # admits, the chart's user role for its ServiceAccount, the CA bundle.
+        trainer.prepare_namespace(self.api, self.inst, self.ns)
         self.watch = PodWatch(self.core, [self.ns, self.sbx_ns])
         url = self.inst.controller_url_in_cluster()
         self.core.create_namespaced_pod(self.ns, trainer_pod("trainer", self.inst.image_ref, url))
@@ -892,7 +798,33 @@ def aggregate(rounds: list[dict]) -> dict:
     }
 
 
-def run(args, argv_used: list[str] | None = None) -> int:
+def measure(tb, inst, args, leftovers: list[str]) -> tuple[dict, list[dict], Bench]:
+    """The rounds on an installed product (`inst` on the bed `tb`); what the bench made is
+    deleted after, also after a failure (what is still there goes to `leftovers`)."""
+    bench = Bench(tb, inst, args)
+    rounds: list[dict] = []
+    try:
+        bench.setup()
+        alloc, used, fit = bench.node_room()
+        wave = min(args.wave, fit)
+        if wave < 1:
+            raise BenchError(f"no room on the real node: {used:.2f} of {alloc:.2f} CPUs requested")
+        info = {"alloc_cpu": alloc, "used_cpu": used, "wave": wave}
+        print(f"# real node: {used:.2f}/{alloc:.2f} CPUs requested, {fit} pods fit, waves of "
+              f"{wave}", file=sys.stderr)
+        bench.warmup(wave)
+        for i in range(args.rounds):
+            rounds.append(bench.round(i, wave))
+            tb.check()
+            RAW.parent.mkdir(exist_ok=True)
+            RAW.with_suffix(".partial.json").write_text(json.dumps(
+                {"meta": info, "rounds": rounds}, default=str))
+    finally:
+        leftovers += bench.teardown()
+    return info, rounds, bench
+
+
+def run(args, argv_used: list[str]) -> int:
     from testbed import build
     from testbed.cluster import Testbed, TestbedError, default_state_dir
     from testbed.install import Install, InstallError
@@ -914,57 +846,45 @@ def run(args, argv_used: list[str] | None = None) -> int:
         inst = Install(tb)
         inst.install()
         setup_s = time.monotonic() - t_start - tb.realnode.timings.get("slot-wait", 0.0)
-        bench = Bench(tb, inst, args)
-        bench.setup()
-        alloc, used, fit = bench.node_room()
-        wave = min(args.wave, fit)
-        if wave < 1:
-            raise BenchError(f"no room on the real node: {used:.2f} of {alloc:.2f} CPUs requested")
-        info = {"alloc_cpu": alloc, "used_cpu": used, "wave": wave, "setup_s": setup_s}
-        print(f"# real node: {used:.2f}/{alloc:.2f} CPUs requested, {fit} pods fit, waves of "
-              f"{wave}", file=sys.stderr)
-        bench.warmup(wave)
-        for i in range(args.rounds):
-            rounds.append(bench.round(i, wave))
-            tb.check()
-            RAW.parent.mkdir(exist_ok=True)
-            RAW.with_suffix(".partial.json").write_text(json.dumps(
-                {"meta": info, "rounds": rounds}, default=str))
+        info, rounds, bench = measure(tb, inst, args, leftovers)
+        info["setup_s"] = setup_s
     except (BenchError, TestbedError, InstallError, build.BuildError) as e:
         print(f"bench-realnode: {e}", file=sys.stderr)
         return 1
     finally:
         try:
-            if bench is not None:
-                leftovers += bench.teardown()
             if inst is not None:
                 inst.uninstall()
-                # What the release itself leaves (helm uninstall's residue, a product finding
-                # tracked in issue 12) is reported, not blamed on the bench; tb.stop() below
-                # removes it with the bed.
+                # What the release itself leaves (helm uninstall's residue) is reported, not
+                # blamed on the bench; tb.stop() below removes it with the bed.
                 release_left = inst.leftovers() + inst.runtime_leftovers()
         finally:
             tb.stop()
-    if bench.errors or bench.watch.errors:
-        print(f"bench-realnode: errors: {(bench.errors + bench.watch.errors)[:10]}",
-              file=sys.stderr)
-    meta = {**info, "rounds": args.rounds, "sandboxes": args.sandboxes,
-            "errors": "; ".join(bench.errors[:5]), "leftovers": "; ".join(leftovers),
-            "release_leftovers": ", ".join(release_left), "echo_cpu": bench.echo_cpu,
-            "command": " ".join([".venv/bin/python -m testbed.bench_realnode",
-                                 *(argv_used or [])]),
-            "wall_s": time.monotonic() - t_start,
-            "machine": {**machine, "load_after": _load()},
-            "echo": {"n_per_block": args.echo, "warmup": 20, "blocks": args.echo_blocks}}
+    meta = results_meta(args, argv_used, bench, info, leftovers, release_left, machine,
+                        time.monotonic() - t_start)
     # Raw first: a section that fails to render is re-rendered from it (--render).
     RAW.parent.mkdir(exist_ok=True)
     RAW.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1, default=str))
     print(f"# raw results: {RAW}", file=sys.stderr)
-    render(RAW, args.update_docs)
+    render(RAW, args.write_docs)
     return 1 if bench.errors or leftovers else 0
 
 
-def render(raw: Path, update: bool) -> None:
+def results_meta(args, argv_used: list[str], bench: Bench, info: dict, leftovers: list[str],
+                 release_left: list[str], machine: dict, wall_s: float) -> dict:
+    """What the docs section says besides the figures (render_section())."""
+    if bench.errors or bench.watch.errors:
+        print(f"bench-realnode: errors: {(bench.errors + bench.watch.errors)[:10]}",
+              file=sys.stderr)
+    return {**info, "rounds": args.rounds, "sandboxes": args.sandboxes,
+            "errors": "; ".join(bench.errors[:5]), "leftovers": "; ".join(leftovers),
+            "release_leftovers": ", ".join(release_left), "echo_cpu": bench.echo_cpu,
+            "command": docs.command("bench.realnode", argv_used),
+            "wall_s": wall_s, "machine": {**machine, "load_after": _load()},
+            "echo": {"n_per_block": args.echo, "warmup": 20, "blocks": args.echo_blocks}}
+
+
+def render(raw: Path, update: bool) -> str:
     """The docs section from a raw results file (printed; written with update)."""
     data = json.loads(raw.read_text())
     meta = data["meta"]
@@ -973,12 +893,12 @@ def render(raw: Path, update: bool) -> None:
     section = render_section(res)
     print(section)
     if update:
-        update_docs(section)
-        print(f"# wrote the `{SECTION}` section of {DOCS.relative_to(ROOT)}", file=sys.stderr)
+        print(f"# wrote {update_docs(section)}", file=sys.stderr)
+    return section
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m testbed.bench_realnode",
+def parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m bench.realnode",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="whole measurements (default 3)")
     ap.add_argument("--sandboxes", type=int, default=64, help="pods per arm per round (64)")
@@ -988,14 +908,27 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--echo-blocks", type=int, default=2, help="blocks per side per round (2)")
     ap.add_argument("--node-wait", type=float, default=900,
                     help="seconds to wait for the machine's real-node slot (900)")
-    ap.add_argument("--update-docs", action="store_true",
-                    help=f"replace the `{SECTION}` section of docs/benchmarks.md")
     ap.add_argument("--render", type=Path, metavar="RAW",
                     help="no run: the section from a raw results file of an earlier run")
+    docs.add_flags(ap)
+    return ap
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    ap = parser()
     args = ap.parse_args(argv)
+    docs.check_flags(ap, args)
+    if args.smoke:
+        args.rounds, args.sandboxes, args.wave, args.echo, args.echo_blocks = 1, 1, 1, 5, 1
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    args = parse(argv)
     if args.render is not None:
         try:
-            render(args.render, args.update_docs)
+            render(args.render, args.write_docs)
         except (OSError, ValueError, KeyError) as e:
             print(f"bench-realnode: cannot render {args.render}: {e}", file=sys.stderr)
             return 1
@@ -1010,7 +943,7 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"bench-realnode: this machine cannot host the real node: {why}", file=sys.stderr)
         return 1
-    return run(args, sys.argv[1:] if argv is None else argv)
+    return run(args, argv)
 
 
 if __name__ == "__main__":

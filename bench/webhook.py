@@ -1,8 +1,8 @@
 """Benchmark: pod creates through the API server under each admission setup sandman offers vs
 without admission, and the handler's own latency under a threaded load of AdmissionReviews.
 
-    .venv/bin/python -m webhook.bench [--kubeconfig F] [--pods 2000] [--threads 8] [--repeats 3]
-                                      [--update-docs]
+    .venv/bin/python -m bench.webhook [--kubeconfig F] [--pods 2000] [--threads 8] [--repeats 3]
+                                      [--write-docs] [--smoke]
 
 Without --kubeconfig (or $KUBECONFIG) it starts its own test bed (testbed) and stops it
 afterwards. Arms alternate within each repeat so drift hits all of them; each arm creates
@@ -12,7 +12,8 @@ Arms: the client's pod with no admission; the already-mutated pod with no admiss
 controller sends: the reference); the client's pod through the mutating + validating webhooks;
 the client's pod through the mutating webhook + the ValidatingAdmissionPolicy (webhook/policy.py,
 no validating webhook). Goal (issue 13): creates/s with the chart's default admission setup
->= 90% of the already-mutated pod with no admission, same run.
+>= 90% of the already-mutated pod with no admission, same run. `--smoke`: 5 pods per arm,
+one repeat, 40 handler requests, no verdict (tests/bench/test_smoke.py, on the suite's bed).
 """
 
 from __future__ import annotations
@@ -34,6 +35,8 @@ import threading
 import time
 from pathlib import Path
 
+from bench import docs
+from bench.stats import percentile
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EGRESS_DENY, LABEL_EGRESS, LABEL_SANDBOX
 from sandman.sandbox import SandboxPolicy, make_sandbox
 from testbed.kube import new_namespace
@@ -43,8 +46,7 @@ from webhook.manifests import Registration, configurations
 
 POLICY = SandboxPolicy()
 
-ROOT = Path(__file__).resolve().parents[1]
-DOCS = ROOT / "docs" / "benchmarks.md"
+SECTION = "## webhook: `python -m bench.webhook`"
 GOAL = 0.90
 # The chart's default admission setup (values webhook.validating.enabled=false with
 # admissionPolicy.enabled=true: the "policy" arm); docs/webhook.md says why.
@@ -59,11 +61,6 @@ def sandbox_pod(i: int) -> dict:
                          "annotations": {ANNOTATION_TOKEN_SHA256: token}},
             "spec": {"containers": [{"name": "task", "image": "swe-task:1", "resources": {
                 "limits": {"cpu": "100m", "memory": "128Mi"}}}]}}
-
-
-def pct(values: list[float], p: float) -> float:
-    s = sorted(values)
-    return s[min(len(s) - 1, int(round(p / 100 * (len(s) - 1))))]
 
 
 class Bed:
@@ -222,8 +219,8 @@ def create_arm(bed: Bed, namespace: str, pods: int, threads: int,
         t.join(600)
     wall = time.perf_counter() - start
     return {"ok": len(latencies), "errors": len(errors), "first_error": errors[:1],
-            "rate": len(latencies) / wall, "p50_ms": pct(latencies, 50) * 1000,
-            "p99_ms": pct(latencies, 99) * 1000}
+            "rate": len(latencies) / wall, "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000}
 
 
 def handler_load(port: int, ca: Path, threads: int, requests: int, distinct: bool) -> dict:
@@ -280,8 +277,8 @@ def handler_load(port: int, ca: Path, threads: int, requests: int, distinct: boo
     for t in ts:
         t.join(300)
     wall = time.perf_counter() - start
-    return {"rate": len(latencies) / wall, "p50_ms": pct(latencies, 50) * 1000,
-            "p99_ms": pct(latencies, 99) * 1000, "n": len(latencies)}
+    return {"rate": len(latencies) / wall, "p50_ms": percentile(latencies, 50) * 1000,
+            "p99_ms": percentile(latencies, 99) * 1000, "n": len(latencies)}
 
 
 def mutate_buckets(port: int, ca: Path) -> list[tuple[float, float]]:
@@ -330,19 +327,23 @@ def bucket_p99(before: list, after: list) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m webhook.bench")
+    ap = argparse.ArgumentParser(prog="python -m bench.webhook")
     ap.add_argument("--kubeconfig", default=os.environ.get("KUBECONFIG"))
     ap.add_argument("--pods", type=int, default=2000)
     ap.add_argument("--threads", type=int, default=8)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--handler-requests", type=int, default=4000)
-    ap.add_argument("--update-docs", action="store_true")
     ap.add_argument("--arms", default=",".join(ARMS),
                     help="comma-separated subset of the arms (exploration; the docs need all)")
+    docs.add_flags(ap)
     args = ap.parse_args(argv)
+    docs.check_flags(ap, args)
+    args.command = docs.command("bench.webhook", sys.argv[1:] if argv is None else argv)
+    if args.smoke:
+        args.pods, args.threads, args.repeats, args.handler_requests = 5, 2, 1, 40
     arms = [a for a in args.arms.split(",") if a]
-    if set(arms) - set(ARMS) or (args.update_docs and set(arms) != set(ARMS)):
-        ap.error(f"--arms: a subset of {','.join(ARMS)}; --update-docs needs all of them")
+    if set(arms) - set(ARMS) or (args.write_docs and set(arms) != set(ARMS)):
+        ap.error(f"--arms: a subset of {','.join(ARMS)}; --write-docs needs all of them")
 
     run = secrets.token_hex(3)
     workdir = Path(tempfile.mkdtemp(prefix="webhook-bench-"))
@@ -439,8 +440,10 @@ def main(argv: list[str] | None = None) -> int:
         results[DEFAULT_ARM], results["premutated"], strict=True))
     section = render(args, med, errors, ratio, handler, results)
     print(section)
-    if args.update_docs:
-        update_docs(section)
+    if args.write_docs:
+        print(f"wrote {docs.write_section(section)}", file=sys.stderr)
+    if args.smoke:  # a few pods measure nothing: it ran, and nothing was refused
+        return 0 if not any(errors.values()) else 1
     return 0 if ratio >= GOAL and not any(errors.values()) else 1
 
 
@@ -504,12 +507,12 @@ def render(args, med, errors, ratio, handler, results) -> str:
     handler_rows = "\n".join(
         f"| {kind} | {h['n']} | {h['rate']:.0f} | {h['p50_ms']:.2f} | {h['p99_ms']:.2f} "
         f"| {h['server_p99']} |" for kind, h in handler.items())
-    return f"""## webhook
+    return f"""{SECTION}
 
 Pod creates through the API server under sandman's admission setups (webhooks registered by
 `url:` to a local `python3 -m webhook serve`, TLS; the ValidatingAdmissionPolicy of
 `webhook/policy.py`, the chart's, evaluated in the API server) vs without, on the test bed
-(`make bench-webhook`, i.e. `.venv/bin/python -m webhook.bench --update-docs`; starts its own
+(`make bench-webhook`, i.e. `.venv/bin/python -m bench.webhook --write-docs`; starts its own
 test bed unless `KUBECONFIG` is set). {args.pods} labelled sandbox pods per arm from
 {args.threads} client threads (Python `kubernetes` client, responses not deserialized), arms
 alternated, {args.repeats} repeats, medians. Machine: {os.cpu_count()} cores
@@ -538,7 +541,7 @@ CPU-bound, so creates/s goes as its inverse, and CPU time moves far less with ot
 load than the rate does): the reference spends {cpu_sum('premutated'):.1f} ms per create, i.e.
 the default setup would run at {cpu_ratio['policy'] * 100:.0f}% of it, both webhooks at
 {cpu_ratio['with'] * 100:.0f}%, the mutating webhook alone at {cpu_ratio['mutating'] * 100:.0f}%.
-Command: `{' '.join(['python -m webhook.bench', *sys.argv[1:]])}`.
+Command: `{args.command}`.
 
 **Why the mutated pod is the reference.** The already-mutated pod, created with no admission
 at all, reaches {ceiling * 100:.0f}% of the client's pod as sent: the mutations (two init
@@ -574,15 +577,6 @@ cache);
 "distinct" pods each have their own image (every answer computed).
 """
 
-
-def update_docs(section: str) -> None:
-    text = DOCS.read_text() if DOCS.exists() else "# Benchmarks\n"
-    pattern = re.compile(r"^## webhook\n.*?(?=^## |\Z)", re.S | re.M)
-    if pattern.search(text):
-        text = pattern.sub(lambda _m: section + "\n", text)
-    else:
-        text = text.rstrip("\n") + "\n\n" + section
-    DOCS.write_text(text.rstrip("\n") + "\n")
 
 
 if __name__ == "__main__":

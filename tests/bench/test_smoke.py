@@ -1,0 +1,108 @@
+"""Each bench's smallest configuration (`--smoke`), so none rots: it runs, prints its section
+and writes no docs. Benches on the test bed use the suite's `cluster`; the real-node bench's
+smoke is tests/e2e/test_bench_smoke.py (the installed product); netguard's is
+tests/bench/test_netguard.py (netns)."""
+
+from __future__ import annotations
+
+import types
+from pathlib import Path
+
+import pytest
+
+from bench import controller, execd, loadtest, reuse, reuse_controller, swerex, webhook
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture
+def docs_untouched():
+    path = REPO / "docs" / "benchmarks.md"
+    before = path.read_text()
+    yield
+    assert path.read_text() == before, "a smoke run wrote docs/benchmarks.md"
+
+
+@pytest.mark.timeout(120)
+def test_execd(capsys, docs_untouched):
+    assert execd.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(execd.SECTION) and "| execd |" in out and "| bare limit |" in out
+
+
+@pytest.mark.timeout(120)
+def test_swerex(capsys, docs_untouched):
+    assert swerex.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(swerex.SECTION) and "| sandman adapter, one loop |" in out
+
+
+@pytest.mark.timeout(300)
+def test_reuse_execd_part(capsys, docs_untouched):
+    assert reuse.main(["--smoke", "--part", "execd"]) == 0
+    out = capsys.readouterr().out
+    assert reuse.SECTION in out and "`POST /restore` of it" in out
+
+
+def test_smoke_never_writes_docs():
+    for bench in (execd, swerex, reuse, webhook, controller, loadtest):
+        with pytest.raises(SystemExit):
+            bench.main(["--smoke", "--write-docs"])
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_reuse_controller_part(cluster, tmp_path, docs_untouched):
+    res = reuse_controller.measure(cluster, tmp_path, rounds=1)
+    assert len(res["fresh"]) == len(res["reused"]) == len(res["give_back"]) == 1
+    assert reuse_controller.render(res).startswith(reuse_controller.SECTION)
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_webhook(cluster, capsys, docs_untouched):
+    assert webhook.main(["--smoke", "--kubeconfig", str(cluster.kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert webhook.SECTION in out and "handler, identical pods" in out
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_controller(cluster, capsys, docs_untouched):
+    assert controller.main(["--smoke", "--kubeconfig", str(cluster.kubeconfig)]) == 0
+    out = capsys.readouterr().out
+    assert out.count(controller.SECTION) == 1 and "| 3 | 3 | 0 |" in out, out[-3000:]
+    assert "Authentication and TLS" in out
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(400)
+def test_loadtest_ramp(cluster, namespace, tmp_path, docs_untouched):
+    """The ramp on the suite's bed: the webhook registered for a fresh namespace and a
+    controller there, as `make demo`'s stack has them."""
+    from testbed.controller import start_controller
+    from testbed.webhook import registration, start_webhook, wait_webhook_active
+
+    wh = start_webhook(tmp_path / "webhook", "--log-level", "warning")
+    reg = registration(cluster.admissionregistration, namespace, wh.url, wh.ca.read_bytes(),
+                       "sandman-bench-lt").create()
+    ctl = None
+    try:
+        wait_webhook_active(cluster.core, namespace)
+        ctl = start_controller(namespace, cluster.kubeconfig, tmp_path / "controller.log",
+                               ["--lease-name", f"lt-{namespace}", "--rate", "20",
+                                "--burst", "40", "--log-level", "WARNING"], "pod")
+        stack = types.SimpleNamespace(controller_url=ctl.url, kubeconfig=cluster.kubeconfig,
+                                      namespace=namespace)
+        a = types.SimpleNamespace(ramp_max=3, rate=20.0, burst=40, nodes=0)
+        out = tmp_path / "report"
+        out.mkdir()
+        code = loadtest.measure(stack, out, a)
+        section = loadtest.render(out, a, "python -m bench.loadtest --smoke", code, 1.0)
+        assert code == 0, (out / "ramp.log").read_text()[-3000:]
+        assert section.startswith(loadtest.SECTION)
+    finally:
+        if ctl is not None:
+            ctl.stop()
+        reg.delete()
+        wh.stop()
