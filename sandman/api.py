@@ -1,7 +1,7 @@
 """The controller's HTTP API as it goes over the wire: route paths, request and answer bodies,
 error types, the default sandbox size. Nothing else in the tree spells them.
 
-Read by the controller (`controller/api.py` serves these routes and validates these bodies),
+Read by the controller (`controller/routes.py` serves these routes and validates these bodies),
 the SDK (`sandman.client` sends them), the load tests, and the chart (`charts/gen_contract.py`
 writes the route paths into `_contract.tpl`). Stdlib only and Python >= 3.9: the client
 distribution (`sandman-client`, client/pyproject.toml) ships it with the SDK.

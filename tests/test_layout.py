@@ -54,3 +54,15 @@ def test_the_check_finds_every_form():
            "def f():\n    from tests import x\nfrom testbed import procs\nimport testsuite\n"
            "from . import tests\n")
     assert [line for line, _ in imports_of_tests(src, "x.py")] == [1, 2, 3, 5]
+
+
+def test_test_file_names_are_unique():
+    # A basename names one test file in the whole suite, so a file named in a report, a doc or
+    # a failure summary without its directory is still one file.
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    assert len(seen) > 50, "walked nothing"
+    dupes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not dupes, "test files sharing a name (rename each to what it tests):\n" + "\n".join(
+        f"{name}: {', '.join(paths)}" for name, paths in sorted(dupes.items()))

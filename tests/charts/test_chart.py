@@ -277,7 +277,7 @@ def test_release_namespace_and_kube_system_always_excluded(helm):
 def test_policy_is_the_one_webhook_policy_builds(helm, case):
     """The rendered ValidatingAdmissionPolicy is webhook/policy.py's, for the values' image,
     default ingress sources and guard mode (so its rule names are docs/webhook.md's)."""
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
 
     objs = _render(helm, *_values_args(case))
     got = _find(objs, "ValidatingAdmissionPolicy")
@@ -401,14 +401,14 @@ class _Standby:
 def _controller_standby_get(path: str, connected: bool = True) -> int:
     from fastapi.testclient import TestClient
 
-    from controller.api import build_app
+    from controller.routes import build_app
     return TestClient(build_app({"elector": _Standby(connected)})).get(path).status_code
 
 
 def _webhook_replica_get(path: str) -> int:
     from fastapi.testclient import TestClient
 
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
     from webhook.app import create_app
     return TestClient(create_app(SandboxPolicy())).get(path).status_code
 

@@ -28,8 +28,8 @@ def test_every_error_type_the_server_sends_is_in_the_contract():
     core = pytest.importorskip("controller.core")
     sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
     assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
-    # controller/api.py sends the rest itself: validation, gone, a caller that left, /readyz.
-    text = (ROOT / "controller" / "api.py").read_text()
+    # controller/routes.py sends the rest itself: validation, gone, a caller that left, /readyz.
+    text = (ROOT / "controller" / "routes.py").read_text()
     for e in (api.INVALID_BODY, api.SANDBOX_GONE, api.CLIENT_CLOSED, api.NOT_READY):
         assert f"api.{_name(e)}" in text
 
@@ -52,7 +52,7 @@ def test_the_sdk_knows_no_error_type_the_contract_lacks():
 
 
 def test_the_servers_routes_are_the_contracts():
-    capi = pytest.importorskip("controller.api")
+    capi = pytest.importorskip("controller.routes")
     from fastapi.routing import APIRoute
 
     app = capi.build_app({})
@@ -99,7 +99,7 @@ def test_one_default_size():
     """The webhook's default for containers that set none, the controller's spec and the pod
     it reads back after a restart (which decides the warm pool the pod joins): all the
     contract's."""
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
 
     assert (SandboxPolicy().default_cpu, SandboxPolicy().default_memory) == (
         api.DEFAULT_CPU, api.DEFAULT_MEMORY)

@@ -1,4 +1,4 @@
-"""The SDK against the real controller HTTP app (`controller.api.build_app`, served by uvicorn
+"""The SDK against the real controller HTTP app (`controller.routes.build_app`, served by uvicorn
 on 127.0.0.1), so the error shapes the SDK maps are the ones the controller really sends: a
 standby's NotLeader, FastAPI's validation error as BadRequest, SandboxGone, and a 201 acquire
 answer. The controller's Kubernetes side is replaced by a small stand-in object; end-to-end
@@ -19,7 +19,7 @@ from sandman.client.errors import BadRequest, controller_error
 
 from .conftest import FAST_RETRY, LOOPBACK, Execd, Flavor
 
-api = pytest.importorskip("controller.api")
+api = pytest.importorskip("controller.routes")
 uvicorn = pytest.importorskip("uvicorn")
 
 

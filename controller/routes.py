@@ -18,7 +18,7 @@ from controller.forward import not_leader_headers
 from controller.pods import iso_utc
 from sandman import api
 
-log = logging.getLogger("controller.api")
+log = logging.getLogger("controller.routes")
 
 
 def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
