@@ -19,7 +19,7 @@ import time
 
 from controller import metrics
 from controller import pods as P
-from controller.books import (  # noqa: F401 - re-exported
+from controller.books import (
     ENDING,
     ENTRY_STATES,
     POOL_JOB,
@@ -29,8 +29,8 @@ from controller.books import (  # noqa: F401 - re-exported
     Entry,
     State,
 )
-from controller.create import Creator, job_object_name, new_name, token_pair  # noqa: F401
-from controller.errors import (  # noqa: F401 - re-exported for controller/routes.py
+from controller.create import Creator, new_name, token_pair
+from controller.errors import (
     AcquireError,
     AcquireTimeout,
     BadOwner,
@@ -38,14 +38,13 @@ from controller.errors import (  # noqa: F401 - re-exported for controller/route
     ConditionsRefused,
     FirstAttemptLeft,
     NotLeader,
-    PodFailed,
     QueueFullError,
 )
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull
 from controller.pipeline import Pipeline
-from controller.pods import SandboxSpec  # noqa: F401 - re-exported for controller/routes.py
-from controller.settings import Settings  # noqa: F401 - re-exported for controller/__main__.py
+from controller.pods import SandboxSpec
+from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
 from sandman import api, contract

@@ -25,8 +25,8 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def test_every_error_type_the_server_sends_is_in_the_contract():
-    core = pytest.importorskip("controller.core")
-    sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
+    errors = pytest.importorskip("controller.errors")
+    sent = {(c.status, c.kind) for c in [errors.AcquireError, *_subclasses(errors.AcquireError)]}
     assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
     # controller/routes.py sends the rest itself: validation, gone, a caller that left, /readyz.
     text = (ROOT / "controller" / "routes.py").read_text()

@@ -290,7 +290,9 @@ def test_read_back_still_fails_closed_on_a_narrowed_wildcard(lab, backend):
 
 def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> list[str]:
     from controller.__main__ import parse_args, settings_from
-    from controller.core import Controller, Entry, SandboxSpec
+    from controller.books import Entry
+    from controller.core import Controller
+    from controller.pods import SandboxSpec
     from sandman.contract import NETGUARD_CONTAINER
     from sandman.podspec import NODE_IP_ENV
 
