@@ -12,7 +12,15 @@ from pathlib import Path
 import pytest
 
 from sandman import api
-from sandman.client import AcquireTimings, Lease, PoolStatus, SandboxInfo, SandmanError, errors
+from sandman.client import (
+    AcquireTimings,
+    ConditionsCheck,
+    Lease,
+    PoolStatus,
+    SandboxInfo,
+    SandmanError,
+    errors,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -61,12 +69,18 @@ def test_the_servers_routes_are_the_contracts():
 
 
 @pytest.mark.parametrize("sdk,wire", [(Lease, api.Lease), (AcquireTimings, api.Timings),
+                                      (ConditionsCheck, api.ConditionsCheck),
                                       (SandboxInfo, api.SandboxView),
                                       (PoolStatus, api.PoolStatus)],
                          ids=lambda c: c.__name__)
-def test_sdk_answer_models_have_the_contracts_fields(sdk, wire):
-    names = [f.name for f in dataclasses.fields(sdk) if f.name != "raw"]
-    assert names == [f.name for f in dataclasses.fields(wire)]
+def test_sdk_answer_models_are_the_contracts(sdk, wire):
+    # One definition per answer: the SDK's model is the wire's, or a subclass adding `raw`.
+    assert issubclass(sdk, wire)
+    wire_fields = dataclasses.fields(wire)
+    assert dataclasses.fields(sdk)[:len(wire_fields)] == wire_fields
+    assert [f.name for f in dataclasses.fields(sdk)[len(wire_fields):]] in ([], ["raw"])
+    if sdk is not wire:  # and redefines none of the wire's fields
+        assert not {f.name for f in wire_fields} & set(vars(sdk).get("__annotations__", {}))
 
 
 def test_sdk_models_parse_what_the_contract_writes():
