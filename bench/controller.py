@@ -36,9 +36,8 @@ from kubernetes import client, config
 from bench import docs
 from bench.stats import percentile_or_nan as pct
 from sandman import api
-from testbed.cluster import Testbed, default_state_dir
+from testbed.cluster import Testbed, default_state_dir, delete_namespace, new_namespace
 from testbed.controller import ControllerProc, local_tls_dir
-from testbed.kube import delete_namespace, new_namespace
 
 IMAGE = "registry.invalid/bench/task:1"
 SECTION = "## controller: `python -m bench.controller`"

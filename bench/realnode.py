@@ -600,7 +600,7 @@ class Bench:
             spec = self.api.sanitize_for_serialization(p.spec)
             used += pod_request(spec, "cpu")
             used_mem += pod_request(spec, "memory")
-        from sandman.sandbox import INJECTED_RESOURCES
+        from sandman.podspec import INJECTED_RESOURCES
 
         per_cpu = max(quantity(CPU), quantity(INJECTED_RESOURCES["cpu"]))
         per_mem = max(quantity(MEMORY), quantity(INJECTED_RESOURCES["memory"]))

@@ -170,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         sections.append(execd_part(a))
     if a.part in ("controller", "both"):
         if a.kubeconfig:
-            from testbed.kube import Cluster
+            from testbed.cluster import Cluster
 
             with tempfile.TemporaryDirectory(prefix="sandman-bench-reuse-") as tmp:
                 res = pool.measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a.rounds)

@@ -23,9 +23,8 @@ import time
 from pathlib import Path
 
 from sandman.client import Client
-from testbed.cluster import Testbed, default_state_dir
+from testbed.cluster import Cluster, Testbed, default_state_dir
 from testbed.controller import ControllerProc
-from testbed.kube import Cluster
 from testbed.standin import Standin
 
 IMAGE = "registry.invalid/swe/grader:1"

@@ -38,8 +38,8 @@ from pathlib import Path
 from bench import docs
 from bench.stats import percentile
 from sandman.contract import ANNOTATION_TOKEN_SHA256, EGRESS_DENY, LABEL_EGRESS, LABEL_SANDBOX
-from sandman.sandbox import SandboxPolicy, make_sandbox
-from testbed.kube import new_namespace
+from sandman.podspec import SandboxPolicy, make_sandbox
+from testbed.cluster import new_namespace
 from testbed.webhook import start_webhook
 from webhook import policy as vap
 from webhook.manifests import Registration, configurations

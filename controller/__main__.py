@@ -15,14 +15,14 @@ import uvicorn
 
 from controller import auth as A
 from controller import tls as T
-from controller.api import build_app
-from controller.core import Controller, Settings
+from controller.core import Controller
 from controller.forward import ForwardToLeader
 from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
-from controller.settings import load_pod_template
-from sandman.sandbox import GUARD_MODES, SandboxPolicy
+from controller.routes import build_app
+from controller.settings import Settings, load_pod_template
+from sandman.podspec import GUARD_MODES, SandboxPolicy
 
 log = logging.getLogger("controller")
 

@@ -88,7 +88,7 @@ def _tz(z: str) -> str:
 
 
 def _memory_bytes(q: str) -> int:
-    from sandman.sandbox import parse_quantity
+    from sandman.podspec import parse_quantity
 
     return int(parse_quantity(q))
 

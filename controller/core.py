@@ -19,7 +19,7 @@ import time
 
 from controller import metrics
 from controller import pods as P
-from controller.books import (  # noqa: F401 - re-exported
+from controller.books import (
     ENDING,
     ENTRY_STATES,
     POOL_JOB,
@@ -29,8 +29,8 @@ from controller.books import (  # noqa: F401 - re-exported
     Entry,
     State,
 )
-from controller.create import Creator, job_object_name, new_name, token_pair  # noqa: F401
-from controller.errors import (  # noqa: F401 - re-exported for controller/api.py
+from controller.create import Creator, new_name, token_pair
+from controller.errors import (
     AcquireError,
     AcquireTimeout,
     BadOwner,
@@ -38,14 +38,13 @@ from controller.errors import (  # noqa: F401 - re-exported for controller/api.p
     ConditionsRefused,
     FirstAttemptLeft,
     NotLeader,
-    PodFailed,
     QueueFullError,
 )
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull
 from controller.pipeline import Pipeline
-from controller.pods import SandboxSpec  # noqa: F401 - re-exported for controller/api.py
-from controller.settings import Settings  # noqa: F401 - re-exported for controller/__main__.py
+from controller.pods import SandboxSpec
+from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
 from sandman import api, contract
@@ -140,7 +139,7 @@ class Controller:
             raise BadRequest(f"image {spec.image!r} is not an image reference")
         if spec.egress not in (contract.EGRESS_DENY, contract.EGRESS_ALLOW):
             raise BadRequest(f"egress must be deny or allow, not {spec.egress!r}")
-        from sandman.sandbox import parse_quantity
+        from sandman.podspec import parse_quantity
 
         for what, q in (("cpu", spec.cpu), ("memory", spec.memory)):
             try:
@@ -259,7 +258,7 @@ class Controller:
             raise BadRequest(f"conditions: unknown field(s) {', '.join(sorted(unknown))}")
         mem = conditions.get("memory_limit")
         if mem is not None:
-            from sandman.sandbox import parse_quantity
+            from sandman.podspec import parse_quantity
 
             try:
                 if parse_quantity(mem) <= 0:

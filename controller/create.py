@@ -23,7 +23,7 @@ from controller.kube import AMBIGUOUS_STATUSES, Kube, is_transport_error
 from controller.pacer import Pacer
 from controller.settings import Settings
 from sandman import contract
-from sandman.sandbox import make_sandbox
+from sandman.podspec import make_sandbox
 
 
 def tenant_labels(settings: Settings, job: str) -> dict[str, str]:

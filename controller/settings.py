@@ -8,7 +8,7 @@ import yaml
 
 from controller.pacer import Limits
 from sandman import contract
-from sandman.sandbox import SandboxPolicy
+from sandman.podspec import SandboxPolicy
 
 # ---- the sandbox pod template (--pod-template-file): what a shared node pool asks of pods ---
 # Applied by Creator.build_pod to every pod the controller builds (warm builds too). Checked

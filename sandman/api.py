@@ -1,7 +1,7 @@
 """The controller's HTTP API as it goes over the wire: route paths, request and answer bodies,
 error types, the default sandbox size. Nothing else in the tree spells them.
 
-Read by the controller (`controller/api.py` serves these routes and validates these bodies),
+Read by the controller (`controller/routes.py` serves these routes and validates these bodies),
 the SDK (`sandman.client` sends them), the load tests, and the chart (`charts/gen_contract.py`
 writes the route paths into `_contract.tpl`). Stdlib only and Python >= 3.9: the client
 distribution (`sandman-client`, client/pyproject.toml) ships it with the SDK.
@@ -316,6 +316,37 @@ class PrewarmRequest(_Model):
 
 
 # ---- answers
+# Each answer's reader (`from_json`) checks the types written here and raises AnswerError on a
+# missing or mistyped field; a field the server leaves null takes its default. The SDK reads
+# the controller's answers with these (sandman/client/models.py adds only what it keeps).
+
+class AnswerError(ValueError):
+    """An answer without the form written here: not an object, a field missing or mistyped."""
+
+
+_NUM = (int, float)
+
+
+def _answer(data: Any, what: str) -> dict[str, Any]:
+    if not isinstance(data, dict):
+        raise AnswerError(f"{what}: expected a JSON object, got {type(data).__name__}")
+    return data
+
+
+def _req(d: dict[str, Any], key: str, types: type | tuple[type, ...], what: str) -> Any:
+    if key not in d:
+        raise AnswerError(f"{what}: the answer has no {key!r}")
+    v = d[key]
+    allowed = types if isinstance(types, tuple) else (types,)
+    if not isinstance(v, allowed) or (isinstance(v, bool) and bool not in allowed):
+        raise AnswerError(f"{what}: {key!r} has type {type(v).__name__}")
+    return v
+
+
+def _opt(d: dict[str, Any], key: str, types: type | tuple[type, ...], what: str,
+         default: Any = None) -> Any:
+    return default if d.get(key) is None else _req(d, key, types, what)
+
 
 @dataclass(frozen=True)
 class Timings(_Model):
@@ -323,15 +354,35 @@ class Timings(_Model):
     create_ms: float = 0.0  # the pod create call
     ready_ms: float = 0.0  # create -> Ready (+ execd /health)
 
+    @classmethod
+    def from_json(cls, data: Any) -> Timings:
+        if not isinstance(data, dict):
+            return cls()
+        what = "acquire timings"
+        return cls(queued_ms=_opt(data, "queued_ms", _NUM, what, 0.0),
+                   create_ms=_opt(data, "create_ms", _NUM, what, 0.0),
+                   ready_ms=_opt(data, "ready_ms", _NUM, what, 0.0))
+
 
 @dataclass(frozen=True)
 class ConditionsCheck(_Model):
     """What the pod read for the declared conditions: `verified` maps each declared field
     that was read and matched to its reading; `unverified` names the declared fields that
-    could not be read (never a refusal)."""
+    could not be read (never a refusal; `time_limit_s` is never read). A pod contradicting a
+    field is never handed out (ConditionsRefused)."""
 
     verified: dict[str, Any] = field(default_factory=dict)
     unverified: list[str] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ConditionsCheck:
+        what = "acquire conditions"
+        d = _answer(data, what)
+        unverified = _opt(d, "unverified", list, what, [])
+        if not all(isinstance(x, str) for x in unverified):
+            raise AnswerError(f"{what}: unverified must be a list of names")
+        return cls(verified=dict(_opt(d, "verified", dict, what, {})),
+                   unverified=list(unverified))
 
 
 @dataclass(frozen=True)
@@ -348,6 +399,27 @@ class Lease(_Model):
     expires_at: str | None = None  # RFC 3339 UTC; deleted after it unless renewed
     lifetime_s: float | None = None  # what a renew without lifetime_s extends by
     conditions: ConditionsCheck | None = None  # None: the acquire declared none
+
+    @classmethod
+    def from_json(cls, data: Any, **extra: Any) -> Lease:
+        """`extra`: fields a subclass adds (the SDK's `raw`)."""
+        what = "acquire answer"
+        d = _answer(data, what)
+        port = _req(d, "port", int, what)
+        if not 0 < port < 65536:
+            raise AnswerError(f"{what}: port {port} out of range")
+        token = _req(d, "token", str, what)
+        if not token:
+            raise AnswerError(f"{what}: empty token")
+        conditions = d.get("conditions")
+        return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
+                   address=_req(d, "address", str, what), port=port, token=token,
+                   warm=_opt(d, "warm", bool, what, False),
+                   timings=Timings.from_json(d.get("timings")),
+                   expires_at=_opt(d, "expires_at", str, what),
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
+                   conditions=None if conditions is None else ConditionsCheck.from_json(conditions),
+                   **extra)
 
 
 @dataclass(frozen=True)
@@ -368,6 +440,19 @@ class SandboxView(_Model):
     expires_at: str | None = None  # handed-out sandboxes only (warm ones never expire)
     lifetime_s: float | None = None
     tenant: str | None = None  # the tenant namespace (None: unscoped, e.g. the warm pool)
+
+    @classmethod
+    def from_json(cls, data: Any, **extra: Any) -> SandboxView:
+        what = "sandbox info"
+        d = _answer(data, what)
+        return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
+                   job=_req(d, "job", str, what), state=_req(d, "state", str, what),
+                   address=_opt(d, "address", str, what), port=_req(d, "port", int, what),
+                   image=_req(d, "image", str, what), cpu=_req(d, "cpu", str, what),
+                   memory=_req(d, "memory", str, what), egress=_req(d, "egress", str, what),
+                   expires_at=_opt(d, "expires_at", str, what),
+                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
+                   tenant=_opt(d, "tenant", str, what), **extra)
 
 
 @dataclass(frozen=True)
@@ -397,6 +482,14 @@ class PoolStatus(_Model):
     warm: int
     building: int
     idle_timeout_s: float | None
+
+    @classmethod
+    def from_json(cls, data: Any, **extra: Any) -> PoolStatus:
+        what = "prewarm answer"
+        d = _answer(data, what)
+        return cls(target=_req(d, "target", int, what), warm=_req(d, "warm", int, what),
+                   building=_req(d, "building", int, what),
+                   idle_timeout_s=_opt(d, "idle_timeout_s", _NUM, what), **extra)
 
 
 @dataclass(frozen=True)

@@ -112,7 +112,7 @@ def is_dns_subdomain(name: str) -> bool:
 
 # The one sandman image: it carries netguard and the execd.py that the webhook copies into pods.
 SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.1.0"
-# Names the webhook (sandman/sandbox.py) gives what it injects into a sandbox pod.
+# Names the webhook (sandman/podspec.py) gives what it injects into a sandbox pod.
 NETGUARD_CONTAINER = "sandman-netguard"  # always initContainers[0] when present
 EXECD_INSTALL_CONTAINER = "sandman-execd-install"  # copies execd.py into SANDMAN_VOLUME
 SANDMAN_VOLUME = "sandman"  # emptyDir: execd.py and run/ (netguard status); read-only in sandbox

@@ -14,9 +14,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from testbed.cluster import Testbed
+from testbed.cluster import Testbed, new_namespace
 from testbed.controller import ControllerProc, start_controller
-from testbed.kube import new_namespace
 from testbed.procs import ROOT, Proc
 from testbed.standin import start_standin
 from testbed.webhook import registration, start_webhook, wait_webhook_active

@@ -19,13 +19,13 @@ from pathlib import Path
 import pytest
 
 from testbed.cluster import (
+    Cluster,
     Testbed,
     TestbedError,
     default_state_dir,
     remove_stale_state_dirs,
     remove_state_dir,
 )
-from testbed.kube import Cluster
 
 _BED: dict[str, object] = {}
 

@@ -120,8 +120,8 @@ def test_the_server_depends_on_the_client_at_the_same_version(wheels):
 
 
 def test_the_check_sees_a_server_module_in_the_client():
-    src = "from sandman import sandbox\nimport controller.api\nfrom sandman.api import Route\n"
-    assert _imports(src, "x.py") == {"sandman", "sandman.sandbox", "controller.api",
+    src = "from sandman import podspec\nimport controller.routes\nfrom sandman.api import Route\n"
+    assert _imports(src, "x.py") == {"sandman", "sandman.podspec", "controller.routes",
                                      "sandman.api"}
 
 

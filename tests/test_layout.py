@@ -129,3 +129,15 @@ def test_nothing_the_chart_or_image_runs_needs_testbed_or_bench():
            for m in re.findall(r"\b(?:testbed|bench)\.[a-z_]+\b|-m (?:testbed|bench)\b",
                                p.read_text(errors="replace"))]
     assert not bad, bad
+
+
+def test_test_file_names_are_unique():
+    # A basename names one test file in the whole suite, so a file named in a report, a doc or
+    # a failure summary without its directory is still one file.
+    seen: dict[str, list[str]] = {}
+    for path in sorted((ROOT / "tests").rglob("test_*.py")):
+        seen.setdefault(path.name, []).append(path.relative_to(ROOT).as_posix())
+    assert len(seen) > 50, "walked nothing"
+    dupes = {name: paths for name, paths in seen.items() if len(paths) > 1}
+    assert not dupes, "test files sharing a name (rename each to what it tests):\n" + "\n".join(
+        f"{name}: {', '.join(paths)}" for name, paths in sorted(dupes.items()))

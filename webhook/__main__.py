@@ -10,7 +10,7 @@ import sys
 
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import SANDMAN_IMAGE
-from sandman.sandbox import GUARD_MODES, SandboxPolicy
+from sandman.podspec import GUARD_MODES, SandboxPolicy
 
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
@@ -145,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     if args.verb == "guard":
-        from sandman.sandbox import SandboxError, guarded_pod
+        from sandman.podspec import SandboxError, guarded_pod
 
         try:
             text = sys.stdin.read() if args.file == "-" else open(args.file).read()

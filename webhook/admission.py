@@ -15,7 +15,7 @@ import secrets
 import jsonpatch
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_EGRESS, is_token_sha256
-from sandman.sandbox import (
+from sandman.podspec import (
     INPUT_LABELS,
     Refusal,
     SandboxError,

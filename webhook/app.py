@@ -16,7 +16,7 @@ from collections.abc import Awaitable, Callable
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from sandman.sandbox import SandboxPolicy
+from sandman.podspec import SandboxPolicy
 from webhook import admission
 from webhook.metrics import Metrics
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from sandman import buildinfo
-from sandman.sandbox import RULES
+from sandman.podspec import RULES
 
 OPERATIONS = ("mutate", "validate")
 DECISIONS = ("allowed", "denied", "error")

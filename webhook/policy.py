@@ -6,7 +6,7 @@ Why: while the webhook is down, or its configurations were deleted during an out
 (docs/operations.md step 2), the API server still refuses an unguarded egress-deny pod, added
 capabilities, privileged containers, host namespaces, volumes outside the allowlist (hostPath,
 nfs, ...), containers that keep NET_RAW, Unconfined profiles, Secrets, requests != limits and
-service-account tokens. The policy is a subset of `sandman.sandbox.check_sandbox`: it never
+service-account tokens. The policy is a subset of `sandman.podspec.check_sandbox`: it never
 refuses a pod that the Python check admits (tests/webhook/test_policy.py plays every golden
 AdmissionReview through both on the test bed), and each validation names its rule like the
 webhook does (`sandman <rule>: ...`, docs/webhook.md).
@@ -34,7 +34,7 @@ from sandman.contract import (
     SANDBOX_TRUE,
     SANDMAN_VOLUME,
 )
-from sandman.sandbox import (
+from sandman.podspec import (
     APPARMOR_CONTAINER_PREFIX,
     GUARD_ALWAYS,
     GUARD_ARGS_TAIL,

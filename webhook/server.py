@@ -34,7 +34,7 @@ import sys
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 
-from sandman.sandbox import SandboxPolicy
+from sandman.podspec import SandboxPolicy
 from webhook.app import MAX_BODY_BYTES, AdmissionFastPath, create_app
 from webhook.certs import load_pair
 from webhook.metrics import Metrics

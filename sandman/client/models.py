@@ -1,19 +1,22 @@
-"""Typed answers. Each `from_json` checks the fields the SDK relies on and keeps the whole
-answer in `raw`, so a newer server's extra fields are not lost.
-
-The controller's wire is `sandman/api.py`: its request models (`Owner`) are used as they are;
-the answers here have the same fields as the contract's (tests/client/test_contract.py), read
-leniently (a field a server leaves out is None where it can be)."""
+"""Typed answers. The controller's are the wire's (`sandman/api.py`): one definition of each,
+read by its own `from_json`; the SDK's subclasses add only `raw`, the whole answer (the token
+left out), so a newer server's extra fields are not lost. execd's answers are defined here;
+each `from_json` checks the fields the SDK relies on and keeps the rest in `raw` where it can."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
 from sandman import api
 from sandman.client.errors import ProtocolError
 
-Owner = api.Owner  # the trainer's pod, owner of the sandbox: a request model, from the contract
+# The SDK's names of the wire's models it adds nothing to.
+Owner = api.Owner  # the trainer's pod, owner of the sandbox: a request model
+AcquireTimings = api.Timings
+ConditionsCheck = api.ConditionsCheck
 
 
 def _obj(data: Any, what: str) -> dict[str, Any]:
@@ -47,132 +50,52 @@ _NUM = (int, float)
 
 # ---- the controller
 
-@dataclass(frozen=True)
-class AcquireTimings:
-    queued_ms: float | None = None
-    create_ms: float | None = None
-    ready_ms: float | None = None
+@contextlib.contextmanager
+def _controller_answer() -> Iterator[None]:
+    try:
+        yield
+    except api.AnswerError as e:
+        raise ProtocolError(str(e)) from None
 
-    @classmethod
-    def from_json(cls, data: Any) -> AcquireTimings:
-        if not isinstance(data, dict):
-            return cls()
-        what = "acquire timings"
-        return cls(queued_ms=_opt(data, "queued_ms", _NUM, what),
-                   create_ms=_opt(data, "create_ms", _NUM, what),
-                   ready_ms=_opt(data, "ready_ms", _NUM, what))
+
+def _raw(data: Any) -> dict[str, Any]:
+    return {k: v for k, v in data.items() if k != "token"} if isinstance(data, dict) else {}
 
 
 @dataclass(frozen=True)
-class ConditionsCheck:
-    """The controller's check of an acquire's declared conditions, made inside the pod
-    before hand-out: `verified` maps each declared field that was read and matched to the
-    reading; `unverified` names those the pod could not read (and `time_limit_s`, never
-    read). A pod contradicting a field is never handed out (ConditionsRefused)."""
-
-    verified: dict[str, Any] = field(default_factory=dict)
-    unverified: list[str] = field(default_factory=list)
-
-    @classmethod
-    def from_json(cls, data: Any) -> ConditionsCheck | None:
-        if data is None:
-            return None
-        what = "acquire conditions"
-        d = _obj(data, what)
-        unverified = _opt(d, "unverified", list, what, [])
-        if not all(isinstance(x, str) for x in unverified):
-            raise ProtocolError(f"{what}: unverified must be a list of names")
-        return cls(verified=dict(_opt(d, "verified", dict, what, {})),
-                   unverified=list(unverified))
-
-
-@dataclass(frozen=True)
-class Lease:
+class Lease(api.Lease):
     """The controller's answer to an acquire. Holds the token: never printed (repr=False)."""
 
-    id: str
-    pod: str
-    address: str
-    port: int
-    token: str = field(repr=False)
-    warm: bool = False
-    timings: AcquireTimings = field(default_factory=AcquireTimings)
-    expires_at: str | None = None  # RFC 3339 UTC; None from a controller without lifetimes
-    lifetime_s: float | None = None
-    conditions: ConditionsCheck | None = None  # None: the acquire declared none
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, data: Any) -> Lease:
-        what = "acquire answer"
-        d = _obj(data, what)
-        port = _req(d, "port", int, what)
-        if not 0 < port < 65536:
-            raise ProtocolError(f"{what}: port {port} out of range")
-        token = _req(d, "token", str, what)
-        if not token:
-            raise ProtocolError(f"{what}: empty token")
-        raw = {k: v for k, v in d.items() if k != "token"}
-        return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
-                   address=_req(d, "address", str, what), port=port, token=token,
-                   warm=bool(_opt(d, "warm", bool, what, False)),
-                   timings=AcquireTimings.from_json(d.get("timings")),
-                   expires_at=_opt(d, "expires_at", str, what),
-                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
-                   conditions=ConditionsCheck.from_json(d.get("conditions")), raw=raw)
+    def from_json(cls, data: Any) -> Lease:  # type: ignore[override]
+        with _controller_answer():
+            return super().from_json(data, raw=_raw(data))
 
 
 @dataclass(frozen=True)
-class SandboxInfo:
+class SandboxInfo(api.SandboxView):
     """`client.get(id)` / `client.list()`: what the controller knows of a sandbox (no token)."""
 
-    id: str
-    pod: str | None
-    job: str | None
-    state: str | None
-    address: str | None
-    port: int | None
-    image: str | None = None
-    cpu: str | None = None
-    memory: str | None = None
-    egress: str | None = None
-    expires_at: str | None = None  # handed-out sandboxes: deleted after it unless renewed
-    lifetime_s: float | None = None
-    tenant: str | None = None  # the tenant namespace (None: unscoped, --auth none)
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, data: Any) -> SandboxInfo:
-        what = "sandbox info"
-        d = _obj(data, what)
-        raw = {k: v for k, v in d.items() if k != "token"}
-        return cls(id=_req(d, "id", str, what), pod=_opt(d, "pod", str, what),
-                   job=_opt(d, "job", str, what), state=_opt(d, "state", str, what),
-                   address=_opt(d, "address", str, what), port=_opt(d, "port", int, what),
-                   image=_opt(d, "image", str, what), cpu=_opt(d, "cpu", str, what),
-                   memory=_opt(d, "memory", str, what), egress=_opt(d, "egress", str, what),
-                   expires_at=_opt(d, "expires_at", str, what),
-                   lifetime_s=_opt(d, "lifetime_s", _NUM, what),
-                   tenant=_opt(d, "tenant", str, what), raw=raw)
+    def from_json(cls, data: Any) -> SandboxInfo:  # type: ignore[override]
+        with _controller_answer():
+            return super().from_json(data, raw=_raw(data))
 
 
 @dataclass(frozen=True)
-class PoolStatus:
+class PoolStatus(api.PoolStatus):
     """`client.prewarm()`: the warm pool of one (image, size) after the call."""
 
-    target: int
-    warm: int
-    building: int
-    idle_timeout_s: float | None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
-    def from_json(cls, data: Any) -> PoolStatus:
-        what = "prewarm answer"
-        d = _obj(data, what)
-        return cls(target=_req(d, "target", int, what), warm=_req(d, "warm", int, what),
-                   building=_opt(d, "building", int, what, 0),
-                   idle_timeout_s=_opt(d, "idle_timeout_s", _NUM, what), raw=d)
+    def from_json(cls, data: Any) -> PoolStatus:  # type: ignore[override]
+        with _controller_answer():
+            return super().from_json(data, raw=_raw(data))
 
 
 # ---- execd

@@ -277,7 +277,7 @@ def test_release_namespace_and_kube_system_always_excluded(helm):
 def test_policy_is_the_one_webhook_policy_builds(helm, case):
     """The rendered ValidatingAdmissionPolicy is webhook/policy.py's, for the values' image,
     default ingress sources and guard mode (so its rule names are docs/webhook.md's)."""
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
 
     objs = _render(helm, *_values_args(case))
     got = _find(objs, "ValidatingAdmissionPolicy")
@@ -401,14 +401,14 @@ class _Standby:
 def _controller_standby_get(path: str, connected: bool = True) -> int:
     from fastapi.testclient import TestClient
 
-    from controller.api import build_app
+    from controller.routes import build_app
     return TestClient(build_app({"elector": _Standby(connected)})).get(path).status_code
 
 
 def _webhook_replica_get(path: str) -> int:
     from fastapi.testclient import TestClient
 
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
     from webhook.app import create_app
     return TestClient(create_app(SandboxPolicy())).get(path).status_code
 
@@ -459,7 +459,9 @@ def test_narrowed_ingress_admits_the_controller_and_the_helm_test_knows_its_plac
     whose guard admits that replica's pod IP; the `helm test` pod gets the same CIDRs and its
     own IP, so outside them it checks that execd refuses it instead of failing to exec."""
     from controller.__main__ import parse_args, settings_from
-    from controller.core import Controller, Entry, SandboxSpec
+    from controller.books import Entry
+    from controller.core import Controller
+    from controller.pods import SandboxSpec
 
     objs = _render(helm, *_values_args("custom-selectors"))
     c0 = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][0]
@@ -496,7 +498,9 @@ def test_controller_disruption_budget_priority_and_sandbox_pod_template(helm, tm
     PDB (it would block every drain). The values' pod template reaches the controller, which
     checks it and puts it on the pods it builds."""
     from controller.__main__ import parse_args, settings_from
-    from controller.core import Controller, Entry, SandboxSpec
+    from controller.books import Entry
+    from controller.core import Controller
+    from controller.pods import SandboxSpec
 
     objs = _render(helm)
     pdb = _find(objs, "PodDisruptionBudget", "-controller")

@@ -325,8 +325,11 @@ class _Handler(BaseHTTPRequestHandler):
             if answer is not None and answer["id"] in ctl.sandboxes:
                 return self._reply(201, answer)
         sid = "sb-" + secrets.token_hex(4)
+        # What the controller writes for a sandbox (sandman.api.SandboxView), all of it.
         sb = {"id": sid, "pod": f"pod-{sid}", "job": body["job"], "state": "leased",
-              "address": ctl.target.address, "port": ctl.target_port or ctl.target.port}
+              "address": ctl.target.address, "port": ctl.target_port or ctl.target.port,
+              "image": body["image"], "cpu": body["cpu"], "memory": body["memory"],
+              "egress": body["egress"]}
         answer = dict(sb, token=ctl.token or ctl.target.token, warm=False,
                       timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25})
         if ctl.lifetime_s:

@@ -11,10 +11,19 @@ from pathlib import Path
 
 import pytest
 
-from controller import api as capi
-from controller import core, pods
+from controller import errors as controller_errors
+from controller import pods
+from controller import routes as capi
 from sandman import api
-from sandman.client import AcquireTimings, Lease, PoolStatus, SandboxInfo, SandmanError, errors
+from sandman.client import (
+    AcquireTimings,
+    ConditionsCheck,
+    Lease,
+    PoolStatus,
+    SandboxInfo,
+    SandmanError,
+    errors,
+)
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -27,10 +36,11 @@ def _subclasses(cls: type) -> list[type]:
 
 
 def test_every_error_type_the_server_sends_is_in_the_contract():
-    sent = {(c.status, c.kind) for c in [core.AcquireError, *_subclasses(core.AcquireError)]}
+    sent = {(c.status, c.kind) for c in [controller_errors.AcquireError,
+                                        *_subclasses(controller_errors.AcquireError)]}
     assert sent <= set(api.ERRORS), sent - set(api.ERRORS)
-    # controller/api.py sends the rest itself: validation, gone, a caller that left, /readyz.
-    text = (ROOT / "controller" / "api.py").read_text()
+    # controller/routes.py sends the rest itself: validation, gone, a caller that left, /readyz.
+    text = (ROOT / "controller" / "routes.py").read_text()
     for e in (api.INVALID_BODY, api.SANDBOX_GONE, api.CLIENT_CLOSED, api.NOT_READY):
         assert f"api.{_name(e)}" in text
 
@@ -61,12 +71,18 @@ def test_the_servers_routes_are_the_contracts():
 
 
 @pytest.mark.parametrize("sdk,wire", [(Lease, api.Lease), (AcquireTimings, api.Timings),
+                                      (ConditionsCheck, api.ConditionsCheck),
                                       (SandboxInfo, api.SandboxView),
                                       (PoolStatus, api.PoolStatus)],
                          ids=lambda c: c.__name__)
-def test_sdk_answer_models_have_the_contracts_fields(sdk, wire):
-    names = [f.name for f in dataclasses.fields(sdk) if f.name != "raw"]
-    assert names == [f.name for f in dataclasses.fields(wire)]
+def test_sdk_answer_models_are_the_contracts(sdk, wire):
+    # One definition per answer: the SDK's model is the wire's, or a subclass adding `raw`.
+    assert issubclass(sdk, wire)
+    wire_fields = dataclasses.fields(wire)
+    assert dataclasses.fields(sdk)[:len(wire_fields)] == wire_fields
+    assert [f.name for f in dataclasses.fields(sdk)[len(wire_fields):]] in ([], ["raw"])
+    if sdk is not wire:  # and redefines none of the wire's fields
+        assert not {f.name for f in wire_fields} & set(vars(sdk).get("__annotations__", {}))
 
 
 def test_sdk_models_parse_what_the_contract_writes():
@@ -99,7 +115,7 @@ def test_one_default_size():
     """The webhook's default for containers that set none, the controller's spec and the pod
     it reads back after a restart (which decides the warm pool the pod joins): all the
     contract's."""
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
 
     assert (SandboxPolicy().default_cpu, SandboxPolicy().default_memory) == (
         api.DEFAULT_CPU, api.DEFAULT_MEMORY)

@@ -1,4 +1,4 @@
-"""The SDK against the real controller HTTP app (`controller.api.build_app`, served by uvicorn
+"""The SDK against the real controller HTTP app (`controller.routes.build_app`, served by uvicorn
 on 127.0.0.1), so the error shapes the SDK maps are the ones the controller really sends: a
 standby's NotLeader, FastAPI's validation error as BadRequest, SandboxGone, and a 201 acquire
 answer. The controller's Kubernetes side is replaced by a small stand-in object; end-to-end
@@ -15,7 +15,7 @@ import httpx
 import pytest
 import uvicorn
 
-from controller import api
+from controller import routes as api
 from sandman import api as wire
 from sandman.client.errors import BadRequest, controller_error
 

@@ -1,5 +1,5 @@
 """The SDK's side of checked reuse against the fake controller: what goes on the wire.
-(The real controller and execd: tests/controller/test_reuse.py.)"""
+(The real controller and execd: tests/controller/test_reuse_on_testbed.py.)"""
 
 from __future__ import annotations
 

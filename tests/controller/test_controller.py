@@ -15,7 +15,7 @@ import jsonpatch
 import pytest
 
 from sandman import contract
-from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+from sandman.podspec import SandboxPolicy, check_sandbox, make_sandbox
 from testbed.cluster import audit_pod_creates
 from testbed.controller import ControllerProc
 from testbed.procs import wait_for

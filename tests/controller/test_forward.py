@@ -16,8 +16,8 @@ import httpx
 import pytest
 import uvicorn
 
-from controller.api import build_app
 from controller.forward import LEADER_HEADER, ForwardToLeader
+from controller.routes import build_app
 from controller.tls import PeerCA, ServingTLS
 from webhook import certs as C
 

@@ -10,10 +10,11 @@ import time
 import pytest
 
 from controller.books import State
-from controller.core import Controller, Settings
+from controller.core import Controller
 from controller.errors import AcquireTimeout, PodFailed
 from controller.pacer import Limits
 from controller.pods import SandboxSpec
+from controller.settings import Settings
 from sandman import contract
 from tests.controller.fakekube import FakeKube
 

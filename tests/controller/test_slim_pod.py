@@ -8,7 +8,7 @@ import pytest
 from controller import pods
 from controller.pods import slim_pod
 from sandman import contract
-from sandman.sandbox import SandboxPolicy, make_sandbox
+from sandman.podspec import SandboxPolicy, make_sandbox
 
 
 def _pod(**status) -> dict:

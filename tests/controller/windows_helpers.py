@@ -36,7 +36,7 @@ ROLLOUT = {"role": "rollout"}  # per-caller labels: not warm-eligible (deleted w
 # learned that the caller is gone (the API sees the disconnect at once; slack for a loaded host).
 CANCEL_SETTLE_S = 0.5
 FOREIGN = {"tenant": "other"}
-POOL_JOB = "sandman-pool"  # the job of warm pods (controller.core.POOL_JOB)  # another tenant's pods: no sandman labels
+POOL_JOB = "sandman-pool"  # the job of warm pods (controller.books.POOL_JOB)  # another tenant's pods: no sandman labels
 
 
 # ---- the controller ---------------------------------------------------------------------------

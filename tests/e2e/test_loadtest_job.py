@@ -24,7 +24,7 @@ from kubernetes.utils import parse_quantity
 from loadtest.audit import job_label
 from loadtest.job import TRAINERS_NS_LABEL, render
 from sandman import contract
-from sandman.sandbox import INJECTED_RESOURCES as INJECTED
+from sandman.podspec import INJECTED_RESOURCES as INJECTED
 from testbed import realnode
 from tests.e2e.helpers import SDK_CA, TASK_IMAGE, copy_ca, placement
 
@@ -57,7 +57,7 @@ def ceiling(e2e) -> dict:
                 - sum(_pod_request(p, "cpu") for p in pods))
     free_mem = (float(parse_quantity(alloc["memory"])) - float(parse_quantity(JOB_MEMORY))
                 - sum(_pod_request(p, "memory") for p in pods))
-    # The injected init containers' size (sandman.sandbox.INJECTED_RESOURCES) is the floor.
+    # The injected init containers' size (sandman.podspec.INJECTED_RESOURCES) is the floor.
     per_cpu = max(float(parse_quantity(SANDBOX_CPU)), float(parse_quantity(INJECTED["cpu"])))
     per_mem = max(float(parse_quantity(SANDBOX_MEMORY)),
                   float(parse_quantity(INJECTED["memory"])))

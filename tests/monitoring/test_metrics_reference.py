@@ -53,7 +53,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
 
 
 def _resolve(token: str) -> list[str]:
-    """`sandman.sandbox.RULES` -> the tuple's entries; `controller.books.State` -> its names."""
+    """`sandman.podspec.RULES` -> the tuple's entries; `controller.books.State` -> its names."""
     if "." not in token:
         return [token]
     module, _, attr = token.rpartition(".")

@@ -199,7 +199,7 @@ def _default_webhook_args(egress: str, node_ip: str) -> list[str]:
     """The netguard args the webhook gives a sandbox with the default policy (no annotation),
     with `$(SANDMAN_NODE_IP)` expanded the way the kubelet does (downward API status.hostIP)."""
     from sandman.contract import LABEL_EGRESS, LABEL_SANDBOX, SANDBOX_TRUE
-    from sandman.sandbox import NODE_IP_ENV, SandboxPolicy, netguard_args
+    from sandman.podspec import NODE_IP_ENV, SandboxPolicy, netguard_args
     from webhook.__main__ import policy_from
 
     pod = {"metadata": {"labels": {LABEL_SANDBOX: SANDBOX_TRUE, LABEL_EGRESS: egress}},
@@ -290,9 +290,11 @@ def test_read_back_still_fails_closed_on_a_narrowed_wildcard(lab, backend):
 
 def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> list[str]:
     from controller.__main__ import parse_args, settings_from
-    from controller.core import Controller, Entry, SandboxSpec
+    from controller.books import Entry
+    from controller.core import Controller
+    from controller.pods import SandboxSpec
     from sandman.contract import NETGUARD_CONTAINER
-    from sandman.sandbox import NODE_IP_ENV
+    from sandman.podspec import NODE_IP_ENV
 
     args = parse_args(["serve", "--namespace", "sandboxes", "--listen", "0.0.0.0:8080",
                        f"--ingress-from={trainers}", f"--advertise-address={controller_ip}"])

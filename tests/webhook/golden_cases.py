@@ -22,7 +22,7 @@ from sandman.contract import (
     NETGUARD_CONTAINER,
     SANDMAN_VOLUME,
 )
-from sandman.sandbox import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox, netguard_container
+from sandman.podspec import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox, netguard_container
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 # docs/install.md's narrowed ingress (the trainers' pod CIDR); the controller replica that builds

@@ -11,7 +11,7 @@ from pathlib import Path
 import jsonpatch
 import pytest
 
-from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+from sandman.podspec import SandboxPolicy, check_sandbox, make_sandbox
 from tests.webhook import golden_cases
 from webhook import admission
 
@@ -89,7 +89,7 @@ def test_mutated_pod_is_a_fixed_point_and_valid(name):
 
 
 def test_every_rule_has_a_refusing_case():
-    from sandman.sandbox import RULES
+    from sandman.podspec import RULES
 
     seen = set()
     for name in CASES:

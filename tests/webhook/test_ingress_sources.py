@@ -23,7 +23,7 @@ from sandman.contract import (
     LABEL_EGRESS,
     LABEL_SANDBOX,
 )
-from sandman.sandbox import NODE_IP_ENV, SandboxPolicy, check_sandbox, make_sandbox, netguard_args
+from sandman.podspec import NODE_IP_ENV, SandboxPolicy, check_sandbox, make_sandbox, netguard_args
 
 TRAINERS = "10.32.0.0/12"
 CONTROLLER_IP = "10.200.0.7"  # a system node pool, outside the trainers' CIDR

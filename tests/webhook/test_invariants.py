@@ -1,7 +1,7 @@
 """Property test (issue 13): random labelled pods through the webhook's handlers, and every pod
 that is ADMITTED (mutation patch applied with jsonpatch, then validation; for UPDATEs a random
 ephemeral container added) satisfies the invariants docs/webhook.md states. The invariants are
-written here from the docs, independently of sandman/sandbox.py's checks. Seeded `random`,
+written here from the docs, independently of sandman/podspec.py's checks. Seeded `random`,
 pure logic; a few thousand pods in a few seconds."""
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from sandman.contract import (
     NETGUARD_CONTAINER,
     SANDMAN_VOLUME,
 )
-from sandman.sandbox import SandboxPolicy, netguard_container
+from sandman.podspec import SandboxPolicy, netguard_container
 from webhook import admission
 
 POLICY = SandboxPolicy()
@@ -193,7 +193,7 @@ def _all(spec: dict):
 
 
 def _quantity_equal(a, b) -> bool:
-    from sandman.sandbox import parse_quantity
+    from sandman.podspec import parse_quantity
 
     return a is not None and b is not None and parse_quantity(a) == parse_quantity(b)
 

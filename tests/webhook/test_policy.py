@@ -29,7 +29,7 @@ from sandman.contract import (
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
 )
-from sandman.sandbox import SandboxPolicy, make_sandbox
+from sandman.podspec import SandboxPolicy, make_sandbox
 from tests.webhook import golden_cases
 from tests.webhook.test_golden import CASES, TESTDATA, decode
 from webhook import admission, policy

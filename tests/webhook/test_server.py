@@ -135,7 +135,7 @@ def test_body_budget_answers_503_not_memory_growth():
     """In process: past the budget of buffered request bytes, a review gets 503."""
     import asyncio
 
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
     from webhook.app import AdmissionFastPath, create_app
     from webhook.metrics import Metrics
 
@@ -166,7 +166,7 @@ def test_body_budget_answers_503_not_memory_growth():
 def test_admission_routes_are_the_fast_paths_only():
     """POST /mutate and /validate never reach FastAPI (webhook/server.py wraps the app), so
     the app has no routes of its own for them to drift from."""
-    from sandman.sandbox import SandboxPolicy
+    from sandman.podspec import SandboxPolicy
     from webhook.app import AdmissionFastPath, create_app
     from webhook.metrics import Metrics
 

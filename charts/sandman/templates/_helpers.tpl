@@ -142,7 +142,7 @@ cert-manager.io/inject-ca-from: {{ printf "%s/%s" .Release.Namespace (include "s
 {{- end -}}
 
 {{- /* Sandbox policy flags shared by webhook and controller: both run the same pod function
-(sandman.sandbox.make_sandbox), so they must be given the same policy. */ -}}
+(sandman.podspec.make_sandbox), so they must be given the same policy. */ -}}
 {{- define "sandman.policyArgs" -}}
 - --image={{ include "sandman.image" . }}
 - --guard={{ .Values.sandbox.guard }}

@@ -18,7 +18,7 @@ from sandman.contract import (
     NETGUARD_CONTAINER,
     SANDMAN_VOLUME,
 )
-from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+from sandman.podspec import SandboxPolicy, check_sandbox, make_sandbox
 from testbed.webhook import registration as scoped_registration
 from testbed.webhook import start_webhook, wait_webhook_active
 from tests.webhook.test_server import _served_cert
@@ -355,7 +355,7 @@ def test_updates_judged_on_the_new_pods_own_guard(cluster, namespace, server):
     from tests.webhook.golden_cases import OLD_IMAGE
 
     core = cluster.core
-    from sandman.sandbox import GUARD_EGRESS_DENY
+    from sandman.podspec import GUARD_EGRESS_DENY
 
     def make(policy):
         pod = make_sandbox(make_pod(), policy)

@@ -13,12 +13,13 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller import auth as A
-from controller.core import AcquireError, Controller, NotLeader, SandboxSpec
+from controller.core import Controller
+from controller.errors import AcquireError, NotLeader
 from controller.forward import not_leader_headers
-from controller.pods import iso_utc
+from controller.pods import SandboxSpec, iso_utc
 from sandman import api
 
-log = logging.getLogger("controller.api")
+log = logging.getLogger("controller.routes")
 
 
 def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,

@@ -9,7 +9,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_EGRESS, LABEL_SANDBOX
-from sandman.sandbox import (
+from sandman.podspec import (
     GUARD_MODES,
     SandboxError,
     SandboxPolicy,

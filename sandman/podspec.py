@@ -175,7 +175,7 @@ RULES = (
 
 # Besides `spec`, the only parts of a pod that make_sandbox and check_sandbox read. The webhook
 # caches their results by these (bursts of identical pods), so anything else they start reading
-# must be added here; tests/webhook/test_sandbox.py checks that nothing else changes a result.
+# must be added here; tests/webhook/test_podspec.py checks that nothing else changes a result.
 INPUT_LABELS = (LABEL_SANDBOX, LABEL_EGRESS)
 INPUT_ANNOTATIONS = (ANNOTATION_CONTAINER, ANNOTATION_INGRESS_FROM, ANNOTATION_TOKEN_SHA256,
                      SECCOMP_POD_ANNOTATION)

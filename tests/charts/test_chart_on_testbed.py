@@ -32,7 +32,7 @@ from sandman.contract import (
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
 )
-from sandman.sandbox import SandboxPolicy, make_sandbox
+from sandman.podspec import SandboxPolicy, make_sandbox
 from testbed.controller import ControllerProc
 from testbed.procs import free_port, wait_for
 from testbed.standin import Standin

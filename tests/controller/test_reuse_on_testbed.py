@@ -169,7 +169,7 @@ def test_grading_pod_passes_the_webhook_mutation_unchanged(cluster, namespace, s
     of a pod the webhook admits as it is."""
     import jsonpatch
 
-    from sandman.sandbox import SandboxPolicy, check_sandbox, make_sandbox
+    from sandman.podspec import SandboxPolicy, check_sandbox, make_sandbox
     ctl, standin = stack
     with Client(ctl.url) as cl:
         sb = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,

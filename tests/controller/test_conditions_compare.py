@@ -2,7 +2,7 @@
 
 The readings these compare come from execd's /conditions (tests/execd/test_conditions.py
 builds real cgroup trees for them); the controller's refusal on the test bed is in
-tests/controller/test_conditions_refusal.py, on real pods in tests/e2e/test_conditions.py.
+tests/controller/test_conditions_refusal.py, on real pods in tests/e2e/test_conditions_on_node.py.
 """
 
 from __future__ import annotations
