@@ -1,7 +1,7 @@
 """Each bench's smallest configuration (`--smoke`), so none rots: it runs, prints its section
 and writes no docs. Benches on the test bed use the suite's `cluster`; the real-node bench's
 smoke is tests/e2e/test_bench_smoke.py (the installed product); netguard's is
-tests/bench/test_netguard.py (netns)."""
+tests/bench/test_bench_netguard.py (netns)."""
 
 from __future__ import annotations
 
