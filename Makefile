@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint test test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -48,6 +48,12 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	$(VENV)/bin/ruff check .
 	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/contract.py sandman/_version.py
+
+# The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
+# control plane nor its binaries) and no root, in two pytest-xdist workers (one per core).
+CHECK_MARKERS := not testbed and not realnode and not netns and not e2e
+check: lint  ## lint + every test that needs no test bed and no root (a few minutes on 2 cores)
+	$(VPY) tools/run_pytest.py -m "$(CHECK_MARKERS)" -n 2 $(PYTEST_ARGS)
 
 testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
 	$(VPY) -m testbed build

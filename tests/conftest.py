@@ -268,11 +268,32 @@ def pytest_terminal_summary(terminalreporter):
                                     "ALLOWED_SKIPS")
 
 
+# The tiers (docs/testbed.md "Test tiers") are selected with -m: `make check` runs what carries
+# none of testbed, realnode, netns, e2e. A directory marks its tests, a fixture marks the tests
+# that use it (in any directory), a test or module marks itself (root-only tests: `netns`).
+_TESTS = Path(__file__).resolve().parent
+_DIR_MARKERS = {
+    "e2e": ("e2e", "realnode", "testbed"),  # sandman installed on the real node
+    "images": ("netns",),  # a throwaway containerd, overlay mounts, debootstrap: root
+}
+# `helm`: the chart renders with the helm binary the test-bed build makes.
+_FIXTURE_MARKERS = {
+    "cluster": ("testbed",),
+    "real_cluster": ("testbed", "realnode"),
+    # The real-node bed, also reached without real_cluster (the e2e suite's fixtures).
+    "_real_bed": ("testbed", "realnode"),
+    "helm": ("testbed",),
+}
+
+
 def pytest_collection_modifyitems(items):
-    # Every test that touches the cluster carries the marker, so `-m "not testbed"` works.
     for item in items:
-        names = getattr(item, "fixturenames", ())
-        if "cluster" in names or "_real_bed" in names:
-            item.add_marker(pytest.mark.testbed)
-        if "_real_bed" in names:
-            item.add_marker(pytest.mark.realnode)
+        try:
+            top = Path(item.path).resolve().relative_to(_TESTS).parts[0]
+        except ValueError:
+            top = ""
+        marks = set(_DIR_MARKERS.get(top, ()))
+        for name in getattr(item, "fixturenames", ()):
+            marks.update(_FIXTURE_MARKERS.get(name, ()))
+        for mark in sorted(marks):
+            item.add_marker(mark)

@@ -19,6 +19,9 @@ from testbed.procs import free_port
 
 from .conftest import LOOPBACK, FakeController
 
+# Root: the tree is debootstrapped once and entered with chroot.
+pytestmark = pytest.mark.netns
+
 PY39 = dist.PYTHON
 # What may be in the venv: the client, httpx and httpx's own dependencies on 3.9, and what
 # `python3.9 -m venv` puts there.

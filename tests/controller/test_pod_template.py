@@ -7,18 +7,18 @@ from __future__ import annotations
 
 import json
 import secrets
-import subprocess
-import sys
 
 import httpx
 import pytest
 from kubernetes import client
 
+from controller import __main__ as controller_main
 from controller.settings import check_pod_template
 from sandman import api, contract
 from testbed.cluster import KWOK_NODE_ANNOTATION
 from testbed.controller import ControllerProc
 from testbed.procs import wait_for
+from tests.cli import run_main
 
 IMAGE = "registry.invalid/swe/task:1"
 
@@ -51,16 +51,14 @@ def test_empty_entries_are_left_out():
 def test_the_controller_refuses_a_bad_template_file_at_startup(tmp_path):
     bad = tmp_path / "t.json"
     bad.write_text(json.dumps({"labels": {contract.LABEL_STATE: "leased"}}))
-    p = subprocess.run([sys.executable, "-m", "controller", "serve", "--namespace", "x",
-                        "--kubeconfig", str(tmp_path / "none"), "--pod-template-file",
-                        str(bad)], capture_output=True, text=True, timeout=60)
+    argv = ["serve", "--namespace", "x", "--kubeconfig", str(tmp_path / "none"),
+            "--pod-template-file", str(bad)]
+    p = run_main(controller_main.main, argv)  # as `python -m controller` (tests/cli.py)
     assert p.returncode == 2
     lines = p.stderr.strip().splitlines()
     assert len(lines) == 1 and "collides with sandman's own keys" in lines[0], p.stderr
     bad.write_text("labels: [unclosed")
-    p = subprocess.run([sys.executable, "-m", "controller", "serve", "--namespace", "x",
-                        "--kubeconfig", str(tmp_path / "none"), "--pod-template-file",
-                        str(bad)], capture_output=True, text=True, timeout=60)
+    p = run_main(controller_main.main, argv)
     assert p.returncode == 2 and len(p.stderr.strip().splitlines()) == 1, p.stderr
 
 

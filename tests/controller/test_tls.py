@@ -9,8 +9,6 @@ from __future__ import annotations
 import os
 import socket
 import ssl
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -18,9 +16,11 @@ import httpx
 import pytest
 from cryptography import x509
 
+from controller import __main__ as controller_main
 from sandman import api
 from testbed.controller import ControllerProc
 from testbed.procs import wait_for
+from tests.cli import Ran, run_main, run_module
 from webhook import certs as C
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
@@ -70,10 +70,20 @@ def serial(files: dict[str, bytes]) -> int:
     return x509.load_pem_x509_certificate(files["tls.crt"]).serial_number
 
 
-def serve(*extra: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "controller", "serve", "--namespace", "x",
-                           "--kubeconfig", "/nonexistent", *extra],
-                          capture_output=True, text=True, timeout=60)
+SERVE = ["serve", "--namespace", "x", "--kubeconfig", "/nonexistent"]
+
+
+def serve(*extra: str) -> Ran:
+    """`python -m controller serve ...` in-process (test_python_m_controller_is_main proves
+    the module runs the same main)."""
+    return run_main(controller_main.main, [*SERVE, *extra])
+
+
+def test_python_m_controller_is_main():
+    """The command line the chart runs reaches main: the first refusal, one line, exit 2."""
+    p = run_module("controller", SERVE)
+    assert p.returncode == 2, p.stderr
+    assert p.stderr.strip().count("\n") == 0 and "needs TLS" in p.stderr, p.stderr
 
 
 def test_authentication_without_tls_refuses_to_start():

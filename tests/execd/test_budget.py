@@ -1,8 +1,9 @@
 """Pre-auth budget (issue 15): what a client without the token can pin is bounded in connections
 (and so threads), header bytes, header time and idle time, and never starves the agent.
 
-Real sockets on 127.0.0.1; every loop is bounded in count and time. Default limits are used
-where the test can afford their time, so each test also fails on an execd without the budget.
+Real sockets on 127.0.0.1; every loop is bounded in count and time. The size limits are the
+defaults; the time limits are execd's flags with small values (the defaults are 10 s each). Each
+test also fails on an execd without the budget.
 """
 
 from __future__ import annotations
@@ -112,9 +113,16 @@ def test_header_block_bounded_in_total_bytes(execd):
             assert r.status_code == 200 and r.json()["output"] == "ok\n"
 
 
-def test_header_time_and_preauth_idle_bounded_authed_idle_kept(execd):
+# Each well above the drip's 0.5 s between header lines, so only the header timeout ends it.
+HEADER_TIMEOUT = 2.0
+PREAUTH_IDLE = 2.0
+
+
+def test_header_time_and_preauth_idle_bounded_authed_idle_kept(execd_factory):
+    execd = execd_factory("--header-timeout", str(HEADER_TIMEOUT),
+                          "--preauth-idle", str(PREAUTH_IDLE))
     results: dict[str, tuple[bool, float, bytes]] = {}
-    limit = execd_mod.HEADER_TIMEOUT + execd_mod.PREAUTH_IDLE
+    limit = HEADER_TIMEOUT + PREAUTH_IDLE
 
     def drip():
         # One header line every 0.5 s: each read is quick, the block never ends.
@@ -157,11 +165,11 @@ def test_header_time_and_preauth_idle_bounded_authed_idle_kept(execd):
     for t in ts:
         t.join(limit * 2 + 30)
     closed, took, got = results["drip"]
-    assert closed and took <= execd_mod.HEADER_TIMEOUT + 2, (took, got[:200])
+    assert closed and took <= HEADER_TIMEOUT + 2, (took, got[:200])
     assert got.startswith(b"HTTP/1.1 408 "), got[:200]
     closed, took, got = results["idle"]
     assert got.startswith(b"HTTP/1.1 200 ")
-    assert closed and took <= execd_mod.PREAUTH_IDLE + 2, took
+    assert closed and took <= PREAUTH_IDLE + 2, took
     assert results["authed"][0], results["authed"]
 
 

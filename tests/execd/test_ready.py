@@ -98,6 +98,7 @@ def execd_mod_wait(pred, timeout=5.0):
     return True
 
 
+@pytest.mark.netns
 @ROOT_ONLY
 @pytest.mark.skipif(not (shutil.which("setpriv") and shutil.which("prlimit")
                          and os.access("/usr/bin/python3", os.X_OK)),
@@ -158,6 +159,7 @@ def uid_of(pid: int) -> int | None:
     return None
 
 
+@pytest.mark.netns
 @ROOT_ONLY
 @pytest.mark.skipif(not shutil.which("unshare"), reason="needs unshare")
 def test_ready_fails_when_workspace_disk_full_while_health_stays_ok(execd_factory):

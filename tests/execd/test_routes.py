@@ -125,6 +125,7 @@ def test_conditions_egress_probe(execd):
     assert r.status_code == 400
 
 
+@pytest.mark.netns
 @pytest.mark.skipif(os.geteuid() != 0 or not shutil.which("unshare"),
                     reason="needs root and unshare for a private PID namespace")
 def test_reset_as_pid1_reaps_orphans_and_leaves_only_execd(execd_factory, tmp_path):

@@ -21,6 +21,7 @@ def _alive(pid: int) -> bool:
     return state != "Z"
 
 
+@pytest.mark.testbed  # starts etcd from the test-bed build
 def test_apiserver_port_in_use_names_component_and_log(tmp_path, monkeypatch):
     with socket.socket() as blocker:
         blocker.bind(("127.0.0.1", 0))
@@ -71,6 +72,7 @@ def test_staging_list_comes_from_kubernetes_gomod():
         build.staging_modules("module x\n")
 
 
+@pytest.mark.testbed  # builds the binaries unless cached
 def test_cached_binaries_are_not_rebuilt(monkeypatch):
     bins = build.build()  # the session's bed already built them
     mtimes = {n: p.stat().st_mtime for n, p in bins.items()}
