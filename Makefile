@@ -47,10 +47,12 @@ export REAL_NODE
 sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; REAL_NODE=1: containerd, runc, CNI plugins, ipset, conntrack)
 	@$(PY) tools/sysdeps.py
 
-lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9
+lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9; mypy --strict on the client distribution
 	$(VENV)/bin/ruff check .
 	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/contract.py sandman/_version.py
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py
 
 testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
 	$(VPY) -m testbed build
@@ -142,4 +144,4 @@ kind-down: $(STAMP)  ## delete the kind cluster of kind-up
 	$(VPY) -m testbed.kind_up --down
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
