@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain kubeconform lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -28,10 +28,13 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) sysdeps gotoolchain  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing
+deps: $(STAMP) sysdeps gotoolchain kubeconform  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform
 
 gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
 	@$(PY) tools/gotoolchain.py
+
+kubeconform: $(STAMP) gotoolchain  ## kubeconform and the test bed's Kubernetes JSON schemas into ~/.cache/sandman-testbed (chart checks)
+	$(VPY) tools/kubeconform.py
 
 lock: $(STAMP)  ## regenerate requirements*.lock from the pyprojects (needs PyPI); commit them
 	$(VPY) tools/lock.py
@@ -44,10 +47,12 @@ export REAL_NODE
 sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; REAL_NODE=1: containerd, runc, CNI plugins, ipset, conntrack)
 	@$(PY) tools/sysdeps.py
 
-lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9
+lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9; mypy --strict on the client distribution
 	$(VENV)/bin/ruff check .
 	@if [ -f execd/execd.py ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd/execd.py; fi
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/contract.py sandman/_version.py
+	$(VENV)/bin/mypy
+	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
 # control plane nor its binaries) and no root, in two pytest-xdist workers (one per core).
@@ -145,4 +150,4 @@ kind-down: $(STAMP)  ## delete the kind cluster of kind-up
 	$(VPY) -m testbed.kind_up --down
 
 clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

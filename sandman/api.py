@@ -111,9 +111,11 @@ class _Model:
     # pydantic (the controller's FastAPI) reads this off the dataclass; the SDK never does.
     __pydantic_config__: ClassVar[dict[str, Any]] = {"extra": "forbid",
                                                      "coerce_numbers_to_str": True}
+    # Every subclass is a dataclass: what asdict() needs to see.
+    __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)  # type: ignore[call-overload]
+        return asdict(self)
 
 
 def _check(ok: bool, message: str) -> None:

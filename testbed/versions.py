@@ -23,3 +23,8 @@ KUBE_ROUTER = "v2.1.0"
 # crictl, to look at the real node's pods (docs/testbed.md "Real node") and to stop them on the way
 # down. v1.34.0: served here, and its go.mod has no replace lines.
 CRI_TOOLS = "v1.34.0"
+
+# Checks that need no test bed (make deps installs them into the same cache).
+# kubeconform validates every golden chart render (tests/charts/test_kubeconform.py); its go.mod
+# has no replace lines, so `go install` works.
+KUBECONFORM = "v0.8.0"

@@ -22,6 +22,9 @@ NEEDED = {
     "ip6tables-restore": "iptables",
     "iptables-legacy-restore": "iptables",
     "curl": "curl",
+    # `promtool test rules` on the chart's alerts (tests/monitoring/test_alert_rules.py). The
+    # package is the whole Prometheus server (19 MB); it is not started (no systemd here).
+    "promtool": "prometheus",
     # The real-node images (testbed/images.py, tests/images): built without Docker, run in a
     # throwaway containerd. runc, not crun: crun fails on this cgroup v1 host (hybrid mode).
     "debootstrap": "debootstrap",

@@ -185,8 +185,8 @@ def controller_error(status: int, body: Any) -> SandmanError:
     if isinstance(err, dict):
         typ = err.get("type") if isinstance(err.get("type"), str) else None
         msg = err.get("message") if isinstance(err.get("message"), str) else ""
-        events = err.get("events") if isinstance(err.get("events"), list) else []
-        events = [str(e) for e in events]
+        raw_events = err.get("events")
+        events = [str(e) for e in raw_events] if isinstance(raw_events, list) else []
         cls = _CONTROLLER_TYPES.get(typ or "")
         if cls is None:
             cls = ControllerError

@@ -345,7 +345,7 @@ class SandmanRuntime(AbstractRuntime):
         if not source.is_dir():
             raise ValueError(f"Source path {source} is not a file or directory")
         dirs: list[str] = [str(target)]
-        files: list[tuple] = []
+        files: list[tuple[Path, PurePosixPath]] = []
         for root, dirnames, filenames in os.walk(source):
             rel = Path(root).relative_to(source)
             for d in sorted(dirnames):
@@ -374,7 +374,7 @@ class SandmanRuntime(AbstractRuntime):
         return CloseResponse()
 
 
-def _execute_script(command: Command) -> tuple:
+def _execute_script(command: Command) -> tuple[str, str | None]:
     """The bash text that runs `command` like subprocess.run() would, and the separator put
     between stdout and stderr (None when merged). Everything runs in a `( ... )` subshell."""
     if isinstance(command.command, list):
@@ -496,7 +496,8 @@ class SandmanDeployment(AbstractDeployment):
     @property
     def runtime(self) -> SandmanRuntime:
         if self._runtime is None:
-            raise DeploymentNotStartedError()
+            # swe-rex declares this __init__ without annotations.
+            raise DeploymentNotStartedError()  # type: ignore[no-untyped-call]
         return self._runtime
 
     def __del__(self) -> None:

@@ -89,7 +89,8 @@ def test_monitoring_renders_dashboard_and_rules(rendered):
     # The alerts issue 16 asks for, each present.
     assert {"SandmanWebhookErrors", "SandmanWebhookSlow", "SandmanCertificateExpiring",
             "SandmanQueueGrowing", "SandmanControllerNoLeader", "SandmanControllerTwoLeaders",
-            "SandmanSweepFoundOrphans", "SandmanSandboxesExpired"} <= alerts
+            "SandmanSweepFoundOrphans", "SandmanSandboxesExpired",
+            "SandmanWebhookMetricsAbsent"} <= alerts
 
 
 def _rules(rule: dict):
