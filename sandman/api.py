@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from sandman import contract
@@ -387,6 +387,10 @@ class ConditionsCheck(_Model):
                    unverified=list(unverified))
 
 
+# A subclass (the SDK's model, adding `raw`) reads itself with the same code.
+_LeaseT = TypeVar("_LeaseT", bound="Lease")
+
+
 @dataclass(frozen=True)
 class Lease(_Model):
     """201 to an acquire. The only answer that carries the sandbox's execd token."""
@@ -403,7 +407,7 @@ class Lease(_Model):
     conditions: ConditionsCheck | None = None  # None: the acquire declared none
 
     @classmethod
-    def from_json(cls, data: Any, **extra: Any) -> Lease:
+    def from_json(cls: type[_LeaseT], data: Any, **extra: Any) -> _LeaseT:
         """`extra`: fields a subclass adds (the SDK's `raw`)."""
         what = "acquire answer"
         d = _answer(data, what)
@@ -422,6 +426,10 @@ class Lease(_Model):
                    lifetime_s=_opt(d, "lifetime_s", _NUM, what),
                    conditions=None if conditions is None else ConditionsCheck.from_json(conditions),
                    **extra)
+
+
+# A subclass (the SDK's model, adding `raw`) reads itself with the same code.
+_SandboxViewT = TypeVar("_SandboxViewT", bound="SandboxView")
 
 
 @dataclass(frozen=True)
@@ -444,7 +452,7 @@ class SandboxView(_Model):
     tenant: str | None = None  # the tenant namespace (None: unscoped, e.g. the warm pool)
 
     @classmethod
-    def from_json(cls, data: Any, **extra: Any) -> SandboxView:
+    def from_json(cls: type[_SandboxViewT], data: Any, **extra: Any) -> _SandboxViewT:
         what = "sandbox info"
         d = _answer(data, what)
         return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
@@ -476,6 +484,10 @@ class Released(_Model):
     reused: bool = False
 
 
+# A subclass (the SDK's model, adding `raw`) reads itself with the same code.
+_PoolStatusT = TypeVar("_PoolStatusT", bound="PoolStatus")
+
+
 @dataclass(frozen=True)
 class PoolStatus(_Model):
     """`POST /v1/prewarm`: the warm pool of one (image, spec) after the call."""
@@ -486,7 +498,7 @@ class PoolStatus(_Model):
     idle_timeout_s: float | None
 
     @classmethod
-    def from_json(cls, data: Any, **extra: Any) -> PoolStatus:
+    def from_json(cls: type[_PoolStatusT], data: Any, **extra: Any) -> _PoolStatusT:
         what = "prewarm answer"
         d = _answer(data, what)
         return cls(target=_req(d, "target", int, what), warm=_req(d, "warm", int, what),
