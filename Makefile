@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain kubeconform lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain kubeconform helm lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -28,13 +28,16 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) sysdeps gotoolchain kubeconform  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform
+deps: $(STAMP) sysdeps gotoolchain kubeconform helm  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform, helm
 
 gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
 	@$(PY) tools/gotoolchain.py
 
 kubeconform: $(STAMP) gotoolchain  ## kubeconform and the test bed's Kubernetes JSON schemas into ~/.cache/sandman-testbed (chart checks)
 	$(VPY) tools/kubeconform.py
+
+helm: $(STAMP) gotoolchain  ## the test bed's helm into ~/.cache/sandman-testbed (the chart checks of make check)
+	$(VPY) -m testbed build --only helm
 
 lock: $(STAMP)  ## regenerate requirements*.lock from the pyprojects (needs PyPI); commit them
 	$(VPY) tools/lock.py

@@ -21,6 +21,8 @@ def main(argv: list[str] | None = None) -> int:
     b.add_argument("--real-node", action="store_true",
                    default=real_default or (env == "auto" and os.geteuid() == 0),
                    help="also the real node's kubelet, kube-proxy, CoreDNS, kube-router, crictl")
+    b.add_argument("--only", action="append", default=[], choices=sorted(build.binaries()),
+                   help="build just this binary (repeatable; `make deps`: helm)")
     up = sub.add_parser("up", help="start in the background and print the KUBECONFIG export")
     up.add_argument("--nodes", type=int, default=20, help="kwok nodes (default 20)")
     up.add_argument("--real-node", action="store_true", default=real_default,
@@ -34,7 +36,10 @@ def main(argv: list[str] | None = None) -> int:
         args.state_dir)
     try:
         if args.verb == "build":
-            bins = dict(build.build(), **(build.build_realnode() if args.real_node else {}))
+            if args.only:
+                bins = build.build(only=tuple(args.only))
+            else:
+                bins = dict(build.build(), **(build.build_realnode() if args.real_node else {}))
             for name, path in bins.items():
                 print(f"{name}: {path}")
             return 0

@@ -276,13 +276,11 @@ _DIR_MARKERS = {
     "e2e": ("e2e", "realnode", "testbed"),  # sandman installed on the real node
     "images": ("netns",),  # a throwaway containerd, overlay mounts, debootstrap: root
 }
-# `helm`: the chart renders with the helm binary the test-bed build makes.
 _FIXTURE_MARKERS = {
     "cluster": ("testbed",),
     "real_cluster": ("testbed", "realnode"),
     # The real-node bed, also reached without real_cluster (the e2e suite's fixtures).
     "_real_bed": ("testbed", "realnode"),
-    "helm": ("testbed",),
 }
 
 
