@@ -1551,8 +1551,9 @@ def time_zone(root="/", tz_env=None):
 
 
 def egress_probe(target):
-    m = re.match(r"^\[([0-9a-fA-F:.]+)\]:(\d{1,5})$", target) or re.match(
-        r"^([A-Za-z0-9.\-]{1,253}):(\d{1,5})$", target)
+    # [0-9], not \d: \d and int() read other scripts' digits as a port.
+    m = re.fullmatch(r"\[([0-9a-fA-F:.]+)\]:([0-9]{1,5})", target) or re.fullmatch(
+        r"([A-Za-z0-9.\-]{1,253}):([0-9]{1,5})", target)
     if not m or not (0 < int(m.group(2)) < 65536):
         raise HTTPError(400, "egress_probe must be host:port or [v6]:port")
     host, port = m.group(1), int(m.group(2))
@@ -1652,7 +1653,7 @@ def write_file(d, req):
         raise HTTPError(400, "data_b64 is not valid base64") from None
     mode = req.get("mode")
     if mode is not None:
-        if isinstance(mode, str) and re.match(r"^0?o?[0-7]{1,4}$", mode):
+        if isinstance(mode, str) and re.fullmatch(r"0?o?[0-7]{1,4}", mode):
             mode = int(mode.replace("o", ""), 8)
         if isinstance(mode, bool) or not isinstance(mode, int) or not 0 <= mode <= 0o7777:
             raise HTTPError(400, "mode must be an integer 0-4095 or an octal string")
@@ -2511,6 +2512,23 @@ def _r_token(handler, query):
     handler.reply(200, {"ok": True})
 
 
+_HTTP_VERSION = re.compile(r"HTTP/[0-9]{1,3}\.[0-9]{1,3}")
+
+
+def wire_uint(value, cap):
+    """A number taken from the wire: 1*DIGIT of ASCII digits, SP/HTAB around it allowed;
+    min(value, cap + 1), or None when it is not that. str.isdigit, int() and regex \\d also
+    take superscripts, other scripts' digits, signs, underscores and Unicode spaces, and int()
+    refuses over 4300 digits."""
+    s = value.strip(" \t")
+    if not s or s.strip("0123456789"):
+        return None
+    s = s.lstrip("0") or "0"
+    if len(s) > len(str(cap)):
+        return cap + 1
+    return min(int(s), cap + 1)
+
+
 def json_bytes(obj):
     return json.dumps(obj, separators=(",", ":")).encode()
 
@@ -2538,6 +2556,13 @@ class Handler(BaseHTTPRequestHandler):
             pass
         nl = head.find(b"\n") + 1
         self.raw_requestline = head[:nl]
+        # http.server reads the version with int() (and before 3.9 without isdigit): signs,
+        # underscores and non-ASCII digits would pass.
+        words = head[:nl].decode("latin-1").rstrip("\r\n").split()
+        if len(words) >= 3 and not _HTTP_VERSION.fullmatch(words[-1]):
+            self.requestline, self.request_version, self.command = "", "", ""
+            self.send_error(400, "bad HTTP version %r (want HTTP/DIGITS.DIGITS)" % words[-1][:20])
+            return
         rfile = self.rfile
         self.rfile = io.BytesIO(head[nl:])
         try:
@@ -2654,13 +2679,18 @@ class Handler(BaseHTTPRequestHandler):
         if self.headers.get("Transfer-Encoding"):
             raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)",
                             {"close": True})
-        raw = self.headers.get("Content-Length")
-        if raw is None:
+        raws = self.headers.get_all("Content-Length") or []
+        if not raws:
             return b""
-        if not raw.strip().isdigit():
-            raise HTTPError(400, "invalid Content-Length", {"close": True})
-        n = int(raw)
-        if n > self.daemon.args.max_body:
+        cap = self.daemon.args.max_body
+        lengths = {wire_uint(raw, cap) for raw in raws}
+        if None in lengths:
+            raise HTTPError(400, "Content-Length must be ASCII digits", {"close": True})
+        if len(lengths) > 1:
+            # Which one frames the body is ambiguous; the rest would become the next request.
+            raise HTTPError(400, "conflicting Content-Length headers", {"close": True})
+        n = lengths.pop()
+        if n > cap:
             raise HTTPError(413, "request body over %d bytes" % self.daemon.args.max_body,
                             {"close": True})
         chunks = []
