@@ -359,7 +359,7 @@ RULES: list[Rule] = [
     Rule("unconfined",
          "!variables.guarded || !variables.whole || "
          f"!({_unconfined_type('object.spec.?securityContext')})",
-         "'the pod\'s securityContext sets seccomp Unconfined or an AppArmor profile other "
+         "'the pod\\'s securityContext sets seccomp Unconfined or an AppArmor profile other "
          f"than {' or '.join(APPARMOR_TYPES)}'"),
     Rule("unconfined",
          f"!variables.guarded || !variables.annotations.exists(k, {_UNCONFINED_ANNOTATION})",
@@ -371,7 +371,7 @@ RULES: list[Rule] = [
          f"!variables.guarded || !variables.judged.exists(c, {_host_port('c')})",
          "'containers ' + variables.judged.filter(c, "
          f"{_host_port('c')}).map(c, c.name).join(', ') + ' set a hostPort, which opens the "
-         "node\'s port past the pod\'s guard'"),
+         "node\\'s port past the pod\\'s guard'"),
     Rule("selinux",
          "!variables.guarded || variables.judged.all(c, "
          f"{_selinux_ok('c.?securityContext.?seLinuxOptions')})",
@@ -390,7 +390,7 @@ RULES: list[Rule] = [
          f"{_list(BASELINE_SYSCTLS)})",
          "'sysctls ' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, "
          f"!(s.name in {_list(BASELINE_SYSCTLS)})).map(s, s.name).join(', ') + ' are not in "
-         "Pod Security baseline\'s safe set'"),
+         "Pod Security baseline\\'s safe set'"),
     # What makes the pod judged never changes (sandbox._identity_rules).
     Rule("metadata-immutable",
          f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != "
@@ -410,7 +410,7 @@ RULES: list[Rule] = [
          "needed'"),
     Rule("sandbox-label",
          "variables.isUpdate || !variables.installed || variables.labelledSandbox",
-         f"'the pod carries sandman\'s {EXECD_INSTALL_CONTAINER} but is not labelled "
+         f"'the pod carries sandman\\'s {EXECD_INSTALL_CONTAINER} but is not labelled "
          f"{LABEL_SANDBOX}={SANDBOX_TRUE}'"),
     # inline csi, nfs, iscsi, cephfs, image, ...: mounted by the node, from the node's network
     # (an nfs server anywhere is a way out that netguard never sees) or exposing the node.
