@@ -76,6 +76,19 @@ PROJECTED_SOURCES = ("configMap", "secret", "downwardAPI", "clusterTrustBundle",
 SECCOMP_POD_ANNOTATION = "seccomp.security.alpha.kubernetes.io/pod"
 SECCOMP_CONTAINER_PREFIX = "container.seccomp.security.alpha.kubernetes.io/"
 APPARMOR_CONTAINER_PREFIX = "container.apparmor.security.beta.kubernetes.io/"
+# Pod Security Standards baseline, as k8s.io/pod-security-admission v0.36 checks it
+# (policy/check_*.go); docs/webhook.md has the table, control by control.
+BASELINE_SELINUX_TYPES = ("container_t", "container_init_t", "container_kvm_t",
+                          "container_engine_t")  # or unset; user and role must stay unset
+BASELINE_SYSCTLS = ("kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range",
+                    "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range",
+                    "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports",
+                    "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout",
+                    "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes",
+                    "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem")
+APPARMOR_TYPES = ("RuntimeDefault", "Localhost")  # securityContext.appArmorProfile.type
+APPARMOR_RUNTIME_DEFAULT = "runtime/default"  # the legacy annotation's values: this,
+APPARMOR_LOCALHOST_PREFIX = "localhost/"  # ...a node-local profile, or empty
 CONTAINER_KINDS = ("initContainers", "containers", "ephemeralContainers")
 TOKEN_FIELD_PATH = f"metadata.annotations['{ANNOTATION_TOKEN_SHA256}']"
 # The service-account admission plugin runs before webhooks and has already added this volume.
@@ -170,6 +183,11 @@ RULES = (
     "execd-command",
     "sandman-mount",
     "guard-immutable",
+    "host-port",
+    "selinux",
+    "sysctl",
+    "sandbox-label",
+    "metadata-immutable",
 )
 
 
@@ -231,7 +249,27 @@ def _same_quantity(a, b) -> bool:
 # --- helpers ---------------------------------------------------------------------------------
 
 def is_sandbox(pod: dict) -> bool:
+    """Labelled a sandbox: what the mutation, the NetworkPolicies and the controller select."""
     return _labels(pod).get(LABEL_SANDBOX) == SANDBOX_TRUE
+
+
+def carries(pod: dict, name: str) -> bool:
+    """The pod has an init container of sandman's name `name` (init containers never change
+    after create, so an UPDATE's old and new pod agree)."""
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return any(isinstance(c, dict) and c.get("name") == name for c in inits)
+
+
+def judged_sandbox(pod: dict) -> bool:
+    """Judged as a sandbox: labelled one, or carrying the init container only the mutation of a
+    sandbox adds, whatever its labels say now."""
+    return is_sandbox(pod) or carries(pod, EXECD_INSTALL_CONTAINER)
+
+
+def is_judged(pod: dict) -> bool:
+    """In the validating webhook's scope: sandman's labels, or sandman's init containers."""
+    return (judged_sandbox(pod) or LABEL_EGRESS in _labels(pod)
+            or carries(pod, NETGUARD_CONTAINER))
 
 
 def _labels(pod: dict) -> dict:
@@ -664,20 +702,26 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     egress-deny pod without the sandbox label is not mutated, so it must carry the guard and
     the pod-level rules itself (the refusals say what to add)."""
     labels = _labels(pod)
-    sandbox = is_sandbox(pod)
+    sandbox = judged_sandbox(pod)
     egress = labels.get(LABEL_EGRESS)
     spec = pod.get("spec") or {}
     out: list[Refusal] = []
 
-    if sandbox and not any(c.get("name") == EXECD_INSTALL_CONTAINER
-                           for c in spec.get("initContainers") or []):
+    if sandbox and not carries(pod, EXECD_INSTALL_CONTAINER):
         out.append(Refusal("not-mutated", "", "sandman's mutating webhook did not run on this "
                            "pod (is its configuration missing?); what is wrong follows"))
+    if sandbox and not is_sandbox(pod):
+        out.append(Refusal("sandbox-label", "", f"the pod carries sandman's "
+                           f"{EXECD_INSTALL_CONTAINER} but is not labelled {LABEL_SANDBOX}="
+                           f"{SANDBOX_TRUE}: the label is what the sandbox NetworkPolicies, the "
+                           "controller and the webhook select on"))
     if egress is not None and egress not in (EGRESS_DENY, EGRESS_ALLOW):
         out.append(Refusal("egress-label-invalid", "",
                            f"label {LABEL_EGRESS}={egress!r} is neither {EGRESS_DENY!r} nor "
                            f"{EGRESS_ALLOW!r}; a mistyped deny would leave egress open"))
-    guarded = guard_required(pod, policy)
+    # A pod carrying sandman's guard is judged as guarded, whatever its labels say.
+    guarded = (egress == EGRESS_DENY or (sandbox and policy.guard == GUARD_ALWAYS)
+               or carries(pod, NETGUARD_CONTAINER))
     if guarded:
         out.extend(_check_guard(pod, policy))
     if not (sandbox or guarded):
@@ -735,15 +779,16 @@ def check_update(pod: dict, old, policy: SandboxPolicy) -> list[Refusal]:
     create only, so a policy change does not lock running sandboxes out of label updates."""
     if not isinstance(old, dict):
         return check_sandbox(pod, policy)
-    sandbox = is_sandbox(pod)
-    if sandbox and not is_sandbox(old):
-        return check_sandbox(pod, policy)
+    identity = _identity_rules(pod, old)
+    if is_sandbox(pod) and not is_sandbox(old):
+        return identity + check_sandbox(pod, policy)
+    sandbox = judged_sandbox(pod) or judged_sandbox(old)
     labels = _labels(pod)
     egress = labels.get(LABEL_EGRESS)
     deny = egress == EGRESS_DENY
     was_deny = _labels(old).get(LABEL_EGRESS) == EGRESS_DENY
     spec, old_spec = pod.get("spec") or {}, old.get("spec") or {}
-    out: list[Refusal] = []
+    out: list[Refusal] = identity
     if egress is not None and egress not in (EGRESS_DENY, EGRESS_ALLOW):
         out.append(Refusal("egress-label-invalid", "",
                            f"label {LABEL_EGRESS}={egress!r} is neither {EGRESS_DENY!r} nor "
@@ -762,19 +807,44 @@ def check_update(pod: dict, old, policy: SandboxPolicy) -> list[Refusal]:
         out.extend(_guard_applied_deny(pod))
         if not was_deny:
             out.extend(_pod_rules(pod, policy, sandbox, True))
-    if sandbox or deny:
+    if sandbox or deny or carries(pod, NETGUARD_CONTAINER):
         known = {c.get("name") for c in old_spec.get("ephemeralContainers") or []
                  if isinstance(c, dict)}
         for i, c in enumerate(spec.get("ephemeralContainers") or []):
             if isinstance(c, dict) and c.get("name") not in known:
                 out.extend(_container_rules("ephemeralContainers", i, c, policy, sandbox, deny,
                                             False))
-    if sandbox:
+        # A legacy profile annotation added now applies to containers added later.
+        before = _annotations(old)
+        out.extend(profile_annotation_rules({k: v for k, v in _annotations(pod).items()
+                                             if before.get(k) != v}))
+    if is_sandbox(pod):
         token = _annotations(pod).get(ANNOTATION_TOKEN_SHA256)
         if not is_token_sha256(token):
             out.append(Refusal("token-hash", "", f"annotation {ANNOTATION_TOKEN_SHA256} must "
                                "stay 64 lowercase hex characters"))
     return _unique(out)
+
+
+def _identity_rules(pod: dict, old: dict) -> list[Refusal]:
+    """What makes the webhook, the policy and the sandbox NetworkPolicies judge and select a
+    pod never changes after create: the sandbox label, an egress deny, a sandbox's token hash.
+    Without this an UPDATE stripping them left the pod's next ephemeral container unjudged."""
+    out = []
+    why = "; a new pod is needed"
+    if is_sandbox(old) and not is_sandbox(pod):
+        out.append(Refusal("metadata-immutable", "", f"label {LABEL_SANDBOX}={SANDBOX_TRUE} "
+                           f"cannot be removed or changed{why}"))
+    if _labels(old).get(LABEL_EGRESS) == EGRESS_DENY and \
+            _labels(pod).get(LABEL_EGRESS) != EGRESS_DENY:
+        out.append(Refusal("metadata-immutable", "", f"label {LABEL_EGRESS}={EGRESS_DENY} "
+                           f"cannot be removed or changed{why}"))
+    token = ANNOTATION_TOKEN_SHA256
+    if judged_sandbox(old) and (token in _annotations(old), _annotations(old).get(token)) != (
+            token in _annotations(pod), _annotations(pod).get(token)):
+        out.append(Refusal("metadata-immutable", "", f"annotation {token} cannot change after "
+                           f"create (execd reads it when its container starts){why}"))
+    return out
 
 
 def _unique(refusals: list[Refusal]) -> list[Refusal]:
@@ -798,17 +868,67 @@ def _pod_rules(pod: dict, policy: SandboxPolicy, sandbox: bool, guarded: bool) -
     psc = spec.get("securityContext") if isinstance(spec.get("securityContext"), dict) else {}
     if (psc.get("windowsOptions") or {}).get("hostProcess"):
         out.append(Refusal("privileged", "", "hostProcess pods are not allowed"))
-    for field in ("seccompProfile", "appArmorProfile"):
-        if ((psc.get(field) or {}).get("type") or "").lower() == "unconfined":
-            out.append(Refusal("unconfined", "", f"pod securityContext.{field} is Unconfined"))
-    for key, value in _annotations(pod).items():
-        if (key == SECCOMP_POD_ANNOTATION or key.startswith(INPUT_ANNOTATION_PREFIXES)) and \
-                str(value).lower() == "unconfined":
-            out.append(Refusal("unconfined", "", f"annotation {key} is unconfined"))
+    out.extend(_profile_rules(psc, ""))
+    out.extend(_selinux_rules(psc, ""))
+    bad = [str(s.get("name")) for s in psc.get("sysctls") or []
+           if isinstance(s, dict) and s.get("name") not in BASELINE_SYSCTLS]
+    if bad:
+        out.append(Refusal("sysctl", "", f"sysctls {', '.join(bad)} are not in Pod Security "
+                           f"baseline's safe set ({', '.join(BASELINE_SYSCTLS)})"))
+    out.extend(profile_annotation_rules(_annotations(pod)))
     execd_container = _sandbox_container_name(pod) if sandbox else None
     for kind, i, c in _every_container(spec):
         out.extend(_container_rules(kind, i, c, policy, sandbox, guarded,
                                     kind == "containers" and c.get("name") == execd_container))
+    return out
+
+
+def profile_annotation_rules(annotations: dict) -> list[Refusal]:
+    """The legacy seccomp and AppArmor annotations: never unconfined; AppArmor's only
+    runtime/default, localhost/<profile> or empty (baseline)."""
+    out = []
+    for key, value in annotations.items():
+        value = str(value)
+        if key.startswith(APPARMOR_CONTAINER_PREFIX):
+            if value and value != APPARMOR_RUNTIME_DEFAULT and \
+                    not value.startswith(APPARMOR_LOCALHOST_PREFIX):
+                out.append(Refusal("unconfined", "", f"annotation {key} is {value[:40]!r}; "
+                                   f"allowed: {APPARMOR_RUNTIME_DEFAULT}, "
+                                   f"{APPARMOR_LOCALHOST_PREFIX}<profile>"))
+        elif (key == SECCOMP_POD_ANNOTATION or key.startswith(SECCOMP_CONTAINER_PREFIX)) and \
+                value.lower() == "unconfined":
+            out.append(Refusal("unconfined", "", f"annotation {key} is unconfined"))
+    return out
+
+
+def _profile_rules(sc: dict, name: str) -> list[Refusal]:
+    """seccomp never Unconfined; AppArmor only RuntimeDefault or Localhost (baseline)."""
+    where = "securityContext" if name else "pod securityContext"
+    out = []
+    if ((sc.get("seccompProfile") or {}).get("type") or "").lower() == "unconfined":
+        out.append(Refusal("unconfined", name, f"{where}.seccompProfile is Unconfined"))
+    apparmor = sc.get("appArmorProfile")
+    if isinstance(apparmor, dict) and apparmor.get("type") not in APPARMOR_TYPES:
+        out.append(Refusal("unconfined", name, f"{where}.appArmorProfile is "
+                           f"{apparmor.get('type')}; allowed: {', '.join(APPARMOR_TYPES)}"))
+    return out
+
+
+def _selinux_rules(sc: dict, name: str) -> list[Refusal]:
+    """A custom SELinux type (spc_t runs unconfined), user or role escapes the container
+    policy (baseline: type from BASELINE_SELINUX_TYPES, user and role unset)."""
+    opts = sc.get("seLinuxOptions")
+    if not isinstance(opts, dict):
+        return []
+    where = "securityContext" if name else "pod securityContext"
+    out = []
+    if (opts.get("type") or "") not in ("", *BASELINE_SELINUX_TYPES):
+        out.append(Refusal("selinux", name, f"{where}.seLinuxOptions.type {opts.get('type')} is "
+                           f"not one of {', '.join(BASELINE_SELINUX_TYPES)}"))
+    for field in ("user", "role"):
+        if opts.get(field):
+            out.append(Refusal("selinux", name, f"{where}.seLinuxOptions.{field} must not be "
+                               "set"))
     return out
 
 
@@ -880,9 +1000,12 @@ def _container_rules(kind: str, i: int, c: dict, policy: SandboxPolicy, sandbox:
                                "past the guard's rules"))
         if name == NETGUARD_CONTAINER and kind == "initContainers" and i != 0:
             out.append(Refusal("guard-misconfigured", name, "netguard must be initContainers[0]"))
-    for field in ("seccompProfile", "appArmorProfile"):
-        if ((sc.get(field) or {}).get("type") or "").lower() == "unconfined":
-            out.append(Refusal("unconfined", name, f"securityContext.{field} is Unconfined"))
+    out.extend(_profile_rules(sc, name))
+    out.extend(_selinux_rules(sc, name))
+    ports = [p.get("hostPort") for p in c.get("ports") or [] if isinstance(p, dict)]
+    if any(ports):
+        out.append(Refusal("host-port", name, f"hostPort {', '.join(map(str, filter(None, ports)))}"
+                           " opens the node's port past the pod's guard"))
     if sc.get("procMount") not in (None, "Default"):
         out.append(Refusal("unconfined", name, f"procMount {sc.get('procMount')} unmasks /proc"))
     if sandbox and not policy.allow_secrets:

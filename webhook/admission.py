@@ -14,7 +14,7 @@ import secrets
 
 import jsonpatch
 
-from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_EGRESS, is_token_sha256
+from sandman.contract import ANNOTATION_TOKEN_SHA256, is_token_sha256
 from sandman.podspec import (
     INPUT_LABELS,
     Refusal,
@@ -24,6 +24,7 @@ from sandman.podspec import (
     check_update,
     injected_token_volumes,
     is_input_annotation,
+    is_judged,
     is_sandbox,
     make_sandbox,
 )
@@ -180,11 +181,12 @@ def validate(review, policy: SandboxPolicy) -> tuple[dict, str]:
     pod = request.get("object")
     if operation not in ("CREATE", "UPDATE") or not _is_pod(request) or not isinstance(pod, dict):
         return _review(uid, {"allowed": True}), "not-create"
-    labels = (pod.get("metadata") or {}).get("labels") or {}
-    if not is_sandbox(pod) and LABEL_EGRESS not in labels:
+    old = request.get("oldObject")
+    # The old pod counts too: an UPDATE that strips sandman's labels is still judged.
+    if not is_judged(pod) and not (isinstance(old, dict) and is_judged(old)):
         return _review(uid, {"allowed": True}), "not-sandbox"
     if operation == "UPDATE":
-        refusals = check_update(pod, request.get("oldObject"), policy)
+        refusals = check_update(pod, old, policy)
     else:
         refusals = refusals_for(pod, policy)
     if not refusals:

@@ -36,9 +36,15 @@ from sandman.contract import (
 )
 from sandman.podspec import (
     APPARMOR_CONTAINER_PREFIX,
+    APPARMOR_LOCALHOST_PREFIX,
+    APPARMOR_RUNTIME_DEFAULT,
+    APPARMOR_TYPES,
+    BASELINE_SELINUX_TYPES,
+    BASELINE_SYSCTLS,
     GUARD_ALWAYS,
     GUARD_ARGS_TAIL,
     GUARD_CAPS,
+    INPUT_ANNOTATION_PREFIXES,
     INPUT_ANNOTATIONS,
     INPUT_LABELS,
     NET_RAW,
@@ -96,18 +102,27 @@ def _norm(x: str) -> str:
 FIXED_VARIABLES: list[dict] = [
     {"name": "labels", "expression": "object.metadata.?labels.orValue({})"},
     {"name": "annotations", "expression": "object.metadata.?annotations.orValue({})"},
-    {"name": "sandbox",
+    {"name": "inits", "expression": "object.spec.?initContainers.orValue([])"},
+    {"name": "labelledSandbox",
      "expression": f"variables.labels[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)}"},
+    # sandbox.judged_sandbox: sandman's install init container makes a pod a sandbox whatever
+    # its labels say (init containers never change after create).
+    {"name": "installed",
+     "expression": f"variables.inits.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)})"},
+    {"name": "sandbox", "expression": "variables.labelledSandbox || variables.installed"},
+    {"name": "carriesGuard",
+     "expression": f"variables.inits.exists(c, c.name == {_q(NETGUARD_CONTAINER)})"},
     {"name": "egress", "expression": f"variables.labels[?{_q(LABEL_EGRESS)}]"},
     {"name": "deny", "expression": f"variables.egress.orValue('') == {_q(EGRESS_DENY)}"},
-    # The pod-level rules hold for sandboxes and for every pod that asks for egress deny.
-    {"name": "guarded", "expression": "variables.sandbox || variables.deny"},
-    {"name": "inits", "expression": "object.spec.?initContainers.orValue([])"},
+    # The pod-level rules hold for sandboxes, for every pod that asks for egress deny and for
+    # every pod carrying sandman's guard.
+    {"name": "guarded",
+     "expression": "variables.sandbox || variables.deny || variables.carriesGuard"},
     {"name": "ephemeral", "expression": "object.spec.?ephemeralContainers.orValue([])"},
     {"name": "guardFirst", "expression":
         f"variables.inits.size() > 0 && variables.inits[0].name == {_q(NETGUARD_CONTAINER)}"},
-    {"name": "guardRequired",
-     "expression": "variables.deny || (variables.sandbox && variables.guardAlways)"},
+    {"name": "guardRequired", "expression":
+        "variables.deny || (variables.sandbox && variables.guardAlways) || variables.carriesGuard"},
     # What sandbox.netguard_args renders: the annotation's CIDRs (split on commas, trimmed,
     # empties dropped) or the default sources, then the node's own address.
     {"name": "ingressFrom", "expression":
@@ -132,8 +147,14 @@ FIXED_VARIABLES: list[dict] = [
     {"name": "isUpdate", "expression": "request.operation == 'UPDATE' && oldObject != null"},
     {"name": "oldLabels",
      "expression": "variables.isUpdate ? oldObject.metadata.?labels.orValue({}) : {}"},
+    {"name": "oldAnnotations",
+     "expression": "variables.isUpdate ? oldObject.metadata.?annotations.orValue({}) : {}"},
+    {"name": "oldSandbox", "expression":
+        f"variables.isUpdate && (variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') == "
+        f"{_q(SANDBOX_TRUE)} || oldObject.spec.?initContainers.orValue([]).exists(c, "
+        f"c.name == {_q(EXECD_INSTALL_CONTAINER)}))"},
     {"name": "whole", "expression":
-        "!variables.isUpdate || (variables.sandbox && "
+        "!variables.isUpdate || (variables.labelledSandbox && "
         f"variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != {_q(SANDBOX_TRUE)}) || "
         f"(variables.deny && variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
         f"{_q(EGRESS_DENY)})"},
@@ -170,9 +191,11 @@ def _raw_dropped(c: str) -> str:
 
 
 def _unconfined_type(sc: str) -> str:
-    """<sc> (a securityContext optional) sets seccompProfile or appArmorProfile Unconfined."""
-    return " || ".join(f"{sc}.?{f}.?type.orValue('').lowerAscii() == 'unconfined'"
-                       for f in ("seccompProfile", "appArmorProfile"))
+    """<sc> (a securityContext optional) sets seccompProfile Unconfined, or an appArmorProfile
+    other than RuntimeDefault or Localhost."""
+    return (f"{sc}.?seccompProfile.?type.orValue('').lowerAscii() == 'unconfined' || "
+            f"({sc}.?appArmorProfile.hasValue() && "
+            f"!({sc}.?appArmorProfile.?type.orValue('') in {_list(APPARMOR_TYPES)}))")
 
 
 def _unconfined(c: str) -> str:
@@ -180,10 +203,27 @@ def _unconfined(c: str) -> str:
             f"{c}.?securityContext.?procMount.orValue('Default') != 'Default')")
 
 
+# sandbox.profile_annotation_rules: seccomp's never unconfined, AppArmor's only runtime/default,
+# localhost/<profile> or empty. On an UPDATE that is not judged whole, only annotations it adds
+# or changes (a legacy profile for a container added later).
 _UNCONFINED_ANNOTATION = (
-    f"(k == {_q(SECCOMP_POD_ANNOTATION)} || k.startsWith({_q(SECCOMP_CONTAINER_PREFIX)}) || "
-    f"k.startsWith({_q(APPARMOR_CONTAINER_PREFIX)})) && "
-    "variables.annotations[k].lowerAscii() == 'unconfined'")
+    "(variables.whole || !(k in variables.oldAnnotations && "
+    "variables.oldAnnotations[k] == variables.annotations[k])) && "
+    f"(((k == {_q(SECCOMP_POD_ANNOTATION)} || k.startsWith({_q(SECCOMP_CONTAINER_PREFIX)})) && "
+    "variables.annotations[k].lowerAscii() == 'unconfined') || "
+    f"(k.startsWith({_q(APPARMOR_CONTAINER_PREFIX)}) && variables.annotations[k] != '' && "
+    f"variables.annotations[k] != {_q(APPARMOR_RUNTIME_DEFAULT)} && "
+    f"!variables.annotations[k].startsWith({_q(APPARMOR_LOCALHOST_PREFIX)})))")
+
+
+def _selinux_ok(opts: str) -> str:
+    """<opts> (a seLinuxOptions optional) within baseline: type allowed, user and role unset."""
+    return (f"({opts}.?type.orValue('') in {_list(('', *BASELINE_SELINUX_TYPES))} && "
+            f"{opts}.?user.orValue('') == '' && {opts}.?role.orValue('') == '')")
+
+
+def _host_port(c: str) -> str:
+    return f"{c}.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0)"
 
 
 def _secret_env(c: str) -> str:
@@ -205,6 +245,10 @@ def _any_of(x: str, fields) -> str:
 
 _VOLUME_OK = (f"{_any_of('v', VOLUME_TYPES)} && v.?projected.?sources.orValue([])"
               f".all(s, {_any_of('s', PROJECTED_SOURCES)})")
+
+
+def _same(a: str, b: str) -> str:
+    return f"({a}.hasValue() == {b}.hasValue() && {a}.orValue('') == {b}.orValue(''))"
 
 
 def _guard(field: str) -> str:
@@ -313,10 +357,61 @@ RULES: list[Rule] = [
          f"{_unconfined('c')}).map(c, c.name).join(', ') + ' set a seccomp or AppArmor "
          "profile Unconfined or an unmasked procMount'"),
     Rule("unconfined",
-         f"!variables.guarded || !variables.whole || !({_unconfined_type('object.spec.?securityContext')}"
-         f" || variables.annotations.exists(k, {_UNCONFINED_ANNOTATION}))",
-         "'the pod sets a seccomp or AppArmor profile Unconfined (securityContext or a legacy "
-         "annotation)'"),
+         "!variables.guarded || !variables.whole || "
+         f"!({_unconfined_type('object.spec.?securityContext')})",
+         "'the pod\\'s securityContext sets seccomp Unconfined or an AppArmor profile other "
+         f"than {' or '.join(APPARMOR_TYPES)}'"),
+    Rule("unconfined",
+         f"!variables.guarded || !variables.annotations.exists(k, {_UNCONFINED_ANNOTATION})",
+         f"'a legacy seccomp annotation is unconfined, or an AppArmor annotation is not "
+         f"{APPARMOR_RUNTIME_DEFAULT} or {APPARMOR_LOCALHOST_PREFIX}<profile>'"),
+    # Pod Security Standards baseline (docs/webhook.md's table), as sandbox._container_rules
+    # and _pod_rules judge it.
+    Rule("host-port",
+         f"!variables.guarded || !variables.judged.exists(c, {_host_port('c')})",
+         "'containers ' + variables.judged.filter(c, "
+         f"{_host_port('c')}).map(c, c.name).join(', ') + ' set a hostPort, which opens the "
+         "node\\'s port past the pod\\'s guard'"),
+    Rule("selinux",
+         "!variables.guarded || variables.judged.all(c, "
+         f"{_selinux_ok('c.?securityContext.?seLinuxOptions')})",
+         "'containers ' + variables.judged.filter(c, "
+         f"!{_selinux_ok('c.?securityContext.?seLinuxOptions')}).map(c, c.name).join(', ') + "
+         f"' set seLinuxOptions outside baseline (type {', '.join(BASELINE_SELINUX_TYPES)} or "
+         "unset; no user, no role)'"),
+    Rule("selinux",
+         "!variables.guarded || !variables.whole || "
+         f"{_selinux_ok('object.spec.?securityContext.?seLinuxOptions')}",
+         f"'the pod sets seLinuxOptions outside baseline (type "
+         f"{', '.join(BASELINE_SELINUX_TYPES)} or unset; no user, no role)'"),
+    Rule("sysctl",
+         "!variables.guarded || !variables.whole || "
+         f"object.spec.?securityContext.?sysctls.orValue([]).all(s, s.name in "
+         f"{_list(BASELINE_SYSCTLS)})",
+         "'sysctls ' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, "
+         f"!(s.name in {_list(BASELINE_SYSCTLS)})).map(s, s.name).join(', ') + ' are not in "
+         "Pod Security baseline\\'s safe set'"),
+    # What makes the pod judged never changes (sandbox._identity_rules).
+    Rule("metadata-immutable",
+         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != "
+         f"{_q(SANDBOX_TRUE)} || variables.labelledSandbox",
+         f"'label {LABEL_SANDBOX}={SANDBOX_TRUE} cannot be removed or changed; a new pod is "
+         "needed'"),
+    Rule("metadata-immutable",
+         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
+         f"{_q(EGRESS_DENY)} || variables.deny",
+         f"'label {LABEL_EGRESS}={EGRESS_DENY} cannot be removed or changed; a new pod is "
+         "needed'"),
+    Rule("metadata-immutable",
+         "!variables.oldSandbox || "
+         + _same(f"variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]",
+                 f"variables.oldAnnotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"),
+         f"'annotation {ANNOTATION_TOKEN_SHA256} cannot change after create; a new pod is "
+         "needed'"),
+    Rule("sandbox-label",
+         "variables.isUpdate || !variables.installed || variables.labelledSandbox",
+         f"'the pod carries sandman\\'s {EXECD_INSTALL_CONTAINER} but is not labelled "
+         f"{LABEL_SANDBOX}={SANDBOX_TRUE}'"),
     # inline csi, nfs, iscsi, cephfs, image, ...: mounted by the node, from the node's network
     # (an nfs server anywhere is a way out that netguard never sees) or exposing the node.
     Rule("volume-type",
@@ -388,10 +483,6 @@ def validations() -> list[dict]:
              "reason": "Forbidden"} for r in RULES]
 
 
-def _same(a: str, b: str) -> str:
-    return f"({a}.hasValue() == {b}.hasValue() && {a}.orValue('') == {b}.orValue(''))"
-
-
 def _inputs_same() -> str:
     """The UPDATE changes nothing the rules read (sandbox.INPUT_LABELS / INPUT_ANNOTATIONS and
     the spec)."""
@@ -400,7 +491,19 @@ def _inputs_same() -> str:
         for k in keys:
             parts.append(_same(f"object.metadata.?{field}.orValue({{}})[?{_q(k)}]",
                                f"oldObject.metadata.?{field}.orValue({{}})[?{_q(k)}]"))
+    # ...and no per-container legacy profile annotation added or changed.
+    new, old = "object.metadata.?annotations.orValue({})", "oldObject.metadata.?annotations.orValue({})"
+    prefixed = " || ".join(f"k.startsWith({_q(p)})" for p in INPUT_ANNOTATION_PREFIXES)
+    parts.append(f"{new}.all(k, !({prefixed}) || (k in {old} && {old}[k] == {new}[k]))")
     return " && ".join(parts)
+
+
+def _judged(obj: str) -> str:
+    labels = f"{obj}.metadata.?labels.orValue({{}})"
+    return (f"({labels}[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)} || "
+            f"{_q(LABEL_EGRESS)} in {labels} || "
+            f"{obj}.spec.?initContainers.orValue([]).exists(c, c.name in "
+            f"{_list((EXECD_INSTALL_CONTAINER, NETGUARD_CONTAINER))}))")
 
 
 def match_conditions() -> list[dict]:
@@ -410,10 +513,11 @@ def match_conditions() -> list[dict]:
     changed, while a relabel to egress=deny, a changed ingress-from annotation, a swapped guard
     image or an added ephemeral container is judged on the new pod as a whole."""
     return [
-        {"name": "sandman-labelled", "expression":
-            f"has(object.metadata.labels) && "
-            f"(object.metadata.labels[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)}"
-            f" || {_q(LABEL_EGRESS)} in object.metadata.labels)"},
+        # sandbox.is_judged on the new pod or, on UPDATE, the old one: stripping the labels
+        # is judged too, and sandman's init containers count whatever the labels say.
+        {"name": "sandman-pod", "expression":
+            f"{_judged('object')} || (request.operation == 'UPDATE' && oldObject != null && "
+            f"{_judged('oldObject')})"},
         {"name": "inputs-changed", "expression":
             f"request.operation != 'UPDATE' || !({_inputs_same()})"},
     ]

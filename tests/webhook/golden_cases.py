@@ -370,6 +370,63 @@ def bypass_cases() -> dict[str, dict]:
         "capabilities": {"drop": ["ALL"]}})
     c["validate-ephemeral-on-egress-deny-pod-refused"] = ephemeral(deny_pod(), securityContext={
         "capabilities": {"add": ["NET_ADMIN"]}})
+    # 9. Pod Security Standards baseline, control by control (docs/webhook.md's table)
+    def task_sc(**sc):
+        return lambda p: p["spec"]["containers"][0]["securityContext"].update(**sc)
+
+    def pod_sc(**sc):
+        return lambda p: p["spec"].update(securityContext=sc)
+
+    apparmor_task = "container.apparmor.security.beta.kubernetes.io/task"
+    add("validate-host-port-refused", _edit(g, lambda p: p["spec"]["containers"][0][
+        "ports"].append({"containerPort": 8080, "hostPort": 8080})))
+    add("validate-selinux-spc-t-refused", _edit(g, task_sc(seLinuxOptions={"type": "spc_t"})))
+    add("validate-selinux-pod-type-refused", _edit(g, pod_sc(
+        seLinuxOptions={"type": "unconfined_t"})))
+    add("validate-selinux-user-role-refused", _edit(g, task_sc(
+        seLinuxOptions={"user": "system_u", "role": "system_r"})))
+    add("validate-selinux-container-t-allowed", _edit(g, task_sc(
+        seLinuxOptions={"type": "container_t", "level": "s0:c123,c456"})))
+    add("validate-sysctl-unsafe-refused", _edit(g, pod_sc(sysctls=[
+        {"name": "kernel.msgmax", "value": "65536"}])))
+    add("validate-sysctl-safe-allowed", _edit(g, pod_sc(sysctls=[
+        {"name": "net.ipv4.ip_unprivileged_port_start", "value": "0"},
+        {"name": "net.ipv4.tcp_keepalive_time", "value": "60"}])))
+    add("validate-apparmor-annotation-other-refused", _edit(g, lambda p: p["metadata"][
+        "annotations"].update({apparmor_task: "foo"})))
+    add("validate-apparmor-pod-unconfined-refused", _edit(g, pod_sc(
+        appArmorProfile={"type": "Unconfined"})))
+    add("validate-apparmor-localhost-allowed", _edit(g, lambda p: (
+        task_sc(appArmorProfile={"type": "Localhost", "localhostProfile": "sandbox"})(p),
+        p["metadata"]["annotations"].update({apparmor_task: "localhost/sandbox"}))))
+    add("validate-procmount-unmasked-refused", _edit(g, task_sc(procMount="Unmasked")))
+    add("validate-host-process-refused", _edit(g, task_sc(windowsOptions={"hostProcess": True})))
+    c["validate-ephemeral-selinux-spc-t-refused"] = ephemeral(g, securityContext={
+        "capabilities": {"drop": ["ALL"]}, "seLinuxOptions": {"type": "spc_t"}})
+    c["validate-ephemeral-procmount-unmasked-refused"] = ephemeral(g, securityContext={
+        "capabilities": {"drop": ["ALL"]}, "procMount": "Unmasked"})
+    add("validate-update-apparmor-annotation-added-refused", _edit(g, lambda p: p["metadata"][
+        "annotations"].update({"container.apparmor.security.beta.kubernetes.io/debugger":
+                               "unconfined"})), operation="UPDATE", old=g)
+    # 10. what makes a pod judged never changes; sandman's init containers make it a sandbox
+    deny_sandbox = good(pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"}))
+    add("validate-update-sandbox-label-removed-refused", _edit(
+        deny_sandbox, lambda p: p["metadata"]["labels"].pop(LABEL_SANDBOX)),
+        operation="UPDATE", old=deny_sandbox)
+    add("validate-update-egress-deny-to-allow-refused", _edit(
+        deny_sandbox, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "allow"})),
+        operation="UPDATE", old=deny_sandbox)
+    add("validate-update-egress-deny-removed-from-deny-pod-refused", _edit(
+        deny_pod(), lambda p: p["metadata"]["labels"].pop(LABEL_EGRESS)),
+        operation="UPDATE", old=deny_pod())
+    add("validate-update-token-changed-refused", _edit(g, lambda p: p["metadata"][
+        "annotations"].update({ANNOTATION_TOKEN_SHA256: "ab" * 32})), operation="UPDATE", old=g)
+    unlabelled = _edit(g, lambda p: p["metadata"].update(labels={"app": "x"}))
+    add("validate-install-container-without-sandbox-label-refused", unlabelled)
+    c["validate-ephemeral-netadmin-on-unlabelled-sandbox-refused"] = ephemeral(
+        unlabelled, securityContext={"privileged": True, "capabilities": {"add": ["NET_ADMIN"]}})
+    c["validate-ephemeral-restricted-on-unlabelled-sandbox-allowed"] = ephemeral(
+        unlabelled, securityContext={"capabilities": {"drop": ["ALL"]}})
     # 5. egress=deny without the sandbox label: the whole guard and the pod-level rules
     add("validate-egress-deny-correct-pod-allowed", deny_pod())
     # What the API server stores: the service-account plugin mounted its token everywhere.

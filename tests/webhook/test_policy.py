@@ -398,3 +398,84 @@ def test_policy_alone_judges_ephemeral_containers_through_the_subresource(bed):
         {"op": "remove", "path": "/metadata/labels/" + EXEMPT.replace("/", "~1")}],
         dry_run="All"))
     assert "sandman net-raw-not-dropped:" in body, body
+
+
+def test_policy_alone_refuses_stripping_what_makes_a_pod_judged(bed):
+    """With only the policy: an UPDATE removing the sandbox label, undoing egress=deny or
+    changing the token hash is refused (oldObject); a pod that lost its labels before this rule
+    (created exempt) still carries sandman's init containers, so a privileged NET_ADMIN
+    debugger on it is refused and a restricted one admitted."""
+    ns = bed.namespace_for(SandboxPolicy())
+    core = bed.cluster.core
+    raw = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": "strip-", "labels": {LABEL_SANDBOX: "true",
+                                                              LABEL_EGRESS: "deny"},
+                        "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+           "spec": {"containers": [{"name": "task", "image": "swe-task:1"}]}}
+    name = core.create_namespaced_pod(ns, make_sandbox(raw, SandboxPolicy())).metadata.name
+    for op in ({"op": "remove", "path": "/metadata/labels/" + LABEL_SANDBOX.replace("/", "~1")},
+               {"op": "replace", "path": "/metadata/labels/" + LABEL_EGRESS.replace("/", "~1"),
+                "value": "allow"},
+               {"op": "remove", "path": "/metadata/labels"},
+               {"op": "replace", "path": "/metadata/annotations/"
+                + ANNOTATION_TOKEN_SHA256.replace("/", "~1"), "value": "ab" * 32}):
+        body = _refused_by_policy(lambda o=op: core.patch_namespaced_pod(name, ns, [o],
+                                                                          dry_run="All"))
+        assert "sandman metadata-immutable:" in body, (op, body)
+    core.patch_namespaced_pod(name, ns, [{"op": "add", "path": "/metadata/labels/team",
+                                          "value": "a"}], dry_run="All")
+    # An egress-allow sandbox, so its guard's args still match the labels it is left with.
+    stripped = make_sandbox(dict(raw, metadata=dict(raw["metadata"], labels={
+        LABEL_SANDBOX: "true"})), SandboxPolicy())
+    stripped["metadata"]["labels"] = {EXEMPT: "true"}
+    body = _refused_by_policy(lambda: core.create_namespaced_pod(ns, dict(
+        stripped, metadata=dict(stripped["metadata"], labels={"app": "x"})), dry_run="All"))
+    assert "sandman sandbox-label:" in body, body
+    name = core.create_namespaced_pod(ns, stripped).metadata.name
+    core.patch_namespaced_pod(name, ns, [{"op": "remove", "path": "/metadata/labels/"
+                                          + EXEMPT.replace("/", "~1")}])
+    body = _refused_by_policy(lambda: _debug(core, ns, name, securityContext={
+        "privileged": True, "capabilities": {"add": ["NET_ADMIN"]}}))
+    assert "sandman" in body, body
+    _debug(core, ns, name, securityContext={"capabilities": {"drop": ["ALL"]}})
+
+
+def test_policy_alone_enforces_pod_security_baseline(bed):
+    """Each baseline control the webhook added (hostPort, SELinux, sysctls, AppArmor) refused by
+    the policy alone at create and, for containers, through pods/ephemeralcontainers."""
+    ns = bed.namespace_for(SandboxPolicy())
+    core = bed.cluster.core
+    raw = {"apiVersion": "v1", "kind": "Pod",
+           "metadata": {"generateName": "pss-", "labels": {LABEL_SANDBOX: "true"},
+                        "annotations": {ANNOTATION_TOKEN_SHA256: TOKEN}},
+           "spec": {"containers": [{"name": "task", "image": "swe-task:1"}]}}
+    good = make_sandbox(raw, SandboxPolicy())
+    core.create_namespaced_pod(ns, good, dry_run="All")
+
+    def task_sc(**sc):
+        return lambda p: p["spec"]["containers"][0]["securityContext"].update(**sc)
+
+    for edit, rule in (
+            (lambda p: p["spec"]["containers"][0]["ports"].append(
+                {"containerPort": 8080, "hostPort": 8080}), "host-port"),
+            (task_sc(seLinuxOptions={"type": "spc_t"}), "selinux"),
+            (task_sc(seLinuxOptions={"user": "system_u"}), "selinux"),
+            (lambda p: p["spec"].update(securityContext={"seLinuxOptions": {
+                "role": "system_r"}}), "selinux"),
+            (lambda p: p["spec"].update(securityContext={"sysctls": [
+                {"name": "kernel.msgmax", "value": "65536"}]}), "sysctl"),
+            (task_sc(procMount="Unmasked"), "unconfined")):
+        pod = copy.deepcopy(good)
+        edit(pod)
+        body = _refused_by_policy(lambda p=pod: core.create_namespaced_pod(ns, p, dry_run="All"))
+        assert f"sandman {rule}:" in body, body
+    for edit in (task_sc(seLinuxOptions={"type": "container_t"}),
+                 lambda p: p["spec"].update(securityContext={"sysctls": [
+                     {"name": "net.ipv4.tcp_keepalive_time", "value": "60"}]})):
+        pod = copy.deepcopy(good)
+        edit(pod)
+        core.create_namespaced_pod(ns, pod, dry_run="All")
+    name = core.create_namespaced_pod(ns, good).metadata.name
+    body = _refused_by_policy(lambda: _debug(core, ns, name, securityContext={
+        "capabilities": {"drop": ["ALL"]}, "seLinuxOptions": {"type": "spc_t"}}))
+    assert "sandman selinux:" in body, body

@@ -15,10 +15,10 @@ matchConstraints:
     - pods/ephemeralcontainers
     scope: Namespaced
 matchConditions:
-- name: sandman-labelled
-  expression: has(object.metadata.labels) && (object.metadata.labels[?"sandman.dev/sandbox"].orValue('') == "true" || "sandman.dev/egress" in object.metadata.labels)
+- name: sandman-pod
+  expression: (object.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('') == "true" || "sandman.dev/egress" in object.metadata.?labels.orValue({}) || object.spec.?initContainers.orValue([]).exists(c, c.name in ["sandman-execd-install", "sandman-netguard"])) || (request.operation == 'UPDATE' && oldObject != null && (oldObject.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('') == "true" || "sandman.dev/egress" in oldObject.metadata.?labels.orValue({}) || oldObject.spec.?initContainers.orValue([]).exists(c, c.name in ["sandman-execd-install", "sandman-netguard"])))
 - name: inputs-changed
-  expression: request.operation != 'UPDATE' || !(object.spec == oldObject.spec && (object.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].hasValue() == oldObject.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].hasValue() && object.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('') == oldObject.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('')) && (object.metadata.?labels.orValue({})[?"sandman.dev/egress"].hasValue() == oldObject.metadata.?labels.orValue({})[?"sandman.dev/egress"].hasValue() && object.metadata.?labels.orValue({})[?"sandman.dev/egress"].orValue('') == oldObject.metadata.?labels.orValue({})[?"sandman.dev/egress"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/container"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/container"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/container"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/container"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].orValue('')) && (object.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].hasValue() && object.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].orValue('')))
+  expression: request.operation != 'UPDATE' || !(object.spec == oldObject.spec && (object.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].hasValue() == oldObject.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].hasValue() && object.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('') == oldObject.metadata.?labels.orValue({})[?"sandman.dev/sandbox"].orValue('')) && (object.metadata.?labels.orValue({})[?"sandman.dev/egress"].hasValue() == oldObject.metadata.?labels.orValue({})[?"sandman.dev/egress"].hasValue() && object.metadata.?labels.orValue({})[?"sandman.dev/egress"].orValue('') == oldObject.metadata.?labels.orValue({})[?"sandman.dev/egress"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/container"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/container"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/container"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/container"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/ingress-from"].orValue('')) && (object.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].hasValue() && object.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"sandman.dev/token-sha256"].orValue('')) && (object.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].hasValue() == oldObject.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].hasValue() && object.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].orValue('') == oldObject.metadata.?annotations.orValue({})[?"seccomp.security.alpha.kubernetes.io/pod"].orValue('')) && object.metadata.?annotations.orValue({}).all(k, !(k.startsWith("container.seccomp.security.alpha.kubernetes.io/") || k.startsWith("container.apparmor.security.beta.kubernetes.io/")) || (k in oldObject.metadata.?annotations.orValue({}) && oldObject.metadata.?annotations.orValue({})[k] == object.metadata.?annotations.orValue({})[k])))
 variables:
 - name: image
   expression: {{ include "sandman.image" . | toJson | quote }}
@@ -32,22 +32,28 @@ variables:
   expression: object.metadata.?labels.orValue({})
 - name: annotations
   expression: object.metadata.?annotations.orValue({})
-- name: sandbox
+- name: inits
+  expression: object.spec.?initContainers.orValue([])
+- name: labelledSandbox
   expression: variables.labels[?"sandman.dev/sandbox"].orValue('') == "true"
+- name: installed
+  expression: variables.inits.exists(c, c.name == "sandman-execd-install")
+- name: sandbox
+  expression: variables.labelledSandbox || variables.installed
+- name: carriesGuard
+  expression: variables.inits.exists(c, c.name == "sandman-netguard")
 - name: egress
   expression: variables.labels[?"sandman.dev/egress"]
 - name: deny
   expression: variables.egress.orValue('') == "deny"
 - name: guarded
-  expression: variables.sandbox || variables.deny
-- name: inits
-  expression: object.spec.?initContainers.orValue([])
+  expression: variables.sandbox || variables.deny || variables.carriesGuard
 - name: ephemeral
   expression: object.spec.?ephemeralContainers.orValue([])
 - name: guardFirst
   expression: variables.inits.size() > 0 && variables.inits[0].name == "sandman-netguard"
 - name: guardRequired
-  expression: variables.deny || (variables.sandbox && variables.guardAlways)
+  expression: variables.deny || (variables.sandbox && variables.guardAlways) || variables.carriesGuard
 - name: ingressFrom
   expression: 'variables.annotations[?"sandman.dev/ingress-from"].hasValue() ? variables.annotations["sandman.dev/ingress-from"].split('','').map(p, p.trim()).filter(p, p != '''') : variables.defaultIngressFrom'
 - name: guardArgs
@@ -62,8 +68,12 @@ variables:
   expression: request.operation == 'UPDATE' && oldObject != null
 - name: oldLabels
   expression: 'variables.isUpdate ? oldObject.metadata.?labels.orValue({}) : {}'
+- name: oldAnnotations
+  expression: 'variables.isUpdate ? oldObject.metadata.?annotations.orValue({}) : {}'
+- name: oldSandbox
+  expression: variables.isUpdate && (variables.oldLabels[?"sandman.dev/sandbox"].orValue('') == "true" || oldObject.spec.?initContainers.orValue([]).exists(c, c.name == "sandman-execd-install"))
 - name: whole
-  expression: '!variables.isUpdate || (variables.sandbox && variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true") || (variables.deny && variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny")'
+  expression: '!variables.isUpdate || (variables.labelledSandbox && variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true") || (variables.deny && variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny")'
 - name: oldEphemeralNames
   expression: 'variables.isUpdate ? oldObject.spec.?ephemeralContainers.orValue([]).map(c, c.name) : []'
 - name: judged
@@ -103,11 +113,38 @@ validations:
 - expression: '!variables.guarded || variables.judgedNotGuard.all(c, c.?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) in ["NET_RAW", "ALL"]))'
   messageExpression: '''sandman net-raw-not-dropped: '' + ''containers '' + variables.judgedNotGuard.filter(c, !c.?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) in ["NET_RAW", "ALL"])).map(c, c.name).join('', '') + '': add NET_RAW (or ALL) to securityContext.capabilities.drop: runtimes grant it by default and an AF_PACKET socket sends past the guard\''s rules'''
   reason: Forbidden
-- expression: '!variables.guarded || !variables.judged.exists(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?procMount.orValue(''Default'') != ''Default''))'
-  messageExpression: '''sandman unconfined: '' + ''containers '' + variables.judged.filter(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || c.?securityContext.?procMount.orValue(''Default'') != ''Default'')).map(c, c.name).join('', '') + '' set a seccomp or AppArmor profile Unconfined or an unmasked procMount'''
+- expression: '!variables.guarded || !variables.judged.exists(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || (c.?securityContext.?appArmorProfile.hasValue() && !(c.?securityContext.?appArmorProfile.?type.orValue('''') in ["RuntimeDefault", "Localhost"])) || c.?securityContext.?procMount.orValue(''Default'') != ''Default''))'
+  messageExpression: '''sandman unconfined: '' + ''containers '' + variables.judged.filter(c, (c.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || (c.?securityContext.?appArmorProfile.hasValue() && !(c.?securityContext.?appArmorProfile.?type.orValue('''') in ["RuntimeDefault", "Localhost"])) || c.?securityContext.?procMount.orValue(''Default'') != ''Default'')).map(c, c.name).join('', '') + '' set a seccomp or AppArmor profile Unconfined or an unmasked procMount'''
   reason: Forbidden
-- expression: '!variables.guarded || !variables.whole || !(object.spec.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || object.spec.?securityContext.?appArmorProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || variables.annotations.exists(k, (k == "seccomp.security.alpha.kubernetes.io/pod" || k.startsWith("container.seccomp.security.alpha.kubernetes.io/") || k.startsWith("container.apparmor.security.beta.kubernetes.io/")) && variables.annotations[k].lowerAscii() == ''unconfined''))'
-  messageExpression: '''sandman unconfined: '' + ''the pod sets a seccomp or AppArmor profile Unconfined (securityContext or a legacy annotation)'''
+- expression: '!variables.guarded || !variables.whole || !(object.spec.?securityContext.?seccompProfile.?type.orValue('''').lowerAscii() == ''unconfined'' || (object.spec.?securityContext.?appArmorProfile.hasValue() && !(object.spec.?securityContext.?appArmorProfile.?type.orValue('''') in ["RuntimeDefault", "Localhost"])))'
+  messageExpression: '''sandman unconfined: '' + ''the pod\''s securityContext sets seccomp Unconfined or an AppArmor profile other than RuntimeDefault or Localhost'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.annotations.exists(k, (variables.whole || !(k in variables.oldAnnotations && variables.oldAnnotations[k] == variables.annotations[k])) && (((k == "seccomp.security.alpha.kubernetes.io/pod" || k.startsWith("container.seccomp.security.alpha.kubernetes.io/")) && variables.annotations[k].lowerAscii() == ''unconfined'') || (k.startsWith("container.apparmor.security.beta.kubernetes.io/") && variables.annotations[k] != '''' && variables.annotations[k] != "runtime/default" && !variables.annotations[k].startsWith("localhost/"))))'
+  messageExpression: '''sandman unconfined: '' + ''a legacy seccomp annotation is unconfined, or an AppArmor annotation is not runtime/default or localhost/<profile>'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.judged.exists(c, c.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0))'
+  messageExpression: '''sandman host-port: '' + ''containers '' + variables.judged.filter(c, c.?ports.orValue([]).exists(p, p.?hostPort.orValue(0) != 0)).map(c, c.name).join('', '') + '' set a hostPort, which opens the node\''s port past the pod\''s guard'''
+  reason: Forbidden
+- expression: '!variables.guarded || variables.judged.all(c, (c.?securityContext.?seLinuxOptions.?type.orValue('''') in ["", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"] && c.?securityContext.?seLinuxOptions.?user.orValue('''') == '''' && c.?securityContext.?seLinuxOptions.?role.orValue('''') == ''''))'
+  messageExpression: '''sandman selinux: '' + ''containers '' + variables.judged.filter(c, !(c.?securityContext.?seLinuxOptions.?type.orValue('''') in ["", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"] && c.?securityContext.?seLinuxOptions.?user.orValue('''') == '''' && c.?securityContext.?seLinuxOptions.?role.orValue('''') == '''')).map(c, c.name).join('', '') + '' set seLinuxOptions outside baseline (type container_t, container_init_t, container_kvm_t, container_engine_t or unset; no user, no role)'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.whole || (object.spec.?securityContext.?seLinuxOptions.?type.orValue('''') in ["", "container_t", "container_init_t", "container_kvm_t", "container_engine_t"] && object.spec.?securityContext.?seLinuxOptions.?user.orValue('''') == '''' && object.spec.?securityContext.?seLinuxOptions.?role.orValue('''') == '''')'
+  messageExpression: '''sandman selinux: '' + ''the pod sets seLinuxOptions outside baseline (type container_t, container_init_t, container_kvm_t, container_engine_t or unset; no user, no role)'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.whole || object.spec.?securityContext.?sysctls.orValue([]).all(s, s.name in ["kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"])'
+  messageExpression: '''sandman sysctl: '' + ''sysctls '' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, !(s.name in ["kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"])).map(s, s.name).join('', '') + '' are not in Pod Security baseline\''s safe set'''
+  reason: Forbidden
+- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true" || variables.labelledSandbox'
+  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/sandbox=true cannot be removed or changed; a new pod is needed'''
+  reason: Forbidden
+- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny" || variables.deny'
+  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/egress=deny cannot be removed or changed; a new pod is needed'''
+  reason: Forbidden
+- expression: '!variables.oldSandbox || (variables.annotations[?"sandman.dev/token-sha256"].hasValue() == variables.oldAnnotations[?"sandman.dev/token-sha256"].hasValue() && variables.annotations[?"sandman.dev/token-sha256"].orValue('''') == variables.oldAnnotations[?"sandman.dev/token-sha256"].orValue(''''))'
+  messageExpression: '''sandman metadata-immutable: '' + ''annotation sandman.dev/token-sha256 cannot change after create; a new pod is needed'''
+  reason: Forbidden
+- expression: variables.isUpdate || !variables.installed || variables.labelledSandbox
+  messageExpression: '''sandman sandbox-label: '' + ''the pod carries sandman\''s sandman-execd-install but is not labelled sandman.dev/sandbox=true'''
   reason: Forbidden
 - expression: '!variables.guarded || !variables.whole || object.spec.?volumes.orValue([]).all(v, (has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))'
   messageExpression: '''sandman volume-type: '' + ''volumes '' + object.spec.?volumes.orValue([]).filter(v, !((has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))).map(v, v.name).join('', '') + '' are not of an allowed type (emptyDir, configMap, secret, downwardAPI, projected, persistentVolumeClaim, ephemeral; projected: configMap, secret, downwardAPI, clusterTrustBundle, serviceAccountToken)'''
