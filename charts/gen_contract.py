@@ -16,6 +16,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 TPL = ROOT / "charts" / "sandman" / "templates" / "_contract.tpl"
 POLICY_TPL = ROOT / "charts" / "sandman" / "templates" / "_policy.tpl"
+BOOKS_POLICY_TPL = ROOT / "charts" / "sandman" / "templates" / "_books_policy.tpl"
 
 
 def constants() -> dict[str, str | int]:
@@ -60,8 +61,17 @@ def render_policy() -> str:
     return policy.chart_template()
 
 
+def render_books_policy() -> str:
+    sys.path.insert(0, str(ROOT))
+    from webhook import policy
+
+    return policy.books_chart_template()
+
+
 if __name__ == "__main__":
     TPL.write_text(render())
     print(TPL)
     POLICY_TPL.write_text(render_policy())
     print(POLICY_TPL)
+    BOOKS_POLICY_TPL.write_text(render_books_policy())
+    print(BOOKS_POLICY_TPL)

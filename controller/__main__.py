@@ -108,6 +108,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-reuse", type=int, default=Settings.max_reuse,
                    help="a grading pod released with reuse goes back to its pool at most this "
                         "many times, then it is deleted (0: never reused)")
+    s.add_argument("--books-key-file", default=None,
+                   help="a secret of at least 16 bytes (a mounted Secret): the controller marks "
+                        "each pod it creates with its HMAC, and adopts on a restart only pods "
+                        "whose mark checks out (docs/controller.md); shared by the replicas")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -166,10 +170,18 @@ def settings_from(args: argparse.Namespace) -> Settings:
                       else {}),
         tenants=args.auth == "kubernetes",
         max_reuse=args.max_reuse,
+        books_key=_read_key(args.books_key_file),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
                              controller_ip=_ip_or_none(args.advertise_address)))
+
+
+def _read_key(path: str | None) -> bytes | None:
+    if not path:
+        return None
+    with open(path, "rb") as f:
+        return f.read().strip()
 
 
 def _ip_or_none(text: str) -> str | None:

@@ -159,6 +159,9 @@ class Entry:
     expires_at: float | None = None  # wall clock (epoch s), set at hand-out; None: never
     renewed: bool = False
     reuse_count: int = 0  # times this pod went back to a pool after a checked restore
+    # The tenant whose grading ran in it last (None: unscoped): a reused pod goes back only to
+    # that tenant's gradings, never across tenants.
+    reuse_tenant: str | None = None
 
     @property
     def stage(self) -> State:

@@ -113,7 +113,7 @@ class Controller:
             self.sweeper.rebuild(obj)
             return
         late = self.books.observe(kind, obj)
-        if late is not None:  # a create we had given up on was stored after all
+        if late is not None and self.sweeper.mine(late):  # a create we had given up on was stored after all
             self.pipeline.adopt_for_delete(late, "late create")
 
     def _moved(self, e: Entry, old: State | None, new: State) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import hashlib
+import hmac
 import json
 import re
 import secrets
@@ -26,9 +27,14 @@ from sandman import contract
 from sandman.podspec import make_sandbox
 
 
+def tenant_of(settings: Settings, job: str) -> str | None:
+    """The tenant of a job key (--auth kubernetes); None when unscoped."""
+    return split_job(job)[0] if settings.tenants else None
+
+
 def tenant_labels(settings: Settings, job: str) -> dict[str, str]:
     """The tenant label of a job key's pods (--auth kubernetes), for selectors and humans."""
-    tenant = split_job(job)[0] if settings.tenants else None
+    tenant = tenant_of(settings, job)
     return {contract.LABEL_TENANT: tenant} if tenant else {}
 
 
@@ -45,6 +51,13 @@ def new_name(job: str) -> str:
 def token_pair() -> tuple[str, str]:
     token = secrets.token_urlsafe(32)
     return token, hashlib.sha256(token.encode()).hexdigest()
+
+
+def proof(key: bytes, namespace: str, name: str, nonce: str) -> str:
+    """The controller's mark on a pod it creates (contract.ANNOTATION_PROOF). Binds the name and
+    the nonce, so a copy of a real pod's mark proves nothing about another pod."""
+    msg = "\n".join((namespace, name, nonce)).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
 
 
 def _reason(ex: client.ApiException) -> str:
@@ -108,6 +121,9 @@ class Creator:
         meta = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
                 "annotations": {**t.get("annotations", {}),
                                 contract.ANNOTATION_TOKEN_SHA256: token_sha}}
+        if self.s.books_key is not None:
+            meta["annotations"][contract.ANNOTATION_PROOF] = proof(
+                self.s.books_key, self.s.namespace, e.name, e.nonce)
         if e.owner:
             meta["ownerReferences"] = [{"apiVersion": "v1", "kind": "Pod",
                                         "name": e.owner["name"], "uid": e.owner["uid"]}]

@@ -45,6 +45,13 @@ EXPIRED = Counter("sandman_controller_expired_total",
                   ["renewed"])
 RENEWS = Counter("sandman_controller_renews_total", "Renew requests by result", ["result"])
 RENEW_RESULTS = ("ok", "gone", "refused", "failed")
+# Pods with the controller's labels it did not make (logged once, never touched).
+FOREIGN_REASONS = ("no_sandbox_label", "no_proof")
+FOREIGN_PODS = Counter("sandman_controller_foreign_pods_total",
+                       "Pods carrying the controller's labels that it did not create (ignored)",
+                       ["reason"])
+for _r in FOREIGN_REASONS:
+    FOREIGN_PODS.labels(_r)
 SWEPT = Counter("sandman_controller_swept_total", "Unowned pods deleted by the sweep")
 PARKED = Counter("sandman_controller_parked_total",
                  "Pods whose caller left after the create, kept warm for reuse")
@@ -119,3 +126,7 @@ def pacing(limits, rate: float) -> None:
     CREATE_RATE.set(rate)
     for name in LIMITS:
         LIMIT.labels(name).set(getattr(limits, name))
+
+
+def foreign(reason: str) -> None:
+    FOREIGN_PODS.labels(bounded(reason, FOREIGN_REASONS)).inc()

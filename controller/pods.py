@@ -43,7 +43,8 @@ def slim_pod(pod: dict) -> dict:
     c = (spec.get("containers") or [{}])[0]
     out_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels",
                                      "creationTimestamp", "deletionTimestamp") if k in meta}
-    lease = {k: v for k, v in (meta.get("annotations") or {}).items() if k in LEASE_ANNOTATIONS}
+    lease = {k: v for k, v in (meta.get("annotations") or {}).items()
+             if k in LEASE_ANNOTATIONS or k == contract.ANNOTATION_PROOF}
     if lease:
         out_meta["annotations"] = lease
     out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}
@@ -124,6 +125,10 @@ def is_ready(pod: dict | None) -> bool:
         return False
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def annotation(pod: dict, key: str) -> str | None:
+    return (meta(pod).get("annotations") or {}).get(key)
 
 
 def age(pod: dict, now: float) -> float:

@@ -117,6 +117,9 @@ class Settings:
     tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
     max_reuse: int = 8  # a grading pod goes back to its pool at most this many times
     restore_timeout: float = 120.0  # execd /restore of a released grading pod
+    # --books-key-file: pods must carry its proof (create.proof) to enter the books; None:
+    # the sandbox and managed-by labels alone (then the books policy must guard the labels).
+    books_key: bytes | None = None
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):
@@ -124,6 +127,8 @@ class Settings:
         if self.node_pool_label and "=" not in self.node_pool_label:
             raise ValueError("node_pool_label must be key=value")
         self.pod_template = check_pod_template(self.pod_template)
+        if self.books_key is not None and len(self.books_key) < 16:
+            raise ValueError("books_key must be at least 16 bytes")
         if self.conditions_attempts < 1:
             raise ValueError("conditions_attempts must be >= 1")
         if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:

@@ -4,14 +4,16 @@ periodic sweep of the controller's pods that nothing owns, and a job's drain."""
 from __future__ import annotations
 
 import asyncio
+import hmac
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 from controller import metrics
 from controller import pods as P
 from controller.books import DRAINED, ENDING, POOL_JOB, Books, State
-from controller.create import Creator
+from controller.create import Creator, proof
 from controller.kube import Kube
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline
@@ -20,6 +22,7 @@ from sandman import contract
 
 log = logging.getLogger("controller")
 S = State
+FOREIGN_REMEMBERED = 10_000  # uids of ignored pods kept so each is logged and counted once
 
 
 class Sweeper:
@@ -32,6 +35,38 @@ class Sweeper:
         self.creator = creator
         self.s = settings
         self.spawn = spawn
+        self.foreign_seen: OrderedDict[str, None] = OrderedDict()
+
+    # ---- whose pod is it -----------------------------------------------------------------------
+    def why_foreign(self, pod: dict) -> str | None:
+        """None when the pod is the controller's own: a sandbox (so the webhook and the policy
+        judged it) with the controller's labels and, under a books key, a valid proof. Anyone
+        who may create pods can write labels; only the key's holder can write the proof."""
+        labels = P.labels(pod)
+        if labels.get(contract.LABEL_SANDBOX) != contract.SANDBOX_TRUE:
+            return "no_sandbox_label"
+        key = self.s.books_key
+        if key is not None:
+            want = proof(key, self.s.namespace, P.name(pod), labels.get(contract.LABEL_NONCE, ""))
+            if not hmac.compare_digest(P.annotation(pod, contract.ANNOTATION_PROOF) or "", want):
+                return "no_proof"
+        return None
+
+    def mine(self, pod: dict) -> bool:
+        """True for the controller's own pod; a foreign one is logged and counted once, and
+        left alone: it is not the controller's to adopt, count or delete."""
+        why = self.why_foreign(pod)
+        if why is None:
+            return True
+        uid = P.uid(pod) or P.name(pod)
+        if uid not in self.foreign_seen:
+            self.foreign_seen[uid] = None
+            while len(self.foreign_seen) > FOREIGN_REMEMBERED:
+                self.foreign_seen.popitem(last=False)
+            metrics.foreign(why)
+            log.warning("ignoring pod %s: it carries the controller's labels but the controller "
+                        "did not create it (%s)", P.name(pod), why)
+        return False
 
     def rebuild(self, pods: list[dict]) -> None:
         """Books from labels after a (re)start: no pod is forgotten.
@@ -42,7 +77,7 @@ class Sweeper:
         for pod in pods:
             name = P.name(pod)
             self.books.pods[name] = pod
-            if name in self.books.entries:
+            if name in self.books.entries or not self.mine(pod):
                 continue
             if (P.labels(pod).get(contract.LABEL_STATE) == contract.STATE_LEASED
                     and not P.deleting(pod)):
@@ -73,7 +108,7 @@ class Sweeper:
             e = self.books.entries.get(name)
             if e is not None and e.uid in (None, P.uid(pod)):
                 continue
-            if P.deleting(pod) or P.age(pod, now) < self.s.sweep_grace:
+            if P.deleting(pod) or P.age(pod, now) < self.s.sweep_grace or not self.mine(pod):
                 continue
             self.pipeline.adopt_for_delete(pod, "swept: no owner")
             metrics.SWEPT.inc()

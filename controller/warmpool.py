@@ -21,7 +21,7 @@ import httpx
 from controller import metrics
 from controller import pods as P
 from controller.books import POOL_JOB, POOLED, Books, Entry, State
-from controller.create import Creator, new_name, tenant_labels, token_pair
+from controller.create import Creator, new_name, tenant_labels, tenant_of, token_pair
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
 from controller.pods import SandboxSpec
@@ -108,16 +108,19 @@ class WarmPool:
         """A warm pod of exactly this key, handed out to `job`; None when there is none.
         With declared `conditions`, a pod contradicting them is refused (its message appended
         to `refused`) and the next one tried, until `max_refused` refusals in all. A pod an
-        earlier grading ran in (reuse_count > 0) only with `reused_ok`: by default a grading
-        gets a never-used pod."""
+        earlier grading ran in (reuse_count > 0) only with `reused_ok`, and only to the tenant
+        that grading belonged to: by default a grading gets a never-used pod, and a pod never
+        crosses tenants."""
         pool = self.pools.get(spec)
         if pool is None:
             return None
         pool.last_used = time.monotonic()
         refused = refused if refused is not None else []
+        tenant = tenant_of(self.s, job)
         while len(refused) < max_refused:
             # Oldest first; surplus is trimmed newest first.
-            e = next((x for x in pool.warm if reused_ok or not x.reuse_count), None)
+            e = next((x for x in pool.warm if not x.reuse_count
+                      or (reused_ok and x.reuse_tenant == tenant)), None)
             if e is None:
                 break
             self.books.move(e, S.CHECKING, "taken for an acquire")
@@ -232,6 +235,7 @@ class WarmPool:
             e.slot.gone()
         e.slot = self.pacer.adopt(POOL_JOB)
         e.token, e.reuse_count = token, e.reuse_count + 1
+        e.reuse_tenant = tenant_of(self.s, e.job)
         e.job, e.owner, e.labels = POOL_JOB, None, {}
         e.lifetime = e.expires_at = None
         e.renewed = False

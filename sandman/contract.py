@@ -48,6 +48,10 @@ ANNOTATION_CONTAINER = f"{DOMAIN}/container"  # names the sandbox container (def
 # pod unless a renew moved it. LIFETIME is the seconds a renew without lifetime_s extends by.
 ANNOTATION_EXPIRES_AT = f"{DOMAIN}/expires-at"
 ANNOTATION_LIFETIME = f"{DOMAIN}/lifetime-s"
+# HMAC-SHA256 (hex) of the pod's namespace, name and nonce under the controller's books key
+# (--books-key-file): a mark only the key's holder can write, checked before the controller
+# adopts a pod into its books (docs/controller.md "Books only the controller can write").
+ANNOTATION_PROOF = f"{DOMAIN}/proof"
 # Checked reuse (docs/controller.md "Reuse"): a sandbox's role is part of its warm-pool key; only
 # grading pods (labelled) go back to a pool after execd's /restore, agent pods are always deleted.
 LABEL_ROLE = f"{DOMAIN}/role"  # on grading pods (no label: agent)

@@ -86,6 +86,8 @@ def test_contract_template_is_generated_from_the_contract():
         "_contract.tpl is stale: run .venv/bin/python charts/gen_contract.py")
     assert gen_contract.POLICY_TPL.read_text() == gen_contract.render_policy(), (
         "_policy.tpl is stale: run .venv/bin/python charts/gen_contract.py")
+    assert gen_contract.BOOKS_POLICY_TPL.read_text() == gen_contract.render_books_policy(), (
+        "_books_policy.tpl is stale: run .venv/bin/python charts/gen_contract.py")
 
 
 def test_contract_names_render_equal_to_sandman_contract(helm, tmp_path):
@@ -130,7 +132,8 @@ def test_templates_spell_no_contract_name():
     assert spelled
     for path in (CHART / "templates").rglob("*"):
         # The generated files spell them from the contract (tested above to be current).
-        if path.is_file() and path.name not in ("_contract.tpl", "_policy.tpl"):
+        if path.is_file() and path.name not in ("_contract.tpl", "_policy.tpl",
+                                                    "_books_policy.tpl"):
             text = path.read_text()
             for name in spelled:
                 assert name not in text, f"{path.name} spells {name}; include it instead"
@@ -263,7 +266,9 @@ def test_release_namespace_and_kube_system_always_excluded(helm):
                  for kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration")
                  for hook in _find(objs, kind)["webhooks"]]
     # The policy is bound where the webhooks look: the same selector.
-    selectors.append(_find(objs, "ValidatingAdmissionPolicyBinding")["spec"]["matchResources"][
+    selectors.append(next(
+        o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"
+        and not o["metadata"]["name"].endswith("-books"))["spec"]["matchResources"][
         "namespaceSelector"])
     assert len(selectors) == 4
     for sel in selectors:
@@ -280,7 +285,8 @@ def test_policy_is_the_one_webhook_policy_builds(helm, case):
     from sandman.podspec import SandboxPolicy
 
     objs = _render(helm, *_values_args(case))
-    got = _find(objs, "ValidatingAdmissionPolicy")
+    got = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicy"
+               and not o["metadata"]["name"].endswith("-books"))
     dep = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]
     flags = [(a.split("=", 1) + [""])[:2] for a in dep["args"] if a.startswith("--")]
     pol = SandboxPolicy(image=next(v for k, v in flags if k == "--image"),
@@ -290,11 +296,27 @@ def test_policy_is_the_one_webhook_policy_builds(helm, case):
                         allow_secrets=any(k == "--allow-secrets" for k, _ in flags))
     want = vap.admission_policy(got["metadata"]["name"], pol)
     assert got["spec"] == want["spec"]
-    binding = _find(objs, "ValidatingAdmissionPolicyBinding")
+    binding = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"
+                   and not o["metadata"]["name"].endswith("-books"))
     assert binding["spec"]["policyName"] == got["metadata"]["name"]
     assert binding["spec"]["validationActions"] == ["Deny"]
     assert not [o for o in _render(helm, "--set", "admissionPolicy.enabled=false")
                 if o["kind"].startswith("ValidatingAdmissionPolicy")]
+
+
+def test_books_policy_admits_only_the_controllers_service_account(helm):
+    """The books policy is webhook/policy.py's, for the controller's own ServiceAccount, and
+    binds the sandbox namespace."""
+    objs = _render(helm)
+    got = _find(objs, "ValidatingAdmissionPolicy", "-books")
+    sa = _find(objs, "ServiceAccount", "-controller")["metadata"]
+    want = vap.books_policy(got["metadata"]["name"],
+                            vap.controller_user(sa["namespace"], sa["name"]))
+    assert got["spec"] == want["spec"]
+    binding = _find(objs, "ValidatingAdmissionPolicyBinding", "-books")
+    assert binding["spec"]["policyName"] == got["metadata"]["name"]
+    assert binding["spec"]["matchResources"]["namespaceSelector"] == {
+        "matchLabels": {"kubernetes.io/metadata.name": "sandboxes"}}
 
 
 def test_sandbox_namespace_is_separate_and_never_an_excluded_one(helm):

@@ -90,3 +90,11 @@ def test_slim_copy_is_small():
     slim = slim_pod(full)
     assert "managedFields" not in slim["metadata"] and "annotations" not in slim["metadata"]
     assert len(json.dumps(slim)) < len(json.dumps(full)) / 2
+
+
+def test_the_books_proof_survives_the_slim_copy():
+    """A leader rebuilt from the informer's copies can check each pod's proof."""
+    full = _pod(**READY)
+    full["metadata"]["annotations"][contract.ANNOTATION_PROOF] = "cd" * 32
+    slim = slim_pod(full)
+    assert pods.annotation(slim, contract.ANNOTATION_PROOF) == "cd" * 32

@@ -3,6 +3,7 @@
 {{- define "sandman.contract.ANNOTATION_EXPIRES_AT" -}}sandman.dev/expires-at{{- end -}}
 {{- define "sandman.contract.ANNOTATION_INGRESS_FROM" -}}sandman.dev/ingress-from{{- end -}}
 {{- define "sandman.contract.ANNOTATION_LIFETIME" -}}sandman.dev/lifetime-s{{- end -}}
+{{- define "sandman.contract.ANNOTATION_PROOF" -}}sandman.dev/proof{{- end -}}
 {{- define "sandman.contract.ANNOTATION_REUSE_COUNT" -}}sandman.dev/reuse-count{{- end -}}
 {{- define "sandman.contract.ANNOTATION_TOKEN_SHA256" -}}sandman.dev/token-sha256{{- end -}}
 {{- define "sandman.contract.DOMAIN" -}}sandman.dev{{- end -}}
