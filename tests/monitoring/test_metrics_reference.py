@@ -40,6 +40,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_limit", "limit"): c.LIMITS,
         ("sandman_controller_retirements_total", "reason"): c.RETIRE_REASONS + ("other",),
         ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),
+        ("sandman_controller_foreign_pods_total", "reason"): c.FOREIGN_REASONS,
         ("sandman_webhook_requests_total", "operation"): w.OPERATIONS + ("other",),
         ("sandman_webhook_requests_total", "decision"): w.DECISIONS + ("other",),
         ("sandman_webhook_requests_total", "reason"): w.REASONS + ("other",),
