@@ -206,7 +206,7 @@ def config_candidates(test_files: tuple[str, ...]) -> list[str]:
     pytest's order."""
     dirs = [posixpath.dirname(posixpath.normpath(f)) for f in test_files]
     common = posixpath.commonpath(dirs) if all(dirs) else ""
-    out = []
+    out: list[str] = []
     d = common
     while True:
         out.extend(posixpath.join(d, name) if d else name for name in CONFIG_ORDER)
@@ -421,72 +421,6 @@ class PreflightResult:
 # ---- verdicts from a suite's run
 
 OUTPUT_TAIL = 4000
-_SUMMARY_WORDS = re.compile(
-    r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?|rerun)\b")
-_SUMMARY_TIME = re.compile(r"\bin \d+(?:\.\d+)?s\b")
-
-
-def parse_summary(output: str) -> dict[str, int] | None:
-    """pytest's final counts ("1 failed, 2 passed in 0.05s", with or without the `=` rule);
-    {} for "no tests ran"; None when there is no summary line (not pytest, or cut off)."""
-    for line in reversed(output.splitlines()):
-        s = line.strip().strip("=").strip()
-        if not _SUMMARY_TIME.search(s):
-            continue
-        counts: dict[str, int] = {}
-        for n, word in _SUMMARY_WORDS.findall(s):
-            key = {"error": "errors", "warning": "warnings"}.get(word, word)
-            counts[key] = counts.get(key, 0) + int(n)
-        if counts or s.startswith("no tests ran"):
-            return counts
-    return None
-
-
-class Outcome(NamedTuple):
-    verdict: Verdict
-    reason: str
-    infra: bool  # True: retry on another pod (no_verdict for now)
-
-
-def classify(exit_code: int, error: str | None, output: str) -> Outcome:
-    """pytest's exit status as a verdict (paper, misread exit codes). Only statuses that
-    the agent's change decides are verdicts; everything else is no verdict:
-    0 passed (with a summary that has a passed test and no failure), 1 tests failed and 2
-    interrupted (pytest ends a session with collection errors so: the patch broke an import)
-    are failures only with pytest's summary line present (else `python3 -m pytest` itself
-    failed, e.g. no pytest); 5 no tests collected from the restored official tests is a
-    failure (the patch made them uncollectable or skipped; preflight has shown they collect);
-    3 internal error, 4 usage error (the task's command or files), -1 and 128+N (a killed
-    pod, a killed process) and execd's errors are no verdict."""
-    summary = parse_summary(output)
-    if error:
-        return Outcome(Verdict.NO_VERDICT, f"execd: {error}", True)
-    if exit_code == 0:
-        if summary is None:
-            return Outcome(Verdict.NO_VERDICT, "exit 0 without a pytest summary line", True)
-        if summary.get("failed", 0) or summary.get("errors", 0):
-            return Outcome(Verdict.NO_VERDICT, f"exit 0 but the summary has failures: "
-                           f"{summary}", True)
-        if not summary.get("passed", 0):
-            return Outcome(Verdict.FAILED, f"no test passed ({_counts(summary)})", False)
-        return Outcome(Verdict.PASSED, f"tests passed ({_counts(summary)})", False)
-    if exit_code in (1, 2):
-        if summary is None:
-            return Outcome(Verdict.NO_VERDICT, f"exit {exit_code} without a pytest summary "
-                           "line: the test command did not run pytest", True)
-        what = "tests failed" if exit_code == 1 else "interrupted (collection errors)"
-        return Outcome(Verdict.FAILED, f"{what} ({_counts(summary)})", False)
-    if exit_code == 5:
-        return Outcome(Verdict.FAILED, "no tests collected from the official test files",
-                       False)
-    if exit_code == 3:
-        return Outcome(Verdict.NO_VERDICT, "pytest internal error (exit 3)", True)
-    if exit_code == 4:
-        return Outcome(Verdict.NO_VERDICT, "pytest usage error (exit 4): the task's test "
-                       "command or files are wrong", False)
-    if exit_code < 0 or exit_code > 128:
-        return Outcome(Verdict.NO_VERDICT, f"killed (exit {exit_code})", True)
-    return Outcome(Verdict.NO_VERDICT, f"exit {exit_code} is not a pytest status", True)
 
 
 def _counts(summary: dict[str, int]) -> str:
@@ -594,7 +528,7 @@ def git(*args: str) -> str:
 __all__ = [
     "RUNNER_CONFIG_FILES", "RUNNER_MODULES", "RUNNER_PACKAGES", "STARTUP_HOOKS",
     "CALLER_ERRORS", "DEFAULT_EXCLUDE", "NO_EXCLUDE", "CapturedPatch", "Excluded",
-    "Exclusions", "GradeResult", "Outcome", "PreflightResult", "Task", "Verdict",
-    "classify", "is_infra", "judge", "parse_junit", "parse_summary", "runner_refusal",
+    "Exclusions", "GradeResult", "PreflightResult", "Task", "Verdict",
+    "is_infra", "judge", "parse_junit", "runner_refusal",
     "scan_patch", "sections", "sections_changed",
 ]

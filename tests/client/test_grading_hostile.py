@@ -23,7 +23,6 @@ from sandman.client.grading import Task, Verdict
 from testbed import taskimage
 
 from .conftest import FAST_RETRY
-from .test_grading import make_controller  # noqa: F401 - a fixture: each acquire resets the repo
 
 PYTEST = f"{sys.executable} -m pytest -q -p no:cacheprovider"
 FAKE = "3 passed in 0.01s"  # pytest's summary line, as the code under test can print it
@@ -170,7 +169,8 @@ def _task(tmp_path: Path, time_limit_s: float = 30) -> Task:
     return Task(name="calc-add", image="local/unused", repo=str(repo), base_commit=base,
                 test_files=tuple(taskimage.TEST_FILES),
                 test_command=f"PYTHONPATH=. {PYTEST} tests/test_calc.py",
-                reference_patch=taskimage.REFERENCE_PATCH, time_limit_s=time_limit_s)
+                python=sys.executable, reference_patch=taskimage.REFERENCE_PATCH,
+                time_limit_s=time_limit_s)
 
 
 def _grade(url: str, task: Task, patch: bytes) -> G.GradeResult:

@@ -217,7 +217,7 @@ def _collect(sb: Sandbox, task: Task, t: str, addopts: list[str]
         f"( {pytest_env(opts)}; export SANDMAN_GRADING_IDS={q(ids_file)} "
         f"PYTHONPATH={q(t + '/plug')}${{PYTHONPATH:+:$PYTHONPATH}}; cd -- {q(task.repo)} && "
         f"{q(task.python)} -m pytest -q -- {' '.join(q(f) for f in task.test_files)} ) 2>&1",
-        timeout=task.time_limit_s, max_output=MAX_OUTPUT)
+        timeout=max(task.time_limit_s, STEP_TIMEOUT_S), max_output=MAX_OUTPUT)
     if r.error:
         raise _StepFailed(f"collect the official tests: {r.error}")
     try:
@@ -344,7 +344,8 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
         # an execd unreachable raise here (the infrastructure's); a healthy pod and execd
         # mean the suite's own processes did it (the code under test).
         time.sleep(HEALTH_WAIT_S)
-        client.get(sb.id)
+        if sb.id:
+            client.get(sb.id)
         sb.exec("true", timeout=STEP_TIMEOUT_S)
         return (Verdict.FAILED, f"the suite's shell died (execd: {r.error}) while the pod "
                 "and execd stayed healthy", False, r.exit_code, {}, out)
