@@ -362,10 +362,11 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
                 namespace: str | None = None) -> GradeResult:
     """Grade `patch` for `task`: a never-used grading pod (or, with `reuse=True`, one the
     controller restored and checked), the official tests restored from the base commit, the
-    patch applied without test configuration, the suite run under the task's time limit.
+    patch applied without test configuration, the suite run under the task's time limit,
+    its JUnit report read against the official test ids.
 
-    passed / failed are verdicts on the patch (failing tests, a patch that does not apply, a
-    suite past its time limit). Anything the infrastructure did (pod lost, execd unreachable,
+    passed / failed are verdicts on the patch (failing or missing official tests, a patch
+    that does not apply, a suite past its time limit, a crash in a healthy pod). Anything the infrastructure did (pod lost, execd unreachable,
     acquire timeout, a killed run, the controller's 5xx) is retried on a new pod up to
     `attempts` pods in all and then answered as no_verdict: resample, never score 0. The
     caller's own errors (BadRequest, Unauthenticated, Forbidden) raise."""
