@@ -8,6 +8,7 @@ import fnmatch
 import posixpath
 import re
 import shlex
+import xml.etree.ElementTree as ET
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -113,6 +114,191 @@ class CapturedPatch(NamedTuple):
     excluded: list[Excluded]
 
 
+# ---- what a patch may never carry: the runner's own files (not configurable)
+
+# Names pytest reads as configuration (pytest 9 adds the .toml pair); setup.cfg and
+# pyproject.toml are never read from the repository either: the grader hands pytest a copy
+# of the base's configuration file (`-c`).
+RUNNER_CONFIG_FILES = ("conftest.py", "pytest.ini", ".pytest.ini", "pytest.toml",
+                       ".pytest.toml", "tox.ini")
+STARTUP_HOOKS = ("sitecustomize.py", "usercustomize.py", "*.pth")
+# The runner's own packages: a module of the patch with one of these names, at any depth
+# (any directory may be on sys.path: PYTHONPATH, an editable install), is refused.
+RUNNER_PACKAGES = ("pytest", "_pytest", "pluggy", "iniconfig")
+# Further top-level modules pytest imports (its dependencies, optional ones included):
+# refused at the repository's top level, the directory a task's PYTHONPATH=. puts first.
+RUNNER_MODULES = RUNNER_PACKAGES + (
+    "py", "packaging", "exceptiongroup", "tomli", "colorama", "pygments", "attr", "attrs",
+    "more_itertools", "atomicwrites", "argcomplete", "readline", "typing_extensions")
+
+
+def _module_name(component: str) -> str:
+    return component.split(".", 1)[0]
+
+
+def runner_refusal(path: str) -> str | None:
+    """Why the patch may not carry `path` whatever the task's exclusions say, or None: an
+    interpreter start-up hook, a pytest configuration file, or a module shadowing the
+    runner (docs/grading.md, "Threat model")."""
+    parts = [p for p in path.split("/") if p]
+    if not parts:
+        return None
+    base = parts[-1]
+    if any(fnmatch.fnmatchcase(base, h) for h in STARTUP_HOOKS):
+        return "interpreter start-up hook"
+    if base in RUNNER_CONFIG_FILES:
+        return "pytest configuration file"
+    names = [*parts[:-1], _module_name(base)]
+    if any(n in RUNNER_PACKAGES for n in names) or names[0] in RUNNER_MODULES:
+        return "shadows a module of the test runner"
+    return None
+
+
+# The static scan: added lines that reach into the runner from code under test.
+_SUSPICIOUS = (
+    (re.compile(r"\b(_pytest|pluggy)\b"), "imports or names pytest's internals"),
+    (re.compile(r"sys\.modules\s*(\[[^\]]*\]\s*=|\.(update|pop|setdefault|__setitem__)|=)"),
+     "rewrites sys.modules"),
+    (re.compile(r"\bPYTEST_[A-Z_]+|\bjunit", re.I), "names the runner's settings or report"),
+    (re.compile(r"\bpytest_(collection|runtest|sessionfinish|configure|report|terminal|"
+                r"make_collect|pycollect|itemcollected|deselected)\w*"),
+     "defines a pytest hook outside a conftest"),
+    (re.compile(r"\bos\._exit\b|\bos\.kill(pg)?\b|\bsignal\.SIGKILL\b"),
+     "ends or signals processes"),
+)
+
+
+def scan_patch(patch: bytes) -> tuple[str, ...]:
+    """What the patch's added lines do that a fix has no need to: "path: line N: why"."""
+    out: list[str] = []
+    path, n = "?", 0
+    for raw in patch.split(b"\n"):
+        if raw.startswith(b"+++ "):
+            p = _unquote(raw[4:].split(b"\t")[0])
+            path = p[2:] if p.startswith("b/") else p
+            continue
+        if raw.startswith(b"@@"):
+            m = re.match(rb"@@ -\S+ \+(\d+)", raw)
+            n = int(m.group(1)) - 1 if m else 0
+            continue
+        if raw.startswith(b"+"):
+            n += 1
+            line = raw[1:].decode("utf-8", "replace")
+            for rx, why in _SUSPICIOUS:
+                if rx.search(line):
+                    out.append(f"{path}: line {n}: {why}: {line.strip()[:120]}")
+        elif raw.startswith(b" "):
+            n += 1
+    return tuple(dict.fromkeys(out))
+
+
+# ---- the base's pytest configuration (pytest's own discovery order, on the base's tree)
+
+CONFIG_ORDER = ("pytest.toml", ".pytest.toml", "pytest.ini", ".pytest.ini", "pyproject.toml",
+                "tox.ini", "setup.cfg")
+_CONFIG_SECTIONS = {"pyproject.toml": ("tool.pytest.ini_options", "tool.pytest"),
+                    "tox.ini": ("pytest",), "setup.cfg": ("tool:pytest",)}
+
+
+def config_candidates(test_files: tuple[str, ...]) -> list[str]:
+    """Where pytest would look for its configuration, first match wins: from the common
+    directory of the test files up to the repository's top, each directory's names in
+    pytest's order."""
+    dirs = [posixpath.dirname(posixpath.normpath(f)) for f in test_files]
+    common = posixpath.commonpath(dirs) if all(dirs) else ""
+    out: list[str] = []
+    d = common
+    while True:
+        out.extend(posixpath.join(d, name) if d else name for name in CONFIG_ORDER)
+        if not d:
+            return out
+        d = posixpath.dirname(d)
+
+
+def config_matches(path: str, data: bytes) -> bool:
+    """Whether pytest would take this file as its configuration (a section for the shared
+    files; pytest.ini and the .toml pair count even empty)."""
+    secs = _CONFIG_SECTIONS.get(posixpath.basename(path))
+    return secs is None or bool(sections(data.decode("utf-8", "replace"), secs))
+
+
+# ---- the verdict from the run's JUnit report
+
+MAX_REPORT = 32 << 20
+
+
+class ReportError(ValueError):
+    """The JUnit report is missing, too large, not XML or not pytest's shape."""
+
+
+def junit_key(nodeid: str) -> tuple[str, str]:
+    """(classname, name) of a node id as pytest's junitxml writes it (mangle_test_address)."""
+    path, bracket, params = nodeid.partition("[")
+    names = path.split("::")
+    names[0] = re.sub(r"\.py$", "", names[0].replace("/", "."))
+    names[-1] += bracket + params
+    return ".".join(names[:-1]), names[-1]
+
+
+def parse_junit(data: bytes) -> list[tuple[str, str, str]]:
+    """(classname, name, outcome) per testcase; outcome: passed, failed, error or skipped.
+    Refuses a DOCTYPE (no entity tricks) and anything above MAX_REPORT bytes."""
+    if len(data) > MAX_REPORT:
+        raise ReportError(f"report too large ({len(data)} bytes)")
+    if b"<!DOCTYPE" in data.upper() or b"<!ENTITY" in data.upper():
+        raise ReportError("report has a DOCTYPE")
+    try:
+        root = ET.fromstring(data)
+    except ET.ParseError as e:
+        raise ReportError(f"report is not XML: {e}") from None
+    if root.tag not in ("testsuites", "testsuite"):
+        raise ReportError(f"report's root is <{root.tag}>, not a JUnit test suite")
+    out = []
+    for case in root.iter("testcase"):
+        tags = {child.tag for child in case}
+        outcome = ("error" if "error" in tags else "failed" if "failure" in tags
+                   else "skipped" if "skipped" in tags else "passed")
+        out.append((case.get("classname") or "", case.get("name") or "", outcome))
+    return out
+
+
+def judge(report: bytes | None, test_ids: tuple[str, ...], exit_code: int | None
+          ) -> tuple[Verdict, str, dict[str, int]]:
+    """passed only when the report names every official test id as passed, exactly once
+    each, and the run exited 0; anything else is failed, with why. Neither stdout nor the
+    exit status can make a pass: both are written by the code under test."""
+    if report is None:
+        return Verdict.FAILED, f"no JUnit report (exit {exit_code}): pytest did not finish", {}
+    try:
+        cases = parse_junit(report)
+    except ReportError as e:
+        return Verdict.FAILED, str(e), {}
+    summary: dict[str, int] = {}
+    for _, _, outcome in cases:
+        key = {"error": "errors"}.get(outcome, outcome)
+        summary[key] = summary.get(key, 0) + 1
+    got: dict[tuple[str, str], list[str]] = {}
+    for cls, name, outcome in cases:
+        got.setdefault((cls, name), []).append(outcome)
+    want: dict[tuple[str, str], int] = {}
+    for tid in test_ids:
+        want[junit_key(tid)] = want.get(junit_key(tid), 0) + 1
+    missing = [tid for tid in test_ids if junit_key(tid) not in got]
+    if missing:
+        return (Verdict.FAILED, f"{len(missing)} official test(s) not in the report: "
+                f"{', '.join(missing[:3])}", summary)
+    if len(cases) != len(test_ids) or any(len(got[k]) != n for k, n in want.items()):
+        return (Verdict.FAILED, f"the report has {len(cases)} test(s), the official tests "
+                f"are {len(test_ids)}", summary)
+    bad = [tid for tid in test_ids if got[junit_key(tid)] != ["passed"]]
+    if bad:
+        return Verdict.FAILED, f"official tests not passed ({_counts(summary)})", summary
+    if exit_code != 0:
+        return (Verdict.FAILED, f"the report says passed but the run exited {exit_code}",
+                summary)
+    return Verdict.PASSED, f"tests passed ({_counts(summary)})", summary
+
+
 # ---- the task
 
 DEFAULT_TIME_LIMIT_S = 1800.0
@@ -127,7 +313,11 @@ class Task:
     `python3 -m pytest -q -p no:cacheprovider <test_files>`), read as pytest's exit status;
     `reference_patch`: the known fix (preflight: must pass); `time_limit_s`: the suite's
     declared time limit; `conditions`: passed to acquire as declared run conditions when the
-    SDK supports them (docs/grading.md)."""
+    SDK supports them; `python`: the task's interpreter (the official test ids are collected
+    on the base with `<python> -m pytest --collect-only <test_files>`); `plugins`: the pytest
+    plugins the suite needs, loaded by name (autoloading is off); `test_ids`: the official
+    test ids (pytest node ids), recorded by preflight, collected on the base when None
+    (docs/grading.md)."""
 
     name: str
     image: str
@@ -142,6 +332,9 @@ class Task:
     egress: str = api.DEFAULT_EGRESS
     conditions: Any = None
     exclude: Exclusions = field(default=DEFAULT_EXCLUDE)
+    python: str = "python3"
+    plugins: tuple[str, ...] = ()
+    test_ids: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         def bad(msg: str) -> BadRequest:
@@ -161,6 +354,16 @@ class Task:
             if f.startswith("/") or norm == ".." or norm.startswith("../"):
                 raise bad(f"test file {f!r} must be relative to repo and inside it")
         object.__setattr__(self, "test_files", files)
+        object.__setattr__(self, "plugins", tuple(self.plugins))
+        for pl in self.plugins:
+            if not re.fullmatch(r"[A-Za-z0-9_.:-]+", pl):
+                raise bad(f"plugin {pl!r} must be a module or entry-point name")
+        if self.test_ids is not None:
+            if isinstance(self.test_ids, str):
+                raise bad("test_ids: a list of pytest node ids, not one string")
+            object.__setattr__(self, "test_ids", tuple(self.test_ids))
+            if not self.test_ids:
+                raise bad("test_ids: at least one official test id (or None: collected)")
         if isinstance(self.reference_patch, str):
             object.__setattr__(self, "reference_patch", self.reference_patch.encode())
         if isinstance(self.time_limit_s, bool) or not (
@@ -181,8 +384,11 @@ class Task:
 class GradeResult:
     """`verdict` with `reason` (one line). `exit_code`, `summary` (pytest's final counts,
     e.g. {"passed": 3}) and `output` (the run's tail) are from the last attempt that ran the
-    suite. `attempts`: pods used; `infra_errors`: why earlier attempts gave no verdict;
-    `excluded`: what was kept out of the patch when it was applied."""
+    suite (`summary` is counted from the run's JUnit report). `attempts`: pods used;
+    `infra_errors`: why earlier attempts gave no verdict; `excluded`: what was kept out of the
+    patch when it was applied; `suspicious`: what the static scan of the patch's added lines
+    found (runner internals, `sys.modules` rewrites: audit or zero them); `test_ids`: the
+    official test ids the verdict checked."""
 
     verdict: Verdict
     reason: str
@@ -194,6 +400,8 @@ class GradeResult:
     excluded: tuple[Excluded, ...] = ()
     pods: tuple[str, ...] = ()
     duration_s: float = 0.0
+    suspicious: tuple[str, ...] = ()
+    test_ids: tuple[str, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -213,72 +421,6 @@ class PreflightResult:
 # ---- verdicts from a suite's run
 
 OUTPUT_TAIL = 4000
-_SUMMARY_WORDS = re.compile(
-    r"(\d+) (passed|failed|errors?|skipped|xfailed|xpassed|deselected|warnings?|rerun)\b")
-_SUMMARY_TIME = re.compile(r"\bin \d+(?:\.\d+)?s\b")
-
-
-def parse_summary(output: str) -> dict[str, int] | None:
-    """pytest's final counts ("1 failed, 2 passed in 0.05s", with or without the `=` rule);
-    {} for "no tests ran"; None when there is no summary line (not pytest, or cut off)."""
-    for line in reversed(output.splitlines()):
-        s = line.strip().strip("=").strip()
-        if not _SUMMARY_TIME.search(s):
-            continue
-        counts: dict[str, int] = {}
-        for n, word in _SUMMARY_WORDS.findall(s):
-            key = {"error": "errors", "warning": "warnings"}.get(word, word)
-            counts[key] = counts.get(key, 0) + int(n)
-        if counts or s.startswith("no tests ran"):
-            return counts
-    return None
-
-
-class Outcome(NamedTuple):
-    verdict: Verdict
-    reason: str
-    infra: bool  # True: retry on another pod (no_verdict for now)
-
-
-def classify(exit_code: int, error: str | None, output: str) -> Outcome:
-    """pytest's exit status as a verdict (paper, misread exit codes). Only statuses that
-    the agent's change decides are verdicts; everything else is no verdict:
-    0 passed (with a summary that has a passed test and no failure), 1 tests failed and 2
-    interrupted (pytest ends a session with collection errors so: the patch broke an import)
-    are failures only with pytest's summary line present (else `python3 -m pytest` itself
-    failed, e.g. no pytest); 5 no tests collected from the restored official tests is a
-    failure (the patch made them uncollectable or skipped; preflight has shown they collect);
-    3 internal error, 4 usage error (the task's command or files), -1 and 128+N (a killed
-    pod, a killed process) and execd's errors are no verdict."""
-    summary = parse_summary(output)
-    if error:
-        return Outcome(Verdict.NO_VERDICT, f"execd: {error}", True)
-    if exit_code == 0:
-        if summary is None:
-            return Outcome(Verdict.NO_VERDICT, "exit 0 without a pytest summary line", True)
-        if summary.get("failed", 0) or summary.get("errors", 0):
-            return Outcome(Verdict.NO_VERDICT, f"exit 0 but the summary has failures: "
-                           f"{summary}", True)
-        if not summary.get("passed", 0):
-            return Outcome(Verdict.FAILED, f"no test passed ({_counts(summary)})", False)
-        return Outcome(Verdict.PASSED, f"tests passed ({_counts(summary)})", False)
-    if exit_code in (1, 2):
-        if summary is None:
-            return Outcome(Verdict.NO_VERDICT, f"exit {exit_code} without a pytest summary "
-                           "line: the test command did not run pytest", True)
-        what = "tests failed" if exit_code == 1 else "interrupted (collection errors)"
-        return Outcome(Verdict.FAILED, f"{what} ({_counts(summary)})", False)
-    if exit_code == 5:
-        return Outcome(Verdict.FAILED, "no tests collected from the official test files",
-                       False)
-    if exit_code == 3:
-        return Outcome(Verdict.NO_VERDICT, "pytest internal error (exit 3)", True)
-    if exit_code == 4:
-        return Outcome(Verdict.NO_VERDICT, "pytest usage error (exit 4): the task's test "
-                       "command or files are wrong", False)
-    if exit_code < 0 or exit_code > 128:
-        return Outcome(Verdict.NO_VERDICT, f"killed (exit {exit_code})", True)
-    return Outcome(Verdict.NO_VERDICT, f"exit {exit_code} is not a pytest status", True)
 
 
 def _counts(summary: dict[str, int]) -> str:
@@ -329,6 +471,8 @@ def patch_paths(patch: bytes) -> list[str]:
             if p != b"/dev/null":
                 q = _unquote(p)
                 out.append(q[2:] if q[:2] in ("a/", "b/") else q)
+        elif line.startswith((b"rename from ", b"rename to ", b"copy from ", b"copy to ")):
+            out.append(_unquote(line.split(b" ", 2)[2]))
         elif line.startswith(b"diff --git "):
             rest = line[11:]
             n = (len(rest) - 5) // 2
@@ -338,7 +482,8 @@ def patch_paths(patch: bytes) -> list[str]:
 
 
 def parse_status_z(data: bytes) -> list[str]:
-    """Paths from `git status --porcelain=v1 -z` (a rename's second field is its source)."""
+    """Paths from `git status --porcelain=v1 -z` (a rename's second field is its source;
+    `!!` ignored files included when asked for)."""
     out, parts, i = [], data.split(b"\0"), 0
     while i < len(parts):
         entry = parts[i]
@@ -361,6 +506,17 @@ def parse_name_status_z(data: bytes) -> list[tuple[str, str]]:
     return out
 
 
+def pytest_env(addopts: list[str]) -> str:
+    """Shell commands setting the test process's environment, which the patch cannot touch:
+    the grader's own PYTEST_ADDOPTS (the base's configuration, the report), plugin
+    autoloading off, safe-path mode (3.11+: the current directory is not put on sys.path),
+    no user site, no bytecode, and pytest's other environment knobs unset."""
+    return ("export PYTEST_ADDOPTS=" + shlex.quote(" ".join(shlex.quote(a) for a in addopts))
+            + " PYTEST_DISABLE_PLUGIN_AUTOLOAD=1 PYTHONSAFEPATH=1 PYTHONNOUSERSITE=1"
+            " PYTHONDONTWRITEBYTECODE=1; unset PYTEST_PLUGINS PYTHONSTARTUP PYTHONINSPECT"
+            " PYTEST_THEME PYTEST_DEBUG")
+
+
 def git(*args: str) -> str:
     """A git command line that ignores the repository's config tricks that change output:
     an external diff driver, textconv, quoted paths, color; and git's "dubious ownership"
@@ -370,7 +526,9 @@ def git(*args: str) -> str:
 
 
 __all__ = [
+    "RUNNER_CONFIG_FILES", "RUNNER_MODULES", "RUNNER_PACKAGES", "STARTUP_HOOKS",
     "CALLER_ERRORS", "DEFAULT_EXCLUDE", "NO_EXCLUDE", "CapturedPatch", "Excluded",
-    "Exclusions", "GradeResult", "Outcome", "PreflightResult", "Task", "Verdict",
-    "classify", "is_infra", "parse_summary", "sections", "sections_changed",
+    "Exclusions", "GradeResult", "PreflightResult", "Task", "Verdict",
+    "is_infra", "judge", "parse_junit", "runner_refusal",
+    "scan_patch", "sections", "sections_changed",
 ]

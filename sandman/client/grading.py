@@ -26,13 +26,13 @@ from sandman.client._grading import (
     PreflightResult,
     Task,
     Verdict,
-    classify,
-    parse_summary,
+    judge,
+    scan_patch,
 )
 from sandman.client._sync.grading import GRADING_ROLE, capture_patch, grade, preflight
 
 __all__ = [
     "DEFAULT_EXCLUDE", "GRADING_ROLE", "NO_EXCLUDE", "CapturedPatch", "Excluded", "Exclusions",
     "GradeResult", "PreflightResult", "Task", "Verdict", "acapture_patch", "agrade",
-    "apreflight", "capture_patch", "classify", "grade", "parse_summary", "preflight",
+    "apreflight", "capture_patch", "grade", "judge", "preflight", "scan_patch",
 ]

@@ -21,11 +21,13 @@ import json
 import re
 import secrets
 import socket
+import subprocess
 import threading
 import time
 from collections.abc import Callable, Coroutine
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -386,6 +388,47 @@ def controller(execd) -> FakeController:
         srv.shutdown()
         srv.server_close()
         t.join(5)
+
+
+def _git_quiet(repo: Any, *args: str) -> None:
+    subprocess.run(["git", "-C", str(repo), *args], check=True, capture_output=True)
+
+
+class _FreshPodHandler(_Handler):
+    """The stand-in controller, plus: every acquire hands out a "never-used pod", i.e. the
+    registered repositories are reset to their base first (one real execd serves all)."""
+
+    def do_POST(self) -> None:
+        if self.path == "/v1/sandboxes":
+            for repo in list(getattr(self.ctl, "repos", [])):
+                _git_quiet(repo, "reset", "-q", "--hard")
+                _git_quiet(repo, "clean", "-fdxq")
+        super().do_POST()
+
+
+@pytest.fixture
+def make_controller():
+    servers = []
+
+    def make(target: Execd, *repos: Path) -> FakeController:
+        ctl = FakeController(target=target)
+        ctl.repos = list(repos)  # type: ignore[attr-defined]
+        srv = ThreadingHTTPServer((LOOPBACK, 0),
+                                  type("H", (_FreshPodHandler,), {"ctl": ctl}))
+        srv.daemon_threads = True
+        ctl.url = f"http://{LOOPBACK}:{srv.server_address[1]}"
+        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1},
+                         daemon=True).start()
+        servers.append(srv)
+        return ctl
+
+    try:
+        yield make
+    finally:
+        for srv in servers:
+            srv.shutdown()
+            srv.server_close()
+
 
 
 # ---------------------------------------------------------------- sync and async, one body

@@ -12,7 +12,6 @@ import subprocess
 import sys
 import threading
 import time
-from http.server import ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
@@ -23,7 +22,7 @@ from sandman.client.grading import NO_EXCLUDE, Task, Verdict
 from testbed import taskimage
 from testbed.execd import Execd
 
-from .conftest import FAST_RETRY, LOOPBACK, FakeController, Flavor, _error, _Handler
+from .conftest import FAST_RETRY, FakeController, Flavor, _error
 
 PYTEST = f"{sys.executable} -m pytest -q -p no:cacheprovider"
 
@@ -45,6 +44,7 @@ def new_task(tmp_path: Path, name: str = "repo", **kw) -> Task:
     repo = tmp_path / name
     base = taskimage.make_repo(repo)
     kw.setdefault("test_command", f"{PYTEST} tests/test_calc.py")
+    kw.setdefault("python", sys.executable)
     return Task(name="calc-add", image="local/unused", repo=str(repo), base_commit=base,
                 test_files=tuple(taskimage.TEST_FILES),
                 reference_patch=taskimage.REFERENCE_PATCH, time_limit_s=60, **kw)
@@ -93,42 +93,6 @@ def twin(flavor: Flavor) -> Twin:
     return Twin(flavor)
 
 
-class _FreshPodHandler(_Handler):
-    """The stand-in controller, plus: every acquire hands out a "never-used pod", i.e. the
-    registered repositories are reset to their base first (one real execd serves all)."""
-
-    def do_POST(self) -> None:
-        if self.path == "/v1/sandboxes":
-            for repo in list(getattr(self.ctl, "repos", [])):
-                _git(repo, "reset", "-q", "--hard")
-                _git(repo, "clean", "-fdxq")
-        super().do_POST()
-
-
-@pytest.fixture
-def make_controller():
-    servers = []
-
-    def make(target: Execd, *repos: Path) -> FakeController:
-        ctl = FakeController(target=target)
-        ctl.repos = list(repos)  # type: ignore[attr-defined]
-        srv = ThreadingHTTPServer((LOOPBACK, 0),
-                                  type("H", (_FreshPodHandler,), {"ctl": ctl}))
-        srv.daemon_threads = True
-        ctl.url = f"http://{LOOPBACK}:{srv.server_address[1]}"
-        threading.Thread(target=srv.serve_forever, kwargs={"poll_interval": 0.1},
-                         daemon=True).start()
-        servers.append(srv)
-        return ctl
-
-    try:
-        yield make
-    finally:
-        for srv in servers:
-            srv.shutdown()
-            srv.server_close()
-
-
 # ---- grade
 
 
@@ -153,13 +117,17 @@ def test_reference_passes_and_empty_fails(flavor, twin, controller: FakeControll
 
 
 def test_planted_conftest_is_graded_without_it(flavor, twin, controller, tmp_path) -> None:
-    """A raw patch that plants a conftest.py forcing every test to pass: without the
-    exclusion it passes (the hole), with the default exclusions it is failed."""
+    """A raw patch that plants a conftest.py forcing every test to pass: the hook works (a
+    plain pytest run in the patched repository passes), and the grader leaves it out,
+    with the default exclusions and without them (conftest.py is the runner's file)."""
     task = new_task(tmp_path, "probe")
     (Path(task.repo) / "conftest.py").write_text(PLANTED_CONFTEST)
     _git(Path(task.repo), "add", "-N", "conftest.py")
     planted = _git(Path(task.repo), "diff", "--binary").encode()
     assert b"conftest.py" in planted
+    hole = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
+                           "tests/test_calc.py"], cwd=task.repo, capture_output=True)
+    assert hole.returncode == 0, hole.stdout  # the planted hook works
 
     async def body():
         c = twin.client(controller.url)
@@ -169,9 +137,10 @@ def test_planted_conftest_is_graded_without_it(flavor, twin, controller, tmp_pat
             guarded = await twin.grade(c, new_task(tmp_path, "b"), planted)
         finally:
             await twin.close(c)
-        assert open_hole.verdict is Verdict.PASSED, open_hole  # the planted hook works...
-        assert guarded.verdict is Verdict.FAILED, guarded  # ...and is kept out
+        assert open_hole.verdict is Verdict.FAILED, open_hole
+        assert guarded.verdict is Verdict.FAILED, guarded
         assert [e.path for e in guarded.excluded] == ["conftest.py"]
+        assert [e.path for e in open_hole.excluded] == ["conftest.py"]
         assert not (tmp_path / "b" / "conftest.py").exists()
 
     flavor.run(body, timeout_s=90)
@@ -212,8 +181,9 @@ def test_patch_cannot_change_the_official_tests(flavor, twin, controller, tmp_pa
 
 
 def test_setup_cfg_test_section_change_is_left_out(flavor, twin, controller, tmp_path) -> None:
-    """A fix plus a setup.cfg change to [tool:pytest] that deselects the failing tests: the
-    whole setup.cfg stays the base's, the fix is applied."""
+    """A setup.cfg change to [tool:pytest] that deselects the failing tests: the whole
+    setup.cfg stays the base's. Without the section rule the change reaches the repository,
+    and pytest still reads the base's copy (`-c`): failed either way."""
     probe = new_task(tmp_path, "probe")
     cfg = Path(probe.repo) / "setup.cfg"
     cfg.write_text(cfg.read_text().replace("addopts = -p no:cacheprovider",
@@ -224,14 +194,15 @@ def test_setup_cfg_test_section_change_is_left_out(flavor, twin, controller, tmp
         c = twin.client(controller.url)
         try:
             r = await twin.grade(c, new_task(tmp_path, "a"), cheat)
-            # The same change without the section rule deselects add's tests: passes.
+            # The same change without the section rule: pytest reads the base's setup.cfg.
             hole = await twin.grade(c, dataclasses.replace(new_task(tmp_path, "b"),
                                                            exclude=NO_EXCLUDE), cheat)
         finally:
             await twin.close(c)
         assert r.verdict is Verdict.FAILED, r
         assert [e.path for e in r.excluded] == ["setup.cfg"]
-        assert hole.verdict is Verdict.PASSED, hole
+        assert hole.verdict is Verdict.FAILED and hole.excluded == (), hole
+        assert "-k mul" in (tmp_path / "b" / "setup.cfg").read_text()
 
     flavor.run(body, timeout_s=90)
 
@@ -284,9 +255,11 @@ def test_acquire_never_succeeding_is_no_verdict(flavor, twin, controller, tmp_pa
     flavor.run(body, timeout_s=60)
 
 
-def test_killed_shell_is_no_verdict_never_failed(flavor, twin, controller, tmp_path) -> None:
-    """The suite's process is SIGKILLed (as the OOM killer or a dying pod would): 137 and
-    execd's shell-died error are the infrastructure's, retried, then no_verdict."""
+def test_killed_shell_with_a_healthy_pod_is_failed(flavor, twin, controller,
+                                                  tmp_path) -> None:
+    """The suite's shell is SIGKILLed from inside (as code under test can do): execd says
+    the shell died, but the pod and execd answer afterwards, so nothing outside the code
+    under test failed: failed, not no_verdict (which a policy could learn to provoke)."""
     async def body():
         c = twin.client(controller.url)
         try:
@@ -294,10 +267,8 @@ def test_killed_shell_is_no_verdict_never_failed(flavor, twin, controller, tmp_p
             r = await twin.grade(c, task, b"", attempts=2)
         finally:
             await twin.close(c)
-        assert r.verdict is Verdict.NO_VERDICT and r.attempts == 2, r
-        assert len(r.infra_errors) == 2
-        assert all(e.startswith(f"attempt {i} (run the suite): ")
-                   for i, e in enumerate(r.infra_errors, 1)), r.infra_errors
+        assert r.verdict is Verdict.FAILED and r.attempts == 1, r
+        assert "shell died" in r.reason and "healthy" in r.reason, r.reason
 
     flavor.run(body, timeout_s=60)
 
@@ -408,7 +379,8 @@ def test_preflight_keeps_only_sound_tasks(flavor, twin, execd, make_controller,
     reference patch does not fix it are dropped, each with its reason."""
     sound = new_task(tmp_path, "sound")
     vacuous = dataclasses.replace(new_task(tmp_path, "vacuous"), name="vacuous",
-                                  test_command=f"{PYTEST} tests/test_calc.py -k mul")
+                                  test_command=f"{PYTEST} tests/test_calc.py -k mul",
+                                  test_ids=("tests/test_calc.py::test_mul",))
     broken = dataclasses.replace(new_task(tmp_path, "broken"), name="broken",
                                  reference_patch=b"")
 
@@ -421,6 +393,10 @@ def test_preflight_keeps_only_sound_tasks(flavor, twin, execd, make_controller,
         finally:
             await twin.close(c)
         assert [t.name for t in res.kept] == ["calc-add"], res.dropped
+        # The kept task carries the official test ids collected on the base.
+        assert res.kept[0].test_ids == ("tests/test_calc.py::test_add",
+                                        "tests/test_calc.py::test_add_negative",
+                                        "tests/test_calc.py::test_mul")
         reasons = {t.name: why for t, why in res.dropped}
         assert reasons["vacuous"].startswith("empty patch: passed"), reasons
         assert reasons["broken"] == "no reference patch"

@@ -22,58 +22,84 @@ from sandman.client._grading import (
     DEFAULT_EXCLUDE,
     Task,
     Verdict,
-    classify,
+    config_candidates,
+    config_matches,
     is_infra,
-    parse_summary,
+    judge,
+    junit_key,
     patch_paths,
+    runner_refusal,
+    scan_patch,
     sections,
     sections_changed,
 )
 
-P, F, N = Verdict.PASSED, Verdict.FAILED, Verdict.NO_VERDICT
-SUMMARY_OK = "...\n3 passed in 0.05s\n"
-SUMMARY_FAIL = "F.\n=========== 1 failed, 2 passed, 1 warning in 0.12s ===========\n"
-SUMMARY_COLLECT = "E\n!!! Interrupted: 1 error during collection !!!\n1 error in 0.07s\n"
+P, F = Verdict.PASSED, Verdict.FAILED
+IDS = ("tests/test_calc.py::test_add", "tests/test_calc.py::test_mul")
 
 
-@pytest.mark.parametrize("code,error,output,verdict,infra", [
-    (0, None, SUMMARY_OK, P, False),
-    (0, None, "5 skipped in 0.01s", F, False),  # nothing passed: all skipped is no pass
-    (0, None, "no summary at all", N, True),
-    (1, None, SUMMARY_FAIL, F, False),
-    (1, None, "/usr/bin/python3: No module named pytest", N, True),  # pytest never ran
-    (2, None, SUMMARY_COLLECT, F, False),  # collection errors: the patch broke an import
-    (2, "refused: unexpected EOF while looking for matching quote", "", N, True),  # execd's
-    (3, None, "INTERNALERROR> boom\n", N, True),
-    (4, None, "ERROR: file or directory not found: tests/x.py\n", N, False),
-    (5, None, "no tests ran in 0.01s\n", F, False),
-    (137, None, "", N, True),  # SIGKILL: OOM or a dying pod
-    (143, None, "", N, True),
-    (-1, "incomplete frame: shell exited (status 137)", "", N, True),
-    (0, "shell exited (status 0); a new shell was started, state lost", SUMMARY_OK, N, True),
-    (126, None, "", N, True),
+def _junit(*cases: tuple[str, str]) -> bytes:
+    body = "".join(f'<testcase classname="tests.test_calc" name="{n}">{inner}</testcase>'
+                   for n, inner in cases)
+    return f'<?xml version="1.0"?><testsuites><testsuite>{body}</testsuite></testsuites>'.encode()
+
+
+@pytest.mark.parametrize("report,code,verdict,words", [
+    (_junit(("test_add", ""), ("test_mul", "")), 0, P, "tests passed"),
+    (_junit(("test_add", "<failure/>"), ("test_mul", "")), 1, F, "not passed"),
+    (_junit(("test_add", "<skipped/>"), ("test_mul", "")), 0, F, "not passed"),
+    (_junit(("test_add", "<error/>"), ("test_mul", "")), 1, F, "not passed"),
+    (_junit(("test_mul", "")), 0, F, "not in the report"),  # a deselected official test
+    (_junit(("test_add", ""), ("test_mul", ""), ("test_x", "")), 0, F, "has 3 test(s)"),
+    (_junit(("test_add", ""), ("test_mul", "")), 1, F, "exited 1"),  # report vs status
+    (_junit(("test_add", ""), ("test_mul", "")), 137, F, "exited 137"),
+    (None, 0, F, "no JUnit report"),  # "3 passed" printed, os._exit(0): no report
+    (None, 137, F, "no JUnit report"),
+    (None, 3, F, "no JUnit report"),
+    (b"<testsuites><testsuite>", 0, F, "not XML"),
+    (b'<?xml version="1.0"?><!DOCTYPE x [<!ENTITY a "b">]><testsuites/>', 0, F, "DOCTYPE"),
+    (b"<html/>", 0, F, "not a JUnit"),
 ])
-def test_exit_status_to_verdict(code, error, output, verdict, infra) -> None:
-    o = classify(code, error, output)
-    assert (o.verdict, o.infra) == (verdict, infra), o
+def test_verdict_from_the_report(report, code, verdict, words) -> None:
+    v, reason, _ = judge(report, IDS, code)
+    assert v is verdict and words in reason, (v, reason)
 
 
-def test_exit_one_with_a_summary_never_passes() -> None:
-    assert classify(1, None, SUMMARY_OK).verdict is F
+def test_junit_keys_follow_pytest_mangling() -> None:
+    assert junit_key("tests/test_calc.py::test_add") == ("tests.test_calc", "test_add")
+    assert junit_key("a/t.py::TestX::test_y[1::2-a/b]") == ("a.t.TestX", "test_y[1::2-a/b]")
 
 
-@pytest.mark.parametrize("output,expected", [
-    ("3 passed in 0.05s", {"passed": 3}),
-    ("== 1 failed, 2 passed, 3 warnings in 1.20s ==", {"failed": 1, "passed": 2,
-                                                        "warnings": 3}),
-    ("1 passed, 1 error in 0.3s (0:00:00)", {"passed": 1, "errors": 1}),
-    ("======= no tests ran in 0.01s =======", {}),
-    ("5 passed in 0.1s\nsomething after\n", {"passed": 5}),
-    ("not pytest", None),
-    ("collected 3 items", None),
+@pytest.mark.parametrize("path,refused", [
+    ("pytest.py", True), ("pytest/__main__.py", True), ("_pytest/__init__.py", True),
+    ("src/pluggy/__init__.py", True), ("py.py", True), ("packaging/__init__.py", True),
+    ("iniconfig.py", True), ("sitecustomize.py", True), ("lib/usercustomize.py", True),
+    ("x.pth", True), ("a/b/conftest.py", True), (".pytest.ini", True), ("pytest.toml", True),
+    ("sub/.pytest.toml", True), ("tox.ini", True),
+    ("calc/__init__.py", False), ("src/py/util.py", False), ("setup.cfg", False),
+    ("pyproject.toml", False), ("docs/pytest_notes.md", False), ("my_pytest.py", False),
 ])
-def test_parse_summary(output, expected) -> None:
-    assert parse_summary(output) == expected
+def test_runner_files_never_come_from_a_patch(path, refused) -> None:
+    assert (runner_refusal(path) is not None) is refused, runner_refusal(path)
+
+
+def test_scan_flags_reaching_into_the_runner() -> None:
+    patch = (b"diff --git a/calc/__init__.py b/calc/__init__.py\n--- a/calc/__init__.py\n"
+             b"+++ b/calc/__init__.py\n@@ -1,2 +1,5 @@\n import os\n+import _pytest.reports\n"
+             b"+sys.modules['pytest'] = None\n+def add(a, b):\n+    return a + b\n")
+    found = scan_patch(patch)
+    assert any(f.startswith("calc/__init__.py: line 2: imports") for f in found), found
+    assert any("line 3: rewrites sys.modules" in f for f in found), found
+    assert len(found) == 2, found
+    assert scan_patch(b"") == ()
+
+
+def test_config_candidates_follow_pytest_order() -> None:
+    c = config_candidates(("tests/unit/test_a.py", "tests/test_b.py"))
+    assert c[:2] == ["tests/pytest.toml", "tests/.pytest.toml"] and c[-1] == "setup.cfg"
+    assert config_matches("setup.cfg", b"[tool:pytest]\n") and not config_matches(
+        "setup.cfg", b"[metadata]\n")
+    assert config_matches("pytest.ini", b"")
 
 
 def test_sections_of_setup_cfg_and_pyproject() -> None:
@@ -132,6 +158,9 @@ def test_infra_errors_are_retried_caller_errors_raise() -> None:
     ({"test_files": ("../x.py",)}, "inside"),
     ({"test_files": ("/abs.py",)}, "inside"),
     ({"time_limit_s": 0}, "time_limit_s"),
+    ({"test_ids": ()}, "at least one"),
+    ({"test_ids": "tests/test_x.py::t"}, "not one string"),
+    ({"plugins": ("x; rm -rf /",)}, "plugin"),
 ])
 def test_task_checks(kw, words) -> None:
     base = dict(name="t", image="img", repo="/testbed", base_commit="a" * 40,
@@ -145,6 +174,7 @@ def test_task_defaults() -> None:
              test_files=["tests/test a.py"], reference_patch="diff")
     assert t.test_files == ("tests/test a.py",) and t.reference_patch == b"diff"
     assert t.command == "python3 -m pytest -q -p no:cacheprovider 'tests/test a.py'"
+    assert t.test_ids is None and t.plugins == () and t.python == "python3"
 
 
 # ---- feature detection of other parts of issue 15 (role=, conditions=, reuse=, retire())

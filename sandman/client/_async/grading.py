@@ -7,11 +7,15 @@ docs/grading.md has the model and the invariants."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
+import json
 import logging
+import posixpath
 import shlex
 import time
 import uuid
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from sandman.client._grading import (
@@ -24,17 +28,21 @@ from sandman.client._grading import (
     Task,
     Verdict,
     apply_refused,
-    classify,
+    config_candidates,
+    config_matches,
     git,
     is_infra,
+    judge,
     parse_name_status_z,
     parse_status_z,
-    parse_summary,
     patch_paths,
+    pytest_env,
+    runner_refusal,
+    scan_patch,
     sections_changed,
     tail,
 )
-from sandman.client.errors import CommandTimeout, SandmanError
+from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
 
 if TYPE_CHECKING:
     from .client import AsyncClient
@@ -43,6 +51,8 @@ if TYPE_CHECKING:
 log = logging.getLogger("sandman.client.grading")
 
 GRADING_ROLE = "grading"
+COLLECT_PLUGIN = "sandman_grading_collect"
+HEALTH_WAIT_S = 1.0  # after a dead shell: a deleted pod's execd is gone by then
 STEP_TIMEOUT_S = 120.0  # git steps; the suite has the task's own time limit
 MAX_OUTPUT = 1 << 20
 
@@ -168,12 +178,65 @@ async def _finish(client: AsyncClient, sb: AsyncSandbox, verdict: Verdict, reuse
         log.info("grading: releasing sandbox %s failed: %s", sb.id, e)
 
 
-async def _grade_on(sb: AsyncSandbox, task: Task, patch: bytes, excluded: list[Excluded],
-                    stage: list[str]) -> tuple[Verdict, str, bool, int | None,
-                                               dict[str, int], str]:
+async def _base_config(sb: AsyncSandbox, task: Task, t: str) -> tuple[str, str]:
+    """The base's pytest configuration, as pytest would find it for the official tests, but
+    read from the base commit and copied outside the repository: (the copy's path for `-c`,
+    the rootdir). Without one, an empty pytest.ini and the repository as the rootdir."""
+    q = shlex.quote
+    cands = config_candidates(task.test_files)
+    cmds = "; ".join(f"{git('show', q(task.base_commit + ':' + c))} > {q(f'{t}/cand.{i}')}"
+                     f" 2>/dev/null && echo {i}" for i, c in enumerate(cands))
+    out = await _run(sb, f"cd -- {q(task.repo)}; {cmds}; true", "find the base's configuration")
+    for i in sorted(int(x) for x in out.split() if x.isdigit()):
+        data = await sb.read(f"{t}/cand.{i}")
+        if config_matches(cands[i], data):
+            path = f"{t}/cfg/{posixpath.basename(cands[i])}"
+            await sb.write(path, data)
+            return path, posixpath.join(task.repo, posixpath.dirname(cands[i]))
+    await sb.write(f"{t}/cfg/pytest.ini", b"[pytest]\n")
+    return f"{t}/cfg/pytest.ini", task.repo
+
+
+def _addopts(task: Task, cfg: str, rootdir: str) -> list[str]:
+    plugins = [a for p in task.plugins for a in ("-p", p)]
+    return ["-p", "no:cacheprovider", "-c", cfg, f"--rootdir={rootdir}",
+            f"--confcutdir={rootdir}", *plugins]
+
+
+async def _collect(sb: AsyncSandbox, task: Task, t: str, addopts: list[str]
+                   ) -> tuple[str, ...] | str:
+    """The official test ids on the base (before any patch): the node ids pytest collects
+    from the test files with the grading's own options; or why there are none."""
+    q = shlex.quote
+    await sb.write(f"{t}/plug/{COLLECT_PLUGIN}.py",
+                   Path(__file__).parent.parent.joinpath("_collect_plugin.py").read_bytes())
+    ids_file = f"{t}/ids.json"
+    opts = [*addopts, "--collect-only", "-p", COLLECT_PLUGIN]
+    r = await sb.exec(
+        f"( {pytest_env(opts)}; export SANDMAN_GRADING_IDS={q(ids_file)} "
+        f"PYTHONPATH={q(t + '/plug')}${{PYTHONPATH:+:$PYTHONPATH}}; cd -- {q(task.repo)} && "
+        f"{q(task.python)} -m pytest -q -- {' '.join(q(f) for f in task.test_files)} ) 2>&1",
+        timeout=max(task.time_limit_s, STEP_TIMEOUT_S), max_output=MAX_OUTPUT)
+    if r.error:
+        raise _StepFailed(f"collect the official tests: {r.error}")
+    try:
+        ids = json.loads(await sb.read(ids_file))
+    except (FileNotFound, ValueError):
+        ids = None
+    if r.exit_code != 0 or not isinstance(ids, list) or not ids or not all(
+            isinstance(i, str) for i in ids):
+        return (f"task: the official tests do not collect on the base (exit {r.exit_code}): "
+                f"{tail(r.output, 600).strip()}")
+    return tuple(ids)
+
+
+async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: bytes,
+                    excluded: list[Excluded], stage: list[str], ids_out: list[str]
+                    ) -> tuple[Verdict, str, bool, int | None, dict[str, int], str]:
     """One attempt on one pod: (verdict, reason, infra, exit_code, summary, output).
     SDK errors propagate (the caller decides: infrastructure or the caller's own);
-    `stage[0]` names the step running, for the attempt's error."""
+    `stage[0]` names the step running, for the attempt's error; `ids_out` gets the official
+    test ids used."""
     stage[0] = "check the base commit"
     q = shlex.quote
     t = _tmpdir()
@@ -194,12 +257,27 @@ async def _grade_on(sb: AsyncSandbox, task: Task, patch: bytes, excluded: list[E
     # after its checked restore: this is the grader's own guard).
     stage[0] = "restore the official tests"
     await _run(sb, f"set -e; {cd}; {git('checkout', '-q', base, '--', tests)}; "
-                   f"mkdir -p {q(t)}", "restore the official tests")
+                   f"mkdir -p {q(t + '/cfg')} {q(t + '/out')} {q(t + '/plug')}",
+               "restore the official tests")
+    stage[0] = "find the base's configuration"
+    cfg, rootdir = await _base_config(sb, task, t)
+    addopts = _addopts(task, cfg, rootdir)
+    test_ids = task.test_ids
+    if test_ids is None:
+        stage[0] = "collect the official tests"
+        got = await _collect(sb, task, t, addopts)
+        if isinstance(got, str):
+            return Verdict.NO_VERDICT, got, False, None, {}, ""
+        test_ids = got
+    ids_out[:] = test_ids
     if patch.strip():
         stage[0] = "apply the patch"
         for path in patch_paths(patch):
+            why = runner_refusal(path)
             if path in task.test_files:
                 excluded.append(Excluded(path, "official test file (restored from the base)"))
+            elif why:
+                excluded.append(Excluded(path, why))
             elif ex.file_excluded(path):
                 excluded.append(Excluded(path, "test configuration file"))
         await sb.write(f"{t}/patch.diff", patch)
@@ -215,11 +293,21 @@ async def _grade_on(sb: AsyncSandbox, task: Task, patch: bytes, excluded: list[E
             if r.exit_code == 1 and apply_refused(out):
                 return (Verdict.FAILED, f"patch does not apply: {out}", False, None, {}, out)
             raise _StepFailed(f"git apply: exit {r.exit_code}: {out}")
-        # Section-ruled files (setup.cfg, pyproject.toml) the patch changed: their test
-        # sections must stay the base's, else the whole file goes back to the base.
-        await _run(sb, f"set -e; {cd}; {git('status', '--porcelain=v1', '-z', '--untracked-files=all')}"
+        # Every path the patch changed, ignored files included: the runner's own files
+        # (start-up hooks, configuration, shadowing modules) go back to the base, whatever
+        # the patch's headers said; section-ruled files (setup.cfg, pyproject.toml) too
+        # when their test sections changed.
+        await _run(sb, f"set -e; {cd}; {git('status', '--porcelain=v1', '-z', '--untracked-files=all', '--ignored=matching')}"
                        f" > {q(t + '/status')}", "list the patched files")
         changed = parse_status_z(await sb.read(f"{t}/status"))
+        for path in changed:
+            why = runner_refusal(path)
+            if why:
+                undo = (f"{git('checkout', '-q', base, '--', q(':(literal)' + path))} "
+                        f"2>/dev/null || rm -rf -- {q(path)}")
+                await _run(sb, f"{cd}; {undo}", f"restore {path}")
+                if path not in {e.path for e in excluded}:
+                    excluded.append(Excluded(path, why))
         for i, path in enumerate(p for p in changed if ex.section_names(p)):
             r = await sb.exec(f"( {cd} && {git('show', q(task.base_commit + ':' + path))} "
                               f"> {q(f'{t}/base.{i}')} ) 2>/dev/null", timeout=STEP_TIMEOUT_S)
@@ -240,16 +328,32 @@ async def _grade_on(sb: AsyncSandbox, task: Task, patch: bytes, excluded: list[E
             raise _StepFailed(f"official tests differ from the base after the patch: "
                               f"{r.error or r.output.strip()[:300]}")
     stage[0] = "run the suite"
+    report = f"{t}/out/report.xml"
+    env = pytest_env([*addopts, f"--junitxml={report}"])
     try:
-        r = await sb.exec(f"{cd} && {task.command}", timeout=task.time_limit_s,
+        r = await sb.exec(f"( {env}; {cd} && {task.command} ) 2>&1", timeout=task.time_limit_s,
                           max_output=MAX_OUTPUT)
     except CommandTimeout as e:
         out = tail(e.result.output)
         return (Verdict.FAILED, f"the suite ran past its declared time limit "
                 f"({task.time_limit_s:g} s)", False, e.result.exit_code, {}, out)
     out = tail(r.output)
-    o = classify(r.exit_code, r.error, r.output)
-    return (o.verdict, o.reason, o.infra, r.exit_code, parse_summary(r.output) or {}, out)
+    if r.error:
+        # The shell died. Evidence from outside the code under test decides: a pod gone or
+        # an execd unreachable raise here (the infrastructure's); a healthy pod and execd
+        # mean the suite's own processes did it (the code under test).
+        await asyncio.sleep(HEALTH_WAIT_S)
+        if sb.id:
+            await client.get(sb.id)
+        await sb.exec("true", timeout=STEP_TIMEOUT_S)
+        return (Verdict.FAILED, f"the suite's shell died (execd: {r.error}) while the pod "
+                "and execd stayed healthy", False, r.exit_code, {}, out)
+    try:
+        data: bytes | None = await sb.read(report)
+    except FileNotFound:
+        data = None
+    verdict, reason, summary = judge(data, tuple(test_ids), r.exit_code)
+    return verdict, reason, False, r.exit_code, summary, out
 
 
 async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
@@ -258,10 +362,11 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
                 namespace: str | None = None) -> GradeResult:
     """Grade `patch` for `task`: a never-used grading pod (or, with `reuse=True`, one the
     controller restored and checked), the official tests restored from the base commit, the
-    patch applied without test configuration, the suite run under the task's time limit.
+    patch applied without test configuration, the suite run under the task's time limit,
+    its JUnit report read against the official test ids.
 
-    passed / failed are verdicts on the patch (failing tests, a patch that does not apply, a
-    suite past its time limit). Anything the infrastructure did (pod lost, execd unreachable,
+    passed / failed are verdicts on the patch (failing or missing official tests, a patch
+    that does not apply, a suite past its time limit, a crash in a healthy pod). Anything the infrastructure did (pod lost, execd unreachable,
     acquire timeout, a killed run, the controller's 5xx) is retried on a new pod up to
     `attempts` pods in all and then answered as no_verdict: resample, never score 0. The
     caller's own errors (BadRequest, Unauthenticated, Forbidden) raise."""
@@ -273,6 +378,8 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
     pods: list[str] = []
     last: tuple[Verdict, str, bool, int | None, dict[str, int], str] | None = None
     excluded: list[Excluded] = []
+    ids: list[str] = []
+    suspicious = scan_patch(data)
     for n in range(1, attempts + 1):
         excluded = []
         stage = ["acquire"]
@@ -281,12 +388,12 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
         try:
             sb = await _acquire(client, task, job, acquire_timeout_s, namespace, reuse)
             pods.append(sb.pod or sb.id or "?")
-            last = await _grade_on(sb, task, data, excluded, stage)
+            last = await _grade_on(client, sb, task, data, excluded, stage, ids)
             verdict = last[0]
             if not last[2]:  # a verdict, or a no-verdict retrying cannot change
                 return GradeResult(verdict, last[1], last[3], last[4], last[5], n,
                                    tuple(errors), tuple(excluded), tuple(pods),
-                                   time.monotonic() - t0)
+                                   time.monotonic() - t0, suspicious, tuple(ids))
             errors.append(f"attempt {n} ({stage[0]}): {last[1]}")
         except SandmanError as e:
             if not is_infra(e):
@@ -302,7 +409,8 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
     code, summary, out = (last[3], last[4], last[5]) if last else (None, {}, "")
     return GradeResult(Verdict.NO_VERDICT, f"no verdict after {attempts} attempt(s); last: "
                        f"{errors[-1] if errors else '?'}", code, summary, out, attempts,
-                       tuple(errors), tuple(excluded), tuple(pods), time.monotonic() - t0)
+                       tuple(errors), tuple(excluded), tuple(pods), time.monotonic() - t0,
+                       suspicious, tuple(ids))
 
 
 # ---- preflight
@@ -324,10 +432,14 @@ async def preflight(client: AsyncClient, tasks: list[Task], **grade_kw: Any) -> 
             results[task.name] = (ref, None)
             dropped.append((task, f"reference patch: {ref.verdict}: {ref.reason}"))
             continue
+        if task.test_ids is None and ref.test_ids:
+            task = dataclasses.replace(task, test_ids=ref.test_ids)
         empty = await grade(client, task, b"", **grade_kw)
         results[task.name] = (ref, empty)
         if empty.verdict is not Verdict.FAILED:
             dropped.append((task, f"empty patch: {empty.verdict} (must fail): {empty.reason}"))
             continue
-        kept.append(task)
+        # The official test ids, as collected on the base: later gradings check these.
+        kept.append(task if task.test_ids is not None
+                    else dataclasses.replace(task, test_ids=ref.test_ids))
     return PreflightResult(kept, dropped, results)
