@@ -3,15 +3,15 @@
     tools/run_pytest.py [pytest args]          one pytest session with these arguments
     tools/run_pytest.py --split [pytest args]  the whole suite as two concurrent sessions
 
-`--split` (what `make test` runs): the real-node tier (`-m realnode`: its own test bed with the
-real node, the chart installed on it, tests/e2e) spends its ~20 minutes waiting on real pods,
-so it runs beside everything else (`-m "not realnode"`: the kwok test bed and the tests that
-need no cluster) instead of after it. The two sessions share nothing: each has its own state
-dir (`.testbed/pytest-<pid>[-real]`), ports and beds, and the two sets of tests are disjoint by
-marker. The other tier streams to the terminal; the real-node tier writes
-`.testbed/pytest-realnode.log`, printed in full when it ends. Either failing fails the run. An
-interrupt (Ctrl-C, SIGTERM) is passed to both as SIGINT so their fixtures stop the beds, and
-the runner waits for that before it exits.
+`--split` (what `make test` runs): the suite as three concurrent sessions (TIERS), because two
+of them mostly wait: the real-node tier (`-m realnode`: its own test bed with the real node, the
+chart installed on it, tests/e2e) waits ~20 minutes on real pods, the kwok bed's tier on the API
+server, while the tests that need neither are CPU-bound and take two workers. The sessions
+share nothing: each has its own state dir (`.testbed/pytest-<pid>[-real]`), ports and beds, and
+their tests are disjoint by marker. The first tier streams to the terminal; the others write
+`.testbed/pytest-<tier>.log`, printed in full when all have ended. Any tier failing fails the
+run. An interrupt (Ctrl-C, SIGTERM) is passed to every session as SIGINT so their fixtures stop
+the beds, and the runner waits for that before it exits.
 """
 
 from __future__ import annotations
@@ -23,7 +23,6 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-REAL_LOG = ROOT / ".testbed" / "pytest-realnode.log"
 # An interrupted session stops its beds in its fixtures' teardown (a real node takes ~30 s,
 # more on a loaded machine); after this it is killed.
 STOP_GRACE_S = 300
@@ -54,11 +53,28 @@ def _stop(procs: list[subprocess.Popen]) -> None:
             p.wait()
 
 
+# (name, marker expression, extra pytest args). Disjoint by marker, together the whole suite.
+# The first streams to the terminal, the others to their logs (printed when all have ended).
+TIERS = (
+    # The kwok bed's tests and the root-only ones (network namespaces with fixed names, the
+    # chroot, a throwaway containerd): one process, in order.
+    ("bed", "(testbed or netns) and not realnode", ()),
+    # Its own bed with the real node, the chart installed on it: waits on real pods.
+    ("realnode", "realnode", ()),
+    # No cluster, no root (what `make check` runs): CPU-bound, two workers.
+    ("check", "not testbed and not realnode and not netns", ("-n", "2")),
+)
+
+
+def _log(name: str) -> Path:
+    return ROOT / ".testbed" / f"pytest-{name}.log"
+
+
 def _split(args: list[str]) -> int:
     if any(a == "-m" or a.startswith("-m") and not a.startswith("--") for a in args):
         return _single(args)  # the caller chose its own selection
     cmd = [sys.executable, "-m", "pytest"]
-    REAL_LOG.parent.mkdir(parents=True, exist_ok=True)
+    _log("x").parent.mkdir(parents=True, exist_ok=True)
     procs: list[subprocess.Popen] = []
     got_signal: list[int] = []
 
@@ -68,38 +84,50 @@ def _split(args: list[str]) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     t0 = time.monotonic()
-    with REAL_LOG.open("w") as log:
-        try:
-            # Both in their own process group: a terminal's Ctrl-C reaches them through
-            # _stop only, once, so teardown is not interrupted a second time.
-            real = subprocess.Popen([*cmd, "-m", "realnode", *args], cwd=ROOT, stdout=log,
-                                    stderr=subprocess.STDOUT, process_group=0)
-            procs.append(real)
-            rest = subprocess.Popen([*cmd, "-m", "not realnode", *args], cwd=ROOT,
-                                    process_group=0)
-            procs.append(rest)
-            rc_rest = rest.wait()
-            if real.poll() is None:
-                print(f"\nrun_pytest: the other tests ended after {time.monotonic() - t0:.0f}s; "
-                      f"waiting for the real-node tier ({REAL_LOG})", flush=True)
-            rc_real = real.wait()
-        except KeyboardInterrupt:
-            print("\nrun_pytest: interrupted; stopping both sessions (their beds stop in "
-                  "teardown)", file=sys.stderr, flush=True)
-            _stop(procs)
-            return 130 if not got_signal else 128 + got_signal[0]
-        finally:
-            _stop(procs)  # nothing left running, whatever ended the wait
-    print(f"\n===== real-node tier (-m realnode), from {REAL_LOG} =====", flush=True)
-    sys.stdout.write(REAL_LOG.read_text(errors="replace"))
-    print(f"run_pytest: both tiers ended after {time.monotonic() - t0:.0f}s "
-          f"(not realnode: exit {rc_rest}, realnode: exit {rc_real})", flush=True)
+    rcs: dict[str, int] = {}
+    ended: dict[str, float] = {}
+    logs = []
+    try:
+        for i, (name, marks, extra) in enumerate(TIERS):
+            out = None
+            if i:
+                out = _log(name).open("w")
+                logs.append(out)
+            # Each in its own process group: a terminal's Ctrl-C reaches them through _stop
+            # only, once, so their teardown (stopping the beds) is not interrupted twice.
+            procs.append(subprocess.Popen([*cmd, "-m", marks, *extra, *args], cwd=ROOT,
+                                          stdout=out, stderr=subprocess.STDOUT if out else None,
+                                          process_group=0))
+        while len(rcs) < len(procs):
+            for (name, _m, _e), p in zip(TIERS, procs, strict=True):
+                if name not in rcs and p.poll() is not None:
+                    rcs[name], ended[name] = p.returncode, time.monotonic() - t0
+                    print(f"\nrun_pytest: tier {name} ended after {ended[name]:.0f}s "
+                          f"(exit {p.returncode}); {len(procs) - len(rcs)} still running",
+                          flush=True)
+            time.sleep(1)
+    except KeyboardInterrupt:
+        print("\nrun_pytest: interrupted; stopping every session (their beds stop in "
+              "teardown)", file=sys.stderr, flush=True)
+        _stop(procs)
+        return 130 if not got_signal else 128 + got_signal[0]
+    finally:
+        _stop(procs)  # nothing left running, whatever ended the wait
+        for f in logs:
+            f.close()
+    for name, marks, extra in TIERS[1:]:
+        print(f"\n===== tier {name} (-m \"{marks}\" {' '.join(extra)}), from {_log(name)} =====",
+              flush=True)
+        sys.stdout.write(_log(name).read_text(errors="replace"))
+    print("run_pytest: " + "; ".join(f"{n}: exit {rcs[n]} after {ended[n]:.0f}s"
+                                     for n, _m, _e in TIERS)
+          + f"; all ended after {time.monotonic() - t0:.0f}s", flush=True)
     failed = False
-    both_empty = rc_rest == NO_TESTS and rc_real == NO_TESTS
-    for name, rc in (("not realnode", rc_rest), ("realnode", rc_real)):
-        # With extra arguments (`make test PYTEST_ARGS=-k...`) one tier may select nothing.
-        if rc == NO_TESTS and (not args or both_empty):
-            print(f"make test: the {name} tier collected no tests (exit 5); refusing to call "
+    all_empty = all(rc == NO_TESTS for rc in rcs.values())
+    for name, rc in rcs.items():
+        # With extra arguments (`make test PYTEST_ARGS=-k...`) a tier may select nothing.
+        if rc == NO_TESTS and (not args or all_empty):
+            print(f"make test: tier {name} collected no tests (exit 5); refusing to call "
                   "that a pass", file=sys.stderr)
             failed = True
         elif rc not in (0, NO_TESTS):
