@@ -108,8 +108,11 @@ def test_shell_replaced_outside_the_watched_set_is_refused(execd_factory, hw):
     assert not got["ran"], got
     assert got["status"] != 200 or got["body"]["restored"] is not True, got
     # Retired for good: no later call starts the replaced shell either.
-    assert d.exec("true", timeout=10).get("exit_code") != 0
+    r = d.post("/exec", {"command": "true", "timeout": 10})
+    assert r.status_code == 503 and r.json()["retired"] is True, r.text
     assert not hw["mark"].exists()
+    got = d.get("/diff").json()
+    assert got["clean"] is False and got["changes"][-1]["kind"] == "retired", got
 
 
 def test_hidden_ready_named_pth_in_site_packages(execd_factory, hw):
