@@ -601,6 +601,8 @@ class ReadyCheck:
                 "disk_ms": round((now() - t1) * 1000, 3)}
 
     def check_fork(self, deadline):
+        if self.d.retired:  # the shell binary may be the previous holder's: never run it
+            return self.d.retired
         devnull = os.open(os.devnull, os.O_RDWR)
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
@@ -2342,6 +2344,8 @@ class Baseline(object):
                                          "why": "the shell binary is not the baseline's"})
                     if left:
                         d.retired = "restore failed: %s" % (left[0].get("why"),)
+                        with d.ready.lock:  # not ready from now on, no cached answer
+                            d.ready.last = None
                     else:
                         # A fresh shell drops shell-local state (cwd, functions, jobs).
                         d.bash = self.shell_bin[0]

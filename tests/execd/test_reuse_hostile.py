@@ -113,6 +113,7 @@ def test_shell_replaced_outside_the_watched_set_is_refused(execd_factory, hw):
     assert not hw["mark"].exists()
     got = d.get("/diff").json()
     assert got["clean"] is False and got["changes"][-1]["kind"] == "retired", got
+    assert d.get("/ready").status_code != 200 and not hw["mark"].exists()
 
 
 def test_hidden_ready_named_pth_in_site_packages(execd_factory, hw):
