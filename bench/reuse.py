@@ -16,6 +16,9 @@ interleaved in each repeat so they share the machine's noise:
   /restore      after an agent-like change (3 files edited, 2 added, 1 deleted, a package
                 directory installed into the venv, an exported variable, a background process),
                 then /diff must be clean again
+  root arm      /diff and /restore with `--baseline-scope root` over a root filesystem (the
+                grading task image's layers when cached in ~/.cache/sandman-testbed, else a
+                generated debootstrap-like tree) holding the same repository, in the same run
 
 It prints medians over --repeats and the ratios; with --write-docs it replaces the two
 sections of docs/benchmarks.md. --smoke: a 1,200-file repository, one repeat of two samples;
@@ -74,6 +77,47 @@ def make_repo(root: Path, files: int, seed: int = 15) -> None:
         subprocess.run(["git", "-C", str(root), "-c", "gc.auto=0", *cmd], check=True, env=env)
     (root / "notes.txt").write_text("untracked\n")
     (root / "src" / "pkg00" / "mod00" / "m00.pyc").write_bytes(b"\0ignored")
+
+
+IMAGE_GLOB = "images-grading-task-*/grading-task.tar"
+
+
+def make_rootfs(root: Path, files: int, smoke: bool) -> str:
+    """A root filesystem to watch whole: the cached grading task image's layers (an OCI
+    archive with a docker manifest), else `files` generated files in a debootstrap-like
+    layout. Returns what it is."""
+    import tarfile
+
+    cache = Path.home() / ".cache" / "sandman-testbed"
+    tars = sorted(cache.glob(IMAGE_GLOB)) if not smoke else []
+    root.mkdir(parents=True)
+    if tars:
+        with tarfile.open(tars[-1]) as outer:
+            manifest = json.load(outer.extractfile("manifest.json"))
+            for layer in manifest[0]["Layers"]:
+                with tarfile.open(fileobj=outer.extractfile(layer)) as t:
+                    members = [m for m in t.getmembers() if not m.isdev()
+                               and ".wh." not in m.name and not m.name.startswith("/")
+                               and ".." not in m.name.split("/")]
+                    t.extractall(root, members)  # our own cached image, paths checked
+        for d in ("proc", "sys", "dev/shm", "tmp", "root"):
+            (root / d).mkdir(parents=True, exist_ok=True)
+        return f"the grading task image ({tars[-1].parent.name})"
+    rnd = random.Random(7)
+    dirs = ["usr/bin", "usr/sbin", "usr/lib/x86_64-linux-gnu", "usr/lib/python3.11",
+            "usr/lib/python3.11/email", "usr/share/doc", "usr/share/locale/de/LC_MESSAGES",
+            "etc", "etc/apt", "var/lib/dpkg/info", "var/cache/debconf", "var/log", "run",
+            "root", "tmp", "dev/shm", "proc", "sys", "opt"]
+    for d in dirs:
+        (root / d).mkdir(parents=True, exist_ok=True)
+    for i in range(files):
+        d = dirs[i % 11]
+        sub = root / d / f"g{i // 400:03d}" if d.startswith("usr/") else root / d
+        sub.mkdir(exist_ok=True)
+        (sub / f"f{i:06d}").write_bytes(b"x" * rnd.choice((100, 1000, 4000, 20000)))
+    for name in ("bin", "sbin", "lib"):
+        os.symlink(f"usr/{name}", root / name)
+    return f"a generated debootstrap-like tree of {files} files"
 
 
 def make_venv(path: Path) -> Path:
@@ -154,6 +198,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.reuse", description=__doc__.split("\n")[0])
     ap.add_argument("--part", choices=("execd", "controller", "both"), default="both")
     ap.add_argument("--files", type=int, default=10000)
+    ap.add_argument("--rootfs-files", type=int, default=30000,
+                    help="root arm: files of the generated tree (without a cached image)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--samples", type=int, default=15, help="timed calls per repeat")
     ap.add_argument("--rounds", type=int, default=15, help="controller part: rounds")
@@ -164,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     docs.check_flags(ap, a)
     if a.smoke:
         # The agent-like change edits files of the second package: at least 1,200 files.
-        a.files, a.repeats, a.samples, a.rounds = 1200, 1, 2, 1
+        a.files, a.repeats, a.samples, a.rounds, a.rootfs_files = 1200, 1, 2, 1, 2000
     sections = []
     if a.part in ("execd", "both"):
         sections.append(execd_part(a))
@@ -201,20 +247,34 @@ def execd_part(a) -> str:
         execds.append(only)
         full = Execd(work, "full", "--workspace", str(repo), "--baseline-packages", str(sp))
         execds.append(full)
+        # The root arm: the same repository inside a root filesystem, watched whole.
+        rootfs = work / "rootfs"
+        what = make_rootfs(rootfs, a.rootfs_files, a.smoke)
+        rrepo = rootfs / "testbed"
+        shutil.copytree(repo, rrepo, symlinks=True)
+        n_root = sum(len(f) for _, _, f in os.walk(rootfs))
+        whole = Execd(work, "root", "--workspace", str(rrepo), "--root", str(rootfs),
+                      "--baseline-scope", "root", "--baseline-packages", "",
+                      "--baseline-copy-cap", str(64 << 20))
+        execds.append(whole)
+        base = whole.call("GET", "/diff")
+        assert base["clean"], base["changes"][:5]
         base = full.call("GET", "/diff")
         assert base["clean"], base["changes"][:5]
         rows: dict[str, list[float]] = {k: [] for k in (
-            "git", "diff_repo", "diff_all", "diff_dirty", "restore", "git_dirty")}
+            "git", "diff_repo", "diff_all", "diff_dirty", "restore", "git_dirty", "diff_root",
+            "restore_root")}
         entries = None
         parts: dict[str, list[float]] = {}
         for rep in range(a.repeats):
-            g, d1, d2 = [], [], []
+            g, d1, d2, d3 = [], [], [], []
             for _ in range(a.samples):  # interleaved: the same noise for all three
                 t = time.perf_counter()
                 subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], check=True,
                                stdout=subprocess.DEVNULL)
                 g.append(time.perf_counter() - t)
                 d1.append(only.timed("GET", "/diff")[0])
+                d3.append(whole.timed("GET", "/diff")[0])
                 dt, got = full.timed("GET", "/diff")
                 d2.append(dt)
                 for k, v in got["parts_ms"].items():
@@ -222,6 +282,14 @@ def execd_part(a) -> str:
             rows["git"].append(med(g))
             rows["diff_repo"].append(med(d1))
             rows["diff_all"].append(med(d2))
+            rows["diff_root"].append(med(d3))
+            rsp = rootfs / "usr" / "lib"
+            agent_change(whole, rrepo, rsp, rep)
+            dt, res = whole.timed("POST", "/restore", {})
+            assert res["restored"], res["left"]
+            rows["restore_root"].append(dt * 1000)
+            after = whole.call("GET", "/diff")
+            assert after["clean"], after["changes"][:5]
             agent_change(full, repo, sp, rep)
             t = time.perf_counter()
             subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], check=True,
@@ -273,7 +341,12 @@ def execd_part(a) -> str:
             f"| `GET /diff` after it ({entries} changes listed) | {m['diff_dirty']:.1f} | "
             f"{r['diff_dirty']:.2f}x |",
             f"| `POST /restore` of it (then `/diff` clean) | {m['restore']:.1f} | "
-            f"{r['restore']:.2f}x |", "",
+            f"{r['restore']:.2f}x |",
+            f"| `GET /diff`, `--baseline-scope root` ({n_root} files) | {m['diff_root']:.1f} | "
+            f"{r['diff_root']:.2f}x |",
+            f"| `POST /restore` of the same change there | {m['restore_root']:.1f} | "
+            f"{r['restore_root']:.2f}x |", "",
+            f"The root arm's root filesystem: {what}, the repository copied into it.", "",
             "Inside execd, `/diff` (repository + venv) spent a median of "
             + ", ".join(f"{statistics.median(v):.1f} ms on {k.replace('_', ' and ')}"
                         for k, v in parts.items()) + ".", "",

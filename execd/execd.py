@@ -80,6 +80,8 @@ PREAUTH_IDLE = 10.0  # idle limit of a connection that has not authenticated
 BODY_DEADLINE = 30.0  # a request body must arrive within this (slow clients get 408)
 READY_BUDGET = 2.0  # /ready answers within this, or fails
 READY_CACHE = 1.0  # at most one readiness check a second, whoever asks
+# Read as bash and the dynamic loader start, before any command of ours runs.
+SHELL_STARTUP_VARS = ("BASH_ENV", "ENV", "LD_PRELOAD", "LD_LIBRARY_PATH", "LD_AUDIT")
 READY_PROBE_PREFIX = ".sandman-ready-"  # /ready's write probe file where O_TMPFILE is missing
 PIPE_SIZE = 1 << 20
 READ_SIZE = 1 << 20
@@ -389,7 +391,7 @@ class Shell:
         self.started = None
         self.fds = []
 
-    def spawn(self):
+    def spawn(self, bash):
         d = self.d
         in_r, in_w = os.pipe()
         out_r, out_w = os.pipe()
@@ -403,6 +405,10 @@ class Shell:
                 pass
         env = dict(d.base_env)
         env.pop(TAG_VAR, None)
+        # Read by bash or the dynamic loader as the shell starts: the files they name may be
+        # the previous holder's (a grading pod), so the shell starts without them and exports
+        # them for its commands once it runs (below).
+        startup = [(k, env.pop(k)) for k in SHELL_STARTUP_VARS if k in env]
         actions = [
             (os.POSIX_SPAWN_DUP2, devnull, 0),
             (os.POSIX_SPAWN_DUP2, out_w, 1),
@@ -417,7 +423,7 @@ class Shell:
         ready = b"@ready" + os.urandom(4).hex().encode()
         try:
             pid = os.posix_spawn(
-                d.bash, [d.bash, "--noprofile", "--norc", "/dev/fd/%d" % PROTO_FD, ready.decode()],
+                bash, [bash, "--noprofile", "--norc", "/dev/fd/%d" % PROTO_FD, ready.decode()],
                 env, file_actions=actions, setsid=True, setsigdef=sigs, setsigmask=[])
         finally:
             for fd in (in_r, out_w, st_w, dg_w, devnull):
@@ -447,8 +453,11 @@ class Shell:
         script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
                               "proto": PROTO_FD, "tag": TAG_VAR}
         cwd = d.workspace or os.getcwd()
-        text = ("builtin cd -- %s 2>/dev/null\n%s\n" % (
-            sh_quote(cwd.encode()).decode(), script)).encode()
+        exports = "".join("builtin export %s=%s\n" % (k, sh_quote(
+            v.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass"))
+            for k, v in startup)
+        text = ("%sbuiltin cd -- %s 2>/dev/null\n%s\n" % (
+            exports, sh_quote(cwd.encode()).decode(), script)).encode("utf-8", "surrogatepass")
         self.write_all(text, now() + 10)
         buf = bytearray()
         deadline = now() + 10
@@ -592,6 +601,8 @@ class ReadyCheck:
                 "disk_ms": round((now() - t1) * 1000, 3)}
 
     def check_fork(self, deadline):
+        if self.d.retired:  # the shell binary may be the previous holder's: never run it
+            return self.d.retired
         devnull = os.open(os.devnull, os.O_RDWR)
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
@@ -643,7 +654,8 @@ class ReadyCheck:
             if dev in seen:
                 continue
             seen.add(dev)
-            err = write_probe_file(path)
+            with self.d.probe_lock:  # the baseline walk never sees the named probe file
+                err = write_probe_file(path)
             if err is not None:
                 return err
         return None
@@ -706,6 +718,8 @@ class Daemon:
         self.resetting = False
         self.calls = 0
         self.shell = None
+        self.retired = None  # why this execd starts no shell any more (a failed restore)
+        self.probe_lock = threading.Lock()  # /ready's named probe file vs the baseline walk
         self.umask = os.umask(0o022)
         os.umask(self.umask)
         self.ready = ReadyCheck(self)
@@ -726,9 +740,11 @@ class Daemon:
             pass
         return None
 
-    def start_shell(self):
+    def start_shell(self, bash=None):
+        if self.retired:
+            raise HTTPError(503, "retired: %s" % self.retired, {"retired": True})
         sh = Shell(self)
-        sh.spawn()
+        sh.spawn(bash or self.bash)
         self.shell = sh
 
     def restart_shell(self):
@@ -1825,7 +1841,12 @@ def baseline_args(p):
     p.add_argument("--baseline-packages", default=BASELINE_PACKAGES,
                    help="':'-separated package roots (globs; dirs or files)")
     p.add_argument("--baseline-exclude", default=BASELINE_EXCLUDE,
-                   help="':'-separated paths never watched")
+                   help="':'-separated paths never watched (with --baseline-scope root: "
+                        "the pod's scratch mounts)")
+    p.add_argument("--baseline-scope", choices=("listed", "root"), default="listed",
+                   help="listed: the roots above; root: also the whole of --root except "
+                        "/proc, /sys, /dev (not /dev/shm), the store, execd's own dir and "
+                        "--baseline-exclude")
     p.add_argument("--baseline-localtime", default="/etc/localtime")
     p.add_argument("--baseline-rerecord", action="store_true",
                    help="let POST /baseline replace an existing baseline (tests, local use)")
@@ -1907,6 +1928,8 @@ class Baseline(object):
         self.stored_bytes = 0
         self.blobs = 0
         self.baseline_id = None
+        self.forced = set()  # roots watched although under an excluded path (/dev/shm)
+        self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
 
     # ---- roots
 
@@ -1920,6 +1943,9 @@ class Baseline(object):
         for p in _split_paths(self.args.baseline_paths):
             roots.append((p, "home" if p == os.path.realpath(os.path.expanduser("~"))
                           else "system"))
+        if self.args.baseline_scope == "root":
+            roots.append((os.path.join(self.d.root, "dev/shm"), "system"))
+            roots.append((self.d.root, "system"))
         seen, out = set(), []
         top = self.d.root.rstrip("/") + "/"
         for p, area in roots:
@@ -1943,6 +1969,12 @@ class Baseline(object):
         return False
 
     def walk(self, known=None):
+        # /ready's probe file (named where the filesystem lacks O_TMPFILE) exists only while
+        # its writer holds probe_lock: the walk never sees it, and no name is skipped.
+        with self.d.probe_lock:
+            return self._walk(known)
+
+    def _walk(self, known=None):
         """{path: (stat, area)} of everything under the roots (each path once, in the most
         specific root), the dirs that could not be read, and how many `known` entries were
         seen unchanged. With `known` (the baseline's entries, for /diff) an unchanged entry is
@@ -1954,7 +1986,7 @@ class Baseline(object):
         rootset = {p for p, _ in self.roots}
         skip = rootset.union(self.exclude)  # excluded dirs are never entered, so exact matches
         for root, area in sorted(self.roots, key=lambda r: -len(r[0])):
-            if root in out or self._excluded(root):
+            if root in out or (self._excluded(root) and root not in self.forced):
                 continue
             try:
                 st = os.lstat(root)
@@ -1976,9 +2008,7 @@ class Baseline(object):
                 with it:
                     for e in it:
                         p = e.path
-                        # /ready's write probe: named for a millisecond where the filesystem
-                        # lacks O_TMPFILE, never the sandbox's state.
-                        if p in skip or e.name.startswith(READY_PROBE_PREFIX):
+                        if p in skip:
                             continue
                         try:
                             st = e.stat(follow_symlinks=False)
@@ -2106,7 +2136,14 @@ class Baseline(object):
         t0 = now()
         with self.lock:
             self.exclude = _split_paths(self.args.baseline_exclude) + [self.store]
+            self.forced = set()
+            if self.args.baseline_scope == "root":
+                # execd's own dir is mounted read-only; pseudo filesystems are no state.
+                self.exclude += [os.path.join(self.d.root, x) for x in ("proc", "sys", "dev")]
+                self.exclude.append(os.path.dirname(os.path.realpath(__file__)))
+                self.forced.add(os.path.join(self.d.root, "dev/shm"))
             self.roots = self._roots()
+            self.shell_bin = _shell_binary(self.d.bash)
             self._reset_store()
             self.env = self.shell_env()
             self.base_env = dict(self.d.base_env)
@@ -2260,9 +2297,13 @@ class Baseline(object):
             self._need()
             changes = self._file_changes()
             t1 = now()
-            env = self.shell_env()
-            t2 = now()
-            changes += self._other_changes(env)
+            if self.d.retired:  # no shell runs any more: the files still tell what differs
+                t2 = now()
+                changes.append({"kind": "retired", "why": self.d.retired})
+            else:
+                env = self.shell_env()
+                t2 = now()
+                changes += self._other_changes(env)
         t3 = now()
         return {"clean": not changes, "changes": changes, "baseline_id": self.baseline_id,
                 "duration_ms": round((t3 - t0) * 1000, 3),
@@ -2282,14 +2323,34 @@ class Baseline(object):
                                 {"busy": True})
             try:
                 with d.files_lock:
+                    # Nothing of the old holder may run, or be read by the next shell as it
+                    # starts: processes go, files and the time zone come back and are checked
+                    # clean, and only then a shell starts, from the binary whose hash the
+                    # baseline recorded. Any failure retires this execd (no shell starts again,
+                    # the controller deletes the pod).
                     left = self._restore_processes()
-                    # A fresh shell drops shell-local state (cwd, functions, jobs).
                     d.base_env = dict(self.base_env)
                     d.reaper.reap()
-                    d.start_shell()
                     left += self._restore_files()
                     left += self._restore_tz()
-                    left += self._restore_env(self.shell_env(True))
+                    if not left:
+                        left += [{"kind": c["kind"], "path": c.get("path"),
+                                  "why": "differs after restore"}
+                                 for c in self._file_changes()]
+                    if not left:
+                        now_bin = _shell_binary(self.shell_bin[0])
+                        if now_bin != self.shell_bin:
+                            left.append({"kind": "shell", "path": self.shell_bin[0],
+                                         "why": "the shell binary is not the baseline's"})
+                    if left:
+                        d.retired = "restore failed: %s" % (left[0].get("why"),)
+                        with d.ready.lock:  # not ready from now on, no cached answer
+                            d.ready.last = None
+                    else:
+                        # A fresh shell drops shell-local state (cwd, functions, jobs).
+                        d.bash = self.shell_bin[0]
+                        d.start_shell(self.shell_bin[0])
+                        left += self._restore_env(self.shell_env(True))
             finally:
                 d.exec_lock.release()
             with d.cache_lock:  # a new holder must not see the old holder's answers
@@ -2461,6 +2522,15 @@ class Baseline(object):
         env = self.shell_env(True)
         return [{"kind": "env", "name": k, "why": "differs after restore"}
                 for k in sorted(set(env) | set(self.env)) if env.get(k) != self.env.get(k)]
+
+
+def _shell_binary(path):
+    """(realpath, sha256) of the shell binary; the hash is None where it cannot be read."""
+    real = os.path.realpath(path)
+    try:
+        return (real, file_sha256(real))
+    except (HTTPError, OSError):
+        return (real, None)
 
 
 def _tick(store):

@@ -1,0 +1,169 @@
+"""Checked reuse against a hostile previous holder.
+
+The grading verdict is a reward, so whoever held a grading pod before is an attacker against
+the next holder: each test plants something in the sandbox, releases it (/restore) and checks
+that the next holder's shell ran none of it, or that the restore refused (the controller then
+retires the pod). All roots are flags into tmp_path; the shell binary is a wrapper script in a
+temp bin dir (found through PATH), which stands in for bash and, where a test needs it, for the
+dynamic loader reading ld.so.preload.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REAL_BASH = shutil.which("bash")
+
+
+def wrapper(path: Path, body: str = "") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(f"#!{REAL_BASH}\n{body}\nexec {REAL_BASH} \"$@\"\n")
+    path.chmod(0o755)
+
+
+@pytest.fixture
+def hw(tmp_path):
+    """A root with a repo, etc, home, usr/local, usr/bin and a site-packages; a marker path
+    outside every watched root that the attacker's code creates when it runs."""
+    r = tmp_path / "root"
+    ws = r / "ws"
+    ws.mkdir(parents=True)
+    (ws / "f.py").write_text("x = 1\n")
+    etc = r / "etc"
+    etc.mkdir()
+    (etc / "hosts").write_text("127.0.0.1 localhost\n")
+    home = r / "home"
+    home.mkdir()
+    (home / ".bashenv").write_text("# declared by the image\n")
+    sp = r / "usr" / "lib" / "python3" / "site-packages"
+    sp.mkdir(parents=True)
+    (sp / "mod.py").write_text("")
+    for d in ("usr/local/bin", "usr/bin", "unwatched/bin"):
+        (r / d).mkdir(parents=True)
+    return {"root": r, "ws": ws, "etc": etc, "home": home, "sp": sp, "tmp": tmp_path,
+            "mark": tmp_path / "pwned", "store": tmp_path / "store"}
+
+
+def start(execd_factory, w, bindir: str, body: str = "", env=None, extra=()):
+    """execd whose shell is <root>/<bindir>/bash (a wrapper running `body` first)."""
+    wrapper(w["root"] / bindir / "bash", body)
+    e = {"HOME": str(w["home"]),
+         "PATH": f"{w['root'] / bindir}:{os.environ.get('PATH', '/usr/bin:/bin')}"}
+    e.update(env or {})
+    r = w["root"]
+    return execd_factory(
+        "--workspace", str(w["ws"]), "--root", str(r), "--kill-grace", "0.5",
+        "--baseline-at-start", "on", "--baseline-store", str(w["store"]),
+        "--baseline-paths", f"{w['etc']}:{w['home']}:{r}/usr/local:{r}/usr/bin",
+        "--baseline-packages", str(w["sp"]), "--baseline-localtime", str(w["etc"] / "lt"),
+        *extra, env=e)
+
+
+def sh(d, cmd: str) -> dict:
+    r = d.exec(cmd, timeout=30)
+    assert r["exit_code"] == 0, r
+    return r
+
+
+def released(d, w) -> dict:
+    """/restore as the controller calls it: the answer, and whether the attacker's code ran."""
+    if w["mark"].exists():
+        w["mark"].unlink()
+    r = d.post("/restore", {})
+    return {"status": r.status_code, "body": r.json() if r.status_code == 200 else r.text,
+            "ran": w["mark"].exists()}
+
+
+def next_holder_ok(d, w, got) -> None:
+    """Either the restore refused (pod retired) or it is clean and nothing of the attack ran."""
+    assert not got["ran"], got
+    if got["status"] != 200 or got["body"]["restored"] is not True:
+        return  # retired: the controller deletes the pod
+    r = d.get("/diff")
+    assert r.status_code == 200 and r.json()["clean"] is True, r.text
+    sh(d, "true")
+    assert not w["mark"].exists()
+
+
+@pytest.mark.parametrize("bindir", ["usr/local/bin", "usr/bin"])
+def test_shell_replaced_in_a_watched_bin_dir(execd_factory, hw, bindir):
+    d = start(execd_factory, hw, bindir)
+    bash = hw["root"] / bindir / "bash"
+    sh(d, f"printf '#!{REAL_BASH}\\ntouch {hw['mark']}\\nexec {REAL_BASH} \"$@\"\\n' > {bash}")
+    got = released(d, hw)
+    next_holder_ok(d, hw, got)
+    assert got["body"]["restored"] is True, got  # watched and copied: restored, not refused
+    assert hw["mark"].exists() is False and "touch" not in bash.read_text()
+
+
+def test_shell_replaced_outside_the_watched_set_is_refused(execd_factory, hw):
+    d = start(execd_factory, hw, "unwatched/bin")
+    bash = hw["root"] / "unwatched" / "bin" / "bash"
+    sh(d, f"printf '#!{REAL_BASH}\\ntouch {hw['mark']}\\nexec {REAL_BASH} \"$@\"\\n' > {bash}")
+    got = released(d, hw)
+    assert not got["ran"], got
+    assert got["status"] != 200 or got["body"]["restored"] is not True, got
+    # Retired for good: no later call starts the replaced shell either.
+    r = d.post("/exec", {"command": "true", "timeout": 10})
+    assert r.status_code == 503 and r.json()["retired"] is True, r.text
+    assert not hw["mark"].exists()
+    got = d.get("/diff").json()
+    assert got["clean"] is False and got["changes"][-1]["kind"] == "retired", got
+    assert d.get("/ready").status_code != 200 and not hw["mark"].exists()
+
+
+def test_hidden_ready_named_pth_in_site_packages(execd_factory, hw):
+    d = start(execd_factory, hw, "usr/local/bin")
+    pth = hw["sp"] / ".sandman-ready-x.pth"
+    sh(d, f"echo 'import os; os.system(\"touch {hw['mark']}\")' > {pth}")
+    got = d.get("/diff").json()
+    assert {"kind": "added", "path": str(pth), "type": "file", "area": "packages"} \
+        in got["changes"], got
+    next_holder_ok(d, hw, released(d, hw))
+    assert not pth.exists()
+
+
+def test_ld_so_preload_is_gone_before_the_new_shell_starts(execd_factory, hw):
+    # The baseline's shell reads <etc>/ld.so.preload at start, as the dynamic loader does.
+    preload = hw["etc"] / "ld.so.preload"
+    d = start(execd_factory, hw, "usr/local/bin", f"[ -f {preload} ] && . {preload}")
+    sh(d, f"echo 'touch {hw['mark']}' > {preload}")
+    next_holder_ok(d, hw, released(d, hw))
+    assert not preload.exists()
+
+
+@pytest.mark.parametrize("where", ["watched", "unwatched"])
+def test_bash_env_target_planted(execd_factory, hw, where):
+    target = hw["home"] / ".bashenv" if where == "watched" else hw["tmp"] / "bashenv"
+    target.write_text("# declared by the image\n")
+    d = start(execd_factory, hw, "usr/local/bin", env={"BASH_ENV": str(target),
+                                                        "ENV": str(target)})
+    sh(d, f"echo 'touch {hw['mark']}' >> {target}")
+    got = released(d, hw)
+    next_holder_ok(d, hw, got)
+    # The declared variables stay the holder's environment.
+    assert sh(d, "echo $BASH_ENV")["output"].strip() == str(target)
+
+
+def test_whole_root_scope_watches_usr_var_run_dev_shm(execd_factory, hw):
+    r = hw["root"]
+    for p in ("usr/share/doc/x", "var/cache/x", "run/x", "dev/shm/x", "dev/null-ish",
+              "proc/x", "sys/x", "root/.profile"):
+        (r / p).parent.mkdir(parents=True, exist_ok=True)
+        (r / p).write_text("base\n")
+    d = start(execd_factory, hw, "usr/local/bin", extra=("--baseline-scope", "root"))
+    sh(d, " && ".join(f"echo evil > {r / p}" for p in (
+        "usr/share/doc/x", "var/cache/x", "run/x", "dev/shm/x", "dev/null-ish", "proc/x",
+        "sys/x", "root/.profile")) + f" && echo new > {r}/var/new")
+    got = {c["path"] for c in d.get("/diff").json()["changes"] if "path" in c}
+    for p in ("usr/share/doc/x", "var/cache/x", "run/x", "dev/shm/x", "root/.profile",
+              "var/new"):
+        assert str(r / p) in got, (p, got)
+    for p in ("dev/null-ish", "proc/x", "sys/x"):
+        assert str(r / p) not in got, (p, got)
+    next_holder_ok(d, hw, released(d, hw))
+    assert (r / "var/cache/x").read_text() == "base\n" and not (r / "var/new").exists()
