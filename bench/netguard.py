@@ -18,6 +18,7 @@ import argparse
 import json
 import os
 import platform
+import resource
 import secrets
 import shutil
 import subprocess
@@ -32,6 +33,9 @@ from bench.stats import median
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## netguard: `python -m bench.netguard`"
 GOAL_MS = 100
+# CPU budget of netguard's own process (interpreter start included, the iptables-* children it
+# runs not: they are reported beside it). Every guarded pod's start waits on this process.
+CPU_BUDGET_MS = 30
 APPLY_ARGS = ["--allow-egress", "10.250.1.2:53", "--ingress-from", "10.250.1.2/32",
               "--verify-blocked", "10.250.1.2:8080"]
 
@@ -73,32 +77,48 @@ class Netns:
 
     def run(self, *cmd: str) -> float:
         """Wall-clock ms of `cmd` inside the pod namespace; raises if it fails."""
+        return self.run_cpu(*cmd)[0]
+
+    def run_cpu(self, *cmd: str) -> tuple[float, float]:
+        """(wall-clock ms, CPU ms) of `cmd` inside the pod namespace. The CPU is user + sys of
+        the whole process tree from getrusage(RUSAGE_CHILDREN) around the run: `ip netns exec`
+        execs the command in its own process, whose waited-for children (iptables-*) roll up
+        into it."""
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         p = subprocess.run(["ip", "netns", "exec", self.pod, *cmd], capture_output=True,
                            text=True, timeout=60, cwd=ROOT)
         ms = (time.perf_counter() - t0) * 1000
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
             raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.strip() or p.stdout.strip()}")
-        return ms
+        cpu = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1000
+        return ms, cpu
 
 
 def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
     status = tmp / f"{backend}.json"
     apply = [sys.executable, "-m", "netguard", "apply", "--backend", backend,
              "--status-file", str(status), *APPLY_ARGS]
-    first, again, phases = [], [], {}
+    first, again, phases, cpu_all, cpu_tools = [], [], {}, [], []
     for _ in range(runs):
         ns = Netns()
         try:
-            first.append(ns.run(*apply))
-            for k, v in json.loads(status.read_text())["timings_ms"].items():
+            wall, cpu = ns.run_cpu(*apply)
+            first.append(wall)
+            st = json.loads(status.read_text())
+            for k, v in st["timings_ms"].items():
                 phases.setdefault(k, []).append(v)
+            cpu_all.append(cpu)
+            cpu_tools.append(st["cpu_ms"]["children"])
             again.append(ns.run(*apply))
         finally:
             ns.close()
     med = {k: median(v) for k, v in phases.items()}
+    own = [a - t for a, t in zip(cpu_all, cpu_tools, strict=True)]
     return {
         "backend": backend, "runs": runs,
+        "cpu_ms": median(cpu_all), "cpu_tools_ms": median(cpu_tools), "cpu_own_ms": median(own),
         "first_ms": median(first), "first_min_ms": min(first), "first_max_ms": max(first),
         "again_ms": median(again),
         "phases_ms": med,
@@ -107,14 +127,13 @@ def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
 
 
 def bench_baseline(runs: int) -> dict:
-    """What the interpreter and the pyroute2 import cost on their own (same netns wrapper)."""
+    """What the interpreter costs on its own (same netns wrapper, same run)."""
     ns = Netns()
     try:
-        bare = [ns.run(sys.executable, "-c", "pass") for _ in range(runs)]
-        imp = [ns.run(sys.executable, "-c", "import pyroute2") for _ in range(runs)]
+        bare = [ns.run_cpu(sys.executable, "-c", "pass") for _ in range(max(runs, 5))]
     finally:
         ns.close()
-    return {"python_ms": median(bare), "python_pyroute2_ms": median(imp)}
+    return {"python_ms": median([w for w, _ in bare]), "python_cpu_ms": median([c for _, c in bare])}
 
 
 def report(results: list[dict], base: dict, runs: int) -> str:
@@ -132,9 +151,9 @@ def report(results: list[dict], base: dict, runs: int) -> str:
         f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}.",
         "",
         "| backend | whole process, first apply (min-max) | whole process, re-apply "
-        "| in-process: pyroute2 import + netinfo + backend detection | restore (both families) | read-back | probes "
-        "| **apply + self-verify** |",
-        "|---|---|---|---|---|---|---|---|",
+        "| in-process: netinfo + backend detection | restore (both families) | read-back | probes "
+        "| **apply + self-verify** | CPU: netguard's own process | CPU: its iptables-* children |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in results:
         p = r["phases_ms"]
@@ -142,18 +161,23 @@ def report(results: list[dict], base: dict, runs: int) -> str:
             f"| {r['backend']} | {r['first_ms']:.0f} ({r['first_min_ms']:.0f}-"
             f"{r['first_max_ms']:.0f}) | {r['again_ms']:.0f} | {p.get('detect', 0):.1f} "
             f"| {p.get('apply', 0):.1f} | {p.get('readback', 0):.1f} | {p.get('verify', 0):.1f} "
-            f"| **{r['apply_verify_ms']:.1f}** |")
+            f"| **{r['apply_verify_ms']:.1f}** | {r['cpu_own_ms']:.1f} | {r['cpu_tools_ms']:.1f} |")
     worst = max(r["apply_verify_ms"] for r in results)
+    worst_cpu = max(r["cpu_own_ms"] for r in results)
     lines += [
         "",
-        f"Baseline under the same `ip netns exec`: `python -c pass` {base['python_ms']:.0f} ms, "
-        f"`python -c 'import pyroute2'` {base['python_pyroute2_ms']:.0f} ms.",
+        f"Baseline under the same `ip netns exec`, same run: `python -c pass` "
+        f"{base['python_ms']:.0f} ms wall, {base['python_cpu_ms']:.1f} ms CPU.",
+        "CPU is user + sys from `getrusage(RUSAGE_CHILDREN)` around each first apply (the whole",
+        "process tree); the iptables-* children's share is what netguard's own `getrusage`",
+        "reports in its status file (`cpu_ms.children`), and netguard's own is the rest.",
         "",
         f"Goal <= {GOAL_MS} ms for apply + self-verify (restore, read-back, probes): "
-        f"{'met' if worst <= GOAL_MS else 'NOT met'} ({worst:.1f} ms worst median). The whole "
-        "process takes longer: most of it is the interpreter and importing pyroute2 (which "
-        "imports its whole package eagerly); the detection `iptables-save` runs overlap that "
-        "import.",
+        f"{'met' if worst <= GOAL_MS else 'NOT met'} ({worst:.1f} ms worst median). "
+        f"CPU budget <= {CPU_BUDGET_MS} ms for netguard's own process: "
+        f"{'met' if worst_cpu <= CPU_BUDGET_MS else 'NOT met'} ({worst_cpu:.1f} ms worst median; "
+        f"the interpreter alone {base['python_cpu_ms']:.1f} ms). The detection `iptables-save` "
+        "runs overlap the netlink read.",
         "",
     ]
     return "\n".join(lines)
@@ -181,7 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.write_docs:
         print(f"wrote {docs.write_section(section)}", file=sys.stderr)
     worst = max(r["apply_verify_ms"] for r in results)
-    return 0 if worst <= GOAL_MS else 1
+    worst_cpu = max(r["cpu_own_ms"] for r in results)
+    return 0 if worst <= GOAL_MS and worst_cpu <= CPU_BUDGET_MS else 1
 
 
 if __name__ == "__main__":

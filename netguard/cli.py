@@ -12,7 +12,6 @@ import datetime as dt
 import json
 import os
 import sys
-import tempfile
 import time
 
 from netguard import netinfo, verify, xtables
@@ -163,7 +162,9 @@ def write_status(path: str, status: dict) -> None:
         return
     d = os.path.dirname(path) or "."
     os.makedirs(d, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=".netguard-", dir=d)
+    # A fresh name in the same directory (tempfile and its imports would cost the start more).
+    tmp = os.path.join(d, f".netguard-{os.getpid()}-{os.urandom(6).hex()}")
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
             json.dump(status, f, indent=2, sort_keys=True)
@@ -173,6 +174,18 @@ def write_status(path: str, status: dict) -> None:
     except BaseException:
         os.unlink(tmp)
         raise
+
+
+def _cpu_ms() -> dict[str, float]:
+    """CPU (user + sys) so far: this process's, and its finished children's (the iptables-*
+    runs), so a start's cost can be told apart from the tools' (bench/netguard.py)."""
+    import resource
+
+    def ms(who: int) -> float:
+        r = resource.getrusage(who)
+        return round((r.ru_utime + r.ru_stime) * 1000, 2)
+
+    return {"self": ms(resource.RUSAGE_SELF), "children": ms(resource.RUSAGE_CHILDREN)}
 
 
 def cmd_apply(args: argparse.Namespace) -> int:
@@ -197,7 +210,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     found: dict[str, xtables.Tools] = {}
     try:
         t = time.perf_counter()
-        # The save processes run while pyroute2 imports and reads the addresses.
+        # The save processes run while netlink reads the addresses.
         pending = detect_start(args.backend)
         info = netinfo.read()
         chosen, found, live, missing = detect_finish(pending)
@@ -243,6 +256,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     finally:
         timings["total"] = round((time.perf_counter() - t_start) * 1000, 2)
         status["timings_ms"] = timings
+        status["cpu_ms"] = _cpu_ms()
         status["time"] = dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
         try:
             write_status(args.status_file, status)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import socket
 from dataclasses import dataclass, field
 
+from netguard import netlink
 from netguard.config import IPV4, IPV6
 
 _DISABLE_IPV6 = "/proc/sys/net/ipv6/conf/all/disable_ipv6"
@@ -29,27 +30,24 @@ def ipv6_enabled() -> bool:
 
 
 def read() -> NetInfo:
-    """Read links and addresses over netlink (pyroute2).
+    """Read links, addresses and default routes over netlink (netguard.netlink, stdlib).
 
     IPv4 always gets a ruleset. IPv6 gets one when any IPv6 address exists or IPv6 is enabled
     (an address can appear later, e.g. from a router advertisement): a family left unguarded is
     an open door, so doubt resolves to guarding it.
     """
-    from pyroute2 import IPRoute  # ~0.15 s to import: only `apply` pays it
-
     pod_ips: list[str] = []
     any_v6 = False
     v6_loopback = False
-    with IPRoute() as ipr:
-        names = {link["index"]: link.get("IFLA_IFNAME") for link in ipr.get_links()}
-        for a in ipr.get_addr():
-            addr = a.get("IFA_ADDRESS")
-            if a["family"] == socket.AF_INET6:
+    with netlink.Reader() as nl:
+        names = {link.index: link.name for link in nl.links()}
+        for a in nl.addrs():
+            if a.family == socket.AF_INET6:
                 any_v6 = True
-                v6_loopback = v6_loopback or addr == "::1"
-            if names.get(a["index"]) != "lo" and a["scope"] == 0 and addr:  # global scope
-                pod_ips.append(addr)
-        gateways = default_gateways(ipr)
+                v6_loopback = v6_loopback or a.address == "::1"
+            if names.get(a.index) != "lo" and a.scope == 0:  # global scope
+                pod_ips.append(a.address)
+        gateways = default_gateways(nl)
     enabled = ipv6_enabled()
     families = (IPV4, IPV6) if (any_v6 or enabled) else (IPV4,)
     # IPv4 first: the pod IP most callers use.
@@ -59,17 +57,15 @@ def read() -> NetInfo:
 
 def gateways() -> list[str]:
     """`default_gateways` of this netns, on its own (render and check)."""
-    from pyroute2 import IPRoute
-
-    with IPRoute() as ipr:
-        return default_gateways(ipr)
+    with netlink.Reader() as nl:
+        return default_gateways(nl)
 
 
 _MAIN_TABLE = 254
 _RTN_UNICAST = 1
 
 
-def default_gateways(ipr) -> list[str]:
+def default_gateways(nl: netlink.Reader) -> list[str]:
     """The next hops of the main table's default routes (IPv4, then IPv6; multipath next hops
     included), as the pod's own netns holds them. On a bridge CNI this is the bridge's address
     on the node, where the kubelet's probes come from. None found (a pod without a default
@@ -77,16 +73,13 @@ def default_gateways(ipr) -> list[str]:
     out: list[str] = []
     for fam in (socket.AF_INET, socket.AF_INET6):
         try:
-            routes = ipr.get_routes(family=fam)
-        except Exception:  # noqa: BLE001 - e.g. no IPv6 in this kernel: no v6 gateway
+            routes = nl.routes(fam)
+        except OSError:  # e.g. no IPv6 in this kernel: no v6 gateway
             if fam == socket.AF_INET:
                 raise
             continue
         for r in routes:
-            table = r.get_attr("RTA_TABLE") or r["table"]
-            if r["dst_len"] != 0 or table != _MAIN_TABLE or r["type"] != _RTN_UNICAST:
+            if r.dst_len != 0 or r.table != _MAIN_TABLE or r.type != _RTN_UNICAST:
                 continue
-            hops = [r.get_attr("RTA_GATEWAY")]
-            hops += [nh.get_attr("RTA_GATEWAY") for nh in r.get_attr("RTA_MULTIPATH") or []]
-            out += [h for h in hops if h and h not in out]
+            out += [h for h in r.gateways if h not in out]
     return out

@@ -8,7 +8,6 @@ rules for one netns would fight, so joining the one in use matters more than pre
 from __future__ import annotations
 
 import os
-import shutil
 import subprocess
 from dataclasses import dataclass
 
@@ -48,15 +47,25 @@ def _flavour(path: str) -> str | None:
     return "nft" if "nf_tables" in out else "legacy"
 
 
+def _which(name: str) -> str | None:
+    """shutil.which for a bare name (shutil, with its compression imports, costs every pod's
+    start more CPU than the lookup)."""
+    for d in os.environ.get("PATH", os.defpath).split(os.pathsep):
+        path = os.path.join(d or ".", name)
+        if os.path.isfile(path) and os.access(path, os.X_OK):
+            return path
+    return None
+
+
 def find_tools(backend: str, family: str) -> Tools:
     """Resolve `<prefix>-<backend>-save/restore` on PATH, else the unsuffixed pair if it is
     that backend. Raises XtablesError naming what is missing."""
     prefix = _PREFIX[family]
     found = {}
     for verb in ("restore", "save"):
-        path = shutil.which(f"{prefix}-{backend}-{verb}")
+        path = _which(f"{prefix}-{backend}-{verb}")
         if path is None:
-            plain = shutil.which(f"{prefix}-{verb}")
+            plain = _which(f"{prefix}-{verb}")
             if plain is not None and _flavour(plain) == backend:
                 path = plain
         if path is None:

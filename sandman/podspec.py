@@ -93,9 +93,8 @@ CONTAINER_KINDS = ("initContainers", "containers", "ephemeralContainers")
 TOKEN_FIELD_PATH = f"metadata.annotations['{ANNOTATION_TOKEN_SHA256}']"
 # The service-account admission plugin runs before webhooks and has already added this volume.
 SA_TOKEN_VOLUME_PREFIX = "kube-api-access-"
-# Injected init containers are sized like the paper's tiny ramp pods (0.1 vCPU, 128 MiB): a pod's
-# effective request is max(init containers, sum of containers), so they never raise it there.
-INJECTED_RESOURCES = {"cpu": "100m", "memory": "128Mi"}
+# Resources the injected init containers are sized by (injected_resources says how).
+SIZED_RESOURCES = ("cpu", "memory")
 # Fields the API server defaults on containers: kept when re-mutating, so the patch stays empty.
 _API_DEFAULTED = ("terminationMessagePath",)
 
@@ -367,8 +366,58 @@ def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
 GUARD_ARGS_TAIL = ("--ingress-from", f"$({NODE_IP_ENV})", "--ingress-from-gateway")
 
 
-def _injected_resources() -> dict:
-    return {"requests": dict(INJECTED_RESOURCES), "limits": dict(INJECTED_RESOURCES)}
+def format_quantity(value: Decimal, binary: bool) -> str:
+    """A quantity in the spelling the API server stores ("1500m", "2", "1536Mi", "1G")."""
+    if value == value.to_integral_value():
+        n = int(value)
+        suffixes = ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki", "E", "P", "T", "G", "M", "k") if binary else ()
+        for suffix in suffixes:
+            factor = int(_SUFFIXES[suffix])
+            if n and n % factor == 0:
+                return f"{n // factor}{suffix}"
+        return str(n)
+    for suffix in ("m", "u", "n"):
+        scaled = value / _SUFFIXES[suffix]
+        if scaled == scaled.to_integral_value():
+            return f"{int(scaled)}{suffix}"
+    return f"{int((value / _SUFFIXES['n']).to_integral_value(rounding='ROUND_CEILING'))}n"
+
+
+def injected_resources(pod: dict, policy: SandboxPolicy | None = None) -> dict:
+    """What each injected init container requests and limits: per resource, the sum over the
+    pod's containers of their requests (a container's limit when it sets no request, as the API
+    server defaults it), requests == limits. A pod's effective request is the larger of its
+    biggest init container and the sum of its containers, so this never raises it, keeps a
+    Guaranteed pod Guaranteed, and hands the init containers, which run before any container,
+    the whole pod's CPU and memory instead of a slice of it. A resource no container sets stays
+    unset (any value would raise the request of a pod that has none; make_sandbox has already
+    given every sandbox container its size). With `policy` (a sandbox), the containers count
+    as make_sandbox sizes them, so a container's unequal resources are its own refusal only."""
+    containers = (pod.get("spec") or {}).get("containers") or []
+    if policy is not None:
+        containers = [copy.deepcopy(c) for c in containers if isinstance(c, dict)]
+        for c in containers:
+            _equalize_resources(c, policy)
+    sized = {}
+    for name in SIZED_RESOURCES:
+        total, declared = Decimal(0), False
+        for c in containers:
+            res = (c.get("resources") or {}) if isinstance(c, dict) else {}
+            value = (res.get("requests") or {}).get(name)
+            if value is None:
+                value = (res.get("limits") or {}).get(name)
+            if value is None:
+                continue
+            try:
+                total += parse_quantity(value)
+            except ValueError:
+                continue  # the API server refuses the pod with its own message
+            declared = True
+        if declared:
+            sized[name] = format_quantity(total, binary=name == "memory")
+    if not sized:
+        return {}
+    return {"requests": dict(sized), "limits": dict(sized)}
 
 
 def _guard_security_context() -> dict:
@@ -393,20 +442,20 @@ def netguard_container(pod: dict, policy: SandboxPolicy) -> dict:
         "args": netguard_args(pod, policy),
         "env": [{"name": NODE_IP_ENV,
                  "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}}],
-        "resources": _injected_resources(),
+        "resources": injected_resources(pod, policy if judged_sandbox(pod) else None),
         "securityContext": _guard_security_context(),
         "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": RUN_DIR, "subPath": "run"}],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
 
-def execd_install_container(policy: SandboxPolicy) -> dict:
+def execd_install_container(pod: dict, policy: SandboxPolicy) -> dict:
     return {
         "name": EXECD_INSTALL_CONTAINER,
         "image": policy.image,
         "imagePullPolicy": "IfNotPresent",
         "command": ["python3", "-c", _INSTALL_SCRIPT],
-        "resources": _injected_resources(),
+        "resources": injected_resources(pod, policy),
         "securityContext": {
             "capabilities": {"drop": ["ALL"]},
             "privileged": False,
@@ -423,6 +472,9 @@ def _keep_defaulted(wanted: dict, existing: dict | None) -> dict:
     for key in _API_DEFAULTED:
         if existing and key in existing and key not in wanted:
             wanted[key] = existing[key]
+    # Equal quantities spelled differently (the API server's canonical form) are kept.
+    if existing and _same_resources(existing.get("resources"), wanted.get("resources")):
+        wanted["resources"] = existing["resources"]
     return wanted
 
 
@@ -446,13 +498,16 @@ def make_sandbox(pod: dict, policy: SandboxPolicy) -> dict:
     spec = out.setdefault("spec", {})
     index = sandbox_container_index(out)
     admit_controller(out, policy)
+    # The containers' sizes first: the injected init containers are sized by them.
+    for c in spec["containers"]:
+        _equalize_resources(c, policy)
     guard = netguard_container(out, policy) if guard_required(out, policy) else None
 
     spec["enableServiceLinks"] = False
     spec["automountServiceAccountToken"] = False
     _drop_injected_sa_token(spec)
     _ensure_volume(spec)
-    _ensure_init_containers(spec, guard, policy)
+    _ensure_init_containers(out, guard, policy)
 
     for c in spec.get("initContainers") or []:
         if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER):
@@ -519,14 +574,15 @@ def _ensure_volume(spec: dict) -> None:
     volumes.append({"name": SANDMAN_VOLUME, "emptyDir": {}})
 
 
-def _ensure_init_containers(spec: dict, guard: dict | None, policy: SandboxPolicy) -> None:
+def _ensure_init_containers(pod: dict, guard: dict | None, policy: SandboxPolicy) -> None:
+    spec = pod["spec"]
     inits = spec.get("initContainers") or []
     existing = {c.get("name"): c for c in inits}
     others = [c for c in inits if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER)]
     ours = []
     if guard is not None:
         ours.append(_keep_defaulted(guard, existing.get(NETGUARD_CONTAINER)))
-    ours.append(_keep_defaulted(execd_install_container(policy),
+    ours.append(_keep_defaulted(execd_install_container(pod, policy),
                                 existing.get(EXECD_INSTALL_CONTAINER)))
     spec["initContainers"] = ours + others
 
