@@ -55,9 +55,9 @@ from bench.stats import summarize
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## real node: `python -m bench.realnode`"
 TASK_IMAGE = "sandman.local/task:bookworm"
-# The injected init containers' request (sandman/sandbox.py INJECTED_RESOURCES) is each
-# sandbox's floor: sizes up to it cost the node nothing more, and a sandbox below it (25m)
-# would be throttled to 2.5 ms of CPU per 100 ms while python3 starts execd.
+# The paper's tiny size. The injected init containers take the sandbox's own size
+# (sandman/podspec.py injected_resources); below this (25m) python3 starting execd would be
+# throttled to 2.5 ms of CPU per 100 ms.
 CPU = "100m"
 MEMORY = "128Mi"
 TRAINER_CPU = "250m"
@@ -600,10 +600,8 @@ class Bench:
             spec = self.api.sanitize_for_serialization(p.spec)
             used += pod_request(spec, "cpu")
             used_mem += pod_request(spec, "memory")
-        from sandman.podspec import INJECTED_RESOURCES
-
-        per_cpu = max(quantity(CPU), quantity(INJECTED_RESOURCES["cpu"]))
-        per_mem = max(quantity(MEMORY), quantity(INJECTED_RESOURCES["memory"]))
+        # The injected init containers take the sandbox's own size: it is the whole request.
+        per_cpu, per_mem = quantity(CPU), quantity(MEMORY)
         fit = int(min((alloc - used) / per_cpu + 1e-9, (alloc_mem - used_mem) / per_mem))
         return alloc, used, fit
 

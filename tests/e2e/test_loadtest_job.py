@@ -24,7 +24,6 @@ from kubernetes.utils import parse_quantity
 from loadtest.audit import job_label
 from loadtest.job import TRAINERS_NS_LABEL, render
 from sandman import contract
-from sandman.podspec import INJECTED_RESOURCES as INJECTED
 from testbed import realnode
 from tests.e2e.helpers import SDK_CA, TASK_IMAGE, copy_ca, placement
 
@@ -57,10 +56,10 @@ def ceiling(e2e) -> dict:
                 - sum(_pod_request(p, "cpu") for p in pods))
     free_mem = (float(parse_quantity(alloc["memory"])) - float(parse_quantity(JOB_MEMORY))
                 - sum(_pod_request(p, "memory") for p in pods))
-    # The injected init containers' size (sandman.podspec.INJECTED_RESOURCES) is the floor.
-    per_cpu = max(float(parse_quantity(SANDBOX_CPU)), float(parse_quantity(INJECTED["cpu"])))
-    per_mem = max(float(parse_quantity(SANDBOX_MEMORY)),
-                  float(parse_quantity(INJECTED["memory"])))
+    # The injected init containers take the sandbox's own size (sandman.podspec
+    # injected_resources), so a sandbox's request is its own.
+    per_cpu = float(parse_quantity(SANDBOX_CPU))
+    per_mem = float(parse_quantity(SANDBOX_MEMORY))
     fit = {"cpu": int(free_cpu // per_cpu), "memory": int(free_mem // per_mem),
            "pods": int(alloc["pods"]) - len(pods) - 1}
     return {"fits": min(fit.values()), "by": fit, "allocatable_cpu": alloc["cpu"],
