@@ -278,6 +278,25 @@ def _sized_ok(c: str) -> str:
 
 
 RULES: list[Rule] = [
+    # What makes the pod judged never changes (sandbox._identity_rules).
+    # First: check_update judges these before anything else, and the API server reports
+    # the first validation that fails.
+    Rule("metadata-immutable",
+         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != "
+         f"{_q(SANDBOX_TRUE)} || variables.labelledSandbox",
+         f"'label {LABEL_SANDBOX}={SANDBOX_TRUE} cannot be removed or changed; a new pod is "
+         "needed'"),
+    Rule("metadata-immutable",
+         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
+         f"{_q(EGRESS_DENY)} || variables.deny",
+         f"'label {LABEL_EGRESS}={EGRESS_DENY} cannot be removed or changed; a new pod is "
+         "needed'"),
+    Rule("metadata-immutable",
+         "!variables.oldSandbox || "
+         + _same(f"variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]",
+                 f"variables.oldAnnotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"),
+         f"'annotation {ANNOTATION_TOKEN_SHA256} cannot change after create; a new pod is "
+         "needed'"),
     Rule("egress-label-invalid",
          f"!variables.egress.hasValue() || variables.egress.value() in "
          f"{_list([EGRESS_DENY, EGRESS_ALLOW])}",
@@ -335,6 +354,19 @@ RULES: list[Rule] = [
          "!variables.sandbox || "
          f"!variables.others.exists(c, c.name == {_q(NETGUARD_CONTAINER)})",
          f"{_G} + 'netguard must be initContainers[0]'"),
+    # podspec.RULES order: under hostNetwork the API server defaults hostPort to
+    # containerPort, so host-namespace must be reported before host-port.
+    Rule("host-namespace",
+         "!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || "
+         "object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))",
+         "'hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\\'s "
+         "network guard and isolation'"),
+    Rule("privileged",
+         "!variables.guarded || !variables.everyContainer.exists(c, "
+         "c.?securityContext.?privileged.orValue(false) == true)",
+         "'containers ' + variables.everyContainer.filter(c, "
+         "c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join(', ') + "
+         "' are privileged; a privileged container can undo every guard'"),
     Rule("capability-added",
          f"!variables.guarded || variables.others.all(c, {_added('c')}.size() == 0)",
          "'containers ' + variables.others.filter(c, "
@@ -391,23 +423,6 @@ RULES: list[Rule] = [
          "'sysctls ' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, "
          f"!(s.name in {_list(BASELINE_SYSCTLS)})).map(s, s.name).join(', ') + ' are not in "
          "Pod Security baseline\\'s safe set'"),
-    # What makes the pod judged never changes (sandbox._identity_rules).
-    Rule("metadata-immutable",
-         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != "
-         f"{_q(SANDBOX_TRUE)} || variables.labelledSandbox",
-         f"'label {LABEL_SANDBOX}={SANDBOX_TRUE} cannot be removed or changed; a new pod is "
-         "needed'"),
-    Rule("metadata-immutable",
-         f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
-         f"{_q(EGRESS_DENY)} || variables.deny",
-         f"'label {LABEL_EGRESS}={EGRESS_DENY} cannot be removed or changed; a new pod is "
-         "needed'"),
-    Rule("metadata-immutable",
-         "!variables.oldSandbox || "
-         + _same(f"variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]",
-                 f"variables.oldAnnotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"),
-         f"'annotation {ANNOTATION_TOKEN_SHA256} cannot change after create; a new pod is "
-         "needed'"),
     Rule("sandbox-label",
          "variables.isUpdate || !variables.installed || variables.labelledSandbox",
          f"'the pod carries sandman\\'s {EXECD_INSTALL_CONTAINER} but is not labelled "
@@ -430,17 +445,6 @@ RULES: list[Rule] = [
          "'containers ' + variables.judged.filter(c, "
          f"{_secret_env('c')}).map(c, c.name).join(', ') + ' take env from a Secret; "
          f"{_WHY_SECRET}'"),
-    Rule("privileged",
-         "!variables.guarded || !variables.everyContainer.exists(c, "
-         "c.?securityContext.?privileged.orValue(false) == true)",
-         "'containers ' + variables.everyContainer.filter(c, "
-         "c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join(', ') + "
-         "' are privileged; a privileged container can undo every guard'"),
-    Rule("host-namespace",
-         "!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || "
-         "object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))",
-         "'hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\\'s "
-         "network guard and isolation'"),
     Rule("resources-unequal",
          f"!variables.sandbox || variables.sized.all(c, {_sized_ok('c')})",
          f"'containers ' + variables.sized.filter(c, !({_sized_ok('c')})).map(c, c.name)"

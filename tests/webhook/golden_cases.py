@@ -399,7 +399,9 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-apparmor-localhost-allowed", _edit(g, lambda p: (
         task_sc(appArmorProfile={"type": "Localhost", "localhostProfile": "sandbox"})(p),
         p["metadata"]["annotations"].update({apparmor_task: "localhost/sandbox"}))))
-    add("validate-procmount-unmasked-refused", _edit(g, task_sc(procMount="Unmasked")))
+    # API validation allows Unmasked only in a user namespace (hostUsers: false).
+    add("validate-procmount-unmasked-refused", _edit(g, lambda p: (
+        task_sc(procMount="Unmasked")(p), p["spec"].update(hostUsers=False))))
     add("validate-host-process-refused", _edit(g, task_sc(windowsOptions={"hostProcess": True})))
     c["validate-ephemeral-selinux-spc-t-refused"] = ephemeral(g, securityContext={
         "capabilities": {"drop": ["ALL"]}, "seLinuxOptions": {"type": "spc_t"}})

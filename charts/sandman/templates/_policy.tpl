@@ -83,6 +83,15 @@ variables:
 - name: secretsRefused
   expression: variables.sandbox && !variables.allowSecrets
 validations:
+- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true" || variables.labelledSandbox'
+  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/sandbox=true cannot be removed or changed; a new pod is needed'''
+  reason: Forbidden
+- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny" || variables.deny'
+  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/egress=deny cannot be removed or changed; a new pod is needed'''
+  reason: Forbidden
+- expression: '!variables.oldSandbox || (variables.annotations[?"sandman.dev/token-sha256"].hasValue() == variables.oldAnnotations[?"sandman.dev/token-sha256"].hasValue() && variables.annotations[?"sandman.dev/token-sha256"].orValue('''') == variables.oldAnnotations[?"sandman.dev/token-sha256"].orValue(''''))'
+  messageExpression: '''sandman metadata-immutable: '' + ''annotation sandman.dev/token-sha256 cannot change after create; a new pod is needed'''
+  reason: Forbidden
 - expression: '!variables.egress.hasValue() || variables.egress.value() in ["deny", "allow"]'
   messageExpression: '''sandman egress-label-invalid: '' + ''label sandman.dev/egress='' + variables.egress.value() + '' is neither deny nor allow; a mistyped deny would leave egress open'''
   reason: Forbidden
@@ -103,6 +112,12 @@ validations:
   reason: Forbidden
 - expression: '!variables.sandbox || !variables.others.exists(c, c.name == "sandman-netguard")'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''netguard must be initContainers[0]'''
+  reason: Forbidden
+- expression: '!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))'
+  messageExpression: '''sandman host-namespace: '' + ''hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\''s network guard and isolation'''
+  reason: Forbidden
+- expression: '!variables.guarded || !variables.everyContainer.exists(c, c.?securityContext.?privileged.orValue(false) == true)'
+  messageExpression: '''sandman privileged: '' + ''containers '' + variables.everyContainer.filter(c, c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join('', '') + '' are privileged; a privileged container can undo every guard'''
   reason: Forbidden
 - expression: '!variables.guarded || variables.others.all(c, c.?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())).size() == 0)'
   messageExpression: '''sandman capability-added: '' + ''containers '' + variables.others.filter(c, c.?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())).size() > 0).map(c, c.name).join('', '') + '' add capabilities; only netguard at initContainers[0] may add NET_ADMIN+NET_RAW (every container shares the pod\''s network and could undo the guard)'''
@@ -134,15 +149,6 @@ validations:
 - expression: '!variables.guarded || !variables.whole || object.spec.?securityContext.?sysctls.orValue([]).all(s, s.name in ["kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"])'
   messageExpression: '''sandman sysctl: '' + ''sysctls '' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, !(s.name in ["kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"])).map(s, s.name).join('', '') + '' are not in Pod Security baseline\''s safe set'''
   reason: Forbidden
-- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true" || variables.labelledSandbox'
-  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/sandbox=true cannot be removed or changed; a new pod is needed'''
-  reason: Forbidden
-- expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny" || variables.deny'
-  messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/egress=deny cannot be removed or changed; a new pod is needed'''
-  reason: Forbidden
-- expression: '!variables.oldSandbox || (variables.annotations[?"sandman.dev/token-sha256"].hasValue() == variables.oldAnnotations[?"sandman.dev/token-sha256"].hasValue() && variables.annotations[?"sandman.dev/token-sha256"].orValue('''') == variables.oldAnnotations[?"sandman.dev/token-sha256"].orValue(''''))'
-  messageExpression: '''sandman metadata-immutable: '' + ''annotation sandman.dev/token-sha256 cannot change after create; a new pod is needed'''
-  reason: Forbidden
 - expression: variables.isUpdate || !variables.installed || variables.labelledSandbox
   messageExpression: '''sandman sandbox-label: '' + ''the pod carries sandman\''s sandman-execd-install but is not labelled sandman.dev/sandbox=true'''
   reason: Forbidden
@@ -154,12 +160,6 @@ validations:
   reason: Forbidden
 - expression: '!variables.secretsRefused || !variables.judged.exists(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue())))'
   messageExpression: '''sandman secret-refused: '' + ''containers '' + variables.judged.filter(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue()))).map(c, c.name).join('', '') + '' take env from a Secret; a Secret of type service-account-token cannot be told from others at admission (the webhook\''s --allow-secrets admits them)'''
-  reason: Forbidden
-- expression: '!variables.guarded || !variables.everyContainer.exists(c, c.?securityContext.?privileged.orValue(false) == true)'
-  messageExpression: '''sandman privileged: '' + ''containers '' + variables.everyContainer.filter(c, c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join('', '') + '' are privileged; a privileged container can undo every guard'''
-  reason: Forbidden
-- expression: '!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))'
-  messageExpression: '''sandman host-namespace: '' + ''hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\''s network guard and isolation'''
   reason: Forbidden
 - expression: '!variables.sandbox || variables.sized.all(c, (c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))'
   messageExpression: '''sandman resources-unequal: '' + ''containers '' + variables.sized.filter(c, !((c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))).map(c, c.name).join('', '') + '' need cpu and memory requests == limits (Guaranteed QoS)'''
