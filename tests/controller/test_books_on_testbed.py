@@ -33,6 +33,13 @@ def forged(name: str) -> dict:
             "spec": {"containers": [{"name": "c", "image": IMAGE}]}}
 
 
+def _wait_gone(core, namespace: str, selector: str, timeout: float = 30) -> None:
+    deadline = time.monotonic() + timeout
+    while core.list_namespaced_pod(namespace, label_selector=selector).items:
+        assert time.monotonic() < deadline, f"pods {selector} not deleted within {timeout:g}s"
+        time.sleep(0.2)
+
+
 def test_forged_leased_pods_never_fill_the_caps_across_leader_starts(cluster, namespace,
                                                                        tmp_path):
     for i in range(5):
@@ -48,6 +55,9 @@ def test_forged_leased_pods_never_fill_the_caps_across_leader_starts(cluster, na
                 time.sleep(2)  # a sweep or two
                 for sb in got:
                     sb.release()
+                # A release answers before its delete lands; killed earlier, the next leader
+                # rightly adopts the still-leased pods as live and they fill the cap.
+                _wait_gone(cluster.core, namespace, f"{contract.LABEL_JOB}=other-{start}")
         finally:
             ctl.kill()
     for i in range(5):
