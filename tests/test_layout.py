@@ -8,6 +8,7 @@ dependency by accident. The shared starters live in testbed/ (docs/testbed.md, "
 from __future__ import annotations
 
 import ast
+import os
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -16,13 +17,14 @@ SKIP_DIRS = {"tests", ".venv", ".git"}
 
 def python_files_outside_tests() -> list[Path]:
     out = []
-    for path in sorted(ROOT.rglob("*.py")):
-        rel = path.relative_to(ROOT)
-        # Any hidden directory (.venv*, .git, .testbed, caches) is not source.
-        if rel.parts[0] in SKIP_DIRS or any(p.startswith(".") for p in rel.parts[:-1]):
-            continue
-        out.append(path)
-    return out
+    for dirpath, dirnames, filenames in os.walk(ROOT):
+        top = Path(dirpath) == ROOT
+        # Any hidden directory (.venv*, .git, .testbed, caches) is not source, and is never
+        # entered: a test bed running beside this test creates and removes state under it.
+        dirnames[:] = [d for d in dirnames
+                       if not d.startswith(".") and not (top and d in SKIP_DIRS)]
+        out += [Path(dirpath) / f for f in filenames if f.endswith(".py")]
+    return sorted(out)
 
 
 def imports_of_tests(source: str, filename: str) -> list[tuple[int, str]]:
