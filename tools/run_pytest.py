@@ -9,9 +9,10 @@ chart installed on it, tests/e2e) waits ~20 minutes on real pods, the kwok bed's
 server, while the tests that need neither are CPU-bound and take two workers. The sessions
 share nothing: each has its own state dir (`.testbed/pytest-<pid>[-real]`), ports and beds, and
 their tests are disjoint by marker. The first tier streams to the terminal; the others write
-`.testbed/pytest-<tier>.log`, printed in full when all have ended. Any tier failing fails the
-run. An interrupt (Ctrl-C, SIGTERM) is passed to every session as SIGINT so their fixtures stop
-the beds, and the runner waits for that before it exits.
+`.testbed/pytest-<tier>.log`, printed in full when all have ended. Then the `timing` tier
+(rates and lifetimes measured against the clock on a kwok bed) runs alone, streamed. Any tier
+failing fails the run. An interrupt (Ctrl-C, SIGTERM) is passed to every session as SIGINT so
+their fixtures stop the beds, and the runner waits for that before it exits.
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ def _stop(procs: list[subprocess.Popen]) -> None:
 TIERS = (
     # The kwok bed's tests and the root-only ones (network namespaces with fixed names, the
     # chroot, a throwaway containerd): one process, in order.
-    ("bed", "(testbed or netns) and not realnode", ()),
+    ("bed", "(testbed or netns) and not realnode and not timing", ()),
     # Its own bed with the real node, the chart installed on it: waits on real pods.
     ("realnode", "realnode", ()),
     # No cluster, no root (what `make check` runs): CPU-bound, two workers, at a lower CPU
@@ -66,6 +67,10 @@ TIERS = (
     ("check", "not testbed and not realnode and not netns", ("-n", "2")),
 )
 NICE = {"check": 10}
+# Run alone once the others have ended: they check rates and lifetimes against the clock,
+# which a machine busy with the other tiers' real pods skews (a pacing test saw 71 creates
+# in one second beside the real node's locust Job).
+ALONE = ("timing", "timing and not realnode", ())
 
 
 def _log(name: str) -> Path:
@@ -109,6 +114,12 @@ def _split(args: list[str]) -> int:
                           f"(exit {p.returncode}); {len(procs) - len(rcs)} still running",
                           flush=True)
             time.sleep(1)
+        # The timing tier, alone, streamed (its own kwok bed, ~5 s to start).
+        name, marks, extra = ALONE
+        print(f"\nrun_pytest: tier {name} (-m \"{marks}\"), alone", flush=True)
+        alone = subprocess.Popen([*cmd, "-m", marks, *extra, *args], cwd=ROOT, process_group=0)
+        procs.append(alone)
+        rcs[name], ended[name] = alone.wait(), time.monotonic() - t0
     except KeyboardInterrupt:
         print("\nrun_pytest: interrupted; stopping every session (their beds stop in "
               "teardown)", file=sys.stderr, flush=True)
@@ -123,7 +134,7 @@ def _split(args: list[str]) -> int:
               flush=True)
         sys.stdout.write(_log(name).read_text(errors="replace"))
     print("run_pytest: " + "; ".join(f"{n}: exit {rcs[n]} after {ended[n]:.0f}s"
-                                     for n, _m, _e in TIERS)
+                                     for n, _m, _e in (*TIERS, ALONE))
           + f"; all ended after {time.monotonic() - t0:.0f}s", flush=True)
     failed = False
     all_empty = all(rc == NO_TESTS for rc in rcs.values())

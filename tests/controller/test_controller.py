@@ -172,6 +172,7 @@ async def _fire(url: str, bodies: list[dict], delay_s: float = 0.0) -> list[tupl
         return await asyncio.gather(*(one(b) for b in bodies), return_exceptions=True)
 
 
+@pytest.mark.timing
 def test_pacing_600_acquires_at_50_per_second(cluster, namespace, ctl, figures):
     # burst 5, not 1: with a bucket of one token every late wake-up of the event loop (a few
     # ms under 600 open requests) is lost for good, and 50/s came out as 45.6/s.
@@ -206,6 +207,7 @@ def test_pacing_600_acquires_at_50_per_second(cluster, namespace, ctl, figures):
     assert abs(achieved - rate) / rate <= 0.05, f"achieved {achieved:.1f}/s"
 
 
+@pytest.mark.timing
 def test_fairness_small_job_not_starved(cluster, namespace, ctl, figures):
     c = ctl("--rate", "50", "--burst", "1", "--max-creating", "1000")
     big = [{"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "big"}] * 500
@@ -405,8 +407,10 @@ def test_sweep_deletes_unowned_controller_pods_only(cluster, namespace, ctl):
                 "spec": {"containers": [{"name": "c", "image": IMAGE}],
                          "terminationGracePeriodSeconds": 0}}
 
-    # As if a crashed create left it: the controller's label, no entry in any book.
+    # As if a crashed create left it: the labels the controller's create writes (a sandbox,
+    # the controller's), no entry in any book.
     cluster.core.create_namespaced_pod(namespace, pod("orphan", {
+        contract.LABEL_SANDBOX: "true",
         contract.LABEL_MANAGED_BY: contract.MANAGED_BY_CONTROLLER,
         contract.LABEL_NONCE: secrets.token_hex(4)}))
     # Another client's sandbox (the webhook admits these): never the controller's to sweep.

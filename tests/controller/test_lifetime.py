@@ -19,6 +19,9 @@ from sandman.client import AsyncClient, BadOwner, Client
 from testbed.controller import ControllerProc
 from testbed.procs import wait_for
 
+# Lifetimes and renewals of a few seconds, measured against the clock: the timing tier.
+pytestmark = pytest.mark.timing
+
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
 # Lifetimes of a few seconds keep these tests fast; the default minimum is 30 s.
 FLAGS = ["--min-lifetime", "1", "--default-lifetime", "60", "--max-lifetime", "120",
