@@ -1,18 +1,21 @@
 """Run pytest for the Makefile; a run that collects no test is a failure, said in one line.
 
     tools/run_pytest.py [pytest args]          one pytest session with these arguments
-    tools/run_pytest.py --split [pytest args]  the whole suite as two concurrent sessions
+    tools/run_pytest.py --split [pytest args]  the whole suite as concurrent sessions
 
-`--split` (what `make test` runs): the suite as three concurrent sessions (TIERS), because two
-of them mostly wait: the real-node tier (`-m realnode`: its own test bed with the real node, the
-chart installed on it, tests/e2e) waits ~20 minutes on real pods, the kwok bed's tier on the API
-server, while the tests that need neither are CPU-bound and take two workers. The sessions
-share nothing: each has its own state dir (`.testbed/pytest-<pid>[-real]`), ports and beds, and
-their tests are disjoint by marker. The first tier streams to the terminal; the others write
-`.testbed/pytest-<tier>.log`, printed in full when all have ended. Then the `timing` tier
-(rates and lifetimes measured against the clock on a kwok bed) runs alone, streamed. Any tier
-failing fails the run. An interrupt (Ctrl-C, SIGTERM) is passed to every session as SIGINT so
-their fixtures stop the beds, and the runner waits for that before it exits.
+`--split` (`make test-split`; `make test` runs one session): the suite as three concurrent
+sessions (TIERS), because two of them mostly wait: the real-node tier (`-m realnode`: its own
+test bed with the real node, the chart installed on it, tests/e2e) waits on real pods, the kwok
+bed's tier on the API server, while the tests that need neither are CPU-bound and take two
+workers. The sessions share nothing: each has its own state dir (`.testbed/pytest-<pid>[-real]`),
+ports and beds, and their tests are disjoint by marker. The first tier streams to the terminal;
+the others write `.testbed/pytest-<tier>.log`, printed in full when all have ended. Then the
+`timing` tier (rates and lifetimes measured against the clock on a kwok bed) runs alone,
+streamed. Any tier failing fails the run. On 2 cores the load average reached 10-13 and tests
+that measure time failed beside each other (pacing windows on the kwok bed, a webhook replica
+killed mid-burst on the real node): it is for machines with more cores. An interrupt (Ctrl-C,
+SIGTERM) is passed to every session as SIGINT so their fixtures stop the beds, and the runner
+waits for that before it exits.
 """
 
 from __future__ import annotations
