@@ -587,8 +587,21 @@ def test_uninstall_cleanup_under_its_rbac(cluster, namespace, helm, tmp_path):
             test_pod = next(a.split("=", 1)[1] for a in args if a.startswith("--test-pod="))
 
             def pod(name: str, ns: str, labels: dict) -> None:
-                core.create_namespaced_pod(ns, {"metadata": {"name": name, "labels": labels},
-                    "spec": {"containers": [{"name": "c", "image": "img"}]}})
+                body = {"metadata": {"name": name, "labels": labels},
+                        "spec": {"containers": [{"name": "c", "image": "img"}]}}
+                # The uninstalled release's books policy (only its controller may write the
+                # managed-by label) stays in the API server's admission cache for a moment
+                # after its deletion: retry that refusal only, bounded.
+                deadline = time.monotonic() + 20
+                while True:
+                    try:
+                        core.create_namespaced_pod(ns, body)
+                        return
+                    except ApiException as e:
+                        if (e.status != 403 or "books-labels" not in (e.body or "")
+                                or time.monotonic() > deadline):
+                            raise
+                        time.sleep(0.5)
 
             managed = {LABEL_MANAGED_BY: MANAGED_BY_CONTROLLER, LABEL_SANDBOX: "true"}
             for i in range(3):
