@@ -216,7 +216,9 @@ def auth_overhead(kubeconfig: Path, core, state: Path, n: int, rounds: int, run:
     core.create_namespaced_service_account(tenant, {"metadata": {"name": "trainer"}})
     role = f"bench-sandman-{tenant}"
     rbac.create_cluster_role({"metadata": {"name": role}, "rules": [
-        {"apiGroups": ["sandman.dev"], "resources": ["sandboxes", "sandboxes/prewarm"],
+        # sandboxes/stats: the wait for the pools below reads /v1/stats.
+        {"apiGroups": ["sandman.dev"],
+         "resources": ["sandboxes", "sandboxes/prewarm", "sandboxes/stats"],
          "verbs": ["create", "get", "list", "delete"]}]})
     rbac.create_cluster_role_binding({
         "metadata": {"name": role},
@@ -245,14 +247,19 @@ def auth_overhead(kubeconfig: Path, core, state: Path, n: int, rounds: int, run:
                     "image": IMAGE, "count": per + 5,
                     "spec": {"cpu": "100m", "memory": "128Mi"}})
                 r.raise_for_status()
-        for ctl in ctls:  # the pools filled
+        for (name, _flags, _https), ctl in zip(AUTH_ARMS, ctls, strict=True):  # pools filled
             deadline = time.monotonic() + 120
             with httpx.Client(timeout=60, headers=headers, verify=ctl.verify()) as cl:
-                while time.monotonic() < deadline:
-                    pools = cl.get(ctl.url + api.STATS.path).json().get("warm")
+                while True:
+                    r = cl.get(ctl.url + api.STATS.path)
+                    r.raise_for_status()  # a refusal is the bench's bug: never wait it out
+                    pools = r.json().get("warm")
                     if pools and all(v["warm"] >= per for v in pools.values()):
                         break
-                    time.sleep(0.5)
+                    if time.monotonic() > deadline:
+                        raise SystemExit(f"bench.controller: the {name} arm's pool did not "
+                                         f"fill to {per} in 120 s: {pools}")
+                    time.sleep(0.2)
         for _ in range(rounds):
             for (name, _flags, _https), ctl in zip(AUTH_ARMS, ctls, strict=True):
                 ids = []
