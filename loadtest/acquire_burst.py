@@ -10,6 +10,7 @@ watch adds POD_READY (create-to-Ready per pod) and the leak audit runs after the
 Shapes (--shape), played by `SandmanShape` (loadtest/shapes.py), advancing on what exists:
   burst64    64 acquires within 1 s, one cycle each (a training run's start)
   two-runs   2 x 64 within 1 s (two runs starting together: 128-132 creates/s)
+             (--run-users: the users of one run's start in these two, 64 by default)
   ramp       99, 250, 500, 1k, 2k, 4k, 8k, 12k concurrent sandboxes (--ramp-max caps it); users
              keep their sandbox across steps; a step that does not fill in --step-max-s ends
              the run, and that step is the ramp's answer
@@ -22,6 +23,7 @@ Shapes (--shape), played by `SandmanShape` (loadtest/shapes.py), advancing on wh
 
 from __future__ import annotations
 
+import argparse
 import time
 
 import gevent
@@ -37,6 +39,13 @@ HOLD_DEFAULT = {"burst64": 5.0, "two-runs": 5.0, "ramp": -1.0, "steady": 3.0}
 MAX_HOLD_S = 3600.0  # "until the run ends" is still bounded
 
 
+def _at_least_one(text: str) -> int:
+    n = int(text)
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"must be >= 1, not {n}")
+    return n
+
+
 @events.init_command_line_parser.add_listener
 def _args(parser) -> None:
     g = parser.add_argument_group("acquire_burst")
@@ -45,6 +54,8 @@ def _args(parser) -> None:
                    help="hold each sandbox this long (default: 5 for bursts, 3 for steady, "
                         "-1 = until the run ends for ramp)")
     g.add_argument("--commands", type=int, default=0, help="execd commands per sandbox")
+    g.add_argument("--run-users", type=_at_least_one, default=shapes.RUN_USERS,
+                   help="burst64, two-runs: the users of one run's start (default 64)")
     g.add_argument("--ramp-max", type=int, default=12000, help="highest ramp step to try")
     g.add_argument("--step-hold-s", type=float, default=10.0, help="ramp: hold each full step")
     g.add_argument("--step-max-s", type=float, default=300.0,
@@ -136,7 +147,7 @@ class SandmanShape(LoadTestShape):
                 o.shape, ramp_max=o.ramp_max, step_hold_s=o.step_hold_s,
                 step_max_s=o.step_max_s, budget_s=o.budget_s, steady_s=o.steady_s,
                 steady_base=_steady_base(o), burst_every_s=o.burst_every_s,
-                burst_s=max(_hold(o), 0) + 5.0)
+                burst_s=max(_hold(o), 0) + 5.0, run_users=o.run_users)
             RUN.plan = self.plan
             RUN.extra.update({"shape": o.shape, "locustfile": "acquire_burst",
                               "pacing": {"rate": o.pacing_rate or None,

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field
 # The paper's scale ramp (concurrent sandboxes).
 RAMP_STEPS = (99, 250, 500, 1000, 2000, 4000, 8000, 12000)
 SHAPES = ("burst64", "two-runs", "ramp", "steady")
+RUN_USERS = 64  # one training run's start (the paper's burst)
 
 
 @dataclass(frozen=True)
@@ -118,12 +119,19 @@ def steady(base: int, duration_s: float, burst_every_s: float, burst_n: int,
 
 def build(name: str, *, ramp_max: int = 12000, step_hold_s: float = 10.0,
           step_max_s: float = 300.0, budget_s: float = 300.0, steady_s: float = 120.0,
-          steady_base: int = 9, burst_every_s: float = 60.0, burst_s: float = 10.0) -> Plan:
+          steady_base: int = 9, burst_every_s: float = 60.0, burst_s: float = 10.0,
+          run_users: int = RUN_USERS) -> Plan:
+    """`run_users`: the users of one run's start in burst64 and two-runs (64, the paper's; a
+    smaller node takes a smaller run, the shape's form unchanged)."""
+    if run_users < 1:
+        raise ValueError(f"run_users must be >= 1, not {run_users}")
     if name == "burst64":
-        return Plan(burst(64, budget_s))
+        return Plan(burst(run_users, budget_s))
     if name == "two-runs":
         # Two runs starting together: 2 x 64 within one second (the paper's 128-132/s).
-        return Plan([Stage(128, 132.0, need="done", max_s=budget_s, label="two-runs")])
+        n = 2 * run_users
+        return Plan([Stage(n, n * 132.0 / 128, need="done", max_s=budget_s,
+                           label="two-runs")])
     if name == "ramp":
         steps = [n for n in RAMP_STEPS if n <= ramp_max]
         return Plan(ramp(steps or [ramp_max], step_hold_s, step_max_s))

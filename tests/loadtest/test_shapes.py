@@ -32,6 +32,14 @@ def test_two_runs_is_128_users_spawned_at_132_per_second():
     assert plan.tick(2, 128, 0, 128) is None
 
 
+def test_run_users_scales_both_bursts_and_zero_is_refused():
+    assert shapes.build("two-runs", run_users=12).tick(0, 0, 0, 0) == (24, 24.75)
+    plan = shapes.build("burst64", run_users=5)
+    assert plan.tick(0, 0, 0, 0) == (5, 5.0) and plan.stages[0].label == "burst5"
+    with pytest.raises(ValueError, match="run_users must be >= 1"):
+        shapes.build("burst64", run_users=0)
+
+
 def test_ramp_advances_only_when_the_step_is_live_and_held():
     plan = shapes.build("ramp", ramp_max=500, step_hold_s=10, step_max_s=100)
     assert [s.users for s in plan.stages] == [99, 250, 500]

@@ -106,6 +106,24 @@ def test_healthy_endpoint_passes_the_same_thresholds(fake, tmp_path):
     assert not summary["stages"][0]["timed_out"]
 
 
+@pytest.mark.parametrize("fake", [("ok", 0.0)], indirect=True)
+def test_run_users_scales_the_two_runs_shape(fake, tmp_path):
+    code, log, summary = run(tmp_path, fake.url, "--shape", "two-runs", "--run-users", "3")
+    assert code == 0, log[-3000:]
+    assert summary["stats"]["ACQUIRE /v1/sandboxes"]["requests"] == 6
+    assert [s["label"] for s in summary["stages"]] == ["two-runs"]
+
+
+def test_run_users_below_one_is_refused_in_one_line(tmp_path):
+    log = tmp_path / "locust.log"
+    code = locust("acquire_burst.py", ["--run-users", "0", "--controller-url",
+                                       "http://127.0.0.1:9"], log, timeout=60)
+    text = log.read_text()
+    assert code == 2, text[-3000:]
+    assert "argument --run-users: must be >= 1, not 0" in text, text[-3000:]
+    assert "Traceback" not in text
+
+
 def test_nothing_listening_fails_the_run(tmp_path):
     from testbed.procs import free_port
 
