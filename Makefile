@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain kubeconform helm lock kind-up kind-down lint check test test-split test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain kubeconform helm lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -68,12 +68,10 @@ testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cach
 
 test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 # SANDMAN_NO_SKIPS=1: a skipped test fails the run unless tests/conftest.py's ALLOWED_SKIPS lists it.
+# The suite in three phases (tools/run_pytest.py): check on 2 workers; the kwok bed's and the
+# real node's sessions side by side; the timing tests alone.
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included; a skip fails it
-	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py $(PYTEST_ARGS)
-
-test-split: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
-test-split: deps testbed-build lint  ## make test as concurrent sessions (kwok bed, real node, no-cluster tests on 2 workers), then the timing tests alone: for machines with more than 2 cores
-	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py --split $(PYTEST_ARGS)
+	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py --phased $(PYTEST_ARGS)
 
 e2e: REAL_NODE := 1
 e2e: deps testbed-build  ## the real-node suite: bed + real node + helm install, tests/e2e, uninstall, teardown

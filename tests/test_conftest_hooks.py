@@ -101,3 +101,45 @@ def test_tests_on_the_real_bed_get_its_crash_check_and_logs(tmp_path):
     assert "PASSED test_cases.py::test_without_a_bed" in out
     assert "ERROR test_cases.py::test_without_a_bed" not in out
     assert "ERROR test_cases.py::test_fails_on_the_bed" in out
+
+
+DUMP = '''
+import json, os
+
+def pytest_collection_finish(session):
+    with open(os.environ["TIER_DUMP"], "w") as f:
+        json.dump({i.nodeid: sorted({m.name for m in i.iter_markers()}) for i in session.items},
+                  f)
+'''
+
+
+def test_make_tests_tiers_are_disjoint_and_cover_the_suite(tmp_path):
+    """tools/run_pytest.py's phases, evaluated on the markers the whole collected suite really
+    carries: every test is in exactly one tier, so `make test` runs each test once."""
+    sys.path.insert(0, str(ROOT / "tools"))
+    try:
+        import run_pytest
+    finally:
+        sys.path.remove(str(ROOT / "tools"))
+    (tmp_path / "tierdump.py").write_text(DUMP)
+    dump = tmp_path / "items.json"
+    res = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p",
+                          "tierdump", "-p", "no:cacheprovider"], cwd=ROOT,
+                         env={**os.environ, "PYTHONPATH": f"{tmp_path}:{ROOT}",
+                              "TIER_DUMP": str(dump)}, capture_output=True, text=True,
+                         timeout=300)
+    assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
+    import json
+
+    items = json.loads(dump.read_text())
+    assert len(items) > 1000, len(items)
+    names = ("testbed", "realnode", "netns", "e2e", "timing")
+    tiers = [t for phase in run_pytest.PHASES for t in phase]
+    counts = {name: 0 for name, _m, _e in tiers}
+    for nodeid, marks in items.items():
+        env = {n: n in marks for n in names}
+        # The expressions use only these names, `and`, `or`, `not` and parentheses.
+        hits = [name for name, expr, _e in tiers if eval(expr, {"__builtins__": {}}, env)]  # noqa: S307
+        assert len(hits) == 1, (nodeid, marks, hits)
+        counts[hits[0]] += 1
+    assert all(counts.values()), counts  # no tier is empty
