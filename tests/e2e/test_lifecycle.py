@@ -90,8 +90,14 @@ def _managed_pods(inst) -> list[str]:
 
 def test_install_test_upgrade_uninstall(sandman, ns, figures, tmp_path):
     inst = sandman.inst
-    # `helm install --wait` (the fixture) returned: every replica Ready, the standby included.
+    # Every replica Ready, the standby included. This runs after the package's other tests,
+    # which kill replicas and upgrade (helm's --wait may return with one replica still
+    # starting), so the Deployments are given a bounded time to be whole again first.
+    deadline = time.monotonic() + 180
     deps = _deployments(inst)
+    while not all(_rolled_out(d) for d in deps.values()) and time.monotonic() < deadline:
+        time.sleep(1)
+        deps = _deployments(inst)
     assert set(deps) == {"webhook", "controller"}, sorted(deps)
     assert deps["webhook"]["status"].get("readyReplicas") == 3, deps["webhook"]["status"]
     assert deps["controller"]["status"].get("readyReplicas") == 2, deps["controller"]["status"]

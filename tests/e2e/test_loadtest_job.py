@@ -10,7 +10,7 @@ ceiling (from the node's allocatable and what is scheduled, and the peak of Runn
 seen), and the acquires, several times that ceiling, queue in the controller and the scheduler
 and are served as released sandboxes free room, within the acquire timeout. The paper's run
 start is 64 users (128 in two-runs); this node serves ~8 sandboxes per ~30 s wave, so 64 a
-run would take ~4 min here: 12 a run (24 acquires, over twice the ceiling) queue the same
+run would take ~4 min here: 8 a run (16 acquires, over twice the ceiling) queue the same
 way. The full size runs on a bigger cluster through `python -m loadtest.job`."""
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from sandman import contract
 from testbed import realnode
 from tests.e2e.helpers import SDK_CA, TASK_IMAGE, copy_ca, placement
 
-RUN_USERS = 12  # per run: 2 x 12 acquires, over twice what fits on the node at once
+RUN_USERS = 8  # per run: 2 x 8 acquires, over twice what fits on the node at once (7 here)
 RAISING = Path(__file__).resolve().parents[1] / "loadtest" / "files" / "raising.py"
 SANDBOX_CPU, SANDBOX_MEMORY = "100m", "128Mi"  # = the injected init containers' size
 
