@@ -12,6 +12,9 @@ from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import SANDMAN_IMAGE
 from sandman.podspec import GUARD_MODES, SandboxPolicy
 
+# A drain past the pod's termination grace period (30 s by default) ends in SIGKILL.
+MAX_DRAIN_SECONDS = 60.0
+
 
 def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--image", default=SANDMAN_IMAGE,
@@ -53,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--log-level", default="info")
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="larger reviews are answered 413 unread (default 1 MiB)")
+    serve.add_argument("--drain-seconds", type=float, default=0.0,
+                       help="on SIGTERM, keep serving this long with /readyz failing and "
+                            "every response closing its connection, then shut down (0: at "
+                            "once; the chart sets 5)")
     serve.add_argument("--request-read-seconds", type=float, default=None,
                        help="a request not received whole this long after its first byte "
                             "closes its connection (default 5)")
@@ -97,6 +104,8 @@ def main(argv: list[str] | None = None) -> int:
         from webhook import certs as certs_mod
         from webhook.server import serve as run
 
+        if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
+            parser.error(f"--drain-seconds must be between 0 and {MAX_DRAIN_SECONDS:g}")
         policy = policy_from(args)
         if args.self_signed_dir:
             d = certs_mod.self_signed_dir(args.self_signed_dir, args.dns or ["localhost"],
@@ -115,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         if max_body < 1 or read_s <= 0:
             parser.error("--max-body-bytes and --request-read-seconds must be positive")
         run(policy, args.host, args.port, cert, key, log_level=args.log_level.lower(),
-            max_body=max_body, read_seconds=read_s)
+            max_body=max_body, read_seconds=read_s, drain_seconds=args.drain_seconds)
         return 0
 
     if args.verb == "certs":

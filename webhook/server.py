@@ -19,6 +19,14 @@ headers may not exceed 64 KiB; otherwise the connection is closed. uvicorn alone
 for a request that trickles in, and each such connection holds one of the 512 slots of
 `limit_concurrency`, past which every review is answered 503. The body size bound is in
 webhook/app.py (413 before reading it). tests/webhook/test_bounds.py plays both with sockets.
+
+Drain (`--drain-seconds`, the chart sets 5): a deleted replica gets SIGTERM while its address
+is still in the Service's endpoints and the API server still holds kept-alive connections to
+it. Shutting down at once refused new connections and closed kept-alive ones under the API
+server's next call: a create failed ("failed calling webhook ... EOF") around a rollout. During
+the drain /readyz answers 503, every admission call is still served, and each response says
+`Connection: close`, so the API server's connections end after an answer, never under a call;
+then uvicorn's graceful shutdown. A second signal ends the drain at once.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ import os
 import socket
 import ssl
 import sys
+import threading
+import time
 
 import uvicorn
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
@@ -178,14 +188,47 @@ class TLSFiles:
             self.reload()
 
 
-class CloseOnReload:
-    """ASGI wrapper: `Connection: close` on responses of connections older than the cert."""
+class Drain:
+    """The drain's state: started on the first SIGTERM (see the module's docstring)."""
 
-    def __init__(self, app, tls: TLSFiles):
-        self.app, self.tls = app, tls
+    def __init__(self, seconds: float):
+        self.seconds = seconds
+        self.started: float | None = None
+
+    def not_ready(self) -> str | None:
+        return "draining: shutting down" if self.started is not None else None
+
+
+class DrainingServer(uvicorn.Server):
+    """uvicorn's server, whose first SIGTERM/SIGINT starts the drain instead of the shutdown."""
+
+    def __init__(self, config: uvicorn.Config, drain: Drain):
+        super().__init__(config)
+        self.drain = drain
+
+    def handle_exit(self, sig, frame) -> None:
+        if self.drain.seconds <= 0 or self.drain.started is not None:
+            return super().handle_exit(sig, frame)
+        self.drain.started = time.monotonic()
+        log.warning("webhook: signal %d: draining for %g s, then shutting down", sig,
+                    self.drain.seconds)
+        # uvicorn's loop polls should_exit; a timer thread setting it is what a signal does.
+        t = threading.Timer(self.drain.seconds, uvicorn.Server.handle_exit, (self, sig, None))
+        t.daemon = True
+        t.start()
+
+
+class CloseOnReload:
+    """ASGI wrapper: `Connection: close` on responses of connections older than the cert, and
+    on every response during a drain."""
+
+    def __init__(self, app, tls: TLSFiles, drain: Drain | None = None):
+        self.app, self.tls, self.drain = app, tls, drain
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or not self.tls.predates_reload(scope.get("client")):
+        draining = self.drain is not None and self.drain.started is not None
+        if scope["type"] != "http" or not (self.tls.predates_reload(scope.get("client"))
+                                           or draining):
             return await self.app(scope, receive, send)
 
         async def send_close(message):
@@ -210,14 +253,16 @@ def bind(host: str, port: int) -> socket.socket:
 
 def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
           log_level: str = "warning", max_body: int = MAX_BODY_BYTES,
-          read_seconds: float = REQUEST_READ_SECONDS) -> None:
+          read_seconds: float = REQUEST_READ_SECONDS, drain_seconds: float = 0.0) -> None:
     metrics = Metrics()
     tls = TLSFiles(cert, key, metrics)
-    app = create_app(policy, metrics, ready=tls.not_ready, background=tls.watch)
+    drain = Drain(drain_seconds)
+    app = create_app(policy, metrics, ready=lambda: drain.not_ready() or tls.not_ready(),
+                     background=tls.watch)
 
     sock = bind(host, port)
     config = uvicorn.Config(
-        CloseOnReload(AdmissionFastPath(app, policy, metrics, max_body=max_body), tls),
+        CloseOnReload(AdmissionFastPath(app, policy, metrics, max_body=max_body), tls, drain),
         log_level=log_level,
         access_log=False,
         # The C parser and loop: webhook CPU per pod create 0.88 ms instead of 1.51 with
@@ -227,6 +272,6 @@ def serve(policy: SandboxPolicy, host: str, port: int, cert: str, key: str,
         # Bounded work in flight: past this, uvicorn answers 503 instead of growing memory
         # (the paper's single 384 MiB webhook replica was OOM-killed under a burst).
         limit_concurrency=512, timeout_keep_alive=30, timeout_graceful_shutdown=5)
-    server = uvicorn.Server(config)
+    server = DrainingServer(config, drain)
     print(f"webhook: serving https://{host}:{sock.getsockname()[1]}", file=sys.stderr, flush=True)
     server.run(sockets=[sock])

@@ -1,9 +1,10 @@
 """The webhook as a process: real TLS on 127.0.0.1, the golden cases over HTTP, probes, metrics,
-certificate reload without a restart, Nagle."""
+certificate reload without a restart, Nagle, the drain on SIGTERM."""
 
 from __future__ import annotations
 
 import json
+import signal
 import socket
 import ssl
 import time
@@ -173,3 +174,59 @@ def test_admission_routes_are_the_fast_paths_only():
     app = create_app(SandboxPolicy(), Metrics())
     assert not {"/mutate", "/validate"} & {getattr(r, "path", None) for r in app.routes}
     assert set(AdmissionFastPath.ROUTES) == {"/mutate", "/validate"}
+
+
+def test_sigterm_drains_serving_then_exits_and_a_second_signal_ends_it(tmp_path):
+    """A deleted replica keeps answering admission calls for --drain-seconds while /readyz
+    fails (the pod leaves the Service), closing each connection after its answer; an
+    immediate shutdown refused the API server's next call on its kept-alive connection."""
+    server = start_webhook(tmp_path / "srv", "--drain-seconds", "3")
+    review, _ = load("mutate-minimal-default-size-and-guard")
+    try:
+        with httpx.Client(base_url=server.url, verify=ssl.create_default_context(
+                cafile=str(server.ca)), limits=httpx.Limits(keepalive_expiry=60)) as keep:
+            r = keep.post("/mutate", json=review)
+            assert r.status_code == 200 and r.headers.get("connection") != "close"
+            t0 = time.monotonic()
+            server.proc.send(signal.SIGTERM)
+            deadline = t0 + 2
+            while keep.get("/readyz").status_code != 503:
+                assert time.monotonic() < deadline, "/readyz still 200 during the drain"
+                time.sleep(0.05)
+            assert "draining" in keep.get("/readyz").text
+            for _ in range(3):  # served, each answer closing its connection
+                r = keep.post("/mutate", json=review)
+                assert r.status_code == 200 and r.json()["response"]["allowed"], r.text
+                assert r.headers.get("connection") == "close", r.headers
+            assert server.alive()
+        server.proc.wait(15)
+        assert time.monotonic() - t0 >= 2.5, "shut down before its drain ended"
+        assert "draining for 3 s" in server.log.read_text()
+    finally:
+        server.stop()
+
+    second = start_webhook(tmp_path / "second", "--drain-seconds", "60")
+    try:
+        second.proc.send(signal.SIGTERM)
+        with httpx.Client(base_url=second.url, verify=ssl.create_default_context(
+                cafile=str(second.ca))) as c:
+            deadline = time.monotonic() + 2
+            while c.get("/readyz").status_code != 503:
+                assert time.monotonic() < deadline, "/readyz still 200 during the drain"
+                time.sleep(0.05)
+        second.proc.send(signal.SIGTERM)
+        second.proc.wait(15)  # not the 60 s drain
+    finally:
+        second.stop()
+
+
+def test_drain_seconds_out_of_range_is_one_line(tmp_path):
+    from tests.cli import run_main
+    from webhook.__main__ import main
+
+    for bad in ("-1", "61"):
+        got = run_main(main, ["serve", "--self-signed-dir", str(tmp_path), "--port", "0",
+                              "--drain-seconds", bad])
+        assert got.returncode == 2, got
+        last = got.stderr.strip().splitlines()[-1]
+        assert "--drain-seconds must be between 0 and 60" in last, got.stderr
