@@ -289,6 +289,9 @@ def test_not_ready_within_budget_is_deleted_with_events(cluster, namespace, ctl)
              or not pods(cluster.core, namespace), 20, "the pod that never got ready to go")
 
 
+# The residual window below is about a millisecond on a quiet machine; beside the real node's
+# session 3 pods fell in it: the bound is a count within a time window, so it runs alone.
+@pytest.mark.timing
 def test_sigkill_mid_burst_then_restart_leaks_nothing(cluster, namespace, ctl):
     c = ctl("--rate", "20", "--burst", "1")
     cw = CreateWatch(cluster.kubeconfig, namespace)
