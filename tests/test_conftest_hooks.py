@@ -143,3 +143,7 @@ def test_make_tests_tiers_are_disjoint_and_cover_the_suite(tmp_path):
         assert len(hits) == 1, (nodeid, marks, hits)
         counts[hits[0]] += 1
     assert all(counts.values()), counts  # no tier is empty
+    # `make check` is the first phase's tier.
+    make = (ROOT / "Makefile").read_text()
+    line = next(ln for ln in make.splitlines() if ln.startswith("CHECK_MARKERS := "))
+    assert line.split(":= ", 1)[1] == run_pytest.CHECK, line
