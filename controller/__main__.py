@@ -22,6 +22,7 @@ from controller.leader import LeaderElector
 from controller.pacer import Limits
 from controller.routes import build_app
 from controller.settings import Settings, load_pod_template
+from sandman import contract
 from sandman.podspec import GUARD_MODES, SandboxPolicy
 
 log = logging.getLogger("controller")
@@ -108,6 +109,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-reuse", type=int, default=Settings.max_reuse,
                    help="a grading pod released with reuse goes back to its pool at most this "
                         "many times, then it is deleted (0: never reused)")
+    s.add_argument("--baseline-scope", choices=contract.BASELINE_SCOPES,
+                   default=Settings.baseline_scope,
+                   help="what execd watches in grading pods for checked reuse: root, the whole "
+                        "root filesystem (a change outside its copied roots retires the pod), "
+                        "or listed, its listed roots only (docs/execd.md)")
     s.add_argument("--books-key-file", default=None,
                    help="a secret of at least 16 bytes (a mounted Secret): the controller marks "
                         "each pod it creates with its HMAC, and adopts on a restart only pods "
@@ -170,6 +176,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                       else {}),
         tenants=args.auth == "kubernetes",
         max_reuse=args.max_reuse,
+        baseline_scope=args.baseline_scope,
         books_key=_read_key(args.books_key_file),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),

@@ -97,7 +97,9 @@ class Creator:
             container["workingDir"] = e.spec.workspace
         if e.spec.role == contract.ROLE_GRADING:
             # Only grading pods pay for execd's baseline (a copy of what restore writes back).
-            container["env"] = [{"name": contract.EXECD_BASELINE_ENV, "value": "on"}]
+            container["env"] = [{"name": contract.EXECD_BASELINE_ENV, "value": "on"},
+                                {"name": contract.EXECD_BASELINE_SCOPE_ENV,
+                                 "value": self.s.baseline_scope}]
         spec: dict = {
             "containers": [container],
             # A sandbox whose daemon died has lost its state: surface it, don't restart it.

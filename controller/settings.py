@@ -116,6 +116,9 @@ class Settings:
     conditions_egress_probe: str | None = None
     tenants: bool = False  # --auth kubernetes: job keys are `<tenant>.<job>`, pods labelled
     max_reuse: int = 8  # a grading pod goes back to its pool at most this many times
+    # execd's watched set in grading pods: root (the whole root filesystem; a change outside
+    # the copied roots retires the pod) or listed (execd's listed roots only).
+    baseline_scope: str = "root"
     restore_timeout: float = 120.0  # execd /restore of a released grading pod
     # --books-key-file: pods must carry its proof (create.proof) to enter the books; None:
     # the sandbox and managed-by labels alone (then the books policy must guard the labels).
@@ -124,6 +127,8 @@ class Settings:
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):
             raise ValueError("ready_check must be execd or pod")
+        if self.baseline_scope not in contract.BASELINE_SCOPES:
+            raise ValueError("baseline_scope must be listed or root")
         if self.node_pool_label and "=" not in self.node_pool_label:
             raise ValueError("node_pool_label must be key=value")
         self.pod_template = check_pod_template(self.pod_template)

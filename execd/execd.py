@@ -1809,6 +1809,8 @@ _BUSY_503 = (b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/jso
 # directory walk; /restore writes back the stored copies and re-records what it wrote.
 
 EXECD_BASELINE_ENV = "SANDMAN_BASELINE"  # copy of sandman/contract.py: "on" in grading pods
+EXECD_BASELINE_SCOPE_ENV = "SANDMAN_BASELINE_SCOPE"  # copy of sandman/contract.py
+BASELINE_SCOPES = ("listed", "root")  # copy of sandman/contract.py
 BASELINE_STORE = "/var/lib/sandman/baseline"
 BASELINE_PATHS = "/etc:/usr/local:/opt:~:/tmp"
 BASELINE_PACKAGES = ("/usr/lib/python3*/site-packages:/usr/lib/python3/dist-packages:"
@@ -1843,10 +1845,14 @@ def baseline_args(p):
     p.add_argument("--baseline-exclude", default=BASELINE_EXCLUDE,
                    help="':'-separated paths never watched (with --baseline-scope root: "
                         "the pod's scratch mounts)")
-    p.add_argument("--baseline-scope", choices=("listed", "root"), default="listed",
+    scope = os.environ.get(EXECD_BASELINE_SCOPE_ENV) or "listed"
+    p.add_argument("--baseline-scope", choices=BASELINE_SCOPES,
+                   default=scope if scope in BASELINE_SCOPES else "invalid",
                    help="listed: the roots above; root: also the whole of --root except "
                         "/proc, /sys, /dev (not /dev/shm), the store, execd's own dir and "
-                        "--baseline-exclude")
+                        "--baseline-exclude, watched without copies (default: $%s, "
+                        "which the controller sets in grading pods, else listed)"
+                        % EXECD_BASELINE_SCOPE_ENV)
     p.add_argument("--baseline-localtime", default="/etc/localtime")
     p.add_argument("--baseline-rerecord", action="store_true",
                    help="let POST /baseline replace an existing baseline (tests, local use)")
@@ -1944,8 +1950,9 @@ class Baseline(object):
             roots.append((p, "home" if p == os.path.realpath(os.path.expanduser("~"))
                           else "system"))
         if self.args.baseline_scope == "root":
-            roots.append((os.path.join(self.d.root, "dev/shm"), "system"))
-            roots.append((self.d.root, "system"))
+            # The rest of the root: watched, never copied (a change there retires the pod).
+            roots.append((os.path.join(self.d.root, "dev/shm"), "rest"))
+            roots.append((self.d.root, "rest"))
         seen, out = set(), []
         top = self.d.root.rstrip("/") + "/"
         for p, area in roots:
@@ -2151,7 +2158,7 @@ class Baseline(object):
             self.procs = self.processes()
             found, _, _ = self.walk()
             entries = {}
-            for p, (st, _area) in found.items():
+            for p, (st, area) in found.items():
                 link = None
                 if stat.S_ISLNK(st.st_mode):
                     try:
@@ -2160,7 +2167,13 @@ class Baseline(object):
                         link = None
                 ent = Entry(st, link)
                 if stat.S_ISREG(st.st_mode):
-                    self._copy(p, ent)
+                    if area == "rest":
+                        # The image's own tree (/usr, /var, ...): copying it would double the
+                        # pod's disk and delay its start; a restore deletes what was added
+                        # there and retires the pod on any other change.
+                        ent.why = "outside the copied roots"
+                    else:
+                        self._copy(p, ent)
                 entries[p] = ent
             self.entries = entries
             kids = {}
@@ -3039,6 +3052,10 @@ def main(argv=None):
     else:
         sys.stderr.write("execd: no token hash (%s or --token-sha256); refusing to start "
                          "(--insecure-no-token overrides)\n" % EXECD_TOKEN_ENV)
+        return 2
+    if args.baseline_scope not in BASELINE_SCOPES:
+        sys.stderr.write("execd: %s=%r: must be listed or root; refusing to start\n"
+                         % (EXECD_BASELINE_SCOPE_ENV, os.environ.get(EXECD_BASELINE_SCOPE_ENV)))
         return 2
     host, port = parse_listen(args.listen)
     if args.workspace:

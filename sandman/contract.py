@@ -61,6 +61,9 @@ ROLES = (ROLE_AGENT, ROLE_GRADING)
 ANNOTATION_REUSE_COUNT = f"{DOMAIN}/reuse-count"  # times the pod went back to a pool
 # In a grading pod's sandbox container: execd records its reuse baseline before it serves.
 EXECD_BASELINE_ENV = "SANDMAN_BASELINE"
+# Its watched set (execd --baseline-scope): `root`, the whole root filesystem, in grading pods.
+EXECD_BASELINE_SCOPE_ENV = "SANDMAN_BASELINE_SCOPE"
+BASELINE_SCOPES = ("listed", "root")
 
 # execd inside a sandbox.
 EXECD_PORT = 9470

@@ -178,6 +178,8 @@ def test_grading_pod_passes_the_webhook_mutation_unchanged(cluster, namespace, s
             cluster.core.read_namespaced_pod(sb.pod, namespace))
         env = pod["spec"]["containers"][0].get("env") or []
         assert {"name": contract.EXECD_BASELINE_ENV, "value": "on"} in env
+        # The whole root filesystem is watched by default.
+        assert {"name": contract.EXECD_BASELINE_SCOPE_ENV, "value": "root"} in env
         policy = SandboxPolicy()
         assert jsonpatch.make_patch(pod, make_sandbox(pod, policy)).patch == []
         assert check_sandbox(pod, policy) == []

@@ -1,7 +1,9 @@
-"""Checked reuse on the real node: a grading sandbox (real pod, execd as PID 1 with its default
-baseline over the workspace, /etc, /usr/local, /opt, $HOME, /tmp and the package dirs) is
-changed, released with reuse, handed out again with a new token and a clean /diff, 8 times,
-then deleted at the 9th release (--max-reuse 8, the controller's default)."""
+"""Checked reuse on the real node: a grading sandbox (real pod, execd as PID 1 with the baseline
+the controller gives grading pods: the whole root filesystem, copies of the workspace, /etc,
+/usr/local, /opt, $HOME, /tmp and the package dirs) is changed, released with reuse, handed out
+again with a new token and a clean /diff, 8 times, then deleted at the 9th release (--max-reuse
+8, the controller's default); and a tampered one comes back clean, to its tenant only, or is
+retired."""
 
 from __future__ import annotations
 
@@ -53,3 +55,91 @@ def test_grading_pod_reused_8_times_then_deleted(sandman, ns, figures):
         assert r["shell"] == ["unset", "644", "2"], (i, r["shell"])  # ls: 2 "No such" lines
     assert rounds[8]["reused"] is False
     figures.add("e2e: a grading pod reused 8 times, /diff clean after each, deleted at the 9th")
+
+
+# The previous holder as an attacker (tests/execd/test_reuse_hostile.py on a temp root, here on
+# the real image in a real pod): a shell planted first on PATH, a hidden `.pth` in the system
+# Python's package dir, an /etc/ld.so.preload and a library added under /usr/lib. All of it was
+# added, so the restore removes it and the pod is handed out again, clean.
+TAMPER_ADDED = r"""
+set -e
+printf '#!/usr/bin/bash\necho planted > /var/tmp/pwned-bash\nexec /usr/bin/bash "$@"\n' \
+    > /usr/local/bin/bash
+chmod 755 /usr/local/bin/bash
+echo "import os; open('/var/tmp/pwned-pth', 'w').write('x')" \
+    > /usr/lib/python3/dist-packages/.sandman-ready-x.pth
+echo evil > /usr/lib/libsandman-evil.so
+echo /usr/lib/libsandman-evil.so > /etc/ld.so.preload
+"""
+# Then the image's own shell replaced (in /usr/bin, outside every copied root): nothing to put
+# back, so the release retires the pod.
+TAMPER_IMAGE = r"""
+set -e
+cp /usr/bin/bash /var/tmp/bash.real
+printf '#!/var/tmp/bash.real\necho planted > /var/tmp/pwned-usr-bash\nexec /var/tmp/bash.real "$@"\n' \
+    > /var/tmp/bash.new
+chmod 755 /var/tmp/bash.new
+mv -f /var/tmp/bash.new /usr/bin/bash
+"""
+# What the next holder sees: no planted file, no marker, and its Python and shell ran none of it.
+LOOK = ("ls /usr/local/bin/bash /etc/ld.so.preload /usr/lib/libsandman-evil.so "
+        "/usr/lib/python3/dist-packages/.sandman-ready-x.pth /var/tmp/pwned-bash "
+        "/var/tmp/pwned-pth 2>&1 | grep -c 'No such'; python3 -c 'print(1)' 2>&1; "
+        "command -v bash")
+
+TAMPER = r"""
+import json, os
+from sandman.client import Client
+kw = dict(job="e2e-tamper", cpu="250m", memory="160Mi", timeout_s=150, role="grading",
+          reused_ok=True)
+res = {}
+step = os.environ["STEP"]
+with Client(timeout_s=120) as c:
+    sb = c.acquire(image=os.environ["TASK_IMAGE"], **kw)
+    res["pod"], res["warm"] = sb.pod, sb.warm
+    if step == "plant":
+        r = sb.exec(os.environ["TAMPER_ADDED"], timeout=60)
+        res["planted"] = [r.exit_code, r.output[-500:]]
+        res["dirty"] = len(sb._http.get("/diff").json()["changes"])
+        sb.release(reuse=True)
+        res["released_reused"] = sb.reused
+    elif step == "other-tenant":
+        sb.release()
+    else:
+        d = sb._http.get("/diff").json()
+        res["clean"], res["left"] = d["clean"], d["changes"][:5]
+        res["look"] = sb.exec(os.environ["LOOK"], timeout=60).output.split()
+        r = sb.exec(os.environ["TAMPER_IMAGE"], timeout=60)
+        res["replaced"] = [r.exit_code, r.output[-500:]]
+        sb.release(reuse=True)
+        res["released_reused"] = sb.reused
+print("E2E-RESULT " + json.dumps(res))
+"""
+
+
+def test_tampered_grading_pod_is_clean_or_retired_and_stays_with_its_tenant(sandman, ns,
+                                                                             figures):
+    env = dict(TAMPER_ADDED=TAMPER_ADDED, TAMPER_IMAGE=TAMPER_IMAGE, LOOK=LOOK)
+    plant = run_trainer(sandman, ns, "tamper-plant", TAMPER, timeout=400, STEP="plant", **env)
+    assert plant["planted"][0] == 0, plant
+    assert plant["dirty"] >= 5, plant
+    assert plant["released_reused"] is True, plant  # all of it was added: restorable
+
+    # Another tenant's grading of the same image and shape never gets the tenant's pod.
+    other = sandman.cluster.new_namespace("e2e-tamper-other")
+    try:
+        b = run_trainer(sandman, other, "tamper-other", TAMPER, timeout=400,
+                        STEP="other-tenant", **env)
+    finally:
+        sandman.cluster.delete_namespace(other)
+    assert b["pod"] != plant["pod"], (b, plant)
+
+    nxt = run_trainer(sandman, ns, "tamper-next", TAMPER, timeout=400, STEP="next", **env)
+    assert nxt["pod"] == plant["pod"] and nxt["warm"] is True, (nxt, plant)
+    assert nxt["clean"] is True, nxt["left"]
+    # 6 "No such file" lines, Python ran without the .pth or the preload, the image's bash.
+    assert nxt["look"] == ["6", "1", "/usr/bin/bash"], nxt["look"]
+    assert nxt["replaced"][0] == 0, nxt
+    assert nxt["released_reused"] is False, nxt  # /usr/bin/bash has no copy: retired
+    figures.add("e2e: a tampered grading pod (planted bash, .pth, ld.so.preload, library) came "
+                "back clean to its tenant only; with /usr/bin/bash replaced it was retired")

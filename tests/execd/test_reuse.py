@@ -409,6 +409,8 @@ def test_baseline_env_name_matches_contract_and_default_is_off(execd_factory, tm
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     assert mod.EXECD_BASELINE_ENV == contract.EXECD_BASELINE_ENV
+    assert mod.EXECD_BASELINE_SCOPE_ENV == contract.EXECD_BASELINE_SCOPE_ENV
+    assert mod.BASELINE_SCOPES == contract.BASELINE_SCOPES
     store = tmp_path / "s1"
     d = execd_factory("--baseline-store", str(store), "--baseline-paths", "",
                       "--baseline-packages", "")

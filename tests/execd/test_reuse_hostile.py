@@ -165,5 +165,51 @@ def test_whole_root_scope_watches_usr_var_run_dev_shm(execd_factory, hw):
         assert str(r / p) in got, (p, got)
     for p in ("dev/null-ish", "proc/x", "sys/x"):
         assert str(r / p) not in got, (p, got)
-    next_holder_ok(d, hw, released(d, hw))
-    assert (r / "var/cache/x").read_text() == "base\n" and not (r / "var/new").exists()
+    got = released(d, hw)
+    next_holder_ok(d, hw, got)
+    # The rest of the root has no copies: a changed file there retires the pod.
+    assert got["status"] == 200 and got["body"]["restored"] is False, got
+    why = {x["path"]: x["why"] for x in got["body"]["left"] if "path" in x}
+    assert "outside the copied roots" in why.get(str(r / "var/cache/x"), ""), got["body"]
+
+
+def test_whole_root_scope_restores_what_was_only_added(execd_factory, hw):
+    """Files added under /usr, /var, /run, /dev/shm (a planted library, a hidden .pth) need no
+    copy: the restore deletes them and the pod is clean for the next holder."""
+    r = hw["root"]
+    for p in ("usr/lib/x86_64-linux-gnu/libc.so.6", "var/lib/x", "dev/shm/.keep"):
+        (r / p).parent.mkdir(parents=True, exist_ok=True)
+        (r / p).write_text("base\n")
+    planted = ("usr/lib/x86_64-linux-gnu/libevil.so", "usr/lib/python3/dist-packages/x.pth",
+               "var/lib/new/y", "run/z", "dev/shm/w")
+    d = start(execd_factory, hw, "usr/local/bin", extra=("--baseline-scope", "root"))
+    sh(d, " && ".join(f"mkdir -p {(r / p).parent} && echo evil > {r / p}" for p in planted))
+    got = {c["path"]: c["area"] for c in d.get("/diff").json()["changes"] if "path" in c}
+    assert got.get(str(r / "var/lib/new/y")) == "rest", got
+    res = released(d, hw)
+    assert res["status"] == 200 and res["body"]["restored"] is True, res
+    next_holder_ok(d, hw, res)
+    assert not any((r / p).exists() for p in planted)
+    assert (r / "usr/lib/x86_64-linux-gnu/libc.so.6").read_text() == "base\n"
+
+
+def test_baseline_scope_from_the_environment_and_refused_when_garbled(execd_factory, hw,
+                                                                     tmp_path):
+    """SANDMAN_BASELINE_SCOPE (the controller sets root in grading pods) is the default scope;
+    a value that is neither scope stops execd at start instead of watching less."""
+    r = hw["root"]
+    (r / "var").mkdir(exist_ok=True)
+    d = start(execd_factory, hw, "usr/local/bin", env={"SANDMAN_BASELINE_SCOPE": "root"})
+    sh(d, f"echo new > {r}/var/new")
+    assert str(r / "var/new") in {c.get("path") for c in d.get("/diff").json()["changes"]}
+    import subprocess
+    import sys
+
+    from tests.execd.conftest import EXECD
+    res = subprocess.run([sys.executable, str(EXECD), "--insecure-no-token", "--listen",
+                          "127.0.0.1:0"], env={"SANDMAN_BASELINE_SCOPE": "everything",
+                                               "PATH": "/usr/bin:/bin"},
+                         capture_output=True, text=True, timeout=30)
+    assert res.returncode == 2, res
+    assert res.stderr == ("execd: SANDMAN_BASELINE_SCOPE='everything': must be listed or root; "
+                          "refusing to start\n"), res.stderr
