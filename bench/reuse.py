@@ -19,6 +19,8 @@ interleaved in each repeat so they share the machine's noise:
   root arm      /diff and /restore with `--baseline-scope root` over a root filesystem (the
                 grading task image's layers when cached in ~/.cache/sandman-testbed, else a
                 generated debootstrap-like tree) holding the same repository, in the same run
+                (what grading pods watch; the tree outside the repository is not copied)
+  /baseline     the record a grading pod makes before it serves, repository + venv and root
 
 It prints medians over --repeats and the ratios; with --write-docs it replaces the two
 sections of docs/benchmarks.md. --smoke: a 1,200-file repository, a venv without pip, a
@@ -247,7 +249,8 @@ def execd_part(a) -> str:
         only = Execd(work, "repo", "--workspace", str(repo), "--baseline-packages", "",
                      "--baseline-rerecord")
         execds.append(only)
-        full = Execd(work, "full", "--workspace", str(repo), "--baseline-packages", str(sp))
+        full = Execd(work, "full", "--workspace", str(repo), "--baseline-packages", str(sp),
+                     "--baseline-rerecord")
         execds.append(full)
         # The root arm: the same repository inside a root filesystem, watched whole.
         rootfs = work / "rootfs"
@@ -257,7 +260,7 @@ def execd_part(a) -> str:
         n_root = sum(len(f) for _, _, f in os.walk(rootfs))
         whole = Execd(work, "root", "--workspace", str(rrepo), "--root", str(rootfs),
                       "--baseline-scope", "root", "--baseline-packages", "",
-                      "--baseline-copy-cap", str(64 << 20))
+                      "--baseline-copy-cap", str(64 << 20), "--baseline-rerecord")
         execds.append(whole)
         base = whole.call("GET", "/diff")
         assert base["clean"], base["changes"][:5]
@@ -265,7 +268,8 @@ def execd_part(a) -> str:
         assert base["clean"], base["changes"][:5]
         rows: dict[str, list[float]] = {k: [] for k in (
             "git", "diff_repo", "diff_all", "diff_dirty", "restore", "git_dirty", "diff_root",
-            "restore_root")}
+            "restore_root", "record_all", "record_root")}
+        load0 = os.getloadavg()[0]
         entries = None
         parts: dict[str, list[float]] = {}
         for rep in range(a.repeats):
@@ -310,6 +314,12 @@ def execd_part(a) -> str:
             # it records again (--baseline-rerecord) instead of restoring them once more.
             only.call("POST", "/baseline", {})
             assert only.call("GET", "/diff")["clean"]
+            # What a grading pod does before it serves: record the baseline (a walk and the
+            # copies; the root arm copies only the repository).
+            for arm, key in ((full, "record_all"), (whole, "record_root")):
+                dt, rec = arm.timed("POST", "/baseline", {})
+                assert rec["recorded"], rec
+                rows[key].append(dt * 1000)
             print(f"repeat {rep + 1}/{a.repeats}: git {rows['git'][-1]:.1f} ms, /diff repo "
                   f"{rows['diff_repo'][-1]:.1f}, all {rows['diff_all'][-1]:.1f}, restore "
                   f"{rows['restore'][-1]:.1f}", file=sys.stderr)
@@ -324,9 +334,10 @@ def execd_part(a) -> str:
             f"`{cmd}`: a generated repository of {a.files} tracked files (~10k like a "
             f"SWE-bench task) plus untracked and ignored files, committed, and a venv of "
             f"{n_venv} files; medians of {a.repeats} repeats, each the median of "
-            f"{a.samples} interleaved calls (HTTP round trip included for execd). The machine "
-            "was shared by 8 helpers running tests and benchmarks: absolute times are noisy, "
-            "the ratios are what the run compares. execd ran "
+            f"{a.samples} interleaved calls (HTTP round trip included for execd; a baseline "
+            f"record: one per repeat). Load average {load0:.2f} at the start, "
+            f"{os.getloadavg()[0]:.2f} at the end; the ratios are what the run compares. "
+            "execd ran "
             + ("as PID 1 of its own PID namespace, as in a pod." if full.pid1 else
                "as a plain process: its process check scans every process of the host, "
                "more than in a pod.") + " The repository is packed (`git gc`), as a cloned "
@@ -347,7 +358,11 @@ def execd_part(a) -> str:
             f"| `GET /diff`, `--baseline-scope root` ({n_root} files) | {m['diff_root']:.1f} | "
             f"{r['diff_root']:.2f}x |",
             f"| `POST /restore` of the same change there | {m['restore_root']:.1f} | "
-            f"{r['restore_root']:.2f}x |", "",
+            f"{r['restore_root']:.2f}x |",
+            f"| `POST /baseline` (what a grading pod records before serving), repository + "
+            f"venv | {m['record_all']:.1f} | {r['record_all']:.2f}x |",
+            f"| `POST /baseline`, `--baseline-scope root` (copies of the repository only) | "
+            f"{m['record_root']:.1f} | {r['record_root']:.2f}x |", "",
             f"The root arm's root filesystem: {what}, the repository copied into it.", "",
             "Inside execd, `/diff` (repository + venv) spent a median of "
             + ", ".join(f"{statistics.median(v):.1f} ms on {k.replace('_', ' and ')}"

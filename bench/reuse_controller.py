@@ -17,6 +17,7 @@ container start: a real node's fresh acquisition is slower, and the ratio here i
 
 from __future__ import annotations
 
+import os
 import statistics
 import sys
 import time
@@ -34,6 +35,7 @@ SECTION = "## Checked reuse (controller): `python -m bench.reuse`"
 def measure(cluster: Cluster, workdir: Path, rounds: int) -> dict:
     """`rounds` interleaved fresh/reused rounds on `cluster` (its own namespace, stand-in and
     controller, all stopped after); latencies in seconds."""
+    load0 = os.getloadavg()[0]
     ns = cluster.new_namespace("bench-reuse")
     standin = Standin(cluster.core, ns, workdir / "standin").start()
     ctl = None
@@ -69,7 +71,8 @@ def measure(cluster: Cluster, workdir: Path, rounds: int) -> dict:
             ctl.stop()
         standin.stop()
         cluster.delete_namespace(ns)
-    return {"rounds": rounds, "fresh": fresh, "reused": reused, "give_back": give_back}
+    return {"rounds": rounds, "fresh": fresh, "reused": reused, "give_back": give_back,
+            "load": (load0, os.getloadavg()[0])}
 
 
 def run(rounds: int) -> dict:
@@ -91,7 +94,8 @@ def render(res: dict) -> str:
         SECTION, "",
         f"`make bench-reuse` (`python -m bench.reuse --rounds {rounds}`): the "
         "test bed (kwok, 2 nodes, the stand-in's real execd), medians of "
-        f"{rounds} interleaved rounds; the machine was shared by 8 helpers.", "",
+        f"{rounds} interleaved rounds; load average {res['load'][0]:.2f} at the start, "
+        f"{res['load'][1]:.2f} at the end.", "",
         "| measure | median ms | vs fresh |", "|---|---|---|",
         f"| acquire a fresh grading pod (`warm_ok=False`) | {f:.0f} | 1.00x |",
         f"| acquire the reused grading pod | {r:.0f} | {r / f:.2f}x |",

@@ -133,9 +133,9 @@ def main(argv: list[str] | None = None) -> int:
     lines = [
         SECTION, "",
         f"Produced by `{cmdline}` (from the repo root, venv python; `make bench-swerex`) "
-        f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs shared with 7 other helpers' "
-        f"work (load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end: "
-        f"noisy, compare the ratios, taken within one run), Python "
+        f"on {time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs "
+        f"(load average {load[0]:.1f} at the start, {os.getloadavg()[0]:.1f} at the end; "
+        f"compare the ratios, taken within one run), Python "
         f"{sys.version.split()[0]}, swe-rex 1.4.0, execd on 127.0.0.1 with a token. Each "
         f"figure is the median over {args.repeats} repeats of {args.calls} sequential "
         f"`run_in_session(BashAction(command=\"echo hi\", check=\"silent\"))` per target, "

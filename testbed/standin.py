@@ -132,12 +132,14 @@ class Standin:
         home.mkdir(parents=True, exist_ok=True)
         croot = self.conditions_root(name) if self.conditions_root else None
         # The reuse baseline (execd's /diff, /restore) covers this pod's own directory only:
-        # a stand-in must never restore, or delete additions in, the host's /etc or /tmp.
+        # a stand-in must never restore, or delete additions in, the host's /etc or /tmp (nor
+        # watch the host's whole root, whatever SANDMAN_BASELINE_SCOPE says).
         proc = Proc(f"execd-{name}", execd_cmd(
             ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
             "--root", self.root, "--workspace", str(home), "--baseline-at-start", "on",
             "--baseline-store", str(self.workdir / f"{name}.baseline"), "--baseline-paths", "",
-            "--baseline-packages", "", *(["--conditions-root", croot] if croot else [])),
+            "--baseline-packages", "", "--baseline-scope", "listed",
+            *(["--conditions-root", croot] if croot else [])),
             self.workdir / f"{name}.log", cwd=home).start()
         with self._lock:
             self.procs[name] = proc
