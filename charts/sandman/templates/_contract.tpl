@@ -10,6 +10,7 @@
 {{- define "sandman.contract.EGRESS_ALLOW" -}}allow{{- end -}}
 {{- define "sandman.contract.EGRESS_DENY" -}}deny{{- end -}}
 {{- define "sandman.contract.EXECD_BASELINE_ENV" -}}SANDMAN_BASELINE{{- end -}}
+{{- define "sandman.contract.EXECD_BASELINE_SCOPE_ENV" -}}SANDMAN_BASELINE_SCOPE{{- end -}}
 {{- define "sandman.contract.EXECD_DIR" -}}/sandman{{- end -}}
 {{- define "sandman.contract.EXECD_INSTALL_CONTAINER" -}}sandman-execd-install{{- end -}}
 {{- define "sandman.contract.EXECD_PATH" -}}/sandman/execd.py{{- end -}}
