@@ -82,5 +82,16 @@ def test_swe_agent_sequence_on_the_test_bed(cluster, namespace, stack):
     # stop() released it: the pod goes, and its execd with it.
     wait_for(lambda: pod not in {p.metadata.name for p in pods(cluster.core, namespace)
                                  if not p.metadata.deletion_timestamp}, 20, "release")
-    with Client(ctl.url) as cl, pytest.raises(SandboxGone):
-        cl.get(sid)
+    # The books keep a released sandbox as "deleting" until the watch shows its pod gone.
+    states = []
+
+    def gone(cl: Client) -> bool:
+        try:
+            states.append(cl.get(sid).state)
+        except SandboxGone:
+            return True
+        return False
+
+    with Client(ctl.url) as cl:
+        wait_for(lambda: gone(cl), 30, "the released sandbox answered as gone", interval=0.2)
+    assert set(states) <= {"deleting"}, states
