@@ -58,10 +58,12 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
-# control plane nor its binaries) and no root, in two pytest-xdist workers (one per core).
+# control plane nor its binaries) and no root, in CHECK_WORKERS pytest-xdist workers (more than
+# the 2 cores: about half of the tier's time is tests waiting, which other workers fill).
 CHECK_MARKERS := not testbed and not realnode and not netns and not e2e
+CHECK_WORKERS := 4
 check: lint  ## lint + every test that needs no test bed and no root (a few minutes on 2 cores)
-	$(VPY) tools/run_pytest.py -m "$(CHECK_MARKERS)" -n 2 $(PYTEST_ARGS)
+	$(VPY) tools/run_pytest.py -m "$(CHECK_MARKERS)" -n $(CHECK_WORKERS) $(PYTEST_ARGS)
 
 testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
 	$(VPY) -m testbed build

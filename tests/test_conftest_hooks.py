@@ -147,3 +147,5 @@ def test_make_tests_tiers_are_disjoint_and_cover_the_suite(tmp_path):
     make = (ROOT / "Makefile").read_text()
     line = next(ln for ln in make.splitlines() if ln.startswith("CHECK_MARKERS := "))
     assert line.split(":= ", 1)[1] == run_pytest.CHECK, line
+    line = next(ln for ln in make.splitlines() if ln.startswith("CHECK_WORKERS := "))
+    assert line.split(":= ", 1)[1] == run_pytest.CHECK_WORKERS, line

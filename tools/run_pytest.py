@@ -5,8 +5,8 @@
 
 `--phased`: the suite as sessions disjoint by marker, in three phases, each ending before the
 next starts:
-1. `check` (what `make check` runs: no cluster, no root) on two pytest-xdist workers: it is
-   CPU-bound and alone on the machine, so it takes both cores.
+1. `check` (what `make check` runs: no cluster, no root) on CHECK_WORKERS pytest-xdist
+   workers, alone on the machine: it takes both cores, and its waiting tests overlap.
 2. The two test beds side by side: `bed` (the kwok bed's tests and the root-only ones, in
    order) and `realnode` (its own bed with the real node, the chart installed on it,
    tests/e2e). Both mostly wait, one on the API server, the other on real pods, so together
@@ -37,13 +37,16 @@ ROOT = Path(__file__).resolve().parent.parent
 STOP_GRACE_S = 300
 NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 
-# The check tier's selection, as the Makefile's `make check` has it.
+# The check tier's selection and workers, as the Makefile's `make check` has them. More
+# workers than cores: about half of the tier's time is tests waiting (timeouts, retries,
+# subprocesses), which other workers' tests fill.
 CHECK = "not testbed and not realnode and not netns and not e2e"
+CHECK_WORKERS = "4"
 
 # (name, marker expression, extra pytest args), phase by phase. Disjoint by marker, together
 # the whole suite (tests/test_conftest_hooks.py checks both on the collected suite).
 PHASES: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = (
-    (("check", CHECK, ("-n", "2")),),
+    (("check", CHECK, ("-n", CHECK_WORKERS)),),
     (("bed", "(testbed or netns) and not realnode and not timing", ()),
      ("realnode", "realnode", ())),
     (("timing", "timing and not realnode", ()),),

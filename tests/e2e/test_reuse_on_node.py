@@ -122,7 +122,7 @@ def test_tampered_grading_pod_is_clean_or_retired_and_stays_with_its_tenant(sand
     env = dict(TAMPER_ADDED=TAMPER_ADDED, TAMPER_IMAGE=TAMPER_IMAGE, LOOK=LOOK)
     plant = run_trainer(sandman, ns, "tamper-plant", TAMPER, timeout=400, STEP="plant", **env)
     assert plant["planted"][0] == 0, plant
-    assert plant["dirty"] >= 5, plant
+    assert plant["dirty"] >= 4, plant  # the four files planted
     assert plant["released_reused"] is True, plant  # all of it was added: restorable
 
     # Another tenant's grading of the same image and shape never gets the tenant's pod.
