@@ -7,6 +7,7 @@ import os
 import shutil
 import signal
 import socket
+import time
 
 import pytest
 
@@ -85,10 +86,17 @@ def test_reset_wipes_workspace_only_when_asked(execd, tmp_path):
 
 def test_state_reports_shell_cwd_processes_guard(execd, tmp_path):
     execd.exec(f"cd {tmp_path}; sleep 100 &")
-    st = execd.state()
+    # The background job is a forked bash until it has exec'd sleep: a busy machine shows it
+    # between the two, so the state is read again until it names sleep (bounded).
+    deadline = time.monotonic() + 10
+    while True:
+        st = execd.state()
+        cmds = [p["cmd"] for p in st["processes"]]
+        if "sleep 100" in cmds or time.monotonic() > deadline:
+            break
+        time.sleep(0.05)
     assert st["cwd"] == str(tmp_path) and st["busy"] is False
     assert st["reaper"] in ("subreaper", "pid1")
-    cmds = [p["cmd"] for p in st["processes"]]
     assert "sleep 100" in cmds and any(p["shell"] for p in st["processes"])
     assert st["guard"] is None and st["uptime_s"] >= 0
     (tmp_path / "netguard.json").write_text(json.dumps({"applied": True, "rules": 3}))
