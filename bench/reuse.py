@@ -255,7 +255,7 @@ def execd_part(a) -> str:
         # The root arm: the same repository inside a root filesystem, watched whole.
         rootfs = work / "rootfs"
         what = make_rootfs(rootfs, a.rootfs_files, a.smoke)
-        rrepo = rootfs / "testbed"
+        rrepo = rootfs / "bench-repo"  # beside the image's own /testbed, when it has one
         shutil.copytree(repo, rrepo, symlinks=True)
         n_root = sum(len(f) for _, _, f in os.walk(rootfs))
         whole = Execd(work, "root", "--workspace", str(rrepo), "--root", str(rootfs),

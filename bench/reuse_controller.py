@@ -104,5 +104,5 @@ def render(res: dict) -> str:
         "kwok starts no container: a real node's fresh acquisition adds the image pull and "
         "container start, so the ratio here is a lower bound on what reuse saves. The "
         "stand-in's baseline covers the pod's own directory only; in a real grading pod "
-        "`/restore` also walks /etc, /usr/local, /opt, $HOME, /tmp and the package dirs "
-        "(the execd section above times a 10k-file repository plus a venv).", ""])
+        "`/restore` walks the whole root filesystem (`--baseline-scope root`: the execd "
+        "section above times it on the grading task image with a 10k-file repository).", ""])
