@@ -70,7 +70,7 @@ testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cach
 
 test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 # SANDMAN_NO_SKIPS=1: a skipped test fails the run unless tests/conftest.py's ALLOWED_SKIPS lists it.
-# The suite in three phases (tools/run_pytest.py): check on 2 workers; the kwok bed's and the
+# The suite in three phases (tools/run_pytest.py): check on CHECK_WORKERS workers; the kwok bed's and the
 # real node's sessions side by side; the timing tests alone.
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included; a skip fails it
 	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py --phased $(PYTEST_ARGS)
