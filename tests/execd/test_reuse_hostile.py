@@ -12,9 +12,13 @@ from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+
+from tests.execd.conftest import EXECD
 
 REAL_BASH = shutil.which("bash")
 
@@ -193,8 +197,7 @@ def test_whole_root_scope_restores_what_was_only_added(execd_factory, hw):
     assert (r / "usr/lib/x86_64-linux-gnu/libc.so.6").read_text() == "base\n"
 
 
-def test_baseline_scope_from_the_environment_and_refused_when_garbled(execd_factory, hw,
-                                                                     tmp_path):
+def test_baseline_scope_from_the_environment_and_refused_when_garbled(execd_factory, hw):
     """SANDMAN_BASELINE_SCOPE (the controller sets root in grading pods) is the default scope;
     a value that is neither scope stops execd at start instead of watching less."""
     r = hw["root"]
@@ -202,10 +205,6 @@ def test_baseline_scope_from_the_environment_and_refused_when_garbled(execd_fact
     d = start(execd_factory, hw, "usr/local/bin", env={"SANDMAN_BASELINE_SCOPE": "root"})
     sh(d, f"echo new > {r}/var/new")
     assert str(r / "var/new") in {c.get("path") for c in d.get("/diff").json()["changes"]}
-    import subprocess
-    import sys
-
-    from tests.execd.conftest import EXECD
     res = subprocess.run([sys.executable, str(EXECD), "--insecure-no-token", "--listen",
                           "127.0.0.1:0"], env={"SANDMAN_BASELINE_SCOPE": "everything",
                                                "PATH": "/usr/bin:/bin"},
