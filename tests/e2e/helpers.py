@@ -172,7 +172,8 @@ class E2E:
 
     def logs(self, ns: str, name: str, container: str | None = None) -> str:
         try:
-            return self.core.read_namespaced_pod_log(name, ns, container=container)
+            # The client returns None, not "", for a container that has printed nothing yet.
+            return self.core.read_namespaced_pod_log(name, ns, container=container) or ""
         except client.ApiException as e:
             return f"(logs: {e.status} {e.reason})"
 
