@@ -14,7 +14,7 @@ import pytest
 
 from execd import execd as execd_mod
 
-from .conftest import alive, wait_for
+from .conftest import alive, proc_state, wait_for
 
 MARKER_LEN = 17  # "@" + 16 hex digits
 
@@ -332,7 +332,8 @@ def test_job_notice_told_apart_from_parse_diagnostics(execd, tmp_path):
             sh.stdin.flush()
             pid = read_pids(pidf)[0]
             os.kill(pid, sig)
-            assert wait_for(lambda p=pid: not alive(p), 5)
+            # Bounded, and generous: a 4-worker check tier on 2 cores once took over 5 s here.
+            assert wait_for(lambda p=pid: not alive(p), 30), (sig, pid, proc_state(pid))
             time.sleep(0.1)
             sh.stdin.write(f"{{ builtin eval : ; }} 2>>{notes}\n".encode())
             sh.stdin.flush()
