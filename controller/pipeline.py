@@ -34,6 +34,11 @@ from sandman import contract
 
 log = logging.getLogger("controller")
 S = State
+# A started pod's execd is asked every EARLY_POLL_S until it answers: a refused connection
+# costs the pod nothing, and the interval is what the hand-out can lose to it (25 ms mean).
+EARLY_POLL_S = 0.05
+EARLY_CONNECT_S = 0.5
+READY_POLL_S = 0.2  # a Ready pod whose execd check failed (a slow or wedged pod)
 
 # The create settled and the pod is ours: the same fate, one phase on.
 STORED = {S.CREATING: S.STARTING, S.CREATING_ORPHANED: S.STARTING_ORPHANED,
@@ -270,33 +275,48 @@ class Pipeline:
                     bad = P.failure(pod)
                     if bad:
                         return False, bad
-                    ready = P.is_ready(pod) and P.pod_ip(pod)
-                    if ready:
-                        e.ip = P.pod_ip(pod)
-                        if self.s.ready_check == "pod" or await self.healthy(e.ip):
+                    ip = P.pod_ip(pod)
+                    ready = bool(P.is_ready(pod) and ip)
+                    # With the execd check, the controller asks execd itself from the moment
+                    # its container runs, not after the kubelet's next probe tick (up to 1 s)
+                    # and the status write that follows it.
+                    early = bool(self.s.ready_check == "execd" and ip and not ready
+                                 and P.started(pod))
+                    if ready or early:
+                        e.ip = ip
+                        if self.s.ready_check == "pod" or await self.healthy(
+                                ip, connect=EARLY_CONNECT_S if early else None):
                             return True, ""
                 else:
-                    ready = False
+                    ready = early = False
                 left = deadline - time.monotonic()
                 if left <= 0:
                     return False, "not Ready and answering execd /ready within the budget"
                 # Event-driven: a pod change wakes us. Only an execd probe that failed on a
-                # Ready pod is retried on a timer (no per-pod polling at 12,000 pods).
+                # started or Ready pod is retried on a timer; a pod is in that window for well
+                # under a second, so this is no per-pod polling at 12,000 pods.
                 waker.clear()
                 waiter = asyncio.ensure_future(waker.wait())
                 try:
-                    await asyncio.wait({waiter}, timeout=min(left, 0.2) if ready else left)
+                    poll = EARLY_POLL_S if early else READY_POLL_S
+                    await asyncio.wait({waiter}, timeout=min(left, poll) if (ready or early)
+                                       else left)
                 finally:
                     waiter.cancel()
         finally:
             self.books.drop_waker(e.name)
 
-    async def healthy(self, ip: str) -> bool:
+    async def healthy(self, ip: str, connect: float | None = None) -> bool:
         """execd's /ready: forks a process and writes a file in the pod (a wedged pod with its
-        pids or disk exhausted still answers /health), within 2 s."""
+        pids or disk exhausted still answers /health), within 2 s. `connect`: a shorter connect
+        timeout, for the polls before the kubelet calls the pod Ready (a SYN the pod network
+        drops while it is still being set up must not hold the next poll back 3 s)."""
         host = f"[{ip}]" if ":" in ip else ip
+        timeout = (httpx.Timeout(self.s.health_timeout, connect=connect) if connect is not None
+                   else httpx.USE_CLIENT_DEFAULT)
         try:
-            r = await self._http.get(f"http://{host}:{self.s.execd_port}{contract.EXECD_READY_PATH}")
+            r = await self._http.get(f"http://{host}:{self.s.execd_port}{contract.EXECD_READY_PATH}",
+                                     timeout=timeout)
             return r.status_code == 200 and r.json().get("ok") is True
         except Exception:  # noqa: BLE001 - not answering yet
             return False

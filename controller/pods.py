@@ -56,10 +56,15 @@ def slim_pod(pod: dict) -> dict:
         out_st["conditions"] = [{"type": x.get("type"), "status": x.get("status")}
                                 for x in st["conditions"]]
     for key in ("containerStatuses", "initContainerStatuses"):
-        if st.get(key):
-            out_st[key] = [{"name": x.get("name"),
-                            "state": {"waiting": (x.get("state") or {}).get("waiting")}}
-                           for x in st[key] if (x.get("state") or {}).get("waiting")]
+        kept = []
+        for x in st.get(key) or []:
+            state = x.get("state") or {}
+            if state.get("waiting"):
+                kept.append({"name": x.get("name"), "state": {"waiting": state["waiting"]}})
+            elif key == "containerStatuses" and state.get("running") is not None:
+                kept.append({"name": x.get("name"), "state": {"running": {}}})  # started()
+        if kept:
+            out_st[key] = kept
     return {"metadata": out_meta, "spec": {"containers": [out_c]}, "status": out_st}
 
 
@@ -125,6 +130,18 @@ def is_ready(pod: dict | None) -> bool:
         return False
     conds = (pod.get("status") or {}).get("conditions") or []
     return any(c.get("type") == "Ready" and c.get("status") == "True" for c in conds)
+
+
+def started(pod: dict | None) -> bool:
+    """The sandbox container (the pod's first) is running: every init container, the guard
+    included, has completed, so execd may be listening before the kubelet's next probe."""
+    if not pod:
+        return False
+    name = ((pod.get("spec") or {}).get("containers") or [{}])[0].get("name")
+    for cs in (pod.get("status") or {}).get("containerStatuses") or []:
+        if cs.get("name") == name and (cs.get("state") or {}).get("running") is not None:
+            return True
+    return False
 
 
 def annotation(pod: dict, key: str) -> str | None:

@@ -36,6 +36,16 @@ CASES = {
     "ready": READY,
     "pending-no-status": {"phase": "Pending"},
     "not-ready": {**READY, "conditions": [{"type": "Ready", "status": "False"}]},
+    # The guard still runs: the sandbox container has not started (no early execd check).
+    "init-running": {"phase": "Pending", "podIP": "10.0.0.5",
+                     "initContainerStatuses": [{"name": "sandman-netguard",
+                                                "state": {"running": {"startedAt": "t"}}}],
+                     "containerStatuses": [{"name": "sandbox", "state": {"waiting": {
+                         "reason": "PodInitializing"}}}]},
+    # A container other than the sandbox one runs: not the sandbox started.
+    "other-running": {"phase": "Pending", "podIP": "10.0.0.5", "containerStatuses": [
+        {"name": "sidecar", "state": {"running": {"startedAt": "t"}}},
+        {"name": "sandbox", "state": {"waiting": {"reason": "ContainerCreating"}}}]},
     "image-pull-backoff": {"phase": "Pending", "containerStatuses": [
         {"name": "sandbox", "state": {"waiting": {"reason": "ImagePullBackOff", "message": "m"}}}]},
     "fatal-waiting": {"phase": "Pending", "containerStatuses": [
@@ -53,7 +63,8 @@ def test_every_reading_is_the_same_on_the_slim_copy(case):
     full = _pod(**copy.deepcopy(CASES[case]))
     slim = slim_pod(copy.deepcopy(full))
     for read in (pods.name, pods.uid, pods.labels, pods.deleting, pods.pod_ip,
-                 pods.is_ready, pods.failure, pods.spec_of, lambda p: pods.age(p, 1.8e9),
+                 pods.is_ready, pods.started, pods.failure, pods.spec_of,
+                 lambda p: pods.age(p, 1.8e9),
                  pods.expires_at, pods.lifetime):
         assert read(slim) == read(full), read.__name__
     assert pods.meta(slim)["creationTimestamp"] == pods.meta(full)["creationTimestamp"]
@@ -61,6 +72,7 @@ def test_every_reading_is_the_same_on_the_slim_copy(case):
     assert (pods.failure(slim) is not None) == (case.startswith("fatal") or case in (
         "failed", "succeeded"))
     assert pods.is_ready(slim) == (case == "ready")
+    assert pods.started(slim) == (case in ("ready", "not-ready"))
 
 
 def test_deleting_and_empty_pods():
