@@ -75,11 +75,11 @@ class Netns:
         for ns in (self.pod, self.peer):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
-    def run(self, *cmd: str) -> float:
+    def run(self, *cmd: str, env: dict | None = None) -> float:
         """Wall-clock ms of `cmd` inside the pod namespace; raises if it fails."""
-        return self.run_cpu(*cmd)[0]
+        return self.run_cpu(*cmd, env=env)[0]
 
-    def run_cpu(self, *cmd: str) -> tuple[float, float]:
+    def run_cpu(self, *cmd: str, env: dict | None = None) -> tuple[float, float]:
         """(wall-clock ms, CPU ms) of `cmd` inside the pod namespace. The CPU is user + sys of
         the whole process tree from getrusage(RUSAGE_CHILDREN) around the run: `ip netns exec`
         execs the command in its own process, whose waited-for children (iptables-*) roll up
@@ -87,7 +87,7 @@ class Netns:
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         p = subprocess.run(["ip", "netns", "exec", self.pod, *cmd], capture_output=True,
-                           text=True, timeout=60, cwd=ROOT)
+                           text=True, timeout=60, cwd=ROOT, env=env)
         ms = (time.perf_counter() - t0) * 1000
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
@@ -96,22 +96,48 @@ class Netns:
         return ms, cpu
 
 
-def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
+def pod_python() -> str:
+    """The interpreter netguard runs under in the pod: the test bed's sandman image is Debian
+    bookworm's python3 (testbed/images.py), which is this machine's /usr/bin/python3 when that
+    is a 3.11; else the bench's own (a pyenv build here starts in ~38 ms of CPU, Debian's in
+    ~16 ms, so the interpreter is named in the report)."""
+    deb = "/usr/bin/python3"
+    try:
+        out = subprocess.run([deb, "-c", "import sys; print(sys.version_info[:2])"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except OSError:
+        return sys.executable
+    return deb if out == "(3, 11)" else sys.executable
+
+
+def compiled_env(tmp: Path, python: str) -> dict:
+    """The environment netguard runs in here: its modules' bytecode compiled, as `pip install`
+    leaves it in the image, into a cache of the bench's own (a PYTHONDONTWRITEBYTECODE checkout
+    would otherwise make every run compile netguard's source, ~40 ms of CPU no pod pays)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
+    env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
+    subprocess.run([python, "-c", "import netguard.cli"], check=True, cwd=ROOT, env=env,
+                   capture_output=True, timeout=60)
+    return env
+
+
+def bench_backend(backend: str, runs: int, tmp: Path, python: str) -> dict:
     status = tmp / f"{backend}.json"
-    apply = [sys.executable, "-m", "netguard", "apply", "--backend", backend,
+    apply = [python, "-m", "netguard", "apply", "--backend", backend,
              "--status-file", str(status), *APPLY_ARGS]
+    env = compiled_env(tmp, python)
     first, again, phases, cpu_all, cpu_tools = [], [], {}, [], []
     for _ in range(runs):
         ns = Netns()
         try:
-            wall, cpu = ns.run_cpu(*apply)
+            wall, cpu = ns.run_cpu(*apply, env=env)
             first.append(wall)
             st = json.loads(status.read_text())
             for k, v in st["timings_ms"].items():
                 phases.setdefault(k, []).append(v)
             cpu_all.append(cpu)
             cpu_tools.append(st["cpu_ms"]["children"])
-            again.append(ns.run(*apply))
+            again.append(ns.run(*apply, env=env))
         finally:
             ns.close()
     med = {k: median(v) for k, v in phases.items()}
@@ -126,14 +152,18 @@ def bench_backend(backend: str, runs: int, tmp: Path) -> dict:
     }
 
 
-def bench_baseline(runs: int) -> dict:
-    """What the interpreter costs on its own (same netns wrapper, same run)."""
+def bench_baseline(runs: int, python: str, env: dict) -> dict:
+    """What the interpreter costs on its own, and with netguard's imports (same netns wrapper,
+    same run, the same compiled bytecode): where the whole process's CPU goes."""
     ns = Netns()
     try:
-        bare = [ns.run_cpu(sys.executable, "-c", "pass") for _ in range(max(runs, 5))]
+        bare = [ns.run_cpu(python, "-c", "pass", env=env) for _ in range(max(runs, 5))]
+        imp = [ns.run_cpu(python, "-c", "import netguard.cli", env=env)
+               for _ in range(max(runs, 5))]
     finally:
         ns.close()
-    return {"python_ms": median([w for w, _ in bare]), "python_cpu_ms": median([c for _, c in bare])}
+    return {"python_ms": median([w for w, _ in bare]), "python_cpu_ms": median([c for _, c in bare]),
+            "import_cpu_ms": median([c for _, c in imp])}
 
 
 def report(results: list[dict], base: dict, runs: int) -> str:
@@ -148,7 +178,7 @@ def report(results: list[dict], base: dict, runs: int) -> str:
         f"{runs} runs per row, a fresh pod namespace per run;",
         "medians in milliseconds.",
         f"Machine: {os.cpu_count()} cores ({cpu}), kernel {platform.release()}, "
-        f"Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}.",
+        f"the bench's Python {platform.python_version()}, {time.strftime('%Y-%m-%d')}.",
         "",
         "| backend | whole process, first apply (min-max) | whole process, re-apply "
         "| in-process: netinfo + backend detection | restore (both families) | read-back | probes "
@@ -166,8 +196,13 @@ def report(results: list[dict], base: dict, runs: int) -> str:
     worst_cpu = max(r["cpu_own_ms"] for r in results)
     lines += [
         "",
+        f"Interpreter: `{base['python']}`. "
         f"Baseline under the same `ip netns exec`, same run: `python -c pass` "
-        f"{base['python_ms']:.0f} ms wall, {base['python_cpu_ms']:.1f} ms CPU.",
+        f"{base['python_ms']:.0f} ms wall, {base['python_cpu_ms']:.1f} ms CPU; "
+        f"`python -c 'import netguard.cli'` {base['import_cpu_ms']:.1f} ms CPU (the imports "
+        "alone, the rest of the process is the apply itself).",
+        "netguard's modules run from compiled bytecode, as the image's `pip install` leaves them",
+        "(a cache of the bench's own, written by one untimed import before the runs).",
         "CPU is user + sys from `getrusage(RUSAGE_CHILDREN)` around each first apply (the whole",
         "process tree); the iptables-* children's share is what netguard's own `getrusage`",
         "reports in its status file (`cpu_ms.children`), and netguard's own is the rest.",
@@ -186,6 +221,8 @@ def report(results: list[dict], base: dict, runs: int) -> str:
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m bench.netguard", description=__doc__)
     ap.add_argument("--runs", type=int, default=21)
+    ap.add_argument("--python", default=None,
+                    help="the interpreter to run netguard with (default: the pod's, see pod_python)")
     ap.add_argument("--backend", action="append", choices=("nft", "legacy"),
                     help="default: nft, and legacy when installed")
     docs.add_flags(ap)
@@ -196,11 +233,13 @@ def main(argv: list[str] | None = None) -> int:
     if os.geteuid() != 0 or not shutil.which("ip") or not shutil.which("iptables-nft-restore"):
         print("bench.netguard: needs root, iproute2 and iptables (make deps)", file=sys.stderr)
         return 1
+    args.python = args.python or pod_python()
     backends = args.backend or ["nft"] + (["legacy"] if shutil.which("iptables-legacy-restore")
                                           else [])
     with tempfile.TemporaryDirectory(prefix="netguard-bench-") as tmp:
-        results = [bench_backend(b, args.runs, Path(tmp)) for b in backends]
-    section = report(results, bench_baseline(args.runs), args.runs)
+        results = [bench_backend(b, args.runs, Path(tmp), args.python) for b in backends]
+        base = bench_baseline(args.runs, args.python, compiled_env(Path(tmp), args.python))
+    section = report(results, {**base, "python": args.python}, args.runs)
     print(section)
     if args.write_docs:
         print(f"wrote {docs.write_section(section)}", file=sys.stderr)
