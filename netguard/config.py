@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from dataclasses import dataclass, field, replace
 
+from netguard.values import Frozen
 from sandman.contract import EXECD_PORT
 
 IPV4 = "ipv4"
@@ -41,13 +41,14 @@ def parse_network(text: str) -> ipaddress.IPv4Network | ipaddress.IPv6Network:
         raise ConfigError(f"not a CIDR or address: {text!r} ({e})") from None
 
 
-@dataclass(frozen=True)
-class EgressAllow:
+class EgressAllow(Frozen):
     """One `--allow-egress CIDR[:PORT[/tcp|udp]]` entry."""
 
     network: ipaddress.IPv4Network | ipaddress.IPv6Network
-    port: int | None = None
-    proto: str | None = None  # None with a port: both tcp and udp (DNS needs both)
+    port: int | None
+    proto: str | None  # None with a port: both tcp and udp (DNS needs both)
+    FIELDS = ("network", "port", "proto")
+    DEFAULTS = {"port": None, "proto": None}
 
     @property
     def family(self) -> str:
@@ -84,20 +85,25 @@ class EgressAllow:
         return cls(network, int(m["port"]), m["proto"])
 
 
-@dataclass(frozen=True)
-class Config:
+class Config(Frozen):
     """The ruleset's inputs. `render(Config)` is deterministic."""
 
-    egress: str = "deny"
-    allow_egress: tuple[EgressAllow, ...] = ()
-    ingress_port: int = EXECD_PORT
-    ingress_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
+    egress: str
+    allow_egress: tuple[EgressAllow, ...]
+    ingress_port: int
+    ingress_from: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
     # --ingress-from-gateway: admit the pod's default gateway(s), resolved at apply time in
     # the pod's netns (netinfo.read) and then held here as /32 (/128) networks, so the ruleset
     # stays a pure function of the Config and the status file records what was admitted.
-    ingress_from_gateway: bool = False
-    ingress_gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...] = ()
-    lockdown: bool = field(default=False, compare=False)  # rendered after a failed apply
+    ingress_from_gateway: bool
+    ingress_gateways: tuple[ipaddress.IPv4Network | ipaddress.IPv6Network, ...]
+    lockdown: bool  # rendered after a failed apply; not compared
+    FIELDS = ("egress", "allow_egress", "ingress_port", "ingress_from", "ingress_from_gateway",
+              "ingress_gateways", "lockdown")
+    DEFAULTS = {"egress": "deny", "allow_egress": (), "ingress_port": EXECD_PORT,
+                "ingress_from": (), "ingress_from_gateway": False, "ingress_gateways": (),
+                "lockdown": False}
+    UNCOMPARED = ("lockdown",)
 
     def __post_init__(self) -> None:
         if self.egress not in EGRESS_MODES:
@@ -161,7 +167,7 @@ class Config:
             net = ipaddress.ip_network(f"{net.network_address}/{net.max_prefixlen}")
             if net not in nets:
                 nets.append(net)
-        return replace(self, ingress_gateways=tuple(nets))
+        return self.replace(ingress_gateways=tuple(nets))
 
     def locked_down(self) -> Config:
         """The fail-closed ruleset: egress denied, no allow entries, no inbound sources."""

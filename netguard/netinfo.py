@@ -3,21 +3,23 @@
 from __future__ import annotations
 
 import socket
-from dataclasses import dataclass, field
 
 from netguard import netlink
 from netguard.config import IPV4, IPV6
+from netguard.values import Record
 
 _DISABLE_IPV6 = "/proc/sys/net/ipv6/conf/all/disable_ipv6"
 
 
-@dataclass
-class NetInfo:
+class NetInfo(Record):
     families: tuple[str, ...]  # the families that get a ruleset; always ipv4
-    pod_ips: list[str] = field(default_factory=list)  # global addresses on non-loopback links
-    ipv6_enabled: bool = False
-    has_ipv6_loopback: bool = False
-    gateways: list[str] = field(default_factory=list)  # default routes' next hops, v4 first
+    pod_ips: list[str]  # global addresses on non-loopback links
+    ipv6_enabled: bool
+    has_ipv6_loopback: bool
+    gateways: list[str]  # default routes' next hops, v4 first
+    FIELDS = ("families", "pod_ips", "ipv6_enabled", "has_ipv6_loopback", "gateways")
+    DEFAULTS = {"ipv6_enabled": False, "has_ipv6_loopback": False}
+    FACTORIES = {"pod_ips": list, "gateways": list}
 
 
 def ipv6_enabled() -> bool:

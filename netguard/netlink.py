@@ -11,7 +11,8 @@ from __future__ import annotations
 import os
 import socket
 import struct
-from dataclasses import dataclass, field
+
+from netguard.values import Record
 
 NETLINK_ROUTE = 0
 NLM_F_REQUEST, NLM_F_DUMP = 0x1, 0x300
@@ -35,28 +36,29 @@ class NetlinkError(OSError):
     pass
 
 
-@dataclass
-class Link:
+class Link(Record):
     index: int
     name: str
+    FIELDS = ("index", "name")
 
 
-@dataclass
-class Addr:
+class Addr(Record):
     family: int
     index: int
     prefixlen: int
     scope: int
     address: str  # IFA_LOCAL when present (the interface's own address), else IFA_ADDRESS
+    FIELDS = ("family", "index", "prefixlen", "scope", "address")
 
 
-@dataclass
-class Route:
+class Route(Record):
     family: int
     dst_len: int
     table: int
     type: int
-    gateways: list[str] = field(default_factory=list)  # RTA_GATEWAY, then multipath hops'
+    gateways: list[str]  # RTA_GATEWAY, then multipath hops'
+    FIELDS = ("family", "dst_len", "table", "type", "gateways")
+    FACTORIES = {"gateways": list}
 
 
 def _align(n: int) -> int:

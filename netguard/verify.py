@@ -11,9 +11,9 @@ import errno
 import ipaddress
 import socket
 import time
-from dataclasses import dataclass
 
 from netguard.config import IPV4, IPV6, METADATA, ConfigError
+from netguard.values import Record
 
 # errnos that mean "this connect was refused here": ECONNREFUSED is our tcp-reset REJECT;
 # no route or an administrative refusal also keep the packet inside the pod.
@@ -29,12 +29,12 @@ METADATA_PORT = 80
 DEFAULT_TIMEOUT = 1.0
 
 
-@dataclass
-class Probe:
+class Probe(Record):
     target: str
     want: str  # "open" or "blocked"
     outcome: str  # "connected", "refused", "timeout", ...
     ms: float
+    FIELDS = ("target", "want", "outcome", "ms")
 
     @property
     def ok(self) -> bool:

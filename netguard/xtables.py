@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import os
 import subprocess
-from dataclasses import dataclass
 
 from netguard.config import IPV4, IPV6
+from netguard.values import Frozen
 
 BACKENDS = ("nft", "legacy")
 _PREFIX = {IPV4: "iptables", IPV6: "ip6tables"}
@@ -27,14 +27,14 @@ class XtablesError(RuntimeError):
     """A missing binary or a failed save/restore; reported in one line, exit non-zero."""
 
 
-@dataclass(frozen=True)
-class Tools:
+class Tools(Frozen):
     """The save and restore binaries of one backend for one family."""
 
     backend: str
     family: str
     save: str
     restore: str
+    FIELDS = ("backend", "family", "save", "restore")
 
 
 def _flavour(path: str) -> str | None:

@@ -1,0 +1,71 @@
+"""netguard's value classes (netguard/values.py) keep what @dataclass gave them, and netguard's
+hot path stays free of the imports they replace (their CPU is measured by make bench-netguard)."""
+
+from __future__ import annotations
+
+import ipaddress
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from netguard.config import Config, ConfigError, EgressAllow
+from netguard.netlink import Route
+from netguard.verify import Probe
+
+
+def test_frozen_values_refuse_assignment_and_deletion():
+    c = Config()
+    with pytest.raises(AttributeError, match="frozen"):
+        c.egress = "allow"
+    with pytest.raises(AttributeError, match="frozen"):
+        del c.ingress_port
+    assert c.egress == "deny"
+
+
+def test_defaults_positional_keyword_and_bad_arguments():
+    net = ipaddress.ip_network("10.0.0.10/32")
+    assert EgressAllow(net) == EgressAllow(net, None, None) == EgressAllow(network=net)
+    assert EgressAllow(net, 53) != EgressAllow(net, 53, "udp")
+    with pytest.raises(TypeError, match="missing required argument 'network'"):
+        EgressAllow()
+    with pytest.raises(TypeError, match="unexpected keyword argument 'host'"):
+        EgressAllow(net, host="x")
+    with pytest.raises(TypeError, match="multiple values for argument 'network'"):
+        EgressAllow(net, network=net)
+    with pytest.raises(TypeError, match="at most 3 positional"):
+        EgressAllow(net, 53, "udp", "extra")
+
+
+def test_hash_and_equality_follow_the_compared_fields():
+    a, b = Config(), Config(lockdown=True)
+    assert a == b and hash(a) == hash(b)  # lockdown is not compared
+    assert Config(egress="allow") != a
+    assert len({Config(), Config(), Config(egress="allow")}) == 2
+    assert (a == "deny") is False
+    with pytest.raises(TypeError):
+        hash(Probe("10.0.0.1:80", "blocked", "timeout", 1.0))  # mutable: unhashable
+
+
+def test_factories_give_each_instance_its_own_list():
+    r1, r2 = Route(2, 0, 254, 1), Route(2, 0, 254, 1)
+    r1.gateways.append("10.0.0.1")
+    assert r2.gateways == [] and r1 != r2
+
+
+def test_replace_validates_again():
+    c = Config(ingress_from_gateway=True)
+    assert c.with_gateways(["10.0.0.1"]).ingress_gateways == (
+        ipaddress.ip_network("10.0.0.1/32"),)
+    with pytest.raises(ConfigError):
+        Config().replace(egress="sideways")
+    assert "Config(egress='deny'" in repr(Config())
+
+
+def test_hot_path_imports_neither_dataclasses_nor_hashlib():
+    code = ("import sys, netguard.cli; "
+            "print(sorted(m for m in ('dataclasses', 'inspect', 'hashlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         timeout=60, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
+    assert out == "[]"
