@@ -1,6 +1,6 @@
 """A pod created by a plain client (no controller) with the label and an unmodified task image
 becomes a guarded sandbox on a real kubelet: netguard ran, execd runs from the read-only
-/sandman mount as the task image's own python3, with the token from the downward API, and the
+/sandman mount as the task image's own python3 (from the bytecode the install copied), with the token from the downward API, and the
 kubelet's readiness probe passes; the running cgroup has requests == limits; no service-account
 token and no service-link environment reach the container."""
 
@@ -46,6 +46,11 @@ def test_plain_client_pod_becomes_a_guarded_sandbox(sandman, ns):
         out['cmdline'] = sh("tr '\\0' ' ' < /proc/1/cmdline")
         out['image_python'] = sh('readlink -f "$(command -v python3)"')
         out['mount'] = sh("grep ' /sandman ' /proc/mounts")
+        # The daemon's code comes from the bytecode the install copied (a compile would fail).
+        out['bytecode'] = sh("python3 -c \"import sys, importlib.machinery as m; "
+                             "l = m.SourceFileLoader('execd_daemon', '/sandman/execd_daemon.py'); "
+                             "l.source_to_code = lambda *a, **k: sys.exit('compiled from source'); "
+                             "l.get_code('execd_daemon'); print('bytecode')\" 2>&1")
         out['write'] = sh('touch /sandman/x 2>&1')
         out['token_env'] = sh("tr '\\0' '\\n' < /proc/1/environ | grep ^SANDMAN_TOKEN_SHA256=")
         out['cpu'] = sh('cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us'
@@ -67,6 +72,9 @@ def test_plain_client_pod_becomes_a_guarded_sandbox(sandman, ns):
     assert out["exe"][0] == 0 and out["exe"][1] == out["image_python"][1], out
     assert out["exe"][1].startswith("/usr/bin/python3"), out["exe"]
     assert "/sandman/execd.py" in out["cmdline"][1], out["cmdline"]
+    # Its daemon loads from compiled bytecode: the task image's python3 is the sandman image's
+    # minor version (3.11), so no pod compiles execd at its start.
+    assert out["bytecode"] == [0, "bytecode"], out["bytecode"]
     # /sandman is read-only in the sandbox container.
     assert " ro," in out["mount"][1] or " ro " in out["mount"][1], out["mount"]
     assert out["write"][0] != 0 and "Read-only file system" in out["write"][1], out["write"]
