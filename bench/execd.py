@@ -33,6 +33,7 @@ import time
 from pathlib import Path
 
 from bench import docs
+from bench.interp import pod_python
 from bench.stats import percentile
 from testbed.procs import free_port
 
@@ -264,18 +265,6 @@ def flood_figures(ex: Execd, sizes_mib=(16, 256, 1024), yes_timeout: float = 10
 # CPU budget from exec to listening, as a sandbox starts execd (its own quota pays it; 50 ms is
 # 0.5 s of a 100m pod's start).
 STARTUP_BUDGET_MS = 50.0
-
-
-def pod_python() -> str:
-    """The interpreter of the test bed's task image: Debian bookworm's python3 3.11, which is this
-    machine's /usr/bin/python3 when that is a 3.11; else this process's own."""
-    deb = "/usr/bin/python3"
-    try:
-        out = subprocess.run([deb, "-c", "import sys; print(sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except OSError:
-        return sys.executable
-    return deb if out == "(3, 11)" else sys.executable
 
 
 def _listen_cpu_ms(argv: list[str], env: dict) -> float:

@@ -28,6 +28,7 @@ import time
 from pathlib import Path
 
 from bench import docs
+from bench.interp import pod_python
 from bench.stats import median
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -94,20 +95,6 @@ class Netns:
             raise RuntimeError(f"{' '.join(cmd)} failed: {p.stderr.strip() or p.stdout.strip()}")
         cpu = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1000
         return ms, cpu
-
-
-def pod_python() -> str:
-    """The interpreter netguard runs under in the pod: the test bed's sandman image is Debian
-    bookworm's python3 (testbed/images.py), which is this machine's /usr/bin/python3 when that
-    is a 3.11; else the bench's own (a pyenv build here starts in ~38 ms of CPU, Debian's in
-    ~16 ms, so the interpreter is named in the report)."""
-    deb = "/usr/bin/python3"
-    try:
-        out = subprocess.run([deb, "-c", "import sys; print(sys.version_info[:2])"],
-                             capture_output=True, text=True, timeout=30).stdout.strip()
-    except OSError:
-        return sys.executable
-    return deb if out == "(3, 11)" else sys.executable
 
 
 def compiled_env(tmp: Path, python: str) -> dict:
