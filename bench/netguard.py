@@ -100,7 +100,7 @@ class Netns:
 def compiled_env(tmp: Path, python: str) -> dict:
     """The environment netguard runs in here: its modules' bytecode compiled, as `pip install`
     leaves it in the image, into a cache of the bench's own (a PYTHONDONTWRITEBYTECODE checkout
-    would otherwise make every run compile netguard's source, ~40 ms of CPU no pod pays)."""
+    would otherwise make every run compile netguard's source, which no pod does)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
     env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
     subprocess.run([python, "-c", "import netguard.cli"], check=True, cwd=ROOT, env=env,
