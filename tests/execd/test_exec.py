@@ -324,7 +324,16 @@ def test_job_notice_told_apart_from_parse_diagnostics(execd, tmp_path):
     # check): real notices from bash for jobs killed by signals, real diagnostics from the check.
     # As in execd: the job is killed from outside while bash waits for its next line.
     notes, pidf = tmp_path / "notes", tmp_path / "pid"
-    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE)
+    sigs = (signal.SIGTERM, signal.SIGHUP, signal.SIGSEGV, signal.SIGUSR1)
+
+    def default_signals():
+        # A signal ignored by whatever started pytest (nohup ignores SIGHUP) stays ignored in
+        # bash and its jobs, which then never die of it; execd's own shells get these reset
+        # (posix_spawn setsigdef).
+        for s in sigs:
+            signal.signal(s, signal.SIG_DFL)
+
+    sh = subprocess.Popen(["bash"], stdin=subprocess.PIPE, preexec_fn=default_signals)
     try:
         for sig in (signal.SIGKILL, signal.SIGTERM, signal.SIGHUP, signal.SIGSEGV, signal.SIGUSR1):
             pidf.unlink(missing_ok=True)
