@@ -344,6 +344,7 @@ def main(argv=None) -> int:
         args.calls, args.repeats, args.big_calls, args.skip_swerex = 5, 1, 2, True
         floods = {"sizes_mib": (1,), "yes_timeout": 1}
 
+    load0 = os.getloadavg()[0]
     targets: list[Target] = [Bare(), Execd()] + ([] if args.skip_swerex else [SweRex()])
     try:
         for t in targets:
@@ -371,6 +372,7 @@ def main(argv=None) -> int:
         for t in targets:
             t.stop()
 
+    load1 = os.getloadavg()[0]
     med = {name: median_of(runs) for name, runs in small.items()}
     medbig = {name: median_of(runs) for name, runs in big.items()}
     bare, exd = med["bare limit"], med["execd"]
@@ -380,7 +382,8 @@ def main(argv=None) -> int:
         f"{time.strftime('%Y-%m-%d')}, {os.cpu_count()} CPUs, Python "
         f"{sys.version.split()[0]}, loopback. Each figure is the median over {args.repeats} "
         f"repeats; per repeat {args.calls} sequential `echo hi` calls over one keep-alive "
-        f"connection and {args.big_calls} calls printing 1 MiB, targets interleaved.", "",
+        f"connection and {args.big_calls} calls printing 1 MiB, targets interleaved. Load "
+        f"average (1 min) {load0:.2f} at the start, {load1:.2f} at the end.", "",
         "| target | echo p50 ms | p90 ms | p99 ms | calls/s | 1 MiB output p50 ms |",
         "|---|---:|---:|---:|---:|---:|",
     ]

@@ -183,7 +183,8 @@ def report(results: list[dict], base: dict, runs: int) -> str:
     worst_cpu = max(r["cpu_own_ms"] for r in results)
     lines += [
         "",
-        f"Interpreter: `{base['python']}`. "
+        f"Load average (1 min) {base['load'][0]:.2f} at the start, {base['load'][1]:.2f} at the "
+        f"end. Interpreter: `{base['python']}`. "
         f"Baseline under the same `ip netns exec`, same run: `python -c pass` "
         f"{base['python_ms']:.0f} ms wall, {base['python_cpu_ms']:.1f} ms CPU; "
         f"`python -c 'import netguard.cli'` {base['import_cpu_ms']:.1f} ms CPU (the imports "
@@ -221,12 +222,14 @@ def main(argv: list[str] | None = None) -> int:
         print("bench.netguard: needs root, iproute2 and iptables (make deps)", file=sys.stderr)
         return 1
     args.python = args.python or pod_python()
+    load0 = os.getloadavg()[0]
     backends = args.backend or ["nft"] + (["legacy"] if shutil.which("iptables-legacy-restore")
                                           else [])
     with tempfile.TemporaryDirectory(prefix="netguard-bench-") as tmp:
         results = [bench_backend(b, args.runs, Path(tmp), args.python) for b in backends]
         base = bench_baseline(args.runs, args.python, compiled_env(Path(tmp), args.python))
-    section = report(results, {**base, "python": args.python}, args.runs)
+    section = report(results, {**base, "python": args.python,
+                               "load": (load0, os.getloadavg()[0])}, args.runs)
     print(section)
     if args.write_docs:
         print(f"wrote {docs.write_section(section)}", file=sys.stderr)

@@ -1,8 +1,8 @@
 """netguard's value classes, without `dataclasses`.
 
-Importing `dataclasses` (it imports inspect, ast, dis, tokenize and copy) cost ~25 ms of CPU,
-a quarter of netguard's whole process, on every guarded pod's start under the pod's own CPU
-quota (`make bench-netguard`). A class names its FIELDS in order, with DEFAULTS and FACTORIES
+Importing `dataclasses` (it imports inspect, ast, dis, tokenize and copy) was most of the CPU
+this module and rules.py's built-in sha256 saved: netguard's own process went from 96 to 74 ms
+(`make bench-netguard`), paid on every guarded pod's start under the pod's own CPU quota. A class names its FIELDS in order, with DEFAULTS and FACTORIES
 (a fresh value per instance, like `field(default_factory=...)`) for the optional ones;
 `Record` gives `__init__` (positional or keyword), `==` and `repr`, as `@dataclass` did;
 `Frozen` also hashes and refuses assignment, as `@dataclass(frozen=True)` did. UNCOMPARED
