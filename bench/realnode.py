@@ -50,7 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import docs, realnode_agent
-from bench.stats import summarize
+from bench.stats import percentile, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## real node: `python -m bench.realnode`"
@@ -67,6 +67,13 @@ TRAINER_MEMORY = "256Mi"
 ECHO_CPU_MAX = 1.0
 ECHO_MEMORY = "256Mi"
 ARMS = ("bare", "webhook", "controller")
+# The larger size: the most CPU one pod can get beside the install (100m steps), 1 GiB per CPU.
+LARGE_MEMORY_PER_CPU = 2**30
+# docs/benchmarks.md takes figures from a quiet machine only: the 1-minute load at the start and
+# at the end of the run must be at most this. The end is read once the bed has stopped and its
+# own load has had up to SETTLE_S to decay (the 1-minute average falls by half in ~42 s).
+LOAD_MAX = 1.5
+SETTLE_S = 180.0
 WAVE_TIMEOUT_S = 180.0
 GONE_TIMEOUT_S = 120.0
 AGENT_PREFIX = realnode_agent.PREFIX
@@ -134,6 +141,117 @@ def pod_request(spec: dict, resource: str) -> float:
     return max(main, init)
 
 
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def docs_refusal(load_start: float, load_end: float, limit: float = LOAD_MAX) -> str | None:
+    """Why the run's figures may not go to docs/benchmarks.md (None: they may)."""
+    busy = [f"{what} {v:.2f}" for what, v in (("start", load_start), ("end", load_end))
+            if v > limit]
+    if busy:
+        return (f"the machine was not quiet (1-minute load above {limit} at the " +
+                " and ".join(busy) + "): docs/benchmarks.md not written")
+    return None
+
+
+_RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
+
+
+def cri_seconds(v) -> float | None:
+    """A CRI timestamp as seconds since the epoch, or None for an unset one: nanoseconds (a
+    number, or digits as `crictl ps/pods -o json` print them) or RFC 3339 with up to 9 decimals
+    (`crictl inspect`, `crictl logs --timestamps`). The runtime reads the same kernel clock as
+    this process."""
+    if v is None or v == "":
+        return None
+    if isinstance(v, (int, float)) or str(v).isdigit():
+        n = int(v)
+        return n / 1e9 if n > 0 else None
+    m = _RFC3339.fullmatch(str(v).strip())
+    if not m:
+        raise ValueError(f"not a CRI timestamp: {str(v)[:80]!r}")
+    base = dt.datetime.fromisoformat(m.group(1) + ("+00:00" if m.group(3) == "Z" else m.group(3)))
+    if base.year < 1971:  # Go's zero time: not started / not finished
+        return None
+    return base.timestamp() + int((m.group(2) or "0").ljust(9, "0")) / 1e9
+
+
+def json_values(text: str) -> list:
+    """Every JSON value in `text`, lists flattened (`crictl inspect` prints one object per ID)."""
+    dec, out, i = json.JSONDecoder(), [], 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return out
+        v, i = dec.raw_decode(text, i)
+        out += v if isinstance(v, list) else [v]
+
+
+def listening_at(log: str) -> float | None:
+    """When execd said it listens, from `crictl logs --timestamps` of its container."""
+    for line in log.splitlines():
+        ts, _, rest = line.partition(" ")
+        if rest.startswith("execd ") and " listening on " in rest:
+            return cri_seconds(ts)
+    return None
+
+
+def phase_steps(r: dict) -> list[tuple[str, float]]:
+    """One pod's start as (step, time) in order: the create call (the acquire call, for the
+    controller), the watch seeing it scheduled, the runtime's pod sandbox, each init container
+    created / started / exited, the main container created / started, execd listening, then the
+    watch seeing Ready (and the acquire answered, the first command answered)."""
+    cri = r.get("cri") or {}
+    ctrs = cri.get("containers") or {}
+    inits = [n for n in r.get("inits") or [] if n in ctrs]
+    mains = [n for n in ctrs if n not in inits]
+    steps: list[tuple[str, float | None]] = [
+        ("create call", r.get("t0")), ("scheduled", r.get("scheduled")),
+        ("pod sandbox created", cri.get("sandbox"))]
+    for n in inits:
+        c = ctrs[n]
+        steps += [(f"{n} created", c.get("created")), (f"{n} started", c.get("started")),
+                  (f"{n} exited", c.get("finished"))]
+    if len(mains) == 1:
+        c = ctrs[mains[0]]
+        steps += [("main created", c.get("created")), ("main started", c.get("started"))]
+    steps.append(("execd listening", cri.get("listening")))
+    if r.get("arm") == "controller":
+        steps += [("acquire answered", r.get("t1")), ("first command answered", r.get("t2"))]
+    else:
+        steps.append(("Ready seen", r.get("ready_at")))
+    return [(k, t) for k, t in steps if t is not None]
+
+
+def phase_intervals(r: dict) -> dict[str, float]:
+    """One pod's start as consecutive intervals (s) between its phase_steps(), plus the whole
+    (create call -> Ready seen, or acquire call -> first command answered) and, for the
+    controller, execd listening -> the kubelet's Ready seen (what the early check saves)."""
+    steps = phase_steps(r)
+    out = {f"{a} -> {b}": tb - ta for (a, ta), (b, tb) in zip(steps, steps[1:])}
+    t0, cri = r.get("t0"), r.get("cri") or {}
+    if r.get("arm") == "controller":
+        if t0 is not None and r.get("t2") is not None:
+            out["whole: acquire call -> first command answered"] = r["t2"] - t0
+        if cri.get("listening") is not None and r.get("ready_at") is not None:
+            out["(execd listening -> pod Ready seen)"] = r["ready_at"] - cri["listening"]
+    elif t0 is not None and r.get("ready_at") is not None:
+        out["whole: create call -> Ready seen"] = r["ready_at"] - t0
+    return out
+
+
+def phase_table(pods: list[dict]) -> dict[str, dict]:
+    """Per interval label (in the order pods first show it): p50 and p99 (s) over `pods`."""
+    cols: dict[str, list[float]] = {}
+    for r in pods:
+        for k, v in phase_intervals(r).items():
+            cols.setdefault(k, []).append(v)
+    return {k: {"p50": percentile(v, 50), "p99": percentile(v, 99), "n": len(v)}
+            for k, v in cols.items()}
+
+
 def parse_agent_line(line: str) -> dict | None:
     """The agent's answer in one line of its output, or None for any other line."""
     if not line.startswith(AGENT_PREFIX):
@@ -154,104 +272,123 @@ def _cell(agg: dict, unit: str = "s") -> str:
             f"({f(lo99)}-{f(hi99)})")
 
 
-def render_section(res: dict) -> str:
-    """docs/benchmarks.md's real-node section from a run's results (see run())."""
-    c2r, first, echo = res["create_to_ready"], res["first_command"], res["echo"]
-    bare = c2r["bare"]
-    n = res["sandboxes"]
-    names = {"bare": "bare pod (no sandman): create call -> Ready",
-             "webhook": "labelled pod through the webhook (no controller): create call -> Ready",
-             "controller": "SDK acquire (controller + webhook): acquire call -> pod Ready"}
+_NAMES = {"bare": "bare pod (no sandman): create call -> Ready",
+          "webhook": "labelled pod through the webhook (plain client): create call -> Ready",
+          "controller": "SDK acquire (controller + webhook): acquire call -> pod Ready"}
+
+
+def _ratio_rows(sz: dict) -> list[str]:
+    bare = sz["create_to_ready"]["bare"]
 
     def row(what: str, agg: dict) -> str:
         return (f"| {what} | {agg['n']} | {_cell(agg)} | {ratio(agg['p50'], bare['p50']):.2f}x | "
                 f"{ratio(agg['p99'], bare['p99']):.2f}x |")
 
-    rows = [row(names[arm], c2r[arm]) for arm in ARMS]
-    rows.append(row("SDK acquire call -> acquire answered (Ready + the controller's execd "
-                    "/health check)", res["acquire"]))
+    rows = [row(_NAMES[arm], sz["create_to_ready"][arm]) for arm in ARMS]
+    rows.append(row("SDK acquire call -> acquire answered", sz["acquire"]))
     rows.append(row("**acquire-to-first-command**: SDK acquire call -> first `echo` answered",
-                    first))
+                    sz["first_command"]))
+    return rows
+
+
+def _phase_rows(sz: dict) -> list[str]:
+    keys: list[str] = []
+    for arm in ARMS:
+        keys += [k for k in sz["phases"][arm] if k not in keys]
+    whole = [k for k in keys if k.startswith("whole:") or k.startswith("(")]
+    keys = [k for k in keys if k not in whole] + whole
+
+    def cell(arm: str, k: str) -> str:
+        v = sz["phases"][arm].get(k)
+        return f"{v['p50'] * 1000:.0f} / {v['p99'] * 1000:.0f}" if v else "-"
+
+    return [f"| {k} | " + " | ".join(cell(arm, k) for arm in ARMS) + " |" for k in keys]
+
+
+def _size_block(sz: dict, cpu: str, memory: str, n: int, wave: int, rounds: int) -> str:
     per_round = "; ".join(
         f"round {i + 1}: " + ", ".join(f"{arm} {r[arm]['p50']:.2f}/{r[arm]['p99']:.2f}"
                                        for arm in ARMS)
-        + f", first command {res['rounds_first'][i]['p50']:.2f}/"
-          f"{res['rounds_first'][i]['p99']:.2f}"
-        for i, r in enumerate(res["rounds_c2r"]))
-    keys: list[str] = []
-    for arm in ARMS:
-        keys += [k for k in res["phases"][arm] if k not in keys]
-    phase_rows = "\n".join(
-        f"| {k} | " + " | ".join(f"{res['phases'][arm][k]:.1f}" if k in res["phases"][arm]
-                                 else "-" for arm in ARMS) + " |" for k in keys)
-    ctl = res["controller_timings"]
-    gap = res["first_after_acquire"]
-    t, h = echo["trainer"], echo["host"]
+        + f", first command {sz['rounds_first'][i]['p50']:.2f}/"
+          f"{sz['rounds_first'][i]['p99']:.2f}"
+        for i, r in enumerate(sz["rounds_c2r"]))
+    ctl = ", ".join(f"{k[:-3]} {v:.0f} ms" for k, v in sz["controller_timings"].items())
+    gap = sz["first_after_acquire"]
+    return f"""**{cpu} CPU / {memory}** (requests == limits), {n} pods per arm per round in waves of
+{wave}. Seconds: the median over {rounds} rounds of each round's p50 / p99 (range in brackets);
+ratios are those medians over the bare pod's.
+
+| what | pods | p50 s (range) | p99 s (range) | p50 vs bare | p99 vs bare |
+|---|---|---|---|---|---|
+{chr(10).join(_ratio_rows(sz))}
+
+Per round (p50/p99 s): {per_round}. The first `echo` was answered {gap['p50'] * 1000:.0f} ms
+(p50) / {gap['p99'] * 1000:.0f} ms (p99) after the acquire returned. The acquire answer's own
+`timings` (medians): {ctl or 'none'}.
+
+Where the start goes, step by step (p50 / p99 in ms over all rounds' pods; each row is the
+interval between two consecutive steps of the same pod, so a column's rows add up to its
+`whole:` row at the median only roughly). Steps: the create call sent (the SDK acquire, for
+the controller arm); the watch seeing the pod scheduled; the runtime's pod sandbox created
+(CNI included in the next step); each container created / started / exited (containerd's
+nanosecond times, `crictl inspect`); execd's "listening" log line (its CRI log timestamp);
+the watch seeing Ready; the acquire and the first command answered in the trainer pod.
+
+| step | bare | webhook | controller |
+|---|---|---|---|
+{chr(10).join(_phase_rows(sz))}
+"""
+
+
+def render_section(res: dict) -> str:
+    """docs/benchmarks.md's real-node section from a run's results (see run())."""
+    echo = res["echo"]
     m = res["machine"]
+    sizes = res.get("sizes") or [{"key": "pods", "cpu": CPU, "memory": MEMORY,
+                                  "wave": res["wave"], "n": res["sandboxes"]}]
+    blocks = [_size_block(res if z["key"] == "pods" else res["large"], z["cpu"], z["memory"],
+                          z["n"], z["wave"], res["rounds"])
+              for z in sizes if z["key"] == "pods" or res.get("large")]
+    t, h = echo["trainer"], echo["host"]
     left = res["leftovers"] or "nothing of the bench (its namespace and pods gone)"
     release_left = res.get("release_leftovers")
-    left += (f"; `helm uninstall` left {release_left} (the known uninstall residual of issue "
-             f"12, fixed separately; the bed's stop removed them)" if release_left else
-             "; `helm uninstall` left nothing")
+    left += (f"; `helm uninstall` left {release_left} (the bed's stop removed it)"
+             if release_left else "; `helm uninstall` left nothing")
+    loads = (f"1-minute load {m.get('load1_start', float('nan')):.2f} at the start, "
+             f"{res.get('load_last_wave', float('nan')):.2f} after the last wave (the bench's "
+             f"own bed: control plane, install, real node) and "
+             f"{m.get('load1_end', float('nan')):.2f} at the end, once the bed had stopped "
+             f"(load average 1/5/15 min before the run: {m['load_before']})")
     return f"""{SECTION}
 
 Sandman on the test bed's real node (real containers: kubelet, containerd + runc, bridge CNI,
 kube-proxy, kube-router; testbed/realnode.py), installed with `helm install` as `make e2e` does
-(testbed/install.py: 3 webhook replicas of 150m, 2 controllers of 250m, pacing 20/s with a
-burst of 40), against a bare pod of the same image in the same run. Command: `make
-bench-realnode` (`{res['command']}`). Machine: {m['cpus']} cores ({m['arch']}), kernel
-{m['kernel']}, Python {m['python']}, {m['date']}; **shared with other work**: five other
-engineers' sessions (builds, test beds, benches) ran on the same 2 cores, load average (1, 5,
-15 min) {m['load_before']} before the run and {m['load_after']} after it: treat the absolute
-figures as this machine's on that day, the ratios as the result. The node: the real node
+(testbed/install.py: 3 webhook replicas of 150m, 2 controllers of 250m, TLS and tokens on),
+against a bare pod of the same image in the same run. Command: `make bench-realnode`
+(`{res['command']}`). Machine: {m['cpus']} cores ({m['arch']}), kernel {m['kernel']}, Python
+{m['python']}, {m['date']}, nothing else running; {loads}. The bench refuses to write this
+section when the load was above {LOAD_MAX} at the start or the end. The node: the real node
 `sandman-real-0` (the kwok nodes beside it cordoned by the install; every measured pod checked to
 have run there), images already imported (`{TASK_IMAGE}`; nothing is pulled).
 
-Pods: `{TASK_IMAGE}`, {CPU} CPU / {MEMORY} (requests == limits). A sandbox's scheduler request is
-at least its injected init containers' 100m / 128Mi, so this size costs the node no more than a
-smaller one (a 25m sandbox would only give execd a smaller CPU quota). With sandman installed and
-the trainer pod running, {res['used_cpu']:.2f} of the node's {res['alloc_cpu']:.2f} CPUs were
-requested, so **{res['wave']} pods fit at once: each arm's {n} pods per round run in waves of
-{res['wave']}**: a wave's pods are created together (threads on this machine, or concurrent SDK
-acquires in the trainer), all become Ready, then are deleted (released) and gone before the next
-wave; the three arms take turns wave by wave, after one untimed wave per arm. The bare pod: no
-sandbox label, same image and size, `sleep infinity`, no service-account token (the webhook
-removes it from sandboxes too). The webhook arm's pods and the echo sandbox live in a bench
-namespace holding copies of the chart's sandbox NetworkPolicies; the controller's sandboxes in
-`sandboxes`. The trainer: a pod of the sandman image with the trainer label, {TRAINER_CPU} CPU
-requested and no CPU limit, running the SDK (`sandman.client`, sync client, one thread per
-acquire).
+Arms: a **bare** pod (no sandbox label, same image and size, `sleep infinity`, no
+service-account token); a labelled pod created by a **plain client** (this machine), which the
+webhook turns into a guarded sandbox (two injected init containers, netguard then the execd
+install, sized like the sandbox; execd's readiness probe); an **SDK acquire** from a trainer pod
+(trainer label, projected token, https with the published CA; sync client, one thread per
+acquire) through the controller, which asks execd `/ready` itself as soon as the sandbox
+container runs. With sandman and the trainer running, {res['used_cpu']:.2f} of the node's
+{res['alloc_cpu']:.2f} CPUs were requested. A wave's pods are created together, all become Ready,
+then are deleted (released) and gone before the next; the arms take turns wave by wave (the
+first arm moves on each round), after one untimed wave per arm. **Ready** = this machine's pod
+watch receives the pod with Ready=True.
 
-Definitions: **create** = the client sends the pod create (bare, webhook; from this machine) or
-the SDK acquire (controller; from the trainer pod: same kernel clock); **Ready** = this machine's
-pod watch receives the pod with condition Ready=True (a sandbox's readiness probe is execd's
-`/health` every 1 s; a bare pod is Ready when its container runs). Seconds: the median over
-{res['rounds']} rounds of each round's p50 / p99 over its {n} pods per arm (p99 interpolated
-between the two slowest), the rounds' range in brackets; ratios are those medians over the bare
-pod's.
-
-| what | pods | p50 s (range) | p99 s (range) | p50 vs bare | p99 vs bare |
-|---|---|---|---|---|---|
-{chr(10).join(rows)}
-
-Per round (p50/p99 s): {per_round}. The first `echo` after an acquire was answered
-{gap['p50'] * 1000:.0f} ms (p50) / {gap['p99'] * 1000:.0f} ms (p99) after the acquire returned
-(a new connection to execd). The controller's own account (medians over all acquires): queued
-{ctl['queued_ms']:.0f} ms, create call {ctl['create_ms']:.0f} ms, create -> Ready + execd /health
-{ctl['ready_ms']:.0f} ms. Errors: {res['errors'] or 'none'}.
-
-Where the start goes (medians in s over all rounds, from the kubelet's container start/finish
-times, which have 1 s resolution):
-
-| phase | bare | webhook | controller |
-|---|---|---|---|
-{phase_rows}
-
+{chr(10).join(blocks)}
 **execd echo round trip**: `sb.exec("echo hi")` through the SDK on one warm keep-alive
 connection, to one sandbox (made through the webhook, {res['echo_cpu']} CPU / {ECHO_MEMORY}: the
-CPU left after the waves, behind the copied NetworkPolicy), {echo['n_per_block']} calls per block
-after {echo['warmup']} untimed, blocks alternating trainer and host ({echo['blocks']} per side per
-round). Milliseconds, median of the rounds' p50 / p99 (range):
+CPU left after the waves), {echo['n_per_block']} calls per block after {echo['warmup']} untimed,
+blocks alternating trainer and host ({echo['blocks']} per side per round). Milliseconds, median
+of the rounds' p50 / p99 (range):
 
 | from | calls | p50 ms (range) | p99 ms (range) |
 |---|---|---|---|
@@ -259,9 +396,9 @@ round). Milliseconds, median of the rounds' p50 / p99 (range):
 | this machine, to the pod IP through the node's bridge | {h['n']} | {_cell(h, 'ms')} |
 
 Trainer / host p50: {ratio(t['p50'], h['p50']):.2f}x, p99: {ratio(t['p99'], h['p99']):.2f}x.
-
-Left after the run: {left}. Whole run {res['wall_s']:.0f} s, of which bed + install
-{res['setup_s']:.0f} s. Raw per-pod results: `.testbed/bench-realnode.json`.
+Errors: {res['errors'] or 'none'}. Left after the run: {left}. Whole run {res['wall_s']:.0f} s,
+of which bed + install {res['setup_s']:.0f} s. Raw per-pod results:
+`.testbed/bench-realnode.json`.
 """
 
 
@@ -347,50 +484,6 @@ class Agent:
 
 # ---- this machine's side -------------------------------------------------------------------
 
-def _ts(t) -> float | None:
-    return t.timestamp() if t is not None else None
-
-
-def container_times(pod) -> dict:
-    """Start/finish times (the kubelet's, 1 s resolution) of a pod's containers, for the
-    breakdown of where a sandbox's start goes."""
-    out: dict = {"created": _ts(pod.metadata.creation_timestamp), "init": {}}
-    for c in pod.status.init_container_statuses or []:
-        t = c.state.terminated if c.state else None
-        if t is not None:
-            out["init"][c.name] = [_ts(t.started_at), _ts(t.finished_at)]
-    for c in pod.status.container_statuses or []:
-        if c.state and c.state.running:
-            out["main_started"] = _ts(c.state.running.started_at)
-            break
-    return out
-
-
-def phase_breakdown(pods: list[dict]) -> dict:
-    """Medians (s) of where each pod's start went, from container_times() and the Ready time:
-    create -> first container start, each init container's run, main start -> Ready."""
-    cols: dict[str, list[float]] = {}
-
-    def add(key: str, v: float | None) -> None:
-        if v is not None:
-            cols.setdefault(key, []).append(v)
-
-    for r in pods:
-        ph = r.get("phases") or {}
-        inits = ph.get("init") or {}
-        starts = [v[0] for v in inits.values() if v[0] is not None]
-        main = ph.get("main_started")
-        first = min(starts) if starts else main
-        if ph.get("created") is not None and first is not None:
-            add("create -> first container started", first - ph["created"])
-        for name, (t0, t1) in inits.items():
-            if t0 is not None and t1 is not None:
-                add(f"init {name}", t1 - t0)
-        if main is not None and r.get("ready_at") is not None:
-            add("main container started -> Ready", r["ready_at"] - main)
-    return {k: statistics.median(v) for k, v in cols.items()}
-
-
 class PodWatch:
     """Per namespace, one watch thread: when each pod was first seen, first seen Ready, gone,
     and on which node (wall-clock times at the moment this process received the event)."""
@@ -412,11 +505,12 @@ class PodWatch:
                     for c in (pod.status.conditions or []))
         with self.cond:
             rec = self.pods.setdefault(key, {"seen": now})
-            if pod.spec.node_name:
+            if pod.spec.node_name and "node" not in rec:
                 rec["node"] = pod.spec.node_name
+                rec["scheduled"] = now
             if ready and "ready" not in rec:
                 rec["ready"] = now
-                rec["phases"] = container_times(pod)
+                rec["inits"] = [c.name for c in pod.spec.init_containers or []]
             if ev_type == "DELETED":
                 rec["gone"] = now
             self.cond.notify_all()
@@ -481,15 +575,15 @@ def _token() -> tuple[str, str]:
     return token, hashlib.sha256(token.encode()).hexdigest()
 
 
-def bare_pod(name: str) -> dict:
+def bare_pod(name: str, cpu: str = CPU, memory: str = MEMORY) -> dict:
     from testbed import realnode
 
     return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name},
             "spec": {"containers": [{
                 "name": "task", "image": TASK_IMAGE, "imagePullPolicy": "IfNotPresent",
                 "command": ["sleep", "infinity"],
-                "resources": {"requests": {"cpu": CPU, "memory": MEMORY},
-                              "limits": {"cpu": CPU, "memory": MEMORY}}}],
+                "resources": {"requests": {"cpu": cpu, "memory": memory},
+                              "limits": {"cpu": cpu, "memory": memory}}}],
                 "automountServiceAccountToken": False, "terminationGracePeriodSeconds": 1,
                 **realnode.placement()}}
 
@@ -584,8 +678,9 @@ class Bench:
             raise BenchError("trainer pod not Ready after 120 s")
         self.agent = Agent(build.binaries()["kubectl"], self.tb.kubeconfig, self.ns, "trainer")
 
-    def node_room(self) -> tuple[float, float, int]:
-        """(allocatable CPUs, CPUs requested now, pods of this size that fit) on the real node."""
+    def node_room(self, cpu: str = CPU, memory: str = MEMORY) -> tuple[float, float, int, float]:
+        """(allocatable CPUs, CPUs requested now, pods of this size that fit, bytes of memory
+        unrequested) on the real node."""
         from testbed import realnode
 
         node = self.core.read_node(realnode.NODE_NAME)
@@ -601,22 +696,60 @@ class Bench:
             used += pod_request(spec, "cpu")
             used_mem += pod_request(spec, "memory")
         # The injected init containers take the sandbox's own size: it is the whole request.
-        per_cpu, per_mem = quantity(CPU), quantity(MEMORY)
+        per_cpu, per_mem = quantity(cpu), quantity(memory)
         fit = int(min((alloc - used) / per_cpu + 1e-9, (alloc_mem - used_mem) / per_mem))
-        return alloc, used, fit
+        return alloc, used, fit, alloc_mem - used_mem
 
     # --- one wave of one arm --------------------------------------------------------------------
     def _name(self, arm: str) -> str:
         self.seq += 1
         return f"{arm}-{self.seq}"
 
-    def host_wave(self, arm: str, n: int) -> list[dict]:
+    def cri_snapshot(self, ns: str, names: list[str]) -> dict[str, dict]:
+        """The runtime's own nanosecond times for each named pod while it runs: its pod
+        sandbox's creation, each container's created / started / finished, and when execd
+        logged that it listens (its main container's log timestamps). Empty when the runtime
+        cannot say (then the phase table has fewer rows, never made-up ones)."""
+        rn = self.tb.realnode
+        try:
+            sandboxes = json.loads(rn.crictl("pods", "--namespace", f"^{ns}$", "-o",
+                                             "json").stdout)["items"]
+            sbx = {p["id"]: p for p in sandboxes if p["metadata"]["name"] in names
+                   and p.get("state") == "SANDBOX_READY"}
+            ctrs = [c for c in json.loads(rn.crictl("ps", "-a", "--namespace", f"^{ns}$", "-o",
+                                                    "json").stdout)["containers"]
+                    if c["podSandboxId"] in sbx]
+            ids = [c["id"] for c in ctrs]
+            status = {v["status"]["id"]: v["status"] for v in json_values(
+                rn.crictl("inspect", "-o", "json", *ids).stdout)} if ids else {}
+        except (ValueError, KeyError, OSError, subprocess.SubprocessError) as e:
+            self.errors.append(f"crictl: {type(e).__name__}: {str(e)[:200]}")
+            return {}
+        out = {p["metadata"]["name"]: {"sandbox": cri_seconds(p.get("createdAt")),
+                                       "containers": {}} for p in sbx.values()}
+        for c in ctrs:
+            pod = out[sbx[c["podSandboxId"]]["metadata"]["name"]]
+            st = status.get(c["id"], {})
+            name = c["metadata"]["name"]
+            pod["containers"][name] = {
+                "created": cri_seconds(st.get("createdAt") or c.get("createdAt")),
+                "started": cri_seconds(st.get("startedAt")),
+                "finished": cri_seconds(st.get("finishedAt"))}
+            if c.get("state") == "CONTAINER_RUNNING":
+                got = rn.crictl("logs", "--timestamps", c["id"], timeout=30)
+                at = listening_at(got.stdout + got.stderr)
+                if at is not None:
+                    pod["listening"] = at
+        return out
+
+    def host_wave(self, arm: str, n: int, cpu: str = CPU, memory: str = MEMORY) -> list[dict]:
         """n pods created together from this machine; create-to-Ready from the watch."""
         names = [self._name(arm) for _ in range(n)]
         t0s: dict[str, float] = {}
 
         def create(name: str) -> None:
-            body = bare_pod(name) if arm == "bare" else sandbox_pod(name, _token()[1])
+            body = (bare_pod(name, cpu, memory) if arm == "bare"
+                    else sandbox_pod(name, _token()[1], cpu, memory))
             t0s[name] = time.time()
             self.core.create_namespaced_pod(self.ns, body, _request_timeout=60)
 
@@ -632,12 +765,14 @@ class Bench:
         keys = [(self.ns, nm) for nm in created]
         for k in self.watch.wait(keys, "ready", WAVE_TIMEOUT_S):
             self.errors.append(f"{arm} {k[1]} not Ready after {WAVE_TIMEOUT_S:.0f}s")
+        cri = self.cri_snapshot(self.ns, created)  # after the wave: no timed pod waits on it
         for nm in created:
             rec = self.watch.get(self.ns, nm)
             if "ready" in rec:
                 out.append({"arm": arm, "pod": nm, "c2r": rec["ready"] - t0s[nm],
-                            "node": rec.get("node"), "ready_at": rec["ready"],
-                            "phases": rec.get("phases")})
+                            "node": rec.get("node"), "ready_at": rec["ready"], "t0": t0s[nm],
+                            "scheduled": rec.get("scheduled"), "inits": rec.get("inits"),
+                            "cri": cri.get(nm)})
         for nm in created:
             try:
                 self.core.delete_namespaced_pod(nm, self.ns, grace_period_seconds=0)
@@ -647,13 +782,15 @@ class Bench:
             raise BenchError(f"pod {k[1]} not gone {GONE_TIMEOUT_S:.0f}s after its delete")
         return out
 
-    def controller_wave(self, n: int) -> list[dict]:
+    def controller_wave(self, n: int, cpu: str = CPU, memory: str = MEMORY) -> list[dict]:
         ans = self.agent.ask({"op": "wave", "n": n, "image": TASK_IMAGE, "job": "bench-realnode",
-                              "cpu": CPU, "memory": MEMORY, "timeout_s": WAVE_TIMEOUT_S},
+                              "cpu": cpu, "memory": memory, "timeout_s": WAVE_TIMEOUT_S},
                              timeout=WAVE_TIMEOUT_S + 60)
         if "error" in ans:
             raise BenchError(f"trainer agent: {ans['error']}")
         out, keys = [], []
+        pods = [r["pod"] for r in ans["results"] if "pod" in r]
+        cri = self.cri_snapshot(self.sbx_ns, pods)
         for r in ans["results"]:
             if "pod" in r:
                 keys.append((self.sbx_ns, r["pod"]))
@@ -669,8 +806,10 @@ class Bench:
                 continue
             out.append({"arm": "controller", "pod": r["pod"], "c2r": rec["ready"] - r["t0"],
                         "acquire": r["t1"] - r["t0"], "first": r["t2"] - r["t0"],
+                        "t0": r["t0"], "t1": r["t1"], "t2": r["t2"],
                         "timings": r["timings"], "node": rec.get("node"),
-                        "ready_at": rec["ready"], "phases": rec.get("phases")})
+                        "ready_at": rec["ready"], "scheduled": rec.get("scheduled"),
+                        "inits": rec.get("inits"), "cri": cri.get(r["pod"])})
         rel = self.agent.ask({"op": "release"}, timeout=120)
         if "error" in rel:
             raise BenchError(f"trainer agent release: {rel['error']}")
@@ -685,7 +824,7 @@ class Bench:
 
         token, sha = _token()
         name = self._name("echo")
-        alloc, used, _ = self.node_room()
+        alloc, used, _, _ = self.node_room()
         cpu_m = int(min(ECHO_CPU_MAX, alloc - used) * 10 + 1e-9) * 100
         if cpu_m < 100:
             raise BenchError(f"no room for the echo sandbox: {used:.2f} of {alloc:.2f} CPUs")
@@ -721,33 +860,39 @@ class Bench:
             self.core.delete_namespaced_pod(name, self.ns, grace_period_seconds=0)
             self.watch.wait([(self.ns, name)], "gone", GONE_TIMEOUT_S)
 
-    def warmup(self, wave: int) -> None:
+    def wave(self, arm: str, n: int, size: dict) -> list[dict]:
+        if arm == "controller":
+            return self.controller_wave(n, size["cpu"], size["memory"])
+        return self.host_wave(arm, n, size["cpu"], size["memory"])
+
+    def warmup(self, size: dict) -> None:
         """One untimed wave per arm: the first connections and container starts of the run."""
         for arm in ARMS:
-            if arm == "controller":
-                self.controller_wave(wave)
-            else:
-                self.host_wave(arm, wave)
+            self.wave(arm, size["wave"], size)
 
     # --- a round ----------------------------------------------------------------------------------
-    def round(self, i: int, wave: int) -> dict:
+    def round(self, i: int, sizes: list[dict]) -> dict:
+        """Each size's pods (its `n` per arm in waves of its `wave`, the arms taking turns, the
+        first arm moving on each round), then the echo blocks. Keys: the sizes' `key`s."""
         from testbed import realnode
 
-        res: dict[str, list[dict]] = {arm: [] for arm in ARMS}
-        for w, n in enumerate(waves(self.args.sandboxes, wave)):
-            for arm in arm_order(w):
-                got = self.controller_wave(n) if arm == "controller" else self.host_wave(arm, n)
-                res[arm] += got
-            print(f"# round {i + 1} wave {w + 1}: " + ", ".join(
-                f"{a} {statistics.median(r['c2r'] for r in res[a][-n:]):.2f}s"
-                for a in ARMS if res[a][-n:]), file=sys.stderr)
-        for arm in ARMS:
-            for r in res[arm]:
-                if r.get("node") != realnode.NODE_NAME:
-                    self.errors.append(f"{arm} {r['pod']} ran on {r.get('node')}, not the real "
-                                       f"node")
-        echo = self.echo()
-        return {"pods": res, "echo": echo}
+        out: dict = {}
+        for size in sizes:
+            res: dict[str, list[dict]] = {arm: [] for arm in ARMS}
+            for w, n in enumerate(waves(size["n"], size["wave"])):
+                for arm in arm_order(w + i):
+                    res[arm] += self.wave(arm, n, size)
+                print(f"# round {i + 1} {size['cpu']} wave {w + 1}: " + ", ".join(
+                    f"{a} {statistics.median(r['c2r'] for r in res[a][-n:]):.2f}s"
+                    for a in ARMS if res[a][-n:]) + f" (load {load1():.2f})", file=sys.stderr)
+            for arm in ARMS:
+                for r in res[arm]:
+                    if r.get("node") != realnode.NODE_NAME:
+                        self.errors.append(f"{arm} {r['pod']} ran on {r.get('node')}, not the "
+                                           f"real node")
+            out[size["key"]] = res
+        out["echo"] = self.echo()
+        return out
 
     def teardown(self) -> list[str]:
         """Delete everything the bench made; returns what is still there."""
@@ -772,28 +917,52 @@ def _load() -> str:
         return "?"
 
 
-def aggregate(rounds: list[dict]) -> dict:
-    """The docs' figures from each round's raw results (see Bench.round())."""
-    rounds_c2r = [{arm: summarize([r["c2r"] for r in rd["pods"][arm]]) for arm in ARMS}
+def aggregate_size(rounds: list[dict], key: str) -> dict:
+    """One size's figures (`key`: its results in each round, see Bench.round())."""
+    rounds_c2r = [{arm: summarize([r["c2r"] for r in rd[key][arm]]) for arm in ARMS}
                   for rd in rounds]
-    ctl = [r for rd in rounds for r in rd["pods"]["controller"]]
-    rounds_acq = [summarize([r["acquire"] for r in rd["pods"]["controller"]]) for rd in rounds]
-    rounds_first = [summarize([r["first"] for r in rd["pods"]["controller"]]) for rd in rounds]
-    gap = [r["first"] - r["acquire"] for r in ctl]
-    echo_blocks = {side: [summarize(rd["echo"][side]) for rd in rounds]
-                   for side in ("trainer", "host")}
+    ctl = [r for rd in rounds for r in rd[key]["controller"]]
+    rounds_acq = [summarize([r["acquire"] for r in rd[key]["controller"]]) for rd in rounds]
+    rounds_first = [summarize([r["first"] for r in rd[key]["controller"]]) for rd in rounds]
+    timing_keys = [k for k in (ctl[0]["timings"] if ctl else {})]
     return {
         "create_to_ready": {arm: across_rounds([r[arm] for r in rounds_c2r]) for arm in ARMS},
         "acquire": across_rounds(rounds_acq),
         "first_command": across_rounds(rounds_first),
         "rounds_c2r": rounds_c2r, "rounds_first": rounds_first,
-        "controller_timings": {k: statistics.median(r["timings"][k] for r in ctl)
-                               for k in ("queued_ms", "create_ms", "ready_ms")},
-        "echo": {side: across_rounds(v) for side, v in echo_blocks.items()},
-        "first_after_acquire": summarize(gap),
-        "phases": {arm: phase_breakdown([r for rd in rounds for r in rd["pods"][arm]])
+        "controller_timings": {k: statistics.median(r["timings"].get(k, 0.0) for r in ctl)
+                               for k in timing_keys},
+        "first_after_acquire": summarize([r["first"] - r["acquire"] for r in ctl]),
+        "phases": {arm: phase_table([r for rd in rounds for r in rd[key][arm]])
                    for arm in ARMS},
     }
+
+
+def aggregate(rounds: list[dict]) -> dict:
+    """The docs' figures from each round's raw results: the tiny size's at the top level, the
+    larger size's under "large" (None when the run had none), the echo's."""
+    echo_blocks = {side: [summarize(rd["echo"][side]) for rd in rounds]
+                   for side in ("trainer", "host")}
+    return {**aggregate_size(rounds, "pods"),
+            "large": aggregate_size(rounds, "large") if all("large" in rd for rd in rounds)
+            else None,
+            "echo": {side: across_rounds(v) for side, v in echo_blocks.items()}}
+
+
+def plan_sizes(args, alloc: float, used: float, fit: int, mem_free: float) -> list[dict]:
+    """The sizes a round measures: the paper's tiny pods in waves of what fits (at most
+    --wave), then (unless --large-sandboxes 0) the largest pod the node fits beside the install,
+    one at a time. Raises BenchError when not even one tiny pod fits."""
+    wave = min(args.wave, fit)
+    if wave < 1:
+        raise BenchError(f"no room on the real node: {used:.2f} of {alloc:.2f} CPUs requested")
+    sizes = [{"key": "pods", "cpu": CPU, "memory": MEMORY, "wave": wave, "n": args.sandboxes}]
+    cpu_m = int((alloc - used) * 10 + 1e-9) * 100
+    mem = min(cpu_m / 1000 * LARGE_MEMORY_PER_CPU, mem_free) // 2**20
+    if args.large_sandboxes > 0 and cpu_m > quantity(CPU) * 1000 and mem >= 128:
+        sizes.append({"key": "large", "cpu": f"{cpu_m}m", "memory": f"{int(mem)}Mi", "wave": 1,
+                      "n": args.large_sandboxes})
+    return sizes
 
 
 def measure(tb, inst, args, leftovers: list[str]) -> tuple[dict, list[dict], Bench]:
@@ -803,24 +972,32 @@ def measure(tb, inst, args, leftovers: list[str]) -> tuple[dict, list[dict], Ben
     rounds: list[dict] = []
     try:
         bench.setup()
-        alloc, used, fit = bench.node_room()
-        wave = min(args.wave, fit)
-        if wave < 1:
-            raise BenchError(f"no room on the real node: {used:.2f} of {alloc:.2f} CPUs requested")
-        info = {"alloc_cpu": alloc, "used_cpu": used, "wave": wave}
-        print(f"# real node: {used:.2f}/{alloc:.2f} CPUs requested, {fit} pods fit, waves of "
-              f"{wave}", file=sys.stderr)
+        alloc, used, fit, mem_free = bench.node_room()
+        sizes = plan_sizes(args, alloc, used, fit, mem_free)
+        info = {"alloc_cpu": alloc, "used_cpu": used, "wave": sizes[0]["wave"], "sizes": sizes}
+        print(f"# real node: {used:.2f}/{alloc:.2f} CPUs requested, {fit} tiny pods fit; sizes "
+              + ", ".join(f"{z['cpu']}/{z['memory']} x{z['n']} in waves of {z['wave']}"
+                          for z in sizes), file=sys.stderr)
         if not args.smoke:  # the smoke checks the bench runs; its one round is not a figure
-            bench.warmup(wave)
+            bench.warmup(sizes[0])
         for i in range(args.rounds):
-            rounds.append(bench.round(i, wave))
+            rounds.append(bench.round(i, sizes))
             tb.check()
             RAW.parent.mkdir(exist_ok=True)
             RAW.with_suffix(".partial.json").write_text(json.dumps(
                 {"meta": info, "rounds": rounds}, default=str))
+        info["load_last_wave"] = load1()
     finally:
         leftovers += bench.teardown()
     return info, rounds, bench
+
+
+def settle(limit: float = LOAD_MAX, wait_s: float = SETTLE_S) -> float:
+    """The 1-minute load once it is at most `limit`, or after `wait_s` (bounded; 5 s steps)."""
+    deadline = time.monotonic() + wait_s
+    while load1() > limit and time.monotonic() < deadline:
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    return load1()
 
 
 def run(args, argv_used: list[str]) -> int:
@@ -828,11 +1005,17 @@ def run(args, argv_used: list[str]) -> int:
     from testbed.cluster import Testbed, TestbedError, default_state_dir
     from testbed.install import Install, InstallError
 
+    start_load = settle()  # a machine still busy with an earlier step gets up to SETTLE_S
+    print(f"# 1-minute load at the start: {start_load:.2f}", file=sys.stderr)
+    if args.write_docs and start_load > LOAD_MAX:
+        print(f"bench-realnode: {docs_refusal(start_load, 0.0)}; run it with nothing else "
+              f"running", file=sys.stderr)
+        return 1
     t_start = time.monotonic()
     machine = {"cpus": os.cpu_count(), "arch": platform.machine(), "kernel": platform.release(),
                "python": platform.python_version(),
                "date": dt.datetime.now(dt.UTC).strftime("%Y-%m-%d %H:%M UTC"),
-               "load_before": _load()}
+               "load_before": _load(), "load1_start": start_load}
     tb = Testbed(default_state_dir("bench-realnode"), nodes=2, real_node=True,
                  real_node_wait=args.node_wait)
     inst = bench = None
@@ -859,14 +1042,21 @@ def run(args, argv_used: list[str]) -> int:
                 release_left = inst.leftovers() + inst.runtime_leftovers()
         finally:
             tb.stop()
-    meta = results_meta(args, argv_used, bench, info, leftovers, release_left, machine,
-                        time.monotonic() - t_start)
+    wall_s = time.monotonic() - t_start
+    machine["load1_end"] = settle()  # the bed has stopped: what is left is someone else's
+    meta = results_meta(args, argv_used, bench, info, leftovers, release_left, machine, wall_s)
+    refusal = docs_refusal(start_load, machine["load1_end"])
+    print(f"# 1-minute load: {start_load:.2f} at the start, "
+          f"{info.get('load_last_wave', float('nan')):.2f} after the last wave, "
+          f"{machine['load1_end']:.2f} at the end (bed stopped)", file=sys.stderr)
     # Raw first: a section that fails to render is re-rendered from it (--render).
     RAW.parent.mkdir(exist_ok=True)
     RAW.write_text(json.dumps({"meta": meta, "rounds": rounds}, indent=1, default=str))
     print(f"# raw results: {RAW}", file=sys.stderr)
-    render(RAW, args.write_docs)
-    return 1 if bench.errors or leftovers else 0
+    if refusal and args.write_docs:
+        print(f"bench-realnode: {refusal}", file=sys.stderr)
+    render(RAW, args.write_docs and not refusal)
+    return 1 if bench.errors or leftovers or (refusal and args.write_docs) else 0
 
 
 def results_meta(args, argv_used: list[str], bench: Bench, info: dict, leftovers: list[str],
@@ -900,9 +1090,12 @@ def parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m bench.realnode",
                                  description=__doc__.split("\n")[0])
     ap.add_argument("--rounds", type=int, default=3, help="whole measurements (default 3)")
-    ap.add_argument("--sandboxes", type=int, default=64, help="pods per arm per round (64)")
-    ap.add_argument("--wave", type=int, default=8,
-                    help="pods at once at most (fewer if the node has no room; default 8)")
+    ap.add_argument("--sandboxes", type=int, default=12,
+                    help="tiny pods per arm per round (12)")
+    ap.add_argument("--wave", type=int, default=4,
+                    help="tiny pods at once at most (fewer if the node has no room; default 4)")
+    ap.add_argument("--large-sandboxes", type=int, default=4,
+                    help="pods of the largest size per arm per round, one at a time (4; 0: none)")
     ap.add_argument("--echo", type=int, default=200, help="echo calls per block (200)")
     ap.add_argument("--echo-blocks", type=int, default=2, help="blocks per side per round (2)")
     ap.add_argument("--node-wait", type=float, default=900,
@@ -919,6 +1112,7 @@ def parse(argv: list[str]) -> argparse.Namespace:
     docs.check_flags(ap, args)
     if args.smoke:
         args.rounds, args.sandboxes, args.wave, args.echo, args.echo_blocks = 1, 1, 1, 5, 1
+        args.large_sandboxes = 0
     return args
 
 
@@ -927,14 +1121,21 @@ def main(argv: list[str] | None = None) -> int:
     args = parse(argv)
     if args.render is not None:
         try:
+            m = json.loads(args.render.read_text())["meta"]["machine"]
+            refusal = docs_refusal(m.get("load1_start", float("inf")),
+                                   m.get("load1_end", float("inf")))
+            if args.write_docs and refusal:
+                print(f"bench-realnode: {refusal}", file=sys.stderr)
+                return 1
             render(args.render, args.write_docs)
         except (OSError, ValueError, KeyError) as e:
             print(f"bench-realnode: cannot render {args.render}: {e}", file=sys.stderr)
             return 1
         return 0
-    if min(args.rounds, args.sandboxes, args.wave, args.echo, args.echo_blocks) < 1:
-        print("bench-realnode: --rounds, --sandboxes, --wave, --echo, --echo-blocks must be >= 1",
-              file=sys.stderr)
+    if min(args.rounds, args.sandboxes, args.wave, args.echo, args.echo_blocks) < 1 or \
+            args.large_sandboxes < 0:
+        print("bench-realnode: --rounds, --sandboxes, --wave, --echo, --echo-blocks must be >= 1"
+              " and --large-sandboxes >= 0", file=sys.stderr)
         return 2
     from testbed import realnode
 

@@ -20,6 +20,7 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 PREFIX = "BENCH "
+TIMINGS = ("queued_ms", "create_ms", "started_ms", "ready_ms")
 
 
 def say(obj) -> None:
@@ -44,9 +45,8 @@ class Agent:
         t1 = time.time()
         self.held.append(sb)
         out = {"pod": sb.pod, "warm": sb.warm, "t0": t0, "t1": t1,
-               "timings": {"queued_ms": sb.timings.queued_ms,
-                           "create_ms": sb.timings.create_ms,
-                           "ready_ms": sb.timings.ready_ms}}
+               "timings": {k: getattr(sb.timings, k) for k in TIMINGS
+                           if hasattr(sb.timings, k)}}
         try:
             r = sb.exec("echo hi", timeout=30)
             out["t2"] = time.time()

@@ -39,6 +39,9 @@ S = State
 EARLY_POLL_S = 0.05
 EARLY_CONNECT_S = 0.5
 READY_POLL_S = 0.2  # a Ready pod whose execd check failed (a slow or wedged pod)
+# An acquire answer's `timings`, in ms: in the pacing queue, the create call, create stored ->
+# the sandbox container seen running, create stored -> execd answered /ready (the hand-out).
+TIMINGS = ("queued_ms", "create_ms", "started_ms", "ready_ms")
 
 # The create settled and the pod is ours: the same fate, one phase on.
 STORED = {S.CREATING: S.STARTING, S.CREATING_ORPHANED: S.STARTING_ORPHANED,
@@ -230,8 +233,7 @@ class Pipeline:
     def result(self, e: Entry, warm: bool) -> dict:
         return {"id": e.id, "pod": e.name, "address": e.ip, "port": self.s.execd_port,
                 "token": e.token, "warm": warm,
-                "timings": {k: e.timings.get(k, 0.0) for k in ("queued_ms", "create_ms",
-                                                                "ready_ms")},
+                "timings": {k: e.timings.get(k, 0.0) for k in TIMINGS},
                 "expires_at": P.iso_utc(e.expires_at) if e.expires_at else None,
                 "lifetime_s": e.lifetime, "conditions": e.conditions_check}
 
@@ -277,6 +279,8 @@ class Pipeline:
                         return False, bad
                     ip = P.pod_ip(pod)
                     ready = bool(P.is_ready(pod) and ip)
+                    if "started_ms" not in e.timings and (ready or P.started(pod)):
+                        e.timings["started_ms"] = ms(time.monotonic() - e.t_created)
                     # With the execd check, the controller asks execd itself from the moment
                     # its container runs, not after the kubelet's next probe tick (up to 1 s)
                     # and the status write that follows it.

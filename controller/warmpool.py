@@ -188,7 +188,8 @@ class WarmPool:
         e.lifetime, e.expires_at = lifetime, expires
         e.conditions, e.conditions_check = conditions, check
         self.books.move(e, S.LEASED, "warm hand-out")
-        e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "ready_ms": ms(time.monotonic() - t0)}
+        e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "started_ms": 0.0,
+                     "ready_ms": ms(time.monotonic() - t0)}
         return self.pipeline.result(e, warm=True)
 
     # ---- checked reuse: a released grading pod back to its pool ------------------------------

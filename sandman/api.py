@@ -354,7 +354,9 @@ def _opt(d: dict[str, Any], key: str, types: type | tuple[type, ...], what: str,
 class Timings(_Model):
     queued_ms: float = 0.0  # in the pacing queue
     create_ms: float = 0.0  # the pod create call
-    ready_ms: float = 0.0  # create -> Ready (+ execd /health)
+    ready_ms: float = 0.0  # create -> execd answered /ready (the hand-out)
+    # Last, so positional construction keeps its meaning.
+    started_ms: float = 0.0  # create -> the controller saw the sandbox container running
 
     @classmethod
     def from_json(cls, data: Any) -> Timings:
@@ -363,6 +365,7 @@ class Timings(_Model):
         what = "acquire timings"
         return cls(queued_ms=_opt(data, "queued_ms", _NUM, what, 0.0),
                    create_ms=_opt(data, "create_ms", _NUM, what, 0.0),
+                   started_ms=_opt(data, "started_ms", _NUM, what, 0.0),
                    ready_ms=_opt(data, "ready_ms", _NUM, what, 0.0))
 
 

@@ -100,29 +100,105 @@ def test_smoke_is_the_smallest_run_and_writes_no_docs():
 
 
 def _pod(arm: str, c2r: float, **kw) -> dict:
-    ready = 1000.0 + c2r
-    return {"arm": arm, "pod": f"{arm}-x", "c2r": c2r, "node": "sandman-real-0",
-            "ready_at": ready,
-            "phases": {"created": 1000.0, "init": {"sandman-netguard": [1001.0, 1003.0]}
-                       if arm != "bare" else {}, "main_started": ready - 0.5}, **kw}
+    t0 = 1000.0
+    ready = t0 + c2r
+    ctrs = {"task": {"created": ready - 0.9, "started": ready - 0.8, "finished": None}}
+    inits = []
+    if arm != "bare":
+        inits = ["sandman-netguard", "sandman-execd-install"]
+        ctrs["sandman-netguard"] = {"created": t0 + 0.3, "started": t0 + 0.4, "finished": t0 + 1.0}
+        ctrs["sandman-execd-install"] = {"created": t0 + 1.1, "started": t0 + 1.2,
+                                         "finished": t0 + 1.4}
+    return {"arm": arm, "pod": f"{arm}-x", "c2r": c2r, "node": "sandman-real-0", "t0": t0,
+            "ready_at": ready, "scheduled": t0 + 0.05, "inits": inits,
+            "cri": {"sandbox": t0 + 0.1, "containers": ctrs,
+                    **({"listening": ready - 0.3} if arm != "bare" else {})}, **kw}
 
 
-def _round(scale: float) -> dict:
-    ctl = [_pod("controller", 3.0 * scale, acquire=3.1 * scale, first=3.2 * scale,
-                timings={"queued_ms": 1.0, "create_ms": 20.0, "ready_ms": 3000.0})
-           for _ in range(4)]
-    return {"pods": {"bare": [_pod("bare", 1.0 * scale) for _ in range(4)],
-                     "webhook": [_pod("webhook", 2.5 * scale) for _ in range(4)],
-                     "controller": ctl},
-            "echo": {"trainer": [0.002] * 10, "host": [0.001] * 10}}
+def _round(scale: float, large: bool = False) -> dict:
+    def arms(s: float) -> dict:
+        ctl = [_pod("controller", 3.0 * s, acquire=3.1 * s, first=3.2 * s, t1=1000 + 3.1 * s,
+                    t2=1000 + 3.2 * s,
+                    timings={"queued_ms": 1.0, "create_ms": 20.0, "started_ms": 2500.0,
+                             "ready_ms": 3000.0})
+               for _ in range(4)]
+        return {"bare": [_pod("bare", 1.0 * s) for _ in range(4)],
+                "webhook": [_pod("webhook", 2.5 * s) for _ in range(4)], "controller": ctl}
+
+    rd = {"pods": arms(scale), "echo": {"trainer": [0.002] * 10, "host": [0.001] * 10}}
+    if large:
+        rd["large"] = arms(scale / 2)
+    return rd
 
 
-def test_phase_breakdown_takes_medians_per_phase():
-    ph = B.phase_breakdown([_pod("webhook", 4.0), _pod("webhook", 6.0)])
-    assert ph["init sandman-netguard"] == 2.0
-    assert ph["create -> first container started"] == 1.0
-    assert ph["main container started -> Ready"] == 0.5
-    assert "init sandman-netguard" not in B.phase_breakdown([_pod("bare", 1.0)])
+def test_cri_timestamps_in_both_of_crictls_spellings():
+    assert B.cri_seconds("1700000000123456789") == pytest.approx(1700000000.123456789, abs=1e-6)
+    assert B.cri_seconds(1700000000123456789) == pytest.approx(1700000000.1234568, abs=1e-6)
+    assert B.cri_seconds("2023-11-14T22:13:20.123456789Z") == pytest.approx(
+        1700000000.123456789, abs=1e-6)
+    assert B.cri_seconds("2023-11-14T23:13:20.5+01:00") == pytest.approx(1700000000.5)
+    assert B.cri_seconds("0001-01-01T00:00:00Z") is None  # Go's zero time: never happened
+    assert B.cri_seconds("0") is None and B.cri_seconds("") is None and B.cri_seconds(None) is None
+    with pytest.raises(ValueError):
+        B.cri_seconds("yesterday")
+
+
+def test_inspect_output_as_one_object_per_id_or_a_list():
+    assert B.json_values('{"a": 1}\n{"a": 2}\n') == [{"a": 1}, {"a": 2}]
+    assert B.json_values('[{"a": 1}, {"a": 2}]') == [{"a": 1}, {"a": 2}]
+    assert B.json_values("  ") == []
+    with pytest.raises(ValueError):
+        B.json_values('{"a": 1} nope')
+
+
+def test_execd_listening_from_its_log_timestamps():
+    log = ("2023-11-14T22:13:19.900000000Z execd: no reuse baseline: x\n"
+           "2023-11-14T22:13:20.250000000Z execd 1.2 listening on 0.0.0.0:9470 (pid 7, ...)\n")
+    assert B.listening_at(log) == pytest.approx(1700000000.25)
+    assert B.listening_at("2023-11-14T22:13:20Z hello listening on x\n") is None
+    assert B.listening_at("") is None
+
+
+def test_phase_intervals_chain_each_pods_steps():
+    ph = B.phase_intervals(_pod("webhook", 4.0))
+    assert ph["create call -> scheduled"] == pytest.approx(0.05)
+    assert ph["pod sandbox created -> sandman-netguard created"] == pytest.approx(0.2)
+    assert ph["sandman-netguard started -> sandman-netguard exited"] == pytest.approx(0.6)
+    assert ph["sandman-netguard exited -> sandman-execd-install created"] == pytest.approx(0.1)
+    assert ph["sandman-execd-install exited -> main created"] == pytest.approx(1.7)
+    assert ph["main started -> execd listening"] == pytest.approx(0.5)
+    assert ph["execd listening -> Ready seen"] == pytest.approx(0.3)
+    assert ph["whole: create call -> Ready seen"] == pytest.approx(4.0)
+    steps = [k for k in ph if not k.startswith("whole")]
+    assert sum(ph[k] for k in steps) == pytest.approx(ph["whole: create call -> Ready seen"])
+    bare = B.phase_intervals(_pod("bare", 1.0))
+    assert "pod sandbox created -> main created" in bare and "main started -> Ready seen" in bare
+    assert not any("netguard" in k for k in bare)
+    ctl = B.phase_intervals(_pod("controller", 3.0, t1=1002.9, t2=1003.0))
+    assert ctl["execd listening -> acquire answered"] == pytest.approx(0.2)
+    assert ctl["acquire answered -> first command answered"] == pytest.approx(0.1)
+    assert ctl["(execd listening -> pod Ready seen)"] == pytest.approx(0.3)
+    # A pod the runtime could not describe keeps only the steps that were seen.
+    assert B.phase_intervals({"arm": "bare", "t0": 1.0, "ready_at": 3.0, "cri": None}) == {
+        "create call -> Ready seen": 2.0, "whole: create call -> Ready seen": 2.0}
+
+
+def test_docs_are_refused_when_the_machine_was_not_quiet():
+    assert B.docs_refusal(0.3, 1.5) is None
+    assert "start 1.60" in B.docs_refusal(1.6, 0.2)
+    why = B.docs_refusal(2.0, 3.0)
+    assert "start 2.00" in why and "end 3.00" in why and "not written" in why
+
+
+def test_sizes_are_the_tiny_pods_in_waves_and_the_largest_one_that_fits():
+    a = B.parse([])
+    tiny, large = B.plan_sizes(a, alloc=2.0, used=1.25, fit=7, mem_free=8 * 2**30)
+    assert (tiny["cpu"], tiny["memory"], tiny["wave"], tiny["n"]) == ("100m", "128Mi", 4, 12)
+    assert (large["cpu"], large["memory"], large["wave"], large["n"]) == ("700m", "716Mi", 1, 4)
+    assert len(B.plan_sizes(B.parse(["--large-sandboxes", "0"]), 2.0, 1.25, 7, 2**33)) == 1
+    assert len(B.plan_sizes(a, 2.0, 1.85, 1, 2**33)) == 1  # no room above the tiny size
+    with pytest.raises(B.BenchError, match="no room"):
+        B.plan_sizes(a, 2.0, 1.95, 0, 2**33)
 
 
 def test_section_renders_ratios_and_replaces_only_its_own_part(tmp_path):
@@ -131,9 +207,10 @@ def test_section_renders_ratios_and_replaces_only_its_own_part(tmp_path):
     assert res["create_to_ready"]["webhook"]["p50_range"] == (2.5, 5.0)
     res.update(alloc_cpu=2.0, used_cpu=1.2, wave=8, setup_s=60.0, rounds=3, sandboxes=4,
                errors="", leftovers="", release_leftovers="", echo_cpu="800m",
-               command="python -m bench.realnode", wall_s=900.0,
+               command="python -m bench.realnode", wall_s=900.0, load_last_wave=2.5,
                machine={"cpus": 2, "arch": "x86_64", "kernel": "k", "python": "3.11",
-                        "date": "d", "load_before": "1 1 1", "load_after": "2 2 2"})
+                        "date": "d", "load_before": "1 1 1", "load_after": "2 2 2",
+                        "load1_start": 0.4, "load1_end": 0.9})
     res["echo"].update(n_per_block=200, warmup=20, blocks=2)
     section = B.render_section(res)
     assert section.startswith(B.SECTION + "\n")
@@ -163,3 +240,32 @@ def test_a_raw_results_file_renders_again(tmp_path, capsys):
     B.render(raw, update=False)
     out = capsys.readouterr().out
     assert out.startswith(B.SECTION) and "`helm uninstall` left lease x" in out
+
+
+def test_the_larger_size_and_the_phase_table_are_in_the_section():
+    res = B.aggregate([_round(1.0, large=True), _round(2.0, large=True)])
+    assert res["large"]["create_to_ready"]["bare"]["p50"] == pytest.approx(0.75)
+    sizes = [{"key": "pods", "cpu": "100m", "memory": "128Mi", "wave": 4, "n": 4},
+             {"key": "large", "cpu": "700m", "memory": "716Mi", "wave": 1, "n": 4}]
+    res.update(alloc_cpu=2.0, used_cpu=1.2, wave=4, sizes=sizes, setup_s=60.0, rounds=2,
+               sandboxes=4, errors="", leftovers="", release_leftovers="", echo_cpu="800m",
+               command="c", wall_s=9.0, load_last_wave=2.5,
+               machine={"cpus": 2, "arch": "a", "kernel": "k", "python": "p", "date": "d",
+                        "load_before": "1", "load1_start": 0.4, "load1_end": 0.9})
+    res["echo"].update(n_per_block=200, warmup=20, blocks=2)
+    section = B.render_section(res)
+    assert "**100m CPU / 128Mi**" in section and "**700m CPU / 716Mi**" in section
+    assert "| sandman-netguard started -> sandman-netguard exited | - | 600 / 600 | 600 / 600 |" \
+        in section
+    assert "1-minute load 0.40 at the start" in section and "0.90 at the end" in section
+    assert "started 2500 ms" in section  # the acquire answer's own timings
+
+
+def test_write_docs_from_a_raw_file_of_a_busy_run_is_refused(tmp_path, capsys):
+    import json
+
+    raw = tmp_path / "raw.json"
+    raw.write_text(json.dumps({"meta": {"machine": {"load1_start": 0.2, "load1_end": 2.4}},
+                               "rounds": []}))
+    assert B.main(["--render", str(raw), "--write-docs"]) == 1
+    assert "end 2.40" in capsys.readouterr().err
