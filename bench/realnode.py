@@ -230,7 +230,7 @@ def phase_intervals(r: dict) -> dict[str, float]:
     (create call -> Ready seen, or acquire call -> first command answered) and, for the
     controller, execd listening -> the kubelet's Ready seen (what the early check saves)."""
     steps = phase_steps(r)
-    out = {f"{a} -> {b}": tb - ta for (a, ta), (b, tb) in zip(steps, steps[1:])}
+    out = {f"{a} -> {b}": tb - ta for (a, ta), (b, tb) in zip(steps, steps[1:], strict=False)}
     t0, cri = r.get("t0"), r.get("cri") or {}
     if r.get("arm") == "controller":
         if t0 is not None and r.get("t2") is not None:

@@ -2981,6 +2981,20 @@ class Server(ThreadingHTTPServer):
     allow_reuse_address = True
     request_queue_size = 128
     budget = None  # a ConnBudget, set in main()
+    listen_socket = None  # already bound and listening (the pod's launcher), or None
+
+    def server_bind(self):
+        if self.listen_socket is None:
+            return ThreadingHTTPServer.server_bind(self)
+        self.socket.close()
+        self.socket = self.listen_socket
+        self.server_address = self.socket.getsockname()
+        self.server_name = socket.getfqdn(self.server_address[0])
+        self.server_port = self.server_address[1]
+
+    def server_activate(self):
+        if self.listen_socket is None:
+            ThreadingHTTPServer.server_activate(self)
 
     def process_request(self, request, client_address):
         # In the accept thread: cheap refusals only (no thread, no read).
@@ -3009,7 +3023,28 @@ def parse_listen(value):
     return m.group(1), int(m.group(2))
 
 
-def main(argv=None):
+def adopt_listener(sock, host, port):
+    """`sock` if it listens on exactly (host, port) over TCP (port 0: any), else None (closed):
+    execd then binds itself and reports its own errors."""
+    if sock is None:
+        return None
+    try:
+        ok = (sock.type == socket.SOCK_STREAM
+              and sock.family == (socket.AF_INET6 if ":" in host else socket.AF_INET)
+              and sock.getsockname()[0] == host and port in (0, sock.getsockname()[1])
+              and sock.getsockopt(socket.SOL_SOCKET, socket.SO_ACCEPTCONN))
+    except OSError:
+        ok = False
+    if not ok:
+        sock.close()
+        return None
+    return sock
+
+
+def main(argv=None, listen_socket=None):
+    """`listen_socket`: a socket the caller bound to --listen and listens on before importing
+    this module (the pod's launcher): connections made while the imports run wait in its
+    backlog, answered once execd serves, instead of being refused."""
     p = argparse.ArgumentParser(description="sandman execd")
     p.add_argument("--listen", default="0.0.0.0:%d" % EXECD_PORT)
     p.add_argument("--token-sha256", default=os.environ.get(EXECD_TOKEN_ENV))
@@ -3072,6 +3107,7 @@ def main(argv=None):
     Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
     Server.budget = ConnBudget(args.max_connections, min(args.max_preauth,
                                                          args.max_connections))
+    Server.listen_socket = adopt_listener(listen_socket, host, port)
     srv = Server((host, port), Handler)
     stopping = threading.Event()
 

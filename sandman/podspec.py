@@ -105,13 +105,34 @@ _API_DEFAULTED = ("terminationMessagePath",)
 # source's mtime (the bytecode's check), so a task image whose python3 is the sandman image's
 # minor version (bookworm's 3.11) loads it; any other compiles the source as before.
 _EXECD_DAEMON = "execd_daemon"
+#
+# The launcher also listens on --listen before the daemon's imports (~50 ms of CPU, 0.5 s under
+# a 100m quota), so the kubelet's first readiness probe (sent as the container starts) and the
+# controller's /ready wait in the backlog and are answered once execd serves, instead of being
+# refused and retried a probe period later. Anything unexpected leaves the bind to execd.
 _LAUNCHER = (
     '"""execd: the daemon is execd_daemon.py beside this file (imported, so compiled bytecode is\n'
-    'used when it matches this python3)."""\n'
-    "import os, sys\n"
+    'used when it matches this python3), on a socket that listens before its imports."""\n'
+    "import os, socket, sys\n"
     "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
+    "def listen(argv):\n"
+    "    try:\n"
+    "        host, _, port = argv[argv.index('--listen') + 1].rpartition(':')\n"
+    "        host = host[1:-1] if host.startswith('[') else host\n"
+    "        s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
+    "    except (ValueError, IndexError, OSError):\n"
+    "        return None\n"
+    "    try:\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "        s.bind((host, int(port)))\n"
+    "        s.listen(128)\n"
+    "        return s\n"
+    "    except (ValueError, OSError):\n"
+    "        s.close()\n"
+    "        return None\n"
+    "sock = listen(sys.argv[1:])\n"
     f"from {_EXECD_DAEMON} import main\n"
-    "sys.exit(main())\n"
+    "sys.exit(main(listen_socket=sock))\n"
 )
 # Copies the daemon, its bytecode when the image has it, then the launcher last (the file the
 # main container runs appears only once the rest is in place); run/ must exist before the
@@ -685,13 +706,19 @@ def _make_sandbox_container(c: dict, spec: dict) -> None:
     probe = c.get("readinessProbe") or {}
     http = probe.get("httpGet") or {}
     if not (http.get("path") == EXECD_READY_PATH and http.get("port") in (EXECD_PORT, "execd")):
-        # Readiness is on every acquire's path; one loopback request a second costs little.
+        # Readiness is on a plain client's path to a sandbox (the controller asks execd itself);
         # /ready (not /health) forks and writes a file, so a wedged pod (pids exhausted, disk
-        # full) goes NotReady; it answers within 2 s, hence the 3 s timeout.
+        # full) goes NotReady. No startupProbe: there is no liveness probe for it to hold off,
+        # and readiness would only start a period after it succeeded.
         c["readinessProbe"] = {
             "httpGet": {"path": EXECD_READY_PATH, "port": EXECD_PORT},
+            # The API's minimum. The kubelet sends the first probe as the container starts; the
+            # launcher listens before execd's imports, so that one waits and is answered.
             "periodSeconds": 1,
+            # /ready answers within 2 s; the first probe also waits out execd's start.
             "timeoutSeconds": 3,
+            # One slow answer on a busy node does not take a held sandbox out of Ready; 3 s of
+            # failures does.
             "failureThreshold": 3,
         }
 
