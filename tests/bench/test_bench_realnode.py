@@ -269,3 +269,26 @@ def test_write_docs_from_a_raw_file_of_a_busy_run_is_refused(tmp_path, capsys):
                                "rounds": []}))
     assert B.main(["--render", str(raw), "--write-docs"]) == 1
     assert "end 2.40" in capsys.readouterr().err
+
+
+def test_goals_and_what_each_init_container_adds():
+    res = B.aggregate([_round(1.0)])
+    lines = B.goal_lines(res)
+    assert lines[0].startswith("plain client: create -> Ready p50 2.50x") and "not met" in lines[0]
+    assert "3.20x" in lines[1] and "not met" in lines[1]
+    costs = B.container_costs(res["phases"]["webhook"])
+    # netguard: created -> started 100 + run 600 + exit -> the install's create 100; the
+    # install: 100 + 200 + exit -> the main container's create 200.
+    assert costs == pytest.approx({"sandman-netguard": 800.0, "sandman-execd-install": 500.0})
+    cheap = B.aggregate([_round(0.5)])  # bare 0.5 s; webhook 1.25 s = 2.5x still
+    assert all("x the bare pod's" in ln for ln in B.goal_lines(cheap))
+
+
+def test_the_kubelets_waits_are_told_apart_from_work():
+    res = B.aggregate([_round(1.0)])
+    waits = B.kubelet_waits(res["phases"])
+    assert waits == pytest.approx({
+        "sandman-netguard exited -> sandman-execd-install created": 100.0,
+        "sandman-execd-install exited -> main created": 200.0,
+        "execd listening -> Ready seen": 300.0,
+        "volume mount wait (over the bare pod's)": 0.0})
