@@ -45,7 +45,9 @@ REPLACEMENTS: list[tuple[str, str]] = [
     (r"\bAsyncSandbox\b", "Sandbox"),
     (r"\bsandman\.client\._async\b", "sandman.client._sync"),
 ]
-DROP_LINES = {"import asyncio"}  # the sync twin sleeps with time.sleep
+# The sync twin sleeps with time.sleep, and its acquire() is a plain call (a Sandbox is a
+# context manager already).
+DROP_LINES = {"import asyncio", "@_core.acquiring"}
 ASYNC_BLOCK = re.compile(r"^(?P<indent> *)if True:  # ASYNC$")
 ASYNC_NAMES = {"async", "await", "asyncio"}  # none may be left in the code of a sync twin
 

@@ -11,6 +11,7 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 `AsyncClient` and `AsyncSandbox` are the asyncio twins, method for method.
 """
 
+from sandman._version import __version__
 from sandman.client._async.client import AsyncClient
 from sandman.client._async.sandbox import AsyncSandbox
 from sandman.client._core import RetryPolicy
@@ -31,6 +32,7 @@ from sandman.client.errors import (
     BadRequest,
     CommandTimeout,
     ConditionsRefused,
+    ConfigurationError,
     ControllerError,
     ControllerUnreachable,
     ExecdError,
@@ -69,12 +71,13 @@ from sandman.client.models import (
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
     "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
-    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ControllerError",
+    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ConfigurationError",
+    "ControllerError",
     "ControllerUnreachable", "EditAmbiguous", "EditConflict", "EditError", "EditNoMatch",
     "EditRefused", "EditResult", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "Health", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",
     "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
-    "WriteResult",
+    "WriteResult", "__version__",
 ]

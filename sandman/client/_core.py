@@ -16,9 +16,9 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 
@@ -26,6 +26,7 @@ from sandman import api
 from sandman._version import __version__
 from sandman.client.errors import (
     BadRequest,
+    ConfigurationError,
     IntegrityError,
     ProtocolError,
     SandmanError,
@@ -55,6 +56,11 @@ ACQUIRE_ANSWER_GRACE_S = 30.0
 SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 
 _M = TypeVar("_M")
+_T = TypeVar("_T")
+if TYPE_CHECKING:
+    from typing_extensions import ParamSpec
+
+    _P = ParamSpec("_P")
 
 # on_request(kind, name, elapsed_ms, response_length, exception): once per call, retries
 # included. `kind` and `name` are the route's (api.Route); exception is None on success.
@@ -87,12 +93,56 @@ ENV_TOKEN_FILE = "SANDMAN_TOKEN_FILE"  # a projected ServiceAccount token (audie
 ENV_CA_FILE = "SANDMAN_CA_FILE"  # the CA bundle of the controller's serving certificate
 
 
+# The chart's Service in its documented namespace (docs/install.md): https only.
+EXAMPLE_URL = "https://sandman-controller.sandman-system.svc:8080"
+
+
 def controller_url(url: str | None) -> str:
-    url = url or os.environ.get(ENV_URL, "")
-    if not url.strip():
-        raise SandmanError(f"no controller URL: pass Client(url) or set ${ENV_URL} (e.g. "
-                           "http://sandman-controller.sandman.svc:8080)")
-    return url.strip().rstrip("/")
+    """The controller's base URL, checked: http(s)://host[:port][/path], nothing else."""
+    url = (url or os.environ.get(ENV_URL, "")).strip()
+    if not url:
+        raise ConfigurationError(f"no controller URL: pass Client(url) or set ${ENV_URL} (e.g. "
+                                 f"{EXAMPLE_URL})")
+    try:
+        parsed = httpx.URL(url)
+    except (httpx.InvalidURL, ValueError) as e:
+        raise ConfigurationError(f"controller URL {url!r} is not a URL: {e}") from None
+    if parsed.scheme not in ("http", "https") or not parsed.host:
+        raise ConfigurationError(f"controller URL {url!r} must be https://host[:port] (or "
+                                 f"http://), e.g. {EXAMPLE_URL}")
+    return url.rstrip("/")
+
+
+def check_plain_http(url: str, token: TokenSource, allow_insecure_http: bool) -> None:
+    """The caller's bearer token (a ServiceAccount token: whoever reads it acts as the caller)
+    never goes over plain http unless the caller says so."""
+    if httpx.URL(url).scheme != "http" or not token.sends():
+        return
+    if not allow_insecure_http:
+        raise ConfigurationError(f"controller URL {url!r} is plain http and a bearer token is "
+                                 f"configured: it would travel unencrypted; use https (e.g. "
+                                 f"{EXAMPLE_URL}) or pass allow_insecure_http=True")
+    log.warning("sandman client: sending the bearer token to %s over plain http "
+                "(allow_insecure_http=True): anyone on the path can act as this caller", url)
+
+
+def configuration_error(e: BaseException) -> ConfigurationError | None:
+    """A transport error that no retry can fix, as the caller's configuration error: the
+    controller's certificate does not verify (wrong or missing CA), or the URL's protocol is
+    not one httpx speaks."""
+    if isinstance(e, httpx.UnsupportedProtocol):
+        return ConfigurationError(f"the controller URL's protocol is not supported: {e}")
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        if isinstance(cur, ssl.SSLCertVerificationError):
+            return ConfigurationError(
+                f"the controller's TLS certificate did not verify ({cur.verify_message or cur}): "
+                f"pass ca_file= or set ${ENV_CA_FILE} to the chart's CA bundle (ConfigMap "
+                f"sandman-ca)")
+        cur = cur.__cause__ or cur.__context__
+    return None
 
 
 class TokenSource:
@@ -123,6 +173,10 @@ class TokenSource:
                                    f"(${ENV_TOKEN_FILE}): {e.strerror or e}") from None
         return {"Authorization": f"Bearer {self._token}"} if self._token else {}
 
+    def sends(self) -> bool:
+        """Whether calls carry a bearer token."""
+        return bool(self._token or self.file)
+
 
 def controller_tls(ca_file: str | None) -> ssl.SSLContext:
     """Verification for an https controller: the CA file given or in $SANDMAN_CA_FILE (the
@@ -133,7 +187,44 @@ def controller_tls(ca_file: str | None) -> ssl.SSLContext:
     try:
         return ssl.create_default_context(cafile=ca_file)
     except (OSError, ssl.SSLError) as e:
-        raise SandmanError(f"cannot load the CA file {ca_file} (${ENV_CA_FILE}): {e}") from None
+        raise ConfigurationError(f"cannot load the CA file {ca_file} (${ENV_CA_FILE}): "
+                                 f"{e}") from None
+
+
+class Acquiring(Generic[_T]):
+    """What `AsyncClient.acquire(...)` returns: `await` it for the sandbox, or `async with` it
+    for the sandbox released on exit (as httpx's and aiohttp's requests are both). The acquire
+    starts at the first await or enter, and only once."""
+
+    __slots__ = ("_start", "_sandbox")
+
+    def __init__(self, start: Callable[[], Coroutine[Any, Any, _T]]) -> None:
+        self._start: Callable[[], Coroutine[Any, Any, _T]] | None = start
+        self._sandbox: Any = None
+
+    def _begin(self) -> Coroutine[Any, Any, _T]:
+        if self._start is None:
+            raise RuntimeError("this acquire() was already awaited: call acquire() again")
+        start, self._start = self._start, None
+        return start()
+
+    def __await__(self) -> Generator[Any, None, _T]:
+        return self._begin().__await__()
+
+    async def __aenter__(self) -> _T:
+        self._sandbox = await self._begin()
+        return await self._sandbox.__aenter__()  # type: ignore[no-any-return]
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await self._sandbox.__aexit__(exc_type, exc, tb)
+
+
+def acquiring(fn: Callable[_P, Coroutine[Any, Any, _T]]) -> Callable[_P, Acquiring[_T]]:
+    """`async def acquire` made an `Acquiring` (the sync twin drops this decorator)."""
+    @functools.wraps(fn)
+    def call(*args: _P.args, **kwargs: _P.kwargs) -> Acquiring[_T]:
+        return Acquiring(lambda: fn(*args, **kwargs))
+    return call
 
 
 # asyncio: aclose() waits this long for the acquires and releases of cancelled callers.

@@ -99,6 +99,13 @@ class ControllerUnreachable(SandmanError, ConnectionError):
     """No answer from the controller after the retries (transport errors)."""
 
 
+class ConfigurationError(SandmanError, ValueError):
+    """The client's own configuration cannot work: a controller URL that is not http(s)://host,
+    a CA file that does not load, a controller certificate that does not verify against it, a
+    bearer token about to go over plain http. Raised at construction or at the first call and
+    never retried: no retry can fix it."""
+
+
 # ---- execd (commands and files)
 
 class ExecdError(SandmanError):

@@ -411,16 +411,16 @@ def test_in_cluster_config_from_the_environment(tmp_path, monkeypatch) -> None:
         Client()
     tok = tmp_path / "token"
     tok.write_text("first\n")
-    monkeypatch.setenv(_core.ENV_URL, "http://127.0.0.1:1/")
+    monkeypatch.setenv(_core.ENV_URL, "https://127.0.0.1:1/")
     monkeypatch.setenv(_core.ENV_TOKEN_FILE, str(tok))
     with Client() as c:
-        assert c.url == "http://127.0.0.1:1"
+        assert c.url == "https://127.0.0.1:1"
         assert c._token.header() == {"Authorization": "Bearer first"}
         new = tmp_path / "token.new"  # the kubelet's atomic swap
         new.write_text("second-longer")
         new.replace(tok)
         assert c._token.header() == {"Authorization": "Bearer second-longer"}
-    with Client("http://127.0.0.1:1", token="given") as c:
+    with Client("https://127.0.0.1:1", token="given") as c:
         assert c._token.header() == {"Authorization": "Bearer given"}
     monkeypatch.setenv(_core.ENV_TOKEN_FILE, str(tmp_path / "missing"))
     with pytest.raises(SandmanError, match="token file"):

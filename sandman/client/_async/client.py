@@ -34,7 +34,7 @@ log = logging.getLogger("sandman.client")
 
 
 class AsyncClient:
-    """The controller at `url` (e.g. "http://sandman-controller:8080").
+    """The controller at `url` (e.g. "https://sandman-controller.sandman-system.svc:8080").
 
     In a pod, `AsyncClient()` with no arguments is configured from the environment:
     `$SANDMAN_URL`, `$SANDMAN_TOKEN_FILE` (a projected ServiceAccount token with audience
@@ -59,9 +59,11 @@ class AsyncClient:
                  file_timeout_s: float = 120.0,
                  transport: httpx.AsyncBaseTransport | None = None,
                  execd_transport: httpx.AsyncBaseTransport | None = None,
-                 on_request: OnRequest | None = None) -> None:
+                 on_request: OnRequest | None = None,
+                 allow_insecure_http: bool = False) -> None:
         self.url = _core.controller_url(url)
         self._token = _core.TokenSource(token, token_file)
+        _core.check_plain_http(self.url, self._token, allow_insecure_http)
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
@@ -105,6 +107,7 @@ class AsyncClient:
 
     # ---- the API
 
+    @_core.acquiring
     async def acquire(self, image: str, *, job: str, cpu: str | int | float = api.DEFAULT_CPU,
                       memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
                       workspace: str | None = None,
@@ -316,6 +319,9 @@ class AsyncClient:
                 resp = await self._http.request(method, path, json=json, params=params,
                                                 headers=self._token.header(), timeout=tmo)
             except _core.RETRYABLE as e:
+                bad = _core.configuration_error(e)
+                if bad is not None:
+                    raise bad from e
                 err = e
             else:
                 try:

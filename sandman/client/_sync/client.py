@@ -35,7 +35,7 @@ log = logging.getLogger("sandman.client")
 
 
 class Client:
-    """The controller at `url` (e.g. "http://sandman-controller:8080").
+    """The controller at `url` (e.g. "https://sandman-controller.sandman-system.svc:8080").
 
     In a pod, `Client()` with no arguments is configured from the environment:
     `$SANDMAN_URL`, `$SANDMAN_TOKEN_FILE` (a projected ServiceAccount token with audience
@@ -60,9 +60,11 @@ class Client:
                  file_timeout_s: float = 120.0,
                  transport: httpx.BaseTransport | None = None,
                  execd_transport: httpx.BaseTransport | None = None,
-                 on_request: OnRequest | None = None) -> None:
+                 on_request: OnRequest | None = None,
+                 allow_insecure_http: bool = False) -> None:
         self.url = _core.controller_url(url)
         self._token = _core.TokenSource(token, token_file)
+        _core.check_plain_http(self.url, self._token, allow_insecure_http)
         self._timeout_s = timeout_s
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
@@ -289,6 +291,9 @@ class Client:
                 resp = self._http.request(method, path, json=json, params=params,
                                           headers=self._token.header(), timeout=tmo)
             except _core.RETRYABLE as e:
+                bad = _core.configuration_error(e)
+                if bad is not None:
+                    raise bad from e
                 err = e
             else:
                 try:
