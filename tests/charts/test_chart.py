@@ -65,6 +65,16 @@ def test_golden(helm, case):
         "SANDMAN_GOLDEN_UPDATE=1 and review the diff")
 
 
+def test_kube_version_is_what_the_chart_renders(helm):
+    # ValidatingAdmissionPolicy v1 is GA in 1.30: below it, one line instead of an API error.
+    old = helm.template("--kube-version", "1.29.0", check=False)
+    assert old.returncode != 0
+    assert "chart requires kubeVersion: >=1.30.0-0" in old.stderr and "v1.29.0" in old.stderr
+    new = helm.template("--kube-version", "1.30.0")
+    kinds = {o["kind"]: o["apiVersion"] for o in objects(new.stdout)}
+    assert kinds["ValidatingAdmissionPolicy"] == "admissionregistration.k8s.io/v1"
+
+
 def test_one_resource_per_file_named_component_kind(helm):
     """The Gatekeeper layout: templates/<component>-<kind>.yaml holds one <kind>."""
     res = helm.template(*_values_args("custom-selectors"))
