@@ -39,7 +39,7 @@ SOURCES = {
     "client": ["client", "sandman"],
     # testbed/ and bench/ are copied although the wheel must not ship them: so a package
     # discovery that took them would show (tests/test_distributions.py).
-    "server": ["pyproject.toml", "sandman", "testbed", "bench", "webhook", "controller",
+    "server": ["LICENSE", "pyproject.toml", "sandman", "testbed", "bench", "webhook", "controller",
                "netguard", "execd", "loadtest"],
 }
 

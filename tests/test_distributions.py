@@ -71,9 +71,24 @@ def test_the_client_wheel_has_only_the_client_and_its_wire(wheels):
     assert any(name == "httpx" and "<" in rest and ">=" in rest for name, rest in requires)
 
 
+def _typing_only(tree: ast.AST) -> set[int]:
+    """ids of the nodes under `if TYPE_CHECKING:`: read by type checkers, never run."""
+    out: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) \
+                and node.test.id == "TYPE_CHECKING" and not node.orelse:
+            out |= {id(n) for stmt in node.body for n in ast.walk(stmt)}
+    return out
+
+
 def _imports(source: str, filename: str) -> set[str]:
+    """What the file imports when it runs (`if TYPE_CHECKING:` blocks left out)."""
     found = set()
-    for node in ast.walk(ast.parse(source, filename)):
+    tree = ast.parse(source, filename)
+    typing_only = _typing_only(tree)
+    for node in ast.walk(tree):
+        if id(node) in typing_only:
+            continue
         if isinstance(node, ast.Import):
             found |= {a.name for a in node.names}
         elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
@@ -133,3 +148,25 @@ def test_the_server_wheel_ships_the_product_only(wheels):
     names = _names(wheels["server"])
     assert "execd/execd.py" in names and "loadtest/acquire_burst.py" in names
     assert not [n for n in names if "/bench" in n or n.split("/")[-1].startswith("bench")]
+
+
+@pytest.mark.parametrize("dist", ["client", "server"])
+def test_each_wheel_carries_its_license_and_where_the_project_lives(wheels, dist):
+    meta = _metadata(wheels[dist])
+    assert "License-Expression: Apache-2.0" in meta
+    assert "License-File: LICENSE" in meta
+    urls = dict(re.findall(r"^Project-URL: ([^,]+), (\S+)$", meta, re.M))
+    assert {"Homepage", "Documentation", "Source", "Issues"} <= set(urls), urls
+    assert all(u.startswith("https://github.com/sandman-dev/sandman") for u in urls.values())
+    assert re.search(r"^Classifier: Programming Language :: Python :: 3$", meta, re.M)
+    with zipfile.ZipFile(wheels[dist]) as z:
+        lic = [n for n in z.namelist() if n.endswith(".dist-info/licenses/LICENSE")]
+        assert lic and z.read(lic[0]) == (REPO / "LICENSE").read_bytes()
+    assert (REPO / "LICENSE").read_text().lstrip().startswith("Apache License")
+
+
+def test_the_client_readme_links_work_on_a_package_index():
+    # PyPI renders the README alone: a relative link points nowhere there.
+    text = (REPO / "client" / "README.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links and all(u.startswith(("https://", "#")) for u in links), links

@@ -58,7 +58,7 @@ SOCKET_OPTIONS = [(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)]
 _M = TypeVar("_M")
 _T = TypeVar("_T")
 if TYPE_CHECKING:
-    from typing_extensions import ParamSpec
+    from typing_extensions import ParamSpec  # type checkers only, never imported at run time
 
     _P = ParamSpec("_P")
 
