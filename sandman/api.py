@@ -131,12 +131,18 @@ def _check_lifetime(lifetime_s: Any) -> None:
            "lifetime_s: must be a number of seconds")
 
 
+# A Kubernetes quantity's syntax (k8s.io/apimachinery resource.Quantity), without a minus: a
+# size is never negative. The controller parses the value; this refuses what can never be one
+# ("two", "2 CPUs") before anything is sent.
+_QUANTITY_SYNTAX = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)"
+                              r"([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?")
+
+
 def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
-    # Quantities are parsed by the controller (a 400 names the bad one); here only their type.
-    _check(isinstance(cpu, str) and cpu != "", "cpu: must be a Kubernetes quantity such as "
-           "2, 500m or 1.5")
-    _check(isinstance(memory, str) and memory != "", "memory: must be a Kubernetes quantity "
-           "such as 8Gi or 512Mi")
+    _check(isinstance(cpu, str) and _QUANTITY_SYNTAX.fullmatch(cpu) is not None,
+           f"cpu: must be a Kubernetes quantity such as 2, 500m or 1.5, not {cpu!r}")
+    _check(isinstance(memory, str) and _QUANTITY_SYNTAX.fullmatch(memory) is not None,
+           f"memory: must be a Kubernetes quantity such as 8Gi or 512Mi, not {memory!r}")
     _check(egress in EGRESS_VALUES, f"egress: must be one of {', '.join(EGRESS_VALUES)}, "
            f"not {egress!r}")
 

@@ -264,8 +264,8 @@ class RetryPolicy:
 
 
 class Attempts:
-    """The retry schedule of one logical call: full-jitter exponential backoff, bounded in
-    count and in wall-clock time."""
+    """The retry schedule of one logical call: exponential backoff with equal jitter (each wait
+    uniform in [cap/2, cap]), bounded in count and in wall-clock time."""
 
     def __init__(self, policy: RetryPolicy, call_timeout_s: float) -> None:
         self.policy = policy

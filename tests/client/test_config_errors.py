@@ -167,3 +167,18 @@ def test_the_client_has_its_version():
     import sandman
 
     assert client_version and client_version == sandman._version.__version__
+
+
+def test_a_size_that_is_no_quantity_is_refused_before_anything_is_sent():
+    import httpx
+
+    from sandman.client import BadRequest
+
+    sent = []
+    transport = httpx.MockTransport(lambda req: sent.append(req) or httpx.Response(500))
+    with Client("https://127.0.0.1:1", transport=transport) as c:
+        with pytest.raises(BadRequest, match="cpu: must be a Kubernetes quantity"):
+            c.acquire("img", job="j", cpu="two")
+        with pytest.raises(BadRequest, match="memory: must be a Kubernetes quantity"):
+            c.acquire("img", job="j", memory="8 GB")
+    assert sent == []

@@ -104,6 +104,14 @@ def test_request_models_refuse_what_the_server_refuses():
     with pytest.raises(ValueError, match="count"):
         api.PrewarmRequest(image="i", count=-1)
     assert api.AcquireRequest(image="i", job="j").to_json()["memory"] == api.DEFAULT_MEMORY
+    for cpu in ("two", "2 CPUs", "-1", "", "1.5.2", "500mi"):
+        with pytest.raises(ValueError, match="cpu: must be a Kubernetes quantity"):
+            api.AcquireRequest(image="i", job="j", cpu=cpu)
+    with pytest.raises(ValueError, match="memory: must be a Kubernetes quantity"):
+        api.AcquireRequest(image="i", job="j", memory="8 GB")
+    for cpu, memory in (("2", "8Gi"), ("500m", "512Mi"), ("1.5", "1e9"), (".5", "128M"),
+                        ("+1", "1G"), ("100u", "64Ki")):
+        assert api.AcquireRequest(image="i", job="j", cpu=cpu, memory=memory).cpu == cpu
 
 
 def test_route_urls_quote_one_segment():
