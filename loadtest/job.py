@@ -47,7 +47,14 @@ def render(*, name: str, namespace: str, sandbox_namespace: str, image: str,
            deadline_s: int = 1800, image_pull_policy: str = "IfNotPresent",
            node_selector: dict[str, str] | None = None,
            tolerations: list[dict] | None = None) -> list[dict]:
-    if controller_url.startswith("https://") and not ca_configmap:
+    if not controller_url.startswith("https://"):
+        # The Job's pod always carries a projected token, and the SDK never sends one over
+        # plain http; the chart's controller serves https only.
+        raise ValueError(f"--controller-url {controller_url!r}: the Job sends a ServiceAccount "
+                         "token, so it must be https (the chart's controller, e.g. "
+                         "https://sandman-controller.sandman-system.svc:8080, with "
+                         "--ca-configmap sandman-ca)")
+    if not ca_configmap:
         # The SDK would verify against the system bundle, which does not hold a cluster CA.
         raise ValueError("an https controller URL needs --ca-configmap (the controller's CA)")
     labels = {"app.kubernetes.io/name": "sandman-loadtest", "app.kubernetes.io/instance": name}
@@ -167,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--image", required=True, help="the `loadtest` target of images/Dockerfile")
     p.add_argument("--image-pull-policy", default="IfNotPresent")
     p.add_argument("--controller-url", required=True,
-                   help="e.g. http://sandman-controller.sandman-system.svc:8080")
+                   help="https only, e.g. https://sandman-controller.sandman-system.svc:8080")
     p.add_argument("--ca-configmap", default="",
                    help="ConfigMap with the controller's CA (https URLs), NAME or NAME:KEY")
     p.add_argument("--audience", default="sandman", help="controller.auth.audience")

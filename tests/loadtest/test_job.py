@@ -16,15 +16,15 @@ from loadtest.job import main, render
 from tests.loadtest.test_thresholds import FakeController
 
 BASE = dict(name="lt", namespace="trainers", sandbox_namespace="sandboxes", image="img:1",
-            controller_url="http://sandman-controller.sandman-system.svc:8080",
-            locust_args=["--shape", "two-runs"])
+            controller_url="https://sandman-controller.sandman-system.svc:8080",
+            ca_configmap="sandman-ca", locust_args=["--shape", "two-runs"])
 
 
 def _by_kind(objs):
     return {(o["kind"], o["metadata"]["namespace"]): o for o in objs}
 
 
-def test_http_job_needs_no_ca_and_audits_in_cluster():
+def test_the_job_acquires_as_a_trainer_and_audits_in_cluster():
     objs = _by_kind(render(**BASE))
     job = objs[("Job", "trainers")]
     pod = job["spec"]["template"]
@@ -32,7 +32,6 @@ def test_http_job_needs_no_ca_and_audits_in_cluster():
     env = {e["name"]: e["value"] for e in c["env"]}
     assert env["SANDMAN_URL"] == BASE["controller_url"]
     assert env["SANDMAN_TOKEN_FILE"] == "/var/run/secrets/sandman/token"
-    assert "SANDMAN_CA_FILE" not in env
     assert c["args"][:4] == ["acquire_burst", "--only-summary", "--kubeconfig", "in-cluster"]
     assert c["args"][-2:] == ["--shape", "two-runs"]
     assert "--namespace" in c["args"] and c["args"][c["args"].index("--namespace") + 1] == (
@@ -49,10 +48,13 @@ def test_http_job_needs_no_ca_and_audits_in_cluster():
         {"kind": "ServiceAccount", "name": "lt", "namespace": "trainers"}]
 
 
-def test_https_job_mounts_the_ca_and_refuses_without_one():
+def test_https_job_mounts_the_ca_and_refuses_without_one_or_over_http():
     url = "https://sandman-controller.sandman-system.svc:8080"
     with pytest.raises(ValueError, match="needs --ca-configmap"):
-        render(**{**BASE, "controller_url": url})
+        render(**{**BASE, "controller_url": url, "ca_configmap": ""})
+    # Its pod carries a projected token: never over plain http (the SDK would refuse it there).
+    with pytest.raises(ValueError, match="must be https"):
+        render(**{**BASE, "controller_url": "http://sandman-controller.sandman-system.svc:8080"})
     objs = _by_kind(render(**{**BASE, "controller_url": url, "ca_configmap": "sandman-ca"}))
     spec = objs[("Job", "trainers")]["spec"]["template"]["spec"]
     env = {e["name"]: e["value"] for e in spec["containers"][0]["env"]}
@@ -63,8 +65,8 @@ def test_https_job_mounts_the_ca_and_refuses_without_one():
 def test_cli_renders_a_local_locustfile_into_a_configmap(tmp_path, capsys):
     lf = tmp_path / "mine.py"
     lf.write_text("# a locustfile\n")
-    assert main(["--namespace", "t", "--image", "i", "--controller-url", "http://c:1",
-                 "--locustfile-path", str(lf), "--node-selector", "pool=x",
+    assert main(["--namespace", "t", "--image", "i", "--controller-url", "https://c:1",
+                 "--ca-configmap", "sandman-ca", "--locustfile-path", str(lf), "--node-selector", "pool=x",
                  "--toleration", "k=v:NoSchedule", "--", "--shape", "burst64"]) == 0
     objs = _by_kind(yaml.safe_load_all(capsys.readouterr().out))
     assert objs[("ConfigMap", "t")]["data"] == {"mine.py": "# a locustfile\n"}
