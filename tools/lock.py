@@ -13,8 +13,13 @@ Each lock's header records the SHA-256 of the requirement set it was generated f
 (tests/test_lock.py, offline) fails when a pyproject's declared set changed since, or when a
 pin no longer satisfies a declared range.
 
-    python3 tools/lock.py          # regenerate both (needs PyPI), after editing a pyproject
-    python3 tools/lock.py check    # are they current? (exit 1 with the reason)
+    python3 tools/lock.py            # regenerate both (needs PyPI), after editing a pyproject
+    python3 tools/lock.py --upgrade  # the same, every package at its newest allowed version
+    python3 tools/lock.py check      # are they current? (exit 1 with the reason)
+
+A regeneration keeps every version the current lock pins that still satisfies the declared
+set (uv prefers the pins of an existing output file): a pyproject edit moves only what it has
+to, and upgrades are their own, reviewed step (`--upgrade`).
 """
 
 from __future__ import annotations
@@ -127,10 +132,12 @@ def _uv() -> str:
     return uv
 
 
-def _compile(reqs: list[str], out: Path, constraints: Path | None) -> None:
+def _compile(reqs: list[str], out: Path, constraints: Path | None, upgrade: bool) -> None:
     with tempfile.TemporaryDirectory(prefix="sandman-lock-") as tmp:
         src = Path(tmp) / "requirements.in"
         src.write_text("\n".join(reqs) + "\n")
+        if out.exists() and not upgrade:  # its pins become uv's preferences
+            shutil.copyfile(out, Path(tmp) / "out.txt")
         cmd = [_uv(), "pip", "compile", "--quiet", "--universal", "--generate-hashes",
                "--python-version", PYTHON, "--no-header", "--no-annotate", str(src),
                "-o", str(Path(tmp) / "out.txt")]
@@ -145,14 +152,14 @@ def _compile(reqs: list[str], out: Path, constraints: Path | None) -> None:
         f"{HEADER}{input_digest(reqs)}\n" + body)
 
 
-def generate() -> None:
-    _compile(declared(dev=True), DEV_LOCK, None)
+def generate(upgrade: bool = False) -> None:
+    _compile(declared(dev=True), DEV_LOCK, None, upgrade)
     with tempfile.TemporaryDirectory(prefix="sandman-lock-") as tmp:
         # The dev lock's versions as plain constraints, markers kept (no hashes).
         cons = Path(tmp) / "constraints.txt"
         cons.write_text("".join(f"{n}=={v}" + (f" ; {m}" if m else "") + "\n"
                                 for n, v, m in entries(DEV_LOCK)))
-        _compile(declared(dev=False), RUNTIME_LOCK, cons)
+        _compile(declared(dev=False), RUNTIME_LOCK, cons, upgrade)
 
 
 def main(argv: list[str]) -> int:
@@ -161,10 +168,10 @@ def main(argv: list[str]) -> int:
         for p in found:
             print(f"lock: {p}; run `make lock`", file=sys.stderr)
         return 1 if found else 0
-    if argv:
-        print("usage: tools/lock.py [check]", file=sys.stderr)
+    if argv not in ([], ["--upgrade"]):
+        print("usage: tools/lock.py [check | --upgrade]", file=sys.stderr)
         return 2
-    generate()
+    generate(upgrade=argv == ["--upgrade"])
     return 0
 
 
