@@ -377,16 +377,26 @@ def test_controller_rbac_lives_only_in_the_sandbox_namespace(helm):
                 assert "secrets" not in rule["resources"], (case, rule)
 
 
-def test_webhook_network_policy_admits_only_the_configured_cidrs(helm):
+def test_webhook_network_policy_admits_only_the_configured_cidrs_and_prometheus(helm):
     objs = _render(helm)
     pol = _find(objs, "NetworkPolicy", "-webhook")
-    cidrs = [p["ipBlock"]["cidr"] for r in pol["spec"]["ingress"] for p in r["from"]]
+    peers = [p for r in pol["spec"]["ingress"] for p in r["from"]]
+    cidrs = [p["ipBlock"]["cidr"] for p in peers if "ipBlock" in p]
     assert cidrs and "0.0.0.0/0" not in cidrs and "::/0" not in cidrs, cidrs
-    values = yaml.safe_load((CHART / "values.yaml").read_text())["webhook"]
+    all_values = yaml.safe_load((CHART / "values.yaml").read_text())
+    values = all_values["webhook"]
     assert cidrs == values["apiServerCIDRs"]
+    prometheus = all_values["networkPolicy"]["prometheus"]
+    assert [p for p in peers if "ipBlock" not in p] == prometheus and prometheus
+    # Narrowed as docs/install.md says: the API server's CIDR, and Prometheus still scrapes
+    # (before, the narrowed policy cut it off and the webhook's alerts went silent).
     eks = _find(_render(helm, "--set", "webhook.apiServerCIDRs={10.20.0.0/16}"),
                 "NetworkPolicy", "-webhook")
-    assert eks["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
+    assert eks["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}},
+                                                 *prometheus]
+    none = _find(_render(helm, "--set", "webhook.apiServerCIDRs={10.20.0.0/16}", "--set",
+                         "networkPolicy.prometheus=null"), "NetworkPolicy", "-webhook")
+    assert none["spec"]["ingress"][0]["from"] == [{"ipBlock": {"cidr": "10.20.0.0/16"}}]
     assert helm.template("--set", "webhook.apiServerCIDRs=null", check=False).returncode != 0
     # The webhook process gets the per-connection bounds.
     args = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0][
