@@ -22,7 +22,7 @@ from controller.leader import LeaderElector
 from controller.pacer import Limits
 from controller.routes import build_app
 from controller.settings import Settings, load_pod_template
-from sandman import contract
+from sandman import contract, logs
 from sandman.podspec import GUARD_MODES, SandboxPolicy
 
 log = logging.getLogger("controller")
@@ -138,6 +138,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "sandbox tokens then cross the network in clear text (refused "
                         "otherwise; local use only)")
     s.add_argument("--log-level", default="INFO")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: one object per line (time, level, logger, message)")
     return ap.parse_args(argv)
 
 
@@ -200,7 +202,7 @@ def _ip_or_none(text: str) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s %(message)s")
+    logs.configure(args.log_level, args.log_format)
     try:
         host, port = args.listen.rsplit(":", 1)
         settings = settings_from(args)
@@ -218,7 +220,7 @@ def main(argv: list[str] | None = None) -> int:
                                 advertise_url=advertise_url(args.advertise_address, host, port,
                                                             https))
     except Exception as e:  # noqa: BLE001 - bad flags or config: one line, exit 2
-        print(f"controller: {e}", file=sys.stderr)
+        logs.say(args.log_format, "controller", f"controller: {e}", "ERROR")
         return 2
     if elector.advertise_url is None:
         log.warning("no --advertise-address: as leader, standbys cannot forward API calls "
@@ -301,6 +303,7 @@ def main(argv: list[str] | None = None) -> int:
     # A run start fires thousands of acquires at once: a short accept backlog would turn the
     # burst into SYN retries (1 s each) before the queue even sees them.
     uvicorn.run(forwarder, host=host, port=port, log_level="warning", access_log=False,
+                log_config=logs.uvicorn_log_config(args.log_format),
                 backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools",
                 # The same SSLContext object for the whole run: ServingTLS reloads it in place.
                 **({"ssl_context_factory": lambda _config, _default: serving_tls.context}

@@ -26,6 +26,16 @@ class GuardError(RuntimeError):
     """The guard could not be installed or proven; the message is the one line printed."""
 
 
+def say(args: argparse.Namespace, text: str, level: str = "INFO", stream=None) -> None:
+    """One line of what netguard did, as text or (`--log-format json`) as one JSON object with
+    the fields of the server's JSON logs (sandman/logs.py): time, level, logger, message."""
+    if getattr(args, "log_format", "text") == "json":
+        text = json.dumps({"time": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
+                           .replace("+00:00", "Z"), "level": level, "logger": "netguard",
+                           "message": text})
+    print(text, file=stream or sys.stdout)
+
+
 def _ruleset_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("ruleset")
     g.add_argument("--egress", choices=("deny", "allow"), default=None,
@@ -63,8 +73,11 @@ def _given(args: argparse.Namespace) -> bool:
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="netguard", description=__doc__.splitlines()[0])
     sub = p.add_subparsers(dest="cmd", required=True)
+    log = argparse.ArgumentParser(add_help=False)
+    log.add_argument("--log-format", choices=("text", "json"), default="text",
+                     help="json: each line one object (time, level, logger, message)")
 
-    a = sub.add_parser("apply", help="install the rules in this netns, verify them, write status")
+    a = sub.add_parser("apply", parents=[log], help="install the rules in this netns, verify them, write status")
     _ruleset_args(a)
     a.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto",
                    help="iptables backend; auto: whichever has rules in this netns, else nft")
@@ -77,14 +90,14 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
                    help="where to write the status JSON ('' for none)")
 
-    r = sub.add_parser("render", help="print the restore input, touching nothing")
+    r = sub.add_parser("render", parents=[log], help="print the restore input, touching nothing")
     _ruleset_args(r)
     r.add_argument("--family", choices=FAMILIES + ("all",), default="all")
     r.add_argument("--live", action="store_true",
                    help="render what apply would send here (reads, never writes, the kernel)")
     r.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
 
-    c = sub.add_parser("check", help="do the live rules match the ruleset? exit 0/1")
+    c = sub.add_parser("check", parents=[log], help="do the live rules match the ruleset? exit 0/1")
     _ruleset_args(c)
     c.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
     c.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
@@ -264,12 +277,12 @@ def cmd_apply(args: argparse.Namespace) -> int:
             if status["ok"]:
                 raise GuardError(f"cannot write status file {args.status_file}: {e}") from None
     if config.ingress_from_gateway:
-        print("netguard: gateway admitted to port "
-              f"{config.ingress_port}: {', '.join(map(str, config.ingress_gateways)) or 'none found (no default route)'}")
-    print(f"netguard: egress {config.egress}, {'+'.join(status['families'])} via "
-          f"{status['backend']}, ruleset {status['ruleset_sha256'][:12]}, "
-          f"{'verified' if status['verified'] else 'NOT verified (--no-verify)'} "
-          f"in {timings['total']:.0f} ms")
+        say(args, "netguard: gateway admitted to port "
+            f"{config.ingress_port}: {', '.join(map(str, config.ingress_gateways)) or 'none found (no default route)'}")
+    say(args, f"netguard: egress {config.egress}, {'+'.join(status['families'])} via "
+        f"{status['backend']}, ruleset {status['ruleset_sha256'][:12]}, "
+        f"{'verified' if status['verified'] else 'NOT verified (--no-verify)'} "
+        f"in {timings['total']:.0f} ms")
     return 0
 
 
@@ -329,10 +342,10 @@ def cmd_check(args: argparse.Namespace) -> int:
     sha = ruleset_sha256(config)[:12]
     if problems:
         for p in problems:
-            print(f"netguard check: {p}")
-        print(f"netguard check: MISMATCH with ruleset {sha} ({chosen})")
+            say(args, f"netguard check: {p}", "ERROR")
+        say(args, f"netguard check: MISMATCH with ruleset {sha} ({chosen})", "ERROR")
         return 1
-    print(f"netguard check: {'+'.join(fams)} match ruleset {sha} ({chosen})")
+    say(args, f"netguard check: {'+'.join(fams)} match ruleset {sha} ({chosen})")
     return 0
 
 
@@ -345,5 +358,5 @@ def main(argv: list[str] | None = None) -> int:
         msg = f"error: {e}"
     except Exception as e:  # anything unexpected still fails closed, in one line
         msg = f"unexpected {type(e).__name__}: {e}"
-    print(f"netguard {args.cmd}: " + " | ".join(msg.splitlines()), file=sys.stderr)
+    say(args, f"netguard {args.cmd}: " + " | ".join(msg.splitlines()), "ERROR", sys.stderr)
     return 1

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
 import sys
 
+from sandman import logs
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import SANDMAN_IMAGE
 from sandman.podspec import GUARD_MODES, SandboxPolicy
@@ -54,6 +54,8 @@ def main(argv: list[str] | None = None) -> int:
     serve.add_argument("--dns", action="append", default=[], help="SAN for --self-signed-dir")
     serve.add_argument("--ip", action="append", default=[], help="SAN for --self-signed-dir")
     serve.add_argument("--log-level", default="info")
+    serve.add_argument("--log-format", choices=("text", "json"), default="text",
+                       help="json: one object per line (time, level, logger, message)")
     serve.add_argument("--max-body-bytes", type=int, default=None,
                        help="larger reviews are answered 413 unread (default 1 MiB)")
     serve.add_argument("--drain-seconds", type=float, default=0.0,
@@ -97,8 +99,7 @@ def main(argv: list[str] | None = None) -> int:
     _policy_args(guard)
 
     args = parser.parse_args(argv)
-    logging.basicConfig(level=getattr(args, "log_level", "info").upper(),
-                        format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    logs.configure(getattr(args, "log_level", "info"), getattr(args, "log_format", "text"))
 
     if args.verb == "serve":
         from webhook import certs as certs_mod
@@ -124,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
         if max_body < 1 or read_s <= 0:
             parser.error("--max-body-bytes and --request-read-seconds must be positive")
         run(policy, args.host, args.port, cert, key, log_level=args.log_level.lower(),
-            max_body=max_body, read_seconds=read_s, drain_seconds=args.drain_seconds)
+            max_body=max_body, read_seconds=read_s, drain_seconds=args.drain_seconds,
+            log_format=args.log_format)
         return 0
 
     if args.verb == "certs":

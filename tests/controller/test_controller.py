@@ -441,3 +441,27 @@ def test_acquire_request_id_is_idempotent(cluster, namespace, ctl):
     httpx.delete(f"{c.url}/v1/sandboxes/{first['id']}")
     fresh = acquire(c.url, job="idem", request_id="try-1").json()
     assert fresh["id"] != first["id"]
+
+
+def test_json_logs_one_object_per_line(cluster, namespace, ctl):
+    """`--log-format json`: the controller's lines (its own, uvicorn's, a start-up refusal)
+    are each one JSON object with time, level, logger and message."""
+    import json
+    import subprocess
+    import sys
+
+    c = ctl("--log-format", "json")
+    r = acquire(c.url)
+    assert r.status_code == 201, r.text
+    c.kill()
+    lines = [ln for ln in c.log.read_text().splitlines() if ln.strip()]
+    assert lines
+    parsed = [json.loads(ln) for ln in lines]  # every line, not only some
+    assert all({"time", "level", "logger", "message"} <= set(x) for x in parsed)
+    assert any(x["logger"].startswith("controller") for x in parsed)
+    bad = subprocess.run([sys.executable, "-m", "controller", "serve", "--namespace", namespace,
+                          "--kubeconfig", str(cluster.kubeconfig), "--listen", "127.0.0.1:x",
+                          "--log-format", "json"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    err = [json.loads(ln) for ln in bad.stderr.splitlines() if ln.strip()]
+    assert err[-1]["level"] == "ERROR" and err[-1]["message"].startswith("controller:")

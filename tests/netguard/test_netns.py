@@ -678,3 +678,25 @@ def test_works_with_only_unsuffixed_binaries(lab, tmp_path):
     plain = nslab.sh(shutil.which("iptables-save"), "--version").stdout
     assert status(lab)["backend"] == ("nft" if "nf_tables" in plain else "legacy")
     assert blocked_fast(nslab.tcp(lab.pod, PEER_V4, 8080))
+
+
+def test_json_log_lines_from_apply_and_check_in_the_pods_netns(lab):
+    """`--log-format json`: every line netguard says is one object (time, level, logger,
+    message); the failure line too, on stderr, still one line."""
+    import json as _json
+
+    p = lab.netguard("apply", "--log-format", "json")
+    assert p.returncode == 0, p.stderr
+    lines = [_json.loads(x) for x in p.stdout.splitlines()]
+    assert lines and all(set(x) == {"time", "level", "logger", "message"} for x in lines)
+    assert lines[-1]["level"] == "INFO" and lines[-1]["message"].startswith("netguard: egress")
+    assert lines[-1]["time"].endswith("Z")
+    ok = lab.netguard("check", "--log-format", "json")
+    assert ok.returncode == 0 and _json.loads(ok.stdout)["message"].startswith("netguard check:")
+    bad = lab.netguard("check", "--log-format", "json", "--egress", "allow")  # not what's live
+    assert bad.returncode == 1
+    assert all(_json.loads(x)["level"] == "ERROR" for x in bad.stdout.splitlines())
+    failed = lab.netguard("apply", "--log-format", "json", "--verify-blocked", "not-an-address")
+    assert failed.returncode == 1
+    err = [_json.loads(x) for x in failed.stderr.splitlines()]
+    assert len(err) == 1 and err[0]["level"] == "ERROR" and "netguard apply:" in err[0]["message"]

@@ -230,3 +230,27 @@ def test_drain_seconds_out_of_range_is_one_line(tmp_path):
         assert got.returncode == 2, got
         last = got.stderr.strip().splitlines()[-1]
         assert "--drain-seconds must be between 0 and 60" in last, got.stderr
+
+
+def test_json_logs_one_object_per_line(tmp_path):
+    """`--log-format json`: every line the webhook writes (the address it serves on, its own
+    logs, uvicorn's) is one JSON object with time, level, logger and message."""
+    import json
+
+    server = start_webhook(tmp_path / "srv", "--log-format", "json")
+    review, _ = load("mutate-minimal-default-size-and-guard")
+    try:
+        with httpx.Client(base_url=server.url, verify=ssl.create_default_context(
+                cafile=str(server.ca))) as c:
+            assert c.post("/mutate", json=review).status_code == 200
+        server.proc.send(signal.SIGTERM)
+        server.proc.wait(15)
+    finally:
+        server.stop()
+    lines = [ln for ln in server.log.read_text().splitlines() if ln.strip()]
+    parsed = [json.loads(ln) for ln in lines]
+    assert all({"time", "level", "logger", "message"} <= set(x) for x in parsed)
+    assert any(x["message"].startswith("webhook: serving https://") for x in parsed)
+    assert any(x["logger"] == "webhook" and "certificate loaded" in x["message"] for x in parsed)
+    assert any(x["logger"].startswith("uvicorn") for x in parsed)  # uvicorn's lines too
+    assert not any("color_message" in x for x in parsed)  # its terminal colours stay out
