@@ -191,13 +191,34 @@ class Install:
         return self.timings["install"]
 
     def upgrade(self, *values: str | Path | dict, timeout: str = "600s") -> float:
+        """`helm upgrade --wait`, then until the old replicas are gone: helm returns once the
+        new ones are Ready, while old webhook replicas still serve their drain
+        (webhook.drainSeconds) and mutate with the old settings, which the already-updated
+        policy may refuse (docs/operations.md "Upgrades and rollbacks")."""
         t0 = time.monotonic()
         try:
             self.helm("upgrade", self.release, str(CHART), "-n", self.namespace,
                       *self.values_args(*values), "--wait", "--timeout", timeout)
+            self.wait_no_terminating(120)
         except InstallError as e:
             raise InstallError(f"{e}; {self.summary()}") from None
         return time.monotonic() - t0
+
+    def wait_no_terminating(self, timeout: float) -> None:
+        """Until no pod of the release's webhook and controller is being deleted (bounded)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            pods = self.kget("pods", "-n", self.namespace, "-l",
+                             f"app.kubernetes.io/instance={self.release},"
+                             "app.kubernetes.io/component in (webhook,controller)")["items"]
+            going = [p["metadata"]["name"] for p in pods
+                     if p["metadata"].get("deletionTimestamp")]
+            if not going:
+                return
+            if time.monotonic() > deadline:
+                raise InstallError(f"old replicas still terminating {timeout:.0f} s after the "
+                                   f"upgrade: {', '.join(going)}")
+            time.sleep(0.5)
 
     def summary(self) -> str:
         """Deployments' ready counts and pods not Ready, in one line (for failures)."""
