@@ -540,13 +540,21 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             res = subprocess.run(test_cmd, cwd=tmp_path,
                                  env={**noca, "SANDMAN_URL": url, "SANDMAN_TOKEN_FILE": str(token)},
                                  capture_output=True, text=True, timeout=120)
-            assert res.returncode != 0 and "CERTIFICATE_VERIFY_FAILED" in res.stderr, res.stderr
+            assert res.returncode != 0 and "ConfigurationError" in res.stderr, res.stderr
+            assert "certificate did not verify" in res.stderr, res.stderr  # at once, no retries
             # ... and it fails loudly when there is no controller to talk to.
             bad = subprocess.run(test_cmd, cwd=tmp_path,
                                  env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
-                                      "SANDMAN_URL": f"http://127.0.0.1:{free_port()}"},
+                                      "SANDMAN_CA_FILE": str(ca_file),
+                                      "SANDMAN_URL": f"https://127.0.0.1:{free_port()}"},
                                  capture_output=True, text=True, timeout=120)
-            assert bad.returncode != 0 and bad.stderr.strip()
+            assert bad.returncode != 0 and "ControllerUnreachable" in bad.stderr, bad.stderr
+            # ... and it never sends the token over plain http.
+            plain = subprocess.run(test_cmd, cwd=tmp_path,
+                                   env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
+                                        "SANDMAN_URL": f"http://127.0.0.1:{free_port()}"},
+                                   capture_output=True, text=True, timeout=120)
+            assert plain.returncode != 0 and "plain http" in plain.stderr, plain.stderr
             # A clean shutdown (it releases the Lease) while the chart's RBAC still exists:
             # no call the controller made was refused.
             ctl.stop()
