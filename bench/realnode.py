@@ -1133,7 +1133,7 @@ def results_meta(args, argv_used: list[str], bench: Bench, info: dict, leftovers
             "errors": "; ".join(bench.errors[:5]), "leftovers": "; ".join(leftovers),
             "release_leftovers": ", ".join(release_left), "echo_cpu": bench.echo_cpu,
             "command": docs.command("bench.realnode", argv_used),
-            "wall_s": wall_s, "machine": {**machine, "load_after": _load()},
+            "wall_s": wall_s, "machine": machine,
             "echo": {"n_per_block": args.echo, "warmup": 20, "blocks": args.echo_blocks}}
 
 

@@ -28,7 +28,9 @@ class GuardError(RuntimeError):
 
 def say(args: argparse.Namespace, text: str, level: str = "INFO", stream=None) -> None:
     """One line of what netguard did, as text or (`--log-format json`) as one JSON object with
-    the fields of the server's JSON logs (sandman/logs.py): time, level, logger, message."""
+    the fields of the server's JSON logs (sandman/logs.py): time, level, logger, message.
+    Not through sandman.logs: importing `logging` is CPU on the guard's hot path (every
+    sandbox start pays it under its own quota)."""
     if getattr(args, "log_format", "text") == "json":
         text = json.dumps({"time": dt.datetime.now(dt.UTC).isoformat(timespec="milliseconds")
                            .replace("+00:00", "Z"), "level": level, "logger": "netguard",

@@ -106,10 +106,12 @@ _API_DEFAULTED = ("terminationMessagePath",)
 # minor version (bookworm's 3.11) loads it; any other compiles the source as before.
 _EXECD_DAEMON = "execd_daemon"
 #
-# The launcher also listens on --listen before the daemon's imports (~50 ms of CPU, 0.5 s under
-# a 100m quota), so the kubelet's first readiness probe (sent as the container starts) and the
-# controller's /ready wait in the backlog and are answered once execd serves, instead of being
-# refused and retried a probe period later. Anything unexpected leaves the bind to execd.
+# The launcher also listens on --listen before the daemon's imports (~50 ms of CPU, ~0.4 s under
+# a 100m quota on the real node): a probe or the controller's /ready that arrives once the
+# interpreter is up waits in the backlog and is answered when execd serves, instead of being
+# refused and retried a period later. A probe sent before even the interpreter is up is still
+# refused (make bench-realnode's "execd listening -> Ready seen" shows that tick). Anything
+# unexpected leaves the bind to execd.
 _LAUNCHER = (
     '"""execd: the daemon is execd_daemon.py beside this file (imported, so compiled bytecode is\n'
     'used when it matches this python3), on a socket that listens before its imports."""\n'
@@ -712,10 +714,11 @@ def _make_sandbox_container(c: dict, spec: dict) -> None:
         # and readiness would only start a period after it succeeded.
         c["readinessProbe"] = {
             "httpGet": {"path": EXECD_READY_PATH, "port": EXECD_PORT},
-            # The API's minimum. The kubelet sends the first probe as the container starts; the
-            # launcher listens before execd's imports, so that one waits and is answered.
+            # The API's minimum: a refused first probe (sent as the container starts, possibly
+            # before the launcher listens) costs at most this until the next one.
             "periodSeconds": 1,
-            # /ready answers within 2 s; the first probe also waits out execd's start.
+            # /ready answers within 2 s; a probe the launcher's socket holds also waits out
+            # execd's start.
             "timeoutSeconds": 3,
             # One slow answer on a busy node does not take a held sandbox out of Ready; 3 s of
             # failures does.

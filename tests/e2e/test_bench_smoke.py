@@ -26,6 +26,6 @@ def test_realnode_bench_smoke(sandman, capsys):
            "errors": "", "leftovers": "", "release_leftovers": "", "echo_cpu": bench.echo_cpu,
            "command": "python -m bench.realnode --smoke", "wall_s": 0.0,
            "machine": {"cpus": 2, "arch": "", "kernel": "", "python": "", "date": "",
-                       "load_before": "", "load_after": ""}}
+                       "load_before": ""}}
     res["echo"].update(n_per_block=args.echo, warmup=20, blocks=args.echo_blocks)
     assert realnode.render_section(res).startswith(realnode.SECTION)
