@@ -288,19 +288,19 @@ def _listen_cpu_ms(argv: list[str], env: dict) -> float:
 
 def startup_figures(runs: int, tmp: Path) -> dict:
     """exec -> listening CPU of execd started as a script (the source compiled at every start)
-    and through the pod's launcher with the bytecode the install copies (sandman/podspec.py
-    _LAUNCHER; the bytecode compiled by the same interpreter, as `pip install` does in the
+    and through the pod's launcher with the bytecode the install copies (execd/install.py
+    LAUNCHER; the bytecode compiled by the same interpreter, as `pip install` does in the
     image), beside `python3 -c pass`; medians over `runs`, the three interleaved."""
-    from sandman.podspec import _EXECD_DAEMON, _LAUNCHER
+    from execd.install import DAEMON, LAUNCHER
 
     py = pod_python()
     d = tmp / "sandman"
     d.mkdir()
-    daemon = d / f"{_EXECD_DAEMON}.py"
+    daemon = d / f"{DAEMON}.py"
     subprocess.run(["cp", "-p", str(EXECD), str(daemon)], check=True)
     subprocess.run([py, "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)",
                     str(daemon)], check=True, timeout=60)
-    (d / "execd.py").write_text(_LAUNCHER)
+    (d / "execd.py").write_text(LAUNCHER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only: nothing is cached
     env["SANDMAN_TOKEN_SHA256"] = "0" * 64

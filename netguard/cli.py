@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds a probe may take; a blocked probe must fail faster")
     a.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
                    help="where to write the status JSON ('' for none)")
+    a.add_argument("--install-execd", metavar="DIR", default=None,
+                   help="once the guard is in place, install execd into DIR (execd/install.py):"
+                        " a sandbox's one injected init container does both")
 
     r = sub.add_parser("render", parents=[log], help="print the restore input, touching nothing")
     _ruleset_args(r)
@@ -278,13 +281,23 @@ def cmd_apply(args: argparse.Namespace) -> int:
         except OSError as e:
             if status["ok"]:
                 raise GuardError(f"cannot write status file {args.status_file}: {e}") from None
+    if args.install_execd:
+        # After the guard: a failure here still exits non-zero, so the sandbox never starts.
+        from execd.install import install
+
+        try:
+            install(args.install_execd)
+        except OSError as e:
+            raise GuardError(f"guard in place, but execd cannot be installed into "
+                             f"{args.install_execd}: {e}") from None
     if config.ingress_from_gateway:
         say(args, "netguard: gateway admitted to port "
             f"{config.ingress_port}: {', '.join(map(str, config.ingress_gateways)) or 'none found (no default route)'}")
     say(args, f"netguard: egress {config.egress}, {'+'.join(status['families'])} via "
         f"{status['backend']}, ruleset {status['ruleset_sha256'][:12]}, "
         f"{'verified' if status['verified'] else 'NOT verified (--no-verify)'} "
-        f"in {timings['total']:.0f} ms")
+        f"in {timings['total']:.0f} ms"
+        + (f", execd installed in {args.install_execd}" if args.install_execd else ""))
     return 0
 
 

@@ -98,68 +98,15 @@ SIZED_RESOURCES = ("cpu", "memory")
 # Fields the API server defaults on containers: kept when re-mutating, so the patch stays empty.
 _API_DEFAULTED = ("terminationMessagePath",)
 
-# EXECD_PATH in the pod is a launcher that imports the daemon (the package's execd.py, copied
-# beside it as a module) instead of running it as a script: Python never uses compiled bytecode
-# for a script, and compiling execd.py is ~40 ms of CPU at every sandbox start, 0.4 s under a
-# 100m quota. The install copies the bytecode `pip install` compiled into the image too, with the
-# source's mtime (the bytecode's check), so a task image whose python3 is the sandman image's
-# minor version (bookworm's 3.11) loads it; any other compiles the source as before.
-_EXECD_DAEMON = "execd_daemon"
-#
-# The launcher also listens on --listen before the daemon's imports (~50 ms of CPU, ~0.4 s under
-# a 100m quota on the real node): a probe or the controller's /ready that arrives once the
-# interpreter is up waits in the backlog and is answered when execd serves, instead of being
-# refused and retried a period later. A probe sent before even the interpreter is up is still
-# refused (make bench-realnode's "execd listening -> Ready seen" shows that tick). Anything
-# unexpected leaves the bind to execd.
-_LAUNCHER = (
-    '"""execd: the daemon is execd_daemon.py beside this file (imported, so compiled bytecode is\n'
-    'used when it matches this python3), on a socket that listens before its imports."""\n'
-    "import os, socket, sys\n"
-    "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
-    "def listen(argv):\n"
-    "    try:\n"
-    "        host, _, port = argv[argv.index('--listen') + 1].rpartition(':')\n"
-    "        host = host[1:-1] if host.startswith('[') else host\n"
-    "        s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
-    "    except (ValueError, IndexError, OSError):\n"
-    "        return None\n"
-    "    try:\n"
-    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "        s.bind((host, int(port)))\n"
-    "        s.listen(128)\n"
-    "        return s\n"
-    "    except (ValueError, OSError):\n"
-    "        s.close()\n"
-    "        return None\n"
-    "sock = listen(sys.argv[1:])\n"
-    f"from {_EXECD_DAEMON} import main\n"
-    "sys.exit(main(listen_socket=sock))\n"
-)
-# Copies the daemon, its bytecode when the image has it, then the launcher last (the file the
-# main container runs appears only once the rest is in place); run/ must exist before the
-# read-only mount (netguard's subPath mount creates it too when the guard runs first).
-_INSTALL_SCRIPT = (
-    "import importlib.util, os, shutil, sys\n"
-    "src = importlib.util.find_spec('execd.execd').origin\n"
-    "pyc = importlib.util.cache_from_source(src)\n"
-    f"d = {EXECD_DIR!r}\n"
-    "def put(copy, dst):\n"
-    "    copy(dst + '.tmp')\n"
-    "    os.chmod(dst + '.tmp', 0o444)\n"
-    "    os.replace(dst + '.tmp', dst)\n"
-    f"put(lambda t: shutil.copy2(src, t), d + '/{_EXECD_DAEMON}.py')\n"
-    "if os.path.exists(pyc):\n"
-    "    os.makedirs(d + '/__pycache__', exist_ok=True)\n"
-    f"    put(lambda t: shutil.copy2(pyc, t), d + '/__pycache__/{_EXECD_DAEMON}.' + "
-    "sys.implementation.cache_tag + '.pyc')\n"
-    f"launcher = {_LAUNCHER!r}\n"
-    "def write(t):\n"
-    "    with open(t, 'w') as f:\n"
-    "        f.write(launcher)\n"
-    f"put(write, {EXECD_PATH!r})\n"
-    f"os.makedirs({RUN_DIR!r}, exist_ok=True)\n"
-)
+# The injected init containers' commands. A guarded sandbox's guard also installs execd (one init
+# container, one container start and one kubelet relist wait fewer than a guard and an install);
+# an unguarded sandbox runs the install alone. execd/install.py says what it writes.
+INSTALL_EXECD_ARGS = ("--install-execd", EXECD_DIR)
+# The shortest prefix netguard's parser expands to --install-execd (argparse takes any unique
+# abbreviation, and =DIR spellings): what makes a guard an installing one for installs_execd
+# (tests/webhook/test_merged_init.py keeps it true of the parser).
+INSTALL_FLAG_PREFIX = "--ins"
+EXECD_INSTALL_COMMAND = ["python3", "-m", "execd.install", EXECD_DIR]
 
 
 @dataclass(frozen=True)
@@ -310,10 +257,21 @@ def carries(pod: dict, name: str) -> bool:
     return any(isinstance(c, dict) and c.get("name") == name for c in inits)
 
 
+def installs_execd(pod: dict) -> bool:
+    """The pod carries what only the mutation of a sandbox adds: the install init container, or
+    a guard with --install-execd in any spelling netguard's parser takes (INSTALL_FLAG_PREFIX).
+    Init containers never change after create, so an UPDATE's old and new pod agree."""
+    inits = (pod.get("spec") or {}).get("initContainers") or []
+    return carries(pod, EXECD_INSTALL_CONTAINER) or any(
+        isinstance(c, dict) and c.get("name") == NETGUARD_CONTAINER
+        and any(str(a).startswith(INSTALL_FLAG_PREFIX) for a in c.get("args") or [])
+        for c in inits)
+
+
 def judged_sandbox(pod: dict) -> bool:
-    """Judged as a sandbox: labelled one, or carrying the init container only the mutation of a
-    sandbox adds, whatever its labels say now."""
-    return is_sandbox(pod) or carries(pod, EXECD_INSTALL_CONTAINER)
+    """Judged as a sandbox: labelled one, or carrying what only the mutation of a sandbox adds
+    (installs_execd), whatever its labels say now."""
+    return is_sandbox(pod) or installs_execd(pod)
 
 
 def is_judged(pod: dict) -> bool:
@@ -485,17 +443,24 @@ def _guard_security_context() -> dict:
 
 
 def netguard_container(pod: dict, policy: SandboxPolicy) -> dict:
+    """The guard as sandman renders it for `pod`. A sandbox's guard installs execd too, so it
+    mounts the whole sandman volume; any other guarded pod's guard sees only run/, where it
+    writes its status. A pod judged a sandbox by its own installing guard (judged_sandbox) gets
+    that guard: what refuses it without the label is the label's own rule."""
+    sandbox = judged_sandbox(pod)
+    mount = ({"name": SANDMAN_VOLUME, "mountPath": EXECD_DIR} if sandbox else
+             {"name": SANDMAN_VOLUME, "mountPath": RUN_DIR, "subPath": "run"})
     return {
         "name": NETGUARD_CONTAINER,
         "image": policy.image,
         "imagePullPolicy": "IfNotPresent",
         "command": list(NETGUARD_COMMAND),
-        "args": netguard_args(pod, policy),
+        "args": netguard_args(pod, policy) + (list(INSTALL_EXECD_ARGS) if sandbox else []),
         "env": [{"name": NODE_IP_ENV,
                  "valueFrom": {"fieldRef": {"apiVersion": "v1", "fieldPath": "status.hostIP"}}}],
         "resources": injected_resources(pod, policy if judged_sandbox(pod) else None),
         "securityContext": _guard_security_context(),
-        "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": RUN_DIR, "subPath": "run"}],
+        "volumeMounts": [mount],
         "terminationMessagePolicy": "FallbackToLogsOnError",
     }
 
@@ -505,7 +470,7 @@ def execd_install_container(pod: dict, policy: SandboxPolicy) -> dict:
         "name": EXECD_INSTALL_CONTAINER,
         "image": policy.image,
         "imagePullPolicy": "IfNotPresent",
-        "command": ["python3", "-c", _INSTALL_SCRIPT],
+        "command": list(EXECD_INSTALL_COMMAND),
         "resources": injected_resources(pod, policy),
         "securityContext": {
             "capabilities": {"drop": ["ALL"]},
@@ -630,11 +595,11 @@ def _ensure_init_containers(pod: dict, guard: dict | None, policy: SandboxPolicy
     inits = spec.get("initContainers") or []
     existing = {c.get("name"): c for c in inits}
     others = [c for c in inits if c.get("name") not in (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER)]
-    ours = []
-    if guard is not None:
-        ours.append(_keep_defaulted(guard, existing.get(NETGUARD_CONTAINER)))
-    ours.append(_keep_defaulted(execd_install_container(pod, policy),
-                                existing.get(EXECD_INSTALL_CONTAINER)))
+    if guard is not None:  # a sandbox's guard installs execd itself
+        ours = [_keep_defaulted(guard, existing.get(NETGUARD_CONTAINER))]
+    else:
+        ours = [_keep_defaulted(execd_install_container(pod, policy),
+                                existing.get(EXECD_INSTALL_CONTAINER))]
     spec["initContainers"] = ours + others
 
 
@@ -821,12 +786,13 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     spec = pod.get("spec") or {}
     out: list[Refusal] = []
 
-    if sandbox and not carries(pod, EXECD_INSTALL_CONTAINER):
+    if sandbox and not installs_execd(pod):
         out.append(Refusal("not-mutated", "", "sandman's mutating webhook did not run on this "
                            "pod (is its configuration missing?); what is wrong follows"))
     if sandbox and not is_sandbox(pod):
-        out.append(Refusal("sandbox-label", "", f"the pod carries sandman's "
-                           f"{EXECD_INSTALL_CONTAINER} but is not labelled {LABEL_SANDBOX}="
+        out.append(Refusal("sandbox-label", "", f"the pod carries sandman's execd install "
+                           f"({EXECD_INSTALL_CONTAINER}, or netguard's {INSTALL_EXECD_ARGS[0]}) "
+                           f"but is not labelled {LABEL_SANDBOX}="
                            f"{SANDBOX_TRUE}: the label is what the sandbox NetworkPolicies, the "
                            "controller and the webhook select on"))
     if egress is not None and egress not in (EGRESS_DENY, EGRESS_ALLOW):

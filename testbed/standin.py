@@ -12,7 +12,7 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
 - the interpreter: execd runs on the host's Python (this process's `sys.executable`), not on
   the task image's `python3`; the task image is never pulled and no image's files are there;
 - the read-only /sandman mount: execd.py is read from the repository checkout, not copied by
-  the `sandman-execd-install` init container into a volume mounted read-only in the sandbox;
+  the guard's init container (`--install-execd`) into a volume mounted read-only in the sandbox;
 - netguard: no init container runs and there are no in-pod firewall rules; execd's
   `--netguard-status` points to a file that does not exist, so /state reports `guard: null`;
 - PID 1: execd is a child of the stand-in in its own session, not PID 1 of a pod's PID

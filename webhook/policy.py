@@ -26,6 +26,7 @@ from sandman.contract import (
     ANNOTATION_TOKEN_SHA256,
     EGRESS_ALLOW,
     EGRESS_DENY,
+    EXECD_DIR,
     EXECD_INSTALL_CONTAINER,
     EXECD_PORT,
     LABEL_EGRESS,
@@ -47,6 +48,8 @@ from sandman.podspec import (
     INPUT_ANNOTATION_PREFIXES,
     INPUT_ANNOTATIONS,
     INPUT_LABELS,
+    INSTALL_EXECD_ARGS,
+    INSTALL_FLAG_PREFIX,
     NET_RAW,
     NODE_IP_ENV,
     PROJECTED_SOURCES,
@@ -99,16 +102,22 @@ def _norm(x: str) -> str:
             f": {x}.upperAscii())")
 
 
+def _installs(inits: str) -> str:
+    """podspec.installs_execd over the init containers `inits`."""
+    return (f"{inits}.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)} || "
+            f"(c.name == {_q(NETGUARD_CONTAINER)} && c.?args.orValue([]).exists(a, "
+            f"a.startsWith({_q(INSTALL_FLAG_PREFIX)}))))")
+
+
 FIXED_VARIABLES: list[dict] = [
     {"name": "labels", "expression": "object.metadata.?labels.orValue({})"},
     {"name": "annotations", "expression": "object.metadata.?annotations.orValue({})"},
     {"name": "inits", "expression": "object.spec.?initContainers.orValue([])"},
     {"name": "labelledSandbox",
      "expression": f"variables.labels[?{_q(LABEL_SANDBOX)}].orValue('') == {_q(SANDBOX_TRUE)}"},
-    # sandbox.judged_sandbox: sandman's install init container makes a pod a sandbox whatever
-    # its labels say (init containers never change after create).
-    {"name": "installed",
-     "expression": f"variables.inits.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)})"},
+    # podspec.installs_execd: sandman's install init container, or a guard that installs execd,
+    # makes a pod a sandbox whatever its labels say (init containers never change after create).
+    {"name": "installed", "expression": _installs("variables.inits")},
     {"name": "sandbox", "expression": "variables.labelledSandbox || variables.installed"},
     {"name": "carriesGuard",
      "expression": f"variables.inits.exists(c, c.name == {_q(NETGUARD_CONTAINER)})"},
@@ -129,11 +138,14 @@ FIXED_VARIABLES: list[dict] = [
         f"variables.annotations[?{_q(ANNOTATION_INGRESS_FROM)}].hasValue() ? "
         f"variables.annotations[{_q(ANNOTATION_INGRESS_FROM)}].split(',')"
         ".map(p, p.trim()).filter(p, p != '') : variables.defaultIngressFrom"},
+    # ...and a sandbox's guard (labelled, or installing already) installs execd
+    # (podspec.netguard_container).
     {"name": "guardArgs", "expression":
         f"['--egress', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
         f"'--ingress-port', {_q(str(EXECD_PORT))}] + "
         "variables.ingressFrom.map(c, ['--ingress-from', c]).flatten() + "
-        f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}]"},
+        f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}] + "
+        f"(variables.sandbox ? {_list(INSTALL_EXECD_ARGS)} : [])"},
     # Every container but the guard at initContainers[0] (names are unique in a pod).
     {"name": "others", "expression":
         "variables.inits.filter(c, !(variables.guardFirst && "
@@ -151,8 +163,7 @@ FIXED_VARIABLES: list[dict] = [
      "expression": "variables.isUpdate ? oldObject.metadata.?annotations.orValue({}) : {}"},
     {"name": "oldSandbox", "expression":
         f"variables.isUpdate && (variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') == "
-        f"{_q(SANDBOX_TRUE)} || oldObject.spec.?initContainers.orValue([]).exists(c, "
-        f"c.name == {_q(EXECD_INSTALL_CONTAINER)}))"},
+        f"{_q(SANDBOX_TRUE)} || {_installs('oldObject.spec.?initContainers.orValue([])')})"},
     {"name": "whole", "expression":
         "!variables.isUpdate || (variables.labelledSandbox && "
         f"variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != {_q(SANDBOX_TRUE)}) || "
@@ -342,14 +353,16 @@ RULES: list[Rule] = [
          "'status.hostIP' && "
          f"!{_guard('?envFrom')}.hasValue() && !{_guard('?workingDir')}.hasValue() && "
          f"{_guard('?volumeMounts')}.orValue([]).all(m, "
-         f"(m.name == {_q(SANDMAN_VOLUME)} && m.mountPath == {_q(RUN_DIR)} && "
-         "m.?subPath.orValue('') == 'run' && !has(m.subPathExpr)) || "
+         f"(m.name == {_q(SANDMAN_VOLUME)} && !has(m.subPathExpr) && (variables.sandbox"
+         f" ? (m.mountPath == {_q(EXECD_DIR)} && !has(m.subPath)) : (m.mountPath == "
+         f"{_q(RUN_DIR)} && m.?subPath.orValue('') == 'run'))) || "
          f"(m.name.startsWith({_q(SA_TOKEN_VOLUME_PREFIX)}) && "
          "object.spec.?volumes.orValue([]).exists(v, v.name == m.name && "
          "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken))))))",
          f"{_G} + 'env must be exactly {NODE_IP_ENV} from status.hostIP, with no envFrom, no "
-         f"workingDir and only the {SANDMAN_VOLUME} volume at {RUN_DIR} (subPath run) mounted "
-         "(as sandman renders it)'"),
+         f"workingDir and only the {SANDMAN_VOLUME} volume mounted, at {EXECD_DIR} in a sandbox"
+         f" (its guard installs execd), else at {RUN_DIR} (subPath run), as sandman renders "
+         "it'"),
     Rule("guard-misconfigured",
          "!variables.sandbox || "
          f"!variables.others.exists(c, c.name == {_q(NETGUARD_CONTAINER)})",
@@ -425,8 +438,8 @@ RULES: list[Rule] = [
          "Pod Security baseline\\'s safe set'"),
     Rule("sandbox-label",
          "variables.isUpdate || !variables.installed || variables.labelledSandbox",
-         f"'the pod carries sandman\\'s {EXECD_INSTALL_CONTAINER} but is not labelled "
-         f"{LABEL_SANDBOX}={SANDBOX_TRUE}'"),
+         f"'the pod carries sandman\\'s execd install ({EXECD_INSTALL_CONTAINER}, or netguard\\'s "
+         f"{INSTALL_EXECD_ARGS[0]}) but is not labelled {LABEL_SANDBOX}={SANDBOX_TRUE}'"),
     # inline csi, nfs, iscsi, cephfs, image, ...: mounted by the node, from the node's network
     # (an nfs server anywhere is a way out that netguard never sees) or exposing the node.
     Rule("volume-type",
@@ -470,9 +483,15 @@ RULES: list[Rule] = [
          f"!variables.sandbox || variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"
          ".orValue('').matches('^[0-9a-f]{64}$')",
          f"'annotation {ANNOTATION_TOKEN_SHA256} must be 64 lowercase hex characters'"),
+    # A guarded sandbox's guard installs execd: an install container beside it is not sandman's
+    # (it would write the volume after the guard, over sandman's execd).
     Rule("not-mutated",
-         f"!variables.sandbox || variables.inits.exists(c, c.name == "
-         f"{_q(EXECD_INSTALL_CONTAINER)})",
+         "!variables.sandbox || !variables.guardRequired || "
+         f"!variables.inits.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)})",
+         f"'a guarded sandbox\\'s guard installs execd ({INSTALL_EXECD_ARGS[0]}); "
+         f"{EXECD_INSTALL_CONTAINER} is not sandman\\'s here'"),
+    Rule("not-mutated",
+         "!variables.sandbox || variables.installed",
          "'sandman\\'s mutating webhook did not run on this pod (is its configuration "
          "missing?)'"),
 ]

@@ -27,7 +27,6 @@ from kubernetes.client.rest import ApiException
 
 from sandman.contract import (
     ANNOTATION_TOKEN_SHA256,
-    EXECD_INSTALL_CONTAINER,
     LABEL_EGRESS,
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
@@ -400,7 +399,7 @@ def test_chart_webhook_configurations_admit_through_a_local_webhook(cluster, nam
             wait_webhook_active(cluster.core, sandboxes)
             got = cluster.core.create_namespaced_pod(sandboxes, pod, dry_run="All")
             names = [c.name for c in got.spec.init_containers or []]
-            assert EXECD_INSTALL_CONTAINER in names, names
+            assert names == [NETGUARD_CONTAINER], names  # the guard installs execd too
             assert got.spec.enable_service_links is False
             # A pod that is no correct sandbox is refused (by the policy: the validating
             # webhook is off by default).

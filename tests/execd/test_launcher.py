@@ -1,5 +1,5 @@
-"""The pod's launcher (sandman/podspec.py `_LAUNCHER`, written to /sandman/execd.py by the install
-init container) listens before it imports the daemon: a probe that connects while the imports
+"""The pod's launcher (execd/install.py `LAUNCHER`, written to /sandman/execd.py when execd is
+installed) listens before it imports the daemon: a probe that connects while the imports
 run waits in the backlog and is answered, where it used to be refused and retried a probe period
 later. Real sockets on 127.0.0.1, the real daemon in a subprocess."""
 
@@ -13,7 +13,7 @@ import time
 from pathlib import Path
 
 from execd import execd as E
-from sandman import podspec
+from execd import install
 
 from .conftest import REPO, run_pids
 
@@ -33,7 +33,7 @@ def _pod_layout(tmp_path: Path, delay: float) -> Path:
     (d / "execd_real.py").write_text((REPO / "execd" / "execd.py").read_text())
     (d / "execd_daemon.py").write_text(
         f"import time\ntime.sleep({delay})\nfrom execd_real import main\n")
-    (d / "execd.py").write_text(podspec._LAUNCHER)
+    (d / "execd.py").write_text(install.LAUNCHER)
     return d / "execd.py"
 
 

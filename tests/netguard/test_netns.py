@@ -288,7 +288,10 @@ def test_read_back_still_fails_closed_on_a_narrowed_wildcard(lab, backend):
 # arguments come from the controller's own code path, configured as the chart configures it.
 
 
-def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> list[str]:
+def _controller_built_args(controller_ip: str, node_ip: str, trainers: str,
+                           volume: Path) -> list[str]:
+    """The guard's args as the controller builds the pod, the node's address expanded and the
+    install pointed at `volume` (the pod's emptyDir here) instead of /sandman."""
     from controller.__main__ import parse_args, settings_from
     from controller.books import Entry
     from controller.core import Controller
@@ -301,16 +304,23 @@ def _controller_built_args(controller_ip: str, node_ip: str, trainers: str) -> l
     ctl = Controller(None, settings_from(args))
     pod = ctl.creator.build_pod(Entry("sbx-1", SandboxSpec("img"), "job", "nonce", "token"), "a" * 64)
     guard = next(c for c in pod["spec"]["initContainers"] if c["name"] == NETGUARD_CONTAINER)
-    return [node_ip if a == f"$({NODE_IP_ENV})" else a for a in guard["args"]]
+    args = [node_ip if a == f"$({NODE_IP_ENV})" else a for a in guard["args"]]
+    assert args[-2] == "--install-execd", args
+    return [*args[:-1], str(volume)]
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
-def test_narrowed_ingress_admits_the_controller_that_built_the_pod_and_no_other(lab, backend):
+def test_narrowed_ingress_admits_the_controller_that_built_the_pod_and_no_other(lab, backend,
+                                                                               tmp_path):
     execd = lab.serve(lab.pod, EXECD_PORT)
     # peer = the controller's pod; other = any other pod, not a trainer; the node is elsewhere.
-    args = _controller_built_args(PEER_V4, node_ip="10.251.7.7", trainers="10.32.0.0/12")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    args = _controller_built_args(PEER_V4, node_ip="10.251.7.7", trainers="10.32.0.0/12",
+                                  volume=volume)
     p = lab.netguard("apply", "--backend", backend, *args)
     assert p.returncode == 0, p.stderr
+    assert (volume / "execd.py").is_file()
     assert lab.netguard("check").returncode == 0
     got = nslab.tcp(lab.peer, POD_PEER_V4, EXECD_PORT, payload=b"health")
     assert got.through, f"the controller's execd check is locked out: {got}"
@@ -700,3 +710,36 @@ def test_json_log_lines_from_apply_and_check_in_the_pods_netns(lab):
     assert failed.returncode == 1
     err = [_json.loads(x) for x in failed.stderr.splitlines()]
     assert len(err) == 1 and err[0]["level"] == "ERROR" and "netguard apply:" in err[0]["message"]
+
+
+def test_install_execd_after_the_guard_in_the_pods_netns(lab, tmp_path):
+    """A sandbox's one injected init container: `apply --install-execd DIR` guards the netns,
+    then leaves in DIR what the sandbox container runs (the launcher, the daemon beside it, all
+    read-only, and run/ for the status) and says so."""
+    from execd.install import DAEMON, LAUNCHER
+
+    d = tmp_path / "volume"
+    d.mkdir()
+    p = lab.apply("--install-execd", str(d))
+    assert f"execd installed in {d}" in p.stdout
+    assert status(lab)["ok"] is True and status(lab)["verified"] is True
+    assert (d / "execd.py").read_text() == LAUNCHER
+    daemon = d / f"{DAEMON}.py"
+    assert daemon.read_bytes() == (Path(__file__).parents[2] / "execd" / "execd.py").read_bytes()
+    for f in (d / "execd.py", daemon):
+        assert f.stat().st_mode & 0o777 == 0o444, f
+    assert (d / "run").is_dir()
+    # The guard is in place whatever the install did: the live rules match.
+    assert lab.netguard("check").returncode == 0
+
+
+def test_install_execd_failure_exits_non_zero_with_one_line(lab, tmp_path):
+    """An install that cannot write fails the init container (the sandbox never starts without
+    sandman's execd) in one line, after the guard is already in place."""
+    missing = tmp_path / "no-such-volume"
+    p = lab.netguard("apply", "--install-execd", str(missing))
+    assert p.returncode == 1, p.stdout
+    lines = p.stderr.strip().splitlines()
+    assert len(lines) == 1 and "execd cannot be installed" in lines[0], p.stderr
+    assert not missing.exists()
+    assert lab.netguard("check").returncode == 0

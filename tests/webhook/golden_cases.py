@@ -164,8 +164,9 @@ def cases() -> dict[str, dict]:
     c["validate-unmutated-refused"] = review("v3", pod())
     c["validate-resources-unequal"] = review("v4", _edit(g, lambda p: p["spec"]["containers"][0][
         "resources"]["requests"].update(cpu="500m")))
+    with_init = good(pod(initContainers=[{"name": "setup", "image": "busybox:1"}]))
     c["validate-resources-missing-init"] = review("v5", _edit(
-        g, lambda p: p["spec"]["initContainers"][1].pop("resources")))
+        with_init, lambda p: p["spec"]["initContainers"][1].pop("resources")))
     c["validate-resources-pod-level-unequal"] = review("v27", _edit(
         g, lambda p: p["spec"].update(resources=_res(req={"memory": "1Gi"},
                                                      lim={"memory": "2Gi"}))))
@@ -184,7 +185,7 @@ def cases() -> dict[str, dict]:
     c["validate-guard-missing"] = review("v11", _edit(
         g, lambda p: p["spec"]["initContainers"].pop(0)))
     c["validate-guard-not-first"] = review("v12", _edit(
-        g, lambda p: p["spec"]["initContainers"].reverse()))
+        with_init, lambda p: p["spec"]["initContainers"].reverse()))
     c["validate-guard-wrong-image"] = review("v13", _edit(
         g, lambda p: p["spec"]["initContainers"][0].update(image="ghcr.io/someone/netguard:1")))
     c["validate-guard-extra-capability"] = review("v14", _edit(
@@ -284,7 +285,7 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-cap-all-in-sidecar-refused", _edit(two, caps(1, add=["all"])))
     sidecar_init = good(pod(initContainers=[{"name": "log-shipper", "image": "fluent-bit:3",
                                              "restartPolicy": "Always"}]))
-    add("validate-cap-all-in-init-sidecar-refused", _edit(sidecar_init, caps(2, "initContainers",
+    add("validate-cap-all-in-init-sidecar-refused", _edit(sidecar_init, caps(1, "initContainers",
                                                                              add=["ALL"])))
     add("validate-cap-all-in-sandbox-container-refused", _edit(g, caps(0, add=["ALL"])))
     add("validate-cap-sys-admin-refused", _edit(g, caps(0, add=["SYS_ADMIN", "CAP_SYS_MODULE"])))
@@ -424,7 +425,32 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-update-token-changed-refused", _edit(g, lambda p: p["metadata"][
         "annotations"].update({ANNOTATION_TOKEN_SHA256: "ab" * 32})), operation="UPDATE", old=g)
     unlabelled = _edit(g, lambda p: p["metadata"].update(labels={"app": "x"}))
-    add("validate-install-container-without-sandbox-label-refused", unlabelled)
+    add("validate-installing-guard-without-sandbox-label-refused", unlabelled)
+    add("validate-install-container-without-sandbox-label-refused", _edit(
+        make_sandbox(pod(), SandboxPolicy(guard=GUARD_EGRESS_DENY)),
+        lambda p: p["metadata"].update(labels={"app": "x"})))
+    # A sandbox's one init container is the guard that also installs execd: its install
+    # argument, its whole-volume mount and the standalone install beside it are sandman's only.
+    add("validate-installing-guard-abbreviated-flag-without-label-refused", _edit(
+        unlabelled, lambda p: p["spec"]["initContainers"][0].update(args=[
+            *p["spec"]["initContainers"][0]["args"][:-2], "--inst=/sandman"])))
+    add("validate-sandbox-guard-without-install-refused", _edit(
+        g, lambda p: p["spec"]["initContainers"][0].update(
+            args=p["spec"]["initContainers"][0]["args"][:-2])))
+    add("validate-sandbox-guard-installs-elsewhere-refused", _edit(
+        g, lambda p: p["spec"]["initContainers"][0]["args"].__setitem__(-1, "/tmp")))
+    add("validate-sandbox-guard-mount-subpath-refused", _edit(
+        g, lambda p: p["spec"]["initContainers"][0]["volumeMounts"][0].update(subPath="run")))
+    add("validate-sandbox-guard-plus-attacker-install-container-refused", _edit(
+        g, lambda p: p["spec"]["initContainers"].append({
+            "name": "sandman-execd-install", "image": "evil/execd:1",
+            "command": ["sh", "-c", "echo 'print(1)' > /sandman/execd.py"],
+            "resources": p["spec"]["initContainers"][0]["resources"],
+            "securityContext": {"capabilities": {"drop": ["ALL"]}},
+            "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": "/sandman"}]})))
+    add("validate-deny-pod-guard-installing-execd-refused", _edit(
+        deny_pod(), lambda p: p["spec"]["initContainers"][0]["args"].extend(
+            ["--install-execd", "/sandman"])))
     c["validate-ephemeral-netadmin-on-unlabelled-sandbox-refused"] = ephemeral(
         unlabelled, securityContext={"privileged": True, "capabilities": {"add": ["NET_ADMIN"]}})
     c["validate-ephemeral-restricted-on-unlabelled-sandbox-allowed"] = ephemeral(

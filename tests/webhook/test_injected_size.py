@@ -12,10 +12,14 @@ from decimal import Decimal
 import pytest
 
 from sandman.contract import EXECD_INSTALL_CONTAINER, LABEL_SANDBOX, NETGUARD_CONTAINER
-from sandman.podspec import SandboxPolicy, guarded_pod, make_sandbox
+from sandman.podspec import GUARD_EGRESS_DENY, SandboxPolicy, guarded_pod, make_sandbox
 
 POLICY = SandboxPolicy()
 INJECTED = (NETGUARD_CONTAINER, EXECD_INSTALL_CONTAINER)
+# What each guard mode injects into a sandbox: a guarded sandbox's guard installs execd itself,
+# an unguarded sandbox gets the install alone.
+MODES = {"guard-always": (POLICY, [NETGUARD_CONTAINER]),
+         "guard-egress-deny": (SandboxPolicy(guard=GUARD_EGRESS_DENY), [EXECD_INSTALL_CONTAINER])}
 RESOURCES = ("cpu", "memory")
 
 _UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "m": Decimal("0.001"), "k": 1000,
@@ -116,12 +120,15 @@ SHAPES = {
 }
 
 
+@pytest.mark.parametrize("mode", sorted(MODES))
 @pytest.mark.parametrize("shape", sorted(SHAPES))
 @pytest.mark.parametrize("resource", RESOURCES)
-def test_sandbox_effective_request_unchanged(shape, resource):
+def test_sandbox_effective_request_unchanged(shape, resource, mode):
     before = SHAPES[shape]
-    after = make_sandbox(before, POLICY)
-    assert {c["name"] for c in after["spec"]["initContainers"]} >= set(INJECTED)
+    policy, injected = MODES[mode]
+    after = make_sandbox(before, policy)
+    assert [c["name"] for c in after["spec"]["initContainers"]
+            if c["name"] in INJECTED] == injected
     # Equalizing never lowers a request; the injected containers add nothing on top.
     assert effective_request(after, resource) == effective_request(before, resource)
     assert effective_request(after, resource) == effective_request(without_injected(after),

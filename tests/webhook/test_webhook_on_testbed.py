@@ -12,7 +12,7 @@ from kubernetes.client.rest import ApiException
 
 from sandman.contract import (
     ANNOTATION_TOKEN_SHA256,
-    EXECD_INSTALL_CONTAINER,
+    EXECD_DIR,
     LABEL_EGRESS,
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
@@ -73,9 +73,10 @@ def test_labelled_pod_comes_out_a_sandbox_and_is_a_fixed_point(cluster, namespac
     assert spec["automountServiceAccountToken"] is False
     # The service-account plugin ran before us and added the token volume; it is gone.
     assert not any(v["name"].startswith("kube-api-access-") for v in spec["volumes"])
-    assert [c["name"] for c in spec["initContainers"]] == [NETGUARD_CONTAINER,
-                                                          EXECD_INSTALL_CONTAINER]
+    # One injected init container: the guard, which installs execd once the rules are in.
+    assert [c["name"] for c in spec["initContainers"]] == [NETGUARD_CONTAINER]
     assert spec["initContainers"][0]["args"][:2] == ["--egress", "deny"]
+    assert spec["initContainers"][0]["args"][-2:] == ["--install-execd", EXECD_DIR]
     assert any(v["name"] == SANDMAN_VOLUME for v in spec["volumes"])
     for c in spec["initContainers"] + spec["containers"]:
         assert c["resources"]["requests"] == c["resources"]["limits"], c["name"]
@@ -306,7 +307,10 @@ INVALID_PODS = {
 }
 # Cases the webhook configurations do not select (neither label): the policy refuses them,
 # tests/webhook/test_policy.py plays them on the bed.
-UNSELECTED = {"validate-install-container-without-sandbox-label-refused": "sandbox-label"}
+UNSELECTED = {"validate-install-container-without-sandbox-label-refused": "sandbox-label",
+              "validate-installing-guard-without-sandbox-label-refused": "sandbox-label",
+              "validate-installing-guard-abbreviated-flag-without-label-refused":
+                  "sandbox-label"}
 
 
 def test_bypass_pods_refused_by_the_api_server_with_their_rule(cluster, namespace, registered):

@@ -37,7 +37,7 @@ variables:
 - name: labelledSandbox
   expression: variables.labels[?"sandman.dev/sandbox"].orValue('') == "true"
 - name: installed
-  expression: variables.inits.exists(c, c.name == "sandman-execd-install")
+  expression: variables.inits.exists(c, c.name == "sandman-execd-install" || (c.name == "sandman-netguard" && c.?args.orValue([]).exists(a, a.startsWith("--ins"))))
 - name: sandbox
   expression: variables.labelledSandbox || variables.installed
 - name: carriesGuard
@@ -57,7 +57,7 @@ variables:
 - name: ingressFrom
   expression: 'variables.annotations[?"sandman.dev/ingress-from"].hasValue() ? variables.annotations["sandman.dev/ingress-from"].split('','').map(p, p.trim()).filter(p, p != '''') : variables.defaultIngressFrom'
 - name: guardArgs
-  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"]'
+  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
 - name: others
   expression: variables.inits.filter(c, !(variables.guardFirst && c.name == "sandman-netguard")) + object.spec.containers + variables.ephemeral
 - name: everyContainer
@@ -71,7 +71,7 @@ variables:
 - name: oldAnnotations
   expression: 'variables.isUpdate ? oldObject.metadata.?annotations.orValue({}) : {}'
 - name: oldSandbox
-  expression: variables.isUpdate && (variables.oldLabels[?"sandman.dev/sandbox"].orValue('') == "true" || oldObject.spec.?initContainers.orValue([]).exists(c, c.name == "sandman-execd-install"))
+  expression: variables.isUpdate && (variables.oldLabels[?"sandman.dev/sandbox"].orValue('') == "true" || oldObject.spec.?initContainers.orValue([]).exists(c, c.name == "sandman-execd-install" || (c.name == "sandman-netguard" && c.?args.orValue([]).exists(a, a.startsWith("--ins")))))
 - name: whole
   expression: '!variables.isUpdate || (variables.labelledSandbox && variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true") || (variables.deny && variables.oldLabels[?"sandman.dev/egress"].orValue('''') != "deny")'
 - name: oldEphemeralNames
@@ -107,8 +107,8 @@ validations:
 - expression: '!variables.guardRequired || !variables.guardFirst || (sets.equivalent(variables.inits[0].?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())), ["NET_ADMIN", "NET_RAW"]) && variables.inits[0].?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) == ''ALL'') && variables.inits[0].?securityContext.?readOnlyRootFilesystem.orValue(false) == true && variables.inits[0].?securityContext.?privileged.orValue(false) != true && !variables.inits[0].?restartPolicy.hasValue())'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''capabilities must add exactly NET_ADMIN+NET_RAW and drop ALL, with a read-only root filesystem, not privileged, and no restartPolicy (it must finish before the pod starts)'''
   reason: Forbidden
-- expression: '!variables.guardRequired || !variables.guardFirst || (variables.inits[0].?env.orValue([]).size() == 1 && variables.inits[0].?env.orValue([])[0].name == "SANDMAN_NODE_IP" && variables.inits[0].?env.orValue([])[0].?valueFrom.?fieldRef.?fieldPath.orValue('''') == ''status.hostIP'' && !variables.inits[0].?envFrom.hasValue() && !variables.inits[0].?workingDir.hasValue() && variables.inits[0].?volumeMounts.orValue([]).all(m, (m.name == "sandman" && m.mountPath == "/sandman/run" && m.?subPath.orValue('''') == ''run'' && !has(m.subPathExpr)) || (m.name.startsWith("kube-api-access-") && object.spec.?volumes.orValue([]).exists(v, v.name == m.name && v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken))))))'
-  messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''env must be exactly SANDMAN_NODE_IP from status.hostIP, with no envFrom, no workingDir and only the sandman volume at /sandman/run (subPath run) mounted (as sandman renders it)'''
+- expression: '!variables.guardRequired || !variables.guardFirst || (variables.inits[0].?env.orValue([]).size() == 1 && variables.inits[0].?env.orValue([])[0].name == "SANDMAN_NODE_IP" && variables.inits[0].?env.orValue([])[0].?valueFrom.?fieldRef.?fieldPath.orValue('''') == ''status.hostIP'' && !variables.inits[0].?envFrom.hasValue() && !variables.inits[0].?workingDir.hasValue() && variables.inits[0].?volumeMounts.orValue([]).all(m, (m.name == "sandman" && !has(m.subPathExpr) && (variables.sandbox ? (m.mountPath == "/sandman" && !has(m.subPath)) : (m.mountPath == "/sandman/run" && m.?subPath.orValue('''') == ''run''))) || (m.name.startsWith("kube-api-access-") && object.spec.?volumes.orValue([]).exists(v, v.name == m.name && v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken))))))'
+  messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''env must be exactly SANDMAN_NODE_IP from status.hostIP, with no envFrom, no workingDir and only the sandman volume mounted, at /sandman in a sandbox (its guard installs execd), else at /sandman/run (subPath run), as sandman renders it'''
   reason: Forbidden
 - expression: '!variables.sandbox || !variables.others.exists(c, c.name == "sandman-netguard")'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''netguard must be initContainers[0]'''
@@ -150,7 +150,7 @@ validations:
   messageExpression: '''sandman sysctl: '' + ''sysctls '' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, !(s.name in ["kernel.shm_rmid_forced", "net.ipv4.ip_local_port_range", "net.ipv4.tcp_syncookies", "net.ipv4.ping_group_range", "net.ipv4.ip_unprivileged_port_start", "net.ipv4.ip_local_reserved_ports", "net.ipv4.tcp_keepalive_time", "net.ipv4.tcp_fin_timeout", "net.ipv4.tcp_keepalive_intvl", "net.ipv4.tcp_keepalive_probes", "net.ipv4.tcp_rmem", "net.ipv4.tcp_wmem"])).map(s, s.name).join('', '') + '' are not in Pod Security baseline\''s safe set'''
   reason: Forbidden
 - expression: variables.isUpdate || !variables.installed || variables.labelledSandbox
-  messageExpression: '''sandman sandbox-label: '' + ''the pod carries sandman\''s sandman-execd-install but is not labelled sandman.dev/sandbox=true'''
+  messageExpression: '''sandman sandbox-label: '' + ''the pod carries sandman\''s execd install (sandman-execd-install, or netguard\''s --install-execd) but is not labelled sandman.dev/sandbox=true'''
   reason: Forbidden
 - expression: '!variables.guarded || !variables.whole || object.spec.?volumes.orValue([]).all(v, (has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))'
   messageExpression: '''sandman volume-type: '' + ''volumes '' + object.spec.?volumes.orValue([]).filter(v, !((has(v.emptyDir) || has(v.configMap) || has(v.secret) || has(v.downwardAPI) || has(v.projected) || has(v.persistentVolumeClaim) || has(v.ephemeral)) && v.?projected.?sources.orValue([]).all(s, (has(s.configMap) || has(s.secret) || has(s.downwardAPI) || has(s.clusterTrustBundle) || has(s.serviceAccountToken))))).map(v, v.name).join('', '') + '' are not of an allowed type (emptyDir, configMap, secret, downwardAPI, projected, persistentVolumeClaim, ephemeral; projected: configMap, secret, downwardAPI, clusterTrustBundle, serviceAccountToken)'''
@@ -179,7 +179,10 @@ validations:
 - expression: '!variables.sandbox || variables.annotations[?"sandman.dev/token-sha256"].orValue('''').matches(''^[0-9a-f]{64}$'')'
   messageExpression: '''sandman token-hash: '' + ''annotation sandman.dev/token-sha256 must be 64 lowercase hex characters'''
   reason: Forbidden
-- expression: '!variables.sandbox || variables.inits.exists(c, c.name == "sandman-execd-install")'
+- expression: '!variables.sandbox || !variables.guardRequired || !variables.inits.exists(c, c.name == "sandman-execd-install")'
+  messageExpression: '''sandman not-mutated: '' + ''a guarded sandbox\''s guard installs execd (--install-execd); sandman-execd-install is not sandman\''s here'''
+  reason: Forbidden
+- expression: '!variables.sandbox || variables.installed'
   messageExpression: '''sandman not-mutated: '' + ''sandman\''s mutating webhook did not run on this pod (is its configuration missing?)'''
   reason: Forbidden
 {{- end -}}

@@ -1,0 +1,126 @@
+"""Put execd into a sandbox's shared volume: `python3 -m execd.install DIR`, or `install(DIR)`
+from netguard's `--install-execd DIR` (a guarded sandbox has one injected init container that
+applies the guard and then installs execd; an unguarded one runs this module alone).
+
+What DIR holds afterwards, all read-only (0444):
+- `execd_daemon.py`: the package's execd.py, copied as a module, and its bytecode from the
+  image's `pip install` (same mtime, so a task image whose python3 is the sandman image's minor
+  version loads it; any other compiles the source at start, as before).
+- `execd.py`: the launcher the sandbox container runs (`LAUNCHER`), written last, so the file
+  the main container runs appears only once the rest is in place.
+- `run/`: netguard's status directory (the sandbox container mounts DIR read-only, so it must
+  exist before).
+
+Standard library only, like the daemon.
+"""
+
+import os
+import sys
+
+DAEMON = "execd_daemon"
+
+# The launcher imports the daemon instead of running it as a script: Python never uses compiled
+# bytecode for a script, and compiling execd.py is ~40 ms of CPU at every sandbox start, 0.4 s
+# under a 100m quota.
+#
+# It also listens on --listen before the daemon's imports (~50 ms of CPU, ~0.4 s under a 100m
+# quota on the real node): a probe or the controller's /ready that arrives once the interpreter
+# is up waits in the backlog and is answered when execd serves, instead of being refused and
+# retried a period later. A probe sent before even the interpreter is up is still refused (make
+# bench-realnode's "execd listening -> Ready seen" shows that tick). Anything unexpected leaves
+# the bind to execd.
+LAUNCHER = (
+    '"""execd: the daemon is execd_daemon.py beside this file (imported, so compiled bytecode is\n'
+    'used when it matches this python3), on a socket that listens before its imports."""\n'
+    "import os, socket, sys\n"
+    "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
+    "def listen(argv):\n"
+    "    try:\n"
+    "        host, _, port = argv[argv.index('--listen') + 1].rpartition(':')\n"
+    "        host = host[1:-1] if host.startswith('[') else host\n"
+    "        s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
+    "    except (ValueError, IndexError, OSError):\n"
+    "        return None\n"
+    "    try:\n"
+    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
+    "        s.bind((host, int(port)))\n"
+    "        s.listen(128)\n"
+    "        return s\n"
+    "    except (ValueError, OSError):\n"
+    "        s.close()\n"
+    "        return None\n"
+    "sock = listen(sys.argv[1:])\n"
+    f"from {DAEMON} import main\n"
+    "sys.exit(main(listen_socket=sock))\n"
+)
+
+
+def _copy(src: str, dst: str) -> None:
+    """The bytes and the mtime (the bytecode's check on the source); no shutil, whose imports
+    netguard's hot path would pay."""
+    with open(src, "rb") as f:
+        data = f.read()
+    with open(dst, "wb") as f:
+        f.write(data)
+    st = os.stat(src)
+    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
+
+
+def _put(write, dst: str) -> None:
+    """Write dst through a temporary name beside it, read-only, then rename into place."""
+    tmp = dst + ".tmp"
+    try:
+        os.unlink(tmp)  # a read-only leftover of a restarted init container
+    except FileNotFoundError:
+        pass
+    write(tmp)
+    os.chmod(tmp, 0o444)
+    os.replace(tmp, dst)
+
+
+def install(directory: str) -> list:
+    """Install execd into `directory` (which must exist); returns the paths written, the
+    launcher last. Raises OSError when a file cannot be written."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    src = os.path.join(here, "execd.py")
+    written = []
+    daemon = os.path.join(directory, DAEMON + ".py")
+    _put(lambda t: _copy(src, t), daemon)
+    written.append(daemon)
+    import importlib.util  # only here: netguard's hot path pays it once, after the guard
+
+    pyc = importlib.util.cache_from_source(src)
+    if os.path.exists(pyc):
+        cache = os.path.join(directory, "__pycache__")
+        os.makedirs(cache, exist_ok=True)
+        dst = os.path.join(cache, f"{DAEMON}.{sys.implementation.cache_tag}.pyc")
+        _put(lambda t: _copy(pyc, t), dst)
+        written.append(dst)
+    os.makedirs(os.path.join(directory, "run"), exist_ok=True)
+
+    def write_launcher(t: str) -> None:
+        with open(t, "w") as f:
+            f.write(LAUNCHER)
+
+    launcher = os.path.join(directory, "execd.py")
+    _put(write_launcher, launcher)
+    written.append(launcher)
+    return written
+
+
+def main(argv=None) -> int:
+    args = sys.argv[1:] if argv is None else argv
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python3 -m execd.install DIR", file=sys.stderr)
+        return 2
+    try:
+        written = install(args[0])
+    except OSError as e:
+        print(f"execd install: cannot install into {args[0]}: {e}", file=sys.stderr)
+        return 1
+    print(f"execd install: {len(written)} files in {args[0]}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
