@@ -252,6 +252,27 @@ def deny_pod(**spec) -> dict:
     return p
 
 
+def two_init_layout(sandbox: dict) -> dict:
+    """A guarded sandbox as the mutation made it before its guard installed execd: the guard
+    without --install-execd, the volume's run/ only, then sandman-execd-install."""
+    p = copy.deepcopy(sandbox)
+    guard = p["spec"]["initContainers"][0]
+    assert guard["name"] == NETGUARD_CONTAINER and guard["args"][-2] == "--install-execd"
+    guard["args"] = guard["args"][:-2]
+    guard["volumeMounts"] = [{"name": SANDMAN_VOLUME, "mountPath": "/sandman/run",
+                              "subPath": "run"}]
+    p["spec"]["initContainers"].insert(1, {
+        "name": "sandman-execd-install", "image": guard["image"],
+        "imagePullPolicy": "IfNotPresent", "command": ["python3", "-c", "..."],
+        "resources": guard["resources"],
+        "securityContext": {"capabilities": {"drop": ["ALL"]}, "privileged": False,
+                            "allowPrivilegeEscalation": False, "readOnlyRootFilesystem": True,
+                            "seccompProfile": {"type": "RuntimeDefault"}},
+        "volumeMounts": [{"name": SANDMAN_VOLUME, "mountPath": "/sandman"}],
+        "terminationMessagePolicy": "FallbackToLogsOnError"})
+    return p
+
+
 def ephemeral(p: dict, **container) -> dict:
     """What `kubectl debug` sends: UPDATE of pods/ephemeralcontainers with the whole pod."""
     new = _edit(p, lambda q: q["spec"].setdefault("ephemeralContainers", []).append(
@@ -356,6 +377,16 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-update-label-change-after-image-upgrade-allowed", _edit(
         old_allow, lambda p: p["metadata"]["labels"].update(team="a")),
         operation="UPDATE", old=old_allow)
+    # A sandbox created before the guard installed execd: a guard without --install-execd that
+    # sees only run/, then the install container. Its label updates are still judged by the
+    # rules of its own kind: admitted, and stripping what makes it a sandbox still refused.
+    two_inits = two_init_layout(make_sandbox(pod(), SandboxPolicy(image=OLD_IMAGE)))
+    add("validate-update-two-init-layout-label-change-allowed", _edit(
+        two_inits, lambda p: p["metadata"]["labels"].update(team="a")),
+        operation="UPDATE", old=two_inits)
+    add("validate-update-two-init-layout-sandbox-label-removed-refused", _edit(
+        two_inits, lambda p: p["metadata"]["labels"].pop(LABEL_SANDBOX)),
+        operation="UPDATE", old=two_inits)
     old_deny = make_sandbox(pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"}),
                             SandboxPolicy(image=OLD_IMAGE))
     add("validate-update-deny-pod-relabelled-after-upgrade-allowed", _edit(
