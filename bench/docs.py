@@ -8,13 +8,43 @@ section below a `KEEP` line (earlier runs' notes, kept by hand) survives the rew
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import shlex
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs" / "benchmarks.md"
 KEEP = "<!-- earlier runs below: kept when the bench rewrites this section -->"
+# docs/benchmarks.md takes figures from a quiet machine only: the 1-minute load at the start and
+# at the end of a run must be at most this. A bench reads the end once what it started has
+# stopped and its own load has had up to SETTLE_S to decay (the 1-minute average falls by half
+# in ~42 s).
+LOAD_MAX = 1.5
+SETTLE_S = 180.0
+
+
+def load1() -> float:
+    return os.getloadavg()[0]
+
+
+def settle(limit: float = LOAD_MAX, wait_s: float = SETTLE_S) -> float:
+    """The 1-minute load once it is at most `limit`, or after `wait_s` (bounded; 5 s steps)."""
+    deadline = time.monotonic() + wait_s
+    while load1() > limit and time.monotonic() < deadline:
+        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
+    return load1()
+
+
+def docs_refusal(load_start: float, load_end: float, limit: float = LOAD_MAX) -> str | None:
+    """Why the run's figures may not go to docs/benchmarks.md (None: they may)."""
+    busy = [f"{what} {v:.2f}" for what, v in (("start", load_start), ("end", load_end))
+            if v > limit]
+    if busy:
+        return (f"the machine was not quiet (1-minute load above {limit} at the " +
+                " and ".join(busy) + "): docs/benchmarks.md not written")
+    return None
 
 
 def write_section(section: str, path: Path | None = None) -> Path:

@@ -50,6 +50,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 from bench import docs, realnode_agent
+from bench.docs import LOAD_MAX, docs_refusal, load1, settle
 from bench.stats import percentile, summarize
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -69,11 +70,6 @@ ECHO_MEMORY = "256Mi"
 ARMS = ("bare", "webhook", "controller")
 # The larger size: the most CPU one pod can get beside the install (100m steps), 1 GiB per CPU.
 LARGE_MEMORY_PER_CPU = 2**30
-# docs/benchmarks.md takes figures from a quiet machine only: the 1-minute load at the start and
-# at the end of the run must be at most this. The end is read once the bed has stopped and its
-# own load has had up to SETTLE_S to decay (the 1-minute average falls by half in ~42 s).
-LOAD_MAX = 1.5
-SETTLE_S = 180.0
 WAVE_TIMEOUT_S = 180.0
 GONE_TIMEOUT_S = 120.0
 AGENT_PREFIX = realnode_agent.PREFIX
@@ -139,20 +135,6 @@ def pod_request(spec: dict, resource: str) -> float:
     main = sum(req(c) for c in spec.get("containers") or [])
     init = max((req(c) for c in spec.get("initContainers") or []), default=0.0)
     return max(main, init)
-
-
-def load1() -> float:
-    return os.getloadavg()[0]
-
-
-def docs_refusal(load_start: float, load_end: float, limit: float = LOAD_MAX) -> str | None:
-    """Why the run's figures may not go to docs/benchmarks.md (None: they may)."""
-    busy = [f"{what} {v:.2f}" for what, v in (("start", load_start), ("end", load_end))
-            if v > limit]
-    if busy:
-        return (f"the machine was not quiet (1-minute load above {limit} at the " +
-                " and ".join(busy) + "): docs/benchmarks.md not written")
-    return None
 
 
 _RFC3339 = re.compile(r"(\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d)(?:\.(\d{1,9}))?(Z|[+-]\d\d:\d\d)")
@@ -437,8 +419,8 @@ have run there), images already imported (`{TASK_IMAGE}`; nothing is pulled).
 
 Arms: a **bare** pod (no sandbox label, same image and size, `sleep infinity`, no
 service-account token); a labelled pod created by a **plain client** (this machine), which the
-webhook turns into a guarded sandbox (two injected init containers, netguard then the execd
-install, sized like the sandbox; execd's readiness probe); an **SDK acquire** from a trainer pod
+webhook turns into a guarded sandbox (one injected init container, netguard, which installs
+execd once its rules are in, sized like the sandbox; execd's readiness probe); an **SDK acquire** from a trainer pod
 (trainer label, projected token, https with the published CA; sync client, one thread per
 acquire) through the controller, which asks execd `/ready` itself as soon as the sandbox
 container runs. With sandman and the trainer running, {res['used_cpu']:.2f} of the node's
@@ -1054,14 +1036,6 @@ def measure(tb, inst, args, leftovers: list[str]) -> tuple[dict, list[dict], Ben
     finally:
         leftovers += bench.teardown()
     return info, rounds, bench
-
-
-def settle(limit: float = LOAD_MAX, wait_s: float = SETTLE_S) -> float:
-    """The 1-minute load once it is at most `limit`, or after `wait_s` (bounded; 5 s steps)."""
-    deadline = time.monotonic() + wait_s
-    while load1() > limit and time.monotonic() < deadline:
-        time.sleep(min(5.0, max(0.0, deadline - time.monotonic())))
-    return load1()
 
 
 def run(args, argv_used: list[str]) -> int:

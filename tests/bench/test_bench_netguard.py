@@ -12,10 +12,13 @@ from bench import netguard
 
 def _cpu_verdict(out: str) -> bool:
     m = re.search(r"CPU budget <= \d+ ms for netguard's own process: (met|NOT met) "
-                  r"\((\d+\.\d) ms worst median; the interpreter alone (\d+\.\d) ms\)", out)
+                  r"\((\d+\.\d) ms worst median; the interpreter alone (\d+\.\d) ms, the floor "
+                  r"(\d+\.\d) ms(: the budget is below [^)]*)?\)", out)
     assert m, out
-    own, interpreter = float(m.group(2)), float(m.group(3))
-    assert own > 0 and interpreter > 0  # both measured, in the same run
+    own, interpreter, floor = float(m.group(2)), float(m.group(3)), float(m.group(4))
+    assert own > 0 and interpreter > 0 and floor > 0  # all measured, in the same run
+    # The floor note is there exactly when the floor is above the budget.
+    assert (m.group(5) is not None) == (floor > netguard.CPU_BUDGET_MS)
     assert (m.group(1) == "met") == (own <= netguard.CPU_BUDGET_MS)
     return m.group(1) == "met"
 

@@ -64,8 +64,24 @@ def test_replace_validates_again():
 
 
 def test_hot_path_imports_neither_dataclasses_nor_hashlib():
-    code = ("import sys, netguard.cli; "
-            "print(sorted(m for m in ('dataclasses', 'inspect', 'hashlib') if m in sys.modules))")
+    code = ("import sys, netguard.cli; print(sorted(m for m in ('dataclasses', 'inspect', "
+            "'hashlib', 'datetime', 'shutil', 'tempfile') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=60, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     assert out == "[]"
+
+
+def test_utc_now_spells_time_as_datetime_does():
+    """netguard's own timestamp (no `datetime` on the hot path) reads back as the same instant
+    datetime would have written, in the same spelling."""
+    import datetime as dt
+
+    from netguard.cli import utc_now
+
+    before = dt.datetime.now(dt.UTC)
+    got = utc_now()
+    after = dt.datetime.now(dt.UTC)
+    parsed = dt.datetime.fromisoformat(got)
+    assert before.replace(microsecond=before.microsecond // 1000 * 1000) <= parsed <= after
+    assert len(got) == len(before.isoformat(timespec="milliseconds")) and got.endswith("+00:00")
+    assert utc_now("Z").endswith("Z") and dt.datetime.fromisoformat(utc_now("Z")[:-1])
