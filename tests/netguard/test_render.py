@@ -378,3 +378,41 @@ def test_any_options_render_a_guarded_ruleset(allows, sources, port):
         text = transaction(cfg, family)
         assert text.count("COMMIT") == 1 and all(
             '--comment "sandman: ' in x for x in text.splitlines() if x.startswith(("-A", "-I")))
+
+
+# --- the read-back's word splitter -----------------------------------------------------------
+
+_ALPHABET = ' \t\r\n\x0b\x0c\x85\xa0"\'\\#ab-/:.()é'
+
+
+@settings(max_examples=3000, deadline=None, derandomize=True)
+@given(st.text(alphabet=_ALPHABET, max_size=40))
+def test_split_words_is_shlex_split_word_for_word(line):
+    """The read-back compares what iptables-save printed with what netguard meant: a splitter
+    that read a line differently from shlex could make two different rules look alike. On any
+    line, it returns what shlex.split returns, or raises what shlex raises."""
+    from netguard.rules import split_words
+
+    try:
+        want = shlex.split(line)
+    except ValueError as e:
+        with pytest.raises(ValueError, match=str(e)):
+            split_words(line)
+        return
+    assert split_words(line) == want
+
+
+def test_split_words_on_what_iptables_save_prints():
+    from netguard.rules import split_words
+
+    for line in ['-A SANDMAN-OUT -m comment --comment "sandman: egress denied (tcp reset)" '
+                 '-p tcp -j REJECT --reject-with tcp-reset',
+                 '-A OUTPUT -j SANDMAN-OUT', '-A X -m comment --comment "a \\"quoted\\" one"',
+                 '-A X -m comment --comment ""', '-A X -m comment --comment "unterminated']:
+        try:
+            want = shlex.split(line)
+        except ValueError:
+            with pytest.raises(ValueError):
+                split_words(line)
+            continue
+        assert split_words(line) == want
