@@ -703,7 +703,11 @@ def test_uninstall_cleanup_hook_is_bounded_minimal_and_points_at_this_release(he
     assert pod["serviceAccountName"] == f"{RELEASE}-cleanup"
     c = pod["containers"][0]
     assert c["command"] == ["python3", "-m", "controller.cleanup"]
-    assert c["image"] == ctl["spec"]["template"]["spec"]["containers"][0]["image"]
+    # The controller's image, unless the case gives either its own.
+    case_values = yaml.safe_load((TESTDATA / "values" / f"{case}.yaml").read_text()) \
+        if case != "default" else {}
+    if not any((case_values.get(c) or {}).get("image") for c in ("cleanup", "controller")):
+        assert c["image"] == ctl["spec"]["template"]["spec"]["containers"][0]["image"]
     assert c["securityContext"]["readOnlyRootFilesystem"] is True
     args = parse_args(c["args"])
     assert (args.namespace, args.lease_name, args.release_namespace, args.test_pod) == (
@@ -772,3 +776,209 @@ def test_controller_is_rendered_for_https_with_the_chart_certificate(helm, case)
             assert {secret, f"{secret}-ca"} <= set(owned.split(","))
         role = _find(objs, "Role", "-webhook")
         assert {secret, f"{secret}-ca"} <= set(role["rules"][0]["resourceNames"])
+
+
+# --------------------------------------------------------- labels and per-component knobs
+
+# The Deployments' selectors as every release so far rendered them. spec.selector of a
+# Deployment is immutable: a changed one fails `helm upgrade` of every existing install
+# ("field is immutable"), so no value and no chart change may move them.
+SELECTORS = {
+    component: {"app.kubernetes.io/name": "sandman", "app.kubernetes.io/instance": RELEASE,
+                "app.kubernetes.io/component": component}
+    for component in ("webhook", "controller")}
+CHART_META = yaml.safe_load((CHART / "Chart.yaml").read_text())
+KNOBS = ["component-knobs"]
+# values path of each component's knobs -> the component label of its pods.
+COMPONENTS = {"webhook": "webhook", "controller": "controller", "webhook.certs": "webhook-certs",
+              "cleanup": "cleanup", "test": "helm-test"}
+
+
+def _pods(objs: list[dict]) -> list[tuple[dict, dict]]:
+    """(object, pod template or pod) of every pod the render makes."""
+    out = []
+    for o in objs:
+        if o["kind"] == "Pod":
+            out.append((o, o))
+        elif o["kind"] in ("Deployment", "Job"):
+            out.append((o, o["spec"]["template"]))
+        elif o["kind"] == "CronJob":
+            out.append((o, o["spec"]["jobTemplate"]["spec"]["template"]))
+    return out
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_deployment_selectors_never_change(helm, case):
+    """The selectors in every render, the golden files (the releases' renders) included, are
+    SELECTORS; the Services, disruption budgets and NetworkPolicies select the same pods,
+    which carry those labels whatever podLabels says."""
+    golden = objects((TESTDATA / f"{case}.golden.yaml").read_text())
+    for objs in (golden, _render(helm, *_values_args(case))):
+        for component, want in SELECTORS.items():
+            dep = _find(objs, "Deployment", f"-{component}")
+            assert dep["spec"]["selector"] == {"matchLabels": want}, (case, component)
+            assert want.items() <= dep["spec"]["template"]["metadata"]["labels"].items()
+            assert _find(objs, "Service", f"-{component}")["spec"]["selector"] == want
+            pdbs = [o for o in objs if o["kind"] == "PodDisruptionBudget"
+                    and o["metadata"]["name"].endswith(f"-{component}")]
+            for pdb in pdbs:
+                assert pdb["spec"]["selector"] == {"matchLabels": want}, (case, component)
+            pols = [o for o in objs if o["kind"] == "NetworkPolicy"
+                    and o["metadata"]["name"].endswith(f"-{component}")]
+            for pol in pols:
+                assert pol["spec"]["podSelector"] == {"matchLabels": want}, (case, component)
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_every_pod_carries_the_full_app_kubernetes_io_set(helm, case):
+    objs = _render(helm, *_values_args(case))
+    pods = _pods(objs)
+    assert len(pods) >= 4  # webhook, controller, cleanup, test (+ certs Job, CronJob)
+    components = set()
+    for obj, pod in pods:
+        labels = pod["metadata"]["labels"]
+        component = labels.get("app.kubernetes.io/component")
+        components.add(component)
+        assert {k: v for k, v in labels.items() if k.startswith("app.kubernetes.io/")} == {
+            "app.kubernetes.io/name": "sandman", "app.kubernetes.io/instance": RELEASE,
+            "app.kubernetes.io/version": CHART_META["appVersion"],
+            "app.kubernetes.io/component": component,
+            "app.kubernetes.io/part-of": "sandman", "app.kubernetes.io/managed-by": "Helm",
+        }, (case, obj["kind"], obj["metadata"]["name"])
+    assert components <= set(COMPONENTS.values())
+    assert {"webhook", "controller", "cleanup", "helm-test"} <= components
+
+
+@pytest.mark.parametrize("path", COMPONENTS)
+def test_pod_labels_cannot_override_the_charts_labels(helm, path):
+    """A podLabels entry for app.kubernetes.io/name (which would move the pods out of their
+    selector) fails the render with one line naming the value and the key; another key
+    renders."""
+    for key in ("app.kubernetes.io/name", "app.kubernetes.io/component",
+                "app.kubernetes.io/anything"):
+        escaped = key.replace(".", r"\.")
+        res = helm.template("--set", f"{path}.podLabels.{escaped}=other", check=False)
+        assert res.returncode != 0, (path, key)
+        errors = [line for line in res.stderr.splitlines() if line.startswith("Error:")]
+        assert len(errors) == 1 and f'{path}.podLabels sets "{key}", which the chart reserves' \
+            in errors[0], res.stderr
+    objs = _render(helm, "--set", f"{path}.podLabels.team=rl")
+    (labels,) = [p["metadata"]["labels"] for _, p in _pods(objs)
+                 if p["metadata"]["labels"]["app.kubernetes.io/component"] == COMPONENTS[path]
+                 and p is not None][:1]
+    assert labels["team"] == "rl" and labels["app.kubernetes.io/name"] == "sandman"
+
+
+def test_chart_annotations_cannot_be_overridden(helm):
+    """The controller's pod-template checksum and Helm's hook annotations (the test pod's, the
+    cleanup account's) are the chart's: setting one fails the render."""
+    for setting, path, key in (
+            ("controller.podAnnotations.checksum/pod-template=x", "controller.podAnnotations",
+             "checksum/pod-template"),
+            (r"test.podAnnotations.helm\.sh/hook=pre-install", "test.podAnnotations",
+             "helm.sh/hook"),
+            (r"cleanup.serviceAccount.annotations.helm\.sh/hook-weight=x",
+             "cleanup.serviceAccount.annotations", "helm.sh/hook-weight")):
+        res = helm.template("--set", setting, check=False)
+        assert res.returncode != 0 and f'{path} sets "{key}", which the chart reserves' in \
+            res.stderr, res.stderr
+
+
+def _container(obj: dict, name: str | None = None) -> dict:
+    pod = obj if obj["kind"] == "Pod" else obj["spec"]["template"]
+    containers = pod["spec"]["containers"]
+    return containers[0] if name is None else next(c for c in containers if c["name"] == name)
+
+
+def test_component_knobs_render_where_they_belong(helm):
+    """Each component's knobs reach its own pods: annotations, labels, args appended after the
+    chart's, env after the chart's, zone spread, its image; the netguard image of sandboxes
+    (--image, and so the policy) stays the global one; each ServiceAccount gets its
+    annotations (IRSA)."""
+    values = yaml.safe_load((TESTDATA / "values" / "component-knobs.yaml").read_text())
+    base = _render(helm)
+    objs = _render(helm, *_values_args("component-knobs"))
+    deps = {c: _find(objs, "Deployment", f"-{c}") for c in ("webhook", "controller")}
+    for comp, dep in deps.items():
+        v = values[comp]
+        pod = dep["spec"]["template"]
+        assert v["podAnnotations"].items() <= pod["metadata"].get("annotations", {}).items()
+        assert pod["metadata"]["labels"]["team"] == "platform"
+        assert pod["spec"]["topologySpreadConstraints"] == v["topologySpreadConstraints"]
+        c = _container(dep)
+        was = _container(_find(base, "Deployment", f"-{comp}"))
+        assert c["args"] == was["args"] + v["extraArgs"], comp
+        assert c.get("env", []) == was.get("env", []) + v["extraEnv"], comp
+        assert f"--image={contract.SANDMAN_IMAGE}" in c["args"], comp
+    assert _container(deps["webhook"])["image"] == "mirror.example.com/sandman/sandman:0.1.0"
+    assert _container(deps["controller"])["image"] == "ghcr.io/sandman-dev/sandman:0.1.0-debug"
+    # The webhook keeps its anti-affinity beside the spread.
+    assert deps["webhook"]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
+    # The certificate pods (Job and CronJob): digest and pull policy of their own.
+    certs = values["webhook"]["certs"]
+    jobs = [o for o in objs if o["kind"] in ("Job", "CronJob") and "-certs" in
+            o["metadata"]["name"]]
+    assert len(jobs) == 2
+    for job in jobs:
+        pod = (job["spec"]["jobTemplate"]["spec"] if job["kind"] == "CronJob" else
+               job["spec"])["template"]
+        assert pod["metadata"]["annotations"] == certs["podAnnotations"]
+        for c in pod["spec"]["initContainers"] + pod["spec"]["containers"]:
+            assert c["image"] == (f"{certs['image']['repository']}@"
+                                  f"{certs['image']['digest']}"), c["name"]
+            assert c["imagePullPolicy"] == "Always"
+            assert c["env"][-1] == certs["extraEnv"][0], c["name"]
+    for comp, obj in (("cleanup", _find(objs, "Job", "-cleanup")),
+                      ("test", _find(objs, "Pod", "-test"))):
+        was = _container(_find(base, obj["kind"], f"-{comp}"))
+        c = _container(obj)
+        assert c["args"] == was["args"] + values[comp]["extraArgs"], comp
+        assert c["env"][-1] == values[comp]["extraEnv"][0], comp
+        assert c["image"] == "mirror.example.com/sandman/sandman:0.1.0", comp
+    test_pod = _find(objs, "Pod", "-test")["metadata"]["annotations"]
+    assert test_pod["helm.sh/hook"] == "test"
+    assert test_pod["sidecar.istio.io/inject"] == "false"
+    for comp, suffix in (("webhook", "-webhook"), ("controller", "-controller"),
+                         ("cleanup", "-cleanup"), ("test", "-test")):
+        sa = _find(objs, "ServiceAccount", suffix)["metadata"]["annotations"]
+        assert values[comp]["serviceAccount"]["annotations"].items() <= sa.items(), comp
+    assert _find(objs, "ServiceAccount", "-cleanup")["metadata"]["annotations"][
+        "helm.sh/hook"] == "post-delete"
+
+
+def test_extra_args_come_last_and_argparse_decides(helm):
+    """Appended args are parsed by the binary's own argparse: the last of a single-value flag
+    wins (so `--rate` in extraArgs overrides controller.rate), an append flag adds to the
+    chart's values. That is why values.yaml says to review them like the chart's flags."""
+    from controller.__main__ import parse_args
+
+    objs = _render(helm, "--set", "controller.extraArgs={--rate=5,--caller-label-prefix=b/}",
+                   "--set", "controller.auth.callerLabelPrefixes={a/}")
+    args = parse_args(["serve", *_container(_find(objs, "Deployment", "-controller"))["args"]])
+    assert args.rate == 5
+    assert args.caller_label_prefix == ["a/", "b/"]
+
+
+def test_component_image_falls_back_to_the_global_image(helm):
+    def image(*sets: str) -> tuple[str, str]:
+        args = [a for s in sets for a in ("--set", s)]
+        c = _container(_find(_render(helm, *args), "Deployment", "-webhook"))
+        return c["image"], c["imagePullPolicy"]
+
+    digest = "sha256:" + "2" * 64
+    assert image() == (contract.SANDMAN_IMAGE, "IfNotPresent")
+    # Nothing of its own: the global reference, its digest included.
+    assert image(f"image.digest={digest}", "image.pullPolicy=Always") == (
+        f"ghcr.io/sandman-dev/sandman@{digest}", "Always")
+    # A tag of its own: the global repository with it (the global digest is another image's).
+    assert image(f"image.digest={digest}", "webhook.image.tag=0.2.0") == (
+        "ghcr.io/sandman-dev/sandman:0.2.0", "IfNotPresent")
+    assert image("webhook.image.repository=r.example/s") == ("r.example/s:0.1.0",
+                                                               "IfNotPresent")
+    assert image("webhook.image.repository=r.example/s", f"webhook.image.digest={digest}",
+                 "webhook.image.tag=9", "webhook.image.pullPolicy=Never") == (
+        f"r.example/s@{digest}", "Never")
+    # The sandboxes' netguard image never follows a component's.
+    c = _container(_find(_render(helm, "--set", "webhook.image.repository=r.example/s"),
+                         "Deployment", "-webhook"))
+    assert f"--image={contract.SANDMAN_IMAGE}" in c["args"]

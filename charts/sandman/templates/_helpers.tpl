@@ -56,6 +56,66 @@ Secrets' namespace. */ -}}
 {{- end -}}
 {{- end -}}
 
+{{- /* A component's image (webhook, controller, certificate pods, cleanup, helm test): its own
+`image` values when any of repository, tag or digest is set (repository defaulting to
+image.repository, tag to image.tag), else the global image. The netguard image that webhook and
+controller inject into sandboxes (--image, sandman.policyArgs) is always the global one.
+Called with (list $ <the component's image values>). */ -}}
+{{- define "sandman.componentImage" -}}
+{{- $root := index . 0 -}}
+{{- $own := index . 1 | default dict -}}
+{{- if or $own.repository $own.tag $own.digest -}}
+{{- $repo := $own.repository | default $root.Values.image.repository -}}
+{{- if $own.digest -}}
+{{- printf "%s@%s" $repo $own.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $repo (toString ($own.tag | default $root.Values.image.tag)) -}}
+{{- end -}}
+{{- else -}}
+{{- include "sandman.image" $root -}}
+{{- end -}}
+{{- end -}}
+{{- define "sandman.componentPullPolicy" -}}
+{{- $root := index . 0 -}}
+{{- $own := index . 1 | default dict -}}
+{{- $own.pullPolicy | default $root.Values.image.pullPolicy -}}
+{{- end -}}
+
+{{- /* A user map (podLabels, podAnnotations, serviceAccount.annotations) as YAML, after the
+chart's own keys. A key the chart sets itself, or one under the reserved prefix, fails the
+render with one line instead of being silently dropped or overriding the chart's. Called with
+(list "<values path>" <the map> (list <the chart's own keys>) "<reserved prefix or empty>"
+"<why they are reserved>"). */ -}}
+{{- define "sandman.userKeys" -}}
+{{- $path := index . 0 -}}
+{{- $user := index . 1 | default dict -}}
+{{- $own := index . 2 -}}
+{{- $prefix := index . 3 -}}
+{{- range $k, $_ := $user -}}
+{{- if or (has $k $own) (and $prefix (hasPrefix $prefix $k)) -}}
+{{- fail (printf "%s sets %q, which the chart reserves (%s): choose a key of your own" $path $k (index $ 4)) -}}
+{{- end -}}
+{{- end -}}
+{{- with $user }}{{ toYaml . }}{{ end -}}
+{{- end -}}
+
+{{- /* The labels of every pod the chart renders: the full app.kubernetes.io set (the
+selector's name and instance, component, version, part-of, managed-by), then the component's
+podLabels. No podLabels key may be an app.kubernetes.io/ one (sandman.userKeys fails), so no
+value can move a pod out of its Deployment's selector, Service or NetworkPolicy. Called with
+(list $ "<component>" "<values path of podLabels>" <podLabels>). */ -}}
+{{- define "sandman.podLabels" -}}
+{{- $root := index . 0 -}}
+{{ include "sandman.selectorLabels" $root }}
+app.kubernetes.io/component: {{ index . 1 }}
+app.kubernetes.io/version: {{ $root.Chart.AppVersion | quote }}
+app.kubernetes.io/part-of: sandman
+app.kubernetes.io/managed-by: {{ $root.Release.Service }}
+{{- with include "sandman.userKeys" (list (index . 2) (index . 3) (list) "app.kubernetes.io/" "the app.kubernetes.io/ labels, which selectors and NetworkPolicies match") }}
+{{ . }}
+{{- end }}
+{{- end -}}
+
 {{- define "sandman.labels" -}}
 helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" }}
 app.kubernetes.io/name: {{ include "sandman.name" . }}
@@ -201,8 +261,11 @@ them with the release. It runs after every ensure, which replaces the Secrets wh
 {{- define "sandman.webhook.certsPod" -}}
 metadata:
   labels:
-    {{- include "sandman.selectorLabels" . | nindent 4 }}
-    app.kubernetes.io/component: webhook-certs
+    {{- include "sandman.podLabels" (list . "webhook-certs" "webhook.certs.podLabels" .Values.webhook.certs.podLabels) | nindent 4 }}
+  {{- with include "sandman.userKeys" (list "webhook.certs.podAnnotations" .Values.webhook.certs.podAnnotations (list) "" "") }}
+  annotations:
+    {{- . | nindent 4 }}
+  {{- end }}
 spec:
   serviceAccountName: {{ include "sandman.webhook.fullname" . }}
   automountServiceAccountToken: true
@@ -229,8 +292,8 @@ spec:
   initContainers:
     {{- if include "sandman.webhook.ownCerts" . }}
     - name: certs
-      image: {{ include "sandman.image" . }}
-      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      image: {{ include "sandman.componentImage" (list . .Values.webhook.certs.image) }}
+      imagePullPolicy: {{ include "sandman.componentPullPolicy" (list . .Values.webhook.certs.image) }}
       command: [python3, -m, webhook, certs, ensure]
       args:
         - --namespace={{ .Release.Namespace }}
@@ -241,24 +304,32 @@ spec:
         - --validating-config={{ include "sandman.clusterName" . }}
         {{- end }}
         - --propagation-seconds={{ .Values.webhook.certs.propagationSeconds }}
+      {{- with .Values.webhook.certs.extraEnv }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
     {{- end }}
     # The controller's own CA and serving pair (Secrets <controller>-tls and -tls-ca), by the
     # same command: a CA of its own, so trusting it (trainers) trusts nothing else. The
     # controller publishes the bundle to trainers itself (--ca-configmap).
     - name: controller-certs
-      image: {{ include "sandman.image" . }}
-      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      image: {{ include "sandman.componentImage" (list . .Values.webhook.certs.image) }}
+      imagePullPolicy: {{ include "sandman.componentPullPolicy" (list . .Values.webhook.certs.image) }}
       command: [python3, -m, webhook, certs, ensure]
       args:
         - --namespace={{ .Release.Namespace }}
         - --service={{ include "sandman.controller.fullname" . }}
         - --secret={{ include "sandman.controller.secret" . }}
+      {{- with .Values.webhook.certs.extraEnv }}
+      env:
+        {{- toYaml . | nindent 8 }}
+      {{- end }}
       {{- include "sandman.webhook.certsContainerTail" . | nindent 6 }}
   containers:
     - name: own-secrets
-      image: {{ include "sandman.image" . }}
-      imagePullPolicy: {{ .Values.image.pullPolicy }}
+      image: {{ include "sandman.componentImage" (list . .Values.webhook.certs.image) }}
+      imagePullPolicy: {{ include "sandman.componentPullPolicy" (list . .Values.webhook.certs.image) }}
       env:
         - name: NAMESPACE
           value: {{ .Release.Namespace }}
@@ -266,6 +337,9 @@ spec:
           value: {{ include "sandman.webhook.fullname" . }}
         - name: SECRETS
           value: {{ if include "sandman.webhook.ownCerts" . }}{{ include "sandman.webhook.secret" . }},{{ include "sandman.webhook.secret" . }}-ca,{{ end }}{{ include "sandman.controller.secret" . }},{{ include "sandman.controller.secret" . }}-ca
+        {{- with .Values.webhook.certs.extraEnv }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
       command:
         - python3
         - -c
