@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain kubeconform helm lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) sysdeps gotoolchain kubeconform helm  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform, helm
+deps: $(STAMP) sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
 
 gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
 	@$(PY) tools/gotoolchain.py
@@ -38,6 +38,9 @@ kubeconform: $(STAMP) gotoolchain  ## kubeconform and the test bed's Kubernetes 
 
 helm: $(STAMP) gotoolchain  ## the test bed's helm into ~/.cache/sandman-testbed (the chart checks of make check)
 	$(VPY) -m testbed build --only helm
+
+helm-docs: $(STAMP) gotoolchain  ## helm-docs (pinned in tools/helm_docs.py) from the Go module proxy into ~/.cache/sandman-testbed (the chart README)
+	$(VPY) tools/helm_docs.py
 
 lock: $(STAMP)  ## regenerate requirements*.lock from the pyprojects (needs PyPI); commit them
 	$(VPY) tools/lock.py
@@ -86,7 +89,7 @@ demo-grading: deps testbed-build  ## the grading demo on the real node (docs/gra
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
 	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)
 
-.PHONY: test-chart chart-golden
+.PHONY: test-chart chart-golden chart-docs
 test-chart: deps testbed-build  ## the Helm chart: lint, golden renders, schema, install/upgrade/uninstall on the test bed
 	$(VPY) tools/run_pytest.py tests/charts $(PYTEST_ARGS)
 
@@ -94,6 +97,10 @@ chart-golden: $(STAMP) testbed-build  ## regenerate the chart's _contract.tpl an
 	$(VPY) charts/gen_contract.py
 	$(VPY) charts/gen_dashboard.py
 	SANDMAN_GOLDEN_UPDATE=1 $(VPY) -m pytest -q tests/charts/test_chart.py
+
+chart-docs: $(STAMP) helm-docs  ## regenerate values.schema.json's descriptions and charts/sandman/README.md from values.yaml's `# --` comments
+	$(VPY) charts/gen_schema.py
+	$(VPY) tools/helm_docs.py readme
 
 .PHONY: images images-list
 IMAGES ?=
