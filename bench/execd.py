@@ -35,6 +35,7 @@ from pathlib import Path
 from bench import docs
 from bench.interp import pod_python
 from bench.stats import percentile
+from sandman.podspec import EXECD_PYTHON_FLAGS
 from testbed.procs import free_port
 
 REPO = Path(__file__).resolve().parents[1]
@@ -305,7 +306,8 @@ def startup_figures(runs: int, tmp: Path) -> dict:
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only: nothing is cached
     env["SANDMAN_TOKEN_SHA256"] = "0" * 64
     arms = {"script": [py, str(daemon), "--listen", "127.0.0.1:0"],
-            "launcher + bytecode": [py, str(d / "execd.py"), "--listen", "127.0.0.1:0"],
+            "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, str(d / "execd.py"), "--listen",
+                                    "127.0.0.1:0"],
             "python3 -c pass": [py, "-c", "import sys; sys.stderr.write('listening\\n'); "
                                 "sys.stderr.flush(); sys.stdin.read()"]}
     got: dict[str, list[float]] = {k: [] for k in arms}
@@ -322,7 +324,8 @@ def startup_lines(st: dict) -> list[str]:
         "the task image's interpreter; each process's own schedstat at its listening line):", "",
         "| how | CPU ms |", "|---|---:|",
         f"| as a script (the source compiled at every start) | {st['script']:.1f} |",
-        f"| the pod's launcher, daemon from the install's bytecode | {st['launcher + bytecode']:.1f} |",
+        f"| the pod's launcher (`python3 {' '.join(EXECD_PYTHON_FLAGS)}`), daemon from the "
+        f"install's bytecode | {st['launcher + bytecode']:.1f} |",
         f"| `python3 -c pass` (the interpreter alone) | {st['python3 -c pass']:.1f} |", "",
         f"- budget <= {STARTUP_BUDGET_MS:.0f} ms from exec to listening: "
         f"**{'met' if ok else 'NOT met'}** ({st['launcher + bytecode']:.1f} ms)",

@@ -51,7 +51,12 @@ GUARD_EGRESS_DENY = "egress-deny"  # only pods labelled egress=deny get netguard
 GUARD_MODES = (GUARD_ALWAYS, GUARD_EGRESS_DENY)
 
 RUN_DIR = posixpath.dirname(NETGUARD_STATUS_PATH)  # writable for netguard, read-only in sandbox
-EXECD_COMMAND = ["python3", EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
+# execd runs isolated from the task image's Python setup: -I ignores PYTHON* variables
+# (PYTHONPATH=/testbed would put a repository's own `http` or `json` package before the
+# standard library execd imports) and the user site; -S skips site, so no .pth file or
+# sitecustomize of the image runs inside execd (it needs only the standard library).
+EXECD_PYTHON_FLAGS = ("-I", "-S")
+EXECD_COMMAND = ["python3", *EXECD_PYTHON_FLAGS, EXECD_PATH, "--listen", f"0.0.0.0:{EXECD_PORT}"]
 GUARD_CAPS = ("NET_ADMIN", "NET_RAW")  # netguard's only capabilities; dropped in the sandbox
 # containerd and CRI-O grant NET_RAW to every container by default; with it an AF_PACKET socket
 # sends frames past every iptables rule (tests/netguard/test_net_raw.py shows it), so every
@@ -621,7 +626,7 @@ def _under_execd_dir(path: str) -> bool:
 
 
 def execd_argv_ok(c: dict) -> bool:
-    """The container runs exactly `<python3> /sandman/execd.py --listen 0.0.0.0:9470`."""
+    """The container runs exactly `<python3> -I -S /sandman/execd.py --listen 0.0.0.0:9470`."""
     argv = list(c.get("command") or []) + list(c.get("args") or [])
     return (len(argv) == len(EXECD_COMMAND) and argv[1:] == EXECD_COMMAND[1:]
             and isinstance(argv[0], str) and _PYTHON3.fullmatch(argv[0]) is not None)
@@ -640,7 +645,12 @@ def _drop_net_raw(c: dict) -> None:
 
 def _make_sandbox_container(c: dict, spec: dict) -> None:
     if not execd_argv_ok(c):
-        c["command"] = list(EXECD_COMMAND)
+        # The author's choice of interpreter (python3.8, /usr/bin/python3) is kept; the rest is
+        # sandman's.
+        argv = list(c.get("command") or []) + list(c.get("args") or [])
+        python = argv[0] if argv and isinstance(argv[0], str) and _PYTHON3.fullmatch(
+            argv[0]) else EXECD_COMMAND[0]
+        c["command"] = [python, *EXECD_COMMAND[1:]]
         c.pop("args", None)
 
     # execd.py and netguard's status come only from the sandman volume, read-only.

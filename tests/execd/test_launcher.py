@@ -96,3 +96,61 @@ def test_a_handed_socket_that_is_not_the_listen_address_is_closed_and_not_used()
     v6.listen(1)
     assert E.adopt_listener(v6, "::1", 0) is None  # wrong family
     assert E.adopt_listener(None, "127.0.0.1", 1) is None
+
+
+def test_the_task_images_python_setup_cannot_reach_into_execd(tmp_path):
+    """A task image's PYTHONPATH (SWE-bench images set it to the repository), its
+    sitecustomize and its .pth files run in every python3 of the image. execd runs with
+    podspec's interpreter flags (-I -S): a PYTHONPATH holding a package named like one execd
+    imports, and a sitecustomize that ends the process, change nothing. Without the flags the
+    same environment takes execd down (the attack is real)."""
+    from sandman.podspec import EXECD_PYTHON_FLAGS
+
+    launcher = _pod_layout(tmp_path, 0)
+    evil = tmp_path / "repo"
+    (evil / "http").mkdir(parents=True)
+    (evil / "http" / "__init__.py").write_text("raise SystemExit(13)\n")
+    (evil / "sitecustomize.py").write_text("import os\nos._exit(14)\n")
+
+    def start(flags):
+        port = _free_port()
+        run_id = os.urandom(6).hex()
+        env = {**os.environ, "PYTHONPATH": str(evil), "EXECD_TEST_RUN": run_id,
+               "SANDMAN_EXECD_INSTANCE": run_id,
+               "SANDMAN_NETGUARD_STATUS": str(tmp_path / "netguard.json")}
+        env.pop("SANDMAN_TOKEN_SHA256", None)
+        proc = subprocess.Popen([sys.executable, *flags, str(launcher), "--listen",
+                                 f"127.0.0.1:{port}", "--insecure-no-token"],
+                                stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env,
+                                cwd=tmp_path, start_new_session=True)
+        return proc, port, run_id
+
+    def health(proc, port) -> bytes | None:
+        deadline = time.monotonic() + 20
+        while time.monotonic() < deadline and proc.poll() is None:
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=5) as conn:
+                    conn.settimeout(10)
+                    conn.sendall(b"GET /health HTTP/1.0\r\n\r\n")
+                    answer = b""
+                    while chunk := conn.recv(65536):
+                        answer += chunk
+                    if answer:
+                        return answer
+            except OSError:
+                time.sleep(0.05)
+        return None
+
+    for flags, serves in ((EXECD_PYTHON_FLAGS, True), ((), False)):
+        proc, port, run_id = start(flags)
+        try:
+            answer = health(proc, port)
+            if serves:
+                assert answer is not None and answer.split(b" ")[1] == b"200", answer
+            else:
+                assert answer is None and proc.wait(10) in (13, 14), answer
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            for pid in run_pids(run_id):
+                os.kill(pid, 9)

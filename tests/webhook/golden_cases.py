@@ -124,7 +124,12 @@ def cases() -> dict[str, dict]:
     c["mutate-named-container-missing-denied"] = review("m12", pod(
         annotations={ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_CONTAINER: "agent"}))
     c["mutate-already-runs-execd-command-kept"] = review("m13", pod(containers=[
-        {**task, "command": ["/usr/bin/python3.8", EXECD_PATH, "--listen", "0.0.0.0:9470"]}]))
+        {**task, "command": ["/usr/bin/python3.8", "-I", "-S", EXECD_PATH, "--listen",
+                             "0.0.0.0:9470"]}]))
+    # Without -I -S the image's PYTHONPATH, .pth files and sitecustomize would run in execd.
+    c["mutate-execd-command-without-isolation-gets-it-interpreter-kept"] = review("m28", pod(
+        containers=[{**task, "command": ["/usr/bin/python3.8", EXECD_PATH, "--listen",
+                                         "0.0.0.0:9470"]}]))
     c["mutate-command-and-args-replaced"] = review("m14", pod(containers=[
         {**task, "command": ["sleep"], "args": ["infinity"]}]))
     c["mutate-pod-seccomp-respected"] = review("m15", pod(

@@ -257,7 +257,7 @@ def assert_invariants(pod: dict) -> None:
     task = spec["containers"][0]
     argv = (task.get("command") or []) + (task.get("args") or [])
     assert re.fullmatch(r".*python3(\.\d+)?", argv[0]) and argv[1:] == [
-        EXECD_PATH, "--listen", "0.0.0.0:9470"], argv
+        "-I", "-S", EXECD_PATH, "--listen", "0.0.0.0:9470"], argv
     for m in task.get("volumeMounts") or []:
         path = posixpath.normpath("/" + m["mountPath"].lstrip("/"))
         if path == "/sandman" or path.startswith("/sandman/"):
