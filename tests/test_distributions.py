@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import re
+import subprocess
 import sys
 import tomllib
 import zipfile
@@ -56,6 +57,53 @@ def test_the_namespace_is_split_without_overlap_or_gap(wheels):
     assert "sandman/__init__.py" not in tree
     assert "sandman/client/py.typed" in client
     assert {"sandman/api.py", "sandman/contract.py", "sandman/_version.py"} <= client
+    # The namespace root's marker is the client's: it covers the wire modules there.
+    assert "sandman/py.typed" in client
+
+
+def _install(wheel: Path, venv: Path, drop: tuple[str, ...] = ()) -> Path:
+    """A venv (no pip) with the pure wheel unpacked into its site-packages, what pip does for
+    it; `drop`: files left out."""
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(venv)], check=True,
+                   timeout=60)
+    site = next((venv / "lib").glob("python3*/site-packages"))
+    with zipfile.ZipFile(wheel) as z:
+        z.extractall(site, [n for n in z.namelist() if n not in drop])
+    return venv / "bin" / "python"
+
+
+# What a trainer's type-checked code imports from the wheel's own top (sandman.client also
+# needs httpx, which the bare venv lacks).
+_USER_CODE = """\
+from sandman import api, contract
+from sandman._version import __version__
+
+conditions: api.Conditions = api.Conditions(tz="UTC")
+size: str = api.DEFAULT_MEMORY
+label: str = contract.LABEL_SANDBOX
+version: str = __version__
+"""
+
+
+def _mypy(python: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
+    (tmp / "user.py").write_text(_USER_CODE)
+    (tmp / "mypy.ini").write_text("[mypy]\n")  # not the tree's configuration
+    return subprocess.run([sys.executable, "-m", "mypy", "--strict", "--config-file",
+                           str(tmp / "mypy.ini"), "--cache-dir", str(tmp / "cache"),
+                           "--python-executable", str(python), str(tmp / "user.py")],
+                          cwd=tmp, capture_output=True, text=True, timeout=300)
+
+
+def test_a_type_checker_reads_the_client_wheels_wire_modules_as_typed(wheels, tmp_path):
+    """mypy --strict on code that imports sandman.api and sandman.contract from the installed
+    client wheel: typed through sandman/py.typed. Without that marker mypy refuses them as
+    untyped (the control), as it did while only sandman/client carried one."""
+    typed = _mypy(_install(wheels["client"], tmp_path / "typed"), tmp_path)
+    assert typed.returncode == 0, typed.stdout + typed.stderr
+    (tmp_path / "cache").rename(tmp_path / "cache-typed")
+    bare = _mypy(_install(wheels["client"], tmp_path / "bare", drop=("sandman/py.typed",)),
+                 tmp_path)
+    assert bare.returncode == 1 and "import-untyped" in bare.stdout, bare.stdout + bare.stderr
 
 
 def test_the_client_wheel_has_only_the_client_and_its_wire(wheels):
