@@ -775,6 +775,10 @@ def test_the_checks_see_wrong_statements():
     assert classify(doc, "`sandbox.INPUT_LABELS`", 1, "sandbox.INPUT_LABELS") == "python"
     assert classify(doc, "sandbox.release()", 0, "sandbox.release") is None
     assert not values_key(["webhook", "replicaz"]) and values_key(["webhook", "replicas"])
+    block = read_doc(REPO / "docs" / "x.md", "```yaml\nwebhook:\n  replicaz: 3\nsandbox:\n"
+                     "  podTemplate:\n    labels: {team: rl}\n```\n")
+    (_, data), = values_yaml_blocks(block)
+    assert [p for p in _key_paths(data) if not values_key(list(p))] == [("webhook", "replicaz")]
     assert python_name("controller.cleanup") and not python_name("sandman.api.Nope")
     assert python_name("sandman.api.Conditions") and python_name("controller.books.State")
     assert python_name("sandman._version.__version__")
