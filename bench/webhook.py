@@ -11,7 +11,7 @@ is deleted (and its deletion awaited) before the next arm. Figures are medians o
 Arms: the client's pod with no admission; the already-mutated pod with no admission (what the
 controller sends: the reference); the client's pod through the mutating + validating webhooks;
 the client's pod through the mutating webhook + the ValidatingAdmissionPolicy (webhook/policy.py,
-no validating webhook). Goal (issue 13): creates/s with the chart's default admission setup
+no validating webhook). Goal: creates/s with the chart's default admission setup
 >= 90% of the already-mutated pod with no admission, same run. `--smoke`: 5 pods per arm,
 one repeat, 40 handler requests, no verdict (tests/bench/test_smoke.py, on the suite's bed).
 """
@@ -526,7 +526,7 @@ server, etcd, kwok, the webhook and the client share the cores.
 |---|---|---|---|---|---|---|---|
 {rows}
 
-Goal (issue 13): creates/s with the chart's default admission setup (mutating webhook +
+Goal: creates/s with the chart's default admission setup (mutating webhook +
 policy, no validating webhook) >= {GOAL * 100:.0f}% of the already-mutated pod created with no
 admission at all, same run: **{ratio * 100:.0f}%** ({verdict}; median of the per-repeat ratios
 {per_repeat}).

@@ -1,7 +1,7 @@
 """`sandman_build_info`: which build a process runs, as one gauge set to 1 (the Prometheus
 convention for info metrics: join it on `instance` to label other series by version).
 
-`version` is the package's (`sandman.__version__`); `revision` is what the image was built
+`version` is the package's (`sandman._version.__version__`); `revision` is what the image was built
 from, baked in by images/Dockerfile as $SANDMAN_REVISION (`--build-arg REVISION=$(git rev-parse
 HEAD)`), "unknown" otherwise; `component` is the process. One series per process, so every
 label is bounded."""

@@ -30,13 +30,7 @@ VALUES = REPO / "charts" / "sandman" / "values.yaml"
 
 # Findings in pages whose owners have the fix pending: (page, check, name). Each must still be
 # found (a fixed one fails until it is removed here), so the list only shrinks.
-KNOWN: set[tuple[str, str, str]] = {
-    # The pod function's module is sandman/podspec.py: `sandman.podspec.INPUT_LABELS`, ...
-    *(("docs/webhook.md", "Python name", f"sandbox.{name}")
-      for name in ("INPUT_LABELS", "INPUT_ANNOTATIONS", "BASELINE_SYSCTLS", "VOLUME_TYPES")),
-    # slim_pod is controller/pods.py's (controller/kube.py imports it).
-    ("docs/benchmarks.md", "definition", "controller/kube.py:slim_pod"),
-}
+KNOWN: set[tuple[str, str, str]] = set()
 
 
 # ---- reading a page ---------------------------------------------------------------------------
