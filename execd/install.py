@@ -55,27 +55,28 @@ LAUNCHER = (
 )
 
 
-def _copy(src: str, dst: str) -> None:
-    """The bytes and the mtime (the bytecode's check on the source); no shutil, whose imports
-    netguard's hot path would pay."""
-    with open(src, "rb") as f:
-        data = f.read()
-    with open(dst, "wb") as f:
-        f.write(data)
-    st = os.stat(src)
-    os.utime(dst, ns=(st.st_atime_ns, st.st_mtime_ns))
-
-
-def _put(write, dst: str) -> None:
-    """Write dst through a temporary name beside it, read-only, then rename into place."""
+def _put(data: bytes, dst: str, mtime_of: str = "") -> None:
+    """Write `data` to dst through a temporary name beside it, read-only, then rename it into
+    place (a reader sees the old file or the new one). The temporary file is created new, never
+    through a link (O_EXCL | O_NOFOLLOW): the install runs as the guard, root. With `mtime_of`,
+    dst takes that file's mtime (the bytecode's check on its source)."""
     tmp = dst + ".tmp"
     try:
         os.unlink(tmp)  # a read-only leftover of a restarted init container
     except FileNotFoundError:
         pass
-    write(tmp)
-    os.chmod(tmp, 0o444)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o444)
+    with os.fdopen(fd, "wb") as f:
+        f.write(data)
+    if mtime_of:
+        st = os.stat(mtime_of)
+        os.utime(tmp, ns=(st.st_atime_ns, st.st_mtime_ns))
     os.replace(tmp, dst)
+
+
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def install(directory: str) -> list:
@@ -85,7 +86,7 @@ def install(directory: str) -> list:
     src = os.path.join(here, "execd.py")
     written = []
     daemon = os.path.join(directory, DAEMON + ".py")
-    _put(lambda t: _copy(src, t), daemon)
+    _put(_read(src), daemon, mtime_of=src)
     written.append(daemon)
     import importlib.util  # only here: netguard's hot path pays it once, after the guard
 
@@ -94,16 +95,12 @@ def install(directory: str) -> list:
         cache = os.path.join(directory, "__pycache__")
         os.makedirs(cache, exist_ok=True)
         dst = os.path.join(cache, f"{DAEMON}.{sys.implementation.cache_tag}.pyc")
-        _put(lambda t: _copy(pyc, t), dst)
+        _put(_read(pyc), dst)
         written.append(dst)
     os.makedirs(os.path.join(directory, "run"), exist_ok=True)
 
-    def write_launcher(t: str) -> None:
-        with open(t, "w") as f:
-            f.write(LAUNCHER)
-
     launcher = os.path.join(directory, "execd.py")
-    _put(write_launcher, launcher)
+    _put(LAUNCHER.encode(), launcher)
     written.append(launcher)
     return written
 

@@ -1,0 +1,59 @@
+"""execd/install.py: what a sandbox's /sandman holds after the install, written as the guard
+(root) writes it: read-only files, the daemon with its source's mtime, the launcher last, and
+nothing written through a link planted in the volume."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from execd import install
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def test_install_leaves_the_pods_layout(tmp_path):
+    written = install.install(str(tmp_path))
+    assert Path(written[-1]).name == "execd.py"  # the file the sandbox runs comes last
+    assert (tmp_path / "execd.py").read_text() == install.LAUNCHER
+    daemon = tmp_path / f"{install.DAEMON}.py"
+    src = REPO / "execd" / "execd.py"
+    assert daemon.read_bytes() == src.read_bytes()
+    assert daemon.stat().st_mtime_ns == src.stat().st_mtime_ns  # the bytecode's check
+    for f in written:
+        assert os.stat(f).st_mode & 0o777 == 0o444, f
+    assert (tmp_path / "run").is_dir()
+    assert not list(tmp_path.glob("*.tmp"))
+    assert install.install(str(tmp_path)) == written  # a restarted init container
+
+
+def test_a_link_planted_at_a_temporary_name_is_removed_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.write_text("unchanged\n")
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / "execd.py.tmp").symlink_to(victim)
+    (volume / f"{install.DAEMON}.py.tmp").symlink_to(victim)
+    install.install(str(volume))
+    assert victim.read_text() == "unchanged\n"
+    assert (volume / "execd.py").read_text() == install.LAUNCHER
+    assert not (volume / "execd.py").is_symlink()
+
+
+def _run(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "execd.install", *args], capture_output=True,
+                          text=True, timeout=60, cwd=REPO)
+
+
+def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path):
+    for args in ((), ("a", "b"), ("--help",)):
+        p = _run(*args)
+        assert p.returncode == 2 and p.stderr.strip().splitlines() == [
+            "usage: python3 -m execd.install DIR"], (args, p.stderr)
+    p = _run(str(tmp_path / "missing"))
+    assert p.returncode == 1 and len(p.stderr.strip().splitlines()) == 1, p.stderr
+    assert "cannot install into" in p.stderr
+    p = _run(str(tmp_path))
+    assert p.returncode == 0 and (tmp_path / "execd.py").is_file(), p.stderr
