@@ -609,14 +609,16 @@ class ReadyCheck:
         devnull = os.open(os.devnull, os.O_RDWR)
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
-            pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc", "-c", ":"],
-                                 {}, file_actions=actions, setsid=True)
+            # Spawned and recorded under the lock: a /diff that lists the processes in between
+            # waits in own_pids() for the record instead of reporting the probe as "extra".
+            with self.lock:
+                pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc", "-c",
+                                                   ":"], {}, file_actions=actions, setsid=True)
+                self.pids.add(pid)
         except OSError as e:
             return "cannot fork and exec a process: %s" % (e.strerror or e)
         finally:
             os.close(devnull)
-        with self.lock:
-            self.pids.add(pid)
         self.d.reaper.watch(pid)
         try:
             while True:
