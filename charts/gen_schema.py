@@ -12,7 +12,7 @@ the same. The schema's types and bounds stay hand-written; this writes `descript
 every property reached through `properties` from the root: the comment's text where values.yaml
 has the key, nothing where it has not. Every key of values.yaml that the schema declares must
 carry a `# --` comment (keys below a free-form map, such as labels or selectors' matchLabels,
-are data, not the chart's keys). tests/charts/test_docs.py fails when the schema is stale;
+are data, not the chart's keys). tests/charts/test_chart_readme.py fails when the schema is stale;
 regenerate with `.venv/bin/python charts/gen_schema.py` (or `make chart-docs`).
 """
 

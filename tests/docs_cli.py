@@ -1,4 +1,4 @@
-"""The command lines the docs may name, as their parsers know them (tests/test_docs.py).
+"""The command lines the docs may name, as their parsers know them (tests/test_docs_names.py).
 
 Each component's argparse parser is built in-process by the very function its `python -m`
 entry runs (`main`, `parse_args`, `build_parser`), stopped at its first parse, so a flag added,

@@ -7,7 +7,7 @@ The binary is `go install`ed from the Go module proxy at VERSION into
 ~/.cache/sandman-testbed/helm-docs-<version>/bin, as tools/kubeconform.py installs kubeconform.
 It renders charts/sandman/README.md from README.md.gotmpl and the `# --` comments of
 values.yaml; charts/gen_schema.py fills values.schema.json's descriptions from the same
-comments. tests/charts/test_docs.py renders the README into a temporary folder and fails when
+comments. tests/charts/test_chart_readme.py renders the README into a temporary folder and fails when
 the committed one differs.
 """
 
