@@ -78,6 +78,7 @@ class AgentUser(User):
             return
 
         def cleanup() -> None:
+            users.idle(sb)  # still busy after it: the refusal is reported as one
             self.sandboxes.exec(sb, f"rm -rf {self.dir}", label="cleanup")
             users.release(sb)
 

@@ -99,6 +99,22 @@ class Sandboxes:
             return None
 
 
+def idle(sb: Sandbox, timeout_s: float = 10.0) -> bool:
+    """Whether the sandbox's shell is free, waiting up to `timeout_s` for it. A user stopped in
+    the middle of a turn leaves that turn's command running in execd, and the clean-up's
+    command would be refused as busy (409) until it ends."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            if not sb.state().busy:
+                return True
+        except SandmanError:
+            return False
+        if time.monotonic() >= deadline:
+            return False
+        gevent.sleep(0.05)
+
+
 def release(sb: Sandbox) -> bool:
     """One RELEASE (the SDK retries transport errors: a release is idempotent). A sandbox stays
     in `RUN.held` until a release succeeds, so the end of the run tries again."""
