@@ -72,6 +72,9 @@ DEFAULT_MAX_OUTPUT = 102400
 MAX_OUTPUT_LIMIT = 64 << 20
 CACHE_BYTES = 8 << 20  # stored answers for request_id retries
 IDLE_TIMEOUT = 180.0  # keep-alive idle limit; callers pool connections for minutes
+# A stream's client that takes longer than this to accept one chunk is gone: the command's
+# loop (timeouts, kills) must not wait on a stalled reader.
+STREAM_SEND_TIMEOUT = 10.0
 # Pre-auth budget: what a client without the token can pin (connections, threads, header bytes,
 # time). The agent's connections are never refused for the sake of unauthenticated ones: those
 # are capped below the total and the oldest is shed to admit a new one.
@@ -333,6 +336,30 @@ class Capture:
         return (bytes(self.head).decode("utf-8", "replace")
                 + "\n[... execd: %d bytes omitted ...]\n" % omitted
                 + bytes(self.tail).decode("utf-8", "replace"))
+
+
+class Teed(object):
+    """A Capture whose every byte also goes, as it is read, to a stream (ExecStream)."""
+
+    def __init__(self, cap, stream):
+        self.cap = cap
+        self.stream = stream
+
+    def add(self, data):
+        self.cap.add(data)
+        if len(data):
+            self.stream.output(bytes(data))
+
+    @property
+    def total(self):
+        return self.cap.total
+
+    @property
+    def truncated(self):
+        return self.cap.truncated
+
+    def text(self):
+        return self.cap.text()
 
 
 def parse_frame(buf, marker):
@@ -852,7 +879,8 @@ class Daemon:
 
     # ------------------------------------------------------------ exec
 
-    def exec_command(self, req):
+    def exec_args(self, req):
+        """The checked (command bytes, timeout, max_output, idle_timeout) of an exec body."""
         cmd = req.get("command")
         if not isinstance(cmd, str):
             raise HTTPError(400, "command must be a string")
@@ -860,19 +888,27 @@ class Daemon:
         if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not (
                 0 < timeout <= 7 * 86400):
             raise HTTPError(400, "timeout must be a number of seconds in (0, 604800]")
+        idle = req.get("idle_timeout")
+        if idle is not None and (isinstance(idle, bool) or not isinstance(idle, (int, float))
+                                 or not 0 < idle <= 7 * 86400):
+            raise HTTPError(400, "idle_timeout must be a number of seconds in (0, 604800]")
         max_output = req.get("max_output", DEFAULT_MAX_OUTPUT)
         if isinstance(max_output, bool) or not isinstance(max_output, int) or not (
                 0 <= max_output <= MAX_OUTPUT_LIMIT):
             raise HTTPError(400, "max_output must be an integer in [0, %d]" % MAX_OUTPUT_LIMIT)
-        rid = req.get("request_id")
-        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
-            raise HTTPError(400, "request_id must be a non-empty string of at most 256 chars")
         try:
             data = cmd.encode("utf-8")
         except UnicodeEncodeError:
             raise HTTPError(400, "command is not valid unicode") from None
         if b"\0" in data:
             raise HTTPError(400, "command contains a NUL byte")
+        return data, float(timeout), max_output, None if idle is None else float(idle)
+
+    def exec_command(self, req):
+        data, timeout, max_output, idle = self.exec_args(req)
+        rid = req.get("request_id")
+        if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
+            raise HTTPError(400, "request_id must be a non-empty string of at most 256 chars")
         entry = None
         if rid is not None:
             with self.cache_lock:
@@ -897,7 +933,7 @@ class Daemon:
                 entry[0].set()
             raise HTTPError(409, "busy", {"busy": True})
         try:
-            resp = self._run_checked(data, float(timeout), max_output)
+            resp = self._run_checked(data, timeout, max_output, idle)
         except BaseException:
             if entry is not None:
                 with self.cache_lock:
@@ -920,16 +956,36 @@ class Daemon:
                     self.cache_bytes -= len(e[1]["output"])
         return resp
 
-    def _run_checked(self, data, timeout, max_output):
-        r = self._run(data, timeout, max_output)
+    def _run_checked(self, data, timeout, max_output, idle=None, stream=None):
+        r = self._run(data, timeout, max_output, idle, stream)
         notices = r.pop("notices", None)
         if notices is not None:
             # Only a job notice (a job died between the flush and the check) reached the check:
             # nothing ran, so run the command again, once, with the notice as output.
-            r = self._run(data, timeout, max_output)
+            if stream is not None:
+                stream.output(notices.encode("utf-8", "replace") + b"\n")
+            r = self._run(data, timeout, max_output, idle, stream)
             r.pop("notices", None)
             r["output"] = notices + "\n" + r["output"]
         return r
+
+    def stream_command(self, req, stream):
+        """An exec whose output also goes to `stream` as it is read (ExecStream); the answer
+        is /exec's. One command at a time with /exec (409 busy)."""
+        data, timeout, max_output, idle = self.exec_args(req)
+        if req.get("request_id") is not None:
+            raise HTTPError(400, "request_id is for /exec: a stream is never replayed")
+        kill = req.get("kill_on_disconnect", False)
+        if not isinstance(kill, bool):
+            raise HTTPError(400, "kill_on_disconnect must be true or false")
+        stream.kill_on_disconnect = kill
+        if not self.exec_lock.acquire(False):
+            raise HTTPError(409, "busy", {"busy": True})
+        try:
+            stream.begin()
+            return self._run_checked(data, timeout, max_output, idle, stream)
+        finally:
+            self.exec_lock.release()
 
     def _ensure_shell(self):
         sh = self.shell
@@ -943,7 +999,7 @@ class Daemon:
                         "started, state lost" % exit_code_of(st))
         return None
 
-    def _run(self, data, timeout, max_output):
+    def _run(self, data, timeout, max_output, idle=None, stream=None):
         t0 = now()
         # A process started in this tick or later may be the call's (10 ms ticks).
         since0 = boot_ticks()
@@ -953,6 +1009,8 @@ class Daemon:
         tag = "%s-%d" % (self.instance, self.calls)
         marker = ("@" + os.urandom(8).hex()).encode()
         cap = Capture(max_output)
+        if stream is not None:
+            cap = Teed(cap, stream)
         if sh.pending_out:
             cap.add(sh.pending_out)
             sh.pending_out = bytearray()
@@ -972,6 +1030,9 @@ class Daemon:
         frame = None
         errors = []
         deadline = t0 + timeout
+        ended = None  # why the command was killed: "timeout", "idle" or "disconnect"
+        seen = cap.total  # output bytes read so far; more of them push the idle deadline
+        idle_at = t0 + idle if idle else None
         phase = "run"  # run -> term -> kill -> wait for the frame, then restart
         phase_at = 0.0
         dead_st = None
@@ -992,7 +1053,9 @@ class Daemon:
                     inview = inview[:0]
             t = now()
             if phase == "run":
-                wake = deadline
+                wake = deadline if idle_at is None else min(deadline, idle_at)
+                if stream is not None and stream.kill_on_disconnect:
+                    wake = min(wake, last_look + 0.05)
             elif phase == "term":
                 wake = min(phase_at + self.kill_grace, last_look + 0.05)
             else:
@@ -1010,11 +1073,20 @@ class Daemon:
             if frame is not None and frame[0] != "need":
                 break
             t = now()
+            if idle_at is not None and cap.total != seen:
+                seen, idle_at = cap.total, t + idle
             if not events or t - last_look >= 0.05 or any(fd == sh.pidfd for fd, _ in events):
                 if sh.dead():
                     dead_st = sh.exit_status()
                     break
-            if phase == "run" and t >= deadline:
+            if phase == "run":
+                if t >= deadline:
+                    ended = "timeout"
+                elif idle_at is not None and t >= idle_at:
+                    ended = "idle"
+                elif stream is not None and t - last_look >= 0.05 and stream.abandoned():
+                    ended = "disconnect"
+            if phase == "run" and ended is not None:
                 phase, phase_at, last_look = "term", t, t
                 since = since0
                 self.kill_pids(self.call_pids(tag, sh.pid, since), signal.SIGTERM)
@@ -1072,8 +1144,15 @@ class Daemon:
             errors.append(diag)
         else:
             result["exit_code"] = 124 if timed_out else frame[2]
-        if timed_out:
+        if ended == "timeout":
             errors.insert(0, "timeout after %gs; the command's processes were killed" % timeout)
+        elif ended == "idle":
+            # "timeout" first: the SDK reads an execd timeout as exit 124 with that prefix.
+            errors.insert(0, "timeout: no output for %gs (idle_timeout); the command's "
+                             "processes were killed" % idle)
+        elif ended == "disconnect":
+            errors.insert(0, "the stream's client went away (kill_on_disconnect); the "
+                             "command's processes were killed")
         if notice:
             errors.append(notice)
         result["error"] = "; ".join(errors) if errors else None
@@ -2881,6 +2960,27 @@ class Handler(BaseHTTPRequestHandler):
     def r_exec(self, query):
         self.reply(200, self.daemon.exec_command(self.json_body()))
 
+    def r_exec_stream(self, query):
+        stream = ExecStream(self)
+        body = self.json_body()
+        try:
+            result = self.daemon.stream_command(body, stream)
+        except HTTPError as e:
+            if not stream.started:
+                raise
+            obj = {"error": e.message, "code": e.code}
+            obj.update(e.extra)
+            stream.finish(obj)
+            return
+        except Exception as e:
+            if not stream.started:
+                raise
+            sys.stderr.write("execd: internal error on /exec/stream: %r\n" % (e,))
+            self.close_connection = True
+            stream.finish({"error": "internal error: %s" % type(e).__name__, "code": 500})
+            return
+        stream.finish({"result": result})
+
     def r_env(self, query):
         self.reply(200, self.daemon.set_env(self.json_body()))
 
@@ -2974,6 +3074,7 @@ ROUTES = {
     "/health": ("GET", Handler.r_health),
     EXECD_READY_PATH: ("GET", Handler.r_ready),
     "/exec": ("POST", Handler.r_exec),
+    "/exec/stream": ("POST", Handler.r_exec_stream),
     "/files/read": ("POST", Handler.r_files_read),
     "/files": ("GET", Handler.r_files_get),
     "/files/write": ("POST", Handler.r_files_write),
@@ -2986,6 +3087,80 @@ ROUTES = {
     "/restore": ("POST", _r_restore),
     "/token": ("POST", _r_token),
 }
+
+
+class ExecStream(object):
+    """The answer of /exec/stream: chunked HTTP, one JSON object per line (NDJSON). Lines
+    `{"output": text}` as the command prints (UTF-8 decoded across read boundaries), then
+    one `{"result": ...}` with /exec's answer, or `{"error": ..., "code": ...}` if the call
+    failed after the stream began. Bounded: each chunk is one pipe read (at most READ_SIZE)
+    written straight to the socket; a client that stalls STREAM_SEND_TIMEOUT is gone.
+    A client gone kills nothing unless the request said kill_on_disconnect."""
+
+    def __init__(self, handler):
+        import codecs
+
+        self.handler = handler
+        self.sock = handler.connection
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        self.kill_on_disconnect = False
+        self.started = False
+        self.gone = False
+
+    def begin(self):
+        self.started = True
+        head = ("HTTP/1.1 200 OK\r\nServer: %s\r\nContent-Type: application/x-ndjson\r\n"
+                "Transfer-Encoding: chunked\r\nCache-Control: no-store\r\n\r\n"
+                % self.handler.server_version)
+        self._send(head.encode("latin-1"))
+
+    def _send(self, data):
+        if self.gone:
+            return
+        try:
+            self.sock.settimeout(STREAM_SEND_TIMEOUT)
+            self.handler.wfile.write(data)
+        except OSError:  # socket.timeout included: the reader stalled
+            self.gone = True
+            self.handler.close_connection = True
+
+    def line(self, obj):
+        data = json_bytes(obj) + b"\n"
+        self._send(b"%x\r\n%s\r\n" % (len(data), data))
+
+    def output(self, data):
+        text = self.decoder.decode(data)
+        if text:
+            self.line({"output": text})
+
+    def finish(self, last):
+        rest = self.decoder.decode(b"", True)
+        if rest:
+            self.line({"output": rest})
+        self.line(last)
+        self._send(b"0\r\n\r\n")
+        try:
+            self.sock.settimeout(IDLE_TIMEOUT)
+        except OSError:
+            pass
+
+    def abandoned(self):
+        """Whether the command should end because its client is gone (asked for only)."""
+        if not self.kill_on_disconnect:
+            return False
+        if not self.gone:
+            try:
+                readable = select.select([self.sock], [], [], 0)[0]
+                # Readable with nothing to read is the client's FIN (or a reset).
+                if readable and not self.sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT):
+                    self.gone = True
+            except (BlockingIOError, InterruptedError):
+                pass
+            except (OSError, ValueError):
+                self.gone = True
+            if self.gone:
+                self.handler.close_connection = True
+        return self.gone
 
 
 class Server(ThreadingHTTPServer):

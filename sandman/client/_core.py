@@ -33,7 +33,7 @@ from sandman.client.errors import (
     controller_error,
     execd_error,
 )
-from sandman.client.models import FileContent, Owner, WriteResult
+from sandman.client.models import ExecResult, FileContent, Owner, WriteResult
 from sandman.contract import is_token_sha256
 
 if TYPE_CHECKING:
@@ -67,13 +67,14 @@ if TYPE_CHECKING:
 OnRequest = Callable[[str, str, float, int, "BaseException | None"], None]
 
 
-def report(hook: OnRequest | None, route: Route, start: float, resp: httpx.Response | None,
+def report(hook: OnRequest | None, route: Route, start: float, resp: httpx.Response | int | None,
            exc: BaseException | None) -> None:
+    """One call to `on_request`; `resp` is the answer, or the bytes a stream read."""
     if hook is None:
         return
+    size = resp if isinstance(resp, int) else len(resp.content) if resp is not None else 0
     try:
-        hook(route.kind, route.path, (time.perf_counter() - start) * 1000.0,
-             len(resp.content) if resp is not None else 0, exc)
+        hook(route.kind, route.path, (time.perf_counter() - start) * 1000.0, size, exc)
     except Exception:  # a broken hook must not break the call it reports
         log.exception("on_request hook failed for %s %s", route.kind, route.path)
 
@@ -376,18 +377,56 @@ def conditions_of(c: api.Conditions | Mapping[str, Any] | None) -> api.Condition
         raise BadRequest(str(e)) from None
 
 
+def _seconds(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+        raise BadRequest(f"{name} must be a number of seconds > 0, not {value!r}")
+    return float(value)
+
+
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,
-              request_id: str) -> dict[str, Any]:
+              request_id: str | None, idle_timeout_s: float | None = None) -> dict[str, Any]:
     if not isinstance(command, str):
         raise BadRequest("command must be a str")
-    body: dict[str, Any] = {"command": command, "request_id": request_id}
+    body: dict[str, Any] = {"command": command}
+    if request_id is not None:
+        body["request_id"] = request_id
     if timeout_s is not None:
-        if not timeout_s > 0:
-            raise BadRequest("timeout must be > 0 seconds")
-        body["timeout"] = timeout_s
+        body["timeout"] = _seconds("timeout", timeout_s)
+    if idle_timeout_s is not None:
+        body["idle_timeout"] = _seconds("idle_timeout", idle_timeout_s)
     if max_output is not None:
         body["max_output"] = max_output
     return body
+
+
+def stream_body(command: str, timeout_s: float | None, idle_timeout_s: float | None,
+                max_output: int | None, kill_on_disconnect: bool) -> dict[str, Any]:
+    """/exec/stream's body: /exec's without a request_id (a stream is never replayed)."""
+    body = exec_body(command, timeout_s, max_output, None, idle_timeout_s)
+    if not isinstance(kill_on_disconnect, bool):
+        raise BadRequest("kill_on_disconnect must be True or False")
+    if kill_on_disconnect:
+        body["kill_on_disconnect"] = True
+    return body
+
+
+def stream_line(line: str, route: str) -> str | ExecResult:
+    """One line of execd's /exec/stream answer: an output chunk, or the final ExecResult; an
+    error line raises the typed error."""
+    try:
+        obj = json.loads(line)
+    except ValueError:
+        raise ProtocolError(f"{route}: a stream line is not JSON: {line[:80]!r}") from None
+    if isinstance(obj, dict):
+        text = obj.get("output")
+        if isinstance(text, str):
+            return text
+        if "result" in obj:
+            return ExecResult.from_json(obj["result"], "")
+        code = obj.get("code")
+        if isinstance(obj.get("error"), str) and isinstance(code, int) and code >= 400:
+            raise execd_error(code, obj, route=route)
+    raise ProtocolError(f"{route}: unexpected stream line {line[:80]!r}")
 
 
 def exec_read_timeout(timeout_s: float | None) -> float:

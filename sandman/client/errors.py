@@ -216,7 +216,7 @@ def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
     if status == 409 and route == "/files/write":
         cur = body.get("sha256") if isinstance(body, dict) else None
         return WriteConflict(msg, current_sha256=cur if isinstance(cur, str) else None)
-    if status == 409 and route in ("/exec", "/env", "/reset"):
+    if status == 409 and route in ("/exec", "/exec/stream", "/env", "/reset"):
         return SandboxBusy(msg, status=status)
     if status in (400, 413, 422):
         return BadRequest(msg, status=status)

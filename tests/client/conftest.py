@@ -17,6 +17,7 @@
 from __future__ import annotations
 
 import asyncio
+import inspect
 import json
 import re
 import secrets
@@ -438,6 +439,26 @@ async def _done(value: Any) -> Any:
     return value
 
 
+class SyncedIter:
+    """A sync generator behind `async for`: each step runs the sync code path; `aclose()`
+    closes the generator, as leaving an async generator's loop early does."""
+
+    def __init__(self, gen: Any) -> None:
+        self._gen = gen
+
+    def __aiter__(self) -> SyncedIter:
+        return self
+
+    async def __anext__(self) -> Any:
+        try:
+            return next(self._gen)
+        except StopIteration:
+            raise StopAsyncIteration from None
+
+    async def aclose(self) -> None:
+        self._gen.close()
+
+
 class Synced:
     """A sync SDK object behind the async interface: a call runs the sync method at once and
     returns an awaitable of its result (errors raise at the call, inside the same block)."""
@@ -456,6 +477,8 @@ class Synced:
             result = attr(*args, **kw)
             if isinstance(result, (Sandbox, Client)):
                 result = Synced(result)
+            if inspect.isgenerator(result):
+                return SyncedIter(result)  # `async for` over the sync twin's generator
             return _done(result)
 
         return call

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -20,6 +21,7 @@ from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.editing import EditResult
 from sandman.client.errors import (
     CommandTimeout,
+    ProtocolError,
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
@@ -46,6 +48,7 @@ log = logging.getLogger("sandman.client")
 # execd's routes (execd/execd.py); `kind` is what `on_request` reports.
 HEALTH = Route("HEALTH", "GET", "/health")
 EXEC = Route("EXEC", "POST", "/exec")
+EXEC_STREAM = Route("EXEC_STREAM", "POST", "/exec/stream")
 FILE_READ = Route("FILE_READ", "GET", "/files")
 FILE_WRITE = Route("FILE_WRITE", "POST", "/files/write")
 ENV = Route("ENV", "POST", "/env")
@@ -239,15 +242,17 @@ class Sandbox:
         return Health.from_json(_core.decode_json(resp, "health"))
 
     def exec(self, command: str, timeout: float | None = None, *,
-             max_output: int | None = None, request_id: str | None = None) -> ExecResult:
+             max_output: int | None = None, request_id: str | None = None,
+             idle_timeout: float | None = None) -> ExecResult:
         """Run `command` in the sandbox's shell (bash; cwd, variables and functions persist
-        between calls) and wait for it. `timeout` in seconds (execd's default: 300). Raises
-        CommandTimeout when execd killed it for running too long.
+        between calls) and wait for it. `timeout` in seconds (execd's default: 300);
+        `idle_timeout`: the most seconds it may go without printing. Raises CommandTimeout
+        when execd killed it for either.
 
         One request_id covers every retry of this call: execd runs the command at most once
         and answers a retry with the stored result."""
         rid = request_id or _core.new_request_id()
-        body = _core.exec_body(command, timeout, max_output, rid)
+        body = _core.exec_body(command, timeout, max_output, rid, idle_timeout)
         resp = self._call(EXEC, json=body,
                           read_s=_core.exec_read_timeout(timeout), request_id=rid)
         result = ExecResult.from_json(_core.decode_json(resp, "exec"), rid)
@@ -255,6 +260,80 @@ class Sandbox:
             raise CommandTimeout(f"command timed out after {timeout or 'the default'} s "
                                  f"(request {rid}): {result.error}", result)
         return result
+
+    def stream(self, command: str, timeout: float | None = None, *,
+               idle_timeout: float | None = None, max_output: int | None = None,
+               kill_on_disconnect: bool = False) -> Iterator[str | ExecResult]:
+        """Run `command` as exec() does, in the same shell, and yield its output as execd
+        reads it (str chunks, UTF-8 decoded whole across reads), then, last, its ExecResult
+        (whose `output` keeps `max_output` bytes, head and tail, as exec()'s).
+
+        `timeout` and `idle_timeout` (no output for that many seconds) end the command and
+        its processes, and raise CommandTimeout after the last chunk. Leaving the loop early
+        hangs up: the command runs on, unless `kill_on_disconnect=True` asked execd to kill
+        it then. A stream is never retried once sent (its output would repeat); a cut one
+        raises SandboxUnreachable and the command may still be running."""
+        body = _core.stream_body(command, timeout, idle_timeout, max_output,
+                                 kill_on_disconnect)
+        route, path = EXEC_STREAM, EXEC_STREAM.path
+        start = time.perf_counter()
+        size = 0
+        result: ExecResult | None = None
+        try:
+            if self._closed or self._gone:
+                raise SandboxGone(f"sandbox {self.id or self.url} was released or is gone; "
+                                  f"{path} not sent")
+            attempts = _core.Attempts(self._retry, _core.exec_read_timeout(timeout))
+            tmo = _core.timeout(self._retry, _core.exec_read_timeout(timeout))
+            while True:
+                attempts.start()
+                try:
+                    with self._http.stream("POST", path, json=body, timeout=tmo) as resp:
+                        if resp.status_code != 200:
+                            resp.read()
+                            size += len(resp.content)
+                            try:
+                                _core.raise_for_execd(resp, path)
+                            except Unauthorized:
+                                self._check_gone(path)
+                                raise
+                            raise ProtocolError(f"{path}: HTTP {resp.status_code} is not a "
+                                                "stream", status=resp.status_code)
+                        for line in resp.iter_lines():
+                            size += len(line) + 1
+                            if not line:
+                                continue
+                            item = _core.stream_line(line, path)
+                            if isinstance(item, str):
+                                yield item
+                            else:
+                                result = item
+                    break
+                except httpx.ConnectError as e:
+                    # Nothing was sent: the one failure a stream may retry.
+                    delay = attempts.delay()
+                    if delay is None:
+                        self._unreachable(path, e, attempts.n)
+                        raise
+                    time.sleep(delay)
+                except httpx.TransportError as e:
+                    self._check_gone(path)
+                    raise SandboxUnreachable(
+                        f"sandbox {self.id or self.url}: {path} cut after {size} bytes "
+                        f"({type(e).__name__}: {e}); the command may still be running") from e
+            if result is None:
+                raise ProtocolError(f"{path}: the stream ended without a result")
+        except GeneratorExit:
+            _core.report(self._on_request, route, start, size, None)  # the caller hung up
+            raise
+        except BaseException as e:
+            _core.report(self._on_request, route, start, size, e)
+            raise
+        _core.report(self._on_request, route, start, size, None)
+        if result.timed_out:
+            raise CommandTimeout(f"command timed out after {timeout or 'the default'} s "
+                                 f"(stream): {result.error}", result)
+        yield result
 
     def read_file(self, path: str) -> FileContent:
         """The whole file, byte-exact; its SHA-256 was checked against execd's (fail closed:
