@@ -45,6 +45,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-live", type=int, default=20000, help="pods that exist, cluster-wide")
     s.add_argument("--job-max-creating", type=int, default=0, help="per job (0: none)")
     s.add_argument("--job-max-live", type=int, default=0, help="per job (0: none)")
+    # A tenant is the namespace an authenticated caller acquires for (the job key's prefix).
+    s.add_argument("--tenant-max-creating", type=int, default=0, help="per tenant (0: none)")
+    s.add_argument("--tenant-max-live", type=int, default=0, help="per tenant (0: none)")
+    s.add_argument("--tenant-weight", action="append", default=[], metavar="NAMESPACE=N",
+                   help="a tenant's share of the create rate while several wait (default 1; "
+                        "repeatable)")
     s.add_argument("--ready-check", choices=("execd", "pod"), default="execd",
                    help="execd: Ready and execd /ready passes; pod: Ready only (kwok)")
     s.add_argument("--node-pool-label", default=Settings.node_pool_label,
@@ -160,13 +166,29 @@ def check_tls_flags(args: argparse.Namespace) -> bool:
     return tls
 
 
+def tenant_weights(items: list[str]) -> dict[str, int]:
+    """--tenant-weight NAMESPACE=N, each once; a bad one is a ValueError of one line."""
+    out: dict[str, int] = {}
+    for item in items:
+        tenant, eq, n = item.partition("=")
+        if not eq or not contract.is_dns_label(tenant) or not n.isdigit() or int(n) < 1:
+            raise ValueError(f"--tenant-weight {item!r}: expected NAMESPACE=N, N an integer >= 1")
+        if tenant in out:
+            raise ValueError(f"--tenant-weight: {tenant} given twice")
+        out[tenant] = int(n)
+    return out
+
+
 def settings_from(args: argparse.Namespace) -> Settings:
     """The controller's Settings from its flags (tests build pods exactly as `serve` would)."""
     return Settings(
         namespace=args.namespace,
         limits=Limits(rate=args.rate, burst=args.burst, max_creating=args.max_creating,
                       max_live=args.max_live, job_max_creating=args.job_max_creating,
-                      job_max_live=args.job_max_live),
+                      job_max_live=args.job_max_live,
+                      tenant_max_creating=args.tenant_max_creating,
+                      tenant_max_live=args.tenant_max_live,
+                      tenant_weights=tenant_weights(args.tenant_weight)),
         ready_check=args.ready_check, node_pool_label=args.node_pool_label,
         sweep_interval=args.sweep_interval, sweep_grace=args.sweep_grace,
         default_idle_timeout=args.idle_timeout, ready_budget=args.ready_budget,

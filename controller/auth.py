@@ -95,6 +95,12 @@ def scoped_job(tenant: str | None, job: str) -> str:
     return key
 
 
+def tenant_of(key: str) -> str:
+    """The pacer's tenant of a job key: its namespace, '' for an unscoped key (the warm pool's
+    refills, which count as sandman's own)."""
+    return split_job(key)[0] or ""
+
+
 def split_job(key: str) -> tuple[str | None, str]:
     """(tenant, job) of a job key; tenant None for unscoped keys (the warm pool's, --auth
     none's). Keys made under --auth none with a dot read as scoped: switching a controller

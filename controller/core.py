@@ -17,6 +17,7 @@ import logging
 import secrets
 import time
 
+from controller import auth as A
 from controller import metrics
 from controller import pods as P
 from controller.books import (
@@ -41,7 +42,7 @@ from controller.errors import (
     QueueFullError,
 )
 from controller.kube import Informer, Kube
-from controller.pacer import Pacer, QueueFull
+from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
 from controller.pods import SandboxSpec
 from controller.settings import Settings
@@ -58,7 +59,8 @@ class Controller:
     def __init__(self, kube: Kube, settings: Settings):
         self.kube = kube
         self.s = settings
-        self.pacer = Pacer(settings.limits)
+        self.pacer = Pacer(settings.limits, tenant_of=A.tenant_of if settings.tenants
+                           else one_tenant)
         self.books = Books(on_move=self._moved)
         self.creator = Creator(kube, self.books, self.pacer, settings)
         self.pipeline = Pipeline(kube, self.books, self.pacer, self.creator, settings,
@@ -127,6 +129,9 @@ class Controller:
             self.warm.tick()
             self.sweeper.expire()
             metrics.QUEUE_DEPTH.set(sum(self.pacer.queue_depth().values()))
+            by_role = self.pacer.queue_by_role()
+            for role in contract.ROLES:
+                metrics.QUEUE_BY_ROLE.labels(role).set(by_role.get(role, 0))
             metrics.LIVE.set(self.pacer.live)
             metrics.CREATING.set(self.pacer.creating)
             metrics.pacing(self.pacer.limits, self.pacer.rate)
@@ -276,7 +281,7 @@ class Controller:
                   labels=labels, lifetime=lifetime, conditions=conditions or None)
         if not wait:
             try:
-                e.slot = await self.pacer.acquire(job, wait=False)
+                e.slot = await self.pacer.acquire(job, wait=False, role=spec.role)
             except QueueFull as q:
                 metrics.acquired("queue_full", False)
                 raise QueueFullError(f"no create slot free now: {q}") from None
@@ -423,6 +428,8 @@ class Controller:
             j[e.state] = j.get(e.state, 0) + 1
         return {
             "queue_depth": self.pacer.queue_depth(),
+            # Per tenant: waiters by role, the oldest's wait, its creating and live pods.
+            "tenants": self.pacer.tenant_queues(),
             "creating": self.pacer.creating,
             "live": self.pacer.live,
             "rate": self.pacer.rate,

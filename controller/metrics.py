@@ -66,6 +66,9 @@ RESTORE_FAILURES = Counter("sandman_controller_restore_failures_total",
                            "Released grading pods deleted because execd could not restore "
                            "them or /diff was not clean afterwards")
 QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a create slot")
+# By role only: tenants are namespaces, an unbounded label (/v1/stats has them per tenant).
+QUEUE_BY_ROLE = Gauge("sandman_controller_queue_depth_by_role",
+                      "Acquires waiting for a create slot, by role (agent, grading)", ["role"])
 LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any state)")
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
 # Declared run conditions (controller/conditions.py): field is api.CONDITION_FIELDS or "probe".

@@ -91,7 +91,7 @@ class Pipeline:
         every exit leaves the pod handed out, warm, or being deleted."""
         try:
             if e.slot is None and e.stage is S.QUEUED:
-                e.queue_wait = asyncio.ensure_future(self.pacer.acquire(e.job))
+                e.queue_wait = asyncio.ensure_future(self.pacer.acquire(e.job, role=e.spec.role))
                 try:
                     e.slot = await e.queue_wait
                 except asyncio.CancelledError:

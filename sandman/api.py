@@ -533,6 +533,9 @@ class Stats(_Model):
     rate: float  # the pacer's current creates/s
     warm: dict[str, dict[str, int]]  # "image|cpu|memory|workspace|egress" -> warm/building/target
     jobs: dict[str, dict[str, int]]  # job -> count per entry state
+    # Per tenant ('' unscoped): queued acquires by role, the oldest one's wait (s), its
+    # creating and live pods. Last and defaulted, so positional use keeps its meaning.
+    tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,8 @@ import time
 
 import pytest
 
-from controller.pacer import Limits, Pacer, QueueFull
+from controller.auth import tenant_of
+from controller.pacer import GRADING_RUN, Limits, Pacer, QueueFull
 
 
 def run(coro):
@@ -118,3 +119,119 @@ def test_bad_limits_rejected():
         Limits(rate=0)
     with pytest.raises(ValueError):
         Limits(max_live=0)
+
+
+# --- tenants and roles ------------------------------------------------------------------------
+
+def _grant_order(p: Pacer, waiters: list[tuple[str, str]], n: int) -> list[tuple[str, str]]:
+    """Queue `waiters` ((job, role) each, in that order) on a stopped pacer, then start it with
+    one create at a time (max_creating 1): the order of the first `n` grants, each handed back
+    at once. The rest are withdrawn."""
+    async def main():
+        order: list[tuple[str, str]] = []
+        done = asyncio.Event()
+
+        async def one(job, role):
+            s = await p.acquire(job, role=role)
+            order.append((job, role))
+            s.gone()
+            if len(order) >= n:
+                done.set()
+
+        tasks = [asyncio.ensure_future(one(j, r)) for j, r in waiters]
+        await asyncio.sleep(0)  # every waiter queued before the first grant
+        p.start()
+        await asyncio.wait_for(done.wait(), 20)
+        for t in tasks:
+            t.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+        await p.stop()
+        assert p.live == 0 and p.creating == 0 and p.queue_depth() == {}
+        return order[:n]
+
+    return run(main())
+
+
+def _fast(**kw) -> Pacer:
+    return Pacer(Limits(rate=10000, burst=10000, max_creating=1, max_live=100000, **kw),
+                 tenant_of=tenant_of)
+
+
+def test_a_tenant_gets_no_more_for_spreading_its_acquires_over_many_jobs():
+    # Tenant a: 500 acquires over 50 job names, queued first; tenant b: 20 after them.
+    a = [(f"a.job{i % 50}", "agent") for i in range(500)]
+    b = [("b.eval", "agent")] * 20
+    order = _grant_order(_fast(), a + b, 40)
+    # A fair two-way split: b's 20 within the first 40 grants (a per-job round robin gave b
+    # 1 slot in 51).
+    assert sum(1 for job, _ in order if job.startswith("b.")) == 20, order
+
+
+def test_tenant_weights_set_the_shares():
+    a = [("a.x", "agent")] * 100
+    b = [("b.y", "agent")] * 100
+    order = _grant_order(_fast(tenant_weights={"b": 3}), a + b, 40)
+    assert sum(1 for job, _ in order if job.startswith("b.")) == 30, order
+
+
+def test_a_grading_acquire_goes_before_queued_rollouts_and_rollouts_still_move():
+    rollouts = [(f"t.roll{i % 8}", "agent") for i in range(200)]
+    order = _grant_order(_fast(), rollouts + [("t.grade", "grading")], 1)
+    assert order == [("t.grade", "grading")]
+    # A grading flood: rollouts keep 1 grant in GRADING_RUN + 1.
+    grading = [("t.grade", "grading")] * 100
+    order = _grant_order(_fast(), rollouts + grading, 50)
+    roles = [r for _, r in order]
+    assert roles.count("agent") == 50 // (GRADING_RUN + 1), roles
+    for i in range(0, 50, GRADING_RUN + 1):
+        assert roles[i:i + GRADING_RUN + 1].count("agent") == 1, roles
+
+
+def test_a_tenant_at_its_cap_waits_without_holding_up_the_others():
+    async def main():
+        p = Pacer(Limits(rate=10000, burst=10000, max_creating=100, max_live=100,
+                         tenant_max_live=2), tenant_of=tenant_of)
+        p.start()
+        held = [await p.acquire("a.x"), await p.acquire("a.y")]
+        third = asyncio.ensure_future(p.acquire("a.z"))
+        other = await asyncio.wait_for(p.acquire("b.x"), 2)  # b is not held up behind a
+        await asyncio.sleep(0.05)
+        assert not third.done(), "a third live pod of tenant a went around tenant_max_live"
+        with pytest.raises(QueueFull, match="tenant a at its live-pod cap"):
+            await p.acquire("a.w", wait=False)
+        assert p.tenant_queues()["a"]["queued"] == {"agent": 1}
+        held[0].gone()
+        (await asyncio.wait_for(third, 2)).gone()
+        for s in (held[1], other):
+            s.gone()
+        assert p.tenant_live == {"a": 0, "b": 0}
+        await p.stop()
+
+    run(main())
+
+
+def test_bad_tenant_limits_rejected():
+    for bad in ({"a": 0}, {"a": 1.5}, {"a": True}):
+        with pytest.raises(ValueError, match="tenant weight"):
+            Limits(tenant_weights=bad)
+    with pytest.raises(ValueError):
+        Limits(tenant_max_live=-1)
+    with pytest.raises(ValueError, match="role"):
+        run(_fast().acquire("a.x", role="superuser"))
+
+
+def test_tenant_flags_reach_the_pacer_and_bad_ones_say_why():
+    from controller.__main__ import parse_args, settings_from, tenant_weights
+
+    args = parse_args(["serve", "--namespace", "sbx", "--tenant-max-live", "500",
+                       "--tenant-max-creating", "50", "--tenant-weight", "rl-team=3",
+                       "--tenant-weight", "eval=1"])
+    lim = settings_from(args).limits
+    assert (lim.tenant_max_live, lim.tenant_max_creating) == (500, 50)
+    assert lim.tenant_weights == {"rl-team": 3, "eval": 1}
+    for bad in ("rl-team", "rl-team=0", "rl-team=x", "Bad_NS=2", "=2"):
+        with pytest.raises(ValueError, match="expected NAMESPACE=N") as e:
+            tenant_weights([bad])
+        assert "\n" not in str(e.value)
+    with pytest.raises(ValueError, match="given twice"):
+        tenant_weights(["a=1", "a=2"])
