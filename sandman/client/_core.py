@@ -89,7 +89,7 @@ def tls_context() -> ssl.SSLContext:
 
 # ---- in-cluster configuration: Client() with no arguments (docs/sdk.md, "Before you start")
 
-ENV_URL = "SANDMAN_URL"  # the controller, e.g. https://sandman-controller.sandman.svc:8080
+ENV_URL = "SANDMAN_URL"  # the controller, e.g. https://sandman-controller.sandman-system.svc:8080
 ENV_TOKEN_FILE = "SANDMAN_TOKEN_FILE"  # a projected ServiceAccount token (audience sandman)
 ENV_CA_FILE = "SANDMAN_CA_FILE"  # the CA bundle of the controller's serving certificate
 

@@ -20,7 +20,7 @@ DOC = ROOT / "docs" / "metrics.md"
 def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
     """The allow-list the code applies to a label (None: one value per process)."""
     from controller import metrics as c
-    from sandman import buildinfo
+    from sandman import buildinfo, contract
     from webhook import metrics as w
 
     states = tuple(c.STATES) + ("other",)
@@ -41,6 +41,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_retirements_total", "reason"): c.RETIRE_REASONS + ("other",),
         ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),
         ("sandman_controller_foreign_pods_total", "reason"): c.FOREIGN_REASONS,
+        ("sandman_controller_queue_depth_by_role", "role"): contract.ROLES,
         ("sandman_webhook_requests_total", "operation"): w.OPERATIONS + ("other",),
         ("sandman_webhook_requests_total", "decision"): w.DECISIONS + ("other",),
         ("sandman_webhook_requests_total", "reason"): w.REASONS + ("other",),
