@@ -14,9 +14,11 @@ suite's install instead of an install of its own).
 
 What is measured, per round (wall-clock times; the trainer's container and this process read
 the same kernel clock, so their timestamps compare):
-- **create-to-Ready** of N pods in three arms, in waves (the node has 2 CPUs and every
+- **create-to-Ready** of N pods in four arms, in waves (the node has 2 CPUs and every
   sandbox's effective CPU request is at least its injected init containers' 100m): `bare`, a
-  pod of the task image with no sandbox label (same size, `sleep`); `webhook`, a labelled pod
+  pod of the task image with no sandbox label (same size, `sleep`); `floor`, the bare pod with a
+  guarded sandbox's shape and none of its work (an init container running `true`, an emptyDir,
+  a 1 s readiness probe), the ceiling this kubelet sets for any such pod; `webhook`, a labelled pod
   created by this process, which the webhook turns into a guarded sandbox; `controller`, an
   SDK acquire from a trainer pod in the cluster (controller + webhook). Start: the create call
   (bare, webhook) or the acquire call (controller) is sent; end: this process's watch sees the
@@ -67,7 +69,11 @@ TRAINER_MEMORY = "256Mi"
 # call alone throttles it to ~10 ms per echo, which would measure the quota, not the path.
 ECHO_CPU_MAX = 1.0
 ECHO_MEMORY = "256Mi"
-ARMS = ("bare", "webhook", "controller")
+ARMS = ("bare", "floor", "webhook", "controller")
+# The floor arm: a pod of the same image and size shaped like a guarded sandbox but doing no work
+# (one init container running `true`, an emptyDir volume, a 1 s readiness probe on a `sleep`):
+# the least this kubelet takes for any pod with that shape, whatever runs in it.
+FLOOR_INIT = "floor-init"
 # The larger size: the most CPU one pod can get beside the install (100m steps), 1 GiB per CPU.
 LARGE_MEMORY_PER_CPU = 2**30
 WAVE_TIMEOUT_S = 180.0
@@ -255,6 +261,8 @@ def _cell(agg: dict, unit: str = "s") -> str:
 
 
 _NAMES = {"bare": "bare pod (no sandman): create call -> Ready",
+          "floor": "floor: a sandbox's shape, no work (init `true`, volume, probe): create "
+                   "call -> Ready",
           "webhook": "labelled pod through the webhook (plain client): create call -> Ready",
           "controller": "SDK acquire (controller + webhook): acquire call -> pod Ready"}
 
@@ -304,6 +312,26 @@ def goal_lines(sz: dict) -> list[str]:
         r = ratio(agg[q], bare[q])
         out.append(f"{what} {r:.2f}x the bare pod's (goal <= {limit:.1f}x): "
                    f"{'met' if r <= limit else '**not met**'}")
+    return out
+
+
+def ceiling_lines(sz: dict) -> list[str]:
+    """What the floor arm says of the goals: the ratio no pod of a sandbox's shape beats on
+    this kubelet, whether each create -> Ready goal is above it, and what sandman adds over
+    the floor (its own work: the guard, execd's install and start, under the pod's quota)."""
+    bare, floor = sz["create_to_ready"]["bare"], sz["create_to_ready"]["floor"]
+    out = []
+    for q in ("p50", "p99"):
+        f = ratio(floor[q], bare[q])
+        limit = 2.0
+        out.append(f"floor {q} {f:.2f}x the bare pod's: the {limit:.1f}x plain-client goal is "
+                   + ("**above what this kubelet allows** for any pod of a sandbox's shape"
+                      if f > limit else "within what this kubelet allows"))
+    web, first = sz["create_to_ready"]["webhook"], sz["first_command"]
+    out.append(f"plain client p50 {ratio(web['p50'], floor['p50']):.2f}x the floor's "
+               f"({(web['p50'] - floor['p50']) * 1000:.0f} ms of sandman's own work over it); "
+               f"SDK acquire -> first command p50 {ratio(first['p50'], floor['p50']):.2f}x the "
+               f"floor's")
     return out
 
 
@@ -361,6 +389,8 @@ ratios are those medians over the bare pod's.
 
 Against the goals: {'; '.join(goal_lines(sz))}.
 
+The ceiling, measured in the same run by the floor arm: {'; '.join(ceiling_lines(sz))}.
+
 Per round (p50/p99 s): {per_round}. The first `echo` was answered {gap['p50'] * 1000:.0f} ms
 (p50) / {gap['p99'] * 1000:.0f} ms (p99) after the acquire returned. The acquire answer's own
 `timings` (medians): {ctl or 'none'}.
@@ -373,8 +403,8 @@ the controller arm); the watch seeing the pod scheduled; the runtime's pod sandb
 nanosecond times, `crictl inspect`); execd's "listening" log line (its CRI log timestamp);
 the watch seeing Ready; the acquire and the first command answered in the trainer pod.
 
-| step | bare | webhook | controller |
-|---|---|---|---|
+| step | bare | floor | webhook | controller |
+|---|---|---|---|---|
 {chr(10).join(_phase_rows(sz))}
 
 What each injected init container adds to a plain client's start (p50 ms of its create ->
@@ -418,7 +448,9 @@ section when the load was above {LOAD_MAX} at the start or the end. The node: th
 have run there), images already imported (`{TASK_IMAGE}`; nothing is pulled).
 
 Arms: a **bare** pod (no sandbox label, same image and size, `sleep infinity`, no
-service-account token); a labelled pod created by a **plain client** (this machine), which the
+service-account token); a **floor** pod, the bare pod shaped like a guarded sandbox but doing no
+work (an init container running `true`, an emptyDir mounted in both, a 1 s exec readiness
+probe of `true`): what this kubelet takes for that shape whatever runs in it; a labelled pod created by a **plain client** (this machine), which the
 webhook turns into a guarded sandbox (one injected init container, netguard, which installs
 execd once its rules are in, sized like the sandbox; execd's readiness probe); an **SDK acquire** from a trainer pod
 (trainer label, projected token, https with the published CA; sync client, one thread per
@@ -634,6 +666,25 @@ def bare_pod(name: str, cpu: str = CPU, memory: str = MEMORY) -> dict:
                 **realnode.placement()}}
 
 
+def floor_pod(name: str, cpu: str = CPU, memory: str = MEMORY) -> dict:
+    """The bare pod plus what a guarded sandbox's shape costs the kubelet, with no work in it:
+    an init container that exits at once, an emptyDir mounted in both containers (the
+    kubelet's volume poll), and a readiness probe on the API's minimum period (an exec of
+    `true`: nothing in the image listens without starting an interpreter)."""
+    pod = bare_pod(name, cpu, memory)
+    spec = pod["spec"]
+    mount = [{"name": "floor", "mountPath": "/floor"}]
+    res = spec["containers"][0]["resources"]
+    spec["volumes"] = [{"name": "floor", "emptyDir": {}}]
+    spec["initContainers"] = [{"name": FLOOR_INIT, "image": TASK_IMAGE,
+                               "imagePullPolicy": "IfNotPresent", "command": ["true"],
+                               "resources": res, "volumeMounts": mount}]
+    spec["containers"][0]["volumeMounts"] = mount
+    spec["containers"][0]["readinessProbe"] = {"exec": {"command": ["true"]},
+                                               "periodSeconds": 1, "timeoutSeconds": 3}
+    return pod
+
+
 def sandbox_pod(name: str, token_sha: str, cpu: str = CPU, memory: str = MEMORY) -> dict:
     """A labelled pod as a plain client writes it; the webhook makes it a guarded sandbox."""
     from sandman.contract import ANNOTATION_TOKEN_SHA256, LABEL_SANDBOX, SANDBOX_TRUE
@@ -795,6 +846,7 @@ class Bench:
 
         def create(name: str) -> None:
             body = (bare_pod(name, cpu, memory) if arm == "bare"
+                    else floor_pod(name, cpu, memory) if arm == "floor"
                     else sandbox_pod(name, _token()[1], cpu, memory))
             t0s[name] = time.time()
             self.core.create_namespaced_pod(self.ns, body, _request_timeout=60)

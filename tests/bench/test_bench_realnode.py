@@ -104,7 +104,10 @@ def _pod(arm: str, c2r: float, **kw) -> dict:
     ready = t0 + c2r
     ctrs = {"task": {"created": ready - 0.9, "started": ready - 0.8, "finished": None}}
     inits = []
-    if arm != "bare":
+    if arm == "floor":
+        inits = [B.FLOOR_INIT]
+        ctrs[B.FLOOR_INIT] = {"created": t0 + 0.3, "started": t0 + 0.4, "finished": t0 + 0.45}
+    elif arm != "bare":
         inits = ["sandman-netguard", "sandman-execd-install"]
         ctrs["sandman-netguard"] = {"created": t0 + 0.3, "started": t0 + 0.4, "finished": t0 + 1.0}
         ctrs["sandman-execd-install"] = {"created": t0 + 1.1, "started": t0 + 1.2,
@@ -112,7 +115,8 @@ def _pod(arm: str, c2r: float, **kw) -> dict:
     return {"arm": arm, "pod": f"{arm}-x", "c2r": c2r, "node": "sandman-real-0", "t0": t0,
             "ready_at": ready, "scheduled": t0 + 0.05, "inits": inits,
             "cri": {"sandbox": t0 + 0.1, "containers": ctrs,
-                    **({"listening": ready - 0.3} if arm != "bare" else {})}, **kw}
+                    **({"listening": ready - 0.3} if arm not in ("bare", "floor") else {})},
+            **kw}
 
 
 def _round(scale: float, large: bool = False) -> dict:
@@ -123,6 +127,7 @@ def _round(scale: float, large: bool = False) -> dict:
                              "ready_ms": 3000.0})
                for _ in range(4)]
         return {"bare": [_pod("bare", 1.0 * s) for _ in range(4)],
+                "floor": [_pod("floor", 2.0 * s) for _ in range(4)],
                 "webhook": [_pod("webhook", 2.5 * s) for _ in range(4)], "controller": ctl}
 
     rd = {"pods": arms(scale), "echo": {"trainer": [0.002] * 10, "host": [0.001] * 10}}
@@ -255,8 +260,9 @@ def test_the_larger_size_and_the_phase_table_are_in_the_section():
     res["echo"].update(n_per_block=200, warmup=20, blocks=2)
     section = B.render_section(res)
     assert "**100m CPU / 128Mi**" in section and "**700m CPU / 716Mi**" in section
-    assert "| sandman-netguard started -> sandman-netguard exited | - | 600 / 600 | 600 / 600 |" \
+    assert "| sandman-netguard started -> sandman-netguard exited | - | - | 600 / 600 | 600 / 600 |" \
         in section
+    assert "| floor-init started -> floor-init exited | - | 50 / 50 | - | - |" in section
     assert "1-minute load 0.40 at the start" in section and "0.90 at the end" in section
     assert "started 2500 ms" in section  # the acquire answer's own timings
 
@@ -299,3 +305,26 @@ def test_the_kubelets_waits_are_told_apart_from_work():
         "sandman-execd-install exited -> main created": 200.0,
         "execd listening -> Ready seen": 300.0,
         "volume mount wait (over the bare pod's)": 0.0})
+
+
+def test_the_floor_says_which_goal_is_above_the_kubelet():
+    res = B.aggregate([_round(1.0)])
+    lines = B.ceiling_lines(res)
+    # floor 2.0 s over bare 1.0 s: exactly the 2.0x goal, still within; the plain client
+    # 2.5 s is 1.25x the floor, 500 ms of work over it.
+    assert lines[0].startswith("floor p50 2.00x") and "within what this kubelet allows" in lines[0]
+    assert lines[2].startswith("plain client p50 1.25x the floor's (500 ms")
+    res["create_to_ready"]["floor"]["p50"] = 2.1
+    assert "**above what this kubelet allows**" in B.ceiling_lines(res)[0]
+
+
+def test_the_floor_pod_has_a_sandboxs_shape_and_the_bare_pods_request():
+    bare, floor = B.bare_pod("b"), B.floor_pod("f")
+    for r in ("cpu", "memory"):
+        assert B.pod_request(floor["spec"], r) == B.pod_request(bare["spec"], r)
+    spec = floor["spec"]
+    assert [c["name"] for c in spec["initContainers"]] == [B.FLOOR_INIT]
+    assert spec["initContainers"][0]["command"] == ["true"]
+    assert spec["containers"][0]["readinessProbe"]["periodSeconds"] == 1
+    assert spec["volumes"] == [{"name": "floor", "emptyDir": {}}]
+    assert "sandbox" not in str(floor["metadata"])  # no label: the webhook leaves it alone
