@@ -71,6 +71,13 @@ READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby 
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
 ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
 
+# ---- execd's tree routes (docs/execd.md, "Trees"): one tar up (POST /files/tree/write, its
+# SHA-256 in TREE_SHA256_HEADER) or down (GET /files/tree: the tar, then TREE_DIGEST_LEN hex
+# digits of its SHA-256). execd/execd.py keeps copies (it imports nothing); a test keeps them equal.
+TREE_SHA256_HEADER = "X-Content-SHA256"
+TREE_DIGEST_LEN = 64
+TREE_MAX_BYTES = 1 << 30  # a whole archive, either way (execd's --max-tree-bytes)
+
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message
 

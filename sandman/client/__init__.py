@@ -47,8 +47,12 @@ from sandman.client.errors import (
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    TreeConflict,
+    TreeError,
+    TreeTooLarge,
     Unauthenticated,
     Unauthorized,
+    UnsafeArchive,
     WriteConflict,
 )
 from sandman.client.models import (
@@ -65,6 +69,7 @@ from sandman.client.models import (
     ResetResult,
     SandboxInfo,
     State,
+    TreeResult,
     WriteResult,
 )
 
@@ -80,4 +85,6 @@ __all__ = [
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",
     "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
     "WriteResult", "__version__",
+    # sb.upload_tree() / sb.download_tree(): whole trees as one tar
+    "TreeConflict", "TreeError", "TreeResult", "TreeTooLarge", "UnsafeArchive",
 ]

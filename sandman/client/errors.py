@@ -147,6 +147,28 @@ class IntegrityError(SandmanError):
     the data is never returned."""
 
 
+class TreeError(SandmanError):
+    """upload_tree / download_tree could not move the tree (a local file it cannot read or
+    send, a disk error); base of the narrower tree errors. The target was left as it was."""
+
+
+class UnsafeArchive(TreeError):
+    """A tree's archive holds a member that could land outside the target or is refused: a
+    `..` or absolute name, a symlink leading out or written through, a hard link to outside,
+    a device, a FIFO, a setuid or setgid bit, or a truncated archive (execd's 422 on upload;
+    the SDK's own check on download). Nothing was written."""
+
+
+class TreeConflict(TreeError):
+    """The target has a directory where the archive has a file or symlink, or a file or
+    symlink where it has a directory (409); nothing was written."""
+
+
+class TreeTooLarge(TreeError):
+    """The tree's archive is over the cap (execd's --max-tree-bytes on upload, 413; the SDK's
+    `max_bytes` on download); nothing was written."""
+
+
 class SandboxUnreachable(SandmanError, ConnectionError):
     """No answer from execd after the retries (transport errors), and the controller did not
     say the sandbox is gone."""
@@ -211,6 +233,12 @@ def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
     msg = f"{route}: {msg}"
     if status == 401:
         return Unauthorized(msg, status=status)
+    if route.startswith("/files/tree"):
+        tree = {409: TreeConflict, 413: TreeTooLarge, 422: UnsafeArchive}.get(status)
+        if tree is not None:
+            return tree(msg, status=status)
+        if status == 400 and isinstance(body, dict) and "sha256" in body:
+            return IntegrityError(msg, status=status)  # the archive's digest did not match
     if status == 404 and route.startswith("/files"):
         return FileNotFound(msg, status=status)
     if status == 409 and route == "/files/write":

@@ -165,6 +165,29 @@ class WriteResult:
 
 
 @dataclass(frozen=True)
+class TreeResult:
+    """A tree moved by upload_tree / download_tree: what the archive held and its SHA-256
+    (checked by the receiver). `path`: the target directory (execd's real path on upload)."""
+
+    path: str
+    files: int
+    dirs: int
+    symlinks: int
+    hardlinks: int
+    bytes: int  # the archive's size
+    sha256: str
+
+    @classmethod
+    def from_json(cls, data: Any, path: str) -> TreeResult:
+        what = "tree answer"
+        d = _obj(data, what)
+        return cls(path=_opt(d, "path", str, what, path), files=_req(d, "files", int, what),
+                   dirs=_req(d, "dirs", int, what), symlinks=_req(d, "symlinks", int, what),
+                   hardlinks=_req(d, "hardlinks", int, what), bytes=_req(d, "bytes", int, what),
+                   sha256=_req(d, "sha256", str, what))
+
+
+@dataclass(frozen=True)
 class Health:
     ok: bool
     version: str | None

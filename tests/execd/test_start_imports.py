@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 
 # Each one is only needed by some requests (json: the first reply; tempfile: file writes;
-# glob: the reuse baseline) or by nothing execd does (hashlib: execd uses the builtin
-# SHA-256; encodings.idna: http.server's reverse lookup of the listen address, not done;
-# subprocess: execd starts processes with os.posix_spawn).
-NOT_AT_START = ("json", "tempfile", "glob", "hashlib", "encodings.idna", "subprocess")
+# glob: the reuse baseline; tarfile: the tree routes) or by nothing execd does (hashlib: execd
+# uses the builtin SHA-256; encodings.idna: http.server's reverse lookup of the listen
+# address, not done; subprocess: execd starts processes with os.posix_spawn).
+NOT_AT_START = ("json", "tempfile", "glob", "hashlib", "encodings.idna", "subprocess",
+                "tarfile")
 
 
 def start_imports(log: str) -> set[str]:

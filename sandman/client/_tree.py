@@ -1,0 +1,387 @@
+"""Trees as one tar, the SDK's half: pack a local tree for `upload_tree`, check and unpack what
+execd sends for `download_tree`. Local disk only (both twins call it; the async one in a
+thread). The sandbox is not trusted: every member is checked by hand (tarfile's extraction
+filters need Python 3.12 or a backport), the same rules execd applies to an upload
+(docs/execd.md, "Trees"): nothing lands outside the target, nothing is written through a
+symlink, no device, FIFO, setuid or setgid file, and a refusal leaves the target as it was.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import shutil
+import stat
+import tarfile
+import tempfile
+from typing import IO, Any
+
+from sandman import api
+from sandman.client.errors import TreeConflict, TreeError, TreeTooLarge, UnsafeArchive
+
+STAGING_PREFIX = ".sandman-tree-"
+LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
+COPY_CHUNK = 1 << 20
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+# ---- pack (upload)
+
+class _HashingWriter:
+    """What tarfile writes goes to `out`, hashed and counted, refused past `cap`."""
+
+    def __init__(self, out: IO[bytes], cap: int) -> None:
+        self.out = out
+        self.cap = cap
+        self.size = 0
+        self.sha = hashlib.sha256()
+
+    def write(self, data: bytes) -> int:
+        self.size += len(data)
+        if self.size > self.cap:
+            raise TreeTooLarge(f"the tree's archive is over the {self.cap}-byte cap")
+        self.sha.update(data)
+        self.out.write(data)
+        return len(data)
+
+
+def walk(root_fd: int, where: str = "") -> Any:
+    """(relative name, lstat) of everything under root_fd, sorted, parents first; never
+    through a symlink."""
+    for name in sorted(os.listdir(root_fd)):
+        st = os.lstat(name, dir_fd=root_fd)
+        yield where + name, st
+        if stat.S_ISDIR(st.st_mode):
+            fd = os.open(name, _DIR_FLAGS, dir_fd=root_fd)
+            try:
+                yield from walk(fd, where + name + "/")
+            finally:
+                os.close(fd)
+
+
+def pack(local_dir: str, out: IO[bytes], cap: int = api.TREE_MAX_BYTES) -> tuple[int, str]:
+    """Writes `local_dir` as a tar (PAX) to `out`: regular files, directories and symlinks
+    (as links), modes without setuid/setgid (stripped: execd refuses them), mtimes, no
+    owners; a hard link goes as a second copy. Returns (size, SHA-256 hex)."""
+    try:
+        root_fd = os.open(local_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+    except OSError as e:
+        raise TreeError(f"upload_tree: {local_dir}: {e.strerror or e}") from None
+    w = _HashingWriter(out, cap)
+    try:
+        with tarfile.open(fileobj=w, mode="w|", format=tarfile.PAX_FORMAT,  # type: ignore[call-overload]
+                          encoding="utf-8", errors="surrogateescape") as tar:
+            for name, st in walk(root_fd):
+                ti = tarfile.TarInfo(name)
+                ti.mode = stat.S_IMODE(st.st_mode) & 0o1777
+                ti.mtime = int(st.st_mtime)
+                if stat.S_ISDIR(st.st_mode):
+                    ti.type = tarfile.DIRTYPE
+                    tar.addfile(ti)
+                elif stat.S_ISLNK(st.st_mode):
+                    ti.type = tarfile.SYMTYPE
+                    ti.linkname = os.readlink(name, dir_fd=root_fd)
+                    tar.addfile(ti)
+                elif stat.S_ISREG(st.st_mode):
+                    fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, dir_fd=root_fd)
+                    with os.fdopen(fd, "rb") as f:
+                        ti.size = os.fstat(fd).st_size
+                        tar.addfile(ti, f)
+                else:
+                    raise TreeError(f"upload_tree: cannot send {_kind(st.st_mode)} {name!r} "
+                                    f"in {local_dir} (regular files, directories and "
+                                    f"symlinks only)")
+    except OSError as e:
+        raise TreeError(f"upload_tree: reading {local_dir}: {e}") from None
+    finally:
+        os.close(root_fd)
+    return w.size, w.sha.hexdigest()
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISFIFO, "fifo"), (stat.S_ISCHR, "character device"),
+                       (stat.S_ISBLK, "block device"), (stat.S_ISSOCK, "socket")):
+        if test(mode):
+            return name
+    return "special file"
+
+
+# ---- unpack (download): the same rules as execd's tree_write
+
+def _refuse(message: str, name: str) -> UnsafeArchive:
+    return UnsafeArchive(f"download_tree: {message}: {name[:300]!r}; nothing was written")
+
+
+def member_parts(name: str) -> list[str]:
+    """A member name as path components under the target; refuses what could land outside."""
+    if not name or "\0" in name:
+        raise _refuse("empty name or NUL byte in a member name", name)
+    if name.startswith("/"):
+        raise _refuse("absolute member name", name)
+    parts = [p for p in name.split("/") if p not in ("", ".")]
+    if ".." in parts:
+        raise _refuse("'..' in a member name", name)
+    return parts
+
+
+def link_escapes(root_fd: int, link_parts: list[str], target: str,
+                 hops: int = LINK_HOPS) -> bool:
+    """Whether following the symlink at link_parts (in the tree open as root_fd) to `target`
+    ends outside the tree, resolved component by component against what the tree holds."""
+    if not target or target.startswith("/"):
+        return True
+    stack = list(link_parts[:-1])
+    todo = target.split("/")[::-1]
+    while todo:
+        p = todo.pop()
+        if p in ("", "."):
+            continue
+        if p == "..":
+            if not stack:
+                return True
+            stack.pop()
+            continue
+        stack.append(p)
+        rel = "/".join(stack)
+        try:
+            st = os.lstat(rel, dir_fd=root_fd)
+        except OSError:
+            continue  # missing: nothing below it is a link, the rest is lexical
+        if stat.S_ISLNK(st.st_mode):
+            hops -= 1
+            if hops < 0:
+                return True
+            t = os.readlink(rel, dir_fd=root_fd)
+            if not t or t.startswith("/"):
+                return True
+            stack.pop()
+            todo.extend(t.split("/")[::-1])
+    return False
+
+
+def open_dir(root_fd: int, parts: list[str], made: list[tuple[str, ...]] | None = None) -> int:
+    """An fd on root/parts, never through a symlink; `made` gets each directory created."""
+    fd = os.dup(root_fd)
+    try:
+        for i, p in enumerate(parts):
+            try:
+                nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+            except FileNotFoundError:
+                if made is None:
+                    raise
+                os.mkdir(p, 0o777, dir_fd=fd)
+                made.append(tuple(parts[:i + 1]))
+                nfd = os.open(p, _DIR_FLAGS, dir_fd=fd)
+            except OSError as e:
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    raise _refuse("a member goes through a symlink or a file",
+                                  "/".join(parts[:i + 1])) from None
+                raise
+            os.close(fd)
+            fd = nfd
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _extract(tar: tarfile.TarFile, stage_fd: int, stats: dict[str, int]
+             ) -> tuple[dict[tuple[str, ...], int], list[tuple[list[str], str]]]:
+    dirs: dict[tuple[str, ...], int] = {}
+    links: list[tuple[list[str], str]] = []
+    kinds: dict[str, str] = {}  # a name comes once (a directory may repeat)
+    for m in tar:
+        parts = member_parts(m.name)
+        if not parts:
+            continue  # "." itself: the target keeps its own mode
+        key = "/".join(parts)
+        if m.mode & (stat.S_ISUID | stat.S_ISGID):
+            raise _refuse("setuid or setgid bit on a member", key)
+        mode = m.mode & 0o1777
+        made: list[tuple[str, ...]] = []
+        if m.isdir():
+            if kinds.get(key, "d") != "d":
+                raise _refuse("a name comes twice in the archive", key)
+            os.close(open_dir(stage_fd, parts, made))
+            kinds.update(("/".join(d), "d") for d in made)
+            stats["dirs"] += len(made)
+            dirs[tuple(parts)] = mode
+            continue
+        if key in kinds:
+            raise _refuse("a name comes twice in the archive", key)
+        if m.type == tarfile.GNUTYPE_SPARSE or getattr(m, "sparse", None) is not None:
+            raise _refuse("sparse member", key)
+        kind = "f" if m.isreg() else "l" if m.issym() else "h" if m.islnk() else None
+        if kind is None:
+            what = ("character device" if m.ischr() else "block device" if m.isblk()
+                    else "fifo" if m.isfifo() else f"member of type {m.type!r}")
+            raise _refuse(f"refused {what}", key)
+        pfd = open_dir(stage_fd, parts[:-1], made)
+        kinds.update(("/".join(d), "d") for d in made)
+        stats["dirs"] += len(made)
+        stats[{"f": "files", "l": "symlinks", "h": "hardlinks"}[kind]] += 1
+        try:
+            if kind == "f":
+                fd = os.open(parts[-1], os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
+                             | os.O_CLOEXEC, 0o600, dir_fd=pfd)
+                try:
+                    src = tar.extractfile(m)
+                    left = m.size
+                    while left > 0:
+                        chunk = src.read(min(left, COPY_CHUNK)) if src else b""
+                        if not chunk:
+                            raise tarfile.ReadError("unexpected end of data")
+                        view = memoryview(chunk)
+                        while view:
+                            view = view[os.write(fd, view):]
+                        left -= len(chunk)
+                    os.fchmod(fd, mode)
+                    os.utime(fd, (m.mtime, m.mtime))
+                finally:
+                    os.close(fd)
+            elif kind == "l":
+                if not m.linkname or "\0" in m.linkname or m.linkname.startswith("/"):
+                    raise _refuse("symlink leads outside the target", key)
+                os.symlink(m.linkname, parts[-1], dir_fd=pfd)
+                links.append((parts, m.linkname))
+            else:
+                src_parts = member_parts(m.linkname)
+                if kinds.get("/".join(src_parts)) != "f":
+                    raise _refuse("hard link to something not a file earlier in the archive",
+                                  key)
+                sfd = open_dir(stage_fd, src_parts[:-1])
+                try:
+                    os.link(src_parts[-1], parts[-1], src_dir_fd=sfd, dst_dir_fd=pfd,
+                            follow_symlinks=False)
+                finally:
+                    os.close(sfd)
+        finally:
+            os.close(pfd)
+        kinds[key] = "f" if kind == "h" else kind
+    return dirs, links
+
+
+def merge(src_fd: int, dst_fd: int, dry: bool, where: str = "") -> None:
+    """Moves what src holds into dst (execd's tree_merge): a missing name is renamed in whole,
+    two directories merge, a file or symlink replaces a file or symlink; a directory never
+    meets a file or a symlink (TreeConflict). `dry`: check only."""
+    for name in sorted(os.listdir(src_fd)):
+        s = os.lstat(name, dir_fd=src_fd)
+        try:
+            d: os.stat_result | None = os.lstat(name, dir_fd=dst_fd)
+        except FileNotFoundError:
+            d = None
+        rel = where + name
+        if d is None or (not stat.S_ISDIR(s.st_mode) and not stat.S_ISDIR(d.st_mode)):
+            if not dry:
+                os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
+        elif stat.S_ISDIR(s.st_mode) and stat.S_ISDIR(d.st_mode):
+            sfd = os.open(name, _DIR_FLAGS, dir_fd=src_fd)
+            try:
+                dfd = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
+                try:
+                    merge(sfd, dfd, dry, rel + "/")
+                finally:
+                    os.close(dfd)
+            finally:
+                os.close(sfd)
+        else:
+            there = "directory" if stat.S_ISDIR(d.st_mode) else (
+                "symlink" if stat.S_ISLNK(d.st_mode) else "file")
+            raise TreeConflict(f"download_tree: the target has a {there} at {rel!r} where "
+                               f"the archive has a {'directory' if there != 'directory' else 'file or symlink'}; "
+                               "nothing was written")
+
+
+def _set_modes(root_fd: int, dirs: dict[tuple[str, ...], int]) -> None:
+    for parts in sorted(dirs, key=len, reverse=True):  # deepest first: a 0500 parent is last
+        try:
+            fd = open_dir(root_fd, list(parts))
+        except (OSError, UnsafeArchive):
+            continue
+        try:
+            os.fchmod(fd, dirs[parts])
+        finally:
+            os.close(fd)
+
+
+def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
+    """Extracts the tar `archive` (already checked against its SHA-256) into local_dir (made
+    if missing): staged in a directory inside it, every member and symlink checked, then moved
+    in; on any refusal local_dir is left as it was (and removed if this call made it).
+    Returns the counts of files, dirs, symlinks and hardlinks."""
+    stats = dict.fromkeys(("files", "dirs", "symlinks", "hardlinks"), 0)
+    local_dir = os.path.realpath(local_dir)
+    made_top: list[str] = []
+    p = local_dir
+    while not os.path.lexists(p):
+        made_top.append(p)
+        p = os.path.dirname(p)
+    stage: str | None = None
+    stage_fd = target_fd = -1
+    try:
+        for p in reversed(made_top):
+            os.mkdir(p)
+        target_fd = os.open(local_dir, _DIR_FLAGS)
+        stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=local_dir)
+        stage_fd = os.open(os.path.basename(stage), _DIR_FLAGS, dir_fd=target_fd)
+        try:
+            with tarfile.open(fileobj=archive, mode="r|", encoding="utf-8",
+                              errors="surrogateescape") as tar:
+                dirs, links = _extract(tar, stage_fd, stats)
+        except (tarfile.TarError, EOFError) as e:
+            raise UnsafeArchive(f"download_tree: not a valid tar archive (truncated or "
+                                f"corrupt): {e}; nothing was written") from None
+        for parts, target in links:
+            if link_escapes(stage_fd, parts, target):
+                raise _refuse("symlink leads outside the target (or loops)", "/".join(parts))
+        merge(stage_fd, target_fd, True)
+        merge(stage_fd, target_fd, False)
+        _set_modes(target_fd, dirs)
+        made_top = []
+    except OSError as e:
+        raise TreeError(f"download_tree: writing {local_dir}: {e}") from None
+    finally:
+        if stage_fd >= 0:
+            os.close(stage_fd)
+        if target_fd >= 0:
+            os.close(target_fd)
+        if stage is not None:
+            shutil.rmtree(stage, ignore_errors=True)
+        for p in made_top:
+            try:
+                os.rmdir(p)
+            except OSError:
+                pass
+    return stats
+
+
+class Withheld:
+    """The download's body as it arrives: all but the last TREE_DIGEST_LEN bytes (the digest
+    trailer) go to `out`, hashed and counted against `cap`."""
+
+    def __init__(self, out: IO[bytes], cap: int) -> None:
+        self.out = out
+        self.cap = cap
+        self.tail = b""
+        self.size = 0
+        self.sha = hashlib.sha256()
+
+    def feed(self, chunk: bytes) -> None:
+        buf = self.tail + chunk
+        keep = api.TREE_DIGEST_LEN
+        if len(buf) > keep:
+            data, self.tail = buf[:-keep], buf[-keep:]
+            self.size += len(data)
+            if self.size > self.cap:
+                raise TreeTooLarge(f"download_tree: the archive is over the {self.cap}-byte "
+                                   f"cap (max_bytes); nothing was written")
+            self.sha.update(data)
+            self.out.write(data)
+        else:
+            self.tail = buf
+
+    def digest_ok(self) -> bool:
+        return len(self.tail) == api.TREE_DIGEST_LEN and \
+            self.tail.decode("latin-1").lower() == self.sha.hexdigest()

@@ -1,0 +1,270 @@
+"""Trees as one tar (POST /files/tree/write, GET /files/tree) against a real execd: byte-exact
+round trips, and hostile archives POSTed straight to the route, each refused with nothing
+written outside the target and nothing half-extracted inside it; the size cap; bounded memory
+for a large archive."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import os
+import socket
+import stat
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from sandman import api
+from sandman.client import _tree
+
+from .conftest import AUTH
+from .tartrees import HOSTILE, hostile_archive, make_tree, reg, sha, snapshot, tar_of
+
+WRITE, READ = "/files/tree/write", "/files/tree"
+
+
+def post_tar(execd, target: Path | str, data: bytes, digest: str | None = None, **kw):
+    headers = {api.TREE_SHA256_HEADER: digest or sha(data)}
+    return execd.client.post(WRITE, params={"path": str(target)}, content=data,
+                             headers=headers, **kw)
+
+
+def fetch_tar(execd, path: Path | str) -> bytes:
+    """The download's body checked: the tar, then its SHA-256 as 64 hex digits."""
+    r = execd.get(READ, params={"path": str(path)})
+    assert r.status_code == 200, r.text
+    assert r.headers.get("transfer-encoding") == "chunked"
+    body = r.content
+    data, trailer = body[:-api.TREE_DIGEST_LEN], body[-api.TREE_DIGEST_LEN:]
+    assert trailer.decode() == sha(data)
+    return data
+
+
+def packed(src: Path) -> bytes:
+    buf = io.BytesIO()
+    size, digest = _tree.pack(str(src), buf)
+    assert size == len(buf.getvalue()) and digest == sha(buf.getvalue())
+    return buf.getvalue()
+
+
+def no_staging_left(root: Path) -> None:
+    left = [p for p in root.rglob("*") if ".execd-tree-" in p.name or ".sandman-tree-" in p.name]
+    assert not left, left
+
+
+def test_round_trip_is_byte_exact_with_modes_and_links(execd, tmp_path):
+    src = tmp_path / "src"
+    make_tree(src)
+    data = packed(src)
+    r = post_tar(execd, tmp_path / "up" / "new", data)  # parents made too
+    assert r.status_code == 200, r.text
+    j = r.json()
+    assert j["sha256"] == sha(data) and j["bytes"] == len(data)
+    assert (j["files"], j["symlinks"], j["hardlinks"]) == (7, 3, 0)
+    assert snapshot(tmp_path / "up" / "new") == snapshot(src)
+    no_staging_left(tmp_path / "up")
+    # And back down: execd's tar unpacked by the SDK's checks gives the same tree again.
+    back = tmp_path / "back"
+    _tree.unpack(io.BytesIO(fetch_tar(execd, tmp_path / "up" / "new")), str(back))
+    assert snapshot(back) == snapshot(src)
+    assert stat.S_IMODE((back / "run.sh").stat().st_mode) == 0o751
+    assert stat.S_IMODE((back / "ro").stat().st_mode) == 0o555
+    no_staging_left(back)
+
+
+def test_upload_merges_into_an_existing_target(execd, tmp_path):
+    dst = tmp_path / "dst"
+    (dst / "keep").mkdir(parents=True)
+    (dst / "keep" / "old.txt").write_bytes(b"old")
+    (dst / "replace.txt").write_bytes(b"before")
+    r = post_tar(execd, dst, tar_of(reg("replace.txt", b"after"), reg("keep/new.txt", b"n")))
+    assert r.status_code == 200, r.text
+    assert (dst / "replace.txt").read_bytes() == b"after"
+    assert (dst / "keep" / "old.txt").read_bytes() == b"old"
+    assert (dst / "keep" / "new.txt").read_bytes() == b"n"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in HOSTILE])
+def test_hostile_archive_refused_nothing_written(execd, tmp_path, case):
+    target, outside = tmp_path / "target", tmp_path / "outside"
+    target.mkdir()
+    outside.mkdir()
+    (target / "keep.txt").write_bytes(b"keep")
+    (outside / "secret").write_bytes(b"secret")
+    before_t, before_o = snapshot(target), snapshot(outside)
+    before_tmp = sorted(p.name for p in tmp_path.iterdir())
+    _, _, status, word = next(c for c in HOSTILE if c[0] == case)
+    r = post_tar(execd, target, hostile_archive(case, str(outside)))
+    assert r.status_code == status, r.text
+    assert word in r.json()["error"]
+    assert "\n" not in r.json()["error"]
+    assert snapshot(target) == before_t  # not even good.txt: nothing half-extracted
+    assert snapshot(outside) == before_o
+    assert sorted(p.name for p in tmp_path.iterdir()) == before_tmp
+    assert not os.path.lexists("/etc/sandman-tree-escaped")
+    # The connection and the daemon are fine after a refusal.
+    assert execd.get("/health").status_code == 200
+
+
+def test_refusal_of_a_new_target_removes_the_directories_it_made(execd, tmp_path):
+    r = post_tar(execd, tmp_path / "x" / "y", hostile_archive("dotdot", str(tmp_path)))
+    assert r.status_code == 422
+    assert not (tmp_path / "x").exists()
+
+
+def test_symlink_already_in_the_target_is_never_written_through(execd, tmp_path):
+    target, outside = tmp_path / "target", tmp_path / "outside"
+    target.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    os.symlink(outside, target / "d")  # planted by the agent
+    os.symlink(outside / "secret", target / "f")
+    r = post_tar(execd, target, tar_of(reg("ok.txt"), reg("d/x", b"evil")))
+    assert r.status_code == 409, r.text
+    assert "symlink" in r.json()["error"]
+    assert sorted(os.listdir(outside)) == ["secret"] and not (target / "ok.txt").exists()
+    # A file over a planted symlink replaces the link; the file it pointed to is untouched.
+    r = post_tar(execd, target, tar_of(reg("f", b"evil")))
+    assert r.status_code == 200, r.text
+    assert (outside / "secret").read_bytes() == b"secret"
+    assert not (target / "f").is_symlink() and (target / "f").read_bytes() == b"evil"
+
+
+def test_directory_over_a_file_conflicts(execd, tmp_path):
+    target = tmp_path / "t"
+    target.mkdir()
+    (target / "a").write_bytes(b"file")
+    r = post_tar(execd, target, tar_of(reg("a/b")))
+    assert r.status_code == 409 and (target / "a").read_bytes() == b"file"
+
+
+def test_wrong_sha_refused_nothing_left(execd, tmp_path):
+    data = tar_of(reg("a.txt", b"a"))
+    r = post_tar(execd, tmp_path / "t", data, digest="0" * 64)
+    assert r.status_code == 400, r.text
+    assert "mismatch" in r.json()["error"] and r.json()["sha256"] == sha(data)
+    assert not (tmp_path / "t").exists()
+    r = post_tar(execd, tmp_path / "t", data, digest="not-a-digest")
+    assert r.status_code == 400 and "X-Content-SHA256" in r.json()["error"]
+
+
+def test_truncated_archive_refused(execd, tmp_path):
+    whole = tar_of(reg("a.txt", b"a"), reg("big.bin", os.urandom(5000)))
+    cut = whole[:512 * 4]  # a.txt whole, big.bin's header and part of its data
+    r = post_tar(execd, tmp_path / "t", cut)  # a correct digest of the cut bytes
+    assert r.status_code == 400, r.text
+    assert "not a valid tar" in r.json()["error"]
+    assert not (tmp_path / "t").exists()
+    r = post_tar(execd, tmp_path / "t", b"this is no tar archive" * 100)
+    assert r.status_code == 400 and not (tmp_path / "t").exists()
+
+
+def test_body_cut_by_the_client_leaves_nothing(execd, tmp_path):
+    data = tar_of(reg("a.txt", b"a"), reg("b.bin", os.urandom(20000)))
+    target = tmp_path / "t"
+    with socket.create_connection(("127.0.0.1", execd.port), timeout=10) as s:
+        head = (f"POST {WRITE}?path={target} HTTP/1.1\r\nHost: x\r\n"
+                f"Authorization: {AUTH['Authorization']}\r\nContent-Length: {len(data)}\r\n"
+                f"{api.TREE_SHA256_HEADER}: {sha(data)}\r\n\r\n")
+        s.sendall(head.encode() + data[:len(data) // 2])
+        s.shutdown(socket.SHUT_WR)
+        answer = b""
+        while chunk := s.recv(65536):
+            answer += chunk
+    assert answer.startswith(b"HTTP/1.1 400") and b"ended early" in answer
+    assert not target.exists()
+
+
+def test_unauthenticated_and_bad_requests(execd, tmp_path):
+    data = tar_of(reg("a"))
+    r = execd.client.post(WRITE, params={"path": str(tmp_path / "t")}, content=data,
+                          headers={"Authorization": "Bearer wrong",
+                                   api.TREE_SHA256_HEADER: sha(data)})
+    assert r.status_code == 401 and not (tmp_path / "t").exists()
+    r = execd.client.get(READ, params={"path": str(tmp_path)}, headers={"Authorization": ""})
+    assert r.status_code == 401
+    (tmp_path / "file").write_bytes(b"f")
+    assert post_tar(execd, tmp_path / "file", data).status_code == 400
+    assert execd.get(READ, params={"path": str(tmp_path / "file")}).status_code == 400
+    assert execd.get(READ, params={"path": str(tmp_path / "nope")}).status_code == 404
+
+
+def test_paths_outside_root_refused(execd_factory, tmp_path):
+    root = tmp_path / "root"
+    root.mkdir()
+    ex = execd_factory("--root", str(root))
+    r = post_tar(ex, tmp_path / "t", tar_of(reg("a")))
+    assert r.status_code == 403 and not (tmp_path / "t").exists()
+    assert ex.get(READ, params={"path": str(tmp_path)}).status_code == 403
+
+
+def test_download_refuses_special_files_and_strips_setuid(execd, tmp_path):
+    d = tmp_path / "d"
+    d.mkdir()
+    (d / "suid").write_bytes(b"x")
+    os.chmod(d / "suid", 0o4755)
+    with tarfile.open(fileobj=io.BytesIO(fetch_tar(execd, d))) as t:
+        assert [(m.name, m.mode) for m in t.getmembers()] == [("suid", 0o755)]
+    os.mkfifo(d / "pipe")
+    r = execd.get(READ, params={"path": str(d)})
+    assert r.status_code == 400 and "fifo" in r.json()["error"]
+
+
+def test_size_cap_both_ways(execd_factory, tmp_path):
+    ex = execd_factory("--max-tree-bytes", "65536")
+    data = tar_of(reg("big.bin", os.urandom(70000)))
+    r = post_tar(ex, tmp_path / "t", data)
+    assert r.status_code == 413 and "65536" in r.json()["error"]
+    assert not (tmp_path / "t").exists()
+    (tmp_path / "d").mkdir()
+    (tmp_path / "d" / "big.bin").write_bytes(os.urandom(70000))
+    r = ex.get(READ, params={"path": str(tmp_path / "d")})
+    assert r.status_code == 413 and "cap" in r.json()["error"]
+    ok = tar_of(reg("small.bin", os.urandom(30000)))
+    assert post_tar(ex, tmp_path / "t", ok).status_code == 200
+
+
+def _big_body(size: int):
+    """A one-member tar of `size` bytes, generated: never whole in this process either."""
+    ti = tarfile.TarInfo("big.bin")
+    ti.size = size
+    yield ti.tobuf(tarfile.PAX_FORMAT)
+    block = (b"0123456789abcdef" * 65536)[: 1 << 20]
+    left = size
+    while left:
+        n = min(left, len(block))
+        yield block[:n]
+        left -= n
+    yield b"\0" * ((-size) % 512) + b"\0" * 1024
+
+
+@pytest.mark.slow
+def test_memory_stays_bounded_for_a_large_archive(execd, tmp_path):
+    size = 300 << 20
+    h, total = hashlib.sha256(), 0
+    for chunk in _big_body(size):
+        h.update(chunk)
+        total += len(chunk)
+    before = execd.rss_kib()
+    peak = [before]
+
+    def sample():
+        peak[0] = max(peak[0], execd.rss_kib())
+
+    class Sampled:
+        def __iter__(self):
+            for i, chunk in enumerate(_big_body(size)):
+                if i % 16 == 0:
+                    sample()
+                yield chunk
+
+    r = execd.client.post(WRITE, params={"path": str(tmp_path / "t")}, content=Sampled(),
+                          headers={api.TREE_SHA256_HEADER: h.hexdigest(),
+                                   "Content-Length": str(total)}, timeout=300)
+    assert r.status_code == 200, r.text
+    sample()
+    assert (tmp_path / "t" / "big.bin").stat().st_size == size
+    assert peak[0] - before < 32 * 1024, (before, peak[0])  # KiB: a 300 MiB body, < 32 MiB
+    os.unlink(tmp_path / "t" / "big.bin")
+
