@@ -809,7 +809,9 @@ SIGNATURES = {
        for m in ("acquire", "renew", "release", "retire", "get", "list", "prewarm", "drain")},
     **{f"sb.{m}": ("sandman.client", f"Sandbox.{m}")
        for m in ("renew", "exec", "read", "read_file", "write", "edit", "env", "reset", "state",
-                 "conditions", "health", "release", "retire")},
+                 "conditions", "health", "release", "retire", "spawn", "processes", "process")},
+    **{f"proc.{m}": ("sandman.client", f"Process.{m}")
+       for m in ("poll", "status", "output", "signal", "wait")},
     **{n: ("sandman.client", n) for n in ("ExecResult", "FileContent", "WriteResult",
                                           "EditResult", "PoolStatus")},
     **{n: ("sandman.client.grading", n) for n in ("Task", "capture_patch", "grade", "preflight",

@@ -13,10 +13,10 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 
 from sandman._version import __version__
 from sandman.client._async.client import AsyncClient
-from sandman.client._async.sandbox import AsyncSandbox
+from sandman.client._async.sandbox import AsyncProcess, AsyncSandbox
 from sandman.client._core import RetryPolicy
 from sandman.client._sync.client import Client
-from sandman.client._sync.sandbox import Sandbox
+from sandman.client._sync.sandbox import Process, Sandbox
 from sandman.client.editing import (
     EditAmbiguous,
     EditConflict,
@@ -41,12 +41,15 @@ from sandman.client.errors import (
     IntegrityError,
     NotLeader,
     PodFailed,
+    ProcessNotFound,
+    ProcessTimeout,
     ProtocolError,
     QueueFull,
     SandboxBusy,
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    TooManyProcesses,
     TreeConflict,
     TreeError,
     TreeTooLarge,
@@ -66,6 +69,8 @@ from sandman.client.models import (
     Owner,
     PoolStatus,
     ProcessInfo,
+    ProcessOutput,
+    ProcessStatus,
     ResetResult,
     SandboxInfo,
     State,
@@ -85,6 +90,9 @@ __all__ = [
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",
     "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
     "WriteResult", "__version__",
+    # sb.spawn(): background processes
+    "AsyncProcess", "Process", "ProcessNotFound", "ProcessOutput", "ProcessStatus",
+    "ProcessTimeout", "TooManyProcesses",
     # sb.upload_tree() / sb.download_tree(): whole trees as one tar
     "TreeConflict", "TreeError", "TreeResult", "TreeTooLarge", "UnsafeArchive",
 ]

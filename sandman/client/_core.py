@@ -429,6 +429,36 @@ def stream_line(line: str, route: str) -> str | ExecResult:
     raise ProtocolError(f"{route}: unexpected stream line {line[:80]!r}")
 
 
+def spawn_body(command: str, cwd: str | None, env: Mapping[str, str] | None,
+               request_id: str) -> dict[str, Any]:
+    """/processes/spawn's body; execd checks the rest (variable names, the cwd)."""
+    if not isinstance(command, str) or not command.strip():
+        raise BadRequest("command must be a non-empty str")
+    body: dict[str, Any] = {"command": command, "request_id": request_id}
+    if cwd is not None:
+        if not isinstance(cwd, str):
+            raise BadRequest("cwd must be a str")
+        body["cwd"] = cwd
+    if env is not None:
+        if not isinstance(env, Mapping) or not all(
+                isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
+            raise BadRequest("env must map str names to str values")
+        body["env"] = dict(env)
+    return body
+
+
+def process_id(pid_id: str) -> str:
+    if not isinstance(pid_id, str) or not pid_id:
+        raise BadRequest(f"a process id is a non-empty str, not {pid_id!r}")
+    return pid_id
+
+
+def seconds_or_zero(name: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+        raise BadRequest(f"{name} must be a number of seconds >= 0, not {value!r}")
+    return float(value)
+
+
 def exec_read_timeout(timeout_s: float | None) -> float:
     return (EXECD_DEFAULT_TIMEOUT_S if timeout_s is None else timeout_s) + EXEC_ANSWER_GRACE_S
 

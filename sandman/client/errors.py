@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any
 from sandman import api
 
 if TYPE_CHECKING:
-    from sandman.client.models import ExecResult
+    from sandman.client.models import ExecResult, ProcessStatus
 
 
 class SandmanError(Exception):
@@ -142,6 +142,25 @@ class WriteConflict(ExecdError):
         self.current_sha256 = current_sha256
 
 
+class ProcessNotFound(ExecdError, LookupError):
+    """No spawned process with that id in this sandbox (404 on a /processes route): a reset
+    ended it, or the id is another sandbox's."""
+
+
+class TooManyProcesses(ExecdError):
+    """execd refused a spawn (429): 16 background processes are live, or 1024 were spawned
+    since the last reset."""
+
+
+class ProcessTimeout(SandmanError, TimeoutError):
+    """`Process.wait(timeout=...)` ran out with the process still running (nothing was
+    killed); `process_status` is its last known state."""
+
+    def __init__(self, message: str, process_status: ProcessStatus) -> None:
+        super().__init__(message)
+        self.process_status = process_status
+
+
 class IntegrityError(SandmanError):
     """Bytes received or stored do not match their SHA-256 or length. The SDK fails closed:
     the data is never returned."""
@@ -244,6 +263,11 @@ def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
     if status == 409 and route == "/files/write":
         cur = body.get("sha256") if isinstance(body, dict) else None
         return WriteConflict(msg, current_sha256=cur if isinstance(cur, str) else None)
+    if route.startswith("/processes"):
+        if status == 404:
+            return ProcessNotFound(msg, status=status)
+        if status == 429:
+            return TooManyProcesses(msg, status=status)
     if status == 409 and route in ("/exec", "/exec/stream", "/env", "/reset"):
         return SandboxBusy(msg, status=status)
     if status in (400, 413, 422):

@@ -316,3 +316,80 @@ class Conditions:
             cpu_cores=_opt(d, "cpu_cores", _NUM, what),
             cpuset_cpus=_opt(d, "cpuset_cpus", list, what), tz=_opt(d, "tz", str, what),
             netguard_mode=_opt(d, "netguard_mode", str, what), raw=d)
+
+
+# ---- background processes (sb.spawn)
+
+@dataclass(frozen=True)
+class ProcessStatus:
+    """A spawned process as execd knows it. `exit_code` is None while `running`; a process
+    killed by a signal has `signal` set and exit_code 128 + signal. `output_bytes`: all it has
+    printed so far (the offset its next byte will have); `output_open`: something (it or a
+    child) still holds its output pipe."""
+
+    id: str
+    pid: int
+    command: str
+    cwd: str
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: float  # Unix time
+    output_bytes: int
+    output_open: bool
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> ProcessStatus:
+        what = "process answer"
+        d = _obj(data, what)
+        return cls(id=_req(d, "id", str, what), pid=_req(d, "pid", int, what),
+                   command=_req(d, "command", str, what), cwd=_opt(d, "cwd", str, what, ""),
+                   running=_req(d, "running", bool, what),
+                   exit_code=_opt(d, "exit_code", int, what),
+                   signal=_opt(d, "signal", int, what),
+                   started_at=float(_opt(d, "started_at", _NUM, what, 0.0)),
+                   output_bytes=_req(d, "output_bytes", int, what),
+                   output_open=bool(_opt(d, "output_open", bool, what, False)), raw=d)
+
+
+@dataclass(frozen=True)
+class ProcessOutput:
+    """Output bytes `data` = the process's stdout and stderr (interleaved) from byte offset
+    `start` to `end`. execd keeps the newest 1 MiB of each process: when the bytes asked for
+    (`since`) are older, `start` is where the kept bytes begin and `dropped` = start - since
+    counts the bytes lost in between; never a silently shifted offset. Read on with
+    `output(since=end)`."""
+
+    data: bytes = field(repr=False)
+    start: int
+    end: int
+    dropped: int
+    running: bool
+    exit_code: int | None
+    output_open: bool
+
+    @property
+    def text(self) -> str:
+        """`data` decoded as UTF-8 (invalid bytes replaced; a character cut at `start` or
+        `end` shows as a replacement character)."""
+        return self.data.decode("utf-8", "replace")
+
+    @classmethod
+    def from_json(cls, data: Any) -> ProcessOutput:
+        import base64
+        import binascii
+
+        what = "process output answer"
+        d = _obj(data, what)
+        try:
+            raw = base64.b64decode(_req(d, "data_b64", str, what), validate=True)
+        except (binascii.Error, ValueError):
+            raise ProtocolError(f"{what}: data_b64 is not base64") from None
+        start, end = _req(d, "start", int, what), _req(d, "end", int, what)
+        if end - start != len(raw):
+            raise ProtocolError(f"{what}: {len(raw)} bytes for offsets {start}..{end}")
+        return cls(data=raw, start=start, end=end, dropped=_req(d, "dropped", int, what),
+                   running=_req(d, "running", bool, what),
+                   exit_code=_opt(d, "exit_code", int, what),
+                   output_open=bool(_opt(d, "output_open", bool, what, False)))

@@ -33,7 +33,7 @@ from typing import Any
 
 import pytest
 
-from sandman.client import AsyncClient, AsyncSandbox, Client, RetryPolicy, Sandbox
+from sandman.client import AsyncClient, AsyncSandbox, Client, Process, RetryPolicy, Sandbox
 from testbed.execd import Execd, start_execd
 
 LOOPBACK = "127.0.0.1"
@@ -475,8 +475,10 @@ class Synced:
 
         def call(*args: Any, **kw: Any) -> Any:
             result = attr(*args, **kw)
-            if isinstance(result, (Sandbox, Client)):
+            if isinstance(result, (Sandbox, Client, Process)):
                 result = Synced(result)
+            if isinstance(result, list) and all(isinstance(r, Process) for r in result):
+                result = [Synced(r) for r in result]  # sb.processes()
             if inspect.isgenerator(result):
                 return SyncedIter(result)  # `async for` over the sync twin's generator
             return _done(result)

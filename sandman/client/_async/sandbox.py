@@ -19,7 +19,9 @@ from sandman.client import _core, editing
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.editing import EditResult
 from sandman.client.errors import (
+    BadRequest,
     CommandTimeout,
+    ProcessTimeout,
     ProtocolError,
     SandboxGone,
     SandboxUnreachable,
@@ -34,6 +36,9 @@ from sandman.client.models import (
     ExecResult,
     FileContent,
     Health,
+    Lease,
+    ProcessOutput,
+    ProcessStatus,
     ResetResult,
     State,
     WriteResult,
@@ -54,6 +59,14 @@ ENV = Route("ENV", "POST", "/env")
 RESET = Route("RESET", "POST", "/reset")
 STATE = Route("STATE", "GET", "/state")
 CONDITIONS = Route("CONDITIONS", "GET", "/conditions")
+PROCESSES = Route("PROCESSES", "GET", "/processes")
+PROCESS_SPAWN = Route("PROCESS_SPAWN", "POST", "/processes/spawn")
+PROCESS_INFO = Route("PROCESS_INFO", "GET", "/processes/info")
+PROCESS_OUTPUT = Route("PROCESS_OUTPUT", "GET", "/processes/output")
+PROCESS_SIGNAL = Route("PROCESS_SIGNAL", "POST", "/processes/signal")
+PROCESS_WAIT = Route("PROCESS_WAIT", "POST", "/processes/wait")
+# One /processes/wait answers within execd's BG_WAIT_MAX (30 s); wait() asks again.
+PROCESS_WAIT_ROUND_S = 30.0
 
 
 class AsyncSandbox:
@@ -110,9 +123,18 @@ class AsyncSandbox:
             headers={"Authorization": f"Bearer {token}", "User-Agent": _core.USER_AGENT})
 
     @classmethod
-    def connect(cls, address: str, port: int, token: str, **kw: Any) -> AsyncSandbox:
+    def connect(cls, address: str | Lease, port: int | None = None, token: str | None = None,
+                **kw: Any) -> AsyncSandbox:
         """A handle on a running execd with no controller behind it: release() only closes
-        the connections."""
+        the connections. `address` may be an acquire's answer (`Lease`: its address, port,
+        token, id and pod), so a restarted trainer that kept it finds the sandbox again, with
+        its spawned processes (`process(id)`)."""
+        if isinstance(address, Lease):
+            kw.setdefault("id", address.id)
+            kw.setdefault("pod", address.pod)
+            return cls(address.address, address.port, address.token, **kw)
+        if port is None or token is None:
+            raise SandmanError("connect: give address, port and token, or an acquire's Lease")
         return cls(address, port, token, **kw)
 
     def __repr__(self) -> str:
@@ -440,6 +462,39 @@ class AsyncSandbox:
         resp = await self._call(CONDITIONS, params=params, read_s=30.0)
         return Conditions.from_json(_core.decode_json(resp, "conditions"))
 
+    # ---- background processes
+
+    async def spawn(self, command: str, cwd: str | None = None,
+                    env: dict[str, str] | None = None) -> AsyncProcess:
+        """Start `command` (bash -c) beside the shell and return at once with its handle. Its
+        cwd is `cwd` (relative: to the shell's) or the shell's current one; its environment
+        is execd's (with `env()`'s changes) plus `env`. Its output goes to its own pipe,
+        never the shell's: execd keeps the newest 1 MiB. Sent with one request_id for all
+        retries: a lost answer never starts it twice. TooManyProcesses at 16 live."""
+        rid = _core.new_request_id()
+        body = _core.spawn_body(command, cwd, env, rid)
+        resp = await self._call(PROCESS_SPAWN, json=body, read_s=30.0, request_id=rid)
+        return AsyncProcess(self, ProcessStatus.from_json(_core.decode_json(resp, "spawn")))
+
+    async def processes(self) -> list[AsyncProcess]:
+        """Every process spawned since the last reset, oldest first, running or ended."""
+        resp = await self._call(PROCESSES, read_s=30.0)
+        data = _core.decode_json(resp, "processes")
+        items = data.get("processes") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ProtocolError("processes: the answer has no list 'processes'")
+        return [AsyncProcess(self, ProcessStatus.from_json(p)) for p in items]
+
+    async def process(self, id: str) -> AsyncProcess:
+        """The handle of a spawned process by its id (from `Process.id` or `processes()`),
+        from any handle on the same sandbox; ProcessNotFound if it is not this sandbox's or
+        a reset ended it."""
+        return AsyncProcess(self, await self._process_status(id))
+
+    async def _process_status(self, id: str) -> ProcessStatus:
+        resp = await self._call(PROCESS_INFO, params={"id": _core.process_id(id)}, read_s=30.0)
+        return ProcessStatus.from_json(_core.decode_json(resp, "process"))
+
     # ---- transport
 
     async def _call(self, route: Route, *, read_s: float, json: Any = None,
@@ -519,3 +574,65 @@ class AsyncSandbox:
                               status=e.status, type=e.type) from e
         except SandmanError as e:
             log.info("sandbox %s: controller check failed: %s", self.id, e)
+
+class AsyncProcess:
+    """A process started by `AsyncSandbox.spawn()`. Holds only its id: any handle on the
+    sandbox finds it again (`sb.process(id)`), and every method asks execd."""
+
+    def __init__(self, sandbox: AsyncSandbox, status: ProcessStatus) -> None:
+        self.sandbox = sandbox
+        self.id = status.id
+        self.pid = status.pid
+        self.command = status.command
+        self.last = status  # the last status execd sent
+
+    def __repr__(self) -> str:
+        state = "running" if self.last.running else f"exit {self.last.exit_code}"
+        return f"AsyncProcess(id={self.id!r}, pid={self.pid}, {state})"
+
+    async def status(self) -> ProcessStatus:
+        self.last = await self.sandbox._process_status(self.id)
+        return self.last
+
+    async def poll(self) -> int | None:
+        """None while it runs, else its exit status (128 + N when signal N killed it)."""
+        return (await self.status()).exit_code
+
+    async def output(self, since: int = 0) -> ProcessOutput:
+        """Its output from byte offset `since` on (stdout and stderr as printed). execd keeps
+        the newest 1 MiB: if `since` is older, the answer starts at the oldest byte kept and
+        `dropped` says how many were lost. Read on with `since=answer.end`."""
+        if isinstance(since, bool) or not isinstance(since, int) or since < 0:
+            raise BadRequest(f"since must be a byte offset (an int >= 0), not {since!r}")
+        resp = await self.sandbox._call(PROCESS_OUTPUT, read_s=60.0,
+                                        params={"id": self.id, "since": str(since)})
+        return ProcessOutput.from_json(_core.decode_json(resp, "process output"))
+
+    async def signal(self, sig: int | str = "TERM") -> ProcessStatus:
+        """Send `sig` (a number, or a name: "TERM", "SIGKILL"...) to the process and its
+        descendants, and to whatever still carries its tag (children re-parented to execd)."""
+        if isinstance(sig, bool) or not isinstance(sig, (int, str)):
+            raise BadRequest(f"sig must be a signal number or name, not {sig!r}")
+        resp = await self.sandbox._call(PROCESS_SIGNAL, json={"id": self.id, "signal": sig},
+                                        read_s=30.0)
+        self.last = ProcessStatus.from_json(_core.decode_json(resp, "process signal"))
+        return self.last
+
+    async def wait(self, timeout: float | None = None) -> int:
+        """Its exit status once it ended. `timeout` (seconds; None: as long as it runs):
+        ProcessTimeout when it is still running then (it is not killed)."""
+        if timeout is not None:
+            _core.seconds_or_zero("timeout", timeout)
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = PROCESS_WAIT_ROUND_S if deadline is None else max(
+                0.0, deadline - time.monotonic())
+            step = min(left, PROCESS_WAIT_ROUND_S)
+            resp = await self.sandbox._call(PROCESS_WAIT, json={"id": self.id, "timeout": step},
+                                            read_s=step + 30.0)
+            self.last = ProcessStatus.from_json(_core.decode_json(resp, "process wait"))
+            if self.last.exit_code is not None:
+                return self.last.exit_code
+            if deadline is not None and time.monotonic() >= deadline:
+                raise ProcessTimeout(f"process {self.id} ({self.command[:80]!r}) still runs "
+                                     f"after {timeout} s", self.last)
