@@ -1829,6 +1829,7 @@ def write_file(d, req):
 # checked by hand, since tarfile's extraction filters need Python 3.12 or a backport.
 
 TREE_MAX_BYTES = 1 << 30  # whole archive; --max-tree-bytes
+TREE_SHA256_HEADER = "X-Content-SHA256"  # the upload's digest
 TREE_DIGEST_LEN = 64  # the download's trailer: SHA-256 hex of the tar before it
 TREE_STAGING_PREFIX = ".execd-tree-"
 TREE_LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
@@ -2106,9 +2107,9 @@ def tree_write(handler, query):
     if n > cap:
         raise HTTPError(413, "archive over the %d-byte cap (--max-tree-bytes)" % cap,
                         {"close": True})
-    want = (handler.headers.get("X-Content-SHA256") or "").strip().lower()
+    want = (handler.headers.get(TREE_SHA256_HEADER) or "").strip().lower()
     if not _SHA256_HEX.match(want):
-        raise HTTPError(400, "X-Content-SHA256 must be the archive's SHA-256 hex digest",
+        raise HTTPError(400, "%s must be the archive's SHA-256 hex digest" % TREE_SHA256_HEADER,
                         {"close_body": True})
     body = TreeBody(handler, n, d.args.body_timeout, want)
     try:

@@ -530,6 +530,9 @@ class Drained(_Model):
     deleting: int
 
 
+_StatsT = TypeVar("_StatsT", bound="Stats")
+
+
 @dataclass(frozen=True)
 class Stats(_Model):
     """`GET /v1/stats`: the pacer and the pools, for dashboards and the load tests."""
@@ -543,6 +546,16 @@ class Stats(_Model):
     # Per tenant ('' unscoped): queued acquires by role, the oldest one's wait (s), its
     # creating and live pods. Last and defaulted, so positional use keeps its meaning.
     tenants: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    @classmethod
+    def from_json(cls: type[_StatsT], data: Any, **extra: Any) -> _StatsT:
+        what = "stats answer"
+        d = _answer(data, what)
+        return cls(queue_depth=_req(d, "queue_depth", dict, what),
+                   creating=_req(d, "creating", int, what), live=_req(d, "live", int, what),
+                   rate=float(_req(d, "rate", _NUM, what)), warm=_req(d, "warm", dict, what),
+                   jobs=_req(d, "jobs", dict, what),
+                   tenants=_opt(d, "tenants", dict, what) or {}, **extra)
 
 
 @dataclass(frozen=True)

@@ -33,6 +33,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "loadtest.job": ("loadtest.job", "main"),
     "loadtest.report": ("loadtest.report", "main"),
     "sandman.selftest": ("sandman.selftest", "main"),
+    "sandman.client": ("sandman.client.cli", "main"),  # also the `sandman` entry point
     "testbed": ("testbed.__main__", "main"),
     "testbed.demo": ("testbed.demo", "main"),
     "testbed.install": ("testbed.install", "main"),

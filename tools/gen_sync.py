@@ -41,6 +41,7 @@ REPLACEMENTS: list[tuple[str, str]] = [
     (r"\basyncio\.sleep\b", "time.sleep"),
     (r"\bAsyncIterator\b", "Iterator"),
     (r"\baiter_lines\b", "iter_lines"),
+    (r"\baiter_bytes\b", "iter_bytes"),
     (r"\baread\b", "read"),
     (r"\bAsyncBaseTransport\b", "BaseTransport"),
     (r"\bAsyncHTTPTransport\b", "HTTPTransport"),

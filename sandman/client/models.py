@@ -98,6 +98,18 @@ class PoolStatus(api.PoolStatus):
             return super().from_json(data, raw=_raw(data))
 
 
+@dataclass(frozen=True)
+class Stats(api.Stats):
+    """`client.stats()`: the controller's pacer and warm pools at the time of the call."""
+
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Stats:  # type: ignore[override]
+        with _controller_answer():
+            return super().from_json(data, raw=_raw(data))
+
+
 # ---- execd
 
 @dataclass(frozen=True)

@@ -26,7 +26,7 @@ from sandman.client.errors import (
     SandboxGone,
     SandmanError,
 )
-from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo
+from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo, Stats
 
 from .sandbox import AsyncSandbox
 
@@ -175,6 +175,7 @@ class AsyncClient:
                           job=body.job, file_timeout_s=self._file_timeout_s,
                           transport=self._execd_transport, on_request=self._on_request,
                           conditions_check=lease.conditions, _client=self)
+        sb._lease = lease
         with self._lock:
             self._live[lease.id] = sb
         if renew:
@@ -286,6 +287,12 @@ class AsyncClient:
         return n if isinstance(n, int) else 0
 
     # ---- transport
+
+    async def stats(self) -> Stats:
+        """The controller's pacer and pools (`GET /v1/stats`): queue depth per job and per
+        tenant, creates in flight, live pods, the pacing rate, warm pools."""
+        resp = await self._send(api.STATS, read_s=self._timeout_s)
+        return Stats.from_json(_core.decode_json(resp, "stats"))
 
     def _forget(self, sandbox_id: str | None) -> None:
         with self._lock:

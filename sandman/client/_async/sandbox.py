@@ -7,25 +7,30 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
+import tempfile
 import threading
 import time
 from collections.abc import AsyncIterator
-from typing import TYPE_CHECKING, Any
+from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
+from sandman import api
 from sandman.api import Route
-from sandman.client import _core, editing
+from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.editing import EditResult
 from sandman.client.errors import (
     BadRequest,
     CommandTimeout,
+    IntegrityError,
     ProcessTimeout,
     ProtocolError,
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    TreeError,
     Unauthorized,
     WriteConflict,
 )
@@ -41,6 +46,7 @@ from sandman.client.models import (
     ProcessStatus,
     ResetResult,
     State,
+    TreeResult,
     WriteResult,
 )
 
@@ -59,6 +65,8 @@ ENV = Route("ENV", "POST", "/env")
 RESET = Route("RESET", "POST", "/reset")
 STATE = Route("STATE", "GET", "/state")
 CONDITIONS = Route("CONDITIONS", "GET", "/conditions")
+TREE_WRITE = Route("TREE_WRITE", "POST", "/files/tree/write")
+TREE_READ = Route("TREE_READ", "GET", "/files/tree")
 PROCESSES = Route("PROCESSES", "GET", "/processes")
 PROCESS_SPAWN = Route("PROCESS_SPAWN", "POST", "/processes/spawn")
 PROCESS_INFO = Route("PROCESS_INFO", "GET", "/processes/info")
@@ -67,6 +75,18 @@ PROCESS_SIGNAL = Route("PROCESS_SIGNAL", "POST", "/processes/signal")
 PROCESS_WAIT = Route("PROCESS_WAIT", "POST", "/processes/wait")
 # One /processes/wait answers within execd's BG_WAIT_MAX (30 s); wait() asks again.
 PROCESS_WAIT_ROUND_S = 30.0
+
+
+async def _spooled(spool: IO[bytes], size: int) -> AsyncIterator[bytes]:
+    """upload_tree's body: the spooled archive from its start."""
+    spool.seek(0)
+    left = size
+    while left > 0:
+        chunk = spool.read(min(left, _tree.COPY_CHUNK))
+        if not chunk:
+            raise TreeError("upload_tree: the spooled archive shrank while it was sent")
+        left -= len(chunk)
+        yield chunk
 
 
 class AsyncSandbox:
@@ -113,6 +133,7 @@ class AsyncSandbox:
         self._released = False  # the controller confirmed the release (or there is none)
         self.reused: bool | None = None  # after release(reuse=True): back in a warm pool?
         self._gone = False  # the controller said the sandbox no longer exists
+        self._lease: Lease | None = None  # the acquire's answer (its client sets it)
         if transport is None:
             transport = httpx.AsyncHTTPTransport(socket_options=_core.SOCKET_OPTIONS,
                                                  limits=_core.limits(),
@@ -218,6 +239,21 @@ class AsyncSandbox:
         expires after its lifetime: renewing stops here)."""
         self._renew_stop.set()
         await self._http.aclose()
+
+    async def detach(self) -> Lease:
+        """Let the sandbox outlive this handle and its client: closes the connections, stops
+        renewing, and the client no longer releases it at its close. Returns the acquire's
+        answer, which holds execd's token (keep it private): `connect(lease)` finds the
+        sandbox again. It then ends at its lifetime, or at a release by id (`sandman
+        acquire` in the command-line client is built on this)."""
+        if self._lease is None:
+            raise SandmanError("detach: only a sandbox acquired through a client has a lease")
+        with self._lock:
+            self._closed = True
+        if self._client is not None:
+            self._client._forget(self.id)
+        await self.aclose()
+        return self._lease
 
     # ---- the lifetime: renewed in the background while the handle is open
 
@@ -495,6 +531,115 @@ class AsyncSandbox:
         resp = await self._call(PROCESS_INFO, params={"id": _core.process_id(id)}, read_s=30.0)
         return ProcessStatus.from_json(_core.decode_json(resp, "process"))
 
+    # ---- trees (docs/sdk.md, "Trees")
+
+    async def upload_tree(self, local_dir: str | os.PathLike[str], remote_dir: str) -> TreeResult:
+        """Copy the local directory `local_dir` into `remote_dir` in the sandbox (made if
+        missing; what it holds stays unless the archive replaces it) as one streamed tar:
+        regular files, directories and symlinks, file modes (setuid/setgid stripped), mtimes;
+        byte-exact. execd checks every member and the archive's SHA-256 before anything is
+        visible: UnsafeArchive (a member that could land outside), TreeConflict, TreeTooLarge
+        (over execd's --max-tree-bytes, 1 GiB by default), IntegrityError. The tar is spooled
+        to a local temporary file first (memory stays bounded)."""
+        route, path = TREE_WRITE, TREE_WRITE.path
+        start = time.perf_counter()
+        resp: httpx.Response | None = None
+        try:
+            with tempfile.TemporaryFile() as spool:
+                if True:  # ASYNC
+                    size, digest = await asyncio.to_thread(_tree.pack, os.fspath(local_dir),
+                                                           spool)
+                else:
+                    size, digest = _tree.pack(os.fspath(local_dir), spool)
+                headers = {api.TREE_SHA256_HEADER: digest, "Content-Length": str(size),
+                           "Content-Type": "application/x-tar"}
+                attempts = _core.Attempts(self._retry, self._file_timeout_s)
+                tmo = _core.timeout(self._retry, self._file_timeout_s)
+                while True:
+                    if self._closed or self._gone:
+                        raise SandboxGone(f"sandbox {self.id or self.url} was released or is "
+                                          f"gone; {path} not sent")
+                    attempts.start()
+                    try:
+                        # The same archive again is harmless: execd stages it whole each time.
+                        resp = await self._http.post(path, params={"path": remote_dir},
+                                                     content=_spooled(spool, size),
+                                                     headers=headers, timeout=tmo)
+                        break
+                    except _core.RETRYABLE as e:
+                        delay = attempts.delay()
+                        if delay is None:
+                            await self._unreachable(path, e, attempts.n)
+                            raise
+                        await asyncio.sleep(delay)
+            _core.raise_for_execd(resp, path)
+            result = TreeResult.from_json(_core.decode_json(resp, "upload_tree"), remote_dir)
+            if result.sha256 != digest or result.bytes != size:
+                raise IntegrityError(f"upload_tree {remote_dir}: execd extracted {result.bytes} "
+                                     f"bytes with SHA-256 {result.sha256}; sent {size} bytes "
+                                     f"with SHA-256 {digest}")
+        except BaseException as e:
+            _core.report(self._on_request, route, start, resp, e)
+            raise
+        _core.report(self._on_request, route, start, resp, None)
+        return result
+
+    async def download_tree(self, remote_dir: str, local_dir: str | os.PathLike[str], *,
+                            max_bytes: int = api.TREE_MAX_BYTES) -> TreeResult:
+        """Copy the sandbox's directory `remote_dir` into `local_dir` (made if missing; what it
+        holds stays unless the archive replaces it) as one streamed tar, as upload_tree does
+        the other way. The sandbox is not trusted: the archive is spooled to a local temporary
+        file and its SHA-256 checked (IntegrityError), then every member is checked before
+        anything is moved into local_dir (UnsafeArchive: a `..` or absolute name, a symlink
+        leading out or written through, a hard link to outside, a device, a FIFO, a setuid
+        or setgid bit; TreeConflict). `max_bytes` caps the archive (TreeTooLarge)."""
+        route, path = TREE_READ, TREE_READ.path
+        start = time.perf_counter()
+        got = 0
+        try:
+            with tempfile.TemporaryFile() as spool:
+                attempts = _core.Attempts(self._retry, self._file_timeout_s)
+                tmo = _core.timeout(self._retry, self._file_timeout_s)
+                while True:
+                    if self._closed or self._gone:
+                        raise SandboxGone(f"sandbox {self.id or self.url} was released or is "
+                                          f"gone; {path} not sent")
+                    attempts.start()
+                    spool.seek(0)
+                    spool.truncate()
+                    body = _tree.Withheld(spool, max_bytes)
+                    try:
+                        async with self._http.stream("GET", path, params={"path": remote_dir},
+                                                     timeout=tmo) as resp:
+                            if resp.status_code != 200:
+                                await resp.aread()
+                                _core.raise_for_execd(resp, path)
+                            async for chunk in resp.aiter_bytes():
+                                got += len(chunk)
+                                body.feed(chunk)
+                        break
+                    except _core.RETRYABLE as e:  # a read sends nothing: try it whole again
+                        delay = attempts.delay()
+                        if delay is None:
+                            await self._unreachable(path, e, attempts.n)
+                            raise
+                        await asyncio.sleep(delay)
+                if not body.digest_ok():
+                    raise IntegrityError(f"download_tree {remote_dir}: the archive's SHA-256 "
+                                         f"is {body.sha.hexdigest()}, execd's trailer says "
+                                         f"{body.tail.decode('latin-1')!r}; nothing was written")
+                spool.seek(0)
+                if True:  # ASYNC
+                    stats = await asyncio.to_thread(_tree.unpack, spool, os.fspath(local_dir))
+                else:
+                    stats = _tree.unpack(spool, os.fspath(local_dir))
+        except BaseException as e:
+            _core.report(self._on_request, route, start, got, e)
+            raise
+        _core.report(self._on_request, route, start, got, None)
+        return TreeResult(path=os.fspath(local_dir), bytes=body.size,
+                          sha256=body.sha.hexdigest(), **stats)
+
     # ---- transport
 
     async def _call(self, route: Route, *, read_s: float, json: Any = None,
@@ -574,6 +719,7 @@ class AsyncSandbox:
                               status=e.status, type=e.type) from e
         except SandmanError as e:
             log.info("sandbox %s: controller check failed: %s", self.id, e)
+
 
 class AsyncProcess:
     """A process started by `AsyncSandbox.spawn()`. Holds only its id: any handle on the

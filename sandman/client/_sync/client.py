@@ -27,7 +27,7 @@ from sandman.client.errors import (
     SandboxGone,
     SandmanError,
 )
-from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo
+from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo, Stats
 
 from .sandbox import Sandbox
 
@@ -159,6 +159,7 @@ class Client:
                      job=body.job, file_timeout_s=self._file_timeout_s,
                      transport=self._execd_transport, on_request=self._on_request,
                      conditions_check=lease.conditions, _client=self)
+        sb._lease = lease
         with self._lock:
             self._live[lease.id] = sb
         if renew:
@@ -258,6 +259,12 @@ class Client:
         return n if isinstance(n, int) else 0
 
     # ---- transport
+
+    def stats(self) -> Stats:
+        """The controller's pacer and pools (`GET /v1/stats`): queue depth per job and per
+        tenant, creates in flight, live pods, the pacing rate, warm pools."""
+        resp = self._send(api.STATS, read_s=self._timeout_s)
+        return Stats.from_json(_core.decode_json(resp, "stats"))
 
     def _forget(self, sandbox_id: str | None) -> None:
         with self._lock:
