@@ -18,7 +18,10 @@ from .conftest import TOKEN
 
 PATHS = ["/health", "/exec", "/files/read", "/files", "/files/write", "/env", "/reset",
          "/state", "/conditions", "/", "/exec/", "/files?path=x", "/conditions?egress_probe=",
-         "/conditions?egress_probe=127.0.0.1:1", "/%00", "/files?path=%2e%2e/%2e%2e/etc/passwd"]
+         "/conditions?egress_probe=127.0.0.1:1", "/%00", "/files?path=%2e%2e/%2e%2e/etc/passwd",
+         "/processes", "/processes/spawn", "/processes/signal", "/processes/wait",
+         "/processes/info?id=p1-000000000000000000000000", "/processes/output?id=../x&since=-1",
+         "/processes/output?since=" + "9" * 80]
 METHODS = ["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "BREW", "get", ""]
 
 # No letters that could spell a real program, no `$` or backticks: nothing here can run long.
@@ -31,7 +34,8 @@ json_value = st.recursive(json_scalar, lambda c: st.one_of(st.lists(c, max_size=
                                                                            c, max_size=3)),
                           max_leaves=6)
 field_names = st.sampled_from(["command", "timeout", "max_output", "request_id", "path",
-                               "data_b64", "mode", "if_sha256", "set", "unset", "workspace"])
+                               "data_b64", "mode", "if_sha256", "set", "unset", "workspace",
+                               "id", "signal", "env", "cwd"])
 
 
 @st.composite

@@ -117,6 +117,7 @@ def test_flood_keeps_execd_small_and_the_shell_free(execd):
     spawn(execd, "true")  # the reader thread exists before the baseline
     time.sleep(0.3)
     before = execd.rss_kib()
+    others = [spawn(execd, "cat /dev/zero") for _ in range(3)]
     flood = spawn(execd, "cat /dev/zero")
     fg = []
     while info(execd, flood["id"])["output_bytes"] < 200 << 20 or len(fg) < 3:
@@ -126,13 +127,15 @@ def test_flood_keeps_execd_small_and_the_shell_free(execd):
         time.sleep(0.05)
     assert info(execd, flood["id"])["running"], "the flood must still run: the test saw it all"
     grown = execd.rss_hwm_kib() - before
-    # The ring (1 MiB) and one read (1 MiB), plus allocator slack; never the 200 MiB.
-    assert grown < 24 << 10, f"execd grew {grown} KiB while 200 MiB were printed"
+    # Four rings (1 MiB each) and a read (1 MiB) each, plus allocator slack; never the 800 MiB.
+    assert grown < 24 << 10, f"execd grew {grown} KiB while 4 x 200 MiB were printed"
     obj, data = output(execd, flood["id"])
     assert len(data) == RING and set(data) == {0} and obj["dropped"] > 100 << 20
     r = execd.post("/processes/signal", {"id": flood["id"], "signal": "KILL"})
     assert r.status_code == 200
     assert wait(execd, flood["id"])["signal"] == 9
+    for o in others:
+        assert execd.post("/processes/signal", {"id": o["id"], "signal": "KILL"}).is_success
 
 
 def test_signal_reaches_the_process_and_its_tree(execd):
@@ -278,3 +281,40 @@ def test_wait_returns_at_its_timeout_while_it_runs(execd):
     r = wait(execd, p["id"], timeout=0.3)
     assert r["running"] and r["exit_code"] is None
     assert time.monotonic() - t0 < 10  # a hang check, not a speed target
+
+
+def test_ended_outputs_beyond_the_budget_are_dropped_oldest_first(execd):
+    budget, ring = execd_mod.BG_OUTPUT_BUDGET, RING
+    ids = []
+    for _ in range(budget // ring + 4):
+        p = spawn(execd, f"head -c {ring} /dev/urandom")
+        assert wait(execd, p["id"])["exit_code"] == 0
+        assert wait_for(lambda i=p["id"]: not info(execd, i)["output_open"], 10)
+        ids.append(p["id"])
+    kept = []
+    for i in ids:
+        obj, data = output(execd, i)
+        assert obj["end"] == ring and obj["start"] + len(data) == ring
+        assert obj["dropped"] == obj["start"]  # said, never hidden
+        kept.append(len(data))
+    assert sum(kept) <= budget
+    assert kept[0] == 0 and kept[-1] == ring  # the oldest went first
+
+
+def test_reset_kills_an_escapee_without_the_tag(execd):
+    # Drops the environment (and so the tag), leaves the session, double-forks: execd is
+    # still its ancestor (subreaper), so /reset finds it; signal() cannot (docs/execd.md).
+    p = spawn(execd, "env -i setsid sh -c 'sleep 307 & exec sleep 308' & sleep 0.2; echo ok")
+    assert wait(execd, p["id"])["exit_code"] == 0
+    gone = [q for q in descendants(execd.pid) if alive(q) and q != execd.shell_pid()]
+    assert len(gone) >= 2
+    assert execd.post("/reset", {}).json()["ok"]
+    assert not [q for q in gone if alive(q)]
+
+
+def test_stdin_is_empty_and_the_token_hash_is_not_passed(execd):
+    p = spawn(execd, 'read -r x; echo "rc=$?"; env')
+    wait(execd, p["id"])
+    out = output(execd, p["id"])[1]
+    assert out.startswith(b"rc=1\n")
+    assert b"SANDMAN_TOKEN_SHA256" not in out and b"__SANDMAN_CALL=" in out
