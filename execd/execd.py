@@ -2935,7 +2935,9 @@ class Baseline(object):
                     # clean, and only then a shell starts, from the binary whose hash the
                     # baseline recorded. Any failure retires this execd (no shell starts again,
                     # the controller deletes the pod).
+                    d.bg.hold()
                     left = self._restore_processes()
+                    d.bg.reset()
                     d.base_env = dict(self.base_env)
                     d.reaper.reap()
                     left += self._restore_files()
@@ -3269,6 +3271,7 @@ class Background(object):
         self.closing = []  # fds the reader thread closes (it alone polls them)
         self.wake = None  # (r, w): a pipe that wakes the reader; made by the first spawn
         self.thread = None
+        self.held = False  # a restore is killing the old holder's processes: no spawn
 
     # ---- requests
 
@@ -3309,8 +3312,10 @@ class Background(object):
                 signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
         d.reaper.reap()  # an exited process still unreaped is not live
         with self.lock:
-            if d.resetting:
-                raise HTTPError(409, "a reset is running; spawn after it")
+            if d.retired:
+                raise HTTPError(503, "retired: %s" % d.retired, {"retired": True})
+            if d.resetting or self.held:
+                raise HTTPError(409, "a reset or restore is running; spawn after it")
             # A retry of a spawn whose answer was lost: the same process, never a second one.
             known = self.procs.get(self.rids.get(rid)) if rid is not None else None
             if known is not None:
@@ -3477,9 +3482,16 @@ class Background(object):
                 out.add(pid)
         return out
 
-    def reset(self):
-        """After /reset killed the sandbox: forget every handle (ids stay unused)."""
+    def hold(self):
+        """No spawn until reset(): /restore kills the old holder's processes meanwhile."""
         with self.lock:
+            self.held = True
+
+    def reset(self):
+        """After /reset or /restore killed the sandbox: forget every handle (ids stay unused),
+        so a next holder never sees the last one's commands or output."""
+        with self.lock:
+            self.held = False
             with self.d.reaper.lock:
                 for p in self.procs.values():
                     self.d.reaper.procs.pop(p.pid, None)

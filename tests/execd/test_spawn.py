@@ -318,3 +318,26 @@ def test_stdin_is_empty_and_the_token_hash_is_not_passed(execd):
     out = output(execd, p["id"])[1]
     assert out.startswith(b"rc=1\n")
     assert b"SANDMAN_TOKEN_SHA256" not in out and b"__SANDMAN_CALL=" in out
+
+
+def test_restore_kills_and_forgets_the_last_holders_processes(execd_factory, tmp_path):
+    """A reused grading pod: the next holder must not see the last one's commands or output,
+    nor find its processes running."""
+    ws, etc, store = tmp_path / "ws", tmp_path / "etc", tmp_path / "store"
+    ws.mkdir()
+    etc.mkdir()
+    (etc / "hosts").write_text("127.0.0.1 localhost\n")
+    d = execd_factory("--workspace", str(ws), "--kill-grace", "0.5",
+                      "--baseline-at-start", "on", "--baseline-store", str(store),
+                      "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
+                      "--baseline-localtime", str(etc / "localtime"))
+    p = spawn(d, "echo last-holders-secret; setsid sleep 309 & sleep 310")
+    assert wait_for(lambda: b"secret" in output(d, p["id"])[1], 10)
+    r = d.post("/restore", {})
+    assert r.status_code == 200 and r.json()["restored"], r.text
+    assert d.get("/processes").json()["processes"] == []
+    error_of(d.get("/processes/output", params={"id": p["id"]}), 404)
+    assert not alive(p["pid"])
+    assert d.others() == []
+    q = spawn(d, "echo next")  # spawns work again after it
+    assert wait(d, q["id"])["exit_code"] == 0
