@@ -4,4 +4,5 @@ import sys
 
 from sandman.client.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # importing every module of the package must run nothing
+    sys.exit(main())
