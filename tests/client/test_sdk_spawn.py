@@ -27,7 +27,7 @@ from sandman.client import (
     Unauthorized,
 )
 
-from .conftest import FAST_RETRY, Execd, Flavor, Synced, start_execd
+from .conftest import FAST_RETRY, CutProxy, Execd, Flavor, Synced, start_execd
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -194,3 +194,21 @@ def test_a_fresh_execd_is_not_shared(tmp_path) -> None:
     finally:
         a.stop()
         b.stop()
+
+
+@pytest.mark.parametrize("cut", ["after_answer", "before_answer"])
+def test_a_spawn_whose_answer_was_lost_starts_once(flavor: Flavor, execd: Execd,
+                                                   proxy: CutProxy, tmp_path, cut: str) -> None:
+    log = tmp_path / "spawned.log"
+    proxy.plan.append((cut, "/processes/spawn"))
+
+    async def body():
+        async with flavor.connect(execd, port=proxy.port) as sb:
+            p = await sb.spawn(f"echo ran >> {log}")
+            assert await p.wait(timeout=20) == 0
+
+    flavor.run(body)
+    sent = proxy.requests_to("/processes/spawn")
+    assert len(sent) == 2, "the first attempt was cut, so the SDK must have retried"
+    assert sent[0].json()["request_id"] == sent[1].json()["request_id"]
+    assert log.read_text() == "ran\n"
