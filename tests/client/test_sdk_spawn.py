@@ -5,6 +5,7 @@ errors for foreign or forged ids and for the live cap, and a handle found again 
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
 import select
@@ -122,36 +123,36 @@ def test_live_cap_is_a_typed_error(flavor: Flavor, fresh_execd: Execd) -> None:
 
 
 TRAINER = """
-import sys, time
+import json, sys, time
 from sandman.client import Sandbox
-sb = Sandbox.connect(sys.argv[1], int(sys.argv[2]), sys.argv[3])
+sb = Sandbox.connect(sys.argv[1], int(sys.argv[2]), sys.argv[3], id="sb-test", pod="pod-test")
 p = sb.spawn("i=0; while [ $i -lt 100000 ]; do echo line-$i; i=$((i+1)); sleep 0.01; done")
-print(p.id, flush=True)
+print(json.dumps({"id": p.id, "lease": sb.lease().to_json()}), flush=True)
 time.sleep(300)
 """
 
 
-def _spawn_from_a_killed_trainer(ex: Execd) -> str:
-    """A separate trainer process spawns, prints the id, and is SIGKILLed."""
+def _spawn_from_a_killed_trainer(ex: Execd) -> tuple[str, Lease]:
+    """A separate trainer process spawns, prints the id and its lease (as a trainer would
+    save them), and is SIGKILLed."""
     child = subprocess.Popen([sys.executable, "-c", TRAINER, ex.address, str(ex.port), ex.token],
                              stdout=subprocess.PIPE, cwd=REPO, start_new_session=True)
     try:
         ready, _, _ = select.select([child.stdout], [], [], 60)
         assert ready, "the trainer printed no id"
-        pid_id = child.stdout.readline().decode().strip()
-        assert pid_id
+        saved = json.loads(child.stdout.readline())
     finally:
         child.kill()
         child.wait(10)
         child.stdout.close()
     assert child.returncode == -signal.SIGKILL
-    return pid_id
+    assert saved["lease"]["token"] == ex.token
+    return saved["id"], Lease.from_json(saved["lease"])
 
 
 def test_reattach_after_the_trainer_was_killed(flavor: Flavor, fresh_execd: Execd) -> None:
-    pid_id = _spawn_from_a_killed_trainer(fresh_execd)
-    lease = Lease.from_json({"id": "sb-test", "pod": "pod-test", "address": fresh_execd.address,
-                             "port": fresh_execd.port, "token": fresh_execd.token})
+    pid_id, lease = _spawn_from_a_killed_trainer(fresh_execd)
+    assert "token" not in repr(lease) and fresh_execd.token not in repr(lease)
 
     async def body():
         if flavor.is_async:

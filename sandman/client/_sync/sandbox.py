@@ -115,6 +115,7 @@ class Sandbox:
         self.warm = warm
         self.timings = timings or AcquireTimings()
         self.url = _core.execd_url(address, port)
+        self._token = token  # for lease() only; never in repr() or logs
         self._retry = retry or RetryPolicy()
         self._file_timeout_s = file_timeout_s
         self._client = _client
@@ -146,12 +147,22 @@ class Sandbox:
         token, id and pod), so a restarted trainer that kept it finds the sandbox again, with
         its spawned processes (`process(id)`)."""
         if isinstance(address, Lease):
-            kw.setdefault("id", address.id)
-            kw.setdefault("pod", address.pod)
+            kw.setdefault("id", address.id or None)
+            kw.setdefault("pod", address.pod or None)
             return cls(address.address, address.port, address.token, **kw)
         if port is None or token is None:
             raise SandmanError("connect: give address, port and token, or an acquire's Lease")
         return cls(address, port, token, **kw)
+
+    def lease(self) -> Lease:
+        """What `connect()` needs to reach this sandbox again from another process (a trainer
+        restarted after a crash): address, port, token, id, pod, lifetime. It holds the
+        execd token: keep `lease().to_json()` as a secret; `Lease.from_json()` reads it back.
+        Its spawned processes are found again with `process(id)`."""
+        return Lease(id=self.id or "", pod=self.pod or "", address=self.address, port=self.port,
+                     token=self._token, warm=self.warm, timings=self.timings,
+                     expires_at=self.expires_at, lifetime_s=self.lifetime_s,
+                     conditions=self.conditions_check)
 
     def __repr__(self) -> str:
         state = "released" if self._closed else "live"
