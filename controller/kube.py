@@ -91,6 +91,11 @@ class Kube(Protocol):
     def informer(self, loop: asyncio.AbstractEventLoop,
                  on_event: Callable[[str, Any], None]) -> Informer: ...
 
+    def event_watches(self, loop: asyncio.AbstractEventLoop,
+                      on_event: Callable[..., None]) -> list[Any]:
+        """The capacity signals' event watches (controller/events.py); each has start/stop."""
+        ...
+
 
 class KubeClient:
     """`Kube` on the real API server (plus `call`, `api` and `ns` for the leader's Lease)."""
@@ -151,6 +156,12 @@ class KubeClient:
     def informer(self, loop: asyncio.AbstractEventLoop,
                  on_event: Callable[[str, Any], None]) -> PodInformer:
         return PodInformer(self, loop, on_event)
+
+    def event_watches(self, loop: asyncio.AbstractEventLoop,
+                      on_event: Callable[..., None]) -> list[Any]:
+        from controller import events
+
+        return list(events.watches(self.core, self.ns, loop, on_event))
 
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         try:

@@ -130,6 +130,7 @@ class Pipeline:
                 fail(e, PodFailed(f"pod {e.name} {why}", events))
                 return
             e.timings["ready_ms"] = ms(time.monotonic() - e.t_created)
+            metrics.create_to_ready(e.spec.role, time.monotonic() - e.t_created)
             if e.stage is S.STARTING_ORPHANED:
                 await self._park_or_delete(e)
             elif e.warm_build:

@@ -55,6 +55,27 @@ LAUNCHER = (
 )
 
 
+def bytecode_path(src: str):
+    """importlib.util.cache_from_source(src) for this interpreter (its cache tag, -O level and
+    pycache prefix), or None when it caches no bytecode. Written out because importing
+    importlib.util (and contextlib with it) is CPU on netguard's hot path, paid under the
+    sandbox's quota at every guarded start; tests/execd/test_install.py holds the two equal."""
+    tag = sys.implementation.cache_tag
+    if tag is None:
+        return None
+    base = os.path.basename(src)
+    name = base.rpartition(".")[0] or base
+    opt = sys.flags.optimize
+    filename = name + "." + tag + (".opt-" + str(opt) if opt else "") + ".pyc"
+    head = os.path.dirname(src)
+    prefix = getattr(sys, "pycache_prefix", None)
+    if prefix is None:
+        return os.path.join(head, "__pycache__", filename)
+    if not os.path.isabs(head):
+        head = os.path.join(os.getcwd(), head)
+    return os.path.join(prefix, head.lstrip(os.sep), filename)
+
+
 def _put(data: bytes, dst: str, mtime_of: str = "") -> None:
     """Write `data` to dst through a temporary name beside it, read-only, then rename it into
     place (a reader sees the old file or the new one). The temporary file is created new, never
@@ -88,10 +109,8 @@ def install(directory: str) -> list:
     daemon = os.path.join(directory, DAEMON + ".py")
     _put(_read(src), daemon, mtime_of=src)
     written.append(daemon)
-    import importlib.util  # only here: netguard's hot path pays it once, after the guard
-
-    pyc = importlib.util.cache_from_source(src)
-    if os.path.exists(pyc):
+    pyc = bytecode_path(src)
+    if pyc is not None and os.path.exists(pyc):
         cache = os.path.join(directory, "__pycache__")
         os.makedirs(cache, exist_ok=True)
         dst = os.path.join(cache, f"{DAEMON}.{sys.implementation.cache_tag}.pyc")

@@ -78,14 +78,35 @@ def _given(args: argparse.Namespace) -> bool:
                          "ingress_from_gateway"))
 
 
+class _Formatter(argparse.HelpFormatter):
+    """argparse's own, sized without shutil: argparse builds a formatter for every
+    add_argument, and its default width imports shutil (with fnmatch, bz2 and lzma), CPU on
+    the guard's hot path under the sandbox's quota. The width is what shutil would find."""
+
+    def __init__(self, prog: str, **kw) -> None:
+        if kw.get("width") is None:
+            try:
+                columns = int(os.environ["COLUMNS"])
+            except (KeyError, ValueError):
+                columns = 0
+            if columns <= 0:
+                try:
+                    columns = os.get_terminal_size(1).columns
+                except (ValueError, OSError):
+                    columns = 80
+            kw["width"] = columns - 2
+        super().__init__(prog, **kw)
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="netguard", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="netguard", description=__doc__.splitlines()[0],
+                                formatter_class=_Formatter)
     sub = p.add_subparsers(dest="cmd", required=True)
-    log = argparse.ArgumentParser(add_help=False)
+    log = argparse.ArgumentParser(add_help=False, formatter_class=_Formatter)
     log.add_argument("--log-format", choices=("text", "json"), default="text",
                      help="json: each line one object (time, level, logger, message)")
 
-    a = sub.add_parser("apply", parents=[log], help="install the rules in this netns, verify them, write status")
+    a = sub.add_parser("apply", parents=[log], formatter_class=_Formatter, help="install the rules in this netns, verify them, write status")
     _ruleset_args(a)
     a.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto",
                    help="iptables backend; auto: whichever has rules in this netns, else nft")
@@ -101,14 +122,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="once the guard is in place, install execd into DIR (execd/install.py):"
                         " a sandbox's one injected init container does both")
 
-    r = sub.add_parser("render", parents=[log], help="print the restore input, touching nothing")
+    r = sub.add_parser("render", parents=[log], formatter_class=_Formatter, help="print the restore input, touching nothing")
     _ruleset_args(r)
     r.add_argument("--family", choices=FAMILIES + ("all",), default="all")
     r.add_argument("--live", action="store_true",
                    help="render what apply would send here (reads, never writes, the kernel)")
     r.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
 
-    c = sub.add_parser("check", parents=[log], help="do the live rules match the ruleset? exit 0/1")
+    c = sub.add_parser("check", parents=[log], formatter_class=_Formatter, help="do the live rules match the ruleset? exit 0/1")
     _ruleset_args(c)
     c.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
     c.add_argument("--status-file", default=NETGUARD_STATUS_PATH,

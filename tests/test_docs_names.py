@@ -171,7 +171,7 @@ OTHER_TOOLS = {
     "--clusterrole": "kubectl create rolebinding", "--serviceaccount": "kubectl create ...",
     "--dry-run": "kubectl", "--from": "kubectl create job", "--from-file": "kubectl create",
     "--ignore-not-found": "kubectl delete", "--for": "kubectl wait", "--timeout": "kubectl wait",
-    "--audience": "kubectl create token",
+    "--audience": "kubectl create token", "--field-selector": "kubectl get",
     # helm
     "--wait": "helm install/upgrade/uninstall; iptables -w", "--force": "helm upgrade",
     "--reuse-values": "helm upgrade", "--no-hooks": "helm uninstall", "--logs": "helm test",

@@ -198,7 +198,10 @@ def test_webhook_ha_defaults(helm):
 UNNAMED_OK = [(["authentication.k8s.io"], ["tokenreviews"]),
               (["authorization.k8s.io"], ["subjectaccessreviews"]),
               ([contract.DOMAIN], ["sandboxes"]), ([contract.DOMAIN], ["sandboxes/prewarm"]),
-              ([contract.DOMAIN], ["sandboxes/stats"])]
+              ([contract.DOMAIN], ["sandboxes/stats"]),
+              # The capacity signals' event watch (other tenants' pod-address failures):
+              # read-only, checked below.
+              ([""], ["events"])]
 
 
 def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
@@ -217,6 +220,8 @@ def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
                     if not rule.get("resourceNames"):
                         assert (rule["apiGroups"], rule["resources"]) in UNNAMED_OK, (
                             case, obj["metadata"]["name"], rule)
+                    if rule["resources"] == ["events"]:
+                        assert set(rule["verbs"]) <= {"list", "watch"}, (case, rule)
 
 
 def _not_hooks(objs: list[dict]) -> list[dict]:
@@ -593,7 +598,8 @@ def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     assert "--auth=kubernetes" in args and f"--auth-audience={A.DEFAULT_AUDIENCE}" in args
     rules = {r["resources"][0]: r["verbs"] for r in _find(objs, "ClusterRole",
                                                           f"-controller-{NAMESPACE}")["rules"]}
-    assert rules == {"tokenreviews": ["create"], "subjectaccessreviews": ["create"]}
+    assert rules == {"tokenreviews": ["create"], "subjectaccessreviews": ["create"],
+                     "events": ["list", "watch"]}  # read-only: the capacity signals
     crb = _find(objs, "ClusterRoleBinding", f"-controller-{NAMESPACE}")
     assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
     user = _find(objs, "ClusterRole", "sandman-user")["rules"]

@@ -215,3 +215,6 @@ class FakeKube:
 
     def informer(self, loop, on_event) -> FakeInformer:
         return FakeInformer(self, loop, on_event)
+
+    def event_watches(self, loop, on_event) -> list:
+        return []  # the event signals are tested against the real API (test_capacity_signals)

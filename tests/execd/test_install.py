@@ -9,6 +9,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from execd import install
 
 REPO = Path(__file__).resolve().parents[2]
@@ -57,3 +59,25 @@ def test_the_command_line_says_what_is_wrong_in_one_line(tmp_path):
     assert "cannot install into" in p.stderr
     p = _run(str(tmp_path))
     assert p.returncode == 0 and (tmp_path / "execd.py").is_file(), p.stderr
+
+
+@pytest.mark.parametrize("flags,prefix,src", [
+    ([], None, "/opt/x/execd.py"), (["-O"], None, "/opt/x/execd.py"),
+    (["-OO"], None, "/opt/x/execd.py"), ([], "/tmp/pfx", "/opt/x/execd.py"),
+    (["-O"], "/tmp/pfx", "rel/dir/execd.py"), ([], None, "/a.b/execd.py"),
+])
+def test_bytecode_path_is_what_importlib_would_use(flags, prefix, src):
+    """install's bytecode_path against importlib.util.cache_from_source, in an interpreter
+    with each setting it reads (the -O level, the pycache prefix, a relative path)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    if prefix:
+        env["PYTHONPYCACHEPREFIX"] = prefix
+    code = ("import sys, importlib.util, execd.install as i\n"
+            f"src = {src!r}\n"
+            "print(i.bytecode_path(src) == importlib.util.cache_from_source(src),"
+            " i.bytecode_path(src))")
+    out = subprocess.run([sys.executable, *flags, "-c", code], env=env, capture_output=True,
+                         text=True, timeout=60, check=True,
+                         cwd=os.path.dirname(os.path.dirname(os.path.dirname(
+                             os.path.abspath(__file__))))).stdout.split()
+    assert out[0] == "True", out

@@ -85,3 +85,33 @@ def test_utc_now_spells_time_as_datetime_does():
     assert before.replace(microsecond=before.microsecond // 1000 * 1000) <= parsed <= after
     assert len(got) == len(before.isoformat(timespec="milliseconds")) and got.endswith("+00:00")
     assert utc_now("Z").endswith("Z") and dt.datetime.fromisoformat(utc_now("Z")[:-1])
+
+
+def test_parsing_and_installing_import_no_shutil_nor_importlib_util(tmp_path):
+    """argparse's default formatter imports shutil (fnmatch, bz2, lzma) at the first
+    add_argument, and execd's install used importlib.util: both were CPU on every guarded
+    start. The guard's own formatter and the install's bytecode_path keep them out."""
+    code = ("import sys, netguard.cli, execd.install\n"
+            "a = netguard.cli.build_parser().parse_args(['apply', '--egress', 'deny'])\n"
+            f"execd.install.install({str(tmp_path)!r})\n"
+            "print(sorted(m for m in ('shutil', 'fnmatch', 'bz2', 'lzma', 'importlib.util')"
+            " if m in sys.modules))")
+    # -S: the modules from this checkout only (the dev venv's editable-install finder, run
+    # by site, imports importlib.util and fnmatch itself; no pod has it).
+    out = subprocess.run([sys.executable, "-S", "-c", code], capture_output=True, text=True,
+                         check=True, timeout=60, cwd=Path(__file__).resolve().parents[2])
+    assert out.stdout.strip() == "[]", out.stderr
+    assert (tmp_path / "execd.py").exists()
+
+
+def test_the_guards_help_is_as_wide_as_argparses(monkeypatch):
+    import argparse
+
+    from netguard.cli import _Formatter
+
+    for cols in ("100", "0", "junk", None):
+        if cols is None:
+            monkeypatch.delenv("COLUMNS", raising=False)
+        else:
+            monkeypatch.setenv("COLUMNS", cols)
+        assert _Formatter("p")._width == argparse.HelpFormatter("p")._width, cols

@@ -1,0 +1,254 @@
+"""Capacity signals from the kubelet's events (docs/metrics.md, docs/operations.md "Alerts").
+
+Two read-only event watches, narrowed by field selectors so the API server sends only what is
+counted (the paper's co-tenant ramp saw ~800 sandbox-failure events a minute; every other pod
+event of the cluster would be far more):
+
+- cluster-wide, `reason=FailedCreatePodSandBox` on pods: how the network plugin reports a pod
+  address it could not assign (19-25% of the ramp's pods in one window; 813/min of other
+  tenants' events while the ramp ran, 311 idle). Counted with `scope` `sandman` when the pod is
+  one this controller created (its uid, from the books' entries, never a name or a label,
+  which anyone can copy), else `other`;
+- in the sandbox namespace, `reason=Pulled` on sandman's pods: the pull time in the kubelet's
+  message (a create that pulls took 17.4 s at the median against 4.1 s with the image present).
+
+An event object is counted once per occurrence: Kubernetes aggregates repeats into one object
+whose `count` grows, so `Seen` keeps the last count per event uid (bounded, oldest forgotten
+first) and a re-list adds nothing. The first list of each watch only primes `Seen`: those
+events happened before this leader watched, and counting them at once would fire the alerts on
+every restart or failover.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import math
+import re
+import threading
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any
+
+from kubernetes import client
+from kubernetes.watch.watch import iter_resp_lines
+
+from controller import metrics
+
+log = logging.getLogger("controller.events")
+
+REASON_SANDBOX_FAILED = "FailedCreatePodSandBox"
+REASON_PULLED = "Pulled"
+# Event uids remembered for the dedupe: events live one hour (the API server's default TTL);
+# at the ramp's peak of ~1,400 failure events a minute, 65,536 covers ~45 minutes of distinct
+# objects in ~10 MB. Forgetting the oldest can only recount an event still being aggregated.
+SEEN_CAP = 65536
+# Pod uids of this controller's pods (uid -> role), for pods deleted since their event.
+OWN_CAP = 65536
+MESSAGE_CAP = 4096  # a longer message is not the kubelet's pull message: ignored unparsed
+PULL_MAX_S = 86400.0  # a pull "longer" than a day is a forged or broken message: ignored
+
+# The kubelet: 'Successfully pulled image "x" in 3.2s (3.2s including waiting)', older ones
+# 'Successfully pulled image "x" in 3.204843s', newer ones append '. Image size: N bytes.'
+# The duration is Go's time.Duration text: up to 4 parts of number + unit.
+_UNITS = {"h": 3600.0, "m": 60.0, "s": 1.0, "ms": 1e-3, "us": 1e-6, "µs": 1e-6, "ns": 1e-9}
+_PART = r"\d{1,12}(?:\.\d{1,12})?(?:ms|us|µs|ns|h|m|s)"
+_PULLED = re.compile(r'Successfully pulled image "[^"\n]{1,2048}" in ((?:' + _PART
+                     + r'){1,4})(?= \(|\. |\.?$)')
+_PARTS = re.compile(r"(\d{1,12}(?:\.\d{1,12})?)(ms|us|µs|ns|h|m|s)")
+
+
+def pull_seconds(message: object) -> float | None:
+    """The pull time in a kubelet `Pulled` message (without its wait in the pull queue), or None
+    for anything else: 'already present', odd, forged or absurd messages are ignored."""
+    if not isinstance(message, str) or len(message) > MESSAGE_CAP:
+        return None
+    m = _PULLED.match(message)
+    if m is None:
+        return None
+    total = sum(float(n) * _UNITS[u] for n, u in _PARTS.findall(m.group(1)))
+    if not math.isfinite(total) or total < 0 or total > PULL_MAX_S:
+        return None
+    return total
+
+
+def occurrences(ev: dict) -> int:
+    """How many times the event object says it happened: `count` (core/v1), else
+    `series.count` (events.k8s.io), else 1; anything not a sane integer counts as 1."""
+    for n in (ev.get("count"), (ev.get("series") or {}).get("count")):
+        if isinstance(n, int) and not isinstance(n, bool) and 1 <= n <= 10**9:
+            return n
+    return 1
+
+
+class Seen:
+    """Last count per event uid, at most `cap` uids (the least recently seen forgotten)."""
+
+    def __init__(self, cap: int = SEEN_CAP):
+        self.cap = cap
+        self._last: OrderedDict[str, int] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._last)
+
+    def new(self, uid: str, count: int) -> int:
+        """Occurrences of this event not counted yet (0 for a repeat or a re-list)."""
+        last = self._last.pop(uid, 0)
+        self._last[uid] = max(last, count)
+        while len(self._last) > self.cap:
+            self._last.popitem(last=False)
+        return max(0, count - last)
+
+    def forget(self, uid: str) -> None:
+        self._last.pop(uid, None)
+
+
+def slim_event(ev: dict) -> dict:
+    """The fields counted, nothing else (the watch thread drops the rest before the loop)."""
+    meta = ev.get("metadata") or {}
+    obj = ev.get("involvedObject") or {}
+    msg = ev.get("message")
+    return {"uid": str(meta.get("uid") or ""), "reason": ev.get("reason"),
+            "count": occurrences(ev),
+            "kind": obj.get("kind"), "namespace": obj.get("namespace"), "pod_uid": obj.get("uid"),
+            "message": msg if isinstance(msg, str) and len(msg) <= MESSAGE_CAP else None}
+
+
+class CapacitySignals:
+    """Counts the events the two watches deliver into controller/metrics.py; runs on the loop."""
+
+    def __init__(self, namespace: str, seen_cap: int = SEEN_CAP, own_cap: int = OWN_CAP):
+        self.ns = namespace
+        self.seen = Seen(seen_cap)
+        self.own_cap = own_cap
+        self._own: OrderedDict[str, str] = OrderedDict()  # pod uid -> role
+
+    def remember(self, pod_uid: str, role: str) -> None:
+        """A pod this controller created (or adopted from its books) has this uid."""
+        self._own.pop(pod_uid, None)
+        self._own[pod_uid] = role
+        while len(self._own) > self.own_cap:
+            self._own.popitem(last=False)
+
+    def is_own(self, ev: dict) -> bool:
+        return (ev.get("kind") == "Pod" and ev.get("namespace") == self.ns
+                and isinstance(ev.get("pod_uid"), str) and ev["pod_uid"] in self._own)
+
+    def on_event(self, kind: str, obj: Any, prime: bool = False) -> None:
+        """`kind`: SYNC (a list; `prime`: the watch's first one), ADDED, MODIFIED, DELETED."""
+        if kind == "SYNC":
+            for ev in obj:
+                self._count(ev, prime)
+        elif kind == "DELETED":  # expired: its uid never comes back
+            self.seen.forget(obj.get("uid") or "")
+        elif kind in ("ADDED", "MODIFIED"):
+            self._count(obj, False)
+
+    def _count(self, ev: dict, prime: bool) -> None:
+        uid = ev.get("uid")
+        if not uid or ev.get("kind") != "Pod":
+            return
+        n = self.seen.new(uid, ev.get("count") or 1)
+        if n <= 0 or prime:
+            return
+        if ev.get("reason") == REASON_SANDBOX_FAILED:
+            metrics.pod_address_failures("sandman" if self.is_own(ev) else "other", n)
+        elif ev.get("reason") == REASON_PULLED and self.is_own(ev):
+            secs = pull_seconds(ev.get("message"))
+            if secs is not None:
+                metrics.IMAGE_PULL_SECONDS.observe(secs)
+
+
+class EventWatch:
+    """List + watch of core/v1 events with a field selector, in a thread; `on_event(kind, ev,
+    prime)` runs on the loop with slim events (`slim_event`). Resumed from the last
+    resourceVersion, relisted on 410; a refusal (403: the RBAC was not granted) is logged and
+    retried every minute, never fatal: the signals are advice, the acquires do not need them."""
+
+    RETRY_S = 1.0
+    FORBIDDEN_RETRY_S = 60.0
+
+    def __init__(self, core: client.CoreV1Api, loop: asyncio.AbstractEventLoop,
+                 on_event: Callable[..., None], field_selector: str,
+                 namespace: str | None = None):
+        self.core = core
+        self.loop = loop
+        self.on_event = on_event
+        self.selector = field_selector
+        self.ns = namespace  # None: every namespace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True,
+                                        name=f"event-watch-{'ns' if namespace else 'all'}")
+        # Set after the first list was delivered, or failed: what happened before is primed.
+        self.listed = asyncio.Event()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _list(self, **kw: Any) -> Any:
+        kw.update(field_selector=self.selector, _preload_content=False)
+        if self.ns is None:
+            return self.core.list_event_for_all_namespaces(**kw)
+        return self.core.list_namespaced_event(self.ns, **kw)
+
+    def _emit(self, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(self.on_event, *args)
+
+    def _run(self) -> None:
+        rv = None
+        first = True
+        while not self._stop.is_set():
+            resp = None
+            try:
+                if rv is None:
+                    lst = json.loads(self._list(_request_timeout=60).data)
+                    rv = lst["metadata"]["resourceVersion"]
+                    self._emit("SYNC", [slim_event(e) for e in lst.get("items") or []], first)
+                    if first:
+                        first = False
+                        self.loop.call_soon_threadsafe(self.listed.set)
+                resp = self._list(resource_version=rv, watch=True, timeout_seconds=60,
+                                  allow_watch_bookmarks=True, _request_timeout=90)
+                for line in iter_resp_lines(resp):
+                    if self._stop.is_set():
+                        return
+                    ev = json.loads(line)
+                    obj = ev.get("object") or {}
+                    if ev.get("type") == "ERROR":
+                        if obj.get("code") == 410:
+                            rv = None
+                        break
+                    rv = obj["metadata"]["resourceVersion"]
+                    if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                        self._emit(ev["type"], slim_event(obj))
+            except client.ApiException as e:
+                if first:
+                    self.loop.call_soon_threadsafe(self.listed.set)
+                if e.status == 410:
+                    rv = None
+                else:
+                    wait = self.FORBIDDEN_RETRY_S if e.status == 403 else self.RETRY_S
+                    log.warning("event watch (%s) failed: %s %s; retrying in %gs",
+                                self.selector, e.status, e.reason, wait)
+                    self._stop.wait(wait)
+            except Exception as e:  # noqa: BLE001 - keep watching whatever happened
+                if first:
+                    self.loop.call_soon_threadsafe(self.listed.set)
+                log.warning("event watch (%s) failed: %s; retrying", self.selector, e)
+                self._stop.wait(self.RETRY_S)
+            finally:
+                if resp is not None:
+                    resp.release_conn()
+
+
+def watches(core: client.CoreV1Api, namespace: str, loop: asyncio.AbstractEventLoop,
+            on_event: Callable[..., None]) -> list[EventWatch]:
+    """The two watches the signals need (module docstring)."""
+    pod = "involvedObject.kind=Pod"
+    return [EventWatch(core, loop, on_event, f"reason={REASON_SANDBOX_FAILED},{pod}"),
+            EventWatch(core, loop, on_event, f"reason={REASON_PULLED},{pod}", namespace)]
+
