@@ -341,3 +341,21 @@ def test_restore_kills_and_forgets_the_last_holders_processes(execd_factory, tmp
     assert d.others() == []
     q = spawn(d, "echo next")  # spawns work again after it
     assert wait(d, q["id"])["exit_code"] == 0
+
+
+def test_one_byte_writes_do_not_multiply_the_ring(execd):
+    """Each read of a process writing one byte at a time may bring one byte: kept as one object
+    per read, a 1 MiB ring grew execd by ~5 MiB."""
+    spawn(execd, "true")
+    time.sleep(0.3)
+    before = execd.rss_kib()
+    script = "import os\nfor _ in range(1500000): os.write(1, b'x')\n"
+    ps = [spawn(execd, f"python3 -c {shlex.quote(script)}") for _ in range(2)]
+    for p in ps:
+        assert wait(execd, p["id"], 60)["exit_code"] == 0
+        assert info(execd, p["id"])["output_bytes"] == 1500000
+    grown = execd.rss_hwm_kib() - before
+    assert grown < 6 << 10, f"execd grew {grown} KiB for two 1 MiB rings"
+    for p in ps:
+        obj, data = output(execd, p["id"])
+        assert data == b"x" * RING and obj["start"] == 1500000 - RING
