@@ -117,8 +117,8 @@ def save_lease(lease: Lease) -> Path:
     d = _private_dir(create=True)
     assert d is not None
     path = _lease_path(d, lease.id)
-    # raw leaves the token out (it must never be printed); the file is what connect() needs.
-    data = json.dumps({**lease.raw, "token": lease.token}, sort_keys=True).encode()
+    # to_json() holds the token (raw leaves it out): the file is what connect() needs.
+    data = json.dumps(lease.to_json(), sort_keys=True).encode()
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC,
                  0o600)
     with os.fdopen(fd, "wb") as f:

@@ -159,7 +159,6 @@ class Client:
                      job=body.job, file_timeout_s=self._file_timeout_s,
                      transport=self._execd_transport, on_request=self._on_request,
                      conditions_check=lease.conditions, _client=self)
-        sb._lease = lease
         with self._lock:
             self._live[lease.id] = sb
         if renew:

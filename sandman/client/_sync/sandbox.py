@@ -129,7 +129,6 @@ class Sandbox:
         self._released = False  # the controller confirmed the release (or there is none)
         self.reused: bool | None = None  # after release(reuse=True): back in a warm pool?
         self._gone = False  # the controller said the sandbox no longer exists
-        self._lease: Lease | None = None  # the acquire's answer (its client sets it)
         if transport is None:
             transport = httpx.HTTPTransport(socket_options=_core.SOCKET_OPTIONS,
                                             limits=_core.limits(),
@@ -237,18 +236,18 @@ class Sandbox:
 
     def detach(self) -> Lease:
         """Let the sandbox outlive this handle and its client: closes the connections, stops
-        renewing, and the client no longer releases it at its close. Returns the acquire's
-        answer, which holds execd's token (keep it private): `connect(lease)` finds the
-        sandbox again. It then ends at its lifetime, or at a release by id (`sandman
+        renewing, and the client no longer releases it at its close. Returns its `lease()`,
+        which holds execd's token (keep it private): `connect(lease)` finds the sandbox
+        again. It then ends at its lifetime, or at a release by id (`sandman
         acquire` in the command-line client is built on this)."""
-        if self._lease is None:
-            raise SandmanError("detach: only a sandbox acquired through a client has a lease")
+        if self._client is None:
+            raise SandmanError("detach: only a sandbox acquired through a client is held by one")
+        lease = self.lease()
         with self._lock:
             self._closed = True
-        if self._client is not None:
-            self._client._forget(self.id)
+        self._client._forget(self.id)
         self.close()
-        return self._lease
+        return lease
 
     # ---- the lifetime: renewed in the background while the handle is open
 
