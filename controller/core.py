@@ -42,6 +42,7 @@ from controller.errors import (
     QueueFullError,
 )
 from controller.events import CapacitySignals
+from controller.events import CapacitySignals
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
@@ -73,6 +74,8 @@ class Controller:
         self.informer: Informer | None = None
         self.signals = CapacitySignals(settings.namespace)
         self._event_watches: list = []
+        self.signals = CapacitySignals(settings.namespace)
+        self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
         self._bg: list[asyncio.Task] = []
@@ -102,6 +105,15 @@ class Controller:
             _, late = await asyncio.wait(waits, timeout=30)
             for t in late:
                 t.cancel()
+        # After the first sync: the books' entries name this controller's pods by uid.
+        self._event_watches = self.kube.event_watches(loop, self.signals.on_event)
+        for w in self._event_watches:
+            w.start()
+        if self._event_watches:  # their first lists prime what happened before this leader
+            waits = [loop.create_task(w.listed.wait()) for w in self._event_watches]
+            _, late = await asyncio.wait(waits, timeout=30)
+            for t in late:
+                t.cancel()
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
                     loop.create_task(self.sweeper.loop(), name="sweep")]
         self.ready = True
@@ -112,6 +124,8 @@ class Controller:
             t.cancel()
         if self.informer:
             self.informer.stop()
+        for w in self._event_watches:
+            w.stop()
         for w in self._event_watches:
             w.stop()
         await self.pacer.stop()
@@ -134,6 +148,8 @@ class Controller:
 
     def _moved(self, e: Entry, old: State | None, new: State) -> None:
         self.warm.moved(e, old, new)
+        if e.uid and new not in TERMINAL:  # set once the create is stored, or found on a pod
+            self.signals.remember(e.uid, e.spec.role)
         if e.uid and new not in TERMINAL:  # set once the create is stored, or found on a pod
             self.signals.remember(e.uid, e.spec.role)
         if new in TERMINAL:
