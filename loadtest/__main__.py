@@ -15,7 +15,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 LOCUSTFILES = ("acquire_burst", "execd_storm")
 SUMMARY_KEYS = ("job", "shape", "duration_s", "stop_reason", "audit", "leaked", "stats",
-                "thresholds", "exceptions", "exit_code")
+                "thresholds", "exceptions", "exit_code", "cotenant")
 
 
 def locustfile(name: str) -> Path:

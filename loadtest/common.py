@@ -16,7 +16,7 @@ import gevent
 import gevent.event
 from locust import events
 
-from loadtest import users
+from loadtest import cotenant, users
 from loadtest.audit import (
     IN_CLUSTER,
     core_api,
@@ -26,7 +26,17 @@ from loadtest.audit import (
     job_label,
     leak_audit,
 )
-from loadtest.run import LEAK, RUN, RequestFailed, check_thresholds, fire, write_summary
+from loadtest.run import (
+    COTENANT_STOP,
+    EXIT_OK,
+    EXIT_THRESHOLDS,
+    LEAK,
+    RUN,
+    RequestFailed,
+    check_thresholds,
+    fire,
+    write_summary,
+)
 from loadtest.watch import sample_stats, watch_pods
 from sandman import contract
 from sandman.client._core import ENV_URL
@@ -69,6 +79,24 @@ def _args(parser) -> None:
                    help="how long released pods may take to disappear before they count")
     g.add_argument("--sandman-json", default="",
                    help="the run summary (default: <--csv prefix>_sandman.json)")
+    # The co-tenant stop rule (loadtest/cotenant.py, docs/loadtest.md): off unless a baseline
+    # window is given, since it lists events and pods cluster-wide (RBAC a tenant may lack).
+    c = parser.add_argument_group("co-tenant stop rule")
+    c.add_argument("--cotenant-baseline-s", type=float, default=0.0,
+                   help="measure other tenants' pod failures this long before the run, then "
+                        "stop the run (exit 3) when they rise above the rule (0: no rule; "
+                        "120 on a shared cluster)")
+    c.add_argument("--cotenant-window-s", type=float, default=cotenant.Rule.window_s,
+                   help="the window the run's failure rate is measured over")
+    c.add_argument("--cotenant-max-ratio", type=float, default=cotenant.Rule.max_ratio,
+                   help="stop above this many times the baseline rate ...")
+    c.add_argument("--cotenant-min-excess", type=float, default=cotenant.Rule.min_excess,
+                   help="... and above the baseline plus this many failures a minute")
+    c.add_argument("--cotenant-poll-s", type=float, default=cotenant.Rule.poll_s,
+                   help="how often the cluster's events and failed pods are listed")
+    c.add_argument("--cotenant-exclude-namespace", action="append", default=[],
+                   metavar="NS", help="another namespace of the run itself (--namespace is "
+                                      "always excluded), e.g. the locust Job's")
 
 
 def opts(env):
@@ -100,6 +128,80 @@ def install(primary: list[str], uses_controller: bool = True) -> None:
     RUN.extra["uses_controller"] = uses_controller
 
 
+def _rule(o) -> cotenant.Rule:
+    return cotenant.Rule(baseline_s=o.cotenant_baseline_s, window_s=o.cotenant_window_s,
+                         max_ratio=o.cotenant_max_ratio, min_excess=o.cotenant_min_excess,
+                         poll_s=o.cotenant_poll_s)
+
+
+_GUARD: list[cotenant.Guard] = []
+
+
+def _one_line(e: BaseException) -> str:
+    if getattr(e, "status", None) and getattr(e, "reason", None):  # kubernetes ApiException
+        return f"API server answered {e.status} {e.reason}"  # type: ignore[attr-defined]
+    text = str(e).strip()
+    return text.splitlines()[0][:300] if text else repr(e)
+
+
+@events.init.add_listener
+def _on_init(environment, **kw) -> None:
+    """The co-tenant baseline, measured before the run starts (locust starts after `init`)."""
+    o = opts(environment)
+    if not o or o.cotenant_baseline_s == 0:
+        return
+    rule = _rule(o)
+    try:
+        rule.check()
+        if not o.kubeconfig:
+            raise ValueError("the co-tenant stop rule needs --kubeconfig (it lists events and "
+                             "pods cluster-wide)")
+        guard = cotenant.Guard(cotenant.ClusterReader(core_api(o.kubeconfig)).read,
+                               {o.namespace, *o.cotenant_exclude_namespace}, rule)
+        log.info("co-tenant baseline: other tenants' pod failures for %g s", rule.baseline_s)
+        base = guard.measure_baseline(gevent.sleep)
+    except Exception as e:  # noqa: BLE001 - one line, before any sandbox exists
+        raise SystemExit(f"loadtest: co-tenant stop rule: {_one_line(e)}") from None
+    RUN.extra["cotenant"] = {"baseline_per_min": round(base, 3),
+                             "baseline_count": guard.baseline_count,
+                             "baseline_s": rule.baseline_s, "window_s": rule.window_s,
+                             "threshold_per_min": round(rule.threshold(base), 3),
+                             "own_namespaces": sorted(guard.tally.own), "stopped": None}
+    log.info("co-tenant baseline: %.1f failures/min (%d in %g s); the run stops above %.1f/min",
+             base, guard.baseline_count, rule.baseline_s, rule.threshold(base))
+    _GUARD[:] = [guard]
+
+
+def watch_cotenants(environment, guard: cotenant.Guard, stop: gevent.event.Event,
+                    max_s: float = 86400) -> None:
+    """Poll until the run ends; stop it when the rule fires, or when the guard has been blind
+    (every read failing) for a whole window: an unwatched run is not allowed to go on."""
+    rule = guard.rule
+    state = RUN.extra["cotenant"]
+    deadline = time.monotonic() + max_s
+    while not stop.wait(rule.poll_s) and time.monotonic() < deadline:
+        try:
+            v = guard.poll()
+        except Exception as e:  # noqa: BLE001 - a failed read, retried until blind too long
+            log.warning("co-tenant guard: read failed: %s", _one_line(e))
+            if guard.blind_s() < rule.window_s:
+                continue
+            line = (f"co-tenant stop rule: could not read the cluster for {guard.blind_s():.0f} s "
+                    f"(> {rule.window_s:g} s window); stopping unwatched")
+        else:
+            state["last_per_min"] = round(v.per_min, 3)
+            state["peak_per_min"] = max(state.get("peak_per_min", 0.0), round(v.per_min, 3))
+            if not v.fired:
+                continue
+            line = v.line(rule, guard.baseline_per_min or 0.0)
+        state["stopped"] = line
+        state["stopped_at_s"] = RUN.rel()
+        log.error("%s: stopping the run", line)
+        if environment.runner is not None:
+            environment.runner.quit()
+        return
+
+
 @events.test_start.add_listener
 def _on_start(environment, **kw) -> None:
     o = opts(environment)
@@ -116,6 +218,8 @@ def _on_start(environment, **kw) -> None:
             log.warning("no pod watch: %s", e)
     if RUN.extra.get("uses_controller"):
         gevent.spawn(sample_stats, o.controller_url, _STOP)
+    if _GUARD:
+        gevent.spawn(watch_cotenants, environment, _GUARD[0], _STOP)
 
 
 @events.test_stop.add_listener
@@ -158,8 +262,12 @@ def _on_quit(environment, **kw) -> None:
     verdicts = check_thresholds(environment.stats, _PRIMARY, o.max_p99_ms, o.max_error_rate,
                                 o.max_leaked, RUN.leaked, RUN.audit,
                                 environment.runner.exceptions if environment.runner else None)
+    stopped = (RUN.extra.get("cotenant") or {}).get("stopped")
+    if stopped:
+        verdicts.append((stopped, False))
     bad = [v for v in verdicts if not v[1]]
     for text, ok in verdicts:
         log.info("threshold %s: %s", "ok  " if ok else "FAIL", text)
-    environment.process_exit_code = 1 if bad else 0
+    environment.process_exit_code = (COTENANT_STOP if stopped else EXIT_THRESHOLDS if bad
+                                     else EXIT_OK)
     write_summary(environment, verdicts)

@@ -99,7 +99,20 @@ def summarize(doc: dict) -> dict:
         "leaked": len(doc.get("leaked", [])), "audit": doc.get("audit"),
         "exit": doc.get("exit_code"), "top_step": top, "stop_reason": doc.get("stop_reason"),
         "duration_s": doc.get("duration_s"),
+        "cotenant": cotenant_line(doc),
     }
+
+
+def cotenant_line(doc: dict) -> str:
+    """The co-tenant stop rule's line: why it stopped the run, or its readings; "" when off."""
+    c = doc.get("cotenant") or {}
+    if not c:
+        return ""
+    if c.get("stopped"):
+        return f"STOPPED (exit {doc.get('exit_code')}): {c['stopped']}"
+    return (f"co-tenant stop rule held: other tenants' pod failures peaked at "
+            f"{c.get('peak_per_min', 0.0):.1f}/min against a threshold of "
+            f"{c['threshold_per_min']:.1f}/min (idle baseline {c['baseline_per_min']:.1f}/min)")
 
 
 def _ms(v: float) -> str:
@@ -251,6 +264,8 @@ def build(out_dir: Path, title: str = "sandman load test") -> tuple[str, Path]:
     text = [table(rows)]
     body = [f"<h1>{html.escape(title)}</h1>", _html_table(text[0])]
     for doc, row in zip(docs, rows, strict=True):
+        if row["cotenant"]:
+            text += ["", f"{doc['run']}: {row['cotenant']}"]
         steps = step_table(doc)
         if steps:
             text += ["", f"{doc['run']} per step ({row['stop_reason']}):", steps]
@@ -261,6 +276,8 @@ def build(out_dir: Path, title: str = "sandman load test") -> tuple[str, Path]:
                         f"<a href='{doc['run']}_stats.csv'>stats CSV</a></p>")
         body.append(f"<p>job {html.escape(doc['job'])}; {html.escape(str(row['audit']))}; "
                     f"{html.escape(row['stop_reason'] or '')}</p>")
+        if row["cotenant"]:
+            body.append(f"<p><b>{html.escape(row['cotenant'])}</b></p>")
         if steps:
             body.append(_html_table(steps))
         body.append("<ul>" + "".join(f"<li>{html.escape(t['check'])}: "

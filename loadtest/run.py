@@ -27,6 +27,12 @@ EXEC, FILE_WRITE, FILE_READ = "EXEC", "FILE_WRITE", "FILE_READ"
 POD_CREATE, ADMISSION_REVIEW, POD_READY, LEAK = "POD_CREATE", "ADMISSION_REVIEW", "POD_READY", "LEAK"
 
 
+# The process exit codes of a run: 0 every threshold held, 1 one failed (locust's own: 2 for
+# its errors). COTENANT_STOP: the co-tenant stop rule stopped the run (loadtest/cotenant.py),
+# apart from 1 so a wrapper can tell "the run harmed others" from "the run was slow".
+EXIT_OK, EXIT_THRESHOLDS, COTENANT_STOP = 0, 1, 3
+
+
 class RequestFailed(Exception):
     """A failure as locust groups it: by type and status, never by a per-request name."""
 
@@ -117,6 +123,7 @@ def write_summary(environment, verdicts) -> None:
                        for e in (environment.runner.exceptions.values()
                                  if environment.runner else [])],
         "exit_code": environment.process_exit_code,
+        "cotenant": RUN.extra.get("cotenant"),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc))
