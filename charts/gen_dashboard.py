@@ -150,6 +150,22 @@ def dashboard() -> dict:
              target(f"sum(increase(sandman_controller_parked_total{sel()}[5m]))", "parked",
                     "C")])
 
+    L.row("Capacity (the nodes' view)")
+    L.panel("Create to Ready",
+            "p50/p99 from a create stored to its pod Ready and execd answering, by role. "
+            "About 5 s with the image on the node; pulls and address failures make the tail.",
+            quantiles("sandman_controller_create_to_ready_seconds", "role", "{{role}}"),
+            unit="s", w=8)
+    L.panel("Image pulls",
+            "p50/p99 image pull time of sandbox pods, from the kubelet's Pulled events.",
+            quantiles("sandman_controller_image_pull_seconds", "", ""), unit="s", w=8)
+    L.panel("Pod-address failures/min by scope",
+            "FailedCreatePodSandBox events a minute: sandman (sandbox pods) and other (every "
+            "other tenant's pods, cluster-wide). A rise of other while sandman bursts is harm "
+            "to the co-tenants: slow the creates.",
+            [target("sum by (scope) (rate(sandman_controller_pod_address_failures_total"
+                    f"{sel()}{RI})) * 60", "{{scope}}")], w=8)
+
     L.row("Grading pods (conditions and checked reuse)")
     L.panel("Pods refused by declared conditions",
             "Per 5 min, by field: pods deleted at hand-out because a reading contradicted a "
