@@ -48,8 +48,9 @@ def test_spawn_poll_output_wait(flavor: Flavor, execd: Execd) -> None:
             assert (out.start, out.end, out.dropped, out.running) == (0, 14, 0, False)
             more = await p.output(since=4)
             assert more.data == b"two\nthree\n" and more.start == 4
-            ids = [q.id for q in await sb.processes()]
-            assert p.id in ids
+            listed = {q.id: q.last for q in await sb.processes()}
+            assert listed[p.id].exit_code == 4 and not listed[p.id].running
+            assert listed[p.id].command == p.command and listed[p.id].output_bytes == 14
             again = await sb.process(p.id)
             assert again.id == p.id and (await again.status()).exit_code == 4
 
