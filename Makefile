@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
-        demo bench-loadtest bench-realnode
+        demo bench-loadtest bench-realnode bench-trees
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -127,6 +127,9 @@ testbed-status: $(STAMP)  ## is the test bed up, and are its components healthy
 
 bench-execd: deps  ## execd vs SWE-ReX vs the bare limit (docs/benchmarks.md)
 	$(VPY) -m bench.execd --write-docs
+
+bench-trees: deps  ## whole trees as one tar vs one request per file: 1,000 small files, one 50 MiB file (docs/benchmarks.md)
+	$(VPY) -m bench.trees --write-docs
 
 bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
 	$(VPY) -m bench.swerex --write-docs

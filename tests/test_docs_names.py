@@ -809,11 +809,12 @@ SIGNATURES = {
        for m in ("acquire", "renew", "release", "retire", "get", "list", "prewarm", "drain")},
     **{f"sb.{m}": ("sandman.client", f"Sandbox.{m}")
        for m in ("renew", "exec", "read", "read_file", "write", "edit", "env", "reset", "state",
-                 "conditions", "health", "release", "retire", "spawn", "processes", "process")},
+                 "conditions", "health", "release", "retire", "spawn", "processes", "process",
+                 "upload_tree", "download_tree")},
     **{f"proc.{m}": ("sandman.client", f"Process.{m}")
        for m in ("poll", "status", "output", "signal", "wait")},
     **{n: ("sandman.client", n) for n in ("ExecResult", "FileContent", "WriteResult",
-                                          "EditResult", "PoolStatus")},
+                                          "EditResult", "PoolStatus", "TreeResult")},
     **{n: ("sandman.client.grading", n) for n in ("Task", "capture_patch", "grade", "preflight",
                                                   "GradeResult")},
 }
