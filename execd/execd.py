@@ -1834,6 +1834,9 @@ TREE_DIGEST_LEN = 64  # the download's trailer: SHA-256 hex of the tar before it
 TREE_STAGING_PREFIX = ".execd-tree-"
 TREE_LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
 TREE_CHUNK = 256 << 10
+# A pax or GNU long-name header is read whole by tarfile: bounded here, so a crafted 900 MiB
+# "name" cannot make execd hold it in memory.
+TREE_META_MAX = 1 << 20
 
 
 def tree_refuse(message, name=None):
@@ -1915,6 +1918,35 @@ def tree_open_dir(root_fd, parts, create=None):
         os.close(fd)
         raise
     return fd
+
+
+_TREE_TARINFO = []
+
+
+def tree_tarinfo():
+    """tarfile's TarInfo that refuses, before reading them, metadata headers over
+    TREE_META_MAX and GNU sparse maps (their extension blocks are read whole too)."""
+    import tarfile
+
+    if _TREE_TARINFO:
+        return _TREE_TARINFO[0]
+
+    class Checked(tarfile.TarInfo):
+        def _proc_member(self, tar):
+            if self.type == tarfile.GNUTYPE_SPARSE:
+                raise tree_refuse("sparse member", self.name)
+            if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                             tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK) \
+                    and self.size > TREE_META_MAX:
+                raise tree_refuse("a %d-byte metadata header (over %d)" % (
+                    self.size, TREE_META_MAX), self.name)
+            return tarfile.TarInfo._proc_member(self, tar)
+
+        def _proc_gnusparse_10(self, next, pax_headers, tar):
+            raise tree_refuse("sparse member", next.name)
+
+    _TREE_TARINFO.append(Checked)
+    return Checked
 
 
 class TreeStats(object):
@@ -2156,7 +2188,7 @@ def tree_write_into(d, query, body):
                             "cannot stage in %s: %s" % (real, e.strerror)) from None
         try:
             with tarfile.open(fileobj=body, mode="r|", encoding="utf-8",
-                              errors="surrogateescape") as tar:
+                              errors="surrogateescape", tarinfo=tree_tarinfo()) as tar:
                 dirs, links = tree_extract(tar, stage_fd, stats)
             body.drain()  # the end-of-archive padding: the digest covers every byte
         except (tarfile.TarError, EOFError) as e:

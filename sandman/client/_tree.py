@@ -23,6 +23,8 @@ from sandman.client.errors import TreeConflict, TreeError, TreeTooLarge, UnsafeA
 STAGING_PREFIX = ".sandman-tree-"
 LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
 COPY_CHUNK = 1 << 20
+# A pax or GNU long-name header is read whole by tarfile: bounded here (execd's TREE_META_MAX).
+META_MAX = 1 << 20
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -186,6 +188,24 @@ def open_dir(root_fd: int, parts: list[str], made: list[tuple[str, ...]] | None 
     return fd
 
 
+class _CheckedInfo(tarfile.TarInfo):
+    """Refuses, before tarfile reads them, metadata headers over META_MAX and GNU sparse maps
+    (read whole too): a hostile execd cannot make the SDK hold a huge header in memory."""
+
+    def _proc_member(self, tar: tarfile.TarFile) -> Any:
+        if self.type == tarfile.GNUTYPE_SPARSE:
+            raise _refuse("sparse member", self.name)
+        if self.type in (tarfile.XHDTYPE, tarfile.XGLTYPE, tarfile.SOLARIS_XHDTYPE,
+                         tarfile.GNUTYPE_LONGNAME, tarfile.GNUTYPE_LONGLINK) \
+                and self.size > META_MAX:
+            raise _refuse(f"a {self.size}-byte metadata header (over {META_MAX})", self.name)
+        return super()._proc_member(tar)  # type: ignore[misc]
+
+    def _proc_gnusparse_10(self, next: tarfile.TarInfo, pax_headers: Any,
+                           tar: tarfile.TarFile) -> Any:
+        raise _refuse("sparse member", next.name)
+
+
 def _extract(tar: tarfile.TarFile, stage_fd: int, stats: dict[str, int]
              ) -> tuple[dict[tuple[str, ...], int], list[tuple[list[str], str]]]:
     dirs: dict[tuple[str, ...], int] = {}
@@ -328,7 +348,7 @@ def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
         stage_fd = os.open(os.path.basename(stage), _DIR_FLAGS, dir_fd=target_fd)
         try:
             with tarfile.open(fileobj=archive, mode="r|", encoding="utf-8",
-                              errors="surrogateescape") as tar:
+                              errors="surrogateescape", tarinfo=_CheckedInfo) as tar:
                 dirs, links = _extract(tar, stage_fd, stats)
         except (tarfile.TarError, EOFError) as e:
             raise UnsafeArchive(f"download_tree: not a valid tar archive (truncated or "

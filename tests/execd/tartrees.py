@@ -43,6 +43,24 @@ def special(name: str, kind: bytes) -> Member:
     return ti, None
 
 
+def pax(m: Member, headers: dict[str, str]) -> Member:
+    m[0].pax_headers = headers
+    return m
+
+
+def gnu_longname(size: int) -> Member:
+    """A GNU long-name header ('L') claiming `size` bytes of name."""
+    ti = tarfile.TarInfo("././@LongLink")
+    ti.type, ti.size = tarfile.GNUTYPE_LONGNAME, size
+    return ti, b"n" * size
+
+
+def sparse(name: str) -> Member:
+    ti = tarfile.TarInfo(name)
+    ti.type, ti.size = tarfile.GNUTYPE_SPARSE, 0
+    return ti, b""
+
+
 def tar_of(*members: Member) -> bytes:
     buf = io.BytesIO()
     with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
@@ -87,6 +105,11 @@ HOSTILE: list[tuple[str, Callable[[str], list[Member]], int, str]] = [
     ("setgid_dir", lambda o: [dir_("sgid", 0o2755)], 422, "setgid"),
     ("duplicate", lambda o: [reg("a"), sym("a", "good.txt")], 422, "twice"),
     ("file_then_through", lambda o: [reg("f"), reg("f/x")], 422, "through a symlink or a file"),
+    # tarfile reads a pax header whole: 2 MiB of "comment" must be refused before it is read.
+    ("huge_pax_header", lambda o: [pax(reg("p"), {"comment": "x" * (2 << 20)})], 422,
+     "metadata header"),
+    ("huge_gnu_longname", lambda o: [gnu_longname(3 << 20)], 422, "metadata header"),
+    ("gnu_sparse", lambda o: [sparse("s")], 422, "sparse"),
 ]
 
 
