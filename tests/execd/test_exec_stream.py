@@ -182,6 +182,9 @@ def test_stream_needs_the_token(execd):
 def test_stalled_reader_bounds_rss_and_does_not_stop_the_timeout(execd):
     """A client that never reads while the command floods: execd's memory stays bounded,
     other clients are served, and the command still ends (its timeout, or its client gone)."""
+    # Growth, not the absolute size: run as a script (as here), execd keeps what compiling its
+    # source took, which grows with the file; a pod imports it with bytecode.
+    before = execd.rss_kib()
     s = raw_stream(execd, {"command": "yes stalled", "timeout": 3})
     try:
         t0 = time.monotonic()
@@ -191,7 +194,8 @@ def test_stalled_reader_bounds_rss_and_does_not_stop_the_timeout(execd):
         assert wait_for(lambda: not execd.state()["busy"], 30), "the flood never ended"
         took = time.monotonic() - t0
         assert took < 25, f"ended after {took:.1f}s"
-        assert execd.rss_hwm_kib() < 32 * 1024
+        grown = execd.rss_hwm_kib() - before
+        assert grown < 8 * 1024, f"execd grew {grown} KiB"
     finally:
         s.close()
     assert execd.exec("echo after")["output"] == "after\n"
