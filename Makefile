@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
-        demo bench-loadtest bench-realnode bench-trees
+        demo bench-loadtest bench-realnode bench-trees bench-replay
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -145,6 +145,9 @@ bench-webhook: deps testbed-build  ## creates/s through the API server with vs w
 
 bench-controller: deps testbed-build  ## ramp to 12,000 sandboxes at 25/s, warm hits, overhead vs bare, acquire p50 with vs without auth
 	$(VPY) -m bench.controller --write-docs --plot docs/bench-controller-ramp.png --out .testbed/bench-controller.md
+
+bench-replay: deps  ## warm-pool policies (none, fixed 2 per key, demand-sized) replayed in virtual time through the real controller code
+	$(VPY) -m bench.replay --write-docs
 
 bench-realnode: REAL_NODE := 1
 bench-realnode: deps testbed-build  ## real node: create-to-Ready, acquire-to-first-command, execd echo vs a bare pod (docs/benchmarks.md)

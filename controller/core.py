@@ -42,7 +42,6 @@ from controller.errors import (
     QueueFullError,
 )
 from controller.events import CapacitySignals
-from controller.events import CapacitySignals
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
@@ -58,22 +57,22 @@ S = State
 
 
 class Controller:
-    def __init__(self, kube: Kube, settings: Settings):
+    def __init__(self, kube: Kube, settings: Settings, clock=time.monotonic):
+        """`clock`: the pacer's and the warm pool's time source (a virtual one in
+        `python -m bench.replay`)."""
         self.kube = kube
         self.s = settings
-        self.pacer = Pacer(settings.limits, tenant_of=A.tenant_of if settings.tenants
-                           else one_tenant)
+        self.pacer = Pacer(settings.limits, clock=clock,
+                           tenant_of=A.tenant_of if settings.tenants else one_tenant)
         self.books = Books(on_move=self._moved)
         self.creator = Creator(kube, self.books, self.pacer, settings)
         self.pipeline = Pipeline(kube, self.books, self.pacer, self.creator, settings,
                                  self._spawn, has_room=lambda spec: self.warm.has_room(spec))
         self.warm = WarmPool(self.books, self.pacer, self.pipeline, self.creator, settings,
-                             self._spawn)
+                             self._spawn, clock)
         self.sweeper = Sweeper(kube, self.books, self.pacer, self.pipeline, self.creator,
                                settings, self._spawn)
         self.informer: Informer | None = None
-        self.signals = CapacitySignals(settings.namespace)
-        self._event_watches: list = []
         self.signals = CapacitySignals(settings.namespace)
         self._event_watches: list = []
         self.ready = False
@@ -105,15 +104,6 @@ class Controller:
             _, late = await asyncio.wait(waits, timeout=30)
             for t in late:
                 t.cancel()
-        # After the first sync: the books' entries name this controller's pods by uid.
-        self._event_watches = self.kube.event_watches(loop, self.signals.on_event)
-        for w in self._event_watches:
-            w.start()
-        if self._event_watches:  # their first lists prime what happened before this leader
-            waits = [loop.create_task(w.listed.wait()) for w in self._event_watches]
-            _, late = await asyncio.wait(waits, timeout=30)
-            for t in late:
-                t.cancel()
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
                     loop.create_task(self.sweeper.loop(), name="sweep")]
         self.ready = True
@@ -124,8 +114,6 @@ class Controller:
             t.cancel()
         if self.informer:
             self.informer.stop()
-        for w in self._event_watches:
-            w.stop()
         for w in self._event_watches:
             w.stop()
         await self.pacer.stop()
@@ -148,8 +136,6 @@ class Controller:
 
     def _moved(self, e: Entry, old: State | None, new: State) -> None:
         self.warm.moved(e, old, new)
-        if e.uid and new not in TERMINAL:  # set once the create is stored, or found on a pod
-            self.signals.remember(e.uid, e.spec.role)
         if e.uid and new not in TERMINAL:  # set once the create is stored, or found on a pod
             self.signals.remember(e.uid, e.spec.role)
         if new in TERMINAL:
@@ -263,8 +249,10 @@ class Controller:
         refused: list[str] = []
         attempts = self.s.conditions_attempts if conditions else 1
         if warm_ok:
+            self.warm.acquired(spec)  # demand for this key (validated above: never a bogus one)
             got = await self.warm.take(spec, job, owner, labels, lifetime, conditions,
                                        refused, attempts, reused_ok=reused_ok)
+            metrics.warm_lookup(spec.role, got is not None)
             if got is not None:
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
@@ -467,7 +455,8 @@ class Controller:
             "rate": self.pacer.rate,
             "warm": {f"{k.image}|{k.cpu}|{k.memory}|{k.workspace or ''}|{k.egress}"
                      + (f"|{k.role}" if k.role != contract.ROLE_AGENT else ""):
-                     {"warm": len(p.warm), "building": p.building, "target": p.target}
+                     {"warm": len(p.warm), "building": p.building, "target": p.target,
+                      "floor": p.floor}
                      for k, p in self.pools.items()},
             "jobs": per_job,
         }

@@ -65,6 +65,25 @@ RETIRE_REASONS = ("caller", "max_reuse")
 RESTORE_FAILURES = Counter("sandman_controller_restore_failures_total",
                            "Released grading pods deleted because execd could not restore "
                            "them or /diff was not clean afterwards")
+# The warm pool (controller/warmpool.py, demand sizing in controller/demand.py). Lookups: an
+# acquire that may take a warm pod, by role (sandman.contract.ROLES) and whether one was handed
+# out. Idle: time pods spent WARM or PARKED, the cost a pool pays for its hits.
+WARM_RESULTS = ("hit", "miss")
+WARM_LOOKUPS = Counter("sandman_controller_warm_lookups_total",
+                       "Acquires that may take a warm pod, by role and result (hit: handed "
+                       "out from the pool, miss: created)", ["role", "result"])
+WARM_IDLE_POD_SECONDS = Counter("sandman_controller_warm_idle_pod_seconds_total",
+                                "Pod-seconds spent warm or parked, unused")
+WARM_IDLE_CPU_SECONDS = Counter("sandman_controller_warm_idle_cpu_seconds_total",
+                                "CPU-seconds (requested cores x seconds) of pods warm or "
+                                "parked, unused")
+BUDGET_RESOURCES = ("pods", "cpu")
+WARM_BUDGET_USE = Gauge("sandman_controller_warm_budget_use",
+                        "Warm and building pool pods (pods) and their requested cores (cpu)",
+                        ["resource"])
+WARM_BUDGET = Gauge("sandman_controller_warm_budget",
+                    "The global warm budget (--warm-budget-pods, --warm-budget-cpu; 0: none)",
+                    ["resource"])
 QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a create slot")
 # By role only: tenants are namespaces, an unbounded label (/v1/stats has them per tenant).
 QUEUE_BY_ROLE = Gauge("sandman_controller_queue_depth_by_role",
@@ -83,30 +102,6 @@ LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease
 CREATE_RATE = Gauge("sandman_controller_create_rate", "Current create rate limit (creates/s)")
 LIMITS = ("rate", "burst", "max_creating", "max_live")
 LIMIT = Gauge("sandman_controller_limit", "Configured pacing limits", ["limit"])
-# Capacity signals (controller/events.py). Create stored -> Ready and execd answering, by role
-# (sandman.contract.ROLES). Buckets from the paper's figures: 2 s at 2 vCPU, 4.1 s p50 with the
-# image present, 5-7 s for tiny pods, 17.4 s p50 / 74.3 s p90 when the node pulled, the
-# unspread ramp's p99 of 50-100 s, the old fixed 120 s budget and the campaigns' 300 s.
-CREATE_TO_READY_SECONDS = Histogram(
-    "sandman_controller_create_to_ready_seconds",
-    "Create stored to Ready (execd answering), by role", ["role"],
-    buckets=(.5, 1, 2, 3, 4, 5, 7.5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600))
-# The kubelet's Pulled message on sandman's pods. Buckets: a 43 MB image pulled in 0.17 s, the
-# pooled pull median 13.5 s, the median of per-image medians 33.4 s, 0.58% of pulls over 120 s,
-# the largest tercile's p90 153 s.
-IMAGE_PULL_SECONDS = Histogram(
-    "sandman_controller_image_pull_seconds",
-    "Image pull time of sandman's pods, from the kubelet's Pulled events",
-    buckets=(.25, .5, 1, 2, 5, 10, 15, 20, 30, 45, 60, 90, 120, 180, 300, 600))
-# FailedCreatePodSandBox events (how the network plugin reports an address it could not
-# assign): on this controller's pods (matched by uid) or any other pod of the cluster.
-FAILURE_SCOPES = ("sandman", "other")
-POD_ADDRESS_FAILURES = Counter(
-    "sandman_controller_pod_address_failures_total",
-    "FailedCreatePodSandBox events by scope: sandman (this controller's pods), other (every "
-    "other pod of the cluster)", ["scope"])
-for _s in FAILURE_SCOPES:
-    POD_ADDRESS_FAILURES.labels(_s)
 # Capacity signals (controller/events.py). Create stored -> Ready and execd answering, by role
 # (sandman.contract.ROLES). Buckets from the paper's figures: 2 s at 2 vCPU, 4.1 s p50 with the
 # image present, 5-7 s for tiny pods, 17.4 s p50 / 74.3 s p90 when the node pulled, the
@@ -168,6 +163,22 @@ def retired(reason: str) -> None:
     RETIREMENTS.labels(bounded(reason, RETIRE_REASONS)).inc()
 
 
+def warm_lookup(role: str, hit: bool) -> None:
+    WARM_LOOKUPS.labels(bounded(role, contract.ROLES), "hit" if hit else "miss").inc()
+
+
+def warm_idle(pod_seconds: float, cpu_seconds: float) -> None:
+    WARM_IDLE_POD_SECONDS.inc(pod_seconds)
+    WARM_IDLE_CPU_SECONDS.inc(cpu_seconds)
+
+
+def warm_budget(pods: int, pods_budget: int, cpu: float, cpu_budget: float) -> None:
+    WARM_BUDGET_USE.labels("pods").set(pods)
+    WARM_BUDGET_USE.labels("cpu").set(cpu)
+    WARM_BUDGET.labels("pods").set(pods_budget)
+    WARM_BUDGET.labels("cpu").set(cpu_budget)
+
+
 def illegal_transition(frm: str, to: str) -> None:
     ILLEGAL_TRANSITIONS.labels(bounded(frm, STATES), bounded(to, STATES)).inc()
 
@@ -181,14 +192,6 @@ def pacing(limits, rate: float) -> None:
 
 def foreign(reason: str) -> None:
     FOREIGN_PODS.labels(bounded(reason, FOREIGN_REASONS)).inc()
-
-def create_to_ready(role: str, seconds: float) -> None:
-    CREATE_TO_READY_SECONDS.labels(bounded(role, contract.ROLES, contract.ROLE_AGENT)).observe(
-        seconds)
-
-
-def pod_address_failures(scope: str, n: int = 1) -> None:
-    POD_ADDRESS_FAILURES.labels(bounded(scope, FAILURE_SCOPES)).inc(n)
 
 
 def create_to_ready(role: str, seconds: float) -> None:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 import yaml
 
+from controller.demand import Budget
 from controller.pacer import Limits
 from sandman import contract
 from sandman.podspec import SandboxPolicy
@@ -94,6 +95,9 @@ class Settings:
     sweep_interval: float = 30.0
     sweep_grace: float = 120.0  # an unowned pod younger than this may still be a create in flight
     default_idle_timeout: float = 300.0  # the paper's measured sweet spot for warm pods
+    # Demand sizing of warm pools within a global budget (controller/demand.py); pods 0: off,
+    # pools hold only what `prewarm` asks.
+    warm_budget: Budget = field(default_factory=Budget)
     policy: SandboxPolicy = field(default_factory=SandboxPolicy)
     execd_port: int = contract.EXECD_PORT
     # Above execd /ready's own 2 s budget (it answers 503 itself when a check overruns), like

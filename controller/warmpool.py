@@ -6,6 +6,10 @@ PARKED, kept by `moved` (the books' `on_move` hook), so no other code edits the 
 only to an exactly matching request, oldest first, after a health check; each hand-out triggers
 one replacement build. A key unused for its idle timeout is emptied; built surplus is trimmed
 newest first; parked late pods are not surplus, they wait out the key's idle timeout.
+
+A pool's target is its admin floor (`prewarm`) plus what demand sizing grants it within the
+global warm budget (controller/demand.py states the estimator and the order), recomputed every
+tick on the pool's injected clock, so the sizing is deterministic given that clock.
 """
 
 from __future__ import annotations
@@ -20,8 +24,9 @@ import httpx
 
 from controller import metrics
 from controller import pods as P
-from controller.books import POOL_JOB, POOLED, Books, Entry, State
+from controller.books import POOL_JOB, POOLED, TERMINAL, Books, Entry, State
 from controller.create import Creator, new_name, tenant_labels, tenant_of, token_pair
+from controller.demand import Budget, Demand, allocate, cpu_of, twin
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
 from controller.pods import SandboxSpec
@@ -34,9 +39,10 @@ log = logging.getLogger("controller.warmpool")
 
 @dataclass
 class Pool:
-    target: int = 0
+    target: int = 0  # floor + the demand share granted within the budget (recomputed per tick)
     idle_timeout: float = 300.0
-    last_used: float = field(default_factory=time.monotonic)
+    last_used: float = 0.0  # on the pool's clock; set when the pool is made
+    floor: int = 0  # the admin's prewarm count; reset when the key goes idle
     warm: list[Entry] = field(default_factory=list)  # WARM or PARKED, oldest first
     building: int = 0  # warm builds whose owner task runs
     checking: int = 0  # taken for an acquire, being checked and patched (CHECKING)
@@ -44,8 +50,15 @@ class Pool:
 
 class WarmPool:
     def __init__(self, books: Books, pacer: Pacer, pipeline: Pipeline, creator: Creator,
-                 settings: Settings, spawn: Callable):
+                 settings: Settings, spawn: Callable, clock: Callable[[], float] = time.monotonic):
         self.books = books
+        self.clock = clock
+        self.demand = Demand(getattr(settings, "warm_budget", None) or Budget())
+        self._born: dict[Entry, float] = {}  # entry -> queued at (pool clock): refill times
+        self._pooled: dict[Entry, float] = {}  # WARM/PARKED entry -> idle time counted up to
+        self._leased: dict[SandboxSpec, int] = {}  # LEASED entries per rollout key
+        self.idle_pod_s = 0.0  # pod-seconds and CPU-seconds spent WARM or PARKED, since start
+        self.idle_cpu_s = 0.0
         self.pacer = pacer
         self.pipeline = pipeline
         self.creator = creator
@@ -53,8 +66,35 @@ class WarmPool:
         self.spawn = spawn
         self.pools: dict[SandboxSpec, Pool] = {}
 
+    def _pool(self, spec: SandboxSpec) -> Pool:
+        pool = self.pools.get(spec)
+        if pool is None:
+            pool = self.pools[spec] = Pool(idle_timeout=self.s.default_idle_timeout,
+                                           last_used=self.clock())
+        return pool
+
     def moved(self, e: Entry, old: State | None, new: State) -> None:
-        """The books' on_move hook: keeps `warm` and `checking` equal to the books."""
+        """The books' on_move hook: keeps `warm` and `checking` equal to the books, and the
+        demand's refill times, idle pod-seconds and leased rollouts."""
+        now = self.clock()
+        if old is None and new is S.QUEUED:
+            self._born[e] = now
+        elif new in (S.WARM, S.LEASED, S.PARKED) and e in self._born:
+            self.demand.ready(e.spec, now - self._born.pop(e))
+        if new in TERMINAL or new is S.DELETING:
+            self._born.pop(e, None)
+        if old in POOLED:
+            self._idle_until(e, now)
+            del self._pooled[e]
+        if new in POOLED:
+            self._pooled[e] = now
+            e.warm_since = now  # on the pool's clock: the parked pods' idle timeout
+        if e.spec.role == contract.ROLE_AGENT and (old is S.LEASED) != (new is S.LEASED):
+            n = self._leased.get(e.spec, 0) + (1 if new is S.LEASED else -1)
+            if n > 0:
+                self._leased[e.spec] = n
+            else:
+                self._leased.pop(e.spec, None)
         if old in POOLED or old is S.CHECKING:
             pool = self.pools[e.spec]
             if old is S.CHECKING:
@@ -63,7 +103,7 @@ class WarmPool:
                 pool.warm.remove(e)
         if new in POOLED or new is S.CHECKING:
             # A late pod is parked into its key's pool even when nobody prewarmed that key.
-            pool = self.pools.setdefault(e.spec, Pool(idle_timeout=self.s.default_idle_timeout))
+            pool = self._pool(e.spec)
             if new is S.CHECKING:
                 pool.checking += 1
             else:
@@ -73,14 +113,55 @@ class WarmPool:
         pool = self.pools.get(spec)
         return pool is not None and len(pool.warm) + pool.checking < pool.target
 
+    def _idle_until(self, e: Entry, now: float) -> None:
+        dt = max(0.0, now - self._pooled.get(e, now))
+        self._pooled[e] = now
+        if dt:
+            self.idle_pod_s += dt
+            self.idle_cpu_s += dt * cpu_of(e.spec)
+            metrics.warm_idle(dt, dt * cpu_of(e.spec))
+
+    def acquired(self, spec: SandboxSpec) -> None:
+        """An acquire that may take a warm pod (validated): demand for its key."""
+        now = self.clock()
+        self.demand.acquired(spec, now)
+        pool = self.pools.get(spec)
+        if pool is not None:
+            pool.last_used = now
+
     def prewarm(self, spec: SandboxSpec, count: int, idle_timeout: float | None) -> Pool:
-        pool = self.pools.setdefault(spec, Pool(idle_timeout=self.s.default_idle_timeout))
-        pool.target = count
+        pool = self._pool(spec)
+        pool.floor = count
         if idle_timeout is not None:
             pool.idle_timeout = idle_timeout
-        pool.last_used = time.monotonic()
+        pool.last_used = self.clock()
+        self.resize()
         self.fill(spec)
         return pool
+
+    def resize(self) -> None:
+        """Every pool's target: its floor, plus its demand share within the budget."""
+        now = self.clock()
+        budget = self.demand.budget
+        rows = []
+        for spec in list(self.demand.keys) + [k for k in self.pools if k not in
+                                              self.demand.keys]:
+            pool = self.pools.get(spec)
+            idle = pool.idle_timeout if pool else self.s.default_idle_timeout
+            want = self.demand.want(spec, now, idle, self._leased.get(
+                twin(spec, contract.ROLE_AGENT), 0))
+            floor = pool.floor if pool else 0
+            if want or floor:
+                rows.append((spec, floor, want, self.demand.expected(spec, now)))
+        targets = allocate(rows, budget)
+        for spec, pool in self.pools.items():
+            pool.target = targets.pop(spec, 0)
+        for spec, n in targets.items():
+            if n:
+                self._pool(spec).target = n
+        in_use = [(spec, len(p.warm) + p.building) for spec, p in self.pools.items()]
+        metrics.warm_budget(sum(n for _, n in in_use), budget.pods,
+                            sum(n * cpu_of(spec) for spec, n in in_use), budget.cpu)
 
     def fill(self, spec: SandboxSpec) -> None:
         pool = self.pools.get(spec)
@@ -114,7 +195,7 @@ class WarmPool:
         pool = self.pools.get(spec)
         if pool is None:
             return None
-        pool.last_used = time.monotonic()
+        pool.last_used = self.clock()
         refused = refused if refused is not None else []
         tenant = tenant_of(self.s, job)
         while len(refused) < max_refused:
@@ -277,10 +358,14 @@ class WarmPool:
 
     # ---- maintenance (once a second) ----------------------------------------------------------
     def tick(self) -> None:
-        now = time.monotonic()
+        now = self.clock()
+        for e in list(self._pooled):
+            self._idle_until(e, now)
+        for pool in self.pools.values():
+            if pool.floor and now - pool.last_used > pool.idle_timeout:
+                pool.floor = 0  # idle key: the admin's floor lapses, the pool is emptied
+        self.resize()
         for spec, pool in list(self.pools.items()):
-            if pool.target and now - pool.last_used > pool.idle_timeout:
-                pool.target = 0  # idle key: the pool for it is emptied
             built = [e for e in pool.warm if e.stage is S.WARM]
             while len(built) > pool.target:  # built surplus, newest first
                 self.pipeline.delete(built.pop(), "warm surplus or idle")
@@ -289,3 +374,4 @@ class WarmPool:
                 self.pipeline.delete(e, "parked pod idle")  # waits out its key's idle timeout
             if pool.target:
                 self.fill(spec)
+
