@@ -182,6 +182,55 @@ class Execd(Target):
         raise RuntimeError(field)
 
 
+def pod_install(d: Path, py: str) -> Path:
+    """execd laid out as a pod has it (execd/install.py): the daemon as a module with its
+    bytecode, compiled by the same interpreter (as `pip install` does in the image), and the
+    launcher; returns the launcher's path."""
+    from execd.install import DAEMON, LAUNCHER
+
+    d.mkdir(exist_ok=True)
+    daemon = d / f"{DAEMON}.py"
+    subprocess.run(["cp", "-p", str(EXECD), str(daemon)], check=True)
+    subprocess.run([py, "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)",
+                    str(daemon)], check=True, timeout=60)
+    (d / "execd.py").write_text(LAUNCHER)
+    return d / "execd.py"
+
+
+class PodExecd(Execd):
+    """execd as a sandbox runs it: the task image's python3 with the pod's flags, the
+    launcher importing the daemon's bytecode (a script keeps what compiling its source took,
+    ~1.2 MiB per 500 lines, which no pod pays)."""
+
+    name = "execd (as in a pod)"
+
+    def start(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="bench-execd-pod-"))
+        launcher = pod_install(self.dir / "sandman", pod_python())
+        self.token = secrets.token_hex(16)
+        env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
+        env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only
+        env["SANDMAN_TOKEN_SHA256"] = hashlib.sha256(self.token.encode()).hexdigest()
+        self.proc = subprocess.Popen([pod_python(), *EXECD_PYTHON_FLAGS, str(launcher),
+                                      "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE,
+                                     env=env, start_new_session=True)
+        line = self.proc.stderr.readline().decode()
+        m = re.search(r"listening on 127\.0\.0\.1:(\d+)", line)
+        if not m:
+            raise RuntimeError(f"execd (pod layout) did not start: {line}")
+        self.port = int(m.group(1))
+        self.reconnect()
+
+    def stop(self) -> None:
+        try:
+            super().stop()
+        finally:
+            import shutil
+
+            if getattr(self, "dir", None) is not None:
+                shutil.rmtree(self.dir, ignore_errors=True)
+
+
 class SweRex(Target):
     name = "SWE-ReX 1.4.0"
     wrong = 0
@@ -246,7 +295,7 @@ def median_of(runs: list[dict]) -> dict:
 
 def flood_figures(ex: Execd, sizes_mib=(16, 256, 1024), yes_timeout: float = 10
                   ) -> list[tuple[str, str]]:
-    rows = [("execd RSS at rest", f"{ex.rss_kib('VmRSS') / 1024:.1f} MiB")]
+    rows = [("execd RSS at rest (as a script)", f"{ex.rss_kib('VmRSS') / 1024:.1f} MiB")]
     for mib in sizes_mib:
         t0 = time.perf_counter()
         r = ex.run(f"head -c {mib * MIB} /dev/zero", 102400)
@@ -287,21 +336,21 @@ def _listen_cpu_ms(argv: list[str], env: dict) -> float:
         proc.wait(10)
 
 
+def floods_sizes(args) -> tuple[int, ...]:
+    return (1,) if args.smoke else (16, 256, 1024)
+
+
 def startup_figures(runs: int, tmp: Path) -> dict:
     """exec -> listening CPU of execd started as a script (the source compiled at every start)
     and through the pod's launcher with the bytecode the install copies (execd/install.py
     LAUNCHER; the bytecode compiled by the same interpreter, as `pip install` does in the
     image), beside `python3 -c pass`; medians over `runs`, the three interleaved."""
-    from execd.install import DAEMON, LAUNCHER
+    from execd.install import DAEMON
 
     py = pod_python()
     d = tmp / "sandman"
-    d.mkdir()
+    pod_install(d, py)
     daemon = d / f"{DAEMON}.py"
-    subprocess.run(["cp", "-p", str(EXECD), str(daemon)], check=True)
-    subprocess.run([py, "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)",
-                    str(daemon)], check=True, timeout=60)
-    (d / "execd.py").write_text(LAUNCHER)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only: nothing is cached
     env["SANDMAN_TOKEN_SHA256"] = "0" * 64
@@ -367,8 +416,21 @@ def main(argv=None) -> int:
                 lat = loop(t, "head -c 1048576 /dev/zero | tr '\\0' a", args.big_calls,
                            2 * MIB, None, MIB)
                 big[t.name].append(summary(lat))
-        ex = next(t for t in targets if isinstance(t, Execd))
+        ex = next(t for t in targets if type(t) is Execd)
         floods = flood_figures(ex, **floods)
+        pod = PodExecd()
+        targets.append(pod)  # stopped with the others
+        pod.start()
+        loop(pod, "echo hi", 20, 102400, "hi")
+        biggest = max(floods_sizes(args))
+        floods.append(("execd RSS at rest, as the pod runs it (launcher, bytecode)",
+                       f"{pod.rss_kib('VmRSS') / 1024:.1f} MiB"))
+        t0 = time.perf_counter()
+        r = pod.run(f"head -c {biggest * MIB} /dev/zero", 102400)
+        assert r["truncated"], r
+        floods.append((f"{biggest} MiB flood, 100 KiB cap, as the pod runs it",
+                       f"peak RSS {pod.rss_kib('VmHWM') / 1024:.1f} MiB, "
+                       f"{time.perf_counter() - t0:.2f} s"))
         with tempfile.TemporaryDirectory(prefix="bench-execd-start-") as tmp:
             startup = startup_figures(3 if args.smoke else 21, Path(tmp))
     finally:
