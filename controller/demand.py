@@ -41,6 +41,7 @@ one and one busy key cannot take the whole budget before every key has its first
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -63,10 +64,16 @@ def twin(spec, role: str):
 
 
 def cpu_of(spec) -> float:
+    """The cores a pod of `spec` requests."""
+    return _cores(spec.cpu)
+
+
+@functools.lru_cache(maxsize=1024)
+def _cores(quantity: str) -> float:
     from sandman.podspec import parse_quantity
 
     try:
-        return float(parse_quantity(spec.cpu))
+        return float(parse_quantity(quantity))
     except Exception:  # noqa: BLE001 - validated at acquire; a bad one counts as one core
         return 1.0
 
