@@ -643,14 +643,19 @@ class ReadyCheck:
             # Spawned and recorded under the lock: a /diff that lists the processes in between
             # waits in own_pids() for the record instead of reporting the probe as "extra".
             with self.lock:
-                pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc", "-c",
-                                                   ":"], {}, file_actions=actions, setsid=True)
+                # Watched under the reaper's lock: a reap between the spawn and the watch (a
+                # /processes/wait reaps every few ms) would take the probe's status, and the
+                # check would wait out its budget and fail.
+                with self.d.reaper.lock:
+                    pid = os.posix_spawn(self.d.bash, [self.d.bash, "--noprofile", "--norc",
+                                                       "-c", ":"], {}, file_actions=actions,
+                                         setsid=True)
+                    self.d.reaper.watched[pid] = None
                 self.pids.add(pid)
         except OSError as e:
             return "cannot fork and exec a process: %s" % (e.strerror or e)
         finally:
             os.close(devnull)
-        self.d.reaper.watch(pid)
         try:
             while True:
                 st = self.d.reaper.status(pid)
