@@ -965,6 +965,27 @@ def test_extra_args_come_last_and_argparse_decides(helm):
     assert args.caller_label_prefix == ["a/", "b/"]
 
 
+def test_warm_budget_flags_only_when_demand_sizing_is_on(helm):
+    """controller.warmBudget: off at pods 0 (no flag: the controller's own default, prewarm
+    floors only); on, its four flags reach the controller's parser as the values say."""
+    from controller.__main__ import parse_args, settings_from
+
+    def ctl_args(*sets: str) -> list[str]:
+        objs = _render(helm, *[a for s in sets for a in ("--set", s)])
+        return _container(_find(objs, "Deployment", "-controller"))["args"]
+
+    assert not [a for a in ctl_args() if a.startswith("--warm-")]
+    args = ctl_args("controller.warmBudget.pods=96", "controller.warmBudget.cpu=192",
+                    "controller.warmBudget.maxPerKey=4",
+                    "controller.warmBudget.roles={grading,agent}")
+    args = [a for a in args if not a.startswith("--pod-template-file=")]  # read in the pod
+    budget = settings_from(parse_args(["serve", *args])).warm_budget
+    assert (budget.pods, budget.cpu, budget.per_key, budget.roles) == (
+        96, 192.0, 4, ("grading", "agent"))
+    with pytest.raises(Exception, match="roles"):
+        helm.template("--set", "controller.warmBudget.roles={judge}")
+
+
 def test_component_image_falls_back_to_the_global_image(helm):
     def image(*sets: str) -> tuple[str, str]:
         args = [a for s in sets for a in ("--set", s)]
