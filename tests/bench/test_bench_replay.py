@@ -7,6 +7,8 @@ from __future__ import annotations
 import itertools
 import json
 import math
+import re
+from pathlib import Path
 
 import pytest
 
@@ -119,3 +121,9 @@ def test_generated_trace_has_the_workload_shape():
     short = sum(1 for g in gaps if g < 10) / len(gaps)
     assert short > 0.7  # a group's 8 start within a second (the paper: ~80% under 10 s)
     assert not math.isnan(max(gaps))
+
+
+def test_make_bench_replay_writes_its_docs_section():
+    make = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
+    recipe = re.search(r"^bench-replay:.*\n((?:\t.*\n)+)", make, re.M)
+    assert recipe and "-m bench.replay --write-docs" in recipe.group(1)
