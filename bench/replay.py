@@ -340,6 +340,19 @@ def render(report: dict, argv: list[str]) -> str:
              f"pipeline, warm pool). Create-to-Ready lognormal, median {READY_MEDIAN_S:g} s, "
              f"sigma {READY_SIGMA:g}; every API call {API_S * 1000:g} ms. Percentiles: linear "
              "interpolation between closest ranks (bench/stats.py).", "",
+             f"{report.get('workload', 'Generated trace')}. Generated traces: runs start "
+             f"together, each with its trajectories in flight as GRPO groups of {GROUP} of one image (started within 1 s), "
+             f"{IMAGES[0]}-{IMAGES[1]} images per run in a shuffled cycle, rollouts lognormal "
+             f"(median {ROLLOUT_MEDIAN_S:g} s), then 0/1/2 gradings (13.9/30.6/55.5%, median "
+             f"{GRADING_MEDIAN_S:g} s), all {CPU} vCPU. Policies: none; fixed "
+             f"{FIXED_TARGET} per grading key from its first request, {FIXED_IDLE_S:g} s idle "
+             f"timeout (the paper's pool A/B); demand (controller/demand.py), budget "
+             f"{WARM_BUDGET_PODS} pods / {WARM_BUDGET_PODS * float(CPU):g} vCPU, "
+             f"{Budget.per_key} per key, {DEMAND_IDLE_S:g} s idle timeout. Idle warm hours: "
+             "pods warm or parked, unused, over the trace's span. Burst probe: "
+             f"{PROBE_GRADINGS} gradings of cold keys, one every {PROBE_STEP_S:g} s, alone and "
+             f"while {BURST_ROLLOUTS} rollouts start within 1 s (pacer at the controller's "
+             "defaults: 20 creates/s, burst 40, 200 creating).", "",
              "| policy | grading hits | grading p50 / p99 (s) | rollout hits | "
              "rollout p50 / p99 (s) | idle warm vCPU-h | idle warm pod-h | creates | "
              "grading p99 alone / under burst (s) |",
@@ -374,16 +387,21 @@ def main(argv: list[str] | None = None) -> int:
         ap.error("--write-trace writes a generated trace: drop --trace")
     if not args.minutes > 0:
         ap.error("--minutes must be > 0")
+    runs, in_flight = (1, 16) if args.smoke else (RUNS, IN_FLIGHT)
+    minutes = 10.0 if args.smoke else args.minutes
     try:
         reqs = load_trace(args.trace) if args.trace else generate(
-            args.seed, minutes=10.0 if args.smoke else args.minutes,
-            runs=1 if args.smoke else RUNS, in_flight=16 if args.smoke else IN_FLIGHT)
+            args.seed, minutes=minutes, runs=runs, in_flight=in_flight)
     except ValueError as e:
         print(f"bench.replay: {e}", file=sys.stderr)
         return 2
     if args.write_trace:
         write_trace(reqs, args.write_trace)
-    section = render(replay(reqs, args.seed), argv)
+    report = replay(reqs, args.seed)
+    report["workload"] = (f"Recorded trace {args.trace.name}" if args.trace else
+                          f"Generated trace: {runs} run(s), {in_flight} trajectories in "
+                          f"flight each, {minutes:g} minutes of group starts")
+    section = render(report, argv)
     print(section)
     if args.write_docs:
         print(f"wrote {docs.write_section(section)}", file=sys.stderr)

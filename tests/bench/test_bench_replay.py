@@ -127,3 +127,14 @@ def test_make_bench_replay_writes_its_docs_section():
     make = (Path(__file__).resolve().parents[2] / "Makefile").read_text()
     recipe = re.search(r"^bench-replay:.*\n((?:\t.*\n)+)", make, re.M)
     assert recipe and "-m bench.replay --write-docs" in recipe.group(1)
+
+
+def test_a_recorded_trace_replays(tmp_path, capsys):
+    path = tmp_path / "rec.jsonl"
+    path.write_text('{"t": 0, "role": "agent", "image": "task-a", "hold_s": 30}\n'
+                    '{"t": 30.5, "role": "grading", "image": "task-a", "hold_s": 5}\n'
+                    '{"t": 36, "role": "grading", "image": "task-a", "hold_s": 5, "cpu": "1",'
+                    ' "memory": "2Gi"}\n')
+    assert replay.main(["--trace", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(replay.SECTION) and "Recorded trace rec.jsonl" in out
