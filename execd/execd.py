@@ -3705,6 +3705,7 @@ PTY_WRITE_MAX = 64 << 10  # bytes of one write
 PTY_WRITE_WAIT = 10.0  # a write the program does not read within this is cut short (409)
 PTY_READ_WAIT_MAX = 30.0  # one read waits at most this for new output; the SDK asks again
 PTY_SIZE_MAX = 4096  # columns and rows
+PTY_REQUEST_IDS = 64  # answers kept per session (and of opens) for request_id retries
 _PTY_ID = re.compile(r"s[0-9]{1,12}-[0-9a-f]{24}")  # fullmatch: `$` would take a newline
 _PTY_SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,20})?")
 
@@ -3718,6 +3719,7 @@ class PtySession(BgProc):
         BgProc.__init__(self, pid, sid, tag, command, cwd, fd)
         self.cols = cols
         self.rows = rows
+        self.answers = collections.OrderedDict()  # request_id -> answer of a write or signal
 
     def info(self):
         out = BgProc.info(self)
@@ -3749,6 +3751,7 @@ class Sessions(object):
         self.lock = threading.Lock()
         self.cond = threading.Condition(self.lock)
         self.items = collections.OrderedDict()  # id -> PtySession, oldest first
+        self.rids = collections.OrderedDict()  # request_id of an open -> session id
         self.seq = 0
         self.closing = []  # fds the reader thread closes (it alone polls them)
         self.wake = None
@@ -3757,7 +3760,7 @@ class Sessions(object):
 
     def open(self, req):
         d = self.d
-        unknown = sorted(set(req) - {"command", "cwd", "env", "cols", "rows"})
+        unknown = sorted(set(req) - {"command", "cwd", "env", "cols", "rows", "request_id"})
         if unknown:
             raise HTTPError(400, "unknown field(s): %s" % ", ".join(unknown)[:200])
         cmd = req.get("command")
@@ -3787,6 +3790,7 @@ class Sessions(object):
                 raise HTTPError(400, "value of %s is not valid unicode" % k) from None
         cols = _pty_dim(req, "cols", 80)
         rows = _pty_dim(req, "rows", 24)
+        rid = _request_id(req)
         cwd = d.bg._cwd(req.get("cwd"))
         sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
                 signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
@@ -3796,6 +3800,10 @@ class Sessions(object):
                 raise HTTPError(503, "retired: %s" % d.retired, {"retired": True})
             if d.resetting or self.held:
                 raise HTTPError(409, "a reset or restore is running; open a session after it")
+            # A retry of an open whose answer was lost: the same session, never a second one.
+            known = self.items.get(self.rids.get(rid)) if rid is not None else None
+            if known is not None:
+                return known.info()
             live = sum(1 for s in self.items.values() if s.fd is not None or s.status is None)
             if live >= PTY_MAX_LIVE:
                 raise HTTPError(429, "%d sessions are open (the limit): close one, or reset"
@@ -3841,6 +3849,8 @@ class Sessions(object):
                 os.close(slave)  # the child's end only: EOF on the master when it is gone
             os.set_blocking(master, False)
             self.items[sid] = s
+            if rid is not None:
+                _remember(self.rids, rid, sid)
             self._start_reader()
             self._poke()
             return s.info()
@@ -3867,7 +3877,7 @@ class Sessions(object):
         return {"sessions": items, "live": live, "max_live": PTY_MAX_LIVE}
 
     def write(self, req):
-        unknown = sorted(set(req) - {"id", "data_b64"})
+        unknown = sorted(set(req) - {"id", "data_b64", "request_id"})
         if unknown:
             raise HTTPError(400, "unknown field(s): %s" % ", ".join(unknown)[:200])
         raw = req.get("data_b64")
@@ -3878,9 +3888,12 @@ class Sessions(object):
             data = base64.b64decode(raw.encode("ascii"), validate=True)
         except (binascii.Error, ValueError, UnicodeEncodeError):
             raise HTTPError(400, "data_b64 is not base64") from None
+        rid = _request_id(req)
         with self.lock:
             s = self.get(req.get("id"))
             fd = s.fd
+            if rid is not None and rid in s.answers:
+                return s.answers[rid]  # a retry: these bytes were written once already
         if fd is None:
             raise HTTPError(409, "session %s ended; nothing reads its input" % s.id,
                             {"ended": True})
@@ -3904,6 +3917,9 @@ class Sessions(object):
             time.sleep(min(0.01, left))
         out = s.info()
         out["written"] = done
+        if rid is not None:
+            with self.lock:
+                _remember(s.answers, rid, out)
         if done < len(data):
             raise HTTPError(409, "session %s took %d of %d bytes (it does not read its input, "
                                  "or it ended)" % (s.id, done, len(data)), out)
@@ -3946,8 +3962,11 @@ class Sessions(object):
     def signal(self, req):
         """A signal to the terminal's foreground process group (as its keys send ^C, ^Z),
         or to the session's leader when there is none."""
+        rid = _request_id(req)
         with self.lock:
             s = self.get(req.get("id"))
+            if rid is not None and rid in s.answers:
+                return s.answers[rid]  # a retry: sent once already
             fd = s.fd
             pgrp = None
             if fd is not None:
@@ -3969,6 +3988,9 @@ class Sessions(object):
                 pass
         out = s.info()
         out["signalled"] = sent
+        if rid is not None:
+            with self.lock:
+                _remember(s.answers, rid, out)
         return out
 
     def close(self, req):
@@ -4019,6 +4041,7 @@ class Sessions(object):
                     s.fd = None
                 s.drop()
             self.items.clear()
+            self.rids.clear()
             self.cond.notify_all()
             if self.wake is not None:
                 self._poke()
@@ -4087,6 +4110,19 @@ class Sessions(object):
                         os.close(fd)
                         s.fd = None
                     self.cond.notify_all()
+
+
+def _request_id(req):
+    rid = req.get("request_id")
+    if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
+        raise HTTPError(400, "request_id must be a non-empty string of at most 256 chars")
+    return rid
+
+
+def _remember(answers, rid, value):
+    answers[rid] = value
+    while len(answers) > PTY_REQUEST_IDS:
+        answers.popitem(last=False)
 
 
 def _signal_number(sig):

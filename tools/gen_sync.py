@@ -48,6 +48,7 @@ REPLACEMENTS: list[tuple[str, str]] = [
     (r"\bAsyncClient\b", "Client"),
     (r"\bAsyncSandbox\b", "Sandbox"),
     (r"\bAsyncProcess\b", "Process"),
+    (r"\bAsyncSession\b", "Session"),
     (r"\bsandman\.client\._async\b", "sandman.client._sync"),
 ]
 # The sync twin sleeps with time.sleep, and its acquire() is a plain call (a Sandbox is a

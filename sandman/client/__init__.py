@@ -13,10 +13,10 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 
 from sandman._version import __version__
 from sandman.client._async.client import AsyncClient
-from sandman.client._async.sandbox import AsyncProcess, AsyncSandbox
+from sandman.client._async.sandbox import AsyncProcess, AsyncSandbox, AsyncSession
 from sandman.client._core import RetryPolicy
 from sandman.client._sync.client import Client
-from sandman.client._sync.sandbox import Process, Sandbox
+from sandman.client._sync.sandbox import Process, Sandbox, Session
 from sandman.client.editing import (
     EditAmbiguous,
     EditConflict,
@@ -36,6 +36,7 @@ from sandman.client.errors import (
     ControllerError,
     ControllerUnreachable,
     ExecdError,
+    ExpectTimeout,
     FileNotFound,
     Forbidden,
     IntegrityError,
@@ -49,7 +50,10 @@ from sandman.client.errors import (
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    SessionEnded,
+    SessionNotFound,
     TooManyProcesses,
+    TooManySessions,
     TreeConflict,
     TreeError,
     TreeTooLarge,
@@ -73,6 +77,8 @@ from sandman.client.models import (
     ProcessStatus,
     ResetResult,
     SandboxInfo,
+    SessionOutput,
+    SessionStatus,
     State,
     TreeResult,
     WriteResult,
@@ -93,6 +99,9 @@ __all__ = [
     # sb.spawn(): background processes
     "AsyncProcess", "Process", "ProcessNotFound", "ProcessOutput", "ProcessStatus",
     "ProcessTimeout", "TooManyProcesses",
+    # sb.session(): interactive sessions on a pty
+    "AsyncSession", "ExpectTimeout", "Session", "SessionEnded", "SessionNotFound",
+    "SessionOutput", "SessionStatus", "TooManySessions",
     # sb.upload_tree() / sb.download_tree(): whole trees as one tar
     "TreeConflict", "TreeError", "TreeResult", "TreeTooLarge", "UnsafeArchive",
 ]

@@ -152,6 +152,28 @@ class TooManyProcesses(ExecdError):
     since the last reset."""
 
 
+class SessionNotFound(ExecdError, LookupError):
+    """No interactive session with that id in this sandbox (404 on a /sessions route): it
+    was closed, a reset ended it, or the id is another sandbox's."""
+
+
+class TooManySessions(ExecdError):
+    """execd refused a session (429): 8 are open."""
+
+
+class SessionEnded(ExecdError):
+    """The session's program is gone, so nothing reads what is written to it (409 on a
+    write or resize), or it did not read a write within execd's 10 s."""
+
+
+class ExpectTimeout(SandmanError, TimeoutError):
+    """`Session.expect()` did not see its pattern in time; `output` is what was read."""
+
+    def __init__(self, message: str, output: str) -> None:
+        super().__init__(message)
+        self.output = output
+
+
 class ProcessTimeout(SandmanError, TimeoutError):
     """`Process.wait(timeout=...)` ran out with the process still running (nothing was
     killed); `process_status` is its last known state."""
@@ -268,7 +290,11 @@ def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
             return ProcessNotFound(msg, status=status)
         if status == 429:
             return TooManyProcesses(msg, status=status)
-    if status == 409 and route in ("/exec", "/exec/stream", "/env", "/reset"):
+    if route.startswith("/sessions"):
+        cls = {404: SessionNotFound, 409: SessionEnded, 429: TooManySessions}.get(status)
+        if cls is not None and not (status == 409 and route == "/sessions/open"):
+            return cls(msg, status=status)
+    if status == 409 and route in ("/exec", "/exec/stream", "/env", "/reset", "/sessions/open"):
         return SandboxBusy(msg, status=status)
     if status in (400, 413, 422):
         return BadRequest(msg, status=status)

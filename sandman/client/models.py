@@ -405,3 +405,67 @@ class ProcessOutput:
                    running=_req(d, "running", bool, what),
                    exit_code=_opt(d, "exit_code", int, what),
                    output_open=bool(_opt(d, "output_open", bool, what, False)))
+
+
+# ---- interactive sessions (sb.session)
+
+@dataclass(frozen=True)
+class SessionStatus:
+    """An interactive session as execd knows it: a program on its own pty. `exit_code` is
+    None while `running`; `output_bytes` is the offset its next output byte will have;
+    `output_open`: something still holds the terminal (it reads and writes until then)."""
+
+    id: str
+    pid: int
+    command: str
+    cwd: str
+    cols: int
+    rows: int
+    running: bool
+    exit_code: int | None
+    signal: int | None
+    started_at: float  # Unix time
+    output_bytes: int
+    output_open: bool
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> SessionStatus:
+        what = "session answer"
+        d = _obj(data, what)
+        return cls(id=_req(d, "id", str, what), pid=_req(d, "pid", int, what),
+                   command=_req(d, "command", str, what), cwd=_opt(d, "cwd", str, what, ""),
+                   cols=_req(d, "cols", int, what), rows=_req(d, "rows", int, what),
+                   running=_req(d, "running", bool, what),
+                   exit_code=_opt(d, "exit_code", int, what),
+                   signal=_opt(d, "signal", int, what),
+                   started_at=float(_opt(d, "started_at", _NUM, what, 0.0)),
+                   output_bytes=_req(d, "output_bytes", int, what),
+                   output_open=bool(_opt(d, "output_open", bool, what, False)), raw=d)
+
+
+@dataclass(frozen=True)
+class SessionOutput:
+    """What a session's terminal printed from byte offset `start` to `end` (`data`, as the
+    terminal wrote it: \\r\\n line ends, echoed input). execd keeps the newest 256 KiB: when
+    the bytes asked for are older, `start` is where the kept bytes begin and `dropped` counts
+    the bytes lost. Read on with `read(since=end)`."""
+
+    data: bytes = field(repr=False)
+    start: int
+    end: int
+    dropped: int
+    running: bool
+    exit_code: int | None
+    output_open: bool
+
+    @property
+    def text(self) -> str:
+        """`data` decoded as UTF-8 (invalid bytes replaced)."""
+        return self.data.decode("utf-8", "replace")
+
+    @classmethod
+    def from_json(cls, data: Any) -> SessionOutput:
+        o = ProcessOutput.from_json(data)
+        return cls(data=o.data, start=o.start, end=o.end, dropped=o.dropped, running=o.running,
+                   exit_code=o.exit_code, output_open=o.output_open)

@@ -33,7 +33,15 @@ from typing import Any
 
 import pytest
 
-from sandman.client import AsyncClient, AsyncSandbox, Client, Process, RetryPolicy, Sandbox
+from sandman.client import (
+    AsyncClient,
+    AsyncSandbox,
+    Client,
+    Process,
+    RetryPolicy,
+    Sandbox,
+    Session,
+)
 from testbed.execd import Execd, start_execd
 
 LOOPBACK = "127.0.0.1"
@@ -475,10 +483,11 @@ class Synced:
 
         def call(*args: Any, **kw: Any) -> Any:
             result = attr(*args, **kw)
-            if isinstance(result, (Sandbox, Client, Process)):
+            if isinstance(result, (Sandbox, Client, Process, Session)):
                 result = Synced(result)
-            if isinstance(result, list) and all(isinstance(r, Process) for r in result):
-                result = [Synced(r) for r in result]  # sb.processes()
+            if isinstance(result, list) and all(isinstance(r, (Process, Session))
+                                                for r in result):
+                result = [Synced(r) for r in result]  # sb.processes(), sb.sessions()
             if inspect.isgenerator(result):
                 return SyncedIter(result)  # `async for` over the sync twin's generator
             return _done(result)

@@ -6,8 +6,11 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import codecs
 import logging
 import os
+import re
 import tempfile
 import threading
 import time
@@ -24,12 +27,14 @@ from sandman.client.editing import EditResult
 from sandman.client.errors import (
     BadRequest,
     CommandTimeout,
+    ExpectTimeout,
     IntegrityError,
     ProcessTimeout,
     ProtocolError,
     SandboxGone,
     SandboxUnreachable,
     SandmanError,
+    SessionNotFound,
     TreeError,
     Unauthorized,
     WriteConflict,
@@ -45,6 +50,8 @@ from sandman.client.models import (
     ProcessOutput,
     ProcessStatus,
     ResetResult,
+    SessionOutput,
+    SessionStatus,
     State,
     TreeResult,
     WriteResult,
@@ -75,6 +82,16 @@ PROCESS_SIGNAL = Route("PROCESS_SIGNAL", "POST", "/processes/signal")
 PROCESS_WAIT = Route("PROCESS_WAIT", "POST", "/processes/wait")
 # One /processes/wait answers within execd's BG_WAIT_MAX (30 s); wait() asks again.
 PROCESS_WAIT_ROUND_S = 30.0
+SESSIONS = Route("SESSIONS", "GET", "/sessions")
+SESSION_OPEN = Route("SESSION_OPEN", "POST", "/sessions/open")
+SESSION_WRITE = Route("SESSION_WRITE", "POST", "/sessions/write")
+SESSION_READ = Route("SESSION_READ", "GET", "/sessions/read")
+SESSION_RESIZE = Route("SESSION_RESIZE", "POST", "/sessions/resize")
+SESSION_SIGNAL = Route("SESSION_SIGNAL", "POST", "/sessions/signal")
+SESSION_CLOSE = Route("SESSION_CLOSE", "POST", "/sessions/close")
+# One /sessions/read waits at most execd's PTY_READ_WAIT_MAX (30 s); read() asks again.
+SESSION_READ_ROUND_S = 30.0
+SESSION_WRITE_MAX = 64 << 10  # execd's PTY_WRITE_MAX: longer data goes in several writes
 
 
 async def _spooled(spool: IO[bytes], size: int) -> AsyncIterator[bytes]:
@@ -541,6 +558,34 @@ class AsyncSandbox:
         resp = await self._call(PROCESS_INFO, params={"id": _core.process_id(id)}, read_s=30.0)
         return ProcessStatus.from_json(_core.decode_json(resp, "process"))
 
+    # ---- interactive sessions
+
+    async def session(self, command: str = "bash", cwd: str | None = None,
+                      env: dict[str, str] | None = None, cols: int = 80,
+                      rows: int = 24) -> AsyncSession:
+        """Start `command` (bash -c) on its own pseudo-terminal of `cols` x `rows`, in its own
+        session with that terminal as its controlling one, and return its handle: write to
+        it, read or expect its output, resize it, signal it, close it. TERM is "dumb" unless
+        `env` names one. cwd and env as for `spawn()`. Sent with one request_id for all
+        retries: a lost answer never opens it twice. TooManySessions at 8 open."""
+        for name, v in (("cols", cols), ("rows", rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+                raise BadRequest(f"{name} must be an int in 1..4096, not {v!r}")
+        rid = _core.new_request_id()
+        body = _core.spawn_body(command, cwd, env, rid)
+        body.update({"cols": cols, "rows": rows})
+        resp = await self._call(SESSION_OPEN, json=body, read_s=30.0, request_id=rid)
+        return AsyncSession(self, SessionStatus.from_json(_core.decode_json(resp, "session")))
+
+    async def sessions(self) -> list[AsyncSession]:
+        """Every session open or ended since the last reset (not closed), oldest first."""
+        resp = await self._call(SESSIONS, read_s=30.0)
+        data = _core.decode_json(resp, "sessions")
+        items = data.get("sessions") if isinstance(data, dict) else None
+        if not isinstance(items, list):
+            raise ProtocolError("sessions: the answer has no list 'sessions'")
+        return [AsyncSession(self, SessionStatus.from_json(p)) for p in items]
+
     # ---- trees (docs/sdk.md, "Trees")
 
     async def upload_tree(self, local_dir: str | os.PathLike[str], remote_dir: str) -> TreeResult:
@@ -792,3 +837,145 @@ class AsyncProcess:
             if deadline is not None and time.monotonic() >= deadline:
                 raise ProcessTimeout(f"process {self.id} ({self.command[:80]!r}) still runs "
                                      f"after {timeout} s", self.last)
+
+
+class AsyncSession:
+    """An interactive session opened by `AsyncSandbox.session()`: a program on its own pty.
+    Holds its id and a read cursor (`offset`, the end of what `read()` or `expect()` has
+    returned); every method asks execd. A context manager that closes it."""
+
+    def __init__(self, sandbox: AsyncSandbox, status: SessionStatus) -> None:
+        self.sandbox = sandbox
+        self.id = status.id
+        self.pid = status.pid
+        self.command = status.command
+        self.last = status  # the last status execd sent
+        self.offset = 0
+        self._pending = ""  # read by expect() past its match: the next expect() sees it first
+
+    def __repr__(self) -> str:
+        state = "running" if self.last.running else f"exit {self.last.exit_code}"
+        return f"AsyncSession(id={self.id!r}, pid={self.pid}, {state})"
+
+    async def __aenter__(self) -> AsyncSession:
+        return self
+
+    async def __aexit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        await self.close()
+
+    async def write(self, data: bytes | str) -> int:
+        """Send `data` to the terminal as typed keys (str as UTF-8; "\\x03" is ^C). Each piece
+        of up to 64 KiB carries its own request_id, so a retry never types it twice.
+        SessionEnded if the program is gone or does not read it within execd's 10 s."""
+        raw = _core.to_bytes(data)
+        done = 0
+        for i in range(0, len(raw), SESSION_WRITE_MAX):
+            piece = raw[i:i + SESSION_WRITE_MAX]
+            rid = _core.new_request_id()
+            resp = await self.sandbox._call(
+                SESSION_WRITE, read_s=30.0, request_id=rid,
+                json={"id": self.id, "data_b64": base64.b64encode(piece).decode(),
+                      "request_id": rid})
+            answer = _core.decode_json(resp, "session write")
+            self.last = SessionStatus.from_json(answer)
+            done += int(answer.get("written", len(piece)))
+        return done
+
+    async def read(self, timeout: float = 0.0, since: int | None = None) -> SessionOutput:
+        """The output from byte offset `since` (default: the cursor, where the last read or
+        expect ended) on, waiting up to `timeout` seconds for some when there is none yet;
+        an empty answer after that. Moves the cursor to the answer's end. execd keeps the
+        newest 256 KiB: `dropped` counts bytes lost before `start`."""
+        _core.seconds_or_zero("timeout", timeout)
+        if since is not None and (isinstance(since, bool) or not isinstance(since, int)
+                                  or since < 0):
+            raise BadRequest(f"since must be a byte offset (an int >= 0), not {since!r}")
+        frm = self.offset if since is None else since
+        deadline = time.monotonic() + timeout
+        while True:
+            step = min(max(0.0, deadline - time.monotonic()), SESSION_READ_ROUND_S)
+            resp = await self.sandbox._call(
+                SESSION_READ, read_s=step + 30.0,
+                params={"id": self.id, "since": str(frm), "timeout": f"{step:.3f}"})
+            out = SessionOutput.from_json(_core.decode_json(resp, "session read"))
+            if out.data or not out.output_open or time.monotonic() >= deadline:
+                break
+        self.offset = out.end
+        self._pending = ""
+        return out
+
+    async def expect(self, pattern: str, timeout: float = 30.0) -> str:
+        """Read from the cursor until the regex `pattern` matches what was read; return the
+        text up to and including the match (the rest stays for the next expect). ExpectTimeout
+        (with `output`, what was read) after `timeout` seconds or when the program ended
+        without printing it."""
+        _core.seconds_or_zero("timeout", timeout)
+        try:
+            rx = re.compile(pattern)
+        except (re.error, TypeError) as e:
+            raise BadRequest(f"pattern is not a regex: {e}") from None
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text = self._pending
+        deadline = time.monotonic() + timeout
+        while True:
+            m = rx.search(text)
+            if m is not None:
+                self._pending = text[m.end():]
+                return text[:m.end()]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                break
+            step = min(left, SESSION_READ_ROUND_S)
+            resp = await self.sandbox._call(
+                SESSION_READ, read_s=step + 30.0,
+                params={"id": self.id, "since": str(self.offset), "timeout": f"{step:.3f}"})
+            out = SessionOutput.from_json(_core.decode_json(resp, "session read"))
+            self.offset = out.end
+            text += decoder.decode(out.data)
+            if not out.data and not out.output_open:
+                break
+        self._pending = ""
+        raise ExpectTimeout(f"session {self.id}: {pattern!r} not seen within {timeout} s "
+                            f"(last output: {text[-200:]!r})", text)
+
+    async def resize(self, cols: int, rows: int) -> SessionStatus:
+        """Set the terminal's size; the kernel sends SIGWINCH to its foreground job."""
+        for name, v in (("cols", cols), ("rows", rows)):
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
+                raise BadRequest(f"{name} must be an int in 1..4096, not {v!r}")
+        resp = await self.sandbox._call(SESSION_RESIZE, read_s=30.0,
+                                        json={"id": self.id, "cols": cols, "rows": rows})
+        self.last = SessionStatus.from_json(_core.decode_json(resp, "session resize"))
+        return self.last
+
+    async def signal(self, sig: int | str = "INT") -> SessionStatus:
+        """Send `sig` to the terminal's foreground process group (as a terminal's keys send
+        ^C), or to the session's program when there is none."""
+        if isinstance(sig, bool) or not isinstance(sig, (int, str)):
+            raise BadRequest(f"sig must be a signal number or name, not {sig!r}")
+        rid = _core.new_request_id()
+        resp = await self.sandbox._call(SESSION_SIGNAL, read_s=30.0, request_id=rid,
+                                        json={"id": self.id, "signal": sig, "request_id": rid})
+        self.last = SessionStatus.from_json(_core.decode_json(resp, "session signal"))
+        return self.last
+
+    async def status(self) -> SessionStatus:
+        for s in await self.sandbox.sessions():
+            if s.id == self.id:
+                self.last = s.last
+                return self.last
+        raise SessionNotFound(f"/sessions: no session {self.id} in this sandbox", status=404)
+
+    async def close(self) -> SessionStatus:
+        """Kill the program and all its descendants (SIGKILL, even what ignores SIGHUP), reap
+        them and forget the id. Closing a closed session does nothing."""
+        attempts = [0]
+        try:
+            resp = await self.sandbox._call(SESSION_CLOSE, read_s=30.0, json={"id": self.id},
+                                            attempts_out=attempts)
+        except SessionNotFound:
+            if attempts[0] <= 1 and self.last.raw.get("closed") is not True:
+                raise
+            return self.last  # a retry of a close that happened, or closed before
+        self.last = SessionStatus.from_json(_core.decode_json(resp, "session close"))
+        return self.last
