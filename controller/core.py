@@ -249,7 +249,7 @@ class Controller:
         refused: list[str] = []
         attempts = self.s.conditions_attempts if conditions else 1
         if warm_ok:
-            self.warm.acquired(spec)  # demand for this key (validated above: never a bogus one)
+            self.warm.acquired(spec, job)  # demand (validated above: never a bogus spec)
             got = await self.warm.take(spec, job, owner, labels, lifetime, conditions,
                                        refused, attempts, reused_ok=reused_ok)
             metrics.warm_lookup(spec.role, got is not None)

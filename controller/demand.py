@@ -33,14 +33,18 @@ Per key (`SandboxSpec`), with `now` from the pool's clock:
   after the burst would idle through the gap.
 
 Each key's demand target is capped at `per_key`; an admin prewarm sets a floor that is always
-granted. The budget (`pods`, `cpu`; floors count against it) is then handed out one pod per
-key per round, grading keys before rollout keys, and within a role the key with the larger
-expected demand `m` first (ties: the key's text), so many small keys cannot starve one busy
-one and one busy key cannot take the whole budget before every key has its first pod.
+granted. The budget (`pods`, `cpu`; floors count against it) is then handed out in rounds,
+grading keys before rollout keys. A round gives one pod to each tenant (the one whose acquire
+of the key was the latest; "" when unscoped), to its next key in a rotation that starts with
+its key of the larger expected demand `m` (ties: the key's text); the tenant with the busiest
+key goes first. So a tenant that spreads its acquires over thousands of keys gets as many pods
+per round as one with a single key, and within a tenant every key has its first pod before any
+has a second.
 """
 
 from __future__ import annotations
 
+import collections
 import functools
 import math
 from collections import OrderedDict
@@ -84,6 +88,7 @@ class KeyDemand:
     at: float = 0.0
     last: float = -math.inf  # the last acquire of this key
     armed: float = -math.inf  # the last acquire of its rollout twin (grading keys)
+    tenant: str = ""  # whose acquire (or rollout) was the latest; "" unscoped
 
     def lam(self, now: float, tau: float) -> float:
         return self.rate * math.exp(-max(0.0, now - self.at) / tau)
@@ -124,12 +129,14 @@ class Demand:
         self.keys.move_to_end(spec)
         return k
 
-    def acquired(self, spec, now: float) -> None:
+    def acquired(self, spec, now: float, tenant: str = "") -> None:
         k = self._key(spec)
         k.rate = k.lam(now, self.tau) + 1.0 / self.tau
         k.at = k.last = now
+        k.tenant = tenant
         if spec.role == contract.ROLE_AGENT:
-            self._key(twin(spec, contract.ROLE_GRADING)).armed = now
+            tw = self._key(twin(spec, contract.ROLE_GRADING))
+            tw.armed, tw.tenant = now, tenant
 
     def ready(self, spec, seconds: float) -> None:
         """A fresh pod of `spec` became Ready `seconds` after it was queued."""
@@ -185,27 +192,35 @@ class Demand:
 
 
 def allocate(rows: list[tuple], budget: Budget) -> dict:
-    """Targets within the budget. `rows`: (spec, floor, want, m) per key; floors first, in
-    full, then the demand above them as the module docstring orders it."""
-    out = {spec: floor for spec, floor, _, _ in rows}
+    """Targets within the budget. `rows`: (spec, floor, want, m[, tenant]) per key; floors
+    first, in full, then the demand above them as the module docstring orders it."""
+    out = {r[0]: r[1] for r in rows}
     pods = budget.pods - sum(out.values())
-    cpu = budget.cpu - sum(floor * cpu_of(spec) for spec, floor, _, _ in rows)
-    order = sorted((r for r in rows if r[2] > r[1]),
-                   key=lambda r: (r[0].role != contract.ROLE_GRADING, -r[3], repr(r[0])))
+    cpu = budget.cpu - sum(r[1] * cpu_of(r[0]) for r in rows)
     for role in (contract.ROLE_GRADING, contract.ROLE_AGENT):
-        rs = [r for r in order if r[0].role == role]
-        while rs and pods > 0:
-            left = []
-            for spec, _floor, want, _m in rs:
-                if pods <= 0:
-                    break
-                c = cpu_of(spec)
-                if budget.cpu and c > cpu + 1e-9:
-                    continue  # this key's pods no longer fit the CPU left
-                out[spec] += 1
+        # tenant -> its keys wanting more than they have, the busiest first
+        queues: dict[str, collections.deque] = {}
+        for r in sorted((r for r in rows if r[0].role == role and r[2] > r[1]),
+                        key=lambda r: (-r[3], repr(r[0]))):
+            queues.setdefault(r[4] if len(r) > 4 else "", collections.deque()).append(r)
+        # the tenant whose busiest key expects the most goes first in every round
+        tenants = sorted(queues, key=lambda t: (-queues[t][0][3], t))
+        while tenants and pods > 0:
+            for t in tenants:
+                q = queues[t]
+                while q:  # this tenant's next key that still fits the CPU left
+                    r = q.popleft()
+                    c = cpu_of(r[0])
+                    if not (budget.cpu and c > cpu + 1e-9):
+                        break
+                else:
+                    continue
+                out[r[0]] += 1
                 pods -= 1
                 cpu -= c
-                if out[spec] < want:
-                    left.append((spec, _floor, want, _m))
-            rs = left
+                if out[r[0]] < r[2]:
+                    q.append(r)  # to the back of its tenant's rotation
+                if pods <= 0:
+                    break
+            tenants = [t for t in tenants if queues[t]]
     return out

@@ -121,10 +121,10 @@ class WarmPool:
             self.idle_cpu_s += dt * cpu_of(e.spec)
             metrics.warm_idle(dt, dt * cpu_of(e.spec))
 
-    def acquired(self, spec: SandboxSpec) -> None:
-        """An acquire that may take a warm pod (validated): demand for its key."""
+    def acquired(self, spec: SandboxSpec, job: str) -> None:
+        """An acquire by `job` that may take a warm pod (validated): demand for its key."""
         now = self.clock()
-        self.demand.acquired(spec, now)
+        self.demand.acquired(spec, now, tenant_of(self.s, job) or "")
         pool = self.pools.get(spec)
         if pool is not None:
             pool.last_used = now
@@ -152,7 +152,9 @@ class WarmPool:
                 twin(spec, contract.ROLE_AGENT), 0))
             floor = pool.floor if pool else 0
             if want or floor:
-                rows.append((spec, floor, want, self.demand.expected(spec, now)))
+                k = self.demand.keys.get(spec)
+                rows.append((spec, floor, want, self.demand.expected(spec, now),
+                             k.tenant if k else ""))
         targets = allocate(rows, budget)
         for spec, pool in self.pools.items():
             pool.target = targets.pop(spec, 0)

@@ -144,6 +144,33 @@ def test_hostile_many_distinct_keys_cannot_pass_the_budget():
     assert sum(n * cpu_of(s) for s, n in got.items()) <= BUDGET.cpu
 
 
+def test_hostile_tenant_spreading_over_many_keys_gets_no_more_per_round_than_one_key():
+    """Tenant `evil` hammers 200 keys (each expecting much), `victim` has one quiet key: every
+    round gives each tenant one pod, so the victim's key gets what it wants."""
+    rows = [(key(i), 0, 8, 50.0, "evil") for i in range(200)]
+    rows.append((key(999), 0, 3, 0.1, "victim"))
+    got = allocate(rows, Budget(pods=8, per_key=8))
+    assert got[key(999)] == 3 and sum(got.values()) == 8
+    # The evil tenant's 5 go one per key, its busiest keys first.
+    assert sorted(n for s, n in got.items() if s != key(999)) == [0] * 195 + [1] * 5
+
+
+def test_hostile_tenant_through_acquires():
+    async def body(ctl, kube, clock):
+        for i in range(10):
+            for _ in range(4):
+                got = await ctl.acquire(key(i, cpu="1"), "evil.spread", warm_ok=True,
+                                        timeout_s=10)
+                await ctl.release(got["id"])
+        got = await ctl.acquire(key(50, cpu="1"), "victim.grade", warm_ok=True, timeout_s=10)
+        await ctl.release(got["id"])
+        await settle(ctl, kube)
+        assert ctl.pools[key(50, cpu="1")].target >= 1
+        assert sum(p.target for p in ctl.pools.values()) <= 4
+
+    run(body, Budget(pods=4, per_key=2), tenants=True)
+
+
 # ---- inside the controller (in-memory Kube) ---------------------------------------------------
 class Clock:
     def __init__(self) -> None:
@@ -153,13 +180,13 @@ class Clock:
         return self.now
 
 
-def run(body, budget: Budget, start_s: float | None = 0.02):
+def run(body, budget: Budget, start_s: float | None = 0.02, tenants: bool = False):
     async def main():
         kube = FakeKube(start_s=start_s)
         clock = Clock()
         ctl = Controller(kube, Settings(namespace="ns", ready_check="pod", sweep_interval=3600,
                                         limits=Limits(rate=1000, burst=1000),
-                                        warm_budget=budget), clock=clock)
+                                        warm_budget=budget, tenants=tenants), clock=clock)
         await ctl.start()
         try:
             await asyncio.wait_for(body(ctl, kube, clock), 30)
