@@ -28,10 +28,12 @@ import asyncio
 import functools
 import logging
 import os
+import re
 import secrets
 import shlex
 import stat
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Executor, ThreadPoolExecutor
 from pathlib import Path, PurePosixPath
@@ -75,8 +77,14 @@ except ImportError as e:  # one clear line instead of a missing-module trace
 
 from sandman import api
 from sandman.client._sync.client import Client
-from sandman.client._sync.sandbox import Sandbox
-from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
+from sandman.client._sync.sandbox import Sandbox, Session
+from sandman.client.errors import (
+    CommandTimeout,
+    ExpectTimeout,
+    FileNotFound,
+    SandmanError,
+    SessionNotFound,
+)
 from sandman.client.models import ExecResult
 
 __all__ = ["SandmanDeployment", "SandmanDeploymentConfig", "SandmanRuntime",
@@ -94,6 +102,11 @@ DEFAULT_MAX_OUTPUT = 1 << 20
 # and bash's own diagnostic, which fix_diag() starts with "bash: line N:".
 _SYNTAX_EXIT = 2
 _SYNTAX_PREFIXES = ("bash: line ", "bash: ", "the syntax check failed")
+# Interactive actions run in a bash on a pty (an execd session) with LocalRuntime's prompt, so
+# an `expect` list ends at the prompt as it does there.
+_PS1 = "SHELLPS1PREFIX"
+_ANSI = re.compile(r"\x1B[@-_][0-?]*[ -/]*[@-~]")
+_PTY_START_S = 30.0  # the pty's bash prints its first prompt within this
 
 
 class SessionLimitError(SwerexException, RuntimeError):
@@ -101,8 +114,24 @@ class SessionLimitError(SwerexException, RuntimeError):
 
 
 class UnsupportedActionError(SwerexException, NotImplementedError):
-    """An action that needs a terminal (pexpect's `expect`, interactive programs): execd runs
-    each command to completion with stdin /dev/null."""
+    """`expect` on a non-interactive action: execd runs such a command to completion with
+    stdin /dev/null (interactive actions have a terminal: an execd session)."""
+
+
+def _strip_control_chars(s: str) -> str:
+    """LocalRuntime's: ANSI escapes out, CRLF to LF."""
+    return _ANSI.sub("", s).replace("\r\n", "\n")
+
+
+def _first_match(text: str, patterns: list[str]) -> int:
+    """The pattern pexpect would report: the one matching earliest, the first listed on a
+    tie."""
+    best, where = 0, None
+    for i, p in enumerate(patterns):
+        m = re.search(p, text)
+        if m is not None and (where is None or m.start() < where):
+            best, where = i, m.start()
+    return best
 
 
 async def _in_thread(fn: Callable[..., T], *args: Any, _pool: Executor | None = None,
@@ -136,6 +165,7 @@ class SandmanRuntime(AbstractRuntime):
         self._reset_on_create = reset_on_create
         self._release_on_close = release_on_close
         self._session: str | None = None  # the one named session mapped onto execd's shell
+        self._pty: Session | None = None  # the terminal of a running interactive program
         self._lock = threading.Lock()  # one execd call at a time, held in the worker thread
         self._running = 0  # commands in flight (read by interrupt without the lock)
         # Its own threads, not the loop's default executor: asyncio.run() (once per call in
@@ -207,6 +237,7 @@ class SandmanRuntime(AbstractRuntime):
         try:
             if self._reset_on_create:
                 await self._run(self._locked, self.sandbox.reset)
+                self._pty = None  # the reset killed it
             output = ""
             if request.startup_source:
                 cmd = " ; ".join(f"source {shlex.quote(p)}" for p in request.startup_source)
@@ -229,10 +260,12 @@ class SandmanRuntime(AbstractRuntime):
             return await self._interrupt(action)
         if not isinstance(action, BashAction):
             raise ValueError(f"unknown action: {action!r}")
-        if action.is_interactive_command or action.is_interactive_quit or action.expect:
+        if action.is_interactive_command or action.is_interactive_quit:
+            return await self._run(self._locked, self._interactive, action)
+        if action.expect:
             raise UnsupportedActionError(
-                "interactive actions and `expect` need a terminal; execd runs each command to "
-                "completion with stdin /dev/null (docs/sdk.md, SWE-agent / SWE-ReX)")
+                "`expect` on a non-interactive action: execd runs each command to completion "
+                "with stdin /dev/null; use is_interactive_command (docs/sdk.md, SWE-ReX)")
         try:
             r = await self._run(self._exec, action.command, action.timeout)
         except CommandTimeout as e:
@@ -257,15 +290,93 @@ class SandmanRuntime(AbstractRuntime):
         return BashObservation(output=r.output, exit_code=exit_code,
                                failure_reason=r.error or "")
 
+    # ---- interactive programs: a bash on a pty (an execd session), as LocalRuntime's pexpect
+
+    def _expect(self, pty: Session, patterns: list[str], timeout: float | None) -> tuple[str,
+                                                                                         int]:
+        """(the text before the match, the index of the pattern that matched)."""
+        rx = "|".join(f"(?:{p})" for p in patterns)
+        got = pty.expect(rx, timeout=NO_TIMEOUT_S if timeout is None else timeout)
+        i = _first_match(got, patterns)
+        m = re.search(patterns[i], got)
+        return got[:m.start()] if m is not None else got, i
+
+    def _interactive(self, action: BashAction) -> BashObservation:
+        """LocalRuntime's _run_interactive: send the line, wait for one of `expect` or the
+        prompt. The first interactive command starts the pty's bash (in the shell's cwd); the
+        quit closes it, with whatever still runs in it."""
+        if self._pty is None:
+            if action.is_interactive_quit:
+                raise SwerexException("is_interactive_quit without an interactive program "
+                                      "running (start one with is_interactive_command)")
+            # No echo of what is typed, as pexpect.spawn(echo=False) in LocalRuntime.
+            pty = self.sandbox.session("stty -echo; exec bash --norc --noprofile",
+                                       env={"PS1": _PS1, "PS2": "", "PS0": ""})
+            try:
+                pty.expect(re.escape(_PS1), timeout=_PTY_START_S)
+            except BaseException:
+                pty.close()
+                raise
+            self._pty = pty
+        pty = self._pty
+        patterns = list(action.expect) + [re.escape(_PS1)]
+        try:
+            pty.write(action.command + "\n")
+            before, i = self._expect(pty, patterns, action.timeout)
+        except ExpectTimeout as e:
+            raise CommandTimeoutError(f"timeout after {action.timeout} seconds while running "
+                                      f"command {action.command!r}") from e
+        except SessionNotFound:
+            self._pty = None
+            raise
+        output = _strip_control_chars(before)
+        matched = (list(action.expect) + [_PS1])[i]
+        if action.is_interactive_quit:
+            self._pty = None
+            pty.close()
+        else:
+            # The terminal echoes the line typed (LocalRuntime strips it the same way).
+            output = output.lstrip().removeprefix(action.command).strip()
+        return BashObservation(output=output, exit_code=0, expect_string=matched)
+
+    def _interrupt_pty(self, action: BashInterruptAction) -> BashObservation:
+        """LocalRuntime's interrupt: ^C up to n_retry times until `expect` or the prompt,
+        then what follows for 0.5 s."""
+        pty = self._pty
+        assert pty is not None
+        patterns = list(action.expect) + [re.escape(_PS1)]
+        for _ in range(action.n_retry):
+            pty.write(b"\x03")
+            try:
+                before, i = self._expect(pty, patterns, action.timeout)
+            except ExpectTimeout:
+                time.sleep(0.2)
+                continue
+            output = _strip_control_chars(before)
+            time.sleep(0.5)
+            output += _strip_control_chars(pty.read(timeout=0.1).text)
+            return BashObservation(output=output.strip(), exit_code=0,
+                                   expect_string=(list(action.expect) + [_PS1])[i])
+        # As LocalRuntime falls back to ^Z and kill -9: the program and its tree go.
+        self._pty = None
+        pty.close()
+        return BashObservation(output="", exit_code=0, failure_reason=(
+            "the interactive program did not stop at ^C: its terminal was closed and its "
+            "processes killed"))
+
     async def _interrupt(self, action: BashInterruptAction) -> BashObservation:
-        """Nothing to interrupt between calls: execd already killed a timed-out command's
+        """With an interactive program running: ^C on its terminal, as LocalRuntime. Else
+        nothing to interrupt between calls: execd already killed a timed-out command's
         whole tree. A command still in flight (another task of this runtime) cannot get a
         Ctrl-C through execd: /reset kills it, and the shell's state goes with it."""
+        if self._pty is not None:
+            return await self._run(self._locked, self._interrupt_pty, action)
         if action.expect:
-            raise UnsupportedActionError("`expect` needs a terminal")
+            raise UnsupportedActionError("`expect` without an interactive program running")
         if self._running == 0:
             return BashObservation(output="", exit_code=0)
         await self._run(self.sandbox.reset)  # not under the lock: the command holds it
+        self._pty = None
         return BashObservation(output="", exit_code=0, failure_reason=(
             "the running command was stopped by resetting the sandbox's shell: its cwd, "
             "variables and background jobs were lost"))
@@ -274,7 +385,16 @@ class SandmanRuntime(AbstractRuntime):
         if request.session != self._session:
             raise SessionDoesNotExistError(f"session {request.session!r} does not exist")
         self._session = None
+        await self._close_pty()
         return CloseBashSessionResponse()
+
+    async def _close_pty(self) -> None:
+        pty, self._pty = self._pty, None
+        if pty is not None:
+            try:
+                await self._run(self._locked, pty.close)
+            except SandmanError as e:
+                self.logger.warning("closing the interactive terminal failed: %s", e)
 
     async def execute(self, command: Command) -> CommandResponse:
         """`subprocess.run()` semantics in a child process of execd's shell: the session's
@@ -364,6 +484,7 @@ class SandmanRuntime(AbstractRuntime):
         """Closes the session; releases the sandbox if this runtime owns it."""
         self._session = None
         try:
+            await self._close_pty()
             if self._release_on_close:
                 await self._run(self.sandbox.release)
         finally:

@@ -206,13 +206,97 @@ def test_sessions(rt) -> None:
     assert run(rt.run_in_session(A("echo b", session="b"))).output == "b\n"
 
 
-def test_interactive_actions_are_refused(srt) -> None:
-    for action in (A("python3", is_interactive_command=True, expect=[">>> "]),
-                   A("quit()", is_interactive_quit=True),
-                   A("echo ready", expect=["ready"]),
-                   BashInterruptAction(expect=["$ "])):
+def test_expect_without_a_terminal_is_refused(srt) -> None:
+    for action in (A("echo ready", expect=["ready"]), BashInterruptAction(expect=["$ "])):
         with pytest.raises(UnsupportedActionError):
             run(srt.run_in_session(action))
+    with pytest.raises(SwerexException, match="without an interactive program"):
+        run(srt.run_in_session(A("quit()", is_interactive_quit=True)))
+
+
+PY_FLOW = [A("python3 -i -q", is_interactive_command=True, expect=[">>> "]),
+           A("1+1", is_interactive_command=True, expect=[">>> "]),
+           A("print('a'); print('b')", is_interactive_command=True, expect=[">>> "]),
+           A("quit()", is_interactive_quit=True)]
+
+
+def test_interactive_python_flow(srt) -> None:
+    """SWE-ReX's interactive sequence: a REPL started, lines sent to it, quit; the REPL runs
+    in the shell's cwd, and the persistent shell goes on after it."""
+    run(srt.run_in_session(A("cd /tmp")))
+    start = run(srt.run_in_session(PY_FLOW[0]))
+    assert start.expect_string == ">>> " and start.exit_code == 0
+    obs = run(srt.run_in_session(A("import os; os.getcwd()", is_interactive_command=True,
+                                   expect=[">>> "])))
+    assert obs.output == "'/tmp'"
+    got = [run(srt.run_in_session(a)) for a in PY_FLOW[1:]]
+    assert [o.output for o in got[:2]] == ["2", "a\nb"]
+    assert got[2].expect_string == "SHELLPS1PREFIX" and got[2].exit_code == 0
+    assert srt.sandbox.sessions() == []  # the quit closed the terminal
+    assert run(srt.run_in_session(A("echo after"))).output == "after\n"
+    # A second program after the first.
+    run(srt.run_in_session(PY_FLOW[0]))
+    assert run(srt.run_in_session(PY_FLOW[1])).output == "2"
+    run(srt.run_in_session(PY_FLOW[3]))
+
+
+def test_interactive_same_answers_as_local_runtime(srt) -> None:
+    """The interactive sequence through LocalRuntime (pexpect) and through the adapter: the
+    same outputs and expect strings (LocalRuntime gets up to 3 tries, as above)."""
+    async def on_local():
+        local = LocalRuntime()
+        await local.create_session(CreateBashSessionRequest(startup_timeout=30))
+        try:
+            return [await local.run_in_session(a) for a in PY_FLOW]
+        finally:
+            await local.close()
+
+    for _ in range(3):
+        try:
+            local = [(o.output.strip(), o.expect_string) for o in run(on_local())]
+        except (SwerexException, pexpect.exceptions.ExceptionPexpect) as e:
+            local = [repr(e)]
+        if local[1:3] == [("2", ">>> "), ("a\nb", ">>> ")]:
+            break
+    got = [(o.output.strip(), o.expect_string)
+           for o in [run(srt.run_in_session(a)) for a in PY_FLOW]]
+    assert got == local
+
+
+def test_interactive_timeout_and_interrupt(srt) -> None:
+    run(srt.run_in_session(PY_FLOW[0]))
+    with pytest.raises(CommandTimeoutError, match="timeout after 1.0 seconds"):
+        run(srt.run_in_session(A("import time; time.sleep(300)", is_interactive_command=True,
+                                 expect=[">>> "], timeout=1.0)))
+    obs = run(srt.run_in_session(BashInterruptAction(expect=[">>> "])))
+    assert obs.expect_string == ">>> " and "KeyboardInterrupt" in obs.output
+    assert run(srt.run_in_session(PY_FLOW[1])).output == "2"  # the REPL lives on
+    # A program that ignores ^C: the terminal is closed and its processes killed.
+    run(srt.run_in_session(A("import signal; signal.signal(signal.SIGINT, signal.SIG_IGN)",
+                             is_interactive_command=True, expect=[">>> "])))
+    with pytest.raises(CommandTimeoutError):
+        run(srt.run_in_session(A("time.sleep(300)", is_interactive_command=True,
+                                 expect=[">>> "], timeout=0.5)))
+    pid = srt.sandbox.sessions()[0].pid
+    obs = run(srt.run_in_session(BashInterruptAction(expect=[">>> "], timeout=0.3,
+                                                     n_retry=2)))
+    assert "killed" in obs.failure_reason and srt.sandbox.sessions() == []
+    assert not os.path.exists(f"/proc/{pid}/stat") or b") Z" in open(
+        f"/proc/{pid}/stat", "rb").read()
+    assert run(srt.run_in_session(A("echo shell-ok"))).output == "shell-ok\n"
+
+
+def test_close_session_and_create_end_the_program(srt) -> None:
+    run(srt.run_in_session(PY_FLOW[0]))
+    pid = srt.sandbox.sessions()[0].pid
+    run(srt.close_session(CloseBashSessionRequest()))
+    assert srt.sandbox.sessions() == []
+    assert not os.path.exists(f"/proc/{pid}/stat") or b") Z" in open(
+        f"/proc/{pid}/stat", "rb").read()
+    run(srt.create_session(CreateBashSessionRequest()))
+    run(srt.run_in_session(PY_FLOW[0]))
+    run(srt.close_session(CloseBashSessionRequest()))
+    assert srt.sandbox.sessions() == []
 
 
 def test_startup_timeout(rt, tmp_path) -> None:
