@@ -24,7 +24,7 @@ from controller.pacer import Limits
 from controller.routes import build_app
 from controller.settings import Settings, load_pod_template
 from sandman import contract, logs
-from sandman.podspec import GUARD_MODES, SandboxPolicy
+from sandman.podspec import GUARD_MODES, SandboxPolicy, gpu_args, gpu_policy
 
 log = logging.getLogger("controller")
 
@@ -111,6 +111,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "--ingress-from)")
     s.add_argument("--image", default=SandboxPolicy.image, help="the sandman image (execd, guard)")
     s.add_argument("--guard", choices=GUARD_MODES, default=SandboxPolicy.guard)
+    gpu_args(s)
     s.add_argument("--ingress-from", action="append", default=None,
                    help="CIDR allowed to reach execd (repeatable); default anywhere")
     s.add_argument("--auth", choices=A.MODES, default="kubernetes",
@@ -223,7 +224,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
-                             controller_ip=_ip_or_none(args.advertise_address)))
+                             controller_ip=_ip_or_none(args.advertise_address),
+                             **gpu_policy(args)))
 
 
 def _read_key(path: str | None) -> bytes | None:

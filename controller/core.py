@@ -170,6 +170,19 @@ class Controller:
                     raise ValueError
             except Exception:  # noqa: BLE001 - any parse failure is the caller's bad input
                 raise BadRequest(f"{what} {q!r} is not a positive Kubernetes quantity") from None
+        if spec.ephemeral_storage is not None:
+            try:
+                if parse_quantity(spec.ephemeral_storage) <= 0:
+                    raise ValueError
+            except Exception:  # noqa: BLE001 - any parse failure is the caller's bad input
+                raise BadRequest(f"ephemeral_storage {spec.ephemeral_storage!r} is not a "
+                                 "positive Kubernetes quantity") from None
+        gpu_max = self.s.policy.gpu_max
+        if spec.gpu and spec.gpu > gpu_max:
+            raise BadRequest(
+                f"gpu {spec.gpu}: this cluster grants sandboxes no GPUs (chart "
+                "sandbox.gpu.enabled)" if gpu_max == 0 else
+                f"gpu {spec.gpu}: at most {gpu_max} per sandbox (chart sandbox.gpu.max)")
         if spec.workspace is not None and not spec.workspace.startswith("/"):
             raise BadRequest(f"workspace {spec.workspace!r} must be an absolute path")
         for k, v in labels.items():

@@ -24,7 +24,7 @@ from controller.kube import AMBIGUOUS_STATUSES, Kube, is_transport_error
 from controller.pacer import Pacer
 from controller.settings import Settings
 from sandman import contract
-from sandman.podspec import make_sandbox
+from sandman.podspec import gpu_tolerations, make_sandbox
 
 
 def tenant_of(settings: Settings, job: str) -> str | None:
@@ -90,9 +90,14 @@ class Creator:
             labels[contract.LABEL_STATE] = contract.STATE_WARM
         if e.spec.role != contract.ROLE_AGENT:  # agent pods stay as they were (no label)
             labels[contract.LABEL_ROLE] = e.spec.role
+        size = {"cpu": e.spec.cpu, "memory": e.spec.memory}
+        if e.spec.ephemeral_storage is not None:
+            size["ephemeral-storage"] = e.spec.ephemeral_storage
         container = {"name": "sandbox", "image": e.spec.image,
-                     "resources": {"requests": {"cpu": e.spec.cpu, "memory": e.spec.memory},
-                                   "limits": {"cpu": e.spec.cpu, "memory": e.spec.memory}}}
+                     "resources": {"requests": dict(size), "limits": dict(size)}}
+        if e.spec.gpu:
+            # An extended resource is set in limits only: the API server copies the request.
+            container["resources"]["limits"][self.s.policy.gpu_resource] = str(e.spec.gpu)
         if e.spec.workspace:
             container["workingDir"] = e.spec.workspace
         if e.spec.role == contract.ROLE_GRADING:
@@ -120,6 +125,8 @@ class Creator:
                   "imagePullSecrets"):
             if k in t:
                 spec[k] = copy.deepcopy(t[k])
+        if e.spec.gpu:  # only GPU sandboxes reach the GPU nodes' taints (admission checks it)
+            spec["tolerations"] = spec.get("tolerations", []) + gpu_tolerations(self.s.policy)
         meta = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
                 "annotations": {**t.get("annotations", {}),
                                 contract.ANNOTATION_TOKEN_SHA256: token_sha}}

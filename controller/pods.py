@@ -25,6 +25,8 @@ class SandboxSpec:
     workspace: str | None = None
     egress: str = contract.EGRESS_DENY
     role: str = contract.ROLE_AGENT  # grading pods may go back to a pool (release with reuse)
+    ephemeral_storage: str | None = None  # requests == limits; None: not requested
+    gpu: int = 0  # of the policy's GPU resource (limits; the API server copies the request)
 
 
 LEASE_ANNOTATIONS = (contract.ANNOTATION_EXPIRES_AT, contract.ANNOTATION_LIFETIME)
@@ -177,11 +179,29 @@ def failure(pod: dict) -> str | None:
     return None
 
 
+# Resources a sandbox container names besides its GPU resource (the admission rules refuse any
+# other, so the one domain-qualified name left in its requests is the GPU count).
+_CORE_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+
+
+def _gpu_count(requests: dict) -> int:
+    for k, v in requests.items():
+        if k not in _CORE_RESOURCES and "/" in k:
+            try:
+                return int(str(v))
+            except ValueError:
+                return 0
+    return 0
+
+
 def spec_of(pod: dict) -> SandboxSpec:
     c = ((pod.get("spec") or {}).get("containers") or [{}])[0]
     req = (c.get("resources") or {}).get("requests") or {}
+    storage = req.get("ephemeral-storage")
     return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", api.DEFAULT_CPU)),
                        memory=str(req.get("memory", api.DEFAULT_MEMORY)),
                        workspace=c.get("workingDir"),
                        egress=labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY),
-                       role=labels(pod).get(contract.LABEL_ROLE, contract.ROLE_AGENT))
+                       role=labels(pod).get(contract.LABEL_ROLE, contract.ROLE_AGENT),
+                       ephemeral_storage=None if storage is None else str(storage),
+                       gpu=_gpu_count(req))

@@ -101,7 +101,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         labels.check(body.labels)
         c = ctl()
         spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress,
-                           body.role)
+                           body.role, body.ephemeral_storage, body.gpu)
         # The controller dedups by (job, request_id): the job key carries the tenant and the
         # request id the caller's identity, so nobody else's replay finds this sandbox.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
@@ -227,7 +227,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
         s = body.spec
-        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress, s.role)
+        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress, s.role,
+                           s.ephemeral_storage, s.gpu)
         pool = c.prewarm(spec, body.count, body.idle_timeout_s)
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()

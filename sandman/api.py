@@ -32,6 +32,9 @@ EGRESS_VALUES = (contract.EGRESS_DENY, contract.EGRESS_ALLOW)
 DEFAULT_ACQUIRE_TIMEOUT_S = 300.0
 MAX_ACQUIRE_TIMEOUT_S = 3600.0
 MAX_REQUEST_ID_LEN = 128
+# GPUs per sandbox the wire accepts; the cluster's own bound is the controller's --gpu-max
+# (chart sandbox.gpu.max), 0 unless the chart enables GPUs. A node has at most 8 or 16.
+MAX_GPU = 64
 
 # Request models are keyword-only where dataclasses can say so (3.10+, so on the server); on a
 # 3.9 client they are plain dataclasses, and the SDK passes every field by keyword.
@@ -154,6 +157,15 @@ def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
            f"not {egress!r}")
 
 
+def _check_extra(ephemeral_storage: Any, gpu: Any) -> None:
+    _check(ephemeral_storage is None or (isinstance(ephemeral_storage, str)
+                                         and _positive_quantity(ephemeral_storage)),
+           "ephemeral_storage: must be a positive Kubernetes quantity such as 10Gi, "
+           f"not {ephemeral_storage!r}")
+    _check(not isinstance(gpu, bool) and isinstance(gpu, int) and 0 <= gpu <= MAX_GPU,
+           f"gpu: must be an integer 0 to {MAX_GPU}, not {gpu!r}")
+
+
 def _check_role(role: Any) -> None:
     _check(role in contract.ROLES, f"role: must be one of {', '.join(contract.ROLES)}, "
            f"not {role!r}")
@@ -177,10 +189,14 @@ class Spec(_Model):
     workspace: str | None = None
     egress: str = DEFAULT_EGRESS
     role: str = DEFAULT_ROLE  # grading pods may be reused (release with reuse=true)
+    # Requests == limits on the sandbox container; None: the node's default (no request).
+    ephemeral_storage: str | None = None
+    gpu: int = 0  # the chart's GPU resource (limits), only where the chart allows GPUs
 
     def __post_init__(self) -> None:
         _check_size(self.cpu, self.memory, self.egress)
         _check_role(self.role)
+        _check_extra(self.ephemeral_storage, self.gpu)
 
 
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
@@ -277,6 +293,9 @@ class AcquireRequest(_Model):
     # A grading acquire may get a pod an earlier grading ran in (restored and checked: release
     # with reuse) only when it says so; by default a grading gets a never-used pod.
     reused_ok: bool = False
+    # Requests == limits on the sandbox container; None: no request (the node's default).
+    ephemeral_storage: str | None = None
+    gpu: int = 0  # refused (BadRequest) unless the chart allows this many per sandbox
 
     def __post_init__(self) -> None:
         _check(bool(self.image), "image: required")
@@ -288,6 +307,7 @@ class AcquireRequest(_Model):
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
         _check_size(self.cpu, self.memory, self.egress)
         _check_role(self.role)
+        _check_extra(self.ephemeral_storage, self.gpu)
         _check_lifetime(self.lifetime_s)
         _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, (int, float))
                and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
@@ -298,7 +318,8 @@ class AcquireRequest(_Model):
     @property
     def spec(self) -> Spec:
         return Spec(cpu=self.cpu, memory=self.memory, workspace=self.workspace,
-                    egress=self.egress, role=self.role)
+                    egress=self.egress, role=self.role,
+                    ephemeral_storage=self.ephemeral_storage, gpu=self.gpu)
 
 
 @dataclass(frozen=True, **_KW_ONLY)

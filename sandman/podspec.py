@@ -99,7 +99,13 @@ TOKEN_FIELD_PATH = f"metadata.annotations['{ANNOTATION_TOKEN_SHA256}']"
 # The service-account admission plugin runs before webhooks and has already added this volume.
 SA_TOKEN_VOLUME_PREFIX = "kube-api-access-"
 # Resources the injected init containers are sized by (injected_resources says how).
-SIZED_RESOURCES = ("cpu", "memory")
+SIZED_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+# What a sandbox's containers may request besides the policy's GPU resource: an allow-list, so
+# hugepages-*, another vendor's device or any extended resource the chart did not grant is
+# refused (a labelled pod must not take a node's scarce devices by asking).
+CORE_RESOURCES = ("cpu", "memory", "ephemeral-storage")
+GPU_RESOURCE = "nvidia.com/gpu"
+TAINT_EFFECTS = ("NoSchedule", "PreferNoSchedule", "NoExecute")
 # Fields the API server defaults on containers: kept when re-mutating, so the patch stays empty.
 _API_DEFAULTED = ("terminationMessagePath",)
 
@@ -138,8 +144,22 @@ class SandboxPolicy:
     # may create Secrets can still make; the token controller fills it) cannot be told apart from
     # any other Secret without reading it, and the webhook holds no right to read Secrets.
     allow_secrets: bool = False
+    # GPUs (chart sandbox.gpu): at most `gpu_max` of `gpu_resource` per sandbox, in its
+    # containers' limits (0: none). `gpu_tolerations` ("key[=value][:Effect]") reach the GPU
+    # nodes' taints: GPU sandboxes get them, and no other sandbox may tolerate those keys.
+    gpu_resource: str = GPU_RESOURCE
+    gpu_max: int = 0
+    gpu_tolerations: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
+        if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
+                            r"[A-Za-z0-9])?", self.gpu_resource):
+            raise ValueError(f"gpu_resource must be an extended resource name such as "
+                             f"{GPU_RESOURCE}, not {self.gpu_resource!r}")
+        if not 0 <= self.gpu_max <= 64:
+            raise ValueError(f"gpu_max must be 0 to 64, not {self.gpu_max}")
+        for t in self.gpu_tolerations:
+            toleration(t)
         if self.guard not in GUARD_MODES:
             raise ValueError(f"guard must be one of {GUARD_MODES}, not {self.guard!r}")
         parse_quantity(self.default_cpu)
@@ -190,6 +210,9 @@ RULES = (
     "sysctl",
     "sandbox-label",
     "metadata-immutable",
+    "extended-resource",
+    "gpu-refused",
+    "gpu-toleration",
 )
 
 
@@ -213,6 +236,42 @@ class SandboxError(ValueError):
     def __init__(self, refusal: Refusal):
         super().__init__(refusal.message())
         self.refusal = refusal
+
+
+def toleration(text: str) -> dict:
+    """"key[=value][:Effect]" as a toleration (Exists without a value, Equal with one)."""
+    rest, _, effect = text.partition(":")
+    key, eq, value = rest.partition("=")
+    if not key or (effect and effect not in TAINT_EFFECTS) or (eq and not value):
+        raise ValueError(f"toleration {text!r} is not key[=value][:Effect] (effect one of "
+                         f"{', '.join(TAINT_EFFECTS)})")
+    out = {"key": key, "operator": "Equal" if eq else "Exists"}
+    if eq:
+        out["value"] = value
+    if effect:
+        out["effect"] = effect
+    return out
+
+
+def gpu_tolerations(policy: SandboxPolicy) -> list[dict]:
+    return [toleration(t) for t in policy.gpu_tolerations]
+
+
+def gpu_args(p) -> None:
+    """The GPU flags the controller and the webhook share (chart sandbox.gpu)."""
+    p.add_argument("--gpu-max", type=int, default=0,
+                   help="GPUs a sandbox may ask for (0: none, every GPU request is refused)")
+    p.add_argument("--gpu-resource", default=GPU_RESOURCE,
+                   help="the extended resource GPUs are counted in")
+    p.add_argument("--gpu-toleration", action="append", default=None,
+                   metavar="KEY[=VALUE][:EFFECT]",
+                   help="a toleration of the GPU nodes' taint (repeatable): GPU sandboxes get "
+                        "it, no other sandbox may tolerate its key")
+
+
+def gpu_policy(args) -> dict:
+    return {"gpu_max": args.gpu_max, "gpu_resource": args.gpu_resource,
+            "gpu_tolerations": tuple(args.gpu_toleration or ())}
 
 
 # --- quantities ------------------------------------------------------------------------------
@@ -428,7 +487,7 @@ def injected_resources(pod: dict, policy: SandboxPolicy | None = None) -> dict:
                 continue  # the API server refuses the pod with its own message
             declared = True
         if declared:
-            sized[name] = format_quantity(total, binary=name == "memory")
+            sized[name] = format_quantity(total, binary=name != "cpu")
     if not sized:
         return {}
     return {"requests": dict(sized), "limits": dict(sized)}
@@ -723,14 +782,15 @@ def _make_sandbox_container(c: dict, spec: dict) -> None:
 
 
 def _equalize_resources(c: dict, policy: SandboxPolicy | None) -> None:
-    """requests == limits for cpu and memory: copy the side that is set, else the default size;
+    """requests == limits for cpu, memory and ephemeral-storage: copy the side that is set, else
+    the default size (ephemeral-storage has none: unset stays unset);
     when both are set and differ, both take the larger (a limit is never lowered). Without a
     policy (pod-level resources) a resource neither side sets stays unset."""
     res = c.get("resources") or {}
     requests = dict(res.get("requests") or {})
     limits = dict(res.get("limits") or {})
-    defaults = (("cpu", policy.default_cpu), ("memory", policy.default_memory)) if policy else (
-        ("cpu", None), ("memory", None))
+    defaults = ((("cpu", policy.default_cpu), ("memory", policy.default_memory),
+                 ("ephemeral-storage", None)) if policy else (("cpu", None), ("memory", None)))
     for name, default in defaults:
         req, lim = requests.get(name), limits.get(name)
         if req is None and lim is None:
@@ -820,6 +880,7 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     if sandbox:
         for c in _all_containers(spec):
             out.extend(_check_resources(c))
+        out.extend(_resource_rules(pod, policy))
         if isinstance(spec.get("resources"), dict):
             out.extend(_check_resources(spec, pod_level=True))
         if spec.get("enableServiceLinks") is not False:
@@ -1125,14 +1186,72 @@ def _check_resources(c: dict, pod_level: bool = False) -> list[Refusal]:
     res = c.get("resources") or {}
     requests, limits = res.get("requests") or {}, res.get("limits") or {}
     out = []
-    for name in ("cpu", "memory"):
+    for name in ("cpu", "memory") if pod_level else CORE_RESOURCES:
         req, lim = requests.get(name), limits.get(name)
-        if pod_level and req is None and lim is None:
+        if (pod_level or name == "ephemeral-storage") and req is None and lim is None:
             continue
         if req is None or lim is None or not _same_quantity(req, lim):
             where = "pod-level resources: " if pod_level else ""
             out.append(Refusal("resources-unequal", "" if pod_level else c.get("name", ""),
                                f"{where}{name} requests {req} != limits {lim}"))
+    return out
+
+
+def _gpus(c: dict, resource: str) -> Decimal:
+    """GPUs a container asks for: its limit (the API server copies it into the request), else
+    its request; a non-integer count is what the API server refuses itself."""
+    res = c.get("resources") or {}
+    value = (res.get("limits") or {}).get(resource, (res.get("requests") or {}).get(resource))
+    try:
+        return parse_quantity(value) if value is not None else Decimal(0)
+    except ValueError:
+        return Decimal(0)
+
+
+def _resource_rules(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
+    """Only cpu, memory, ephemeral-storage and, where the chart allows GPUs, at most
+    policy.gpu_max of its GPU resource in the containers (never an init container: it runs
+    before the pod's other containers and would hold its devices for the pod's life). No other
+    sandbox tolerates the GPU nodes' taints."""
+    spec = pod.get("spec") or {}
+    gpu = policy.gpu_resource
+    out: list[Refusal] = []
+    total = Decimal(0)
+    for kind, _, c in _every_container(spec):
+        res = c.get("resources") if isinstance(c.get("resources"), dict) else {}
+        names = sorted({str(k) for side in ("requests", "limits")
+                        for k in (res.get(side) or {}) if k not in CORE_RESOURCES})
+        name = c.get("name", "")
+        for r in names:
+            if r != gpu:
+                out.append(Refusal("extended-resource", name, f"{kind} asks for {r}; a sandbox "
+                                   f"may ask only for {', '.join(CORE_RESOURCES)} and {gpu}"))
+            elif kind != "containers":
+                out.append(Refusal("gpu-refused", name, f"{kind} asks for {gpu}; only the "
+                                   "sandbox's containers may"))
+            elif policy.gpu_max == 0:
+                out.append(Refusal("gpu-refused", name, f"asks for {gpu}; this cluster grants "
+                                   "sandboxes no GPUs (chart sandbox.gpu.enabled)"))
+        if kind == "containers":
+            total += _gpus(c, gpu)
+    if 0 < policy.gpu_max < total:
+        out.append(Refusal("gpu-refused", "", f"the pod asks for {total} {gpu}; at most "
+                           f"{policy.gpu_max} per sandbox (chart sandbox.gpu.max)"))
+    pod_level = spec.get("resources") if isinstance(spec.get("resources"), dict) else {}
+    extra = sorted({str(k) for side in ("requests", "limits") for k in (pod_level.get(side) or {})
+                    if k not in ("cpu", "memory")})
+    if extra:
+        out.append(Refusal("extended-resource", "", f"pod-level resources ask for "
+                           f"{', '.join(extra)}; only cpu and memory"))
+    keys = {toleration(t)["key"] for t in policy.gpu_tolerations}
+    if keys and total == 0:
+        for t in spec.get("tolerations") or []:
+            if not isinstance(t, dict):
+                continue
+            key = t.get("key") or ""
+            if key in keys or (not key and t.get("operator") == "Exists"):
+                out.append(Refusal("gpu-toleration", "", f"tolerates {key or 'every taint'} "
+                                   f"without asking for {gpu}: GPU nodes are for GPU sandboxes"))
     return out
 
 

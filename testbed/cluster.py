@@ -430,10 +430,13 @@ def node_manifest(i: int) -> dict:
                 contract.LABEL_NODE_POOL_DEFAULT: "sandbox",
             },
         },
-        # Big enough for the 12,000-sandbox ramp (2 CPU / 8Gi each) over 20 nodes.
+        # Big enough for the 12,000-sandbox ramp (2 CPU / 8Gi each) over 20 nodes. Without an
+        # ephemeral-storage figure the scheduler fits no pod that requests any.
         "status": {
-            "allocatable": {"cpu": "2000", "memory": "8Ti", "pods": "1000"},
-            "capacity": {"cpu": "2000", "memory": "8Ti", "pods": "1000"},
+            "allocatable": {"cpu": "2000", "memory": "8Ti", "ephemeral-storage": "100Ti",
+                            "pods": "1000"},
+            "capacity": {"cpu": "2000", "memory": "8Ti", "ephemeral-storage": "100Ti",
+                         "pods": "1000"},
             "nodeInfo": {"kubeletVersion": f"fake-{versions.KUBERNETES}",
                          "architecture": "amd64", "operatingSystem": "linux"},
         },

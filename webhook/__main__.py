@@ -10,7 +10,7 @@ import sys
 from sandman import logs
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import SANDMAN_IMAGE
-from sandman.podspec import GUARD_MODES, SandboxPolicy
+from sandman.podspec import GUARD_MODES, SandboxPolicy, gpu_args, gpu_policy
 
 # A drain past the pod's termination grace period (30 s by default) ends in SIGKILL.
 MAX_DRAIN_SECONDS = 60.0
@@ -30,13 +30,14 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--allow-secrets", action="store_true",
                    help="admit Secret volumes and env from Secrets in sandboxes (refused by "
                         "default: a legacy service-account-token Secret looks like any other)")
+    gpu_args(p)
 
 
 def policy_from(args: argparse.Namespace) -> SandboxPolicy:
     return SandboxPolicy(image=args.image, default_cpu=args.default_cpu,
                          default_memory=args.default_memory, guard=args.guard,
                          ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
-                         allow_secrets=args.allow_secrets)
+                         allow_secrets=args.allow_secrets, **gpu_policy(args))
 
 
 def main(argv: list[str] | None = None) -> int:

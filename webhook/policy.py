@@ -42,6 +42,7 @@ from sandman.podspec import (
     APPARMOR_TYPES,
     BASELINE_SELINUX_TYPES,
     BASELINE_SYSCTLS,
+    CORE_RESOURCES,
     GUARD_ALWAYS,
     GUARD_ARGS_TAIL,
     GUARD_CAPS,
@@ -80,7 +81,8 @@ _CAPS = sorted(GUARD_CAPS)
 # Variables the chart renders from values (image, default ingress sources, guard mode, the
 # webhook's --allow-secrets); the rest are fixed. Order matters: a variable may use the ones
 # before it.
-POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways", "allowSecrets")
+POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways", "allowSecrets", "gpuResource",
+                    "gpuMax", "gpuTolerations")
 
 
 def _bool(b: bool) -> str:
@@ -93,6 +95,11 @@ def policy_variables(policy: SandboxPolicy) -> list[dict]:
         {"name": "defaultIngressFrom", "expression": _list(policy.ingress_from)},
         {"name": "guardAlways", "expression": _bool(policy.guard == GUARD_ALWAYS)},
         {"name": "allowSecrets", "expression": _bool(policy.allow_secrets)},
+        {"name": "gpuResource", "expression": _q(policy.gpu_resource)},
+        {"name": "gpuMax", "expression": str(policy.gpu_max)},
+        # Helm's toJson spelling, so the chart's rendering is this one.
+        {"name": "gpuTolerations",
+         "expression": json.dumps(list(policy.gpu_tolerations), separators=(",", ":"))},
     ]
 
 
@@ -182,6 +189,9 @@ FIXED_VARIABLES: list[dict] = [
         f"variables.guardFirst && c.name == {_q(NETGUARD_CONTAINER)})) + object.spec.containers "
         "+ variables.ephemeral : variables.judged"},
     {"name": "secretsRefused", "expression": "variables.sandbox && !variables.allowSecrets"},
+    # podspec.toleration's key: "key[=value][:Effect]".
+    {"name": "gpuTolerationKeys", "expression":
+        "variables.gpuTolerations.map(t, t.split(':')[0].split('=')[0])"},
 ]
 
 
@@ -284,8 +294,43 @@ def _pod_level_equal(name: str) -> str:
     return f"(!{req}.hasValue() && !{lim}.hasValue()) || {_equal('object.spec', name)}"
 
 
+def _optional_equal(base: str, name: str) -> str:
+    """Neither side sets <name>, or both do, equal (ephemeral-storage has no default)."""
+    req = f"{base}.?resources.?requests[?{_q(name)}]"
+    lim = f"{base}.?resources.?limits[?{_q(name)}]"
+    return f"((!{req}.hasValue() && !{lim}.hasValue()) || {_equal(base, name)})"
+
+
 def _sized_ok(c: str) -> str:
-    return " && ".join(_equal(c, n) for n in _RES)
+    return " && ".join([*(_equal(c, n) for n in _RES), _optional_equal(c, "ephemeral-storage")])
+
+
+def _names(c: str) -> str:
+    """The resource names container `c` asks for, requests and limits."""
+    return (f"({c}.?resources.?requests.orValue({{}}).map(k, k) + "
+            f"{c}.?resources.?limits.orValue({{}}).map(k, k))")
+
+
+def _gpu_value(c: str, side: str) -> str:
+    return f"{c}.?resources.?{side}[?variables.gpuResource]"
+
+
+# A container with a GPU count above 0 (podspec._gpus; the API server keeps both sides equal).
+def _has_gpu(c: str) -> str:
+    return " || ".join(f"({_gpu_value(c, s)}.hasValue() && quantity({_gpu_value(c, s)}.value())"
+                       ".isGreaterThan(quantity('0')))" for s in ("limits", "requests"))
+
+
+def _over_max(c: str) -> str:
+    return " || ".join(f"({_gpu_value(c, s)}.hasValue() && quantity({_gpu_value(c, s)}.value())"
+                       ".isGreaterThan(quantity(string(variables.gpuMax))))"
+                       for s in ("limits", "requests"))
+
+
+_CORE_NAMES = _list(CORE_RESOURCES)
+_ALLOWED_NAME = f"(k in {_CORE_NAMES} || k == variables.gpuResource)"
+_GPU_TOLERATION = ("(t.?key.orValue('') in variables.gpuTolerationKeys || (t.?key.orValue('') == "
+                   "'' && t.?operator.orValue('') == 'Exists'))")
 
 
 RULES: list[Rule] = [
@@ -461,7 +506,43 @@ RULES: list[Rule] = [
     Rule("resources-unequal",
          f"!variables.sandbox || variables.sized.all(c, {_sized_ok('c')})",
          f"'containers ' + variables.sized.filter(c, !({_sized_ok('c')})).map(c, c.name)"
-         ".join(', ') + ' need cpu and memory requests == limits (Guaranteed QoS)'"),
+         ".join(', ') + ' need cpu and memory requests == limits (Guaranteed QoS), and "
+         "ephemeral-storage requests == limits where either is set'"),
+    # podspec._resource_rules. The webhook bounds the pod's total GPUs; CEL has no sum, so the
+    # policy bounds each container (a subset: it never refuses what the webhook admits).
+    Rule("extended-resource",
+         f"!variables.sandbox || variables.everyContainer.all(c, {_names('c')}"
+         f".all(k, {_ALLOWED_NAME}))",
+         "'containers ' + variables.everyContainer.filter(c, "
+         f"!{_names('c')}.all(k, {_ALLOWED_NAME})).map(c, c.name).join(', ') + ' ask for a "
+         f"resource other than {', '.join(CORE_RESOURCES)} and ' + variables.gpuResource"),
+    Rule("extended-resource",
+         "!variables.sandbox || object.spec.?resources.?requests.orValue({}).all(k, k in "
+         "['cpu', 'memory']) && object.spec.?resources.?limits.orValue({}).all(k, k in "
+         "['cpu', 'memory'])",
+         "'pod-level resources ask for more than cpu and memory'"),
+    Rule("gpu-refused",
+         "!variables.sandbox || !(variables.inits + variables.ephemeral).exists(c, "
+         f"{_names('c')}.exists(k, k == variables.gpuResource))",
+         "'init containers ' + (variables.inits + variables.ephemeral).filter(c, "
+         f"{_names('c')}.exists(k, k == variables.gpuResource)).map(c, c.name).join(', ') + "
+         "' ask for ' + variables.gpuResource + '; only the sandbox\\'s containers may'"),
+    Rule("gpu-refused",
+         "!variables.sandbox || variables.gpuMax > 0 || !object.spec.containers.exists(c, "
+         f"{_names('c')}.exists(k, k == variables.gpuResource))",
+         "'containers ask for ' + variables.gpuResource + '; this cluster grants sandboxes no "
+         "GPUs (chart sandbox.gpu.enabled)'"),
+    Rule("gpu-refused",
+         f"!variables.sandbox || !object.spec.containers.exists(c, {_over_max('c')})",
+         "'a container asks for more than ' + string(variables.gpuMax) + ' ' + "
+         "variables.gpuResource + ' (chart sandbox.gpu.max)'"),
+    Rule("gpu-toleration",
+         "!variables.sandbox || variables.gpuTolerationKeys.size() == 0 || "
+         f"object.spec.containers.exists(c, {_has_gpu('c')}) || "
+         f"!object.spec.?tolerations.orValue([]).exists(t, {_GPU_TOLERATION})",
+         "'the pod tolerates the GPU nodes\\' taints (' + variables.gpuTolerationKeys.join(', ')"
+         " + ') without asking for ' + variables.gpuResource + ': GPU nodes are for GPU "
+         "sandboxes'"),
     Rule("resources-unequal",
          "!variables.sandbox || !has(object.spec.resources) || ("
          + " && ".join(f"({_pod_level_equal(n)})" for n in _RES) + ")",
@@ -574,13 +655,17 @@ def binding(name: str, policy_name: str, namespace_selector: dict) -> dict:
 
 # --- the chart ---------------------------------------------------------------------------------
 
-# The four values-dependent variables, as the chart renders them (CEL literals from values).
+# The values-dependent variables, as the chart renders them (CEL literals from values).
 CHART_VARIABLES = {
     "image": '{{ include "sandman.image" . | toJson | quote }}',
     "defaultIngressFrom":
         '{{ default (list "0.0.0.0/0") .Values.sandbox.ingressFrom | toJson | quote }}',
     "guardAlways": '{{ eq .Values.sandbox.guard "always" | toString | quote }}',
     "allowSecrets": '{{ .Values.sandbox.allowSecrets | toString | quote }}',
+    "gpuResource": '{{ .Values.sandbox.gpu.resource | toJson | quote }}',
+    "gpuMax": '{{ ternary (int .Values.sandbox.gpu.max) 0 .Values.sandbox.gpu.enabled '
+              '| toString | quote }}',
+    "gpuTolerations": '{{ .Values.sandbox.gpu.tolerations | default list | toJson | quote }}',
 }
 _PLACEHOLDER = "SANDMAN_CHART_VARIABLE_{}"
 

@@ -308,7 +308,10 @@ def test_policy_is_the_one_webhook_policy_builds(helm, case):
                         guard=next(v for k, v in flags if k == "--guard"),
                         ingress_from=tuple(v for k, v in flags if k == "--ingress-from")
                         or ("0.0.0.0/0",),
-                        allow_secrets=any(k == "--allow-secrets" for k, _ in flags))
+                        allow_secrets=any(k == "--allow-secrets" for k, _ in flags),
+                        gpu_max=int(next((v for k, v in flags if k == "--gpu-max"), "0")),
+                        gpu_resource=next(v for k, v in flags if k == "--gpu-resource"),
+                        gpu_tolerations=tuple(v for k, v in flags if k == "--gpu-toleration"))
     want = vap.admission_policy(got["metadata"]["name"], pol)
     assert got["spec"] == want["spec"]
     binding = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"

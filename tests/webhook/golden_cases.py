@@ -22,7 +22,13 @@ from sandman.contract import (
     NETGUARD_CONTAINER,
     SANDMAN_VOLUME,
 )
-from sandman.podspec import GUARD_EGRESS_DENY, SandboxPolicy, make_sandbox, netguard_container
+from sandman.podspec import (
+    GPU_RESOURCE,
+    GUARD_EGRESS_DENY,
+    SandboxPolicy,
+    make_sandbox,
+    netguard_container,
+)
 
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 # docs/install.md's narrowed ingress (the trainers' pod CIDR); the controller replica that builds
@@ -35,6 +41,21 @@ POLICIES = {"mutate-guard-mode-egress-deny-only": SandboxPolicy(guard=GUARD_EGRE
             "validate-narrowed-ingress-controller-pod-allowed": NARROWED,
             "validate-narrowed-ingress-controller-admitted-by-a-user-refused": NARROWED,
             "validate-secret-volume-allowed-with-allow-secrets": SandboxPolicy(allow_secrets=True)}
+# The chart's GPU settings: off (its default, the taint's toleration still reserved for GPU
+# sandboxes) and on with at most 2 per sandbox.
+GPU_TOLERATION = {"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"}
+GPU_OFF = SandboxPolicy(gpu_tolerations=(f"{GPU_RESOURCE}:NoSchedule",))
+GPU_ON = dataclasses.replace(GPU_OFF, gpu_max=2)
+POLICIES.update({
+    "validate-gpu-requested-when-disabled-refused": GPU_OFF,
+    "validate-gpu-within-max-allowed": GPU_ON,
+    "validate-gpu-over-max-refused": GPU_ON,
+    "validate-gpu-toleration-without-gpu-refused": GPU_OFF,
+    "validate-toleration-of-every-taint-refused": GPU_ON,
+    "validate-gpu-in-init-container-refused": GPU_ON,
+    "validate-extended-resource-in-init-container-refused": GPU_ON,
+    "validate-hugepages-refused": GPU_ON,
+})
 
 
 def pod(labels=None, annotations=None, containers=None, **spec) -> dict:
@@ -236,6 +257,57 @@ def cases() -> dict[str, dict]:
     c["validate-narrowed-ingress-controller-admitted-by-a-user-refused"] = review("n4", _edit(
         ctl_pod, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_INGRESS_FROM)))
     c.update(bypass_cases())
+    c.update(resource_cases())
+    return c
+
+
+def _limits(**limits) -> dict:
+    return {"resources": {"limits": {k.replace("_", "-").replace("nvidia-com-gpu",
+                                                                  GPU_RESOURCE): v
+                                     for k, v in limits.items()}}}
+
+
+def resource_cases() -> dict[str, dict]:
+    """What a sandbox may ask of a node besides CPU and memory: ephemeral-storage (requests ==
+    limits, like cpu and memory), the chart's GPU resource where allowed, and nothing else.
+    Written as an attacker who can create a labelled pod would try it."""
+    c = {}
+
+    def add(name, obj, **kw):  # uid from the name: adding a case changes no other file
+        c[name] = review(f"r-{zlib.crc32(name.encode()):08x}", obj, **kw)
+
+    task = {"name": "task", "image": "swe-task:django-11099"}
+    setup = {"name": "setup", "image": "busybox:1"}
+    gpu_task = {**task, **_limits(nvidia_com_gpu="1")}
+    # A labelled pod asking for a GPU where the chart grants none (the default).
+    add("validate-gpu-requested-when-disabled-refused", good(pod(containers=[gpu_task])))
+    add("validate-gpu-within-max-allowed", good(pod(
+        containers=[gpu_task], tolerations=[dict(GPU_TOLERATION)])))
+    add("validate-gpu-over-max-refused", good(pod(
+        containers=[{**task, **_limits(nvidia_com_gpu="3")}], tolerations=[dict(GPU_TOLERATION)])))
+    # The GPU nodes' taint tolerated without a GPU: a CPU sandbox squatting on a GPU node.
+    add("validate-gpu-toleration-without-gpu-refused", good(pod(
+        tolerations=[dict(GPU_TOLERATION)])))
+    add("validate-toleration-of-every-taint-refused", good(pod(
+        tolerations=[{"operator": "Exists"}])))
+    # Smuggled through an init container: it runs first and holds its devices for the pod's
+    # life (the pod's request is the larger of its largest init container and its containers).
+    add("validate-gpu-in-init-container-refused", good(pod(
+        initContainers=[{**setup, **_limits(nvidia_com_gpu="1")}])))
+    add("validate-extended-resource-in-init-container-refused", good(pod(
+        initContainers=[{**setup, **_limits(**{"example.com/fpga": "1"})}])))
+    add("validate-hugepages-refused", good(pod(
+        containers=[{**task, **_limits(**{"hugepages-2Mi": "64Mi"})}])))
+    # ephemeral-storage: requests == limits when either is set; the mutation copies the side
+    # that is set (the larger when both differ, like cpu and memory) and sizes the injected
+    # init container by the pod's total, so the pod's effective request is unchanged.
+    add("mutate-ephemeral-storage-limit-copied-to-request", pod(
+        containers=[{**task, **_limits(ephemeral_storage="10Gi")}]))
+    storage = good(pod(containers=[{**task, **_limits(ephemeral_storage="10Gi")}]))
+    add("validate-ephemeral-storage-unequal-refused", _edit(
+        storage, lambda p: p["spec"]["containers"][0]["resources"]["requests"].update(
+            {"ephemeral-storage": "1Gi"})))
+    add("validate-ephemeral-storage-equal-allowed", storage)
     return c
 
 

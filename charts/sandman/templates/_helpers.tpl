@@ -209,6 +209,13 @@ cert-manager.io/inject-ca-from: {{ printf "%s/%s" .Release.Namespace (include "s
 {{- range .Values.sandbox.ingressFrom }}
 - --ingress-from={{ . }}
 {{- end }}
+{{- if .Values.sandbox.gpu.enabled }}
+- --gpu-max={{ int .Values.sandbox.gpu.max }}
+{{- end }}
+- --gpu-resource={{ .Values.sandbox.gpu.resource }}
+{{- range .Values.sandbox.gpu.tolerations }}
+- --gpu-toleration={{ . }}
+{{- end }}
 {{- end -}}
 
 {{- /* Cluster-scoped objects (webhook configurations, ClusterRole, binding, PriorityClass):

@@ -28,6 +28,12 @@ variables:
   expression: {{ eq .Values.sandbox.guard "always" | toString | quote }}
 - name: allowSecrets
   expression: {{ .Values.sandbox.allowSecrets | toString | quote }}
+- name: gpuResource
+  expression: {{ .Values.sandbox.gpu.resource | toJson | quote }}
+- name: gpuMax
+  expression: {{ ternary (int .Values.sandbox.gpu.max) 0 .Values.sandbox.gpu.enabled | toString | quote }}
+- name: gpuTolerations
+  expression: {{ .Values.sandbox.gpu.tolerations | default list | toJson | quote }}
 - name: labels
   expression: object.metadata.?labels.orValue({})
 - name: annotations
@@ -82,6 +88,8 @@ variables:
   expression: 'variables.whole ? variables.inits.filter(c, !(variables.guardRequired && variables.guardFirst && c.name == "sandman-netguard")) + object.spec.containers + variables.ephemeral : variables.judged'
 - name: secretsRefused
   expression: variables.sandbox && !variables.allowSecrets
+- name: gpuTolerationKeys
+  expression: variables.gpuTolerations.map(t, t.split(':')[0].split('=')[0])
 validations:
 - expression: '!variables.isUpdate || variables.oldLabels[?"sandman.dev/sandbox"].orValue('''') != "true" || variables.labelledSandbox'
   messageExpression: '''sandman metadata-immutable: '' + ''label sandman.dev/sandbox=true cannot be removed or changed; a new pod is needed'''
@@ -161,8 +169,26 @@ validations:
 - expression: '!variables.secretsRefused || !variables.judged.exists(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue())))'
   messageExpression: '''sandman secret-refused: '' + ''containers '' + variables.judged.filter(c, (c.?env.orValue([]).exists(e, e.?valueFrom.?secretKeyRef.hasValue()) || c.?envFrom.orValue([]).exists(e, e.?secretRef.hasValue()))).map(c, c.name).join('', '') + '' take env from a Secret; a Secret of type service-account-token cannot be told from others at admission (the webhook\''s --allow-secrets admits them)'''
   reason: Forbidden
-- expression: '!variables.sandbox || variables.sized.all(c, (c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))'
-  messageExpression: '''sandman resources-unequal: '' + ''containers '' + variables.sized.filter(c, !((c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0))).map(c, c.name).join('', '') + '' need cpu and memory requests == limits (Guaranteed QoS)'''
+- expression: '!variables.sandbox || variables.sized.all(c, (c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0) && ((!c.?resources.?requests[?"ephemeral-storage"].hasValue() && !c.?resources.?limits[?"ephemeral-storage"].hasValue()) || (c.?resources.?requests[?"ephemeral-storage"].hasValue() && c.?resources.?limits[?"ephemeral-storage"].hasValue() && quantity(c.?resources.?requests[?"ephemeral-storage"].value()).compareTo(quantity(c.?resources.?limits[?"ephemeral-storage"].value())) == 0)))'
+  messageExpression: '''sandman resources-unequal: '' + ''containers '' + variables.sized.filter(c, !((c.?resources.?requests[?"cpu"].hasValue() && c.?resources.?limits[?"cpu"].hasValue() && quantity(c.?resources.?requests[?"cpu"].value()).compareTo(quantity(c.?resources.?limits[?"cpu"].value())) == 0) && (c.?resources.?requests[?"memory"].hasValue() && c.?resources.?limits[?"memory"].hasValue() && quantity(c.?resources.?requests[?"memory"].value()).compareTo(quantity(c.?resources.?limits[?"memory"].value())) == 0) && ((!c.?resources.?requests[?"ephemeral-storage"].hasValue() && !c.?resources.?limits[?"ephemeral-storage"].hasValue()) || (c.?resources.?requests[?"ephemeral-storage"].hasValue() && c.?resources.?limits[?"ephemeral-storage"].hasValue() && quantity(c.?resources.?requests[?"ephemeral-storage"].value()).compareTo(quantity(c.?resources.?limits[?"ephemeral-storage"].value())) == 0)))).map(c, c.name).join('', '') + '' need cpu and memory requests == limits (Guaranteed QoS), and ephemeral-storage requests == limits where either is set'''
+  reason: Forbidden
+- expression: '!variables.sandbox || variables.everyContainer.all(c, (c.?resources.?requests.orValue({}).map(k, k) + c.?resources.?limits.orValue({}).map(k, k)).all(k, (k in ["cpu", "memory", "ephemeral-storage"] || k == variables.gpuResource)))'
+  messageExpression: '''sandman extended-resource: '' + ''containers '' + variables.everyContainer.filter(c, !(c.?resources.?requests.orValue({}).map(k, k) + c.?resources.?limits.orValue({}).map(k, k)).all(k, (k in ["cpu", "memory", "ephemeral-storage"] || k == variables.gpuResource))).map(c, c.name).join('', '') + '' ask for a resource other than cpu, memory, ephemeral-storage and '' + variables.gpuResource'
+  reason: Forbidden
+- expression: '!variables.sandbox || object.spec.?resources.?requests.orValue({}).all(k, k in [''cpu'', ''memory'']) && object.spec.?resources.?limits.orValue({}).all(k, k in [''cpu'', ''memory''])'
+  messageExpression: '''sandman extended-resource: '' + ''pod-level resources ask for more than cpu and memory'''
+  reason: Forbidden
+- expression: '!variables.sandbox || !(variables.inits + variables.ephemeral).exists(c, (c.?resources.?requests.orValue({}).map(k, k) + c.?resources.?limits.orValue({}).map(k, k)).exists(k, k == variables.gpuResource))'
+  messageExpression: '''sandman gpu-refused: '' + ''init containers '' + (variables.inits + variables.ephemeral).filter(c, (c.?resources.?requests.orValue({}).map(k, k) + c.?resources.?limits.orValue({}).map(k, k)).exists(k, k == variables.gpuResource)).map(c, c.name).join('', '') + '' ask for '' + variables.gpuResource + ''; only the sandbox\''s containers may'''
+  reason: Forbidden
+- expression: '!variables.sandbox || variables.gpuMax > 0 || !object.spec.containers.exists(c, (c.?resources.?requests.orValue({}).map(k, k) + c.?resources.?limits.orValue({}).map(k, k)).exists(k, k == variables.gpuResource))'
+  messageExpression: '''sandman gpu-refused: '' + ''containers ask for '' + variables.gpuResource + ''; this cluster grants sandboxes no GPUs (chart sandbox.gpu.enabled)'''
+  reason: Forbidden
+- expression: '!variables.sandbox || !object.spec.containers.exists(c, (c.?resources.?limits[?variables.gpuResource].hasValue() && quantity(c.?resources.?limits[?variables.gpuResource].value()).isGreaterThan(quantity(string(variables.gpuMax)))) || (c.?resources.?requests[?variables.gpuResource].hasValue() && quantity(c.?resources.?requests[?variables.gpuResource].value()).isGreaterThan(quantity(string(variables.gpuMax)))))'
+  messageExpression: '''sandman gpu-refused: '' + ''a container asks for more than '' + string(variables.gpuMax) + '' '' + variables.gpuResource + '' (chart sandbox.gpu.max)'''
+  reason: Forbidden
+- expression: '!variables.sandbox || variables.gpuTolerationKeys.size() == 0 || object.spec.containers.exists(c, (c.?resources.?limits[?variables.gpuResource].hasValue() && quantity(c.?resources.?limits[?variables.gpuResource].value()).isGreaterThan(quantity(''0''))) || (c.?resources.?requests[?variables.gpuResource].hasValue() && quantity(c.?resources.?requests[?variables.gpuResource].value()).isGreaterThan(quantity(''0'')))) || !object.spec.?tolerations.orValue([]).exists(t, (t.?key.orValue('''') in variables.gpuTolerationKeys || (t.?key.orValue('''') == '''' && t.?operator.orValue('''') == ''Exists'')))'
+  messageExpression: '''sandman gpu-toleration: '' + ''the pod tolerates the GPU nodes\'' taints ('' + variables.gpuTolerationKeys.join('', '') + '') without asking for '' + variables.gpuResource + '': GPU nodes are for GPU sandboxes'''
   reason: Forbidden
 - expression: '!variables.sandbox || !has(object.spec.resources) || (((!object.spec.?resources.?requests[?"cpu"].hasValue() && !object.spec.?resources.?limits[?"cpu"].hasValue()) || (object.spec.?resources.?requests[?"cpu"].hasValue() && object.spec.?resources.?limits[?"cpu"].hasValue() && quantity(object.spec.?resources.?requests[?"cpu"].value()).compareTo(quantity(object.spec.?resources.?limits[?"cpu"].value())) == 0)) && ((!object.spec.?resources.?requests[?"memory"].hasValue() && !object.spec.?resources.?limits[?"memory"].hasValue()) || (object.spec.?resources.?requests[?"memory"].hasValue() && object.spec.?resources.?limits[?"memory"].hasValue() && quantity(object.spec.?resources.?requests[?"memory"].value()).compareTo(quantity(object.spec.?resources.?limits[?"memory"].value())) == 0)))'
   messageExpression: '''sandman resources-unequal: '' + ''pod-level resources need cpu and memory requests == limits'''
