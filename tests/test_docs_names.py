@@ -810,7 +810,9 @@ SIGNATURES = {
     **{f"sb.{m}": ("sandman.client", f"Sandbox.{m}")
        for m in ("renew", "exec", "read", "read_file", "write", "edit", "env", "reset", "state",
                  "conditions", "health", "release", "retire", "spawn", "processes", "process",
-                 "upload_tree", "download_tree")},
+                 "upload_tree", "download_tree", "session", "sessions")},
+    **{f"session.{m}": ("sandman.client", f"Session.{m}")
+       for m in ("write", "read", "expect", "resize", "signal", "close")},
     **{f"proc.{m}": ("sandman.client", f"Process.{m}")
        for m in ("poll", "status", "output", "signal", "wait")},
     **{n: ("sandman.client", n) for n in ("ExecResult", "FileContent", "WriteResult",
