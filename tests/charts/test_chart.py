@@ -8,6 +8,8 @@ the diff.
 
 from __future__ import annotations
 
+import argparse
+import copy
 import os
 import shutil
 from pathlib import Path
@@ -585,6 +587,36 @@ def test_controller_disruption_budget_priority_and_sandbox_pod_template(helm, tm
     assert pod["metadata"]["annotations"]["karpenter.sh/do-not-disrupt"] == "true"
     assert pod["metadata"]["labels"]["team"] == "rl"
     assert "nodeAffinity" in pod["spec"]["affinity"]
+    # sandbox.gpu (on, at most 2): only a GPU sandbox gets the resource (limits) and the GPU
+    # nodes' tolerations after the template's; what the controller builds passes the webhook
+    # as the chart configures it, and reads back as the same warm key.
+    from controller.core import BadRequest
+    from controller.pods import spec_of
+    from sandman.podspec import check_sandbox, make_sandbox
+    from webhook.__main__ import _policy_args, policy_from
+
+    assert [t.get("key") for t in pod["spec"]["tolerations"]] == ["dedicated"]
+    gspec = SandboxSpec("img", "1", "1Gi", ephemeral_storage="5Gi", gpu=2)
+    gpod = ctl.creator.build_pod(Entry("sbx-2", gspec, "job", "nonce", "token"), "a" * 64)
+    res = gpod["spec"]["containers"][0]["resources"]
+    assert res["limits"]["nvidia.com/gpu"] == "2" and "nvidia.com/gpu" not in res["requests"]
+    assert res["requests"]["ephemeral-storage"] == res["limits"]["ephemeral-storage"] == "5Gi"
+    assert gpod["spec"]["tolerations"][1:] == [
+        {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"},
+        {"key": "gpu", "operator": "Equal", "value": "true", "effect": "NoSchedule"}]
+    wdep = _find(objs, "Deployment", "-webhook")["spec"]["template"]["spec"]["containers"][0]
+    wp = argparse.ArgumentParser()
+    _policy_args(wp)
+    wpolicy = policy_from(wp.parse_known_args(wdep["args"])[0])
+    assert wpolicy.gpu_max == 2
+    for built in (pod, gpod):
+        assert make_sandbox(built, wpolicy) == built and check_sandbox(built, wpolicy) == []
+    # The API server copies an extended resource's limit into the request: the stored pod.
+    stored = copy.deepcopy(gpod)
+    stored["spec"]["containers"][0]["resources"]["requests"]["nvidia.com/gpu"] = "2"
+    assert spec_of(stored) == gspec
+    with pytest.raises(BadRequest, match="at most 2 per sandbox"):
+        ctl.validate(SandboxSpec("img", gpu=3), "job", {}, None)
 
 
 def test_controller_auth_rbac_and_the_helm_test_identity(helm):

@@ -114,6 +114,27 @@ def test_request_models_refuse_what_the_server_refuses():
         assert api.AcquireRequest(image="i", job="j", cpu=cpu, memory=memory).cpu == cpu
 
 
+def test_ephemeral_storage_and_gpu_are_appended_and_checked():
+    # Appended last with defaults: positional use of Spec keeps its meaning.
+    spec = api.Spec("1", "1Gi", "/w", "allow", "grading")
+    assert (spec.ephemeral_storage, spec.gpu) == (None, 0)
+    assert list(api.Spec.__dataclass_fields__)[-2:] == ["ephemeral_storage", "gpu"]
+    req = api.AcquireRequest(image="i", job="j", ephemeral_storage="10Gi", gpu=2)
+    assert req.spec == api.Spec(ephemeral_storage="10Gi", gpu=2)
+    assert req.to_json()["ephemeral_storage"] == "10Gi" and req.to_json()["gpu"] == 2
+    for bad in ("ten", "-1Gi", "0", "", "10 Gi", 10):
+        with pytest.raises(ValueError, match="ephemeral_storage: must be a positive") as e:
+            api.AcquireRequest(image="i", job="j", ephemeral_storage=bad)
+        assert "\n" not in str(e.value)
+        with pytest.raises(ValueError, match="ephemeral_storage"):
+            api.Spec(ephemeral_storage=bad)
+    for bad in (-1, api.MAX_GPU + 1, True, 1.0, "1"):
+        with pytest.raises(ValueError, match="gpu: must be an integer"):
+            api.AcquireRequest(image="i", job="j", gpu=bad)
+        with pytest.raises(ValueError, match="gpu"):
+            api.Spec(gpu=bad)
+
+
 def test_route_urls_quote_one_segment():
     assert api.GET.url(id="a/b c") == "/v1/sandboxes/a%2Fb%20c"
     assert api.DRAIN.url(job="j") == "/v1/jobs/j/drain"

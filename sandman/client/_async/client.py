@@ -118,7 +118,8 @@ class AsyncClient:
                       renew: bool = True, namespace: str | None = None,
                       role: str = api.DEFAULT_ROLE,
                       conditions: api.Conditions | Mapping[str, Any] | None = None,
-                      reused_ok: bool = False) -> AsyncSandbox:
+                      reused_ok: bool = False, ephemeral_storage: str | None = None,
+                      gpu: int = 0) -> AsyncSandbox:
         """A ready sandbox from `image`, sized `cpu`/`memory` (requests equal limits).
         `timeout_s` bounds the wait for it, image pull included (AcquireTimeout).
         `lifetime_s` (None: the controller's default) is how long the sandbox outlives this
@@ -141,7 +142,11 @@ class AsyncClient:
         egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s).
         The controller reads them in the pod before hand-out and never hands out one that
         contradicts a readable field (ConditionsRefused once its tries are used up); the
-        sandbox's `conditions_check` says what was verified and what could not be read."""
+        sandbox's `conditions_check` says what was verified and what could not be read.
+
+        `ephemeral_storage` (e.g. "10Gi"): the container's disk, requests equal limits.
+        `gpu`: GPUs of the cluster's GPU resource; BadRequest unless the chart grants that
+        many per sandbox. Both are part of the warm-pool key, like the size."""
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(
@@ -150,6 +155,7 @@ class AsyncClient:
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
             wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace, role=role,
             conditions=_core.conditions_of(conditions), reused_ok=bool(reused_ok),
+            ephemeral_storage=ephemeral_storage, gpu=gpu,
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
             request_id=_core.new_request_id())
@@ -256,13 +262,16 @@ class AsyncClient:
                       memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
                       workspace: str | None = None,
                       idle_timeout_s: float | None = None,
-                      role: str = api.DEFAULT_ROLE) -> PoolStatus:
+                      role: str = api.DEFAULT_ROLE, ephemeral_storage: str | None = None,
+                      gpu: int = 0) -> PoolStatus:
         """Keep `count` never-used sandboxes of this image and size ready, so acquires with
         `warm_ok=True` get one at once. `count=0` empties the pool. Warm pods cost capacity
         while idle; they go after `idle_timeout_s` without an acquire. `role`: the pool of
-        agent or of grading sandboxes (a separate key)."""
+        agent or of grading sandboxes (a separate key); `ephemeral_storage` and `gpu` as
+        acquire's (each size its own pool)."""
         spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory), egress=egress,
-                             workspace=workspace, role=role)
+                             workspace=workspace, role=role,
+                             ephemeral_storage=ephemeral_storage, gpu=gpu)
         body = _core.request(api.PrewarmRequest, image=image, count=count, spec=spec,
                              idle_timeout_s=idle_timeout_s)
         resp = await self._send(api.PREWARM, json=body.to_json(), read_s=self._timeout_s)
