@@ -30,7 +30,10 @@ PATHS = ["/health", "/exec", "/files/read", "/files", "/files/write", "/env", "/
          "/processes/info?id=p1-000000000000000000000000", "/processes/output?id=../x&since=-1",
          "/processes/output?since=" + "9" * 80, "/files/tree?path=.", "/files/tree",
          "/files/tree?path=%2e%2e", "/files/tree/write?path=t", "/files/tree/write",
-         "/files/tree/write?path=/dev/null", "/files/tree/write?path=t&path=../u"]
+         "/files/tree/write?path=/dev/null", "/files/tree/write?path=t&path=../u",
+         "/sessions", "/sessions/open", "/sessions/write", "/sessions/resize", "/sessions/signal",
+         "/sessions/close", "/sessions/read?id=s1-000000000000000000000000&timeout=0.1",
+         "/sessions/read?id=../x&since=-1&timeout=nan", "/sessions/read?timeout=" + "9" * 80]
 METHODS = ["GET", "POST", "PUT", "DELETE", "HEAD", "OPTIONS", "PATCH", "BREW", "get", ""]
 
 # No letters that could spell a real program, no `$` or backticks: nothing here can run long.
@@ -44,7 +47,7 @@ json_value = st.recursive(json_scalar, lambda c: st.one_of(st.lists(c, max_size=
                           max_leaves=6)
 field_names = st.sampled_from(["command", "timeout", "max_output", "request_id", "path",
                                "data_b64", "mode", "if_sha256", "set", "unset", "workspace",
-                               "id", "signal", "env", "cwd"])
+                               "id", "signal", "env", "cwd", "cols", "rows"])
 
 
 @st.composite

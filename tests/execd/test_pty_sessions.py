@@ -293,3 +293,37 @@ def test_a_program_that_never_reads_its_input(execd):
     assert time.monotonic() - t0 < execd_mod.PTY_WRITE_WAIT + 5
     assert execd.exec("echo ok")["output"] == "ok\n"  # the write blocked nothing else
     close(execd, s["id"])
+
+
+def test_retried_open_write_and_signal_act_once(execd):
+    """An SDK retry after a lost answer carries the same request_id: one session, the keys
+    typed once, the signal sent once."""
+    body = {"command": "bash --norc -i", "env": {"PS1": "R$ "}, "request_id": "open-1"}
+    first = open_session(execd, **body)
+    again = open_session(execd, **body)
+    assert again["id"] == first["id"] and len(execd.get("/sessions").json()["sessions"]) == 1
+    off, _ = expect(execd, first["id"], b"R$ ")
+    keys = {"id": first["id"], "data_b64": base64.b64encode(b"echo N$((n=n+1))\n").decode(),
+            "request_id": "w-1"}
+    for _ in range(3):
+        r = execd.post("/sessions/write", keys)
+        assert r.status_code == 200 and r.json()["written"] == 17, r.text
+    write(execd, first["id"], b"echo END\n")
+    _, got = expect(execd, first["id"], b"END\r\n", off)
+    assert got.count(b"N1") == 1 and b"N2" not in got
+    sig = open_session(execd, command="python3 -c \"import signal, time; signal.signal("
+                                       "signal.SIGUSR1, lambda *a: print('GOT', flush=True)); "
+                                       "print('READY', flush=True); time.sleep(300)\"")
+    off, _ = expect(execd, sig["id"], b"READY")
+    for _ in range(2):
+        r = execd.post("/sessions/signal", {"id": sig["id"], "signal": "USR1",
+                                            "request_id": "sig-1"})
+        assert r.status_code == 200 and r.json()["signalled"] == 1
+        time.sleep(0.3)  # apart: a second delivery would print a second line
+    _, got = expect(execd, sig["id"], b"GOT", off)
+    time.sleep(0.3)
+    got += read(execd, sig["id"], off + len(got))[1]
+    assert got.count(b"GOT") == 1, got
+    close(execd, sig["id"])
+    error_of(execd.post("/sessions/open", {"command": "true", "request_id": ""}), 400)
+    close(execd, first["id"])
