@@ -108,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
 
         if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
             parser.error(f"--drain-seconds must be between 0 and {MAX_DRAIN_SECONDS:g}")
-        policy = policy_from(args)
+        try:
+            policy = policy_from(args)
+        except ValueError as e:
+            parser.error(str(e))  # one line and exit 2, like the flags argparse checks
         if args.self_signed_dir:
             d = certs_mod.self_signed_dir(args.self_signed_dir, args.dns or ["localhost"],
                                           args.ip or ["127.0.0.1", "::1"])
