@@ -35,7 +35,7 @@ run); a group's slot takes the next image once all 8 have ended.
 
 Recorded-trace format: JSON lines, one acquire per line, in any order:
 `{"t": 12.5, "role": "grading", "image": "task-007", "hold_s": 6.2}` with optional "cpu"
-(default "2") and "memory" (default "8Gi"). `t` is seconds from the trace's start, `role` is
+and "memory" (default the contract's sandbox size, `sandman.api.DEFAULT_CPU`/`DEFAULT_MEMORY`). `t` is seconds from the trace's start, `role` is
 agent or grading, `hold_s` how long the caller keeps the sandbox. `--write-trace FILE` writes
 the generated trace in this format.
 """
@@ -60,7 +60,7 @@ from controller.demand import Budget
 from controller.pacer import Limits
 from controller.pods import SandboxSpec
 from controller.settings import Settings
-from sandman import contract
+from sandman import api, contract
 
 SECTION = "## warm-pool replay: `python -m bench.replay`"
 RUNS = 2
@@ -71,7 +71,7 @@ MINUTES = 90.0
 ROLLOUT_MEDIAN_S, ROLLOUT_SIGMA = 240.0, 0.6
 GRADING_MEDIAN_S, GRADING_SIGMA = 6.5, 0.5
 GRADINGS = ((0, 0.139), (1, 0.306), (2, 0.555))
-CPU, MEMORY = "2", "8Gi"
+CPU, MEMORY = api.DEFAULT_CPU, api.DEFAULT_MEMORY
 FIXED_TARGET, FIXED_IDLE_S = 2, 2100.0
 DEMAND_IDLE_S = 300.0
 WARM_BUDGET_PODS = 96  # the paper's checked-reuse A/B budget
