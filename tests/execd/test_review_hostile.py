@@ -75,20 +75,26 @@ def hand_over(d) -> dict:
 # ---------------------------------------------------------------- the last holder of a reused pod
 
 
-@pytest.mark.xfail(strict=True, reason="a spawn authenticated with the old token before the "
+@pytest.mark.xfail(strict=True, reason="a command authenticated with the old token before the "
                    "rotation runs once its body arrives after /restore and /diff said clean")
-def test_last_holders_spawn_in_flight_runs_in_the_next_holders_pod(execd_factory, tmp_path):
+@pytest.mark.parametrize(("route", "listing", "field"), [
+    ("/processes/spawn", "/processes", "processes"),
+    ("/sessions/open", "/sessions", "sessions"),
+    ("/exec", None, None),
+])
+def test_last_holders_command_in_flight_runs_in_the_next_holders_pod(
+        execd_factory, tmp_path, route, listing, field):
     d, etc = baseline_execd(execd_factory, tmp_path)
     marker = tmp_path / "ws" / "old-holder-was-here"
-    body = json.dumps({"command": f"echo planted > {marker}; sleep 300"}).encode()
-    s = start_slow_post(d.port, "/processes/spawn", body, len(body) - 1)
+    body = json.dumps({"command": f"echo planted > {marker}; sleep 5"}).encode()
+    s = start_slow_post(d.port, route, body, len(body) - 1)
     time.sleep(0.2)  # execd holds the request (authorized) and waits for its body
     auth = hand_over(d)
     code = finish(s, body[-1:])
     wait_for(marker.exists, 2)
-    procs = d.client.get("/processes", headers=auth).json()["processes"]
+    running = d.client.get(listing, headers=auth).json()[field] if listing else []
     # The next holder's pod must not run the last holder's command.
-    assert code != 200 and procs == [] and not marker.exists(), (code, procs)
+    assert code != 200 and running == [] and not marker.exists(), (code, running)
 
 
 @pytest.mark.xfail(strict=True, reason="a /files/write authenticated with the old token before "
