@@ -318,31 +318,39 @@ def test_the_agent_cannot_read_the_token_out_of_execds_memory(execd_factory, tmp
 # ---------------------------------------------------------------- the agent: a later call's status
 
 LEFTOVER = r"""
-import os, re, signal, time
+import os, re, signal, sys, time
 time.sleep(0.2)  # the call that started this job has answered
 shell = os.getppid()
+if sys.argv[1] == "inherited":
+    req, st = 63, 62  # bash's request pipe and the status pipe, as every command gets them
+else:  # closed in the job: a pipe is opened again through /proc, as anyone of the uid can
+    req = os.open("/proc/%d/fd/63" % shell, os.O_RDONLY)
+    st = os.open("/proc/%d/fd/62" % shell, os.O_WRONLY)
 os.kill(shell, signal.SIGSTOP)  # bash stops competing for its request pipe
 buf = b""
 for _ in range(1000):
-    buf += os.read(63, 1 << 16)  # inherited: bash's request pipe
+    buf += os.read(req, 1 << 16)
     m = re.search(rb"m=(@[0-9a-f]{16});", buf)
     if m:
-        os.write(62, m.group(1) + b"S0\n")  # inherited: the status pipe
+        os.write(st, m.group(1) + b"S0\n")
         break
 os.kill(shell, signal.SIGCONT)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a job left by the agent's call inherits the shell's "
-                   "request pipe (fd 63) and status pipe (fd 62): it takes the trainer's next "
-                   "request, learns its marker and answers exit 0 for a command never run")
-def test_a_leftover_job_cannot_answer_a_later_calls_status(execd_factory, tmp_path):
+@pytest.mark.xfail(strict=True, reason="a job left by the agent's call reaches the shell's "
+                   "request pipe (fd 63) and status pipe (fd 62), inherited or reopened through "
+                   "/proc/<shell>/fd: it takes the trainer's next request, learns its marker and "
+                   "answers exit 0 for a command never run")
+@pytest.mark.parametrize("how", ["inherited", "reopened"])
+def test_a_leftover_job_cannot_answer_a_later_calls_status(execd_factory, tmp_path, how):
     import sys
 
     d = execd_factory()
     prog = tmp_path / "leftover.py"
     prog.write_text(LEFTOVER)
-    r = d.exec(f"{sys.executable} {prog} >/dev/null 2>&1 &")  # the agent's turn
+    closed = "" if how == "inherited" else " 60<&- 61>&- 62>&- 63<&-"
+    r = d.exec(f"{sys.executable} {prog} {how} >/dev/null 2>&1{closed} &")  # the agent's turn
     assert r["exit_code"] == 0, r
     time.sleep(0.6)
     # The trainer's reward command, a failing test run: its status must be its own.
