@@ -69,6 +69,16 @@ def test_swe_agent_sequence_on_the_test_bed(cluster, namespace, stack):
         with pytest.raises(CommandTimeoutError):
             run(rt.run_in_session(BashAction(command="sleep 30", timeout=1)))
         assert run(rt.run_in_session(BashInterruptAction())).exit_code == 0
+        # An interactive program on a terminal of its own (an execd session), then quit.
+        obs = run(rt.run_in_session(BashAction(command="python3 -i -q", expect=[">>> "],
+                                               is_interactive_command=True, timeout=30)))
+        assert obs.expect_string == ">>> "
+        obs = run(rt.run_in_session(BashAction(command="1+1", expect=[">>> "],
+                                               is_interactive_command=True, timeout=30)))
+        assert (obs.output, obs.expect_string) == ("2", ">>> ")
+        obs = run(rt.run_in_session(BashAction(command="quit()", is_interactive_quit=True,
+                                               timeout=30)))
+        assert obs.expect_string == "SHELLPS1PREFIX" and sb.sessions() == []
         path = str(work / "out" / "f.py")
         run(rt.write_file(WriteFileRequest(path=path, content="print('ünï')\n")))
         assert run(rt.read_file(ReadFileRequest(path=path))).content == "print('ünï')\n"
