@@ -14,7 +14,9 @@ event of the cluster would be far more):
 
 An event object is counted once per occurrence: Kubernetes aggregates repeats into one object
 whose `count` grows, so `Seen` keeps the last count per event uid (bounded, oldest forgotten
-first) and a re-list adds nothing. The first list of each watch only primes `Seen`: those
+first) and a re-list adds nothing. Sandman's events and other tenants' are kept in two maps:
+another tenant, who creates as many events as it likes in its own namespace, can then only
+evict its own uids, never make an aggregated sandman event count again. The first list of each watch only primes `Seen`: those
 events happened before this leader watched, and counting them at once would fire the alerts on
 every restart or failover.
 """
@@ -92,16 +94,18 @@ class Seen:
     def __len__(self) -> int:
         return len(self._last)
 
-    def new(self, uid: str, count: int) -> int:
-        """Occurrences of this event not counted yet (0 for a repeat or a re-list)."""
-        last = self._last.pop(uid, 0)
+    def new(self, uid: str, count: int, counted: int = 0) -> int:
+        """Occurrences of this event not counted yet (0 for a repeat or a re-list); `counted`:
+        occurrences already counted elsewhere."""
+        last = max(self._last.pop(uid, 0), counted)
         self._last[uid] = max(last, count)
         while len(self._last) > self.cap:
             self._last.popitem(last=False)
         return max(0, count - last)
 
-    def forget(self, uid: str) -> None:
-        self._last.pop(uid, None)
+    def forget(self, uid: str) -> int:
+        """Drops the uid; returns the count it had (0 if unknown)."""
+        return self._last.pop(uid, 0)
 
 
 def slim_event(ev: dict) -> dict:
@@ -120,7 +124,8 @@ class CapacitySignals:
 
     def __init__(self, namespace: str, seen_cap: int = SEEN_CAP, own_cap: int = OWN_CAP):
         self.ns = namespace
-        self.seen = Seen(seen_cap)
+        self.seen_own = Seen(seen_cap)  # sandman's pods' events: out of other tenants' reach
+        self.seen_other = Seen(seen_cap)
         self.own_cap = own_cap
         self._own: OrderedDict[str, str] = OrderedDict()  # pod uid -> role
 
@@ -141,7 +146,8 @@ class CapacitySignals:
             for ev in obj:
                 self._count(ev, prime)
         elif kind == "DELETED":  # expired: its uid never comes back
-            self.seen.forget(obj.get("uid") or "")
+            self.seen_own.forget(obj.get("uid") or "")
+            self.seen_other.forget(obj.get("uid") or "")
         elif kind in ("ADDED", "MODIFIED"):
             self._count(obj, False)
 
@@ -149,12 +155,16 @@ class CapacitySignals:
         uid = ev.get("uid")
         if not uid or ev.get("kind") != "Pod":
             return
-        n = self.seen.new(uid, ev.get("count") or 1)
+        own = self.is_own(ev)
+        if own:  # an event seen before its pod was remembered was counted as another's
+            n = self.seen_own.new(uid, ev.get("count") or 1, self.seen_other.forget(uid))
+        else:
+            n = self.seen_other.new(uid, ev.get("count") or 1)
         if n <= 0 or prime:
             return
         if ev.get("reason") == REASON_SANDBOX_FAILED:
-            metrics.pod_address_failures("sandman" if self.is_own(ev) else "other", n)
-        elif ev.get("reason") == REASON_PULLED and self.is_own(ev):
+            metrics.pod_address_failures("sandman" if own else "other", n)
+        elif ev.get("reason") == REASON_PULLED and own:
             secs = pull_seconds(ev.get("message"))
             if secs is not None:
                 metrics.IMAGE_PULL_SECONDS.observe(secs)

@@ -110,9 +110,6 @@ def _ev(uid: str, count: int, ns: str, pod_uid: str) -> dict:
                                             "uid": pod_uid}})
 
 
-@pytest.mark.xfail(strict=True, reason="a co-tenant's flood of SEEN_CAP events in its own "
-                   "namespace evicts sandman's event uids from the dedupe, so the next "
-                   "aggregation of a sandman event recounts its whole count")
 def test_a_cotenants_event_flood_cannot_inflate_sandmans_failures() -> None:
     s = E.CapacitySignals(NS)
     s.remember(OWN_POD, "agent")

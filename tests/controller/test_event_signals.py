@@ -146,13 +146,25 @@ def test_a_flood_of_events_keeps_memory_bounded():
     for i in range(20000):
         s.on_event("ADDED", ev(f"flood-{i}", ns="team-b", pod_uid=f"p-{i}"))
         s.remember(f"own-{i}", "agent")
-    assert len(s.seen) == 1000 and len(s._own) == 100
+    assert len(s.seen_other) == 1000 and len(s._own) == 100
     assert failures("other") - before == 20000
     # The most recent stay deduped; a deleted (expired) event frees its slot.
     s.on_event("MODIFIED", ev("flood-19999", ns="team-b", pod_uid="p"))
     assert failures("other") - before == 20000
     s.on_event("DELETED", ev("flood-19999"))
-    assert len(s.seen) == 999
+    assert len(s.seen_other) == 999
+
+
+def test_an_event_seen_before_its_pod_was_remembered_is_not_recounted():
+    s = E.CapacitySignals(NS)
+    late = "22222222-2222-2222-2222-222222222222"
+    before_other, before_own = failures("other"), failures("sandman")
+    s.on_event("ADDED", ev("early", count=3, pod_uid=late))  # its pod not in the books yet
+    s.remember(late, "agent")
+    s.on_event("MODIFIED", ev("early", count=4, pod_uid=late))
+    assert (failures("other") - before_other, failures("sandman") - before_own) == (3, 1)
+    s.on_event("DELETED", ev("early", pod_uid=late))
+    assert len(s.seen_own) == 0 and len(s.seen_other) == 0
 
 
 def test_metric_labels_stay_in_their_allow_lists():
