@@ -760,6 +760,7 @@ class Daemon:
         self.calls = 0
         self.shell = None
         self.retired = None  # why this execd starts no shell any more (a failed restore)
+        self.token_gen = 0  # bumped at each /token rotation (still_authorized)
         self.probe_lock = threading.Lock()  # /ready's named probe file vs the baseline walk
         self.umask = os.umask(0o022)
         os.umask(self.umask)
@@ -944,6 +945,7 @@ class Daemon:
                 entry[0].set()
             raise HTTPError(409, "busy", {"busy": True})
         try:
+            still_authorized(self)
             resp = self._run_checked(data, timeout, max_output, idle)
         except BaseException:
             if entry is not None:
@@ -993,6 +995,7 @@ class Daemon:
         if not self.exec_lock.acquire(False):
             raise HTTPError(409, "busy", {"busy": True})
         try:
+            still_authorized(self)
             stream.begin()
             return self._run_checked(data, timeout, max_output, idle, stream)
         finally:
@@ -1210,6 +1213,7 @@ class Daemon:
         return r["output"]
 
     def set_env(self, req):
+        still_authorized(self)
         sets = req.get("set", {})
         unsets = req.get("unset", [])
         if not isinstance(sets, dict) or not isinstance(unsets, list):
@@ -1246,6 +1250,7 @@ class Daemon:
         return {"env": env}
 
     def reset(self, req):
+        still_authorized(self)
         wipe = req.get("workspace", False)
         if not isinstance(wipe, bool):
             raise HTTPError(400, "workspace must be a boolean")
@@ -1283,18 +1288,17 @@ class Daemon:
                 "workspace_wiped": wiped, "duration_ms": round((now() - t0) * 1000, 3)}
 
     def _wipe(self, path):
-        n = 0
-        for name in os.listdir(path):
-            p = os.path.join(path, name)
-            if os.path.isdir(p) and not os.path.islink(p):
-                shutil.rmtree(p, ignore_errors=True)
-            else:
-                try:
-                    os.unlink(p)
-                except OSError:
-                    pass
-            n += 1
-        return n
+        """Empties the workspace (the path as configured; below it, never through a symlink):
+        any depth, within REMOVE_MAX_S. Returns how many entries it held."""
+        deadline = now() + REMOVE_MAX_S
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
+        try:
+            names = os.listdir(fd)
+            for name in names:
+                remove_tree(fd, name, deadline)
+        finally:
+            os.close(fd)
+        return len(names)
 
     # ------------------------------------------------------------ state and conditions
 
@@ -1778,6 +1782,7 @@ def write_file(d, req):
     if want is not None and (not isinstance(want, str) or not _SHA256_HEX.match(want.lower())):
         raise HTTPError(400, "if_sha256 must be a SHA-256 hex digest")
     with d.files_lock:
+        still_authorized(d)
         try:
             st = os.stat(real)
         except FileNotFoundError:
@@ -1844,6 +1849,12 @@ TREE_CHUNK = 256 << 10
 # A pax or GNU long-name header is read whole by tarfile: bounded here, so a crafted 900 MiB
 # "name" cannot make execd hold it in memory.
 TREE_META_MAX = 1 << 20
+# A member's name: at most 4,096 bytes (PATH_MAX) and 256 components; a symlink's target at
+# most 4,096 bytes. Deeper names are refused (422) before anything is made for them.
+TREE_NAME_MAX = 4096
+TREE_DEPTH_MAX = 256
+# A member's mtime: finite, within +-2**34 s of the epoch (years -542 to 2514); else refused.
+TREE_MTIME_MAX = 1 << 34
 
 
 def tree_refuse(message, name=None):
@@ -1856,9 +1867,13 @@ def tree_parts(name):
         raise tree_refuse("empty name or NUL byte in a member name", name)
     if name.startswith("/"):
         raise tree_refuse("absolute member name", name)
+    if len(name.encode("utf-8", "surrogateescape")) > TREE_NAME_MAX:
+        raise tree_refuse("member name over %d bytes" % TREE_NAME_MAX, name)
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise tree_refuse("'..' in a member name", name)
+    if len(parts) > TREE_DEPTH_MAX:
+        raise tree_refuse("member name deeper than %d components" % TREE_DEPTH_MAX, name)
     return parts
 
 
@@ -1987,6 +2002,8 @@ def tree_extract(tar, stage_fd, stats):
         key = "/".join(parts)
         if m.mode & (stat.S_ISUID | stat.S_ISGID):
             raise tree_refuse("setuid or setgid bit on a member", key)
+        if not -TREE_MTIME_MAX <= m.mtime <= TREE_MTIME_MAX:  # NaN fails too
+            raise tree_refuse("mtime %r out of range (+-%d s)" % (m.mtime, TREE_MTIME_MAX), key)
         mode = m.mode & 0o1777
         made = []
         if m.isdir():
@@ -2030,6 +2047,8 @@ def tree_extract(tar, stage_fd, stats):
             elif kind == "l":
                 if not m.linkname or "\0" in m.linkname or m.linkname.startswith("/"):
                     raise tree_refuse("symlink leads outside the target", key)
+                if len(m.linkname.encode("utf-8", "surrogateescape")) > TREE_NAME_MAX:
+                    raise tree_refuse("symlink target over %d bytes" % TREE_NAME_MAX, key)
                 os.symlink(m.linkname, parts[-1], dir_fd=pfd)
                 links.append((parts, m.linkname))
                 stats.symlinks += 1
@@ -2092,6 +2111,93 @@ def tree_set_modes(root_fd, dirs):
             os.fchmod(fd, dirs[parts])
         finally:
             os.close(fd)
+
+
+REMOVE_FDS = 32  # directory fds one removal holds open at once; deeper levels are reopened
+REMOVE_MAX_S = 60.0  # one removal's time budget (a /reset wipe, a refused upload's staging dir)
+
+
+def remove_tree(parent_fd, name, deadline):
+    """Removes `name` in the directory open as parent_fd and everything below it, at any depth:
+    iterative (no recursion), by fd, never through a symlink (a link is unlinked, not
+    followed). At most REMOVE_FDS directory fds held: a level whose fd was closed is reopened
+    as ".." of its child and must be the same directory (dev, ino), else the removal stops
+    (the tree was moved meanwhile). Stops at `deadline` (monotonic, as `now()`). What cannot
+    be removed (no permission, busy) is skipped and left. Returns whether `name` is gone."""
+    try:
+        os.unlink(name, dir_fd=parent_fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EISDIR, errno.EPERM):
+            return False
+    # A level: [fd or -1, (dev, ino), its name in the level above, names skipped, names to do].
+    stack = []
+    try:
+        top = os.dup(parent_fd)
+        stack.append([top, None, None, set(), []])
+        st = os.fstat(top)
+        stack[0][1] = (st.st_dev, st.st_ino)
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=top)
+        except OSError:
+            return False
+        stack.append([fd, None, name, set(), None])
+        st = os.fstat(fd)
+        stack[-1][1] = (st.st_dev, st.st_ino)
+        while len(stack) > 1:
+            if now() > deadline:
+                return False
+            level = stack[-1]
+            if not level[4]:  # listed again once done: what came meanwhile goes too
+                level[4] = [n for n in os.listdir(level[0]) if n not in level[3]]
+            if level[4]:
+                n = level[4].pop()
+                try:
+                    os.unlink(n, dir_fd=level[0])
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.EISDIR, errno.EPERM):
+                        level[3].add(n)
+                        continue
+                try:
+                    cfd = os.open(n, _DIR_FLAGS, dir_fd=level[0])
+                except OSError:
+                    level[3].add(n)
+                    continue
+                stack.append([cfd, None, n, set(), None])
+                st = os.fstat(cfd)
+                stack[-1][1] = (st.st_dev, st.st_ino)
+                held = [lv for lv in stack[1:-1] if lv[0] >= 0]
+                if len(held) >= REMOVE_FDS:
+                    os.close(held[0][0])
+                    held[0][0] = -1
+                continue
+            # Nothing left in this level that can go: remove it from its parent.
+            parent = stack[-2]
+            if parent[0] < 0:
+                parent[0] = os.open("..", _DIR_FLAGS, dir_fd=level[0])
+                st = os.fstat(parent[0])
+                if (st.st_dev, st.st_ino) != parent[1]:
+                    return False
+            stack.pop()
+            os.close(level[0])
+            try:
+                os.rmdir(level[2], dir_fd=parent[0])
+            except FileNotFoundError:
+                pass
+            except OSError:
+                parent[3].add(level[2])
+        return name not in stack[0][3]
+    except OSError:
+        return False
+    finally:
+        for lv in stack:
+            if lv[0] >= 0:
+                os.close(lv[0])
 
 
 class TreeBody(object):
@@ -2211,6 +2317,7 @@ def tree_write_into(d, query, body):
             if tree_link_escapes(stage_fd, parts, target):
                 raise tree_refuse("symlink leads outside the target (or loops)", "/".join(parts))
         with d.files_lock:
+            still_authorized(d)
             tree_merge(stage_fd, target_fd, True)
             tree_merge(stage_fd, target_fd, False)
             tree_set_modes(target_fd, dirs)
@@ -2218,10 +2325,10 @@ def tree_write_into(d, query, body):
     finally:
         if stage_fd >= 0:
             os.close(stage_fd)
+        if stage is not None:
+            remove_tree(target_fd, os.path.basename(stage), now() + REMOVE_MAX_S)
         if target_fd >= 0:
             os.close(target_fd)
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
         for p in made:
             try:
                 os.rmdir(p)
@@ -3222,6 +3329,21 @@ def _r_restore(handler, query):
     handler.reply(200, handler.daemon.baseline.restore())
 
 
+# The token generation the current request was authorized under (None: a public route).
+_REQ = threading.local()
+
+
+def still_authorized(d):
+    """Refuse an action of a request authorized with a token rotated since: when a grading pod
+    changes holders, the last holder's request in flight (a slow body, a wait on a lock) must
+    not act after /restore and /diff said clean. Called when the body is complete and again
+    under the lock /restore also takes, so an action runs wholly before the restore or not."""
+    gen = getattr(_REQ, "gen", None)
+    if gen is not None and gen != d.token_gen:
+        raise HTTPError(401, "the token this request was authorized with has been rotated",
+                        {"close_body": True})
+
+
 def _r_token(handler, query):
     """Rotate the token (authenticated with the current one): when a grading pod is reused,
     the controller gives the next holder a new token and the last holder loses access. Held in
@@ -3230,7 +3352,9 @@ def _r_token(handler, query):
     want = handler.json_body().get("token_sha256")
     if not isinstance(want, str) or not _SHA256_HEX.match(want) or want.endswith("\n"):
         raise HTTPError(400, "token_sha256 must be 64 lowercase hex characters")
-    handler.daemon.args.token_sha256 = want
+    d = handler.daemon
+    d.args.token_sha256 = want
+    d.token_gen += 1  # only the holder of the current token rotates: no concurrent bump
     handler.reply(200, {"ok": True})
 
 
@@ -3379,6 +3503,7 @@ class Background(object):
                 raise HTTPError(503, "retired: %s" % d.retired, {"retired": True})
             if d.resetting or self.held:
                 raise HTTPError(409, "a reset or restore is running; spawn after it")
+            still_authorized(d)
             # A retry of a spawn whose answer was lost: the same process, never a second one.
             known = self.procs.get(self.rids.get(rid)) if rid is not None else None
             if known is not None:
@@ -3800,6 +3925,7 @@ class Sessions(object):
                 raise HTTPError(503, "retired: %s" % d.retired, {"retired": True})
             if d.resetting or self.held:
                 raise HTTPError(409, "a reset or restore is running; open a session after it")
+            still_authorized(d)
             # A retry of an open whose answer was lost: the same session, never a second one.
             known = self.items.get(self.rids.get(rid)) if rid is not None else None
             if known is not None:
@@ -4389,6 +4515,7 @@ class Handler(BaseHTTPRequestHandler):
                 self.connection.settimeout(IDLE_TIMEOUT)
             except OSError:
                 pass
+        still_authorized(self.daemon)
         return b"".join(chunks)
 
     def json_body(self):
@@ -4421,6 +4548,9 @@ class Handler(BaseHTTPRequestHandler):
             handler = ROUTES.get(route)
             if handler is None:
                 raise HTTPError(404, "no such route: %s" % route[:200], {"close_body": True})
+            # The generation is read before the check: a rotation in between leaves this
+            # request with the old one, refused at its action (still_authorized).
+            _REQ.gen = None if route in PUBLIC_ROUTES else self.daemon.token_gen
             if route not in PUBLIC_ROUTES and not self.authorized():
                 raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
             if route not in PUBLIC_ROUTES or self.authorized():

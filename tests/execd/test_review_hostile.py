@@ -75,8 +75,6 @@ def hand_over(d) -> dict:
 # ---------------------------------------------------------------- the last holder of a reused pod
 
 
-@pytest.mark.xfail(strict=True, reason="a command authenticated with the old token before the "
-                   "rotation runs once its body arrives after /restore and /diff said clean")
 @pytest.mark.parametrize(("route", "listing", "field"), [
     ("/processes/spawn", "/processes", "processes"),
     ("/sessions/open", "/sessions", "sessions"),
@@ -97,8 +95,6 @@ def test_last_holders_command_in_flight_runs_in_the_next_holders_pod(
     assert code != 200 and running == [] and not marker.exists(), (code, running)
 
 
-@pytest.mark.xfail(strict=True, reason="a /files/write authenticated with the old token before "
-                   "the rotation lands after /restore and /diff said clean")
 def test_last_holders_file_write_in_flight_lands_after_restore(execd_factory, tmp_path):
     d, etc = baseline_execd(execd_factory, tmp_path)
     target = etc / "conftest.py"  # inside the watched paths: a restore must take it away
