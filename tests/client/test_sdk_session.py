@@ -69,8 +69,9 @@ def test_resize_signal_cursor_and_expect_timeout(flavor: Flavor, execd: Execd) -
                 assert (st.cols, st.rows) == (132, 43)
                 await s.write("stty size\n")
                 await s.expect(r"43 132")
-                await s.write("sleep 300; echo af''ter\n")
-                time.sleep(0.3)
+                await s.write("echo zz-started; sleep 300; echo af''ter\n")
+                await s.expect(r"zz-started\r\n")  # the output, not the echoed line
+                time.sleep(0.2)
                 await s.signal("INT")  # to the foreground job: the sleep
                 await s.write("echo done-$((1+1))\n")
                 got = await s.expect(r"done-2")

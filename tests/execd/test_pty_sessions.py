@@ -97,8 +97,9 @@ def test_default_is_an_interactive_bash_with_a_controlling_terminal(execd):
     off, got = expect(execd, s["id"], b"SM_42", off)
     assert b"/dev/pts/" in got
     # ^C written to the terminal interrupts its foreground job, as a terminal's key does.
-    write(execd, s["id"], b"sleep 300; echo af''ter\n")
-    time.sleep(0.3)
+    write(execd, s["id"], b"echo zz-started; sleep 300; echo af''ter\n")
+    off, _ = expect(execd, s["id"], b"zz-started\r\n", off)  # the output, not the echo
+    time.sleep(0.2)
     write(execd, s["id"], b"\x03")
     write(execd, s["id"], b"echo done-$((1+1))\n")
     off, got = expect(execd, s["id"], b"done-2", off)
