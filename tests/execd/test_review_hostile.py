@@ -111,8 +111,6 @@ def test_last_holders_file_write_in_flight_lands_after_restore(execd_factory, tm
 # ---------------------------------------------------------------- the agent: deep trees
 
 
-@pytest.mark.xfail(strict=True, reason="a directory 1200 levels deep made by the agent makes "
-                   "/reset's workspace wipe raise RecursionError (500) and stay behind")
 def test_reset_wipes_a_workspace_holding_a_deep_directory(execd_factory, tmp_path):
     ws = tmp_path / "ws"
     ws.mkdir()
@@ -124,19 +122,43 @@ def test_reset_wipes_a_workspace_holding_a_deep_directory(execd_factory, tmp_pat
     assert r.status_code == 200 and os.listdir(ws) == [], (r.status_code, r.text[:200])
 
 
-@pytest.mark.xfail(strict=True, reason="a refused deep archive (bad digest) is a 500 "
-                   "RecursionError and leaves its .execd-tree-* staging dir in the target")
+def test_reset_wipe_never_follows_the_agents_symlinks_out(execd_factory, tmp_path):
+    ws, outside = tmp_path / "ws", tmp_path / "outside"
+    ws.mkdir()
+    outside.mkdir()
+    (outside / "keep").write_text("trainer's\n")
+    d = execd_factory("--workspace", str(ws))
+    # Links to a directory outside, at the top and deep down (past the fds held open).
+    r = d.exec(f"cd {ws} && ln -s {outside} top && for i in $(seq 80); do mkdir d && cd d "
+               f"|| exit 1; done; ln -s {outside} deep && ln -s ../../.. up", timeout=60)
+    assert r["exit_code"] == 0, r
+    r = d.post("/reset", {"workspace": True})
+    assert r.status_code == 200 and os.listdir(ws) == [], (r.status_code, r.text[:200])
+    assert (outside / "keep").read_text() == "trainer's\n"
+
+
 def test_refused_deep_archive_leaves_nothing(execd, tmp_path):
     target = tmp_path / "up"
     target.mkdir()
     data = tar_of(reg("/".join(["d"] * (DEEP + 300)) + "/f"))
     r = execd.client.post("/files/tree/write", params={"path": str(target)}, content=data,
                           headers={"X-Content-SHA256": "0" * 64})
-    assert r.status_code == 400 and os.listdir(target) == [], (r.status_code, r.text[:200])
+    # Refused on its name (over execd.TREE_DEPTH_MAX components) before the digest is known.
+    assert r.status_code == 422 and "deeper than" in r.text, (r.status_code, r.text[:200])
+    assert os.listdir(target) == []
 
 
-@pytest.mark.xfail(strict=True, reason="one member named d/d/.../f (4,000 levels, a 20 KB "
-                   "archive) grows execd's RSS quadratically: ~86 MiB, past the 32 MiB stated")
+def test_archive_at_the_depth_cap_with_a_bad_digest_leaves_nothing(execd, tmp_path):
+    target = tmp_path / "up"
+    target.mkdir()
+    deep = "/".join(["d"] * (execd_mod.TREE_DEPTH_MAX - 1))
+    data = tar_of(reg(deep + "/f"), reg(deep + "/g"), reg("top"))
+    r = execd.client.post("/files/tree/write", params={"path": str(target)}, content=data,
+                          headers={"X-Content-SHA256": "0" * 64})
+    assert r.status_code == 400 and "SHA-256 mismatch" in r.text, (r.status_code, r.text[:200])
+    assert os.listdir(target) == []
+
+
 def test_a_deep_member_name_does_not_grow_execd(execd, tmp_path):
     rest = execd.reset_hwm()
     data = tar_of(reg("/".join(["d"] * 4000) + "/f"))
@@ -146,16 +168,16 @@ def test_a_deep_member_name_does_not_grow_execd(execd, tmp_path):
     growth = execd.rss_hwm_kib() - rest
     # docs/execd.md: a 1 GiB upload grew execd's RSS by under 32 MiB.
     assert growth < 32 << 10, (r.status_code, growth)
+    assert r.status_code == 422 and "over 4096 bytes" in r.text, r.text[:200]
 
 
-@pytest.mark.xfail(strict=True, reason="a pax mtime of 1e300 is a 500 OverflowError, not a "
-                   "one-line 4xx naming the member")
 def test_absurd_pax_mtime_is_a_clear_refusal(execd, tmp_path):
     target = tmp_path / "up"
     data = tar_of(pax(reg("f"), {"mtime": "1e300"}))
     r = execd.client.post("/files/tree/write", params={"path": str(target)}, content=data,
                           headers={"X-Content-SHA256": sha(data)})
     assert r.status_code in (400, 422), (r.status_code, r.text)
+    assert "mtime" in r.text and "\n" not in r.json()["error"], r.text
     assert not target.exists()
 
 
