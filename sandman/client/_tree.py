@@ -11,7 +11,6 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
-import shutil
 import stat
 import tarfile
 import tempfile
@@ -25,6 +24,17 @@ LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's
 COPY_CHUNK = 1 << 20
 # A pax or GNU long-name header is read whole by tarfile: bounded here (execd's TREE_META_MAX).
 META_MAX = 1 << 20
+# A member's name: at most 4,096 bytes (PATH_MAX) and 256 components; a symlink's target at
+# most 4,096 bytes; an mtime finite and within +-2**34 s (execd's TREE_NAME_MAX,
+# TREE_DEPTH_MAX, TREE_MTIME_MAX). Anything else is refused (UnsafeArchive).
+NAME_MAX = 4096
+DEPTH_MAX = 256
+MTIME_MAX = 1 << 34
+# Modes from the sandbox are masked with this: rwxr-xr-x at most, so no download makes a local
+# file or directory group- or world-writable (the umask does not apply to fchmod), and no
+# sticky bit (setuid and setgid are refused).
+MODE_MASK = 0o755
+REMOVE_FDS = 32  # directory fds a staging dir's removal holds open at once
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 
 
@@ -121,9 +131,13 @@ def member_parts(name: str) -> list[str]:
         raise _refuse("empty name or NUL byte in a member name", name)
     if name.startswith("/"):
         raise _refuse("absolute member name", name)
+    if len(name.encode("utf-8", "surrogateescape")) > NAME_MAX:
+        raise _refuse(f"member name over {NAME_MAX} bytes", name)
     parts = [p for p in name.split("/") if p not in ("", ".")]
     if ".." in parts:
         raise _refuse("'..' in a member name", name)
+    if len(parts) > DEPTH_MAX:
+        raise _refuse(f"member name deeper than {DEPTH_MAX} components", name)
     return parts
 
 
@@ -218,7 +232,9 @@ def _extract(tar: tarfile.TarFile, stage_fd: int, stats: dict[str, int]
         key = "/".join(parts)
         if m.mode & (stat.S_ISUID | stat.S_ISGID):
             raise _refuse("setuid or setgid bit on a member", key)
-        mode = m.mode & 0o1777
+        if not -MTIME_MAX <= m.mtime <= MTIME_MAX:  # NaN fails too
+            raise _refuse(f"mtime {m.mtime!r} out of range (+-{MTIME_MAX} s)", key)
+        mode = m.mode & MODE_MASK
         made: list[tuple[str, ...]] = []
         if m.isdir():
             if kinds.get(key, "d") != "d":
@@ -263,6 +279,8 @@ def _extract(tar: tarfile.TarFile, stage_fd: int, stats: dict[str, int]
             elif kind == "l":
                 if not m.linkname or "\0" in m.linkname or m.linkname.startswith("/"):
                     raise _refuse("symlink leads outside the target", key)
+                if len(m.linkname.encode("utf-8", "surrogateescape")) > NAME_MAX:
+                    raise _refuse(f"symlink target over {NAME_MAX} bytes", key)
                 os.symlink(m.linkname, parts[-1], dir_fd=pfd)
                 links.append((parts, m.linkname))
             else:
@@ -365,16 +383,105 @@ def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
     finally:
         if stage_fd >= 0:
             os.close(stage_fd)
+        if stage is not None and target_fd >= 0:
+            remove_tree(target_fd, os.path.basename(stage))
         if target_fd >= 0:
             os.close(target_fd)
-        if stage is not None:
-            shutil.rmtree(stage, ignore_errors=True)
         for p in made_top:
             try:
                 os.rmdir(p)
             except OSError:
                 pass
     return stats
+
+
+def remove_tree(parent_fd: int, name: str) -> bool:
+    """Removes `name` in the directory open as parent_fd and everything below it (execd's
+    remove_tree): iterative, by fd, never through a symlink, at most REMOVE_FDS directory fds
+    held (a closed level is reopened as ".." of its child and must be the same directory).
+    What cannot be removed is skipped. Returns whether `name` is gone."""
+    try:
+        os.unlink(name, dir_fd=parent_fd)
+        return True
+    except FileNotFoundError:
+        return True
+    except OSError as e:
+        if e.errno not in (errno.EISDIR, errno.EPERM):
+            return False
+    # A level: fd (or -1), (dev, ino), its name in the level above, names skipped, to do.
+    fds: list[int] = []
+    ids: list[tuple[int, int]] = []
+    names: list[str] = []
+    skipped: list[set[str]] = []
+    todo: list[list[str] | None] = []
+
+    def push(fd: int, nm: str) -> None:
+        fds.append(fd)
+        st = os.fstat(fd)
+        ids.append((st.st_dev, st.st_ino))
+        names.append(nm)
+        skipped.append(set())
+        todo.append(None)
+
+    try:
+        push(os.dup(parent_fd), "")
+        try:
+            fd = os.open(name, _DIR_FLAGS, dir_fd=fds[0])
+        except OSError:
+            return False
+        push(fd, name)
+        while len(fds) > 1:
+            cur = fds[-1]
+            if not todo[-1]:  # listed again once done: what came meanwhile goes too
+                todo[-1] = [n for n in os.listdir(cur) if n not in skipped[-1]]
+            left = todo[-1]
+            if left:
+                n = left.pop()
+                try:
+                    os.unlink(n, dir_fd=cur)
+                    continue
+                except FileNotFoundError:
+                    continue
+                except OSError as e:
+                    if e.errno not in (errno.EISDIR, errno.EPERM):
+                        skipped[-1].add(n)
+                        continue
+                try:
+                    cfd = os.open(n, _DIR_FLAGS, dir_fd=cur)
+                except OSError:
+                    skipped[-1].add(n)
+                    continue
+                push(cfd, n)
+                held = [i for i in range(1, len(fds) - 1) if fds[i] >= 0]
+                if len(held) >= REMOVE_FDS:
+                    os.close(fds[held[0]])
+                    fds[held[0]] = -1
+                continue
+            if fds[-2] < 0:
+                fds[-2] = os.open("..", _DIR_FLAGS, dir_fd=cur)
+                st = os.fstat(fds[-2])
+                if (st.st_dev, st.st_ino) != ids[-2]:
+                    return False
+            nm = names[-1]
+            fds.pop()
+            ids.pop()
+            names.pop()
+            skipped.pop()
+            todo.pop()
+            os.close(cur)
+            try:
+                os.rmdir(nm, dir_fd=fds[-1])
+            except FileNotFoundError:
+                pass
+            except OSError:
+                skipped[-1].add(nm)
+        return name not in skipped[0]
+    except OSError:
+        return False
+    finally:
+        for fd in fds:
+            if fd >= 0:
+                os.close(fd)
 
 
 class Withheld:

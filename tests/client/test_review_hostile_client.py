@@ -9,11 +9,10 @@ from __future__ import annotations
 import os
 import stat
 
-import pytest
 from prometheus_client import REGISTRY
 
 from controller import events as E
-from sandman.client import TreeError, UnsafeArchive
+from sandman.client import TreeError, UnsafeArchive, _tree
 from tests.execd.tartrees import pax, reg, tar_of
 
 from .conftest import Execd, Flavor
@@ -25,9 +24,6 @@ GROUP_OTHER_WRITE = stat.S_IWGRP | stat.S_IWOTH | stat.S_ISVTX
 # ---------------------------------------------------------------- the agent, through a real execd
 
 
-@pytest.mark.xfail(strict=True, reason="download_tree applies the sandbox's modes as they are: "
-                   "the agent makes the trainer's local files and dirs world-writable (0777, "
-                   "0666, sticky), past the umask")
 def test_download_never_makes_local_files_world_writable(flavor: Flavor, execd: Execd,
                                                          tmp_path) -> None:
     remote, local = tmp_path / f"remote-{flavor.name}", tmp_path / f"local-{flavor.name}"
@@ -50,9 +46,6 @@ def test_download_never_makes_local_files_world_writable(flavor: Flavor, execd: 
 # ---------------------------------------------------------------- a hostile execd
 
 
-@pytest.mark.xfail(strict=True, reason="a deep archive refused by a later member makes the "
-                   "SDK's cleanup raise RecursionError (untyped) and leave .sandman-tree-* in "
-                   "local_dir")
 def test_refused_deep_download_is_typed_and_leaves_nothing(flavor: Flavor, hostile: Hostile,  # noqa: F811
                                                           tmp_path) -> None:
     local = tmp_path / "local"
@@ -72,8 +65,26 @@ def test_refused_deep_download_is_typed_and_leaves_nothing(flavor: Flavor, hosti
     assert os.listdir(local) == []
 
 
-@pytest.mark.xfail(strict=True, reason="a pax mtime of 1e300 from execd raises OverflowError "
-                   "out of download_tree instead of a typed UnsafeArchive/TreeError")
+def test_refused_download_at_the_depth_cap_leaves_nothing(flavor: Flavor, hostile: Hostile,  # noqa: F811
+                                                          tmp_path) -> None:
+    local = tmp_path / "local"
+    local.mkdir()
+    deep = "/".join(["d"] * (_tree.DEPTH_MAX - 1))
+    hostile.serve(tar_of(reg(deep + "/f"), reg(deep + "/g"), reg("../escape")))
+    raised: list[BaseException] = []
+
+    async def body():
+        async with connect_hostile(flavor, hostile) as sb:
+            try:
+                await sb.download_tree("/x", local)
+            except BaseException as e:  # noqa: BLE001 - the kind is what is checked
+                raised.append(e)
+
+    flavor.run(body)
+    assert raised and isinstance(raised[0], UnsafeArchive), repr(raised[:1])[:200]
+    assert os.listdir(local) == [] and not (tmp_path / "escape").exists()
+
+
 def test_absurd_mtime_from_execd_is_a_typed_error(flavor: Flavor, hostile: Hostile,  # noqa: F811
                                                  tmp_path) -> None:
     local = tmp_path / "local"
