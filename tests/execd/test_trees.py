@@ -292,3 +292,64 @@ def test_download_of_a_tree_changed_while_sent_is_cut(execd, tmp_path):
     assert execd.get("/health").status_code == 200
     r = execd.get(READ, params={"path": str(d)})  # and the tree as it is now goes whole
     assert r.status_code == 200 and r.content[-64:].decode() == sha(r.content[:-64])
+
+
+# ---------------------------------------------------------------- removing a tree, any depth
+
+
+@pytest.mark.parametrize("impl", ["execd", "sdk"])
+def test_remove_tree_goes_deep_and_never_follows_a_link(tmp_path, impl):
+    from execd import execd as execd_mod
+
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    (outside / "keep").write_text("x")
+    root = tmp_path / "root"
+    p = root / "t"
+    p.mkdir(parents=True)
+    for _ in range(1100):  # past the recursion limit and REMOVE_FDS
+        p = Path(os.path.join(p, "d"))
+        os.mkdir(p)
+    os.symlink(outside, os.path.join(p, "out"))
+    os.symlink("../../../..", os.path.join(p, "up"))
+    (root / "t" / "f").write_text("y")
+    fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        if impl == "execd":
+            gone = execd_mod.remove_tree(fd, "t", execd_mod.now() + 60)
+        else:
+            gone = _tree.remove_tree(fd, "t")
+    finally:
+        os.close(fd)
+    assert gone and os.listdir(root) == [] and (outside / "keep").read_text() == "x"
+
+
+def test_remove_tree_stops_at_its_deadline(tmp_path):
+    from execd import execd as execd_mod
+
+    (tmp_path / "t" / "a").mkdir(parents=True)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not execd_mod.remove_tree(fd, "t", execd_mod.now() - 1)
+    finally:
+        os.close(fd)
+    assert (tmp_path / "t" / "a").is_dir()
+
+
+def test_remove_tree_skips_what_it_cannot_remove(tmp_path):
+    from execd import execd as execd_mod
+
+    if os.geteuid() == 0:
+        pytest.skip("root removes a 0500 directory's entries anyway")
+    locked = tmp_path / "t" / "locked"
+    locked.mkdir(parents=True)
+    (locked / "f").write_text("x")
+    (tmp_path / "t" / "other").write_text("y")
+    locked.chmod(0o500)
+    fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        assert not execd_mod.remove_tree(fd, "t", execd_mod.now() + 10)
+    finally:
+        os.close(fd)
+        locked.chmod(0o700)
+    assert os.listdir(tmp_path / "t") == ["locked"]
