@@ -168,8 +168,13 @@ def sh_quote(data):
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
 
+TASK_SCAN_MAX = 64  # threads of a `Z` leader read for a live one
+
+
 def proc_stat(pid):
-    """(ppid, state, starttime ticks) or None when gone."""
+    """(ppid, state, starttime ticks) or None when gone. A leader that called exit(2) alone
+    reads `Z` while its other threads run (and write): it then gets a live thread's state, so
+    every process set counts it and SIGKILL to its pid ends the whole group."""
     try:
         with open("/proc/%d/stat" % pid, "rb") as f:
             data = f.read()
@@ -177,9 +182,35 @@ def proc_stat(pid):
         return None
     rest = data[data.rfind(b")") + 2:].split()
     try:
-        return int(rest[1]), rest[0].decode(), int(rest[19])
+        state = rest[0].decode()
+        if state == "Z":
+            state = _live_thread_state(pid) or state
+        return int(rest[1]), state, int(rest[19])
     except (IndexError, ValueError):
         return None
+
+
+def _live_thread_state(pid):
+    """The state of a thread of `pid` other than its leader that has not exited, or None.
+    Read for `Z` pids only, so a listing stays one read per process. Exited threads leave
+    /proc/PID/task at once unless traced; traced ones wait for their tracer, a sandbox process
+    killed in the same round, so reading the first TASK_SCAN_MAX entries is enough."""
+    try:
+        tids = os.listdir("/proc/%d/task" % pid)
+    except OSError:
+        return None
+    for tid in tids[:TASK_SCAN_MAX + 1]:
+        if tid == str(pid):
+            continue
+        try:
+            with open("/proc/%d/task/%s/stat" % (pid, tid), "rb") as f:
+                data = f.read()
+        except OSError:
+            continue  # exited meanwhile
+        state = data[data.rfind(b")") + 2:][:1].decode("ascii", "replace")
+        if state and state not in "ZXx":
+            return state
+    return None
 
 
 def proc_tag(pid):
