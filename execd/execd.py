@@ -92,6 +92,7 @@ READY_PROBE_PREFIX = ".sandman-ready-"  # /ready's write probe file where O_TMPF
 PIPE_SIZE = 1 << 20
 READ_SIZE = 1 << 20
 PR_SET_CHILD_SUBREAPER = 36
+PR_SET_DUMPABLE = 4
 _SHA256_HEX = re.compile(r"^[0-9a-f]{64}$")
 _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 _DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
@@ -798,7 +799,29 @@ class Daemon:
         self.ready = ReadyCheck(self)
         self.bg = Background(self)
         self.pty = Sessions(self)
+        # Set once make_undumpable() ran (main starts it once execd listens); a token is
+        # checked only after, so no holder's token is read into a dumpable execd.
+        self.undumpable = threading.Event()
         self.start_shell()
+
+    def make_undumpable(self):
+        """Clear execd's dumpable flag: /proc/<execd>/mem, /fd and /environ are then closed to
+        the sandbox's processes even under execd's own uid (a pod has no CAP_SYS_PTRACE), so a
+        process the agent leaves behind cannot read a holder's bearer token out of execd's
+        memory. Its children are dumpable again at their execve, as always. Off the start's
+        path (ctypes costs start CPU under the pod's quota); without ctypes (python3-minimal)
+        execd stays dumpable and says so."""
+        try:
+            import ctypes
+
+            libc = ctypes.CDLL(None, use_errno=True)
+            if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+                raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+        except (ImportError, OSError, AttributeError) as e:
+            sys.stderr.write("execd: stays dumpable (%s): the sandbox's processes can read its "
+                             "memory\n" % (e,))
+        finally:
+            self.undumpable.set()
 
     def _become_subreaper(self):
         if os.getpid() == 1:
@@ -4562,6 +4585,7 @@ class Handler(BaseHTTPRequestHandler):
         return obj
 
     def authorized(self):
+        self.daemon.undumpable.wait(5.0)
         want = self.daemon.args.token_sha256
         if want is None:
             return True
@@ -5003,6 +5027,7 @@ def main(argv=None, listen_socket=None):
     sys.stderr.write("execd %s listening on %s:%d (pid %d, %s)\n" % (
         VERSION, addr[0], addr[1], os.getpid(), daemon.subreaper or "no subreaper"))
     sys.stderr.flush()
+    threading.Thread(target=daemon.make_undumpable, daemon=True).start()
     try:
         srv.serve_forever(poll_interval=0.5)
     finally:

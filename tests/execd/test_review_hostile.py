@@ -355,9 +355,6 @@ print(b" ".join(sorted(found)).decode("ascii", "replace"))
 """
 
 
-@pytest.mark.xfail(strict=True, reason="execd stays dumpable: the agent (same uid and "
-                   "capabilities, no CAP_SYS_PTRACE, as in a default pod) reads /proc/<execd>/mem "
-                   "and finds the holder's bearer token in the request headers it keeps")
 def test_the_agent_cannot_read_the_token_out_of_execds_memory(execd_factory, tmp_path):
     import shutil
     import sys
