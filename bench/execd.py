@@ -328,8 +328,13 @@ def _listen_cpu_ms(argv: list[str], env: dict) -> float:
             raise RuntimeError(f"execd did not start: {line.strip()}")
         ns = 0
         for t in os.listdir(f"/proc/{proc.pid}/task"):
-            with open(f"/proc/{proc.pid}/task/{t}/schedstat") as f:
-                ns += int(f.read().split()[0])
+            try:
+                with open(f"/proc/{proc.pid}/task/{t}/schedstat") as f:
+                    ns += int(f.read().split()[0])
+            except FileNotFoundError:
+                # A thread that ended meanwhile: execd starts one once it listens (its
+                # dumpable flag), which is past what is measured here.
+                continue
         return ns / 1e6
     finally:
         proc.kill()

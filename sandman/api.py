@@ -125,7 +125,22 @@ class _Model:
     __dataclass_fields__: ClassVar[dict[str, Any]]
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        out: dict[str, Any] = _drop_late_defaults(asdict(self))
+        return out
+
+
+# Fields added to the bodies after their first release, with their defaults: left out of a
+# body at their default, so this SDK still talks to a controller that predates them (it
+# refuses unknown fields), and a body that does not use them reads as it always did.
+_LATE_FIELDS: dict[str, Any] = {"ephemeral_storage": None, "gpu": 0}
+
+
+def _drop_late_defaults(obj: Any) -> Any:
+    if isinstance(obj, dict):
+        return {k: _drop_late_defaults(v) for k, v in obj.items()
+                if not (k in _LATE_FIELDS and type(v) is type(_LATE_FIELDS[k])
+                        and v == _LATE_FIELDS[k])}
+    return obj
 
 
 def _check(ok: bool, message: str) -> None:

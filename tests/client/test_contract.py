@@ -119,6 +119,12 @@ def test_ephemeral_storage_and_gpu_are_appended_and_checked():
     spec = api.Spec("1", "1Gi", "/w", "allow", "grading")
     assert (spec.ephemeral_storage, spec.gpu) == (None, 0)
     assert list(api.Spec.__dataclass_fields__)[-2:] == ["ephemeral_storage", "gpu"]
+    # At their defaults they are left out of the body: a controller that predates them
+    # refuses unknown fields, and this SDK must still talk to it.
+    plain = api.AcquireRequest(image="i", job="j").to_json()
+    assert "ephemeral_storage" not in plain and "gpu" not in plain
+    prewarm = api.PrewarmRequest(image="i", count=1, spec=api.Spec()).to_json()
+    assert "gpu" not in prewarm["spec"] and "ephemeral_storage" not in prewarm["spec"]
     req = api.AcquireRequest(image="i", job="j", ephemeral_storage="10Gi", gpu=2)
     assert req.spec == api.Spec(ephemeral_storage="10Gi", gpu=2)
     assert req.to_json()["ephemeral_storage"] == "10Gi" and req.to_json()["gpu"] == 2
