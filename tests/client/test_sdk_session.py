@@ -83,7 +83,9 @@ def test_resize_signal_cursor_and_expect_timeout(flavor: Flavor, execd: Execd) -
                 await s.write("echo X$((40+2))\n")
                 out = await s.read(timeout=5)
                 assert isinstance(out, SessionOutput)
-                while b"X42" not in out.data:
+                # Until the prompt after the answer: the shell prints it a moment later, and a
+                # read then would not be empty.
+                while b"X42" not in out.data or not out.data.endswith(b"P$ "):
                     more = await s.read(timeout=5)
                     assert more.data, "no more output"
                     out = SessionOutput(out.data + more.data, out.start, more.end, 0, True,
