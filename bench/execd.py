@@ -331,7 +331,7 @@ def _listen_cpu_ms(argv: list[str], env: dict) -> float:
             try:
                 with open(f"/proc/{proc.pid}/task/{t}/schedstat") as f:
                     ns += int(f.read().split()[0])
-            except FileNotFoundError:
+            except (FileNotFoundError, ProcessLookupError):
                 # A thread that ended meanwhile: execd starts one once it listens (its
                 # dumpable flag), which is past what is measured here.
                 continue
