@@ -51,6 +51,7 @@ from tests.controller.windows_helpers import (
 REPEATS = int(os.environ.get("SANDMAN_WINDOW_REPEATS", "5"))
 PODS = r"/namespaces/[^/]+/pods$"
 POD_DELETE = r"/namespaces/[^/]+/pods/[^/]+$"
+CONFIGMAP_DELETE = r"/namespaces/[^/]+/configmaps/[^/]+$"
 UNSCHEDULABLE = ["--node-pool-label", "sandman.dev/node-pool=no-such-pool"]
 
 
@@ -297,6 +298,10 @@ def test_w09_second_and_third_cancel_while_the_cleanup_delete_is_held(window):
 
     def trial(i: int, mark: int) -> None:
         rule = w.proxy.add(Rule("DELETE", POD_DELETE, hold="before"))
+        # The drain also deletes the job's owner ConfigMap, whose pods the garbage collector
+        # then deletes: held too, so that delete dies with the controller like the pod's,
+        # instead of racing the kill on a busy machine and taking the pod before the restart.
+        owner = w.proxy.add(Rule("DELETE", CONFIGMAP_DELETE, hold="before"))
         w.proxy.watch_open.clear()
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         name = created_pod(w.proxy, mark, pred=lambda r: r.status == 201)
@@ -309,6 +314,7 @@ def test_w09_second_and_third_cancel_while_the_cleanup_delete_is_held(window):
         w.ctl.drain(job(i))
         w.ctl.kill()
         rule.release()
+        owner.release()
         wait_for(lambda: held.outcome, 5, "the dead controller's delete to be dropped")
         assert held.outcome == "client-gone" and held.upstream is None
         assert w.pod(name) is not None, "the pod went before the restart: window missed"
