@@ -42,6 +42,9 @@ LABEL_NODE_POOL_DEFAULT = f"{DOMAIN}/node-pool"
 # Annotations (free-form values).
 ANNOTATION_TOKEN_SHA256 = f"{DOMAIN}/token-sha256"  # SHA-256 hex of execd's token; never the token
 ANNOTATION_INGRESS_FROM = f"{DOMAIN}/ingress-from"  # "CIDR,...": callers allowed to reach execd
+# With egress=deny only: the destinations the pod may still reach, as sandman/egress.py renders
+# them (canonical entries joined by ","). The webhook turns it into netguard's --allow-egress.
+ANNOTATION_EGRESS_ALLOW = f"{DOMAIN}/egress-allow"
 ANNOTATION_CONTAINER = f"{DOMAIN}/container"  # names the sandbox container (default: the first)
 # A handed-out sandbox's lease (controller only): on the pod, so a restarted or new leader keeps
 # it. EXPIRES_AT is RFC 3339 UTC ("2026-01-02T03:04:05Z"); after it the controller deletes the
