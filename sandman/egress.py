@@ -20,11 +20,15 @@ from __future__ import annotations
 
 import ipaddress
 import re
-from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Union
 
-Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
+# Neither typing nor dataclasses at run time: netguard imports this module on a guarded pod's
+# start, whose CPU is budgeted (bench-netguard), and those two cost ~9 ms there.
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    from collections.abc import Iterable, Sequence
+    from typing import Union
+
+    Network = Union[ipaddress.IPv4Network, ipaddress.IPv6Network]
 
 TCP = "tcp"
 UDP = "udp"
@@ -73,16 +77,36 @@ _DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a namespace nam
 _SPACE = re.compile(r"\s")
 
 
-@dataclass(frozen=True)
 class Entry:
-    """One parsed entry. `text` is its canonical spelling."""
+    """One parsed entry (immutable). `text` is its canonical spelling."""
 
+    __slots__ = ("kind", "network", "name", "namespace", "port", "protocol")
     kind: str  # CIDR or SVC
     network: Network | None  # CIDR entries
     name: str | None  # SVC entries: the Service's name, or ANY in a ceiling
     namespace: str | None  # SVC entries
     port: int | None  # None: any port (ceilings only)
     protocol: str
+
+    def __init__(self, kind: str, network: Network | None, name: str | None,
+                 namespace: str | None, port: int | None, protocol: str) -> None:
+        for k, v in zip(self.__slots__, (kind, network, name, namespace, port, protocol)):
+            object.__setattr__(self, k, v)
+
+    def __setattr__(self, key: str, value: object) -> None:
+        raise AttributeError("Entry is immutable")
+
+    def _fields(self) -> tuple[object, ...]:
+        return (self.kind, self.network, self.name, self.namespace, self.port, self.protocol)
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Entry) and self._fields() == other._fields()
+
+    def __hash__(self) -> int:
+        return hash(self._fields())
+
+    def __repr__(self) -> str:
+        return f"Entry({self.text!r})"
 
     @property
     def text(self) -> str:
@@ -242,11 +266,17 @@ def is_canonical(value: str) -> bool:
         return False
 
 
-@dataclass(frozen=True)
 class Ceiling:
     """The admin's bound on every allowlist. Empty: no allowlist is admitted."""
 
-    entries: tuple[Entry, ...] = ()
+    __slots__ = ("entries",)
+    entries: tuple[Entry, ...]
+
+    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+        self.entries = tuple(entries)
+
+    def __repr__(self) -> str:
+        return f"Ceiling({[e.text for e in self.entries]!r})"
 
     @classmethod
     def parse(cls, items: str | Sequence[str]) -> Ceiling:
