@@ -16,7 +16,7 @@ import time
 from netguard import netinfo, verify, xtables
 from netguard.config import FAMILIES, IPV4, IPV6, Config, ConfigError
 from netguard.rules import LiveFilter, diff_live, render, ruleset_sha256, transaction
-from sandman.contract import NETGUARD_STATUS_PATH
+from sandman.contract import KUBERNETES_SERVICE_HOST_ENV, NETGUARD_STATUS_PATH
 
 STATUS_VERSION = 1
 
@@ -50,7 +50,13 @@ def _ruleset_args(p: argparse.ArgumentParser) -> None:
                    help="deny (default): only loopback, replies and --allow-egress leave")
     g.add_argument("--allow-egress", action="append", metavar="CIDR[:PORT[/tcp|udp]]",
                    help="allowed destination in deny mode (repeatable, or comma-separated); "
-                        "IPv6 with a port as [CIDR]:PORT; a port without /proto means tcp+udp")
+                        "IPv6 with a port as [CIDR]:PORT; a port without /proto means tcp+udp;"
+                        " svc/NAME.NAMESPACE:PORT[/tcp|udp]: a Service's addresses, resolved "
+                        "through this pod's DNS at apply time (fails closed if none)")
+    g.add_argument("--never-egress", action="append", metavar="CIDR",
+                   help="never reached even inside an --allow-egress entry (repeatable or "
+                        "comma-separated), besides the metadata and link-local ranges and the "
+                        "API server (KUBERNETES_SERVICE_HOST)")
     g.add_argument("--ingress-port", type=int, default=None,
                    help="the port inbound callers may reach (default: execd's)")
     g.add_argument("--ingress-from", action="append", metavar="CIDR",
@@ -65,8 +71,15 @@ def _ruleset_args(p: argparse.ArgumentParser) -> None:
 def _config(args: argparse.Namespace, gateways: list[str] | None = None) -> Config:
     """The Config of the command line; with --ingress-from-gateway, the gateways given, or
     (None) those of this netns's routing table."""
+    # The API server is read only for an allowlist: a guard without one renders as before.
+    api = os.environ.get(KUBERNETES_SERVICE_HOST_ENV, "").strip() if args.allow_egress else ""
     config = Config.from_strings(args.egress, args.allow_egress, args.ingress_port,
-                                 args.ingress_from, args.ingress_from_gateway)
+                                 args.ingress_from, args.ingress_from_gateway, None,
+                                 args.never_egress, [api] if api else None)
+    if config.allow_services:
+        from netguard import resolve  # sockets and threads for DNS: only with svc/ entries
+
+        config = config.with_services(resolve.services(config.allow_services))
     if config.ingress_from_gateway and gateways is None:
         gateways = netinfo.gateways()
     return config.with_gateways(gateways or [])
@@ -74,8 +87,8 @@ def _config(args: argparse.Namespace, gateways: list[str] | None = None) -> Conf
 
 def _given(args: argparse.Namespace) -> bool:
     return any(getattr(args, k) is not None
-               for k in ("egress", "allow_egress", "ingress_port", "ingress_from",
-                         "ingress_from_gateway"))
+               for k in ("egress", "allow_egress", "never_egress", "ingress_port",
+                         "ingress_from", "ingress_from_gateway"))
 
 
 class _Formatter(argparse.HelpFormatter):
@@ -303,7 +316,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
                 raise GuardError("read-back differs from the ruleset: " + "; ".join(problems))
             t = lap("readback", t)
             probes = verify.run(info.families, blocked, args.verify_timeout,
-                                info.has_ipv6_loopback)
+                                info.has_ipv6_loopback,
+                                verify.never_targets(config, info.families))
             status["probes"] = [p.to_dict() for p in probes]
             t = lap("verify", t)
             bad = [p for p in probes if not p.ok]

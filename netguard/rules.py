@@ -103,16 +103,24 @@ def chain_rules(config: Config, family: str) -> list[Rule]:
             rules += [Rule(out, f"{icmp6} {t}", f"allow ipv6 {name}", "ACCEPT")
                       for t, name in _ND_OUT]
         rules.append(Rule(out, "-m conntrack --ctstate INVALID", "drop invalid", "DROP"))
-        for a in config.allow_egress:
+        # Never ranges inside an allow entry (the API server inside 10.0.0.0/8, link-local
+        # inside 0.0.0.0/0): rejected before any allow rule can accept them.
+        for net in config.carve_outs(family):
+            rules += [
+                Rule(out, f"-d {net} -p tcp", f"never egress {net} (tcp reset)", _REJECT_TCP),
+                Rule(out, f"-d {net}", f"never egress {net}", _REJECT_OTHER[family]),
+            ]
+        for a in config.allow_egress + config.service_addresses:
             if a.family != family:
                 continue
             dest = _addr("-d", a.network)
+            what = f"allow egress {a.via} at {a}" if a.via else f"allow egress {a}"
             if a.port is None:
-                rules.append(Rule(out, dest.strip(), f"allow egress {a}", "ACCEPT"))
+                rules.append(Rule(out, dest.strip(), what, "ACCEPT"))
                 continue
             for proto in (a.proto,) if a.proto else ("tcp", "udp"):
                 rules.append(Rule(out, f"{dest}-p {proto} -m {proto} --dport {a.port}",
-                                  f"allow egress {a}", "ACCEPT"))
+                                  what, "ACCEPT"))
         lock = " (lockdown after a failed apply)" if config.lockdown else ""
         rules += [
             Rule(out, "-p tcp", f"egress denied (tcp reset){lock}", _REJECT_TCP),

@@ -103,8 +103,33 @@ def loopback_probe(host: str, timeout: float) -> Probe:
     return probe
 
 
+MAX_NEVER_PROBES = 16  # each answers at once when the carve-out is there
+
+
+def never_targets(config, families: tuple[str, ...]) -> list[tuple[str, int]]:
+    """One TCP target in each never range carved out of a tcp allow entry, on that entry's
+    port: without the carve-out the allow rule would accept it and the connect would leave
+    (and time out or connect), so the probe fails. Ranges a TCP connect cannot show are
+    skipped: the unspecified address (the kernel sends it to the pod itself) and IPv4-mapped
+    IPv6 (sent as IPv4, past the ip6tables rule)."""
+    out: list[tuple[str, int]] = []
+    for family in families:
+        for net in config.carve_outs(family):
+            addr = net.network_address
+            if addr.is_unspecified or (net.version == 6 and addr.ipv4_mapped is not None):
+                continue
+            host = addr + 1 if net.num_addresses > 2 else addr
+            port = next((a.port or METADATA_PORT for a in config.allow_egress
+                         if a.proto in (None, "tcp") and a.network.version == net.version
+                         and net.subnet_of(a.network)
+                         and net != a.network), None)
+            if port is not None and len(out) < MAX_NEVER_PROBES:
+                out.append((str(host), port))
+    return out
+
+
 def run(families: tuple[str, ...], blocked: list[tuple[str, int]], timeout: float,
-        ipv6_loopback: bool) -> list[Probe]:
+        ipv6_loopback: bool, never: list[tuple[str, int]] = ()) -> list[Probe]:
     probes = [loopback_probe("127.0.0.1", timeout)]
     if IPV6 in families and ipv6_loopback:
         probes.append(loopback_probe("::1", timeout))
@@ -118,4 +143,8 @@ def run(families: tuple[str, ...], blocked: list[tuple[str, int]], timeout: floa
             probes.append(connect_probe(host, port, timeout))
         else:
             probes.append(Probe(_fmt(host, port), "blocked", "family not guarded", 0))
+    for host, port in never:
+        p = connect_probe(host, port, timeout)
+        p.target = f"never {p.target}"
+        probes.append(p)
     return probes

@@ -68,6 +68,10 @@ EXECD_BASELINE_ENV = "SANDMAN_BASELINE"
 EXECD_BASELINE_SCOPE_ENV = "SANDMAN_BASELINE_SCOPE"
 BASELINE_SCOPES = ("listed", "root")
 
+# Set by the kubelet in every container: the API server's ClusterIP. netguard and the webhook
+# read it as an address no egress allowlist may reach.
+KUBERNETES_SERVICE_HOST_ENV = "KUBERNETES_SERVICE_HOST"
+
 # execd inside a sandbox.
 EXECD_PORT = 9470
 EXECD_DIR = "/sandman"

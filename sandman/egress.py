@@ -329,6 +329,11 @@ def never_ranges(extra: Iterable[Network] = ()) -> tuple[Network, ...]:
     return tuple(_never(extra))
 
 
+def never_reasons(extra: Iterable[Network] = ()) -> dict[Network, str]:
+    """never_ranges(extra), each with the reason a refusal names."""
+    return _never(extra)
+
+
 def _never(extra: Iterable[Network]) -> dict[Network, str]:
     out = dict(_NEVER_REASON)
     for n in extra:

@@ -18,7 +18,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 
 from netguard.cli import main
@@ -40,6 +40,13 @@ from sandman.contract import EXECD_PORT
 TESTDATA = Path(__file__).parent / "testdata"
 ROOT = Path(__file__).resolve().parents[2]
 UPDATE = os.environ.get("NETGUARD_UPDATE_GOLDEN") == "1"
+
+@pytest.fixture(autouse=True)
+def _no_api_server_env(monkeypatch):
+    """netguard reads the API server from the kubelet's env for an allowlist: none here, so the
+    golden files do not depend on where the tests run."""
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+
 
 # name -> `render` arguments. One case per behaviour a reviewer should be able to read.
 GOLDEN_CASES = {
@@ -116,9 +123,21 @@ def test_gateways_need_the_flag_and_are_single_addresses():
     assert render(none_found) == render(Config())  # nothing found admits nothing more
 
 
+# What the webhook renders for an allowlisted pod (canonical entries, the admin's never CIDRs),
+# with the Service resolved and the API server read as apply finds them in the pod.
+ALLOWLIST_CONFIG = Config.from_strings(
+    "deny", ["10.0.0.0/8:443/tcp", "[fd00:10::/64]:443/tcp", "svc/pypi-mirror.infra:3141/tcp"],
+    None, ["10.244.0.0/16"], None, None, ["10.100.0.0/16"], ["10.96.0.1"],
+).with_services({"svc/pypi-mirror.infra:3141/tcp": ["10.96.7.7", "fd00:96::7"]})
+
+
+def test_golden_allowlist():
+    _golden("allowlist", render(ALLOWLIST_CONFIG))
+
+
 def test_no_stray_golden_files():
     names = {p.stem for p in TESTDATA.glob("*.golden")}
-    assert names == set(GOLDEN_CASES) | {"lockdown", "ingress-from-gateway"}
+    assert names == set(GOLDEN_CASES) | {"lockdown", "ingress-from-gateway", "allowlist"}
 
 
 def test_module_entry_point_renders_the_same():
@@ -134,7 +153,7 @@ ALL_CONFIGS = [Config.from_strings(*a) for a in [
     (None, None, None, None),
     ("deny", ["10.0.0.0/8", "[fd00::/8]:53"], 9470, ["10.1.0.0/16", "fd00:1::/64"]),
     ("allow", None, None, ["10.1.0.0/16"]),
-]] + [Config().locked_down(), GATEWAY_CONFIG]
+]] + [Config().locked_down(), GATEWAY_CONFIG, ALLOWLIST_CONFIG]
 
 
 @pytest.mark.parametrize("cfg", ALL_CONFIGS, ids=lambda c: c.egress + ("-lock" * c.lockdown))
@@ -341,6 +360,7 @@ def test_docs_table_lists_every_rule():
         for family in (IPV4, IPV6):
             for r in chain_rules(cfg, family):
                 c = re.sub(r"^allow egress .*", "allow egress <entry>", r.comment)
+                c = re.sub(r"^never egress \S+", "never egress <range>", c)
                 c = re.sub(r"^allow port \d+ from gateway .*",
                            "allow port <port> from gateway <address>", c)
                 comments.add(re.sub(r"^allow port \d+ from .*", "allow port <port> from <source>",
@@ -367,7 +387,11 @@ _allows = st.builds(lambda n, port, proto: EgressAllow(n, port, proto if port el
 @given(allows=st.lists(_allows, max_size=5), sources=st.lists(_nets, max_size=4),
        port=st.integers(1, 65535))
 def test_any_options_render_a_guarded_ruleset(allows, sources, port):
-    cfg = Config(allow_egress=tuple(allows), ingress_port=port, ingress_from=tuple(sources))
+    try:
+        cfg = Config(allow_egress=tuple(allows), ingress_port=port, ingress_from=tuple(sources))
+    except ConfigError as e:  # an entry inside a never range (fe80::/64, ::/128): refused
+        assert "inside never range" in str(e)
+        assume(False)
     assert Config.from_dict(cfg.to_dict()) == cfg  # the status file round-trips
     for family in (IPV4, IPV6):
         rules = chain_rules(cfg, family)
@@ -416,3 +440,120 @@ def test_split_words_on_what_iptables_save_prints():
                 split_words(line)
             continue
         assert split_words(line) == want
+
+
+# ------------------------------------------------------------------ allowlists (sandman/egress.py)
+
+
+def _out_comments(cfg: Config, family: str) -> list[str]:
+    return [r.comment for r in chain_rules(cfg, family) if r.chain == CHAIN_OUT]
+
+
+def test_never_ranges_are_carved_out_before_any_allow_rule():
+    wide = Config.from_strings(allow_egress=["0.0.0.0/0:443/tcp", "[::/0]:443/tcp"])
+    for cfg, family in ((ALLOWLIST_CONFIG, IPV4), (wide, IPV4), (wide, IPV6)):
+        comments = _out_comments(cfg, family)
+        nevers = [i for i, c in enumerate(comments) if c.startswith("never egress")]
+        allows = [i for i, c in enumerate(comments) if c.startswith("allow egress")]
+        assert nevers and allows and max(nevers) < min(allows), comments
+    v4 = _out_comments(ALLOWLIST_CONFIG, IPV4)
+    # The API server and the admin's range inside 10.0.0.0/8; nothing outside any entry.
+    assert [c for c in v4 if c.startswith("never egress") and "tcp reset" not in c] == [
+        "never egress 10.96.0.1/32", "never egress 10.100.0.0/16"]
+    assert "allow egress svc/pypi-mirror.infra:3141/tcp at 10.96.7.7/32:3141/tcp" in v4
+    v6 = _out_comments(ALLOWLIST_CONFIG, IPV6)
+    assert "allow egress svc/pypi-mirror.infra:3141/tcp at [fd00:96::7/128]:3141/tcp" in v6
+    assert not any(c.startswith("never egress") for c in _out_comments(
+        Config.from_strings(allow_egress=["10.96.0.10:53"], api_server=["10.96.0.1"]), IPV4))
+    # A wide entry gets the built-in ranges carved out of it (the NAT64 images in IPv6).
+    assert ipaddress.ip_network("169.254.0.0/16") in wide.carve_outs(IPV4)
+    assert ipaddress.ip_network("64:ff9b::a9fe:0/112") in wide.carve_outs(IPV6)
+
+
+@pytest.mark.parametrize("allow,never,api,why", [
+    (["169.254.169.254/32:80"], None, None, "link-local/metadata"),
+    (["169.254.0.0/16"], None, None, "link-local/metadata"),
+    (["[fe80::1]:80"], None, None, "link-local"),
+    (["10.96.0.1:443"], None, ["10.96.0.1"], "the API server"),
+    (["10.100.3.0/24:443/tcp"], ["10.100.0.0/16"], None, "--never-egress"),
+    (["[64:ff9b::a9fe:a9fe]:80"], None, None, "NAT64"),
+])
+def test_an_allow_entry_inside_a_never_range_is_refused(allow, never, api, why):
+    with pytest.raises(ConfigError, match="inside never range") as e:
+        Config.from_strings(allow_egress=allow, never_egress=never, api_server=api)
+    assert why in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("addresses,why", [
+    (["10.96.0.1"], "API server"),  # a Service that is the API server's ClusterIP
+    (["10.96.7.7", "169.254.169.254"], "link-local/metadata"),  # one bad address is enough
+    (["10.100.0.5"], "API server or sandbox.egressNever"),
+    (["fd00:ec2::254"], "metadata"),
+])
+def test_a_service_resolving_into_a_never_range_is_refused(addresses, why):
+    cfg = Config.from_strings(allow_egress=["svc/a.b:80"], never_egress=["10.100.0.0/16"],
+                              api_server=["10.96.0.1"])
+    with pytest.raises(ConfigError, match="refused: address") as e:
+        cfg.with_services({"svc/a.b:80/tcp": addresses})
+    assert why in str(e.value)
+
+
+def test_service_entries_are_canonical_and_bounded():
+    cfg = Config.from_strings(allow_egress=["svc/b.ns:80", "svc/a.ns:53/udp,svc/b.ns:80/tcp"])
+    assert cfg.allow_services == ("svc/a.ns:53/udp", "svc/b.ns:80/tcp")
+    for bad in ("svc/a:80", "svc/a.b", "svc/a.b.c:80", "svc/*.b:80", "svc/a.b:0", "svc/A.b:80"):
+        with pytest.raises(ConfigError, match="--allow-egress: egress entry"):
+            Config.from_strings(allow_egress=[bad])
+    with pytest.raises(ConfigError, match="more than 32"):
+        Config.from_strings(allow_egress=[f"svc/s{i}.ns:80" for i in range(33)])
+    with pytest.raises(ConfigError, match="only makes sense with --egress deny"):
+        Config.from_strings("allow", ["svc/a.b:80"])
+    with pytest.raises(ConfigError, match="only makes sense with --egress deny"):
+        Config.from_strings("allow", None, never_egress=["10.0.0.0/8"])
+    with pytest.raises(ConfigError, match="one address"):
+        Config.from_strings(allow_egress=["10.0.0.0/8:1"], api_server=["10.96.0.0/12"])
+    with pytest.raises(ConfigError, match="--never-egress not a CIDR"):
+        Config.from_strings(never_egress=["nope"])
+    # The resolved addresses round-trip through the status file as recorded, not re-resolved.
+    assert Config.from_dict(ALLOWLIST_CONFIG.to_dict()) == ALLOWLIST_CONFIG
+    # A guard without an allowlist records exactly the options it recorded before.
+    assert set(Config().to_dict()) == {"egress", "allow_egress", "ingress_port", "ingress_from",
+                                       "ingress_from_gateway", "ingress_gateways"}
+
+
+def test_the_api_server_is_read_from_the_env_only_for_an_allowlist(monkeypatch):
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    assert render_cli([]) == (TESTDATA / "deny-default.golden").read_text()
+    out = render_cli(["--allow-egress", "10.0.0.0/8:443/tcp", "--family", "ipv4"])
+    assert '"sandman: never egress 10.96.0.1/32"' in out
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.0/12")
+    assert main(["render", "--allow-egress", "10.0.0.0/8:443/tcp"]) == 1  # one address only
+
+
+def test_cluster_domain_comes_from_the_search_list(tmp_path):
+    from netguard import resolve
+
+    conf = tmp_path / "resolv.conf"
+    conf.write_text("nameserver 10.96.0.10\nsearch ns1.svc.corp.example svc.corp.example "
+                    "corp.example\noptions ndots:5\n")
+    assert resolve.cluster_domain(str(conf)) == "corp.example"
+    conf.write_text("nameserver 10.96.0.10\nsearch example.com\n")
+    with pytest.raises(ConfigError, match="no svc.<cluster domain>"):
+        resolve.cluster_domain(str(conf))
+    with pytest.raises(ConfigError, match="cannot read"):
+        resolve.cluster_domain(str(tmp_path / "absent"))
+
+
+def test_self_verify_probes_one_address_of_each_carve_out_on_a_tcp_entrys_port():
+    from netguard.verify import never_targets
+
+    cfg = Config.from_strings(allow_egress=["10.0.0.0/8:443/tcp", "0.0.0.0/0:53/udp",
+                                            "[::/0]:8443"], never_egress=["10.100.0.0/16"],
+                              api_server=["10.96.0.1"])
+    got = never_targets(cfg, (IPV4, IPV6))
+    # udp-only 0.0.0.0/0 shows nothing over TCP; 0.0.0.0 and ::ffff:0:0/96 a connect cannot show.
+    assert ("10.96.0.1", 443) in got and ("10.100.0.1", 443) in got
+    assert all(h != "0.0.0.0" and not h.startswith("169.254.") for h, _ in got)
+    assert ("fe80::1", 8443) in got and ("fd00:ec2::254", 8443) in got
+    assert not any(h.startswith("::ffff:") or h == "::" for h, _ in got)
+    assert never_targets(cfg, (IPV4,)) == [t for t in got if ":" not in t[0]]

@@ -34,8 +34,8 @@ def test_defaults_positional_keyword_and_bad_arguments():
         EgressAllow(net, host="x")
     with pytest.raises(TypeError, match="multiple values for argument 'network'"):
         EgressAllow(net, network=net)
-    with pytest.raises(TypeError, match="at most 3 positional"):
-        EgressAllow(net, 53, "udp", "extra")
+    with pytest.raises(TypeError, match="at most 4 positional"):
+        EgressAllow(net, 53, "udp", "svc/a.b:53/udp", "extra")
 
 
 def test_hash_and_equality_follow_the_compared_fields():
@@ -69,6 +69,28 @@ def test_hot_path_imports_neither_dataclasses_nor_hashlib():
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
                          timeout=60, cwd=Path(__file__).resolve().parents[2]).stdout.strip()
     assert out == "[]"
+
+
+def _loaded_after(args: list[str], modules: tuple[str, ...]) -> list[str]:
+    """Which of `modules` are imported once the guard's Config is built from `args` as apply
+    builds it (netguard.cli._config; no resolver is asked: no svc/ entry reaches it)."""
+    code = ("import sys, netguard.cli as c\n"
+            f"a = c.build_parser().parse_args(['apply', *{args!r}])\n"
+            "c._config(a, gateways=[])\n"
+            f"print(sorted(m for m in {modules!r} if m in sys.modules))")
+    return eval(subprocess.run([sys.executable, "-S", "-c", code], capture_output=True,
+                               text=True, check=True, timeout=60,
+                               cwd=Path(__file__).resolve().parents[2]).stdout)
+
+
+def test_a_guard_without_an_allowlist_imports_no_allowlist_code():
+    """The allowlist's parser and the Service resolver cost nothing on a plain guard's start
+    (bench-netguard's CPU budget), and the resolver nothing on a CIDR-only allowlist's."""
+    mods = ("sandman.egress", "netguard.resolve", "typing", "dataclasses")
+    assert _loaded_after(["--egress", "deny", "--ingress-from", "10.0.0.0/8"], mods) == []
+    assert _loaded_after(["--egress", "allow"], mods) == []
+    assert _loaded_after(["--allow-egress", "10.0.0.0/8:443/tcp", "--never-egress",
+                          "10.1.0.0/16"], mods) == ["sandman.egress"]
 
 
 def test_utc_now_spells_time_as_datetime_does():

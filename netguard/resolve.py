@@ -1,0 +1,77 @@
+"""`svc/NAME.NAMESPACE:PORT` entries to addresses, at apply time, through the pod's resolver.
+
+Imported only when an `--allow-egress` entry names a Service: a guard without one never loads
+it (its threads, and the resolver's libraries, are CPU on every guarded start).
+
+The name asked is `NAME.NAMESPACE.svc.<cluster domain>.` (absolute: no search-list walk, so
+no other domain's answer), the cluster domain read from the `svc.<domain>` entry the kubelet
+writes into every pod's resolv.conf search list. Every A and AAAA answer is allowed; a name
+without an answer, or not answered within TIMEOUT, fails the apply closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+
+from netguard.config import ConfigError
+
+RESOLV_CONF = "/etc/resolv.conf"
+# All names together: the kubelet's default resolv.conf (timeout 5 s, 2 attempts) could take
+# 10 s per name and server; the init container must fail fast instead.
+TIMEOUT = 5.0
+
+
+def cluster_domain(path: str = RESOLV_CONF) -> str:
+    """The cluster domain (`cluster.local`) from resolv.conf's search list."""
+    try:
+        with open(path) as f:
+            lines = f.read(65536).splitlines()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path} for the cluster domain: {e.strerror}") from None
+    search: list[str] = []
+    for line in lines:
+        words = line.split()
+        if words and words[0] in ("search", "domain"):
+            search = words[1:]  # the last one wins, as in the resolver
+    for domain in search:
+        if domain.startswith("svc.") and len(domain) > 4:
+            return domain[4:].rstrip(".")
+    raise ConfigError(f"no svc.<cluster domain> in {path}'s search list: cannot resolve "
+                      "svc/ entries outside a Kubernetes pod")
+
+
+def services(entries: tuple[str, ...], timeout: float = TIMEOUT,
+             path: str = RESOLV_CONF) -> dict[str, list[str]]:
+    """Canonical `svc/NAME.NS:PORT/PROTO` entry -> its addresses (sorted); ConfigError (one
+    line) when any has none or the resolver does not answer in time."""
+    domain = cluster_domain(path)
+    names = {e: f"{e[4:].rpartition(':')[0]}.svc.{domain}." for e in entries}
+    results: dict[str, list[str] | str] = {}
+
+    def lookup(entry: str, name: str) -> None:
+        try:
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
+            results[entry] = sorted({str(i[4][0]) for i in infos})
+        except OSError as e:
+            results[entry] = str(e.strerror or e)
+
+    threads = [threading.Thread(target=lookup, args=(e, n), daemon=True)
+               for e, n in names.items()]
+    for t in threads:
+        t.start()
+    deadline = time.monotonic() + timeout
+    for t in threads:
+        t.join(max(0.0, deadline - time.monotonic()))
+    out: dict[str, list[str]] = {}
+    for entry, name in names.items():
+        got = results.get(entry)
+        if got is None:
+            raise ConfigError(f"--allow-egress {entry!r}: {name} did not resolve within "
+                              f"{timeout:g} s")
+        if isinstance(got, str) or not got:
+            raise ConfigError(f"--allow-egress {entry!r}: {name} does not resolve "
+                              f"({got or 'no address'})")
+        out[entry] = got
+    return out
