@@ -21,6 +21,7 @@ from controller.forward import ForwardToLeader
 from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
 from controller.pacer import Limits
+from controller.prepull import check_images
 from controller.routes import build_app
 from controller.settings import Settings, load_pod_template
 from sandman import contract, logs
@@ -140,6 +141,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="a secret of at least 16 bytes (a mounted Secret): the controller marks "
                         "each pod it creates with its HMAC, and adopts on a restart only pods "
                         "whose mark checks out (docs/controller.md); shared by the replicas")
+    s.add_argument("--prepull-image", action="append", default=[], metavar="REF@sha256:HEX",
+                   help="an image, pinned by digest, pulled onto every node of the sandbox "
+                        "node pool at start and onto nodes that join it (repeatable; "
+                        "docs/controller.md \"Pre-pull\")")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -221,6 +226,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         max_reuse=args.max_reuse,
         baseline_scope=args.baseline_scope,
         books_key=_read_key(args.books_key_file),
+        prepull_images=tuple(check_images(args.prepull_image, "--prepull-image")),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

@@ -37,6 +37,8 @@ UPDATE = "update"  # renew: moves a sandbox's expiry
 # Admin operations: subresources checked at cluster scope (namespace ""), which only a
 # ClusterRoleBinding grants: prewarm makes pods no tenant owns, stats shows every tenant.
 PREWARM_SUB, STATS_SUB = "prewarm", "stats"
+# The image pre-pull: create (POST /v1/images) pulls onto every node, get reads the progress.
+IMAGES_SUB = "images"
 CLUSTER = ""
 DEFAULT_AUDIENCE = "sandman"
 SA_PREFIX = "system:serviceaccount:"

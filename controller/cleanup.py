@@ -6,6 +6,7 @@ left them behind:
 - the sandbox pods the controller created (label `app.kubernetes.io/managed-by=
   sandman-controller`, sandman/contract.py) and its per-job owner ConfigMaps (same label), in
   the sandbox namespace;
+- the image pre-pull's puller pods (label `sandman.dev/prepull`), in the sandbox namespace;
 - the controller's leader Lease (by name) in the sandbox namespace;
 - the `helm test` pod (by name) in the release namespace: its hook policy keeps it until the
   next `helm test` so a failed run's logs can be read.
@@ -27,9 +28,10 @@ import time
 from kubernetes import client, config
 from kubernetes.client.rest import ApiException
 
-from sandman.contract import LABEL_MANAGED_BY, MANAGED_BY_CONTROLLER
+from sandman.contract import LABEL_MANAGED_BY, LABEL_PREPULL, MANAGED_BY_CONTROLLER
 
 MANAGED = f"{LABEL_MANAGED_BY}={MANAGED_BY_CONTROLLER}"
+PULLERS = LABEL_PREPULL  # every pod carrying the label (controller/prepull.py)
 POLL = 1.0
 
 
@@ -97,13 +99,16 @@ class Cleanup:
         ns, rns = self.a.namespace, self.a.release_namespace
         # 1. Nothing may recreate what follows: the release's controllers are gone.
         self._wait("controller pods", lambda: self._pods(rns, self.a.controller_selector))
-        done = {"pods": 0, "configmaps": 0, "lease": 0, "test pod": 0}
+        done = {"pods": 0, "pullers": 0, "configmaps": 0, "lease": 0, "test pod": 0}
         # 2. Delete, one call per kind however many there are (a pool can hold thousands).
         # The ConfigMaps own their job's pods (the GC would remove those too); the pods are
         # deleted directly as well, so no owner-less or caller-owned one stays.
         done["pods"] = len(self._pods(ns, MANAGED))
         if done["pods"]:
             self.core.delete_collection_namespaced_pod(ns, label_selector=MANAGED)
+        done["pullers"] = len(self._pods(ns, PULLERS))
+        if done["pullers"]:
+            self.core.delete_collection_namespaced_pod(ns, label_selector=PULLERS)
         done["configmaps"] = len(self.core.list_namespaced_config_map(
             ns, label_selector=MANAGED).items)
         if done["configmaps"]:
@@ -113,7 +118,7 @@ class Cleanup:
             done["test pod"] += not _gone(self.core.delete_namespaced_pod, self.a.test_pod, rns)
         # 3. Bounded wait until the pods have really gone (their grace periods).
         self._wait("pods", lambda: [f"{ns}/{n}" for n in self._pods(ns, MANAGED)]
-                   + self._test_pod())
+                   + [f"{ns}/{n}" for n in self._pods(ns, PULLERS)] + self._test_pod())
         return done
 
 

@@ -46,6 +46,7 @@ from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
 from controller.pods import SandboxSpec
+from controller.prepull import Prepuller
 from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
@@ -74,6 +75,7 @@ class Controller:
                                settings, self._spawn)
         self.informer: Informer | None = None
         self.signals = CapacitySignals(settings.namespace)
+        self.prepull = Prepuller(kube, self.pacer, settings)
         self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
@@ -104,8 +106,10 @@ class Controller:
             _, late = await asyncio.wait(waits, timeout=30)
             for t in late:
                 t.cancel()
+        self.prepull.add(list(self.s.prepull_images), pinned=True)
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
-                    loop.create_task(self.sweeper.loop(), name="sweep")]
+                    loop.create_task(self.sweeper.loop(), name="sweep"),
+                    loop.create_task(self.prepull.run(), name="prepull")]
         self.ready = True
 
     async def stop(self) -> None:
@@ -344,6 +348,9 @@ class Controller:
             metrics.acquired("failed", False)
             raise
         metrics.acquired("ok", False, time.monotonic() - t0)
+        pull = self.signals.pull_seconds(e.uid)
+        if pull is not None:  # the kubelet pulled the image for this pod (its Pulled event)
+            result["timings"]["pull_ms"] = round(pull * 1000, 1)
         return result
 
     async def check_owner(self, owner: dict) -> None:

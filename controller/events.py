@@ -128,6 +128,8 @@ class CapacitySignals:
         self.seen_other = Seen(seen_cap)
         self.own_cap = own_cap
         self._own: OrderedDict[str, str] = OrderedDict()  # pod uid -> role
+        # pod uid -> the pull its kubelet reported, for the acquire's timings (bounded alike)
+        self._pulls: OrderedDict[str, float] = OrderedDict()
 
     def remember(self, pod_uid: str, role: str) -> None:
         """A pod this controller created (or adopted from its books) has this uid."""
@@ -135,6 +137,11 @@ class CapacitySignals:
         self._own[pod_uid] = role
         while len(self._own) > self.own_cap:
             self._own.popitem(last=False)
+
+    def pull_seconds(self, pod_uid: str | None) -> float | None:
+        """The pull this pod's kubelet reported (None: the image was present, or no Pulled
+        event seen yet)."""
+        return self._pulls.get(pod_uid) if pod_uid else None
 
     def is_own(self, ev: dict) -> bool:
         return (ev.get("kind") == "Pod" and ev.get("namespace") == self.ns
@@ -168,6 +175,9 @@ class CapacitySignals:
             secs = pull_seconds(ev.get("message"))
             if secs is not None:
                 metrics.IMAGE_PULL_SECONDS.observe(secs)
+                self._pulls[ev["pod_uid"]] = secs
+                while len(self._pulls) > self.own_cap:
+                    self._pulls.popitem(last=False)
 
 
 class EventWatch:

@@ -75,6 +75,10 @@ class Kube(Protocol):
 
     async def list_pods(self, selector: str) -> list[dict]: ...
 
+    async def list_nodes(self, selector: str) -> list[dict]:
+        """Nodes matching a label selector (the image pre-pull's node pool)."""
+        ...
+
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         """The pod's last events as one line each; [] when they cannot be read."""
         ...
@@ -143,6 +147,9 @@ class KubeClient:
     async def list_pods(self, selector: str) -> list[dict]:
         return (await self._raw(self.core.list_namespaced_pod, self.ns,
                                 label_selector=selector))["items"]
+
+    async def list_nodes(self, selector: str) -> list[dict]:
+        return (await self._raw(self.core.list_node, label_selector=selector))["items"]
 
     async def create_config_map(self, body: dict) -> dict:
         return await self._raw(self.core.create_namespaced_config_map, self.ns, body)

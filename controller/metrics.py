@@ -126,6 +126,17 @@ POD_ADDRESS_FAILURES = Counter(
     "other pod of the cluster)", ["scope"])
 for _s in FAILURE_SCOPES:
     POD_ADDRESS_FAILURES.labels(_s)
+# Image pre-pull (controller/prepull.py): one per (node, image) puller with an outcome, and
+# the pairs still waiting for one (the progress; GET /v1/images has it per image).
+PREPULL_RESULTS = ("pulled", "failed")
+IMAGES_PREPULLED = Counter(
+    "sandman_controller_images_prepulled_total",
+    "Image pre-pulls onto a node by result: pulled (the node has the image), failed (the "
+    "kubelet could not pull it, or no outcome by the puller's deadline)", ["result"])
+for _r in PREPULL_RESULTS:
+    IMAGES_PREPULLED.labels(_r)
+PREPULL_PENDING = Gauge("sandman_controller_images_prepull_pending",
+                        "(node, image) pre-pulls not finished yet")
 BUILD_INFO = buildinfo.register("controller")
 
 
@@ -201,3 +212,7 @@ def create_to_ready(role: str, seconds: float) -> None:
 
 def pod_address_failures(scope: str, n: int = 1) -> None:
     POD_ADDRESS_FAILURES.labels(bounded(scope, FAILURE_SCOPES)).inc(n)
+
+
+def prepulled(result: str) -> None:
+    IMAGES_PREPULLED.labels(bounded(result, PREPULL_RESULTS, "failed")).inc()

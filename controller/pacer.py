@@ -16,6 +16,9 @@ The order in which waiters are granted (each grant also needs a token and every 
    (default weight 1): a tenant that spreads its acquires over many job names gets no more.
 3. Job, within the tenant: round robin.
 A waiter whose tenant or job is at a cap is passed over, never blocks the others.
+
+A third queue, PREPULL (the image pre-pull's pullers, controller/prepull.py), is granted only
+when no grading or rollout waiter can be: a pre-pull never delays an acquire.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from sandman.contract import ROLE_AGENT, ROLE_GRADING
 
 # While rollouts wait, at most this many grading grants in a row (then one rollout).
 GRADING_RUN = 4
+# The pacer's own role for the image pre-pull's pullers: never a sandbox's role.
+ROLE_PREPULL = "prepull"
 
 
 class QueueFull(Exception):
@@ -147,7 +152,7 @@ class Pacer:
         self._tokens = float(limits.burst)
         self._last = clock()
         self.rate = limits.rate  # current rate; lowered by back-off, recovers toward limits.rate
-        self._roles = {ROLE_GRADING: _Role(), ROLE_AGENT: _Role()}
+        self._roles = {ROLE_GRADING: _Role(), ROLE_AGENT: _Role(), ROLE_PREPULL: _Role()}
         self._grading_run = 0  # grading grants in a row while rollouts waited
         self.creating = 0
         self.live = 0
@@ -181,7 +186,7 @@ class Pacer:
             raise ValueError(f"role must be one of {', '.join(self._roles)}, not {role!r}")
         tenant = self._tenant_of(job)
         self._refill()
-        if not wait and not (self._queue_empty() and self._can_grant(job, tenant)
+        if not wait and not (self._queue_empty(ahead_of=role) and self._can_grant(job, tenant)
                              and self._tokens >= 1):
             raise QueueFull(self._why_not(job, tenant))
         fut = asyncio.get_running_loop().create_future()
@@ -251,8 +256,12 @@ class Pacer:
         return out
 
     # -- internals -----------------------------------------------------------------------------
-    def _queue_empty(self) -> bool:
-        return not any(w for r in self._roles.values() for jobs in r.jobs.values()
+    def _queue_empty(self, ahead_of: str | None = None) -> bool:
+        """No waiter at all; with `ahead_of`, none that goes before that role's (a sandbox's
+        wait=False acquire does not queue behind pre-pulls)."""
+        roles = [r for name, r in self._roles.items()
+                 if ahead_of is None or ahead_of == ROLE_PREPULL or name != ROLE_PREPULL]
+        return not any(w for r in roles for jobs in r.jobs.values()
                        for q in jobs.values() for w in q if not w.fut.done())
 
     def _why_not(self, job: str, tenant: str) -> str:
@@ -270,7 +279,7 @@ class Pacer:
             return f"job {job} at its live-pod cap ({lim.job_max_live})"
         if lim.job_max_creating and self.job_creating[job] >= lim.job_max_creating:
             return f"job {job} at its concurrent-create cap ({lim.job_max_creating})"
-        if not self._queue_empty():
+        if not self._queue_empty(ahead_of=ROLE_AGENT):
             return "other creates are queued"
         return f"create rate limit ({self.rate:g}/s) reached"
 
@@ -326,11 +335,14 @@ class Pacer:
     def _grant_one(self) -> bool:
         """Grant one waiter in the order the module's docstring states."""
         grading, agent = self._roles[ROLE_GRADING], self._roles[ROLE_AGENT]
+        prepull = self._roles[ROLE_PREPULL]
         grading.prune()
         agent.prune()
+        prepull.prune()
         order = [grading, agent]
         if self._grading_run >= GRADING_RUN and agent.jobs:
             order.reverse()  # the rollouts' turn
+        order.append(prepull)
         for r in order:
             picked = self._pick(r)
             if picked is None:
@@ -341,7 +353,7 @@ class Pacer:
             jobs.move_to_end(job)  # round robin among the tenant's jobs
             if r is grading:
                 self._grading_run = self._grading_run + 1 if agent.jobs else 0
-            else:
+            elif r is agent:
                 self._grading_run = 0
             self._tokens -= 1
             self.creating += 1

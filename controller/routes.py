@@ -233,6 +233,21 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()
 
+    @app.post(api.PREPULL.path)
+    async def prepull(body: api.PrepullRequest, request: Request):
+        """Admin: pods on every node of the pool, made by no tenant (cluster-wide create)."""
+        who = await caller(request)
+        await auth.require(who, A.CREATE, A.CLUSTER, A.IMAGES_SUB)
+        c = ctl()
+        c.prepull.add(body.images)
+        return c.prepull.status().to_json()
+
+    @app.get(api.IMAGES.path)
+    async def images(request: Request):
+        who = await caller(request)
+        await auth.require(who, A.GET, A.CLUSTER, A.IMAGES_SUB)
+        return ctl().prepull.status().to_json()
+
     @app.post(api.DRAIN.path)
     async def drain(job: str, request: Request, namespace: str | None = None):
         """The job of the caller's tenant (or of `namespace`): never another tenant's."""

@@ -127,6 +127,9 @@ class Settings:
     # --books-key-file: pods must carry its proof (create.proof) to enter the books; None:
     # the sandbox and managed-by labels alone (then the books policy must guard the labels).
     books_key: bytes | None = None
+    # --prepull-image (chart controller.prepull.images): pulled onto the sandbox node pool at
+    # start and onto every node that joins it (controller/prepull.py); checked refs.
+    prepull_images: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if self.ready_check not in ("execd", "pod"):

@@ -68,11 +68,16 @@ RETIRE = Route("RETIRE", "POST", "/v1/sandboxes/{id}/retire")
 RELEASE_REUSE_PARAM = "reuse"
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
+# Image pre-pull (admin): pull images, by digest, onto every node of the sandbox node pool;
+# GET reports each image's progress per node (docs/controller.md "Pre-pull").
+PREPULL = Route("PREPULL", "POST", "/v1/images")
+IMAGES = Route("IMAGES", "GET", "/v1/images")
 HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as LIVEZ)
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, PREPULL, IMAGES,
+          HEALTHZ, LIVEZ, READYZ, METRICS)
 
 # ---- execd's tree routes (docs/execd.md, "Trees"): one tar up (POST /files/tree/write, its
 # SHA-256 in TREE_SHA256_HEADER) or down (GET /files/tree: the tar, then TREE_DIGEST_LEN hex
@@ -366,6 +371,37 @@ class PrewarmRequest(_Model):
                "idle_timeout_s: must be > 0")
 
 
+# Pre-pull: images per request (and tracked at once by the controller). A task set of a few
+# hundred images (the paper's runs drew on 21-306) fits in one or two requests.
+MAX_PREPULL_IMAGES = 256
+MAX_IMAGE_REF_LEN = 512
+# `registry/repo@sha256:<64 hex>`: a digest pins what the nodes pull; a tag could move between
+# the pre-pull and the run, and the run would pull anyway.
+_DIGEST_REF = re.compile(r"[A-Za-z0-9][A-Za-z0-9._:/-]*@sha256:[0-9a-f]{64}")
+
+
+def check_digest_ref(ref: Any, where: str = "image") -> None:
+    """ValueError in one line unless `ref` is an image reference pinned by its digest."""
+    _check(isinstance(ref, str), f"{where}: must be a string, not {type(ref).__name__}")
+    _check(len(ref) <= MAX_IMAGE_REF_LEN, f"{where}: longer than {MAX_IMAGE_REF_LEN} characters")
+    _check(_DIGEST_REF.fullmatch(ref) is not None,
+           f"{where}: {ref[:100]!r} is not pinned by digest; write it as "
+           "registry/repo@sha256:<64 lowercase hex> (a tag can move before the run)")
+
+
+@dataclass(frozen=True, **_KW_ONLY)
+class PrepullRequest(_Model):
+    """`POST /v1/images`: pull each image onto every node of the sandbox node pool (admin)."""
+
+    images: list[str]
+
+    def __post_init__(self) -> None:
+        _check(isinstance(self.images, list) and 0 < len(self.images) <= MAX_PREPULL_IMAGES,
+               f"images: must be a list of 1 to {MAX_PREPULL_IMAGES} image references")
+        for i, ref in enumerate(self.images):
+            check_digest_ref(ref, f"images[{i}]")
+
+
 # ---- answers
 # Each answer's reader (`from_json`) checks the types written here and raises AnswerError on a
 # missing or mistyped field; a field the server leaves null takes its default. The SDK reads
@@ -406,6 +442,9 @@ class Timings(_Model):
     ready_ms: float = 0.0  # create -> execd answered /ready (the hand-out)
     # Last, so positional construction keeps its meaning.
     started_ms: float = 0.0  # create -> the controller saw the sandbox container running
+    # The kubelet's pull of the image (its Pulled event on the pod); 0 when the node had the
+    # image (pre-pulled), or the event had not reached the controller by the hand-out.
+    pull_ms: float = 0.0
 
     @classmethod
     def from_json(cls, data: Any) -> Timings:
@@ -415,7 +454,8 @@ class Timings(_Model):
         return cls(queued_ms=_opt(data, "queued_ms", _NUM, what, 0.0),
                    create_ms=_opt(data, "create_ms", _NUM, what, 0.0),
                    started_ms=_opt(data, "started_ms", _NUM, what, 0.0),
-                   ready_ms=_opt(data, "ready_ms", _NUM, what, 0.0))
+                   ready_ms=_opt(data, "ready_ms", _NUM, what, 0.0),
+                   pull_ms=_opt(data, "pull_ms", _NUM, what, 0.0))
 
 
 @dataclass(frozen=True)
@@ -592,6 +632,47 @@ class Stats(_Model):
                    rate=float(_req(d, "rate", _NUM, what)), warm=_req(d, "warm", dict, what),
                    jobs=_req(d, "jobs", dict, what),
                    tenants=_opt(d, "tenants", dict, what) or {}, **extra)
+
+
+@dataclass(frozen=True)
+class ImageStatus(_Model):
+    """One pre-pulled image: its nodes by outcome. `failures` maps a failed node to the
+    kubelet's reason (at most MAX_IMAGE_FAILURES of them; `failed` counts them all)."""
+
+    image: str
+    pulled: int
+    pending: int
+    failed: int
+    failures: dict[str, str] = field(default_factory=dict)
+
+
+MAX_IMAGE_FAILURES = 20
+_ImagesT = TypeVar("_ImagesT", bound="Images")
+
+
+@dataclass(frozen=True)
+class Images(_Model):
+    """`GET /v1/images` and the answer to `POST /v1/images`: every image the controller
+    pre-pulls, and how many nodes the sandbox node pool has now."""
+
+    images: list[ImageStatus]
+    nodes: int
+
+    @classmethod
+    def from_json(cls: type[_ImagesT], data: Any, **extra: Any) -> _ImagesT:
+        what = "images answer"
+        d = _answer(data, what)
+        out = []
+        for item in _req(d, "images", list, what):
+            i = _answer(item, what)
+            failures = _opt(i, "failures", dict, what, {})
+            if not all(isinstance(k, str) and isinstance(v, str) for k, v in failures.items()):
+                raise AnswerError(f"{what}: failures must map node names to reasons")
+            out.append(ImageStatus(image=_req(i, "image", str, what),
+                                   pulled=_req(i, "pulled", int, what),
+                                   pending=_req(i, "pending", int, what),
+                                   failed=_req(i, "failed", int, what), failures=dict(failures)))
+        return cls(images=out, nodes=_req(d, "nodes", int, what), **extra)
 
 
 @dataclass(frozen=True)

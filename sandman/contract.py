@@ -19,6 +19,12 @@ LABEL_STATE = f"{DOMAIN}/state"  # warm|leased, set by the controller only
 # The tenant namespace a controller sandbox belongs to (--auth kubernetes); its job label is
 # then `<tenant>.<job>`, so job names are scoped per tenant.
 LABEL_TENANT = f"{DOMAIN}/tenant"
+# A pre-pull's puller pod (controller/prepull.py): never a sandbox (no LABEL_SANDBOX, no
+# managed-by), so the books, the sweep and the webhook leave it alone; the value is the first
+# PREPULL_DIGEST_CHARS hex digits of the image's digest. The controller deletes what it no
+# longer tracks, the chart's uninstall cleanup every one.
+LABEL_PREPULL = f"{DOMAIN}/prepull"
+PREPULL_DIGEST_CHARS = 32
 
 SANDBOX_TRUE = "true"
 EGRESS_DENY = "deny"

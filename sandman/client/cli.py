@@ -274,6 +274,14 @@ def cmd_prewarm(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_prepull(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        st = c.prepull(args.images) if args.images else c.images()
+    emit(args, st, lambda: [["IMAGE", "PULLED", "PENDING", "FAILED"]]
+         + [[i.image, str(i.pulled), str(i.pending), str(i.failed)] for i in st.images])
+    return 0
+
+
 def _connect(sandbox_id: str) -> Sandbox:
     return Sandbox.connect(load_lease(sandbox_id))
 
@@ -413,6 +421,11 @@ def parser() -> argparse.ArgumentParser:
 
     p = sub.add_parser("stats", help="the controller's pacer and pools")
     p.set_defaults(func=cmd_stats)
+
+    p = sub.add_parser("prepull", help="pull images (by digest) onto the sandbox node pool; "
+                                       "without images: the progress")
+    p.add_argument("images", nargs="*", metavar="REPO@sha256:HEX")
+    p.set_defaults(func=cmd_prepull)
 
     p = sub.add_parser("prewarm", help="set a warm pool's target")
     p.add_argument("image")

@@ -110,6 +110,18 @@ class Stats(api.Stats):
             return super().from_json(data, raw=_raw(data))
 
 
+@dataclass(frozen=True)
+class Images(api.Images):
+    """`client.prepull()` and `client.images()`: each pre-pulled image's nodes by outcome."""
+
+    raw: dict[str, Any] = field(default_factory=dict, repr=False)
+
+    @classmethod
+    def from_json(cls, data: Any) -> Images:  # type: ignore[override]
+        with _controller_answer():
+            return super().from_json(data, raw=_raw(data))
+
+
 # ---- execd
 
 @dataclass(frozen=True)

@@ -200,10 +200,10 @@ def test_webhook_ha_defaults(helm):
 UNNAMED_OK = [(["authentication.k8s.io"], ["tokenreviews"]),
               (["authorization.k8s.io"], ["subjectaccessreviews"]),
               ([contract.DOMAIN], ["sandboxes"]), ([contract.DOMAIN], ["sandboxes/prewarm"]),
-              ([contract.DOMAIN], ["sandboxes/stats"]),
-              # The capacity signals' event watch (other tenants' pod-address failures):
-              # read-only, checked below.
-              ([""], ["events"])]
+              ([contract.DOMAIN], ["sandboxes/stats"]), ([contract.DOMAIN], ["sandboxes/images"]),
+              # The capacity signals' event watch (other tenants' pod-address failures) and
+              # the image pre-pull's node list: read-only, checked below.
+              ([""], ["events"]), ([""], ["nodes"])]
 
 
 def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
@@ -224,6 +224,8 @@ def test_rbac_has_no_wildcards_and_nothing_cluster_wide_for_pods(helm):
                             case, obj["metadata"]["name"], rule)
                     if rule["resources"] == ["events"]:
                         assert set(rule["verbs"]) <= {"list", "watch"}, (case, rule)
+                    if rule["resources"] == ["nodes"]:
+                        assert rule["verbs"] == ["list"], (case, rule)
 
 
 def _not_hooks(objs: list[dict]) -> list[dict]:
@@ -427,6 +429,19 @@ def test_schema_rejects_a_wrong_type(helm):
     assert "replicas" in res.stderr and "integer" in res.stderr, res.stderr
     res = helm.template("--set", "webhook.failurePolicy=fail", check=False)
     assert res.returncode != 0 and "failurePolicy" in res.stderr, res.stderr
+
+
+def test_prepull_images_are_refused_without_a_digest(helm):
+    ok = "registry.example.com/swe/task@sha256:" + "0" * 64
+    for bad in ("registry.example.com/swe/task:v1", ok.replace("sha256:0", "sha256:A"),
+                ok + "\n"):
+        res = helm.template("--set-json", f'controller.prepull.images=["{bad!s}"]'.replace(
+            "\n", "\\n"), check=False)
+        assert res.returncode != 0 and "prepull" in res.stderr, (bad, res.stderr)
+    objs = _render(helm, "--set-json", f'controller.prepull.images=["{ok}"]')
+    args = _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][
+        0]["args"]
+    assert f"--prepull-image={ok}" in args
 
 
 # ------------------------------------------------------------------ readiness of replicas
@@ -634,7 +649,8 @@ def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     rules = {r["resources"][0]: r["verbs"] for r in _find(objs, "ClusterRole",
                                                           f"-controller-{NAMESPACE}")["rules"]}
     assert rules == {"tokenreviews": ["create"], "subjectaccessreviews": ["create"],
-                     "events": ["list", "watch"]}  # read-only: the capacity signals
+                     "events": ["list", "watch"],  # read-only: the capacity signals
+                     "nodes": ["list"]}  # read-only: the image pre-pull's node pool
     crb = _find(objs, "ClusterRoleBinding", f"-controller-{NAMESPACE}")
     assert crb["subjects"][0]["name"] == dep["spec"]["template"]["spec"]["serviceAccountName"]
     user = _find(objs, "ClusterRole", "sandman-user")["rules"]
@@ -645,6 +661,7 @@ def test_controller_auth_rbac_and_the_helm_test_identity(helm):
     assert A.DELETECOLLECTION in admin[A.RESOURCE]
     assert admin[f"{A.RESOURCE}/{A.PREWARM_SUB}"] == [A.CREATE]
     assert admin[f"{A.RESOURCE}/{A.STATS_SUB}"] == [A.GET]
+    assert admin[f"{A.RESOURCE}/{A.IMAGES_SUB}"] == [A.CREATE, A.GET]
     pod = _find(objs, "Pod", "-test")["spec"]
     assert pod["serviceAccountName"] == f"{full}-test"
     assert pod["automountServiceAccountToken"] is False

@@ -185,6 +185,9 @@ class FakeKube:
         return [copy.deepcopy(p) for p in self.view.values()
                 if (p["metadata"].get("labels") or {}).get(k) == v]
 
+    async def list_nodes(self, selector: str) -> list[dict]:
+        return []  # the image pre-pull is tested against the real API (test_prepull_on_testbed)
+
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         return []
 

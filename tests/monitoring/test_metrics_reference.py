@@ -48,6 +48,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_warm_budget", "resource"): c.BUDGET_RESOURCES,
         ("sandman_controller_create_to_ready_seconds", "role"): contract.ROLES,
         ("sandman_controller_pod_address_failures_total", "scope"): c.FAILURE_SCOPES,
+        ("sandman_controller_images_prepulled_total", "result"): c.PREPULL_RESULTS,
         ("sandman_webhook_requests_total", "operation"): w.OPERATIONS + ("other",),
         ("sandman_webhook_requests_total", "decision"): w.DECISIONS + ("other",),
         ("sandman_webhook_requests_total", "reason"): w.REASONS + ("other",),

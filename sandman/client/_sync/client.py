@@ -10,7 +10,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import httpx
@@ -27,7 +27,7 @@ from sandman.client.errors import (
     SandboxGone,
     SandmanError,
 )
-from sandman.client.models import Lease, Owner, PoolStatus, SandboxInfo, Stats
+from sandman.client.models import Images, Lease, Owner, PoolStatus, SandboxInfo, Stats
 
 from .sandbox import Sandbox
 
@@ -265,6 +265,20 @@ class Client:
             self._forget(sb.id)
         n = data.get("deleting") if isinstance(data, dict) else None
         return n if isinstance(n, int) else 0
+
+    def prepull(self, images: Sequence[str]) -> Images:
+        """Pull `images` (each pinned by digest, `registry/repo@sha256:<64 hex>`) onto every
+        node of the sandbox node pool, paced behind every acquire (admin). Returns at once with
+        the progress; `images()` reads it later. Posting an image again retries its failed
+        nodes."""
+        body = _core.request(api.PrepullRequest, images=list(images))
+        resp = self._send(api.PREPULL, json=body.to_json(), read_s=self._timeout_s)
+        return Images.from_json(_core.decode_json(resp, "prepull"))
+
+    def images(self) -> Images:
+        """Each pre-pulled image's nodes: pulled, pending, failed (with the kubelet's reason)."""
+        resp = self._send(api.IMAGES, read_s=self._timeout_s)
+        return Images.from_json(_core.decode_json(resp, "images"))
 
     # ---- transport
 
