@@ -23,9 +23,11 @@ import re
 from dataclasses import dataclass
 from decimal import Decimal, InvalidOperation
 
+from sandman import egress as egress_entries
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
 from sandman.contract import (
     ANNOTATION_CONTAINER,
+    ANNOTATION_EGRESS_ALLOW,
     ANNOTATION_INGRESS_FROM,
     ANNOTATION_TOKEN_SHA256,
     EGRESS_ALLOW,
@@ -150,6 +152,16 @@ class SandboxPolicy:
     gpu_resource: str = GPU_RESOURCE
     gpu_max: int = 0
     gpu_tolerations: tuple[str, ...] = ()
+    # Egress allowlists (the sandman.dev/egress-allow annotation; chart sandbox.egressCeiling
+    # and sandbox.egressNever): every entry within the ceiling (empty: no allowlist at all),
+    # none inside a never range. The never CIDRs also go to netguard (--never-egress).
+    egress_ceiling: tuple[str, ...] = ()
+    egress_never: tuple[str, ...] = ()
+    # The API server's addresses, the webhook's own KUBERNETES_SERVICE_HOST first (netguard
+    # carves that one out itself), then its endpoints. None: not judged here (the controller,
+    # which checks the ceiling before it creates; the webhook judges its pods again). (): the
+    # webhook could not tell, and refuses every allowlist.
+    api_server: tuple[str, ...] | None = None
 
     def __post_init__(self) -> None:
         if not re.fullmatch(r"[a-z0-9]([-a-z0-9.]*[a-z0-9])?/[A-Za-z0-9]([-A-Za-z0-9_.]*"
@@ -168,6 +180,10 @@ class SandboxPolicy:
             ipaddress.ip_network(cidr, strict=False)
         if self.controller_ip is not None:
             ipaddress.ip_address(self.controller_ip)  # one address, never a network
+        egress_entries.Ceiling.parse(self.egress_ceiling)
+        egress_entries.parse_never(self.egress_never)
+        for a in self.api_server or ():
+            ipaddress.ip_address(a)
 
 
 @dataclass(frozen=True)
@@ -213,6 +229,8 @@ RULES = (
     "extended-resource",
     "gpu-refused",
     "gpu-toleration",
+    "egress-allow-invalid",
+    "egress-allow-refused",
 )
 
 
@@ -221,7 +239,7 @@ RULES = (
 # must be added here; tests/webhook/test_podspec.py checks that nothing else changes a result.
 INPUT_LABELS = (LABEL_SANDBOX, LABEL_EGRESS)
 INPUT_ANNOTATIONS = (ANNOTATION_CONTAINER, ANNOTATION_INGRESS_FROM, ANNOTATION_TOKEN_SHA256,
-                     SECCOMP_POD_ANNOTATION)
+                     SECCOMP_POD_ANNOTATION, ANNOTATION_EGRESS_ALLOW)
 # ...and every annotation whose name starts with one of these (per-container legacy profiles).
 INPUT_ANNOTATION_PREFIXES = (SECCOMP_CONTAINER_PREFIX, APPARMOR_CONTAINER_PREFIX)
 
@@ -426,11 +444,69 @@ def admit_controller(pod: dict, policy: SandboxPolicy) -> None:
     annotations[ANNOTATION_INGRESS_FROM] = ",".join([*cidrs, f"{ip}/{ip.max_prefixlen}"])
 
 
+def egress_allow(pod: dict, policy: SandboxPolicy) -> list[str]:
+    """The pod's allowlist entries (annotation ANNOTATION_EGRESS_ALLOW), [] without one;
+    SandboxError when the annotation is not sandman/egress.py's canonical text, the pod is not
+    egress=deny, or an entry is outside the ceiling or inside a never range."""
+    raw = _annotations(pod).get(ANNOTATION_EGRESS_ALLOW)
+    if raw is None:
+        return []
+    where = f"annotation {ANNOTATION_EGRESS_ALLOW}"
+    if _labels(pod).get(LABEL_EGRESS) != EGRESS_DENY:
+        raise SandboxError(Refusal("egress-allow-invalid", "", f"{where} needs label "
+                                   f"{LABEL_EGRESS}={EGRESS_DENY} (without it egress is open "
+                                   "and the list would promise nothing)"))
+    if not isinstance(raw, str):
+        raise SandboxError(Refusal("egress-allow-invalid", "", f"{where} must be a string"))
+    try:
+        entries = egress_entries.parse_list(raw)
+    except ValueError as e:
+        raise SandboxError(Refusal("egress-allow-invalid", "", f"{where}: {e}")) from None
+    canonical = egress_entries.render(entries)
+    if not entries or canonical != raw:
+        # One spelling only: the policy's CEL compares the guard's args with the text as it is.
+        raise SandboxError(Refusal("egress-allow-invalid", "", f"{where} must be written "
+                                   f"canonically ({canonical!r}), not {raw[:200]!r}"))
+    why = egress_refusals(entries, policy)
+    if why:
+        raise SandboxError(Refusal("egress-allow-refused", "", "; ".join(why)))
+    return [e.text for e in entries]
+
+
+def egress_refusals(entries, policy: SandboxPolicy) -> list[str]:
+    """One line per entry the cluster does not admit (sandman/egress.py's refusals), plus the
+    API server's endpoints: an entry containing one that netguard cannot carve out (only its
+    own KUBERNETES_SERVICE_HOST and the never CIDRs) is refused."""
+    if policy.api_server is not None and not policy.api_server:
+        return ["egress allowlists are refused: the webhook cannot tell the API server's "
+                "address (KUBERNETES_SERVICE_HOST is not set in its environment)"]
+    api = [ipaddress.ip_network(a) for a in policy.api_server or ()]
+    never = egress_entries.parse_never(policy.egress_never)
+    out = egress_entries.refusals(entries, egress_entries.Ceiling.parse(policy.egress_ceiling),
+                                  never=never + tuple(api))
+    if out:
+        return out
+    carved = egress_entries.never_ranges(never + tuple(api[:1]))
+    for e in entries:
+        for a in api[1:]:
+            if e.network is not None and a.version == e.network.version and \
+                    a.subnet_of(e.network) and not any(  # type: ignore[arg-type]
+                        n.version == a.version and a.subnet_of(n) for n in carved):
+                out.append(f"egress entry {e.text!r} contains the API server's endpoint "
+                           f"{a.network_address}, which only sandbox.egressNever can carve out")
+    return out
+
+
 def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     egress = EGRESS_DENY if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY else EGRESS_ALLOW
     args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
     for cidr in ingress_cidrs(pod, policy):
         args += ["--ingress-from", cidr]
+    allow = egress_allow(pod, policy)
+    for entry in allow:
+        args += ["--allow-egress", entry]
+    for cidr in policy.egress_never if allow else ():
+        args += ["--never-egress", cidr]
     return args + list(GUARD_ARGS_TAIL)
 
 
@@ -849,7 +925,12 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
 
     Applies to pods labelled as sandboxes and to any pod carrying the egress label; an
     egress-deny pod without the sandbox label is not mutated, so it must carry the guard and
-    the pod-level rules itself (the refusals say what to add)."""
+    the pod-level rules itself (the refusals say what to add). Each refusal once: the guard's
+    check and the mutation meet the same bad annotation."""
+    return _unique(_check_sandbox(pod, policy))
+
+
+def _check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     labels = _labels(pod)
     sandbox = judged_sandbox(pod)
     egress = labels.get(LABEL_EGRESS)
@@ -873,7 +954,12 @@ def check_sandbox(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     guarded = (egress == EGRESS_DENY or (sandbox and policy.guard == GUARD_ALWAYS)
                or carries(pod, NETGUARD_CONTAINER))
     if guarded:
-        out.extend(_check_guard(pod, policy))
+        out.extend(_check_guard(pod, policy))  # the allowlist's checks come with the args
+    elif ANNOTATION_EGRESS_ALLOW in _annotations(pod):
+        try:
+            egress_allow(pod, policy)
+        except SandboxError as e:
+            out.append(e.refusal)
     if not (sandbox or guarded):
         return out  # egress=allow without the sandbox label: nothing is promised
 
@@ -995,6 +1081,11 @@ def _identity_rules(pod: dict, old: dict) -> list[Refusal]:
             token in _annotations(pod), _annotations(pod).get(token)):
         out.append(Refusal("metadata-immutable", "", f"annotation {token} cannot change after "
                            f"create (execd reads it when its container starts){why}"))
+    allow = ANNOTATION_EGRESS_ALLOW
+    if (allow in _annotations(old), _annotations(old).get(allow)) != (
+            allow in _annotations(pod), _annotations(pod).get(allow)):
+        out.append(Refusal("metadata-immutable", "", f"annotation {allow} cannot change after "
+                           f"create (netguard applied the list when the pod started){why}"))
     return out
 
 
@@ -1328,10 +1419,11 @@ def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
 
 
 @functools.lru_cache(maxsize=64)
-def _args_apply_deny(args: tuple[str, ...]) -> bool:
+def _args_apply_deny(args: tuple[str, ...], allowed: tuple[str, ...] = ()) -> bool:
     """netguard's own parser on the guard's args: egress deny (or the default) and no
-    --allow-egress. Cached: every label update of a running deny sandbox asks (the
-    controller's acquire), and a pod's args never change."""
+    --allow-egress but the pod's own allowlist (`allowed`, its annotation's entries, which
+    cannot change after create). Cached: every label update of a running deny sandbox asks
+    (the controller's acquire), and a pod's args never change."""
     from netguard.cli import build_parser  # the sandman image carries both
 
     try:
@@ -1339,7 +1431,8 @@ def _args_apply_deny(args: tuple[str, ...]) -> bool:
             parsed = build_parser().parse_args(["apply", *args])
     except SystemExit:
         return False
-    return parsed.egress in (None, EGRESS_DENY) and not parsed.allow_egress
+    given = [p for a in parsed.allow_egress or () for p in a.split(",")]
+    return parsed.egress in (None, EGRESS_DENY) and given == list(allowed)
 
 
 def _guard_applied_deny(pod: dict) -> list[Refusal]:
@@ -1353,7 +1446,9 @@ def _guard_applied_deny(pod: dict) -> list[Refusal]:
     problems = []
     if g.get("command") != NETGUARD_COMMAND:
         problems.append(f"command {g.get('command')} is not {' '.join(NETGUARD_COMMAND)}")
-    if not _args_apply_deny(tuple(map(str, g.get("args") or []))):
+    raw = _annotations(pod).get(ANNOTATION_EGRESS_ALLOW)
+    allowed = tuple(raw.split(",")) if isinstance(raw, str) and raw else ()
+    if not _args_apply_deny(tuple(map(str, g.get("args") or [])), allowed):
         problems.append(f"the running guard did not apply egress deny (args "
                         f"{' '.join(map(str, g.get('args') or []))}); relabelling it to deny "
                         "needs a new pod")

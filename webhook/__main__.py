@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import os
 import sys
 
-from sandman import logs
+from sandman import egress, logs
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
-from sandman.contract import SANDMAN_IMAGE
+from sandman.contract import KUBERNETES_SERVICE_HOST_ENV, SANDMAN_IMAGE
 from sandman.podspec import GUARD_MODES, SandboxPolicy, gpu_args, gpu_policy
 
 # A drain past the pod's termination grace period (30 s by default) ends in SIGKILL.
@@ -27,17 +28,46 @@ def _policy_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--ingress-from", action="append", default=None, metavar="CIDR",
                    help="who may reach execd when the pod has no ingress-from annotation "
                         "(repeatable; default 0.0.0.0/0)")
+    p.add_argument("--egress-ceiling", action="append", default=None, metavar="ENTRY",
+                   help="egress allowlist entries a pod's sandman.dev/egress-allow may stay "
+                        "within (repeatable or comma-separated; CIDR:PORT, svc/NAME.NS:PORT, "
+                        "* for a port or a Service name); none: every allowlist is refused")
+    p.add_argument("--egress-never", action="append", default=None, metavar="CIDR",
+                   help="never reachable through an allowlist, carved out of wider entries "
+                        "(repeatable or comma-separated; besides link-local, the metadata "
+                        "addresses and the API server)")
     p.add_argument("--allow-secrets", action="store_true",
                    help="admit Secret volumes and env from Secrets in sandboxes (refused by "
                         "default: a legacy service-account-token Secret looks like any other)")
     gpu_args(p)
 
 
-def policy_from(args: argparse.Namespace) -> SandboxPolicy:
+def _split(items: list[str] | None) -> tuple[str, ...]:
+    return tuple(p.strip() for item in items or () for p in item.split(",") if p.strip())
+
+
+def api_server_addresses() -> tuple[str, ...]:
+    """The API server's address as the kubelet gives it to every container (the `kubernetes`
+    Service's ClusterIP); () when unset or not an address: allowlists are then refused."""
+    host = os.environ.get(KUBERNETES_SERVICE_HOST_ENV, "").strip()
+    try:
+        return (str(ipaddress.ip_address(host)),)
+    except ValueError:
+        return ()
+
+
+def policy_from(args: argparse.Namespace, api_server: tuple[str, ...] | None = None
+                ) -> SandboxPolicy:
+    """The policy of the flags; `api_server`: the API server's addresses (serve reads them),
+    None where no pod is judged against them."""
+    ceiling = egress.Ceiling.parse(_split(args.egress_ceiling))  # ValueError: one line
     return SandboxPolicy(image=args.image, default_cpu=args.default_cpu,
                          default_memory=args.default_memory, guard=args.guard,
                          ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
-                         allow_secrets=args.allow_secrets, **gpu_policy(args))
+                         allow_secrets=args.allow_secrets,
+                         egress_ceiling=tuple(e.text for e in ceiling.entries),
+                         egress_never=_split(args.egress_never), api_server=api_server,
+                         **gpu_policy(args))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -109,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         if not 0 <= args.drain_seconds <= MAX_DRAIN_SECONDS:
             parser.error(f"--drain-seconds must be between 0 and {MAX_DRAIN_SECONDS:g}")
         try:
-            policy = policy_from(args)
+            policy = policy_from(args, api_server_addresses())
         except ValueError as e:
             parser.error(str(e))  # one line and exit 2, like the flags argparse checks
         if args.self_signed_dir:

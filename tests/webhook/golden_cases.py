@@ -13,6 +13,7 @@ import zlib
 
 from sandman.contract import (
     ANNOTATION_CONTAINER,
+    ANNOTATION_EGRESS_ALLOW,
     ANNOTATION_INGRESS_FROM,
     ANNOTATION_TOKEN_SHA256,
     EXECD_PATH,
@@ -258,6 +259,58 @@ def cases() -> dict[str, dict]:
         ctl_pod, lambda p: p["metadata"]["annotations"].pop(ANNOTATION_INGRESS_FROM)))
     c.update(bypass_cases())
     c.update(resource_cases())
+    c.update(egress_allow_cases())
+    return c
+
+
+# Egress allowlists (the sandman.dev/egress-allow annotation) under an admin's ceiling and never
+# list; the API server's ClusterIP as the webhook reads it from its own environment.
+EGRESS_POLICY = SandboxPolicy(
+    egress_ceiling=("10.0.0.0/8:*/tcp", "[fd00::/8]:443/tcp", "svc/*.infra:*/tcp"),
+    egress_never=("10.100.0.0/16",), api_server=("10.96.0.1",))
+# The same cluster with a wider ceiling: what a pod built elsewhere (or by hand) asks for.
+EGRESS_WIDE = dataclasses.replace(EGRESS_POLICY, egress_ceiling=("0.0.0.0/0:*/tcp",
+                                                                "svc/*.other:*/tcp"))
+ALLOWLIST = "10.0.0.0/8:443/tcp,[fd00:1::/64]:443/tcp,svc/pypi.infra:3141/tcp"
+
+
+def egress_allow_cases() -> dict[str, dict]:
+    def allow_pod(allow: str = ALLOWLIST, egress: str = "deny") -> dict:
+        return pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: egress}, annotations={
+            ANNOTATION_TOKEN_SHA256: TOKEN, ANNOTATION_EGRESS_ALLOW: allow})
+
+    made = make_sandbox(allow_pod(), EGRESS_POLICY)
+    c = {
+        "mutate-egress-allow-guard-args": review("e1", allow_pod()),
+        "mutate-egress-allow-outside-ceiling-refused": review("e2", allow_pod(
+            "10.0.0.0/8:443/tcp,192.168.0.0/16:443/tcp")),
+        "validate-egress-allow-within-ceiling-allowed": review("e3", made),
+        # Built under a wider ceiling, judged under the cluster's: the guard args would open it.
+        "validate-egress-allow-widened-cidr-refused": review("e4", make_sandbox(
+            allow_pod("0.0.0.0/0:443/tcp"), EGRESS_WIDE)),
+        "validate-egress-allow-svc-outside-namespace-refused": review("e5", make_sandbox(
+            allow_pod("svc/pypi.other:3141/tcp"), EGRESS_WIDE)),
+        "validate-egress-allow-extra-guard-args-refused": review("e6", _edit(
+            made, lambda p: p["spec"]["initContainers"][0]["args"].extend(
+                ["--allow-egress", "0.0.0.0/0:443/tcp"]))),
+        "validate-egress-allow-never-args-dropped-refused": review("e7", _edit(
+            made, lambda p: p["spec"]["initContainers"][0].update(args=[
+                a for a in p["spec"]["initContainers"][0]["args"]
+                if a not in ("--never-egress", "10.100.0.0/16")]))),
+        "validate-egress-allow-with-egress-allow-label-refused": review("e8", _edit(
+            made, lambda p: p["metadata"]["labels"].update({LABEL_EGRESS: "allow"}))),
+        "validate-egress-allow-not-canonical-refused": review("e9", _edit(
+            made, lambda p: p["metadata"]["annotations"].update(
+                {ANNOTATION_EGRESS_ALLOW: "10.0.0.0/8:443"}))),
+        "validate-egress-allow-annotation-edited-on-update-refused": review("e10", _edit(
+            made, lambda p: p["metadata"]["annotations"].update(
+                {ANNOTATION_EGRESS_ALLOW: "10.0.0.0/8:443/tcp"})), "UPDATE", old=made),
+        "validate-egress-allow-state-label-on-update-allowed": review("e11", _edit(
+            made, lambda p: p["metadata"]["labels"].update({"sandman.dev/state": "leased"})),
+            "UPDATE", old=made),
+    }
+    for name in c:
+        POLICIES[name] = EGRESS_POLICY
     return c
 
 
