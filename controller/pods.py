@@ -27,6 +27,9 @@ class SandboxSpec:
     role: str = contract.ROLE_AGENT  # grading pods may go back to a pool (release with reuse)
     ephemeral_storage: str | None = None  # requests == limits; None: not requested
     gpu: int = 0  # of the policy's GPU resource (limits; the API server copies the request)
+    # With egress deny: the allowlist's canonical entries (sandman/egress.py), written to the
+    # pod's egress-allow annotation; () for none. Part of the key: lists never share a pod.
+    egress_allow: tuple[str, ...] = ()
 
 
 LEASE_ANNOTATIONS = (contract.ANNOTATION_EXPIRES_AT, contract.ANNOTATION_LIFETIME)
@@ -46,7 +49,8 @@ def slim_pod(pod: dict) -> dict:
     out_meta = {k: meta[k] for k in ("name", "uid", "resourceVersion", "labels",
                                      "creationTimestamp", "deletionTimestamp") if k in meta}
     lease = {k: v for k, v in (meta.get("annotations") or {}).items()
-             if k in LEASE_ANNOTATIONS or k == contract.ANNOTATION_PROOF}
+             if k in LEASE_ANNOTATIONS or k in (contract.ANNOTATION_PROOF,
+                                                 contract.ANNOTATION_EGRESS_ALLOW)}
     if lease:
         out_meta["annotations"] = lease
     out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}
@@ -198,10 +202,13 @@ def spec_of(pod: dict) -> SandboxSpec:
     c = ((pod.get("spec") or {}).get("containers") or [{}])[0]
     req = (c.get("resources") or {}).get("requests") or {}
     storage = req.get("ephemeral-storage")
+    # Written canonical by the controller (create.py); the webhook refuses any other spelling.
+    allow = annotation(pod, contract.ANNOTATION_EGRESS_ALLOW)
     return SandboxSpec(image=c.get("image", ""), cpu=str(req.get("cpu", api.DEFAULT_CPU)),
                        memory=str(req.get("memory", api.DEFAULT_MEMORY)),
                        workspace=c.get("workingDir"),
                        egress=labels(pod).get(contract.LABEL_EGRESS, contract.EGRESS_DENY),
                        role=labels(pod).get(contract.LABEL_ROLE, contract.ROLE_AGENT),
                        ephemeral_storage=None if storage is None else str(storage),
-                       gpu=_gpu_count(req))
+                       gpu=_gpu_count(req),
+                       egress_allow=tuple(allow.split(",")) if allow else ())

@@ -100,8 +100,9 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             await auth.require(who, A.CREATE, tenant)
         labels.check(body.labels)
         c = ctl()
-        spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, body.egress,
-                           body.role, body.ephemeral_storage, body.gpu)
+        egress, allow = api.egress_parts(body.egress)
+        spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, egress,
+                           body.role, body.ephemeral_storage, body.gpu, allow)
         # The controller dedups by (job, request_id): the job key carries the tenant and the
         # request id the caller's identity, so nobody else's replay finds this sandbox.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
@@ -227,8 +228,9 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
         s = body.spec
-        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, s.egress, s.role,
-                           s.ephemeral_storage, s.gpu)
+        egress, allow = api.egress_parts(s.egress)
+        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, egress, s.role,
+                           s.ephemeral_storage, s.gpu, allow)
         pool = c.prewarm(spec, body.count, body.idle_timeout_s)
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()
@@ -322,5 +324,6 @@ def _view(c: Controller, e, split) -> api.SandboxView:
     return api.SandboxView(id=e.id, pod=e.name, job=job, state=e.state, address=e.ip,
                            port=c.s.execd_port, image=e.spec.image, cpu=e.spec.cpu,
                            memory=e.spec.memory, egress=e.spec.egress, tenant=tenant,
+                           egress_allow=list(e.spec.egress_allow) or None,
                            expires_at=iso_utc(e.expires_at) if e.expires_at else None,
                            lifetime_s=e.lifetime if e.expires_at else None)

@@ -29,6 +29,9 @@ DEFAULT_MEMORY = "8Gi"
 DEFAULT_EGRESS = contract.EGRESS_DENY
 DEFAULT_ROLE = contract.ROLE_AGENT
 EGRESS_VALUES = (contract.EGRESS_DENY, contract.EGRESS_ALLOW)
+# `egress` may also be `{"allow": [entries]}` (sandman/egress.py's grammar): outbound denied
+# but for those entries, within the cluster's ceiling. The only key of that object.
+EGRESS_ALLOW_KEY = "allow"
 DEFAULT_ACQUIRE_TIMEOUT_S = 300.0
 MAX_ACQUIRE_TIMEOUT_S = 3600.0
 MAX_REQUEST_ID_LEN = 128
@@ -137,7 +140,7 @@ class _Model:
 # Fields added to the bodies after their first release, with their defaults: left out of a
 # body at their default, so this SDK still talks to a controller that predates them (it
 # refuses unknown fields), and a body that does not use them reads as it always did.
-_LATE_FIELDS: dict[str, Any] = {"ephemeral_storage": None, "gpu": 0}
+_LATE_FIELDS: dict[str, Any] = {"ephemeral_storage": None, "gpu": 0, "egress_allow": None}
 
 
 def _drop_late_defaults(obj: Any) -> Any:
@@ -145,6 +148,8 @@ def _drop_late_defaults(obj: Any) -> Any:
         return {k: _drop_late_defaults(v) for k, v in obj.items()
                 if not (k in _LATE_FIELDS and type(v) is type(_LATE_FIELDS[k])
                         and v == _LATE_FIELDS[k])}
+    if isinstance(obj, list):  # a list's items (SandboxList's views)
+        return [_drop_late_defaults(v) for v in obj]
     return obj
 
 
@@ -168,13 +173,56 @@ _QUANTITY_SYNTAX = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)"
                               r"([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?")
 
 
-def _check_size(cpu: Any, memory: Any, egress: Any) -> None:
+def _check_size(cpu: Any, memory: Any) -> None:
     _check(isinstance(cpu, str) and _QUANTITY_SYNTAX.fullmatch(cpu) is not None,
            f"cpu: must be a Kubernetes quantity such as 2, 500m or 1.5, not {cpu!r}")
     _check(isinstance(memory, str) and _QUANTITY_SYNTAX.fullmatch(memory) is not None,
            f"memory: must be a Kubernetes quantity such as 8Gi or 512Mi, not {memory!r}")
-    _check(egress in EGRESS_VALUES, f"egress: must be one of {', '.join(EGRESS_VALUES)}, "
-           f"not {egress!r}")
+
+
+def _short(v: Any) -> str:
+    text = repr(v)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def _allowlist(items: Any, where: str) -> list[str]:
+    """Entries in canonical form (sorted, deduplicated), or ValueError in one line."""
+    _check(isinstance(items, (list, tuple)) and len(items) > 0
+           and all(isinstance(x, str) for x in items),
+           f"{where}: must be a non-empty list of entries such as \"10.0.0.0/8:443\", "
+           f"not {_short(items)}")
+    from sandman import egress  # only where an allowlist is given
+
+    try:
+        entries = egress.parse_list(list(items))
+        text = egress.render(entries)
+    except ValueError as e:
+        raise ValueError(f"{where}: {' '.join(str(e).split())}") from None
+    return text.split(",")
+
+
+def canonical_egress(egress: Any, where: str = "egress") -> str | dict[str, list[str]]:
+    """`deny` or `allow` as given; `{"allow": [entries]}` with its entries canonical.
+    ValueError in one line for anything else."""
+    if isinstance(egress, str) and egress in EGRESS_VALUES:
+        return egress
+    _check(isinstance(egress, dict) and list(egress) == [EGRESS_ALLOW_KEY],
+           f"{where}: must be {' or '.join(EGRESS_VALUES)} or {{\"{EGRESS_ALLOW_KEY}\": "
+           f"[entries]}}, not {_short(egress)}")
+    return {EGRESS_ALLOW_KEY: _allowlist(egress[EGRESS_ALLOW_KEY],
+                                         f"{where}.{EGRESS_ALLOW_KEY}")}
+
+
+def egress_parts(egress: str | dict[str, list[str]]) -> tuple[str, tuple[str, ...]]:
+    """A canonical egress value as the pod carries it: the egress label's value and the
+    allowlist (the annotation's entries). An allowlist always means egress deny."""
+    if isinstance(egress, dict):
+        return contract.EGRESS_DENY, tuple(egress[EGRESS_ALLOW_KEY])
+    return egress, ()
+
+
+def _set(obj: Any, name: str, value: Any) -> None:
+    object.__setattr__(obj, name, value)  # frozen: canonical values replace what was given
 
 
 def _check_extra(ephemeral_storage: Any, gpu: Any) -> None:
@@ -207,14 +255,16 @@ class Spec(_Model):
     cpu: str = DEFAULT_CPU
     memory: str = DEFAULT_MEMORY
     workspace: str | None = None
-    egress: str = DEFAULT_EGRESS
+    # "deny" | "allow" | {"allow": [entries]}: an allowlist is part of the warm-pool key.
+    egress: str | dict[str, Any] = DEFAULT_EGRESS
     role: str = DEFAULT_ROLE  # grading pods may be reused (release with reuse=true)
     # Requests == limits on the sandbox container; None: the node's default (no request).
     ephemeral_storage: str | None = None
     gpu: int = 0  # the chart's GPU resource (limits), only where the chart allows GPUs
 
     def __post_init__(self) -> None:
-        _check_size(self.cpu, self.memory, self.egress)
+        _check_size(self.cpu, self.memory)
+        _set(self, "egress", canonical_egress(self.egress, "egress"))
         _check_role(self.role)
         _check_extra(self.ephemeral_storage, self.gpu)
 
@@ -222,7 +272,7 @@ class Spec(_Model):
 _QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 # The declarable run conditions; a refusal's metric label is one of these (or "probe").
 CONDITION_FIELDS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
-                    "hash_seed", "time_limit_s")
+                    "hash_seed", "time_limit_s", "egress_allow")
 
 
 def _positive_quantity(v: str) -> bool:
@@ -241,7 +291,9 @@ class Conditions(_Model):
     controller reads them inside the pod before hand-out and refuses a pod that contradicts
     any it can read; `time_limit_s` is never read (it is the grader's), always unverified."""
 
-    egress: str | None = None  # "deny" | "allow": outbound network
+    # "deny" | "allow": outbound network; {"allow": [entries]} is egress "deny" plus
+    # egress_allow (so declared, it reads back as those two fields).
+    egress: str | dict[str, Any] | None = None
     cpu_quota: float | None = None  # cores of CFS quota (cgroup cpu.max / cfs_quota_us)
     visible_cpus: int | None = None  # CPUs the tests may run on (affinity within cpuset)
     memory_limit: str | None = None  # a quantity, e.g. "8Gi": the cgroup memory limit
@@ -249,11 +301,25 @@ class Conditions(_Model):
     tz: str | None = None  # e.g. "UTC", "Europe/Paris"
     hash_seed: str | None = None  # PYTHONHASHSEED; "random" for unset
     time_limit_s: float | None = None
+    # The allowlist netguard applied in the pod (canonical entries): exactly these. Last, so
+    # positional construction keeps its meaning.
+    egress_allow: list[str] | None = None
 
     def __post_init__(self) -> None:
-        _check(self.egress is None or self.egress in EGRESS_VALUES,
-               f"conditions.egress: must be one of {', '.join(EGRESS_VALUES)}, "
-               f"not {self.egress!r}")
+        if self.egress is not None:
+            mode, entries = egress_parts(canonical_egress(self.egress, "conditions.egress"))
+            _set(self, "egress", mode)
+            if entries:
+                _check(self.egress_allow is None
+                       or _allowlist(self.egress_allow, "conditions.egress_allow")
+                       == list(entries),
+                       "conditions.egress_allow: differs from the allowlist in "
+                       "conditions.egress; declare it once")
+                _set(self, "egress_allow", list(entries))
+        if self.egress_allow is not None:
+            _set(self, "egress_allow", _allowlist(self.egress_allow, "conditions.egress_allow"))
+            _check(self.egress in (None, contract.EGRESS_DENY),
+                   "conditions.egress_allow: an allowlist only exists with egress deny")
         _check(self.cpu_quota is None or (_number(self.cpu_quota) and 0 < self.cpu_quota
                                           <= 4096),
                "conditions.cpu_quota: must be a number of cores > 0, such as 2 or 1.5")
@@ -293,7 +359,9 @@ class AcquireRequest(_Model):
     cpu: str = DEFAULT_CPU
     memory: str = DEFAULT_MEMORY
     workspace: str | None = None
-    egress: str = DEFAULT_EGRESS
+    # "deny" | "allow" | {"allow": [entries]} (sandman/egress.py: CIDR:PORT or
+    # svc/NAME.NAMESPACE:PORT), refused by the controller outside its ceiling.
+    egress: str | dict[str, Any] = DEFAULT_EGRESS
     owner: Owner | None = None
     labels: dict[str, str] = field(default_factory=dict)
     timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
@@ -325,7 +393,8 @@ class AcquireRequest(_Model):
         _check(self.conditions is None or isinstance(self.conditions, Conditions),
                "conditions: must be an object of declared run conditions")
         _check(bool(self.job), "job: required (the controller paces, caps and drains by job)")
-        _check_size(self.cpu, self.memory, self.egress)
+        _check_size(self.cpu, self.memory)
+        _set(self, "egress", canonical_egress(self.egress, "egress"))
         _check_role(self.role)
         _check_extra(self.ephemeral_storage, self.gpu)
         _check_lifetime(self.lifetime_s)
@@ -542,11 +611,17 @@ class SandboxView(_Model):
     expires_at: str | None = None  # handed-out sandboxes only (warm ones never expire)
     lifetime_s: float | None = None
     tenant: str | None = None  # the tenant namespace (None: unscoped, e.g. the warm pool)
+    # With egress deny: the allowlist (canonical entries); None: none. Last, so positional
+    # use keeps its meaning; left out of the answer when None (older readers).
+    egress_allow: list[str] | None = None
 
     @classmethod
     def from_json(cls: type[_SandboxViewT], data: Any, **extra: Any) -> _SandboxViewT:
         what = "sandbox info"
         d = _answer(data, what)
+        allow = _opt(d, "egress_allow", list, what)
+        if allow is not None and not all(isinstance(x, str) for x in allow):
+            raise AnswerError(f"{what}: egress_allow must be a list of entries")
         return cls(id=_req(d, "id", str, what), pod=_req(d, "pod", str, what),
                    job=_req(d, "job", str, what), state=_req(d, "state", str, what),
                    address=_opt(d, "address", str, what), port=_req(d, "port", int, what),
@@ -554,7 +629,7 @@ class SandboxView(_Model):
                    memory=_req(d, "memory", str, what), egress=_req(d, "egress", str, what),
                    expires_at=_opt(d, "expires_at", str, what),
                    lifetime_s=_opt(d, "lifetime_s", _NUM, what),
-                   tenant=_opt(d, "tenant", str, what), **extra)
+                   tenant=_opt(d, "tenant", str, what), egress_allow=allow, **extra)
 
 
 @dataclass(frozen=True)
@@ -617,7 +692,8 @@ class Stats(_Model):
     creating: int
     live: int
     rate: float  # the pacer's current creates/s
-    warm: dict[str, dict[str, int]]  # "image|cpu|memory|workspace|egress" -> warm/building/target
+    # "image|cpu|memory|workspace|egress[|role][|allow=entries]" -> warm/building/target
+    warm: dict[str, dict[str, int]]
     jobs: dict[str, dict[str, int]]  # job -> count per entry state
     # Per tenant ('' unscoped): queued acquires by role, the oldest one's wait (s), its
     # creating and live pods. Last and defaulted, so positional use keeps its meaning.

@@ -16,7 +16,7 @@ import socket
 import ssl
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Generator, Mapping
+from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
@@ -360,6 +360,13 @@ def owner_of(owner: Owner | Mapping[str, str] | None) -> Owner | None:
     if owner is None or isinstance(owner, Owner):
         return owner
     return Owner(name=str(owner["name"]), uid=str(owner["uid"]))
+
+
+def egress_of(egress: str | Mapping[str, Sequence[str]]) -> str | dict[str, Any]:
+    """`egress` as the wire takes it; api.canonical_egress checks it."""
+    if isinstance(egress, Mapping):
+        return {k: list(v) if isinstance(v, (list, tuple)) else v for k, v in egress.items()}
+    return egress
 
 
 def conditions_of(c: api.Conditions | Mapping[str, Any] | None) -> api.Conditions | None:

@@ -200,7 +200,7 @@ def _client(args: argparse.Namespace) -> Client:
 def cmd_acquire(args: argparse.Namespace) -> int:
     with _client(args) as c:
         sb = c.acquire(args.image, job=args.job, cpu=args.cpu, memory=args.memory,
-                       egress=args.egress, role=args.role, namespace=args.namespace,
+                       egress=_egress(args), role=args.role, namespace=args.namespace,
                        timeout_s=args.timeout, lifetime_s=args.lifetime, renew=False)
         try:
             lease = sb.detach()
@@ -268,7 +268,7 @@ def cmd_stats(args: argparse.Namespace) -> int:
 def cmd_prewarm(args: argparse.Namespace) -> int:
     with _client(args) as c:
         pool = c.prewarm(args.image, args.count, cpu=args.cpu, memory=args.memory,
-                         egress=args.egress, role=args.role, idle_timeout_s=args.idle_timeout)
+                         egress=_egress(args), role=args.role, idle_timeout_s=args.idle_timeout)
     emit(args, pool, lambda: [["TARGET", "WARM", "BUILDING"],
                               [str(pool.target), str(pool.warm), str(pool.building)]])
     return 0
@@ -369,10 +369,24 @@ def cmd_cp(args: argparse.Namespace) -> int:
 
 # ---- the parser
 
+def _egress(args: argparse.Namespace) -> str | dict[str, list[str]]:
+    """--egress, or with --egress-allow the allowlist (which means egress deny)."""
+    if not args.egress_allow:
+        return str(args.egress)
+    if args.egress != api.DEFAULT_EGRESS:
+        raise E.BadRequest(f"--egress-allow needs --egress {api.DEFAULT_EGRESS}, not "
+                           f"{args.egress!r}: an allowlist is what egress deny lets out")
+    entries = [x.strip() for item in args.egress_allow for x in item.split(",")]
+    return {api.EGRESS_ALLOW_KEY: entries}
+
+
 def _size_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--cpu", default=api.DEFAULT_CPU, help="CPU (requests == limits)")
     p.add_argument("--memory", default=api.DEFAULT_MEMORY, help="memory (requests == limits)")
     p.add_argument("--egress", default=api.DEFAULT_EGRESS, help="egress mode")
+    p.add_argument("--egress-allow", action="append", default=[], metavar="ENTRY",
+                   help="with egress deny, let out only to ENTRY (CIDR:PORT or "
+                        "svc/NAME.NAMESPACE:PORT; repeatable or comma-separated)")
     p.add_argument("--role", default=api.DEFAULT_ROLE, help="agent or grading")
 
 

@@ -110,3 +110,14 @@ def test_the_books_proof_survives_the_slim_copy():
     full["metadata"]["annotations"][contract.ANNOTATION_PROOF] = "cd" * 32
     slim = slim_pod(full)
     assert pods.annotation(slim, contract.ANNOTATION_PROOF) == "cd" * 32
+
+
+def test_the_egress_allowlist_survives_the_slim_copy():
+    """The allowlist is part of the warm-pool key: a rebuilt leader reads it from the copy."""
+    full = _pod(**READY)
+    full["metadata"]["labels"][contract.LABEL_EGRESS] = contract.EGRESS_DENY
+    allow = "198.18.0.1/32:8181/tcp,svc/pypi-mirror.infra:3141/tcp"
+    full["metadata"]["annotations"][contract.ANNOTATION_EGRESS_ALLOW] = allow
+    spec = pods.spec_of(slim_pod(full))
+    assert spec == pods.spec_of(full)
+    assert spec.egress_allow == tuple(allow.split(","))

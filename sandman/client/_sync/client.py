@@ -104,7 +104,8 @@ class Client:
     # ---- the API
 
     def acquire(self, image: str, *, job: str, cpu: str | int | float = api.DEFAULT_CPU,
-                memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
+                memory: str = api.DEFAULT_MEMORY,
+                egress: str | Mapping[str, Sequence[str]] = api.DEFAULT_EGRESS,
                 workspace: str | None = None,
                 owner: Owner | Mapping[str, str] | None = None,
                 labels: Mapping[str, str] | None = None,
@@ -133,8 +134,15 @@ class Client:
         `reuse=True` (restored, checked, back to its warm pool); a later grading acquire gets
         such a pod only with `reused_ok=True` (else a never-used one).
 
+        `egress`: "deny" (default), "allow", or `{"allow": ["10.0.0.0/8:443",
+        "svc/pypi-mirror.infra:3141"]}`: outbound denied but for those entries (CIDR:PORT or
+        svc/NAME.NAMESPACE:PORT, optionally /tcp or /udp), which must lie within the
+        cluster's ceiling (BadRequest naming the entry otherwise); each allowlist is its own
+        warm pool.
+
         `conditions` declares run conditions (`api.Conditions` or a mapping with its fields:
-        egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s).
+        egress, cpu_quota, visible_cpus, memory_limit, user, tz, hash_seed, time_limit_s,
+        egress_allow).
         The controller reads them in the pod before hand-out and never hands out one that
         contradicts a readable field (ConditionsRefused once its tries are used up); the
         sandbox's `conditions_check` says what was verified and what could not be read.
@@ -146,7 +154,7 @@ class Client:
             raise SandmanError("client is closed")
         body = _core.request(
             api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
-            egress=egress, workspace=workspace, owner=_core.owner_of(owner),
+            egress=_core.egress_of(egress), workspace=workspace, owner=_core.owner_of(owner),
             labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
             wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace, role=role,
             conditions=_core.conditions_of(conditions), reused_ok=bool(reused_ok),
@@ -231,7 +239,8 @@ class Client:
 
     def prewarm(self, image: str, count: int, *,
                 cpu: str | int | float = api.DEFAULT_CPU,
-                memory: str = api.DEFAULT_MEMORY, egress: str = api.DEFAULT_EGRESS,
+                memory: str = api.DEFAULT_MEMORY,
+                egress: str | Mapping[str, Sequence[str]] = api.DEFAULT_EGRESS,
                 workspace: str | None = None,
                 idle_timeout_s: float | None = None,
                 role: str = api.DEFAULT_ROLE, ephemeral_storage: str | None = None,
@@ -241,7 +250,8 @@ class Client:
         while idle; they go after `idle_timeout_s` without an acquire. `role`: the pool of
         agent or of grading sandboxes (a separate key); `ephemeral_storage` and `gpu` as
         acquire's (each size its own pool)."""
-        spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory), egress=egress,
+        spec = _core.request(api.Spec, cpu=str(cpu), memory=str(memory),
+                             egress=_core.egress_of(egress),
                              workspace=workspace, role=role,
                              ephemeral_storage=ephemeral_storage, gpu=gpu)
         body = _core.request(api.PrewarmRequest, image=image, count=count, spec=spec,
