@@ -24,7 +24,7 @@ from controller.pacer import Limits
 from controller.prepull import check_images
 from controller.routes import build_app
 from controller.settings import Settings, load_pod_template
-from sandman import contract, logs
+from sandman import contract, egress, logs
 from sandman.podspec import GUARD_MODES, SandboxPolicy, gpu_args, gpu_policy
 
 log = logging.getLogger("controller")
@@ -86,6 +86,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--conditions-egress-probe", default=None, metavar="HOST:PORT",
                    help="an address a pod with outbound network reaches: an acquire declaring "
                         "egress has the pod try it (default: netguard's status only)")
+    s.add_argument("--egress-ceiling", action="append", default=[], metavar="ENTRY",
+                   help="what egress allowlists may name (CIDR:PORT or svc/NAME.NAMESPACE:PORT,"
+                        " * for any port or Service name; repeatable or comma-separated); "
+                        "none: every allowlist is refused (chart sandbox.egressCeiling)")
+    s.add_argument("--egress-never", action="append", default=[], metavar="CIDR",
+                   help="ranges no allowlist may name, besides the metadata and link-local "
+                        "ones and the API server's address (repeatable or comma-separated; "
+                        "chart sandbox.egressNever)")
     s.add_argument("--api-timeout", type=float, default=15.0,
                    help="seconds per API server call before it counts as failed and is retried")
     s.add_argument("--default-lifetime", type=float, default=Settings.default_lifetime,
@@ -219,6 +227,9 @@ def settings_from(args: argparse.Namespace) -> Settings:
         api_timeout=args.api_timeout, default_lifetime=args.default_lifetime,
         conditions_attempts=args.conditions_attempts,
         conditions_egress_probe=args.conditions_egress_probe,
+        # The API server's Service address (the kubelet sets it in every pod) is never
+        # allowed either; netguard carves it out of wider entries at apply time.
+        api_server=_api_server(),
         min_lifetime=args.min_lifetime, max_lifetime=args.max_lifetime,
         pod_template=(load_pod_template(args.pod_template_file) if args.pod_template_file
                       else {}),
@@ -231,7 +242,20 @@ def settings_from(args: argparse.Namespace) -> Settings:
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
                              controller_ip=_ip_or_none(args.advertise_address),
+                             # As the webhook's: its netguard args carry egress_never.
+                             egress_ceiling=tuple(e.text for e in egress.Ceiling.parse(
+                                 _split(args.egress_ceiling)).entries),
+                             egress_never=tuple(_split(args.egress_never)),
                              **gpu_policy(args)))
+
+
+def _split(items: list[str]) -> list[str]:
+    return [x.strip() for item in items for x in item.split(",") if x.strip()]
+
+
+def _api_server() -> tuple[str, ...]:
+    ip = _ip_or_none(os.environ.get(contract.KUBERNETES_SERVICE_HOST_ENV, ""))
+    return (ip,) if ip else ()
 
 
 def _read_key(path: str | None) -> bytes | None:

@@ -15,7 +15,7 @@ from typing import Any
 
 import httpx
 
-from sandman import api
+from sandman import api, contract, egress
 
 log = logging.getLogger("controller")
 
@@ -74,11 +74,31 @@ def readings(c: dict) -> dict[str, Any]:
         seed = c["pythonhashseed"]
         r["hash_seed"] = "random" if seed in (None, "", "random") else str(seed)
     probe = c.get("egress")
-    if isinstance(probe, dict) and probe.get("open") is True:
+    opened = isinstance(probe, dict) and probe.get("open") is True
+    if opened:
         r["egress"] = "allow"  # an outbound connection was made: whatever the guard says
     elif c.get("netguard_mode") in api.EGRESS_VALUES:
         r["egress"] = c["netguard_mode"]
+    applied = c.get("netguard_allow_egress")
+    if c.get("netguard_mode") == contract.EGRESS_ALLOW:  # no allowlist: everything goes out
+        applied = f"egress {contract.EGRESS_ALLOW}"
+    elif c.get("netguard_mode") == contract.EGRESS_DENY and isinstance(applied, list):
+        applied = _canonical(applied)
+    else:
+        applied = None
+    if applied is not None:
+        r["egress_allow"] = {"applied": applied,
+                             "probe": probe.get("target") if opened else None}
     return r
+
+
+def _canonical(entries: list) -> list[str] | str:
+    """netguard's recorded entries in canonical form; as recorded when they do not parse
+    (then they can never equal a declared list)."""
+    try:
+        return egress.render(egress.parse_list(entries)).split(",") if entries else []
+    except ValueError:
+        return ",".join(str(x) for x in entries)
 
 
 def _tz(z: str) -> str:
@@ -113,12 +133,19 @@ def _matches(name: str, want: Any, got: Any) -> bool | None:
         return _tz(got) == _tz(want)
     if name in ("hash_seed", "egress"):
         return got == want
+    if name == "egress_allow":
+        # The list netguard applied, exactly; and the egress probe's address (never one an
+        # allowlist names) must stay unreachable.
+        return got["applied"] == list(want) and got["probe"] is None
     return None
 
 
 def _shown(name: str, got: Any) -> Any:
     if name == "user":
         return got["name"] if got["name"] is not None else got["uid"]
+    if name == "egress_allow":
+        return (got["applied"] if got["probe"] is None
+                else f"{got['applied']} and the egress probe {got['probe']} reachable")
     return got
 
 
@@ -166,8 +193,8 @@ class Checker:
             r = await self._http.post(f"http://{host}:{self.port}/env", json=body, headers=auth)
             if r.status_code != 200:
                 raise RuntimeError(f"execd /env answered {r.status_code}")
-        params = ({"egress_probe": self.egress_probe}
-                  if self.egress_probe and "egress" in declared else None)
+        params = ({"egress_probe": self.egress_probe} if self.egress_probe and (
+            "egress" in declared or "egress_allow" in declared) else None)
         r = await self._http.get(f"http://{host}:{self.port}/conditions", params=params,
                                  headers=auth)
         if r.status_code != 200:

@@ -50,7 +50,7 @@ from controller.prepull import Prepuller
 from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
-from sandman import api, contract
+from sandman import api, contract, egress
 
 log = logging.getLogger("controller")
 
@@ -166,6 +166,8 @@ class Controller:
             raise BadRequest(f"image {spec.image!r} is not an image reference")
         if spec.egress not in (contract.EGRESS_DENY, contract.EGRESS_ALLOW):
             raise BadRequest(f"egress must be deny or allow, not {spec.egress!r}")
+        if spec.egress_allow:
+            self.validate_egress(spec)
         from sandman.podspec import parse_quantity
 
         for what, q in (("cpu", spec.cpu), ("memory", spec.memory)):
@@ -291,6 +293,19 @@ class Controller:
                                          f"contradicting the declared conditions; last: "
                                          f"{refused[-1]}", ex.events) from None
                 raise
+
+    def validate_egress(self, spec: SandboxSpec) -> None:
+        """An allowlist within the ceiling and outside the never ranges, before any create:
+        a 400 naming each refused entry (the webhook would refuse the pod anyway)."""
+        if spec.egress != contract.EGRESS_DENY:
+            raise BadRequest("an egress allowlist needs egress deny")
+        try:
+            entries = egress.parse_list(list(spec.egress_allow))
+        except ValueError as ex:
+            raise BadRequest(str(ex)) from None
+        why = egress.refusals(entries, self.s.ceiling, self.s.never)
+        if why:
+            raise BadRequest("; ".join(why))
 
     def validate_conditions(self, conditions: dict | None) -> None:
         if not conditions:
@@ -474,7 +489,8 @@ class Controller:
             "live": self.pacer.live,
             "rate": self.pacer.rate,
             "warm": {f"{k.image}|{k.cpu}|{k.memory}|{k.workspace or ''}|{k.egress}"
-                     + (f"|{k.role}" if k.role != contract.ROLE_AGENT else ""):
+                     + (f"|{k.role}" if k.role != contract.ROLE_AGENT else "")
+                     + (f"|allow={','.join(k.egress_allow)}" if k.egress_allow else ""):
                      {"warm": len(p.warm), "building": p.building, "target": p.target,
                       "floor": p.floor}
                      for k, p in self.pools.items()},

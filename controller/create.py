@@ -130,6 +130,8 @@ class Creator:
         meta = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
                 "annotations": {**t.get("annotations", {}),
                                 contract.ANNOTATION_TOKEN_SHA256: token_sha}}
+        if e.spec.egress_allow:  # canonical already (sandman/api.py); the label says deny
+            meta["annotations"][contract.ANNOTATION_EGRESS_ALLOW] = ",".join(e.spec.egress_allow)
         if self.s.books_key is not None:
             meta["annotations"][contract.ANNOTATION_PROOF] = proof(
                 self.s.books_key, self.s.namespace, e.name, e.nonce)

@@ -92,7 +92,7 @@ LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any stat
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
 # Declared run conditions (controller/conditions.py): field is api.CONDITION_FIELDS or "probe".
 CONDITION_LABELS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
-                    "hash_seed", "time_limit_s", "probe")
+                    "hash_seed", "time_limit_s", "egress_allow", "probe")
 CONDITIONS_REFUSED = Counter("sandman_controller_conditions_refused_total",
                              "Pods refused at hand-out: a reading contradicted a declared "
                              "condition (probe: the pod did not answer the probe)", ["field"])

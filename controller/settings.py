@@ -8,7 +8,7 @@ import yaml
 
 from controller.demand import Budget
 from controller.pacer import Limits
-from sandman import contract
+from sandman import contract, egress
 from sandman.podspec import SandboxPolicy
 
 # ---- the sandbox pod template (--pod-template-file): what a shared node pool asks of pods ---
@@ -131,7 +131,15 @@ class Settings:
     # start and onto every node that joins it (controller/prepull.py); checked refs.
     prepull_images: tuple[str, ...] = ()
 
+    # The API server's addresses (KUBERNETES_SERVICE_HOST): never in an allowlist, besides
+    # the policy's egress_never (chart sandbox.egressNever) and sandman/egress.py's NEVER.
+    api_server: tuple[str, ...] = ()
+
     def __post_init__(self) -> None:
+        # An acquire's allowlist is checked against these before its create (the ceiling and
+        # the admin's never ranges are the policy's: the webhook's flags, the same values).
+        self.ceiling = egress.Ceiling.parse(list(self.policy.egress_ceiling))
+        self.never = egress.parse_never(list(self.policy.egress_never) + list(self.api_server))
         if self.ready_check not in ("execd", "pod"):
             raise ValueError("ready_check must be execd or pod")
         if self.baseline_scope not in contract.BASELINE_SCOPES:

@@ -1412,6 +1412,7 @@ class Daemon:
         g = self.guard_status()
         out["netguard_mode"] = (g.get("mode") if isinstance(g, dict) and g.get("ok") is True
                                 and isinstance(g.get("mode"), str) else None)
+        out["netguard_allow_egress"] = guard_allowlist(g)
         probe = query.get("egress_probe")
         out["egress"] = egress_probe(probe[-1]) if probe else None
         return out
@@ -1723,6 +1724,18 @@ def time_zone(root="/", tz_env=None):
         tz = tz.split("/", 1)[1]
     return {"localtime": lt, "tz": tz, "tz_utc": (tz in _TZ_UTC) if tz is not None else None,
             "tz_source": src}
+
+
+def guard_allowlist(g):
+    # The entries netguard applied (its status's options), as it recorded them; None when the
+    # status is missing, failed or not of that form (the reading is then unverified).
+    if not isinstance(g, dict) or g.get("ok") is not True:
+        return None
+    allow = (g.get("options") or {}).get("allow_egress") if isinstance(g.get("options"),
+                                                                      dict) else None
+    if not isinstance(allow, list) or not all(isinstance(x, str) for x in allow):
+        return None
+    return allow
 
 
 def egress_probe(target):
