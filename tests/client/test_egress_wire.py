@@ -68,6 +68,13 @@ def test_plain_egress_bodies_are_unchanged():
     ({"allow": ["svc/*.infra:80"]}, "is not a Service name"),  # ceilings only
     ({"allow": ["http://10.0.0.1:80"]}, "'http://10.0.0.1:80'"),
     ({"allow": [f"10.0.{i // 250}.{i % 250}:80" for i in range(33)]}, "at most 32"),
+    # 32 entries, each valid, whose annotation would pass the 2 KiB a pod may carry.
+    ({"allow": [f"svc/{'m' * 40}{i}.{'n' * 20}:3141" for i in range(32)]}, "2048 characters"),
+    ({"allow": ["10.0.0.1:\uff18\uff10"]}, "port must be 1-65535"),  # fullwidth digits
+    ({"allow": ["010.0.0.1:80"]}, "'010.0.0.1:80'"),  # read as octal elsewhere
+    ({"allow": None}, "egress.allow: must be a non-empty list"),
+    ({"allow": [["10.0.0.1:80"]]}, "egress.allow: must be a non-empty list"),
+    ({"allow": ["10.0.0.1:80\n"]}, "contains whitespace"),
 ])
 def test_a_bad_egress_is_refused_in_one_line(bad, says):
     for build in (lambda: api.AcquireRequest(image="img", job="j", egress=bad),
