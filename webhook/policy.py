@@ -21,7 +21,9 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 
+from sandman import egress as egress_entries
 from sandman.contract import (
+    ANNOTATION_EGRESS_ALLOW,
     ANNOTATION_INGRESS_FROM,
     ANNOTATION_TOKEN_SHA256,
     EGRESS_ALLOW,
@@ -82,7 +84,7 @@ _CAPS = sorted(GUARD_CAPS)
 # webhook's --allow-secrets); the rest are fixed. Order matters: a variable may use the ones
 # before it.
 POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways", "allowSecrets", "gpuResource",
-                    "gpuMax", "gpuTolerations")
+                    "gpuMax", "gpuTolerations", "egressCeiling", "egressNever")
 
 
 def _bool(b: bool) -> str:
@@ -100,6 +102,10 @@ def policy_variables(policy: SandboxPolicy) -> list[dict]:
         # Helm's toJson spelling, so the chart's rendering is this one.
         {"name": "gpuTolerations",
          "expression": json.dumps(list(policy.gpu_tolerations), separators=(",", ":"))},
+        {"name": "egressCeiling",
+         "expression": json.dumps(list(policy.egress_ceiling), separators=(",", ":"))},
+        {"name": "egressNever",
+         "expression": json.dumps(list(policy.egress_never), separators=(",", ":"))},
     ]
 
 
@@ -114,6 +120,50 @@ def _installs(inits: str) -> str:
     return (f"{inits}.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)} || "
             f"(c.name == {_q(NETGUARD_CONTAINER)} && c.?args.orValue([]).exists(a, "
             f"a.startsWith({_q(INSTALL_FLAG_PREFIX)}))))")
+
+
+# Kubernetes' cidr() refuses IPv4-mapped IPv6 (::ffff:0:0/96): such an entry fails isCIDR in
+# the shape rule instead.
+_NEVER_CIDRS = tuple(str(n) for n in egress_entries.never_ranges()
+                     if not (n.version == 6 and n.network_address.ipv4_mapped is not None))
+# An entry of the canonical shape (podspec.egress_allow admits no other): what the CEL below
+# can take apart without an error.
+_ENTRY_SHAPE = (r"^(svc/[a-z]([-a-z0-9]{0,61}[a-z0-9])?\.[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"
+                r"|[0-9.]{7,15}/[0-9]{1,2}|\[[0-9a-f:]{2,39}/[0-9]{1,3}\]):[1-9][0-9]{0,4}/(tcp|udp)$")
+
+
+def _host(x: str) -> str:
+    return f"{x}.substring(0, {x}.lastIndexOf(':'))"
+
+
+def _tail(x: str) -> str:
+    return f"{x}.substring({x}.lastIndexOf(':') + 1)"
+
+
+def _cidr_text(h: str) -> str:
+    """A CIDR entry's host part without brackets, a bare address given its full prefix."""
+    bare = f"({h}.startsWith('[') ? {h}.substring(1, {h}.size() - 1) : {h})"
+    return (f"({bare}.contains('/') ? {bare} : ({bare}.contains(':') ? {bare} + '/128' : "
+            f"{bare} + '/32'))")
+
+
+def _within(c: str, e: str) -> str:
+    """Ceiling entry `c` (protocol written) covers request entry `e` (egress.Ceiling.admits)."""
+    hc, he, tc, te = _host(c), _host(e), _tail(c), _tail(e)
+    port = (f"({tc} == {te} || ({tc}.startsWith('*/') && "
+            f"{tc}.substring(1) == {te}.substring({te}.indexOf('/'))))")
+    svc = (f"({hc}.startsWith('svc/') && {he}.startsWith('svc/') && ({hc} == {he} || "
+           f"({hc}.startsWith('svc/*.') && {hc}.substring({hc}.indexOf('.')) == "
+           f"{he}.substring({he}.indexOf('.')))))")
+    net = (f"(!{hc}.startsWith('svc/') && !{he}.startsWith('svc/') && isCIDR({_cidr_text(hc)})"
+           f" && cidr({_cidr_text(hc)}).containsCIDR(cidr({_cidr_text(he)})))")
+    return f"({port} && ({svc} || {net}))"
+
+
+def _inside_never(e: str) -> str:
+    he = _host(e)
+    return (f"(!{he}.startsWith('svc/') && variables.egressNeverCidrs.exists(n, "
+            f"cidr(n).containsCIDR(cidr({_cidr_text(he)}))))")
 
 
 FIXED_VARIABLES: list[dict] = [
@@ -145,12 +195,32 @@ FIXED_VARIABLES: list[dict] = [
         f"variables.annotations[?{_q(ANNOTATION_INGRESS_FROM)}].hasValue() ? "
         f"variables.annotations[{_q(ANNOTATION_INGRESS_FROM)}].split(',')"
         ".map(p, p.trim()).filter(p, p != '') : variables.defaultIngressFrom"},
+    # The egress allowlist (podspec.egress_allow): the annotation's entries as they are (the
+    # webhook admits only sandman/egress.py's canonical text), each an --allow-egress, then the
+    # admin's never CIDRs; nothing of either without the annotation.
+    {"name": "egressAllow", "expression":
+        f"variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}].hasValue() ? "
+        f"variables.annotations[{_q(ANNOTATION_EGRESS_ALLOW)}].split(',') : []"},
+    # The values as strings (an empty list literal is a list of dyn)...
+    {"name": "egressNeverList", "expression": "variables.egressNever.map(n, string(n))"},
+    # ...and the ceiling as the webhook reads it: a protocol left out is tcp.
+    {"name": "egressCeilingTcp", "expression":
+        "variables.egressCeiling.map(c, string(c)).map(c, "
+        "c.substring(c.lastIndexOf(':')).contains('/') ? c : c + '/tcp')"},
+    # Never ranges: sandman/egress.py's NEVER (and the NAT64 images of its IPv4 ones), the
+    # admin's (a bare address is one address).
+    {"name": "egressNeverCidrs", "expression":
+        f"{_list(_NEVER_CIDRS)} + variables.egressNeverList.map(n, n.contains('/') ? n : "
+        "(n.contains(':') ? n + '/128' : n + '/32'))"},
     # ...and a sandbox's guard (labelled, or installing already) installs execd
     # (podspec.netguard_container).
     {"name": "guardArgs", "expression":
         f"['--egress', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
         f"'--ingress-port', {_q(str(EXECD_PORT))}] + "
         "variables.ingressFrom.map(c, ['--ingress-from', c]).flatten() + "
+        "variables.egressAllow.map(e, ['--allow-egress', e]).flatten() + "
+        "(variables.egressAllow.size() > 0 ? "
+        "variables.egressNeverList.map(c, ['--never-egress', c]).flatten() : []) + "
         f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}] + "
         f"(variables.sandbox ? {_list(INSTALL_EXECD_ARGS)} : [])"},
     # Every container but the guard at initContainers[0] (names are unique in a pod).
@@ -353,6 +423,34 @@ RULES: list[Rule] = [
                  f"variables.oldAnnotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"),
          f"'annotation {ANNOTATION_TOKEN_SHA256} cannot change after create; a new pod is "
          "needed'"),
+    Rule("metadata-immutable",
+         "!variables.isUpdate || "
+         + _same(f"variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}]",
+                 f"variables.oldAnnotations[?{_q(ANNOTATION_EGRESS_ALLOW)}]"),
+         f"'annotation {ANNOTATION_EGRESS_ALLOW} cannot change after create (netguard applied "
+         "the list when the pod started); a new pod is needed'"),
+    # podspec.egress_allow: with egress=deny only, in the canonical shape, within the ceiling,
+    # never inside a never range. The webhook checks more (the exact canonical text, the API
+    # server's addresses); the policy never refuses what it admits.
+    Rule("egress-allow-invalid",
+         f"!variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}].hasValue() || variables.deny",
+         f"'annotation {ANNOTATION_EGRESS_ALLOW} needs label {LABEL_EGRESS}={EGRESS_DENY}'"),
+    Rule("egress-allow-invalid",
+         f"variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}].orValue('').size() <= "
+         f"{egress_entries.MAX_ANNOTATION_CHARS} && variables.egressAllow.size() <= "
+         f"{egress_entries.MAX_ENTRIES} && variables.egressAllow.all(e, e.matches("
+         f"{_q(_ENTRY_SHAPE)}) && (e.startsWith('svc/') || isCIDR({_cidr_text(_host('e'))})))",
+         f"'annotation {ANNOTATION_EGRESS_ALLOW} must be sandman\\'s canonical entries "
+         "(CIDR:PORT/PROTO, [IPv6]:PORT/PROTO, svc/NAME.NAMESPACE:PORT/PROTO), at most "
+         f"{egress_entries.MAX_ENTRIES}'"),
+    Rule("egress-allow-refused",
+         "variables.egressAllow.all(e, !e.matches(" + _q(_ENTRY_SHAPE) + ") || "
+         "(!" + _inside_never("e") + " && variables.egressCeilingTcp.exists(c, "
+         + _within("c", "e") + ")))",
+         "'egress entries ' + variables.egressAllow.filter(e, e.matches(" + _q(_ENTRY_SHAPE)
+         + ") && (" + _inside_never("e") + " || !variables.egressCeilingTcp.exists(c, "
+         + _within("c", "e") + "))).join(', ') + ' are outside the cluster\\'s ceiling "
+         "(sandbox.egressCeiling) or never allowed'"),
     Rule("egress-label-invalid",
          f"!variables.egress.hasValue() || variables.egress.value() in "
          f"{_list([EGRESS_DENY, EGRESS_ALLOW])}",
@@ -666,6 +764,8 @@ CHART_VARIABLES = {
     "gpuMax": '{{ ternary (int .Values.sandbox.gpu.max) 0 .Values.sandbox.gpu.enabled '
               '| toString | quote }}',
     "gpuTolerations": '{{ .Values.sandbox.gpu.tolerations | default list | toJson | quote }}',
+    "egressCeiling": '{{ include "sandman.egressCeilingEntries" . | quote }}',
+    "egressNever": '{{ .Values.sandbox.egressNever | default list | toJson | quote }}',
 }
 _PLACEHOLDER = "SANDMAN_CHART_VARIABLE_{}"
 

@@ -277,6 +277,50 @@ def test_network_policies(helm):
                 if o["kind"] == "NetworkPolicy"]
 
 
+def test_the_egress_ceiling_network_policy_is_the_admins_bound(helm):
+    """sandbox.egressCeiling becomes one more NetworkPolicy for egress=deny sandboxes: each
+    entry an egress rule (never ranges inside an IPv4 entry excepted), a Service by the pods
+    behind it, DNS when a Service entry needs resolving; none without a ceiling."""
+    assert not [o for o in _render(helm) if o["metadata"]["name"].endswith("-egress-ceiling")]
+    objs = _render(helm, *_values_args("egress-allowlist"))
+    pol = _find(objs, "NetworkPolicy", "-sandbox-egress-ceiling")
+    assert pol["spec"]["podSelector"]["matchLabels"] == {
+        contract.LABEL_EGRESS: contract.EGRESS_DENY}
+    assert pol["spec"]["policyTypes"] == ["Egress"]
+    rules = pol["spec"]["egress"]
+    # 169.254.0.0/16, 0.0.0.0/32, 100.100.100.200/32 and 192.168.0.0/16 lie outside 10/8.
+    assert rules[0] == {"to": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": [
+        "10.96.0.1/32", "10.100.0.0/16"]}}], "ports": [{"protocol": "TCP"}]}
+    assert rules[1] == {"to": [{"ipBlock": {"cidr": "fd00::/8"}}],
+                        "ports": [{"protocol": "TCP", "port": 443}]}
+    assert rules[2] == {"to": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "infra"}}}], "ports": [{"protocol": "TCP"}]}
+    assert rules[3] == {"to": [{"namespaceSelector": {"matchLabels": {
+        "kubernetes.io/metadata.name": "mirrors"}}, "podSelector": {"matchLabels": {
+            "app": "pypi-mirror"}}}], "ports": [{"protocol": "TCP", "port": 8080}]}
+    assert rules[4]["ports"] == [{"port": 53, "protocol": "UDP"}, {"port": 53, "protocol": "TCP"}]
+    assert len(rules) == 5
+    # The webhook and the controller get the same ceiling and never list as flags.
+    for name in ("-webhook", "-controller"):
+        args = _find(objs, "Deployment", name)["spec"]["template"]["spec"]["containers"][0][
+            "args"]
+        assert [a for a in args if a.startswith("--egress-")] == [
+            "--egress-ceiling=10.0.0.0/8:*", "--egress-ceiling=[fd00::/8]:443/tcp",
+            "--egress-ceiling=svc/*.infra:*", "--egress-ceiling=svc/pypi-mirror.mirrors:3141",
+            "--egress-never=10.96.0.1", "--egress-never=10.100.0.0/16",
+            "--egress-never=192.168.0.0/16"], name
+
+
+@pytest.mark.parametrize("entry,why", [
+    ("169.254.169.254/32:80", "inside the never range 169.254.0.0/16"),
+    ("100.100.100.200:80", "inside the never range 100.100.100.200/32"),
+    ("svc/pypi.infra:3141", "needs its object form"),
+])
+def test_an_egress_ceiling_entry_no_allowlist_could_use_fails_the_render(helm, entry, why):
+    res = helm.template("--set", f"sandbox.egressCeiling[0]={entry}", check=False)
+    assert res.returncode != 0 and why in res.stderr, res.stderr
+
+
 def test_release_namespace_and_kube_system_always_excluded(helm):
     objs = _render(helm, "--set", "webhook.excludedNamespaces={monitoring}",
                    "--set", "webhook.namespaceSelector.matchLabels.team=rl",
@@ -315,7 +359,9 @@ def test_policy_is_the_one_webhook_policy_builds(helm, case):
                         allow_secrets=any(k == "--allow-secrets" for k, _ in flags),
                         gpu_max=int(next((v for k, v in flags if k == "--gpu-max"), "0")),
                         gpu_resource=next(v for k, v in flags if k == "--gpu-resource"),
-                        gpu_tolerations=tuple(v for k, v in flags if k == "--gpu-toleration"))
+                        gpu_tolerations=tuple(v for k, v in flags if k == "--gpu-toleration"),
+                        egress_ceiling=tuple(v for k, v in flags if k == "--egress-ceiling"),
+                        egress_never=tuple(v for k, v in flags if k == "--egress-never"))
     want = vap.admission_policy(got["metadata"]["name"], pol)
     assert got["spec"] == want["spec"]
     binding = next(o for o in objs if o["kind"] == "ValidatingAdmissionPolicyBinding"

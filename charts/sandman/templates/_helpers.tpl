@@ -216,6 +216,26 @@ cert-manager.io/inject-ca-from: {{ printf "%s/%s" .Release.Namespace (include "s
 {{- range .Values.sandbox.gpu.tolerations }}
 - --gpu-toleration={{ . }}
 {{- end }}
+{{- range (include "sandman.egressCeilingEntries" . | fromJsonArray) }}
+- --egress-ceiling={{ . }}
+{{- end }}
+{{- range .Values.sandbox.egressNever }}
+- --egress-never={{ . }}
+{{- end }}
+{{- end -}}
+
+{{- /* sandbox.egressCeiling as entry strings (a Service's object form gives its `entry`), as
+JSON: the webhook's and the controller's --egress-ceiling and the policy's CEL read the same. */ -}}
+{{- define "sandman.egressCeilingEntries" -}}
+{{- $out := list -}}
+{{- range .Values.sandbox.egressCeiling -}}
+{{- if kindIs "map" . -}}
+{{- $out = append $out .entry -}}
+{{- else -}}
+{{- $out = append $out . -}}
+{{- end -}}
+{{- end -}}
+{{- $out | toJson -}}
 {{- end -}}
 
 {{- /* Cluster-scoped objects (webhook configurations, ClusterRole, binding, PriorityClass):
@@ -388,4 +408,23 @@ created just before it and deleted with it when it succeeds; a failed run keeps 
 {{- define "sandman.cleanup.hook" -}}
 helm.sh/hook: post-delete
 helm.sh/hook-delete-policy: before-hook-creation,hook-succeeded
+{{- end -}}
+
+{{- /* "true" when IPv4 CIDR (list INNER OUTER) lies strictly inside OUTER (a never range to
+except from a ceiling entry's ipBlock); Helm has no CIDR functions, so by integer arithmetic. */ -}}
+{{- define "sandman.ipv4Inside" -}}
+{{- $in := splitList "/" (index . 0) -}}
+{{- $out := splitList "/" (index . 1) -}}
+{{- $pin := atoi (index $in 1) -}}
+{{- $pout := atoi (index $out 1) -}}
+{{- $size := 1 -}}
+{{- range until (sub 32 $pout | int) -}}{{- $size = mul $size 2 -}}{{- end -}}
+{{- $a := include "sandman.ipv4Int" (index $in 0) | atoi -}}
+{{- $b := include "sandman.ipv4Int" (index $out 0) | atoi -}}
+{{- and (gt $pin $pout) (eq (div $a $size) (div $b $size)) -}}
+{{- end -}}
+
+{{- define "sandman.ipv4Int" -}}
+{{- $o := splitList "." . -}}
+{{- add (mul (atoi (index $o 0)) 16777216) (mul (atoi (index $o 1)) 65536) (mul (atoi (index $o 2)) 256) (atoi (index $o 3)) -}}
 {{- end -}}
