@@ -534,7 +534,7 @@ class SandmanDeploymentConfig(BaseModel):
     job: str
     cpu: str = api.DEFAULT_CPU
     memory: str = api.DEFAULT_MEMORY
-    egress: str = "deny"
+    egress: str | dict[str, list[str]] = api.DEFAULT_EGRESS  # {"allow": [...]}: an allowlist
     workspace: str | None = None
     namespace: str | None = None
     labels: dict[str, str] | None = None

@@ -204,3 +204,13 @@ def test_the_cli_refuses_a_bad_entry_in_one_line(capsys):
                      "--egress-allow", "10.0.0.1:80,,10.0.0.2:80"])
     err = capsys.readouterr().err.strip()
     assert code == 2 and "\n" not in err and "'': empty" in err, err
+
+
+def test_the_swerex_deployment_takes_an_allowlist():
+    pytest.importorskip("swerex")
+    from sandman.client.swerex import SandmanDeploymentConfig
+
+    cfg = SandmanDeploymentConfig.model_validate(
+        {"type": "sandman", "image": "img", "job": "j", "egress": {"allow": [ENTRY]}})
+    assert cfg.egress == {"allow": [ENTRY]}
+    assert SandmanDeploymentConfig(image="img", job="j").egress == "deny"
