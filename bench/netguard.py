@@ -43,9 +43,10 @@ GOAL_MS = 100
 CPU_BUDGET_MS = 30
 APPLY_ARGS = ["--allow-egress", "10.250.1.2:53", "--ingress-from", "10.250.1.2/32",
               "--verify-blocked", "10.250.1.2:8080"]
-# What any guard written in Python imports at the least: json (the status file), socket
-# (rtnetlink and the probes), subprocess (iptables-*-restore/-save), ipaddress (the CIDRs).
-FLOOR_IMPORTS = "import json, socket, subprocess, ipaddress"
+# What any guard written in Python and run as `python3 -m` imports at the least: runpy (the
+# -m), ipaddress (the CIDRs), and the C modules under json (the status file), socket (rtnetlink
+# and the probes) and subprocess's pipes (iptables-*-restore/-save).
+FLOOR_IMPORTS = "import runpy, ipaddress, _json, _socket, select, struct"
 
 
 def _sh(*cmd: str) -> None:
@@ -208,8 +209,8 @@ def report(results: list[dict], base: dict, runs: int) -> str:
         f"`python -c 'import netguard.cli, execd.install'` {base['import_cpu_ms']:.1f} ms CPU "
         "(the imports alone, the rest of the process is the apply and the install); "
         f"`python -c '{FLOOR_IMPORTS}'` {base['floor_cpu_ms']:.1f} ms CPU, the floor of any "
-        "Python guard (the status JSON, rtnetlink and the probes, the iptables-* children, the "
-        "CIDRs), before any work.",
+        "Python guard run with `-m` (the CIDRs, and the C modules for the status JSON, "
+        "rtnetlink and the probes, the iptables-* children's pipes), before any work.",
         "netguard's modules run from compiled bytecode, as the image's `pip install` leaves them",
         "(a cache of the bench's own, written by one untimed import before the runs).",
         "CPU is user + sys from `getrusage(RUSAGE_CHILDREN)` around each first apply (the whole",

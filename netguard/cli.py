@@ -7,18 +7,20 @@ keeps the pod from starting: the sandbox never runs unguarded.
 
 from __future__ import annotations
 
-import argparse
-import json
 import os
 import sys
 import time
 
-from netguard import netinfo, verify, xtables
+from netguard import jsontext, netinfo, verify, xtables
 from netguard.config import FAMILIES, IPV4, IPV6, Config, ConfigError
 from netguard.rules import LiveFilter, diff_live, render, ruleset_sha256, transaction
 from sandman.contract import KUBERNETES_SERVICE_HOST_ENV, NETGUARD_STATUS_PATH
 
 STATUS_VERSION = 1
+
+TYPE_CHECKING = False
+if TYPE_CHECKING:
+    import argparse
 
 
 class GuardError(RuntimeError):
@@ -39,33 +41,9 @@ def say(args: argparse.Namespace, text: str, level: str = "INFO", stream=None) -
     Not through sandman.logs: importing `logging` is CPU on the guard's hot path (every
     sandbox start pays it under its own quota)."""
     if getattr(args, "log_format", "text") == "json":
-        text = json.dumps({"time": utc_now("Z"), "level": level, "logger": "netguard",
-                           "message": text})
+        text = jsontext.dumps({"time": utc_now("Z"), "level": level, "logger": "netguard",
+                               "message": text})
     print(text, file=stream or sys.stdout)
-
-
-def _ruleset_args(p: argparse.ArgumentParser) -> None:
-    g = p.add_argument_group("ruleset")
-    g.add_argument("--egress", choices=("deny", "allow"), default=None,
-                   help="deny (default): only loopback, replies and --allow-egress leave")
-    g.add_argument("--allow-egress", action="append", metavar="CIDR[:PORT[/tcp|udp]]",
-                   help="allowed destination in deny mode (repeatable, or comma-separated); "
-                        "IPv6 with a port as [CIDR]:PORT; a port without /proto means tcp+udp;"
-                        " svc/NAME.NAMESPACE:PORT[/tcp|udp]: a Service's addresses, resolved "
-                        "through this pod's DNS at apply time (fails closed if none)")
-    g.add_argument("--never-egress", action="append", metavar="CIDR",
-                   help="never reached even inside an --allow-egress entry (repeatable or "
-                        "comma-separated), besides the metadata and link-local ranges and the "
-                        "API server (KUBERNETES_SERVICE_HOST)")
-    g.add_argument("--ingress-port", type=int, default=None,
-                   help="the port inbound callers may reach (default: execd's)")
-    g.add_argument("--ingress-from", action="append", metavar="CIDR",
-                   help="sources allowed to reach --ingress-port (repeatable or comma-separated);"
-                        " none: loopback only")
-    g.add_argument("--ingress-from-gateway", action="store_const", const=True, default=None,
-                   help="also admit the pod's default gateway(s) (/32, /128) to --ingress-port, "
-                        "read from this netns's routing table: on a bridge CNI the kubelet's "
-                        "probes come from there; none found admits nothing more")
 
 
 def _config(args: argparse.Namespace, gateways: list[str] | None = None) -> Config:
@@ -91,63 +69,85 @@ def _given(args: argparse.Namespace) -> bool:
                          "ingress_from", "ingress_from_gateway"))
 
 
-class _Formatter(argparse.HelpFormatter):
-    """argparse's own, sized without shutil: argparse builds a formatter for every
-    add_argument, and its default width imports shutil (with fnmatch, bz2 and lzma), CPU on
-    the guard's hot path under the sandbox's quota. The width is what shutil would find."""
+def build_parser():
+    """The whole command line, with argparse (netguard/args.py): help, render, check, and any
+    apply command line the fast reader leaves to it."""
+    from netguard.args import build_parser as build
 
-    def __init__(self, prog: str, **kw) -> None:
-        if kw.get("width") is None:
-            try:
-                columns = int(os.environ["COLUMNS"])
-            except (KeyError, ValueError):
-                columns = 0
-            if columns <= 0:
-                try:
-                    columns = os.get_terminal_size(1).columns
-                except (ValueError, OSError):
-                    columns = 80
-            kw["width"] = columns - 2
-        super().__init__(prog, **kw)
+    return build(__doc__.splitlines()[0])
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="netguard", description=__doc__.splitlines()[0],
-                                formatter_class=_Formatter)
-    sub = p.add_subparsers(dest="cmd", required=True)
-    log = argparse.ArgumentParser(add_help=False, formatter_class=_Formatter)
-    log.add_argument("--log-format", choices=("text", "json"), default="text",
-                     help="json: each line one object (time, level, logger, message)")
+# The apply command line of an injected guard, read without argparse: its import (with re,
+# gettext and locale) is CPU on every guarded pod's start, under the pod's own quota. Each
+# option: (dest, kind, choices or constant). Whatever this reader cannot take exactly as
+# argparse would (help, an abbreviation, a bad or missing value, `--`, a value that starts
+# with '-') goes to argparse, which answers it; tests/netguard/test_values.py holds this table
+# to build_parser()'s apply options.
+_STR, _INT, _FLOAT, _APPEND, _CONST, _FALSE = range(6)
+APPLY_OPTIONS = {
+    "--log-format": ("log_format", _STR, ("text", "json")),
+    "--egress": ("egress", _STR, ("deny", "allow")),
+    "--allow-egress": ("allow_egress", _APPEND, None),
+    "--never-egress": ("never_egress", _APPEND, None),
+    "--ingress-port": ("ingress_port", _INT, None),
+    "--ingress-from": ("ingress_from", _APPEND, None),
+    "--ingress-from-gateway": ("ingress_from_gateway", _CONST, True),
+    "--backend": ("backend", _STR, ("auto",) + xtables.BACKENDS),
+    "--no-verify": ("verify", _FALSE, None),
+    "--verify-blocked": ("verify_blocked", _APPEND, None),
+    "--verify-timeout": ("verify_timeout", _FLOAT, None),
+    "--status-file": ("status_file", _STR, None),
+    "--install-execd": ("install_execd", _STR, None),
+}
+APPLY_DEFAULTS = {
+    "cmd": "apply", "log_format": "text", "egress": None, "allow_egress": None,
+    "never_egress": None, "ingress_port": None, "ingress_from": None,
+    "ingress_from_gateway": None, "backend": "auto", "verify": True, "verify_blocked": None,
+    "verify_timeout": verify.DEFAULT_TIMEOUT, "status_file": NETGUARD_STATUS_PATH,
+    "install_execd": None,
+}
 
-    a = sub.add_parser("apply", parents=[log], formatter_class=_Formatter, help="install the rules in this netns, verify them, write status")
-    _ruleset_args(a)
-    a.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto",
-                   help="iptables backend; auto: whichever has rules in this netns, else nft")
-    a.add_argument("--no-verify", dest="verify", action="store_false",
-                   help="skip the read-back and the probes (not for production)")
-    a.add_argument("--verify-blocked", action="append", default=[], metavar="IP:PORT",
-                   help="a TCP target that must be refused after apply (repeatable)")
-    a.add_argument("--verify-timeout", type=float, default=verify.DEFAULT_TIMEOUT,
-                   help="seconds a probe may take; a blocked probe must fail faster")
-    a.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
-                   help="where to write the status JSON ('' for none)")
-    a.add_argument("--install-execd", metavar="DIR", default=None,
-                   help="once the guard is in place, install execd into DIR (execd/install.py):"
-                        " a sandbox's one injected init container does both")
 
-    r = sub.add_parser("render", parents=[log], formatter_class=_Formatter, help="print the restore input, touching nothing")
-    _ruleset_args(r)
-    r.add_argument("--family", choices=FAMILIES + ("all",), default="all")
-    r.add_argument("--live", action="store_true",
-                   help="render what apply would send here (reads, never writes, the kernel)")
-    r.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
+def fast_apply_args(argv: list[str]):
+    """The Namespace argparse would give for an `apply` command line, or None: then argparse
+    must read it."""
+    if not argv or argv[0] != "apply":
+        return None
+    ns = dict(APPLY_DEFAULTS, verify_blocked=[])
+    i = 1
+    while i < len(argv):
+        tok = argv[i]
+        i += 1
+        name, eq, value = tok.partition("=")
+        spec = APPLY_OPTIONS.get(name)
+        if spec is None:
+            return None
+        dest, kind, extra = spec
+        if kind in (_CONST, _FALSE):
+            if eq:
+                return None
+            ns[dest] = extra if kind == _CONST else False
+            continue
+        if not eq:
+            if i >= len(argv):
+                return None
+            value = argv[i]
+            i += 1
+        if value.startswith("-"):  # argparse's own rules for these (`--x=--` is [] there)
+            return None
+        if kind == _APPEND:
+            ns[dest] = (ns[dest] or []) + [value]
+            continue
+        try:
+            converted = int(value) if kind == _INT else float(value) if kind == _FLOAT else value
+        except ValueError:
+            return None
+        if extra is not None and converted not in extra:
+            return None
+        ns[dest] = converted
+    from types import SimpleNamespace
 
-    c = sub.add_parser("check", parents=[log], formatter_class=_Formatter, help="do the live rules match the ruleset? exit 0/1")
-    _ruleset_args(c)
-    c.add_argument("--backend", choices=("auto",) + xtables.BACKENDS, default="auto")
-    c.add_argument("--status-file", default=NETGUARD_STATUS_PATH,
-                   help="options and families come from here unless given on the command line")
-    return p
+    return SimpleNamespace(**ns)
 
 
 # ---------------------------------------------------------------- detection
@@ -247,8 +247,7 @@ def write_status(path: str, status: dict) -> None:
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
         with os.fdopen(fd, "w") as f:
-            json.dump(status, f, indent=2, sort_keys=True)
-            f.write("\n")
+            f.write(jsontext.dumps(status, indent=2) + "\n")
         os.chmod(tmp, 0o644)  # the sandbox container (any uid) reads it; nobody else writes
         os.replace(tmp, path)  # readers see the old or the new file, never half of one
     except BaseException:
@@ -399,6 +398,8 @@ def cmd_render(args: argparse.Namespace) -> int:
 def cmd_check(args: argparse.Namespace) -> int:
     status = None
     if args.status_file and os.path.exists(args.status_file):
+        import json
+
         with open(args.status_file) as f:
             status = json.load(f)
     if _given(args) or not status or "options" not in status:
@@ -428,7 +429,8 @@ def cmd_check(args: argparse.Namespace) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = fast_apply_args(argv) or build_parser().parse_args(argv)
     handler = {"apply": cmd_apply, "render": cmd_render, "check": cmd_check}[args.cmd]
     try:
         return handler(args)

@@ -7,7 +7,6 @@ so that `render` is byte-for-byte reproducible and its SHA-256 names the ruleset
 from __future__ import annotations
 
 import ipaddress
-import re
 
 from netguard.values import Frozen
 from sandman.contract import EXECD_PORT, KUBERNETES_SERVICE_HOST_ENV
@@ -21,8 +20,6 @@ EGRESS_MODES = ("deny", "allow")
 # Instance-metadata endpoints (AWS, GCP, Azure, OpenStack share the v4 one; AWS Nitro has the v6
 # one). The seed paper's unguarded pods fetched node credentials here: blocked in every mode.
 METADATA = {IPV4: "169.254.169.254/32", IPV6: "fd00:ec2::254/128"}
-
-_PORT_PROTO = re.compile(r"^(?P<port>\d{1,5})(?:/(?P<proto>tcp|udp))?$")
 
 
 class ConfigError(ValueError):
@@ -82,10 +79,12 @@ class EgressAllow(Frozen):
         network = parse_network(host)
         if port_part is None:
             return cls(network)
-        m = _PORT_PROTO.match(port_part)
-        if not m or not 1 <= int(m["port"]) <= 65535:
+        # By hand, not with `re`: netguard's start would pay its import (see values.py).
+        port, slash, proto = port_part.partition("/")
+        if (not (port.isascii() and port.isdigit() and len(port) <= 5
+                 and 1 <= int(port) <= 65535) or (slash and proto not in ("tcp", "udp"))):
             raise ConfigError(f"--allow-egress {text!r}: port must be 1-65535, optionally /tcp|/udp")
-        return cls(network, int(m["port"]), m["proto"])
+        return cls(network, int(port), proto or None)
 
 
 class Config(Frozen):

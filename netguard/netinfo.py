@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-import socket
+# The C module the `socket` module wraps: the wrapper imports enum and selectors, CPU on
+# every guarded pod's start (see values.py); the calls here are the same.
+import _socket as socket
 
 from netguard import netlink
 from netguard.config import IPV4, IPV6

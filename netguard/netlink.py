@@ -8,8 +8,10 @@ of CPU in every guarded pod's start, this module about 1 ms. Layouts are the ker
 
 from __future__ import annotations
 
+# The C module the `socket` module wraps: the wrapper imports enum and selectors, CPU on
+# every guarded pod's start (see values.py); the calls here are the same.
+import _socket as socket
 import os
-import socket
 import struct
 
 from netguard.values import Record

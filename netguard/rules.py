@@ -12,7 +12,6 @@ purpose (`sandman: ...`), like istio-iptables and linkerd's proxy-init.
 from __future__ import annotations
 
 import ipaddress
-import re
 
 from netguard.config import IPV4, IPV6, METADATA, Config
 from netguard.values import Frozen, Record
@@ -229,10 +228,8 @@ def ruleset_sha256(config: Config) -> str:
     return sha256(render(config).encode()).hexdigest()
 
 
-# A word of iptables-save's output: unquoted characters and double-quoted runs (a comment)
-# glued together, as a shell reads them.
-_WORD = re.compile(r'(?:[^ \t\r\n"]+|"[^"]*")+')
 _SHLEX_ONLY = frozenset("\\'")  # escapes and single quotes: left to shlex itself
+_SPACES = str.maketrans("\t\r\n", "   ")  # shlex's whitespace, all as " "
 
 
 def split_words(line: str) -> list[str]:
@@ -246,7 +243,29 @@ def split_words(line: str) -> list[str]:
         import shlex
 
         return shlex.split(line)
-    return [w.replace('"', "") for w in _WORD.findall(line)]
+    # Balanced double quotes and no escapes: the odd pieces between quotes are quoted text,
+    # the even ones split on whitespace; what no whitespace separates is one word. (Not `re`:
+    # netguard's start would pay its import, see values.py.)
+    words: list[str] = []
+    glued = False  # the next text joins the last word
+    for i, piece in enumerate(line.split('"')):
+        if i % 2:
+            if glued:
+                words[-1] += piece
+            else:
+                words.append(piece)
+            glued = True
+            continue
+        for j, part in enumerate(piece.translate(_SPACES).split(" ")):
+            if j:
+                glued = False
+            if part:
+                if glued:
+                    words[-1] += part
+                else:
+                    words.append(part)
+                glued = True
+    return words
 
 
 _ADDR_OPTS = frozenset(("-s", "-d"))  # iptables-save prints only the short forms

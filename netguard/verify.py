@@ -7,9 +7,11 @@ so a probe that merely times out means the guard is not what answered and counts
 
 from __future__ import annotations
 
+# The C module the `socket` module wraps: the wrapper imports enum and selectors, CPU on
+# every guarded pod's start (see values.py); the calls here are the same.
+import _socket as socket
 import errno
 import ipaddress
-import socket
 import time
 
 from netguard.config import IPV4, IPV6, METADATA, ConfigError

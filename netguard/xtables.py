@@ -8,8 +8,8 @@ rules for one netns would fight, so joining the one in use matters more than pre
 from __future__ import annotations
 
 import os
-import subprocess
 
+from netguard import proc
 from netguard.config import IPV4, IPV6
 from netguard.values import Frozen
 
@@ -40,9 +40,8 @@ class Tools(Frozen):
 def _flavour(path: str) -> str | None:
     """'nft' or 'legacy' for an unsuffixed iptables-* binary, from its --version."""
     try:
-        out = subprocess.run([path, "--version"], capture_output=True, text=True,
-                             timeout=EXEC_TIMEOUT).stdout
-    except (OSError, subprocess.SubprocessError):
+        _, out, _ = proc.run([path, "--version"], timeout=EXEC_TIMEOUT)
+    except (OSError, proc.Timeout):
         return None
     return "nft" if "nf_tables" in out else "legacy"
 
@@ -79,22 +78,19 @@ def _env() -> dict[str, str]:
     return dict(os.environ, LC_ALL="C")
 
 
-def start_save(tools: Tools, table: str | None = None) -> subprocess.Popen:
+def start_save(tools: Tools, table: str | None = None) -> proc.Child:
     """Start `iptables-save [-t TABLE]` without waiting (detection runs these in parallel)."""
     cmd = [tools.save] + (["-t", table] if table else [])
-    return subprocess.Popen(cmd, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env=_env())
+    return proc.Child(cmd, _env())
 
 
-def finish_save(tools: Tools, proc: subprocess.Popen) -> str:
+def finish_save(tools: Tools, child: proc.Child) -> str:
     try:
-        out, err = proc.communicate(timeout=EXEC_TIMEOUT)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        proc.communicate()
+        out, err = child.communicate(timeout=EXEC_TIMEOUT)
+    except proc.Timeout:
         raise XtablesError(f"{tools.save} did not finish in {EXEC_TIMEOUT} s") from None
-    if proc.returncode != 0:
-        raise XtablesError(f"{tools.save} failed (exit {proc.returncode}): {_first_line(err)}")
+    if child.returncode != 0:
+        raise XtablesError(f"{tools.save} failed (exit {child.returncode}): {_first_line(err)}")
     return out
 
 
@@ -106,15 +102,13 @@ def restore(tools: Tools, text: str, env: dict[str, str] | None = None) -> None:
     """Apply one transaction with `--noflush`: all of it, or (on any error) none of it."""
     cmd = [tools.restore, "--noflush", f"--wait={WAIT_SECONDS}"]
     try:
-        proc = subprocess.run(cmd, input=text, capture_output=True, text=True,
-                              timeout=EXEC_TIMEOUT, env=env or _env())
-    except subprocess.TimeoutExpired:
+        code, out, err = proc.run(cmd, text, EXEC_TIMEOUT, env or _env())
+    except proc.Timeout:
         raise XtablesError(f"{tools.restore} did not finish in {EXEC_TIMEOUT} s") from None
     except OSError as e:
         raise XtablesError(f"cannot run {tools.restore}: {e}") from None
-    if proc.returncode != 0:
-        raise XtablesError(f"{tools.restore} failed (exit {proc.returncode}): "
-                           f"{_first_line(proc.stderr or proc.stdout)}")
+    if code != 0:
+        raise XtablesError(f"{tools.restore} failed (exit {code}): {_first_line(err or out)}")
 
 
 def has_rules(save_output: str) -> bool:

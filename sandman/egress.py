@@ -19,12 +19,12 @@ Stdlib only and Python 3.9 syntax: the client distribution ships this module.
 from __future__ import annotations
 
 import ipaddress
-import re
 
 # Neither typing nor dataclasses at run time: netguard imports this module on a guarded pod's
 # start, whose CPU is budgeted (bench-netguard), and those two cost ~9 ms there.
 TYPE_CHECKING = False
 if TYPE_CHECKING:
+    import re
     from collections.abc import Iterable, Sequence
     from typing import Union
 
@@ -67,14 +67,23 @@ _CALLER_REASON = "the API server or sandbox.egressNever"
 # "010.0.0.1" as 10.0.0.1 where other tools read octal), no netmask or hostmask forms, no
 # IPv6 zone (%eth0) or dotted tail. ASCII classes: `\d` also matches other scripts' digits.
 _V4 = r"(?:0|[1-9][0-9]{0,2})(?:\.(?:0|[1-9][0-9]{0,2})){3}"
-_V4_CIDR = re.compile(_V4 + r"(?:/(?:0|[1-9][0-9]?))?")
-_V6_CIDR = re.compile(r"[0-9A-Fa-f:]{2,39}(?:/(?:0|[1-9][0-9]{0,2}))?")
-_BARE_V6 = re.compile(r"[0-9A-Fa-f:/]+(?:/(?:tcp|udp))?")
-_V4_START = re.compile(r"[0-9]")
-_PORT = re.compile(r"[1-9][0-9]{0,4}")
-_DNS_1035 = re.compile(r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?")  # a Service name
-_DNS_1123 = re.compile(r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?")  # a namespace name
-_SPACE = re.compile(r"\s")
+_V4_CIDR = _V4 + r"(?:/(?:0|[1-9][0-9]?))?"
+_V6_CIDR = r"[0-9A-Fa-f:]{2,39}(?:/(?:0|[1-9][0-9]{0,2}))?"
+_BARE_V6 = r"[0-9A-Fa-f:/]+(?:/(?:tcp|udp))?"
+_V4_START = r"[0-9]"
+_PORT = r"[1-9][0-9]{0,4}"
+_DNS_1035 = r"[a-z]([-a-z0-9]{0,61}[a-z0-9])?"  # a Service name
+_DNS_1123 = r"[a-z0-9]([-a-z0-9]{0,61}[a-z0-9])?"  # a namespace name
+_SPACE = r"\s"
+
+
+def _re(pattern: str) -> re.Pattern[str]:
+    # `re` at the first use, not at import: netguard imports this module for any allowlist
+    # and uses only the never ranges when the entries are CIDRs; re (with enum) is ~4 ms of
+    # CPU there. re caches the compiled pattern.
+    import re
+
+    return re.compile(pattern)
 
 
 class Entry:
@@ -147,17 +156,17 @@ def parse(text: str, *, ceiling: bool = False) -> Entry:
         raise _error(text, f"longer than {MAX_ENTRY_CHARS} characters")
     if not text:
         raise _error(text, "empty")
-    if _SPACE.search(text):
+    if _re(_SPACE).search(text):
         raise _error(text, "contains whitespace")
     if text.startswith(SVC_PREFIX):
         host, port_part = _split_port(text, text[len(SVC_PREFIX):])
         name, dot, namespace = host.partition(".")
         if not dot:
             raise _error(text, "expected svc/NAME.NAMESPACE:PORT")
-        if not (_DNS_1035.fullmatch(name) or (ceiling and name == ANY)):
+        if not (_re(_DNS_1035).fullmatch(name) or (ceiling and name == ANY)):
             raise _error(text, f"{name!r} is not a Service name (a DNS-1035 label"
                          + (" or *" if ceiling else "") + ")")
-        if not _DNS_1123.fullmatch(namespace):
+        if not _re(_DNS_1123).fullmatch(namespace):
             raise _error(text, f"{namespace!r} is not a namespace name (a DNS-1123 label; "
                          "a Service is written svc/NAME.NAMESPACE)")
         port, proto = _port(text, port_part, ceiling)
@@ -168,19 +177,19 @@ def parse(text: str, *, ceiling: bool = False) -> Entry:
             raise _error(text, "missing ']'")
         if not rest.startswith(":"):
             raise _error(text, "expected [IPv6]:PORT")
-        if not _V6_CIDR.fullmatch(inner):
+        if not _re(_V6_CIDR).fullmatch(inner):
             raise _error(text, "not an IPv6 address or CIDR in brackets")
         network = _network(text, inner, 6)
         port, proto = _port(text, rest[1:], ceiling)
     else:
-        if text.count(":") > 1 and _BARE_V6.fullmatch(text):
+        if text.count(":") > 1 and _re(_BARE_V6).fullmatch(text):
             raise _error(text, "an IPv6 address goes in brackets: [ADDRESS]:PORT")
-        if not _V4_START.match(text):
+        if not _re(_V4_START).match(text):
             raise _error(text, "unknown form (CIDR:PORT, [IPv6]:PORT or svc/NAME.NAMESPACE:PORT)")
         host, port_part = _split_port(text, text)
         if ":" in host:
             raise _error(text, "an IPv6 address goes in brackets: [ADDRESS]:PORT")
-        if not _V4_CIDR.fullmatch(host):
+        if not _re(_V4_CIDR).fullmatch(host):
             raise _error(text, "not an IPv4 address or CIDR (no leading zeros, no netmasks)")
         network = _network(text, host, 4)
         port, proto = _port(text, port_part, ceiling)
@@ -202,7 +211,7 @@ def _port(text: str, part: str, ceiling: bool) -> tuple[int | None, str]:
         raise _error(text, f"protocol must be tcp or udp, not {proto!r}")
     if ceiling and port_s == ANY:
         return None, proto
-    if not _PORT.fullmatch(port_s) or int(port_s) > 65535:
+    if not _re(_PORT).fullmatch(port_s) or int(port_s) > 65535:
         raise _error(text, "port must be 1-65535" + (" or *" if ceiling else ""))
     return int(port_s), proto
 
@@ -314,7 +323,7 @@ def parse_never(items: str | Sequence[str]) -> tuple[Network, ...]:
         raise ValueError(f"egress never list has {len(raw)} entries, at most {MAX_NEVER}")
     out = []
     for x in raw:
-        if not (_V4_CIDR.fullmatch(x) or _V6_CIDR.fullmatch(x)):
+        if not (_re(_V4_CIDR).fullmatch(x) or _re(_V6_CIDR).fullmatch(x)):
             raise ValueError(f"egress never range {_quote(x)}: not a CIDR or address")
         try:
             out.append(ipaddress.ip_network(x, strict=True))

@@ -129,7 +129,7 @@ def test_parsing_and_installing_import_no_shutil_nor_importlib_util(tmp_path):
 def test_the_guards_help_is_as_wide_as_argparses(monkeypatch):
     import argparse
 
-    from netguard.cli import _Formatter
+    from netguard.args import _Formatter
 
     for cols in ("100", "0", "junk", None):
         if cols is None:
