@@ -68,12 +68,14 @@ variables:
   expression: 'variables.annotations[?"sandman.dev/ingress-from"].hasValue() ? variables.annotations["sandman.dev/ingress-from"].split('','').map(p, p.trim()).filter(p, p != '''') : variables.defaultIngressFrom'
 - name: egressAllow
   expression: 'variables.annotations[?"sandman.dev/egress-allow"].hasValue() ? variables.annotations["sandman.dev/egress-allow"].split('','') : []'
+- name: egressNeverList
+  expression: variables.egressNever.map(n, string(n))
 - name: egressCeilingTcp
-  expression: 'variables.egressCeiling.map(c, c.substring(c.lastIndexOf('':'')).contains(''/'') ? c : c + ''/tcp'')'
+  expression: 'variables.egressCeiling.map(c, string(c)).map(c, c.substring(c.lastIndexOf('':'')).contains(''/'') ? c : c + ''/tcp'')'
 - name: egressNeverCidrs
-  expression: '["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32", "0.0.0.0/32", "::/128", "64:ff9b::a9fe:0/112", "64:ff9b::6464:64c8/128", "64:ff9b::/128"] + variables.egressNever.map(n, n.contains(''/'') ? n : (n.contains('':'') ? n + ''/128'' : n + ''/32''))'
+  expression: '["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32", "0.0.0.0/32", "::/128", "64:ff9b::a9fe:0/112", "64:ff9b::6464:64c8/128", "64:ff9b::/128"] + variables.egressNeverList.map(n, n.contains(''/'') ? n : (n.contains('':'') ? n + ''/128'' : n + ''/32''))'
 - name: guardArgs
-  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + variables.egressAllow.map(e, [''--allow-egress'', e]).flatten() + (variables.egressAllow.size() > 0 ? variables.egressNever.map(c, [''--never-egress'', c]).flatten() : []) + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
+  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + variables.egressAllow.map(e, [''--allow-egress'', e]).flatten() + (variables.egressAllow.size() > 0 ? variables.egressNeverList.map(c, [''--never-egress'', c]).flatten() : []) + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
 - name: others
   expression: variables.inits.filter(c, !(variables.guardFirst && c.name == "sandman-netguard")) + object.spec.containers + variables.ephemeral
 - name: everyContainer
