@@ -218,6 +218,33 @@ def _build_realnode(bins: dict[str, Path], log_path: Path | None, force: bool) -
     return bins
 
 
+def crane_path() -> Path:
+    return cache_dir() / f"crane-{versions.CRANE}" / "bin" / "crane"
+
+
+def build_crane(log_path: Path | None = None) -> Path:
+    """crane, for the real node's optional local registry (testbed/registry.py); built on
+    first use into its own versioned folder."""
+    path = crane_path()
+    if path.exists():
+        return path
+    if not shutil.which("go"):
+        raise BuildError("`go` is not on PATH; the test bed builds its binaries with Go >= 1.26")
+    log_path = log_path or cache_dir() / "realnode-build.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    with _build_lock():
+        if path.exists():  # another session built it while this one waited
+            return path
+        with open(log_path, "a") as log, \
+                tempfile.TemporaryDirectory(prefix="sandman-crane-build-") as tmp:
+            try:
+                _go_install("github.com/google/go-containerregistry/cmd/crane@"
+                            f"{versions.CRANE}", path, Path(tmp), log, _go_env())
+            except BuildError as e:
+                raise BuildError(f"crane build failed: {e}; see {log_path}") from None
+    return path
+
+
 def build(log_path: Path | None = None, force: bool = False,
           only: tuple[str, ...] = ()) -> dict[str, Path]:
     """Build any missing binary (of `only`, when given: `make deps` builds helm alone for the

@@ -82,7 +82,10 @@ ADDRESS_PLANS = (("10.244.0.0/24", "10.245.0.1"), ("10.246.0.0/24", "10.247.0.1"
                  ("172.30.244.0/24", "172.30.245.1"))
 # Never pulled: no registry is reachable, and containerd's registry traffic is sent to a proxy
 # on a dead local port, so a missing image fails at once instead of resolving a registry name.
+# The one exception is 127.0.0.1 (NO_PROXY): the optional local registry of testbed/registry.py,
+# which a test starts and which containerd reaches through its certs.d entry.
 DEAD_PROXY = "http://127.0.0.1:9"
+NO_PROXY = "127.0.0.1"
 
 MACHINE_RECORD = Path(os.environ.get("SANDMAN_REALNODE_RECORD", "/run/sandman-testbed/realnode.json"))
 # Sysctls the node's components change (kubelet's kernel tunables, forwarding for the fake
@@ -831,8 +834,8 @@ class RealNode:
 
         ctd = self._spawn("containerd", ["containerd", "--config", str(self._containerd_config())],
                           env={"HTTP_PROXY": DEAD_PROXY, "HTTPS_PROXY": DEAD_PROXY,
-                               "NO_PROXY": "", "http_proxy": DEAD_PROXY,
-                               "https_proxy": DEAD_PROXY, "no_proxy": ""})
+                               "NO_PROXY": NO_PROXY, "http_proxy": DEAD_PROXY,
+                               "https_proxy": DEAD_PROXY, "no_proxy": NO_PROXY})
         tb._wait(ctd, lambda: self.crictl("info", timeout=10).returncode == 0, 30, "serving CRI")
         self.timings["containerd"] = time.monotonic() - t0
         self._import_images()

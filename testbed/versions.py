@@ -23,6 +23,10 @@ KUBE_ROUTER = "v2.1.0"
 # crictl, to look at the real node's pods (docs/testbed.md "Real node") and to stop them on the way
 # down. v1.34.0: served here, and its go.mod has no replace lines.
 CRI_TOOLS = "v1.34.0"
+# crane (go-containerregistry) serves the real node's optional local registry
+# (testbed/registry.py: `crane registry serve`, pushes, digests); its go.mod has no replace
+# lines, so `go install` works. Built only when a test asks for the registry.
+CRANE = "v0.22.1"
 
 # Checks that need no test bed (make deps installs them into the same cache).
 # kubeconform validates every golden chart render (tests/charts/test_kubeconform.py); its go.mod
