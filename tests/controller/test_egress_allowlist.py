@@ -7,6 +7,8 @@ test_conditions_allowlist.py."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 
 from controller import conditions as C
@@ -17,7 +19,8 @@ from controller.core import Controller
 from controller.errors import BadRequest
 from controller.pods import SandboxSpec
 from sandman import contract
-from sandman.podspec import check_sandbox
+from sandman.podspec import SandboxError, check_sandbox, egress_allow
+from webhook.__main__ import _policy_args, policy_from
 
 from .fakekube import FakeKube
 
@@ -160,3 +163,42 @@ def test_a_reachable_egress_probe_contradicts_the_allowlist():
 def test_an_unreadable_allowlist_is_unverified_never_refused(pod):
     v = C.compare({"egress_allow": [ENTRY]}, pod)
     assert v.ok and v.unverified == ["egress_allow"]
+
+
+# ---- the controller and the webhook agree on what they refuse
+
+AGREEMENT = [
+    ("198.18.0.1/32:8181/tcp",), ("198.18.0.0/15:443/tcp",), ("198.16.0.0/14:443/tcp",),
+    ("198.18.0.1/32:8181/udp",), ("svc/pypi-mirror.infra:3141/tcp",),
+    ("svc/pypi-mirror.other:3141/tcp",), ("svc/pypi-mirror.infra:80/tcp",),
+    ("10.96.0.1/32:443/tcp",), ("10.96.0.0/12:443/tcp",), ("198.19.255.0/24:80/tcp",),
+    ("198.19.255.7/32:80/tcp",), ("169.254.169.254/32:80/tcp",), ("[fd00:ec2::254]:80/tcp",),
+    ("198.18.0.1/32:8181/tcp", "10.0.0.1/32:80/tcp"),
+]
+
+
+@pytest.mark.parametrize("entries", AGREEMENT, ids=",".join)
+def test_the_controller_refuses_what_the_webhook_refuses(monkeypatch, entries):
+    """Both judge with sandman/egress.py on the same values, so an acquire the controller
+    admits is never a create the webhook then refuses (a PodFailed instead of a 400), and an
+    acquire it refuses would have been refused anyway."""
+    flags = ["--egress-ceiling", "198.18.0.0/15:*,svc/*.infra:3141,10.96.0.0/12:443",
+             "--egress-never", "198.19.255.0/24"]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", "10.96.0.1")
+    c = _controller(*flags)
+    ap = argparse.ArgumentParser()
+    _policy_args(ap)
+    policy = policy_from(ap.parse_args(flags), api_server=("10.96.0.1",))
+    try:
+        c.validate(SandboxSpec(IMAGE, egress_allow=entries), "j", {}, None)
+        controller_ok = True
+    except BadRequest:
+        controller_ok = False
+    pod = {"metadata": {"labels": {contract.LABEL_EGRESS: contract.EGRESS_DENY},
+                        "annotations": {contract.ANNOTATION_EGRESS_ALLOW: ",".join(entries)}}}
+    try:
+        egress_allow(pod, policy)
+        webhook_ok = True
+    except SandboxError:
+        webhook_ok = False
+    assert controller_ok == webhook_ok, (entries, controller_ok, webhook_ok)
