@@ -21,6 +21,9 @@ RESOLV_CONF = "/etc/resolv.conf"
 # All names together: the kubelet's default resolv.conf (timeout 5 s, 2 attempts) could take
 # 10 s per name and server; the init container must fail fast instead.
 TIMEOUT = 5.0
+# A Service's ClusterIP is one address per family; a headless Service answers with its pods.
+# More than this many is refused rather than rendered into as many rules.
+MAX_ADDRESSES = 64
 
 
 def cluster_domain(path: str = RESOLV_CONF) -> str:
@@ -73,5 +76,8 @@ def services(entries: tuple[str, ...], timeout: float = TIMEOUT,
         if isinstance(got, str) or not got:
             raise ConfigError(f"--allow-egress {entry!r}: {name} does not resolve "
                               f"({got or 'no address'})")
+        if len(got) > MAX_ADDRESSES:
+            raise ConfigError(f"--allow-egress {entry!r}: {name} resolved to {len(got)} "
+                              f"addresses, more than {MAX_ADDRESSES}")
         out[entry] = got
     return out

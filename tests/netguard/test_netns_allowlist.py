@@ -244,6 +244,18 @@ def test_a_service_that_does_not_resolve_or_resolves_into_never_fails_closed(lab
     assert no_sandman_chains(lab)
 
 
+def test_a_service_answering_with_too_many_addresses_fails_closed(lab, dns):
+    """A headless Service answers with its pods: past the bound, no rule is rendered."""
+    from netguard.resolve import MAX_ADDRESSES
+
+    many = [f"10.251.{i // 250}.{i % 250 + 1}" for i in range(MAX_ADDRESSES + 1)]
+    dns({"pods.infra.svc.cluster.local": many})
+    line = one_line_failure(lab.netguard("apply", "--allow-egress", "svc/pods.infra:80/tcp",
+                                         env=env()))
+    assert f"more than {MAX_ADDRESSES}" in line, line
+    assert no_sandman_chains(lab)
+
+
 def test_a_resolver_that_never_answers_fails_closed_within_the_bound(lab, dns):
     dns({}, silent=True)
     t0 = time.monotonic()
