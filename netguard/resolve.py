@@ -6,7 +6,8 @@ it (its threads, and the resolver's libraries, are CPU on every guarded start).
 The name asked is `NAME.NAMESPACE.svc.<cluster domain>.` (absolute: no search-list walk, so
 no other domain's answer), the cluster domain read from the `svc.<domain>` entry the kubelet
 writes into every pod's resolv.conf search list. Every A and AAAA answer is allowed; a name
-without an answer, or not answered within TIMEOUT, fails the apply closed.
+without an answer, one that is an alias (CNAME: an ExternalName Service), or not answered
+within TIMEOUT, fails the apply closed.
 """
 
 from __future__ import annotations
@@ -55,10 +56,18 @@ def services(entries: tuple[str, ...], timeout: float = TIMEOUT,
 
     def lookup(entry: str, name: str) -> None:
         try:
-            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-            results[entry] = sorted({str(i[4][0]) for i in infos})
+            infos = socket.getaddrinfo(name, None, type=socket.SOCK_STREAM,
+                                       flags=socket.AI_CANONNAME)
         except OSError as e:
             results[entry] = str(e.strerror or e)
+            return
+        # An alias (an ExternalName Service is a CNAME) would let whoever may create Services
+        # in an admitted namespace point the entry anywhere: only the Service's own addresses.
+        canon = next((i[3] for i in infos if i[3]), name).rstrip(".").lower()
+        if canon != name.rstrip(".").lower():
+            results[entry] = f"an alias for {canon} (an ExternalName Service?), not a Service's own address"
+            return
+        results[entry] = sorted({str(i[4][0]) for i in infos})
 
     threads = [threading.Thread(target=lookup, args=(e, n), daemon=True)
                for e, n in names.items()]

@@ -119,16 +119,28 @@ class Dns:
         self.asked.append((name, qtype))
         if name not in self.records:
             return struct.pack("!HHHHHH", qid, 0x8183, 1, 0, 0, 0) + question  # NXDOMAIN
+        values, owner, answers, count = self.records[name], b"\xc0\x0c", b"", 0
+        if values and values[0].startswith("cname:"):  # an alias, then the target's records
+            target = values[0][6:]
+            wire = _name(target)
+            answers += struct.pack("!HHIH", 5, 1, 30, len(wire)) + wire
+            answers = owner + answers
+            owner, values, count = wire, self.records.get(target, []), 1
         fam, size = (socket.AF_INET, 4) if qtype == 1 else (socket.AF_INET6, 16)
-        rdata = [socket.inet_pton(fam, a) for a in self.records[name]
+        rdata = [socket.inet_pton(fam, a) for a in values
                  if (":" in a) == (fam == socket.AF_INET6)] if qtype in (1, 28) else []
-        answers = b"".join(struct.pack("!HHHIH", 0xC00C, qtype, 1, 30, size) + r for r in rdata)
-        return struct.pack("!HHHHHH", qid, 0x8180, 1, len(rdata), 0, 0) + question + answers
+        answers += b"".join(owner + struct.pack("!HHIH", qtype, 1, 30, size) + r for r in rdata)
+        return (struct.pack("!HHHHHH", qid, 0x8180, 1, count + len(rdata), 0, 0) + question
+                + answers)
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(2)
         self._sock.close()
+
+
+def _name(name: str) -> bytes:
+    return b"".join(bytes([len(p)]) + p.encode() for p in name.split(".")) + b"\0"
 
 
 @pytest.fixture
@@ -242,6 +254,19 @@ def test_a_service_that_does_not_resolve_or_resolves_into_never_fails_closed(lab
     line = one_line_failure(p)
     assert "svc/pypi.infra:3141/tcp" in line and why in line, line
     assert no_sandman_chains(lab)
+
+
+def test_an_external_name_service_is_refused_whatever_it_points_at(lab, dns):
+    """A Service of an admitted namespace that is an ExternalName (a CNAME) could point the
+    entry at any host; here at the lab's peer, which the entry would otherwise open."""
+    lab.serve(lab.peer, 3141)
+    dns({"pypi.infra.svc.cluster.local": ["cname:mirror.example.test"],
+         "mirror.example.test": [PEER_V4]})
+    line = one_line_failure(lab.netguard("apply", "--allow-egress", "svc/pypi.infra:3141/tcp",
+                                         env=env()))
+    assert "an alias for mirror.example.test" in line, line
+    assert no_sandman_chains(lab)
+    # (The same address as the Service's own answer is admitted: the test above.)
 
 
 def test_a_service_answering_with_too_many_addresses_fails_closed(lab, dns):
