@@ -314,8 +314,11 @@ class Prepuller:
         finally:
             slot.done_creating()
             try:
-                # Shielded: a cancel (the controller stopping) still deletes the puller.
-                await asyncio.shield(self._delete(name, uid))
+                # Only the pod this create stored (its uid): a pod of that name that is no
+                # puller of ours is never touched; a create stored after it was given up on
+                # is the sweep's (it carries the label).
+                if uid is not None:
+                    await asyncio.shield(self._delete(name, uid))
             finally:
                 self._inflight.discard(name)
                 slot.gone()

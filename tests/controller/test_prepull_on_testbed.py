@@ -215,3 +215,35 @@ def test_only_a_cluster_admin_may_prepull(cluster, namespace, tenants, authctl):
                 fn(name)
             except client.ApiException:
                 pass
+
+
+def test_a_pod_squatting_a_puller_s_name_is_neither_adopted_nor_deleted(cluster, namespace,
+                                                                          tmp_path):
+    """Someone creates, ahead of the controller, a pod with the name a puller will take (the
+    names are predictable): that node is reported failed with the reason, the squatter stays
+    as it was, and every other node still pulls."""
+    core = cluster.core
+    nodes = pool_nodes(core)
+    image = f"registry.invalid/swe/squat@sha256:{secrets.token_hex(32)}"
+    squat = PP.puller_name(image, nodes[0])
+    core.create_namespaced_pod(namespace, {"metadata": {"name": squat},
+                                           "spec": {"nodeName": nodes[0], "containers": [
+                                               {"name": "c", "image": "registry.invalid/x:1"}]}})
+    ctl = start_controller(namespace, cluster.kubeconfig, tmp_path / "ctl.log",
+                           ["--lease-name", f"pps-{namespace}"])
+    try:
+        with Client(ctl.url) as c:
+            c.prepull([image])
+            st = wait_for(lambda: (lambda x: x if x.images[0].pulled + x.images[0].failed
+                                   == len(nodes) else None)(c.images()), 120, "every node done")
+        [i] = st.images
+        assert (i.pulled, i.failed) == (len(nodes) - 1, 1), i
+        assert list(i.failures) == [nodes[0]] and "taken" in i.failures[nodes[0]], i
+        pod = core.read_namespaced_pod(squat, namespace)
+        assert pod.metadata.deletion_timestamp is None
+        assert pod.spec.containers[0].image == "registry.invalid/x:1"
+        assert value(scrape(ctl.url), "sandman_controller_images_prepulled_total",
+                     result="failed") == 1
+    finally:
+        ctl.stop()
+        core.delete_namespaced_pod(squat, namespace, grace_period_seconds=0)
