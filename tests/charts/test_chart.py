@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import os
 import shutil
 from pathlib import Path
@@ -279,7 +280,7 @@ def test_network_policies(helm):
 
 def test_the_egress_ceiling_network_policy_is_the_admins_bound(helm):
     """sandbox.egressCeiling becomes one more NetworkPolicy for egress=deny sandboxes: each
-    entry an egress rule (never ranges inside an IPv4 entry excepted), a Service by the pods
+    entry an egress rule (never ranges inside it excepted), a Service by the pods
     behind it, DNS when a Service entry needs resolving; none without a ceiling."""
     assert not [o for o in _render(helm) if o["metadata"]["name"].endswith("-egress-ceiling")]
     objs = _render(helm, *_values_args("egress-allowlist"))
@@ -291,8 +292,8 @@ def test_the_egress_ceiling_network_policy_is_the_admins_bound(helm):
     # 169.254.0.0/16, 0.0.0.0/32, 100.100.100.200/32 and 192.168.0.0/16 lie outside 10/8.
     assert rules[0] == {"to": [{"ipBlock": {"cidr": "10.0.0.0/8", "except": [
         "10.96.0.1/32", "10.100.0.0/16"]}}], "ports": [{"protocol": "TCP"}]}
-    assert rules[1] == {"to": [{"ipBlock": {"cidr": "fd00::/8"}}],
-                        "ports": [{"protocol": "TCP", "port": 443}]}
+    assert rules[1] == {"to": [{"ipBlock": {"cidr": "fd00::/8", "except": [
+        "fd00:ec2::254/128"]}}], "ports": [{"protocol": "TCP", "port": 443}]}
     assert rules[2] == {"to": [{"namespaceSelector": {"matchLabels": {
         "kubernetes.io/metadata.name": "infra"}}}], "ports": [{"protocol": "TCP"}]}
     assert rules[3] == {"to": [{"namespaceSelector": {"matchLabels": {
@@ -311,7 +312,37 @@ def test_the_egress_ceiling_network_policy_is_the_admins_bound(helm):
             "--egress-never=192.168.0.0/16"], name
 
 
+def test_the_ceiling_policys_except_lists_are_sandman_egress_carve_outs(helm):
+    """Helm has no CIDR functions: the chart's prefix arithmetic (sandman.ipv4Inside,
+    sandman.ipv6Inside) must except exactly what sandman/egress.py carves out of each entry
+    (IPv4-mapped IPv6 aside, which no packet carries), on nibble-aligned and unaligned
+    prefixes of both families."""
+    import ipaddress
+
+    from sandman import egress
+
+    ceiling = ["0.0.0.0/0:*", "10.0.0.0/8:443", "10.96.0.0/11:443", "169.0.0.0/8:80",
+               "100.64.0.0/10:80", "[::/0]:443", "[fd00::/8]:443", "[fe00::/7]:80",
+               "[fe80::/9]:80", "[64:ff9b::/96]:443", "[fd00:ec0::/27]:443",
+               "[2001:db8::/32]:443"]
+    never = ["10.96.0.1", "10.100.0.0/16", "10.97.0.0/16", "fd00:abcd::/32", "2001:db8:8000::/33"]
+    args = ["--set-json", f"sandbox.egressCeiling={json.dumps(ceiling)}",
+            "--set-json", f"sandbox.egressNever={json.dumps(never)}"]
+    pol = _find(_render(helm, *args), "NetworkPolicy", "-sandbox-egress-ceiling")
+    got = {r["to"][0]["ipBlock"]["cidr"]: r["to"][0]["ipBlock"].get("except", [])
+           for r in pol["spec"]["egress"]}
+    extra = egress.parse_never(never)
+    for text in ceiling:
+        entry = egress.parse(text, ceiling=True)
+        want = [n for n in egress.carve_outs(entry, extra)
+                if not (n.version == 6 and n.network_address.ipv4_mapped is not None)]
+        have = [ipaddress.ip_network(x) for x in got[str(entry.network)]]
+        assert sorted(have, key=str) == sorted(want, key=str), text
+
+
 @pytest.mark.parametrize("entry,why", [
+    ("[fe80::/64]:80", "inside the never range fe80::/10"),
+    ("[64:ff9b::a9fe:a9fe]:80", "inside the never range 64:ff9b::a9fe:0/112"),
     ("169.254.169.254/32:80", "inside the never range 169.254.0.0/16"),
     ("100.100.100.200:80", "inside the never range 100.100.100.200/32"),
     ("svc/pypi.infra:3141", "needs its object form"),

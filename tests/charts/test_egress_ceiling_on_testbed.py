@@ -108,6 +108,8 @@ def test_the_charts_policy_holds_the_ceiling_and_its_network_policy_is_accepted(
             first = pol.spec.egress[0].to[0].ip_block
             assert (first.cidr, first._except) == ("10.0.0.0/8", ["10.96.0.1/32",
                                                                   "10.100.0.0/16"])
+            v6 = pol.spec.egress[1].to[0].ip_block
+            assert (v6.cidr, v6._except) == ("fd00::/8", ["fd00:ec2::254/128"])
             assert pol.spec.egress[3].ports[0].port == 8080
     finally:
         cluster.delete_namespace(sandboxes)

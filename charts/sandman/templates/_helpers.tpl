@@ -428,3 +428,36 @@ except from a ceiling entry's ipBlock); Helm has no CIDR functions, so by intege
 {{- $o := splitList "." . -}}
 {{- add (mul (atoi (index $o 0)) 16777216) (mul (atoi (index $o 1)) 65536) (mul (atoi (index $o 2)) 256) (atoi (index $o 3)) -}}
 {{- end -}}
+
+{{- /* The same for IPv6 (list INNER OUTER): both spelled out as 32 hex digits, compared on the
+outer prefix's whole nibbles, then on the leading bits of the next one. */ -}}
+{{- define "sandman.ipv6Inside" -}}
+{{- $in := splitList "/" (index . 0) -}}
+{{- $out := splitList "/" (index . 1) -}}
+{{- $pin := atoi (index $in 1) -}}
+{{- $pout := atoi (index $out 1) -}}
+{{- $hi := include "sandman.ipv6Hex" (index $in 0) -}}
+{{- $ho := include "sandman.ipv6Hex" (index $out 0) -}}
+{{- $n := div $pout 4 | int -}}
+{{- $r := mod $pout 4 | int -}}
+{{- $same := eq (substr 0 $n $hi) (substr 0 $n $ho) -}}
+{{- if and $same (gt $r 0) -}}
+{{- $hex := dict "0" 0 "1" 1 "2" 2 "3" 3 "4" 4 "5" 5 "6" 6 "7" 7 "8" 8 "9" 9 "a" 10 "b" 11 "c" 12 "d" 13 "e" 14 "f" 15 -}}
+{{- $step := index (list 16 8 4 2) $r -}}
+{{- $vi := index $hex (substr $n (add1 $n | int) $hi) -}}
+{{- $vo := index $hex (substr $n (add1 $n | int) $ho) -}}
+{{- $same = eq (div $vi $step) (div $vo $step) -}}
+{{- end -}}
+{{- and (gt $pin $pout) $same -}}
+{{- end -}}
+
+{{- define "sandman.ipv6Hex" -}}
+{{- $halves := splitList "::" (lower .) -}}
+{{- $head := list -}}
+{{- if index $halves 0 }}{{ $head = splitList ":" (index $halves 0) }}{{ end -}}
+{{- $tail := list -}}
+{{- if and (gt (len $halves) 1) (index $halves 1) }}{{ $tail = splitList ":" (index $halves 1) }}{{ end -}}
+{{- $groups := $head -}}
+{{- range until (sub 8 (add (len $head) (len $tail)) | int) }}{{ $groups = append $groups "0" }}{{ end -}}
+{{- range (concat $groups $tail) }}{{ printf "%04s" . }}{{ end -}}
+{{- end -}}
