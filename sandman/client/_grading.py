@@ -329,7 +329,7 @@ class Task:
     time_limit_s: float = DEFAULT_TIME_LIMIT_S
     cpu: str = api.DEFAULT_CPU
     memory: str = api.DEFAULT_MEMORY
-    egress: str = api.DEFAULT_EGRESS
+    egress: str | dict[str, Any] = api.DEFAULT_EGRESS  # or {"allow": [entries]}
     conditions: Any = None
     exclude: Exclusions = field(default=DEFAULT_EXCLUDE)
     python: str = "python3"
@@ -364,6 +364,10 @@ class Task:
             object.__setattr__(self, "test_ids", tuple(self.test_ids))
             if not self.test_ids:
                 raise bad("test_ids: at least one official test id (or None: collected)")
+        try:  # an allowlist canonical here: a bad entry fails before any sandbox
+            object.__setattr__(self, "egress", api.canonical_egress(self.egress))
+        except ValueError as e:
+            raise bad(str(e)) from None
         if isinstance(self.reference_patch, str):
             object.__setattr__(self, "reference_patch", self.reference_patch.encode())
         if isinstance(self.time_limit_s, bool) or not (

@@ -214,3 +214,18 @@ def test_the_swerex_deployment_takes_an_allowlist():
         {"type": "sandman", "image": "img", "job": "j", "egress": {"allow": [ENTRY]}})
     assert cfg.egress == {"allow": [ENTRY]}
     assert SandmanDeploymentConfig(image="img", job="j").egress == "deny"
+
+
+def test_a_grading_task_takes_an_allowlist():
+    from sandman.client.grading import Task
+
+    def task(egress: Any) -> Task:
+        return Task(name="t", image="img", repo="/repo", base_commit="abc1234",
+                    test_files=("tests/test_x.py",), egress=egress)
+
+    assert task({"allow": ["10.1.2.0/24:443"]}).egress == {"allow": [ENTRY]}
+    assert task("allow").egress == "allow"
+    with pytest.raises(BadRequest, match="task 't': egress.allow: egress entry '10.1.2.3/24:443'"):
+        task({"allow": ["10.1.2.3/24:443"]})
+    with pytest.raises(BadRequest, match="task 't': egress: must be deny or allow or"):
+        task("open")
