@@ -570,9 +570,10 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
 def test_uninstall_cleanup_under_its_rbac(cluster, namespace, helm, tmp_path):
     """The post-delete hook's exact command (`python3 -m controller.cleanup`, the rendered
     args), run here under the hook's own ServiceAccount and Roles (kwok runs no Job): it waits
-    for the release's controller pods, then removes the controller's sandbox pods, per-job
-    ConfigMaps and Lease and the helm test pod, and nothing else."""
-    from sandman.contract import LABEL_MANAGED_BY, MANAGED_BY_CONTROLLER
+    for the release's controller pods, then removes the controller's sandbox pods, its image
+    pre-pull's puller pods, per-job ConfigMaps and Lease and the helm test pod, and nothing
+    else."""
+    from sandman.contract import LABEL_MANAGED_BY, LABEL_PREPULL, MANAGED_BY_CONTROLLER
 
     sbx = cluster.new_namespace("chart-cleanup-sbx")
     other = cluster.new_namespace("chart-cleanup-other")
@@ -614,6 +615,8 @@ def test_uninstall_cleanup_under_its_rbac(cluster, namespace, helm, tmp_path):
             for i in range(3):
                 pod(f"sbx-{i}", sbx, managed)
             pod("users-own-sandbox", sbx, {LABEL_SANDBOX: "true"})  # not the controller's
+            for i in range(2):  # pullers of an image pre-pull (no managed-by label)
+                pod(f"sandman-prepull-{i}", sbx, {LABEL_PREPULL: "ab" * 16})
             pod(test_pod, namespace, {"app.kubernetes.io/component": "helm-test"})
             pod("bystander", namespace, {})
             core.create_namespaced_config_map(sbx, {"metadata": {
@@ -652,12 +655,13 @@ def test_uninstall_cleanup_under_its_rbac(cluster, namespace, helm, tmp_path):
             assert res.returncode == 1, res.stdout + res.stderr
             assert "controller pods still there" in res.stderr and "ctl-shutting-down" in \
                 res.stderr, res.stderr
-            assert len(core.list_namespaced_pod(sbx).items) == 4  # nothing deleted yet
+            assert len(core.list_namespaced_pod(sbx).items) == 6  # nothing deleted yet
 
             core.delete_namespaced_pod("ctl-shutting-down", namespace, grace_period_seconds=0)
             res = cleanup()
             assert res.returncode == 0, res.stdout + res.stderr
-            assert "deleted 3 pods, 1 configmaps, 1 lease, 1 test pod" in res.stdout, res.stdout
+            assert ("deleted 3 pods, 2 pullers, 1 configmaps, 1 lease, 1 test pod"
+                    in res.stdout), res.stdout
             assert [p.metadata.name for p in core.list_namespaced_pod(sbx).items] == [
                 "users-own-sandbox"]
             assert [p.metadata.name for p in core.list_namespaced_pod(namespace).items] == [
