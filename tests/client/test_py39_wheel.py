@@ -71,6 +71,10 @@ SCRIPT = textwrap.dedent('''
             c.acquire(image="task:py39", job="py39")
     except ControllerUnreachable as e:
         out["dead"] = type(e).__name__
+    # An egress allowlist is parsed by sandman/egress.py, shipped in the wheel, on 3.9 too.
+    from sandman import api
+    out["allow"] = api.AcquireRequest(image="i", job="j", egress={
+        "allow": ["10.1.2.0/24:443", "svc/m.infra:3141"]}).to_json()["egress"]
     import importlib.metadata as md
     out["dists"] = sorted(d.metadata["Name"].lower().replace("_", "-")
                           for d in md.distributions())
@@ -107,6 +111,7 @@ def test_client_wheel_in_a_bare_python39_venv(py39_root: Path, controller: FakeC
     assert result["sync"] == [0, "sync-42\n"]
     assert result["async"] == [0, "async-42\n"]
     assert result["dead"] == "ControllerUnreachable"
+    assert result["allow"] == {"allow": ["10.1.2.0/24:443/tcp", "svc/m.infra:3141/tcp"]}
     # Both acquires reached the controller, and both sandboxes were released.
     assert len(controller.calls("POST")) >= 2
     assert len(controller.calls("DELETE")) == 2
