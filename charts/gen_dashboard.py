@@ -165,6 +165,12 @@ def dashboard() -> dict:
             "to the co-tenants: slow the creates.",
             [target("sum by (scope) (rate(sandman_controller_pod_address_failures_total"
                     f"{sel()}{RI})) * 60", "{{scope}}")], w=8)
+    L.panel("Image pre-pull",
+            "(node, image) pre-pulls still pending, and outcomes a minute: pulled (the node has "
+            "the image) or failed (GET /v1/images names the nodes and the kubelet's reasons).",
+            [target(f"sum(sandman_controller_images_prepull_pending{sel()})", "pending"),
+             target("sum by (result) (rate(sandman_controller_images_prepulled_total"
+                    f"{sel()}{RI})) * 60", "{{result}}/min", "B")], w=24)
 
     L.row("Grading pods (conditions and checked reuse)")
     L.panel("Pods refused by declared conditions",
