@@ -309,6 +309,8 @@ class Conditions:
     cpuset_cpus: list[int] | None = None
     tz: str | None = None  # the zone programs use: TZ, else /etc/localtime
     netguard_mode: str | None = None  # "deny" | "allow" from a successful netguard status
+    # The egress allowlist that status records as applied (as netguard wrote it).
+    netguard_allow_egress: list[str] | None = None
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @property
@@ -339,7 +341,15 @@ class Conditions:
             hostname=_opt(d, "hostname", str, what), egress=_opt(d, "egress", dict, what),
             cpu_cores=_opt(d, "cpu_cores", _NUM, what),
             cpuset_cpus=_opt(d, "cpuset_cpus", list, what), tz=_opt(d, "tz", str, what),
-            netguard_mode=_opt(d, "netguard_mode", str, what), raw=d)
+            netguard_mode=_opt(d, "netguard_mode", str, what),
+            netguard_allow_egress=_strings(d, "netguard_allow_egress", what), raw=d)
+
+
+def _strings(d: dict[str, Any], key: str, what: str) -> list[str] | None:
+    v = _opt(d, key, list, what)
+    if v is not None and not all(isinstance(x, str) for x in v):
+        raise ProtocolError(f"{what}: {key} must be a list of strings")
+    return v if v is None else list(v)
 
 
 # ---- background processes (sb.spawn)

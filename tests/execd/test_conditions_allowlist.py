@@ -12,6 +12,7 @@ import socket
 
 from controller.conditions import Checker
 from netguard.config import Config
+from sandman.client import Sandbox
 
 from .conftest import TOKEN
 
@@ -39,6 +40,8 @@ def test_the_applied_list_is_read_and_verified(execd_factory, tmp_path):
     d = execd_factory()
     got = d.get("/conditions").json()
     assert got["netguard_allow_egress"] == [ENTRY, "10.0.0.0/8:443/tcp"]  # as recorded
+    with Sandbox.connect("127.0.0.1", d.port, TOKEN) as sb:  # the grader's own reading
+        assert sb.conditions().netguard_allow_egress == [ENTRY, "10.0.0.0/8:443/tcp"]
     v = _check(d, {"egress": "deny", "egress_allow": ["10.0.0.0/8:443/tcp", ENTRY]})
     assert v.ok and v.verified["egress_allow"] == ["10.0.0.0/8:443/tcp", ENTRY], v
     # A pod whose guard applied another list is refused.
