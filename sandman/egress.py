@@ -58,6 +58,7 @@ _BUILTIN_NEVER = (
 )
 _NEVER_REASON = {ipaddress.ip_network(n): r for n, r in _BUILTIN_NEVER}
 NEVER: tuple[Network, ...] = tuple(_NEVER_REASON)
+_MAPPED = ipaddress.IPv6Network("::ffff:0:0/96")
 # NAT64 (RFC 6052 well-known prefix): an IPv6-only cluster reaches IPv4 through 64:ff9b::/96,
 # so each IPv4 never range is never in its NAT64 image either.
 NAT64 = ipaddress.IPv6Network("64:ff9b::/96")
@@ -225,6 +226,10 @@ def _network(text: str, host: str, version: int) -> Network:
         raise _error(text, f"not a valid IPv{version} address or CIDR") from None
     if net.version != version:
         raise _error(text, f"not a valid IPv{version} address or CIDR")
+    if version == 6 and net.subnet_of(_MAPPED):  # type: ignore[arg-type]
+        # No packet carries one (a dual-stack socket sends IPv4), Python 3.13 prints it in
+        # another spelling, and Kubernetes' CEL cidr() refuses it: write the IPv4 form.
+        raise _error(text, "an IPv4-mapped IPv6 address (write the IPv4 form)")
     return net
 
 

@@ -67,6 +67,9 @@ def test_entries_parse_to_one_canonical_spelling(text, canonical):
     ("[fe80::1%eth0]:443", "not an IPv6"),  # a zone picks the interface
     ("[::ffff:169.254.169.254]:80", "not an IPv6"),  # dotted tail
     ("[10.0.0.1]:443", "not an IPv6"),
+    ("[::ffff:a9fe:a9fe]:80", "IPv4-mapped"),  # the metadata address, in IPv6 clothes
+    ("[::ffff:0:0/96]:80", "IPv4-mapped"),
+    ("[::ffff:a00:0/104]:443", "IPv4-mapped"),
     ("[fd00::/129]:443", "not a valid IPv6"),
     ("10.0.0.0/8 :443", "whitespace"),
     (" 10.0.0.0/8:443", "whitespace"),
@@ -226,8 +229,6 @@ def test_an_empty_ceiling_refuses_any_allowlist_in_one_line():
     ("100.100.100.200:80", "metadata"),
     ("0.0.0.0:80", "unspecified"),  # connect(0.0.0.0) reaches the pod itself
     ("[::]:80", "unspecified"),
-    ("[::ffff:a9fe:a9fe]:80", "IPv4-mapped"),
-    ("[::ffff:0:0/96]:80", "IPv4-mapped"),
     ("[64:ff9b::a9fe:a9fe]:80", "through NAT64"),
     ("[64:ff9b::a9fe:0/112]:80", "through NAT64"),
 ])

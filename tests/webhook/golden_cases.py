@@ -308,9 +308,19 @@ def egress_allow_cases() -> dict[str, dict]:
         "validate-egress-allow-state-label-on-update-allowed": review("e11", _edit(
             made, lambda p: p["metadata"]["labels"].update({"sandman.dev/state": "leased"})),
             "UPDATE", old=made),
+        # The metadata address as IPv4-mapped IPv6, annotation and guard written by hand.
+        "validate-egress-allow-ipv4-mapped-refused": review("e12", _edit(made, _mapped)),
     }
     assert set(c) == set(EGRESS_CASES)
     return c
+
+
+def _mapped(p: dict) -> None:
+    entry = "[::ffff:a9fe:a9fe/128]:80/tcp"
+    p["metadata"]["annotations"][ANNOTATION_EGRESS_ALLOW] = entry
+    args = p["spec"]["initContainers"][0]["args"]
+    i = args.index("--allow-egress")
+    args[i:i + 6] = ["--allow-egress", entry]  # the three entries of ALLOWLIST, replaced
 
 
 EGRESS_CASES = (
@@ -322,7 +332,8 @@ EGRESS_CASES = (
     "validate-egress-allow-with-egress-allow-label-refused",
     "validate-egress-allow-not-canonical-refused",
     "validate-egress-allow-annotation-edited-on-update-refused",
-    "validate-egress-allow-state-label-on-update-allowed")
+    "validate-egress-allow-state-label-on-update-allowed",
+    "validate-egress-allow-ipv4-mapped-refused")
 # At import, not as cases() runs: a test worker may judge a case without building the list.
 POLICIES.update(dict.fromkeys(EGRESS_CASES, EGRESS_POLICY))
 
