@@ -142,11 +142,24 @@ class Prepuller:
             collections.OrderedDict()
         self.pinned: set[str] = set()  # the chart's images: never forgotten
         self.nodes: list[str] = []
+        self._listed = False  # self.nodes came from a list, not the empty start
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self._inflight: set[str] = set()  # puller names being created, watched or deleted
         self._wake = asyncio.Event()
 
     # ---- the API's side ------------------------------------------------------------------------
+    async def post(self, images: list[str]) -> api.Images:
+        """`POST /v1/images`: `add`, with the pool's nodes listed first if they never were
+        (nothing tracked yet), so the answer counts every node pending."""
+        if not self._listed:
+            try:
+                self.nodes = await self.pool_nodes()
+                self._listed = True
+            except Exception as ex:  # noqa: BLE001 - the next reconcile lists them
+                log.warning("pre-pull: listing the pool's nodes failed: %s", ex)
+        self.add(images)
+        return self.status()
+
     def add(self, images: list[str], pinned: bool = False) -> None:
         """Track `images` (checked refs): new ones are pulled onto every node of the pool, a
         node that failed an image tries again. Over api.MAX_PREPULL_IMAGES, the oldest images
@@ -158,6 +171,12 @@ class Prepuller:
         for image in dict.fromkeys(images):
             per = self.images.setdefault(image, {})
             self.images.move_to_end(image)
+            # The pool's nodes as last listed: the answer already counts them pending, so a
+            # caller polling for "nothing pending" never sees a new image as done.
+            for node in self.nodes:
+                if node not in per:
+                    per[node] = _NodeState()
+                    self._queue.put_nowait((image, node))
             for node, st in per.items():
                 if st.state == FAILED:
                     per[node] = _NodeState()
@@ -229,6 +248,7 @@ class Prepuller:
         if not self.images:
             return
         self.nodes = await self.pool_nodes()
+        self._listed = True
         live = set(self.nodes)
         for per in self.images.values():
             for node in [n for n in per if n not in live]:

@@ -240,9 +240,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         """Admin: pods on every node of the pool, made by no tenant (cluster-wide create)."""
         who = await caller(request)
         await auth.require(who, A.CREATE, A.CLUSTER, A.IMAGES_SUB)
-        c = ctl()
-        c.prepull.add(body.images)
-        return c.prepull.status().to_json()
+        return (await ctl().prepull.post(body.images)).to_json()
 
     @app.get(api.IMAGES.path)
     async def images(request: Request):

@@ -107,6 +107,9 @@ def test_prepull_paces_pins_reports_and_cleans_up(cluster, namespace, tmp_path):
             t0 = time.monotonic()
             first = c.prepull(IMAGES)
             assert [i.image for i in first.images] == IMAGES
+            # Counted pending at once: a caller polling for "nothing pending" waits for them.
+            assert first.nodes == len(nodes), first
+            assert all(i.pending == len(nodes) for i in first.images), first
             st = wait_for(lambda: (lambda x: x if all(i.pulled == len(nodes)
                                                       for i in x.images) else None)(
                 c.images()), 120, "every node pulled every image")
