@@ -19,6 +19,8 @@ import time
 from netguard.config import ConfigError
 
 RESOLV_CONF = "/etc/resolv.conf"
+# The resolver reads it before DNS; the kubelet writes a pod's hostAliases into it.
+HOSTS = "/etc/hosts"
 # All names together: the kubelet's default resolv.conf (timeout 5 s, 2 attempts) could take
 # 10 s per name and server; the init container must fail fast instead.
 TIMEOUT = 5.0
@@ -46,12 +48,29 @@ def cluster_domain(path: str = RESOLV_CONF) -> str:
                       "svc/ entries outside a Kubernetes pod")
 
 
+def _hosts_names(path: str) -> set[str]:
+    try:
+        with open(path) as f:
+            text = f.read(1 << 20)
+    except FileNotFoundError:
+        return set()
+    except OSError as e:
+        raise ConfigError(f"cannot read {path}: {e.strerror}") from None
+    return {w.rstrip(".").lower() for line in text.splitlines()
+            for w in line.split("#", 1)[0].split()[1:]}
+
+
 def services(entries: tuple[str, ...], timeout: float = TIMEOUT,
-             path: str = RESOLV_CONF) -> dict[str, list[str]]:
+             path: str = RESOLV_CONF, hosts: str = HOSTS) -> dict[str, list[str]]:
     """Canonical `svc/NAME.NS:PORT/PROTO` entry -> its addresses (sorted); ConfigError (one
     line) when any has none or the resolver does not answer in time."""
     domain = cluster_domain(path)
     names = {e: f"{e[4:].rpartition(':')[0]}.svc.{domain}." for e in entries}
+    pinned = _hosts_names(hosts)
+    for entry, name in names.items():
+        if name.rstrip(".") in pinned:
+            raise ConfigError(f"--allow-egress {entry!r}: {name} is named in {hosts} (the "
+                              "pod's hostAliases?): only the cluster's DNS may answer for it")
     results: dict[str, list[str] | str] = {}
 
     def lookup(entry: str, name: str) -> None:

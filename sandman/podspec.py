@@ -470,7 +470,20 @@ def egress_allow(pod: dict, policy: SandboxPolicy) -> list[str]:
     why = egress_refusals(entries, policy)
     if why:
         raise SandboxError(Refusal("egress-allow-refused", "", "; ".join(why)))
+    if any(e.kind == egress_entries.SVC for e in entries) and not _cluster_dns_only(pod):
+        # netguard resolves svc/ entries inside the pod: /etc/hosts (hostAliases) and the
+        # resolver the pod names (dnsConfig, dnsPolicy) would let its author pick the address.
+        raise SandboxError(Refusal("egress-allow-refused", "", f"{where} has svc/ entries, "
+                                   "which netguard resolves through the cluster's DNS: the pod "
+                                   "must set no hostAliases, no dnsConfig and dnsPolicy "
+                                   "ClusterFirst (or none)"))
     return [e.text for e in entries]
+
+
+def _cluster_dns_only(pod: dict) -> bool:
+    spec = pod.get("spec") or {}
+    return (not spec.get("hostAliases") and spec.get("dnsConfig") is None
+            and spec.get("dnsPolicy") in (None, "ClusterFirst"))
 
 
 def egress_refusals(entries, policy: SandboxPolicy) -> list[str]:

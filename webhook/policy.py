@@ -451,6 +451,15 @@ RULES: list[Rule] = [
          + ") && (" + _inside_never("e") + " || !variables.egressCeilingTcp.exists(c, "
          + _within("c", "e") + "))).join(', ') + ' are outside the cluster\\'s ceiling "
          "(sandbox.egressCeiling) or never allowed'"),
+    # podspec._cluster_dns_only: netguard resolves svc/ entries through the pod's own resolver.
+    Rule("egress-allow-refused",
+         "!variables.egressAllow.exists(e, e.startsWith('svc/')) || "
+         "(object.spec.?hostAliases.orValue([]).size() == 0 && "
+         "!object.spec.?dnsConfig.hasValue() && "
+         "object.spec.?dnsPolicy.orValue('ClusterFirst') == 'ClusterFirst')",
+         f"'annotation {ANNOTATION_EGRESS_ALLOW} has svc/ entries, which netguard resolves "
+         "through the cluster\\'s DNS: the pod must set no hostAliases, no dnsConfig and "
+         "dnsPolicy ClusterFirst (or none)'"),
     Rule("egress-label-invalid",
          f"!variables.egress.hasValue() || variables.egress.value() in "
          f"{_list([EGRESS_DENY, EGRESS_ALLOW])}",

@@ -269,6 +269,20 @@ def test_an_external_name_service_is_refused_whatever_it_points_at(lab, dns):
     # (The same address as the Service's own answer is admitted: the test above.)
 
 
+def test_a_service_named_in_etc_hosts_is_refused(lab, dns):
+    """The kubelet writes a pod's hostAliases into /etc/hosts of every container, netguard's
+    too, and the resolver reads it before DNS: the pod's author would pick the address (the
+    webhook refuses such pods first; this holds for a hand-written guard)."""
+    lab.serve(lab.peer, 3141)
+    dns({"pypi.infra.svc.cluster.local": [PEER_V4]})
+    (Path("/etc/netns") / lab.pod / "hosts").write_text(
+        f"127.0.0.1 localhost\n{REMOTE_V4}\tpypi.infra.svc.cluster.local  # hostAliases\n")
+    line = one_line_failure(lab.netguard("apply", "--allow-egress", "svc/pypi.infra:3141/tcp",
+                                         env=env()))
+    assert "is named in /etc/hosts" in line, line
+    assert no_sandman_chains(lab)
+
+
 def test_a_service_answering_with_too_many_addresses_fails_closed(lab, dns):
     """A headless Service answers with its pods: past the bound, no rule is rendered."""
     from netguard.resolve import MAX_ADDRESSES

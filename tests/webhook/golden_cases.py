@@ -310,6 +310,17 @@ def egress_allow_cases() -> dict[str, dict]:
             "UPDATE", old=made),
         # The metadata address as IPv4-mapped IPv6, annotation and guard written by hand.
         "validate-egress-allow-ipv4-mapped-refused": review("e12", _edit(made, _mapped)),
+        # /etc/hosts in every container, netguard's too: the pod's author would pick the
+        # address a svc/ entry resolves to; so would a resolver of its own.
+        "validate-egress-allow-svc-with-host-aliases-refused": review("e13", _edit(
+            made, lambda p: p["spec"].update(hostAliases=[
+                {"ip": "203.0.113.7", "hostnames": ["pypi.infra.svc.cluster.local"]}]))),
+        "validate-egress-allow-svc-with-own-resolver-refused": review("e14", _edit(
+            made, lambda p: p["spec"].update(dnsPolicy="None", dnsConfig={
+                "nameservers": ["203.0.113.53"], "searches": ["svc.cluster.local"]}))),
+        "validate-egress-allow-cidr-with-host-aliases-allowed": review("e15", make_sandbox(
+            _edit(allow_pod("10.0.0.0/8:443/tcp"), lambda p: p["spec"].update(hostAliases=[
+                {"ip": "10.1.2.3", "hostnames": ["mirror.local"]}])), EGRESS_POLICY)),
     }
     assert set(c) == set(EGRESS_CASES)
     return c
@@ -333,7 +344,10 @@ EGRESS_CASES = (
     "validate-egress-allow-not-canonical-refused",
     "validate-egress-allow-annotation-edited-on-update-refused",
     "validate-egress-allow-state-label-on-update-allowed",
-    "validate-egress-allow-ipv4-mapped-refused")
+    "validate-egress-allow-ipv4-mapped-refused",
+    "validate-egress-allow-svc-with-host-aliases-refused",
+    "validate-egress-allow-svc-with-own-resolver-refused",
+    "validate-egress-allow-cidr-with-host-aliases-allowed")
 # At import, not as cases() runs: a test worker may judge a case without building the list.
 POLICIES.update(dict.fromkeys(EGRESS_CASES, EGRESS_POLICY))
 

@@ -218,3 +218,19 @@ def test_the_flags_make_the_policy(monkeypatch):
         assert api_server_addresses() == ()
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
     assert api_server_addresses() == ()
+
+
+@pytest.mark.parametrize("spec", [
+    {"hostAliases": [{"ip": "203.0.113.7", "hostnames": ["pypi.infra.svc.cluster.local"]}]},
+    {"dnsPolicy": "None", "dnsConfig": {"nameservers": ["203.0.113.53"]}},
+    {"dnsConfig": {"searches": ["svc.attacker.example"]}},  # with ClusterFirst too
+    {"dnsPolicy": "Default"},  # the node's resolver
+])
+def test_svc_entries_need_the_clusters_own_resolver(spec):
+    p = pod()
+    p["spec"].update(spec)
+    assert "netguard resolves through the cluster's DNS" in refusal(p)
+    # CIDR entries resolve nothing: the same pod with only those is admitted.
+    q = pod("10.0.0.0/8:443/tcp")
+    q["spec"].update(spec)
+    assert "--allow-egress" in netguard_args(q, POLICY)
