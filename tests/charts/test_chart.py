@@ -352,6 +352,30 @@ def test_an_egress_ceiling_entry_no_allowlist_could_use_fails_the_render(helm, e
     assert res.returncode != 0 and why in res.stderr, res.stderr
 
 
+@pytest.mark.parametrize("key,value,bad", [
+    ("egressCeiling", "10.1.2.3/8:443", True), ("egressCeiling", "10.0.0.0/8:443", False),
+    ("egressCeiling", "[fd00::1/64]:443", True), ("egressCeiling", "[fd00::/64]:443", False),
+    ("egressCeiling", "[fe00::/7]:443", False), ("egressCeiling", "[ff00::/7]:443", True),
+    ("egressCeiling", "10.0.0.1:443", False), ("egressNever", "10.96.0.1/12", True),
+    ("egressNever", "10.96.0.0/12", False), ("egressNever", "fd00:1:3::/47", True),
+    ("egressNever", "fd00:1:2::/47", False), ("egressNever", "10.96.0.1", False),
+])
+def test_egress_cidrs_with_host_bits_fail_the_render_as_the_webhook_refuses_them(
+        helm, key, value, bad):
+    """The webhook and the controller would refuse the value at start (a crash-looping
+    admission webhook); the chart says so at render, with the same verdict as sandman/egress.py."""
+    from sandman import egress
+
+    res = helm.template("--set", f"sandbox.{key}[0]={value}", check=False)
+    assert (res.returncode != 0 and "has host bits set" in res.stderr) is bad, res.stderr
+    parse = egress.parse_never if key == "egressNever" else egress.Ceiling.parse
+    if bad:
+        with pytest.raises(ValueError, match="host bits"):
+            parse([value])
+    else:
+        parse([value])
+
+
 def test_release_namespace_and_kube_system_always_excluded(helm):
     objs = _render(helm, "--set", "webhook.excludedNamespaces={monitoring}",
                    "--set", "webhook.namespaceSelector.matchLabels.team=rl",

@@ -217,11 +217,43 @@ cert-manager.io/inject-ca-from: {{ printf "%s/%s" .Release.Namespace (include "s
 - --gpu-toleration={{ . }}
 {{- end }}
 {{- range (include "sandman.egressCeilingEntries" . | fromJsonArray) }}
+{{- if not (hasPrefix "svc/" .) }}
+{{- include "sandman.noHostBits" (list (regexReplaceAll "^\\[?([^\\]]*?)\\]?:[^:]*$" . "${1}") (printf "sandbox.egressCeiling entry %s" .)) }}
+{{- end }}
 - --egress-ceiling={{ . }}
 {{- end }}
 {{- range .Values.sandbox.egressNever }}
+{{- include "sandman.noHostBits" (list . (printf "sandbox.egressNever entry %s" .)) }}
 - --egress-never={{ . }}
 {{- end }}
+{{- end -}}
+
+{{- /* Fails the render when CIDR (list CIDR WHAT) has host bits set: the webhook and the
+controller refuse such a value at start (sandman/egress.py), so no install gets that far. */ -}}
+{{- define "sandman.noHostBits" -}}
+{{- $parts := splitList "/" (index . 0) -}}
+{{- if eq (len $parts) 2 -}}
+{{- $p := atoi (index $parts 1) -}}
+{{- $ok := true -}}
+{{- if contains ":" (index $parts 0) -}}
+{{- $hex := include "sandman.ipv6Hex" (index $parts 0) -}}
+{{- $n := div $p 4 | int -}}
+{{- $r := mod $p 4 | int -}}
+{{- $rest := substr (ternary $n (add1 $n | int) (eq $r 0)) 32 $hex -}}
+{{- if ne (trimAll "0" $rest) "" }}{{ $ok = false }}{{ end -}}
+{{- if gt $r 0 -}}
+{{- $digits := dict "0" 0 "1" 1 "2" 2 "3" 3 "4" 4 "5" 5 "6" 6 "7" 7 "8" 8 "9" 9 "a" 10 "b" 11 "c" 12 "d" 13 "e" 14 "f" 15 -}}
+{{- if ne (mod (index $digits (substr $n (add1 $n | int) $hex)) (index (list 16 8 4 2) $r)) 0 }}{{ $ok = false }}{{ end -}}
+{{- end -}}
+{{- else -}}
+{{- $size := 1 -}}
+{{- range until (sub 32 $p | int) }}{{ $size = mul $size 2 }}{{ end -}}
+{{- if ne (mod (include "sandman.ipv4Int" (index $parts 0) | atoi) $size) 0 }}{{ $ok = false }}{{ end -}}
+{{- end -}}
+{{- if not $ok -}}
+{{- fail (printf "%s has host bits set: write the network address" (index . 1)) -}}
+{{- end -}}
+{{- end -}}
 {{- end -}}
 
 {{- /* sandbox.egressCeiling as entry strings (a Service's object form gives its `entry`), as
