@@ -70,7 +70,8 @@ def test_acquire_ready_release_round_trip(cluster, namespace, ctl):
     assert pod.spec.topology_spread_constraints[0].max_skew == 2
     assert pod.spec.node_selector == {contract.LABEL_NODE_POOL_DEFAULT: "sandbox"}
     t = sb["timings"]
-    assert set(t) == {"queued_ms", "create_ms", "started_ms", "ready_ms"}
+    assert set(t) == {"queued_ms", "create_ms", "started_ms", "ready_ms", "pull_ms"}
+    assert t["pull_ms"] == 0  # kwok pulls nothing: no Pulled event with a duration
     assert 0 < t["started_ms"] <= t["ready_ms"]  # running seen, then execd answered
     got = httpx.get(f"{c.url}/v1/sandboxes/{sb['id']}").json()
     assert got["state"] == "leased"
