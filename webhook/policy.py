@@ -156,14 +156,23 @@ def _within(c: str, e: str) -> str:
            f"({hc}.startsWith('svc/*.') && {hc}.substring({hc}.indexOf('.')) == "
            f"{he}.substring({he}.indexOf('.')))))")
     net = (f"(!{hc}.startsWith('svc/') && !{he}.startsWith('svc/') && isCIDR({_cidr_text(hc)})"
-           f" && cidr({_cidr_text(hc)}).containsCIDR(cidr({_cidr_text(he)})))")
+           f" && {_contains(f'cidr({_cidr_text(hc)})', f'cidr({_cidr_text(he)})')})")
     return f"({port} && ({svc} || {net}))"
+
+
+def _contains(outer: str, inner: str) -> str:
+    """CIDR `outer` contains CIDR `inner`. Not containsCIDR: before Kubernetes 1.33 (and the
+    1.31/1.32 patch releases of kubernetes/kubernetes#130450) it refused every inner network
+    whose address differs from the outer one's (10.5.0.0/16 in 10.0.0.0/8), and the chart
+    supports 1.30. containsIP and prefixLength are right in every version."""
+    return (f"({outer}.containsIP({inner}.ip()) && "
+            f"{outer}.prefixLength() <= {inner}.prefixLength())")
 
 
 def _inside_never(e: str) -> str:
     he = _host(e)
     return (f"(!{he}.startsWith('svc/') && variables.egressNeverCidrs.exists(n, "
-            f"cidr(n).containsCIDR(cidr({_cidr_text(he)}))))")
+            f"{_contains('cidr(n)', f'cidr({_cidr_text(he)})')}))")
 
 
 FIXED_VARIABLES: list[dict] = [
