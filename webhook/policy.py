@@ -161,10 +161,10 @@ def _within(c: str, e: str) -> str:
 
 
 def _contains(outer: str, inner: str) -> str:
-    """CIDR `outer` contains CIDR `inner`. Not containsCIDR: before Kubernetes 1.33 (and the
-    1.31/1.32 patch releases of kubernetes/kubernetes#130450) it refused every inner network
-    whose address differs from the outer one's (10.5.0.0/16 in 10.0.0.0/8), and the chart
-    supports 1.30. containsIP and prefixLength are right in every version."""
+    """CIDR `outer` contains CIDR `inner`. Not containsCIDR: before Kubernetes 1.33 (and late
+    1.31/1.32 patch releases) it refused every inner network whose address differs from the
+    outer one's (10.5.0.0/16 in 10.0.0.0/8), and the chart supports 1.30. containsIP and
+    prefixLength are right in every version."""
     return (f"({outer}.containsIP({inner}.ip()) && "
             f"{outer}.prefixLength() <= {inner}.prefixLength())")
 
