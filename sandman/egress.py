@@ -52,8 +52,9 @@ _BUILTIN_NEVER = (
     ("100.100.100.200/32", "metadata"),
     ("0.0.0.0/32", "unspecified: this host"),
     ("::/128", "unspecified: this host"),
-    # An IPv4-mapped address is never a packet's destination on the wire; an entry with one
-    # would only be read by tools that map it back to IPv4. Write the IPv4 form.
+    # An IPv4-mapped address is never a packet's destination on the wire, and an entry inside
+    # this range is refused when parsed (write the IPv4 form); a wider entry (::/0) gets it
+    # carved out, as the tools that map it back to IPv4 would.
     ("::ffff:0:0/96", "IPv4-mapped"),
 )
 _NEVER_REASON = {ipaddress.ip_network(n): r for n, r in _BUILTIN_NEVER}
