@@ -85,18 +85,36 @@ def _text(reason: object, message: object) -> str:
 def outcome(pod: dict) -> tuple[str, str]:
     """(pulled | pending | failed, reason) of a puller pod, from its status."""
     st = pod.get("status") or {}
-    for c in st.get("containerStatuses") or []:
-        state = c.get("state") or {}
-        waiting = state.get("waiting") or {}
+    statuses = st.get("containerStatuses") or []
+    for c in statuses:
+        waiting = (c.get("state") or {}).get("waiting") or {}
         if waiting.get("reason") in PULL_FAILURES:
             return FAILED, _text(waiting.get("reason"), waiting.get("message"))
-        # An imageID or a running container: the kubelet had the image (kwok runs the
-        # container without one).
-        if c.get("imageID") or state.get("running") is not None:
-            return PULLED, ""
+    # An imageID or a running container: the kubelet had the image (kwok runs the container
+    # without one). Every container, not the first listed: the kubelet lists them by name.
+    if statuses and all(c.get("imageID") or (c.get("state") or {}).get("running") is not None
+                        for c in statuses):
+        return PULLED, ""
     if st.get("phase") == "Failed":  # refused by the kubelet, or past its deadline
         return FAILED, _text(st.get("reason"), st.get("message")) or "pod failed"
     return PENDING, ""
+
+
+def adoptable(pod: dict, body: dict) -> bool:
+    """A stored pod of a puller's name is ours (an ambiguous create's, an earlier leader's) only
+    when it is a puller as `body` writes it: labelled, on the node, one container of the image
+    running NO_ENTRYPOINT, the same runtime class, nothing else that runs. The names are
+    predictable, so anyone who may create pods here can plant one first: a sibling container
+    would report the node pulled (or run the image's entrypoint) on the controller's word."""
+    spec, want = pod.get("spec") or {}, body["spec"]
+    [ours] = want["containers"]
+    got = spec.get("containers") or []
+    return (contract.LABEL_PREPULL in ((pod.get("metadata") or {}).get("labels") or {})
+            and spec.get("nodeName") == want["nodeName"]
+            and not spec.get("initContainers") and not spec.get("ephemeralContainers")
+            and spec.get("runtimeClassName") == want.get("runtimeClassName")
+            and len(got) == 1
+            and all(got[0].get(k) == ours.get(k) for k in ("name", "image", "command", "args")))
 
 
 def tolerates(tolerations: list[dict], taint: dict) -> bool:
@@ -357,10 +375,7 @@ class Prepuller:
                         pod = await self.kube.read_pod(name)
                     except Exception as rex:  # noqa: BLE001
                         return None, _text("create conflict, unreadable", rex)
-                    spec = pod.get("spec") or {}
-                    if (contract.LABEL_PREPULL in (pod["metadata"].get("labels") or {})
-                            and spec.get("nodeName") == node
-                            and (spec.get("containers") or [{}])[0].get("image") == image):
+                    if adoptable(pod, body):
                         return pod["metadata"]["uid"], ""
                     return None, f"the pod name {name} is taken by a pod that is no puller"
                 if ex.status != 429 and ex.status not in AMBIGUOUS_STATUSES:
