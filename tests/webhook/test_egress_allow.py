@@ -234,3 +234,40 @@ def test_svc_entries_need_the_clusters_own_resolver(spec):
     q = pod("10.0.0.0/8:443/tcp")
     q["spec"].update(spec)
     assert "--allow-egress" in netguard_args(q, POLICY)
+
+
+def test_the_webhook_process_judges_allowlists_by_its_flags_and_its_env(tmp_path, monkeypatch):
+    """`python -m webhook serve` with the chart's egress flags, over HTTPS on 127.0.0.1: every
+    egress golden case answers as pinned; started without KUBERNETES_SERVICE_HOST (it cannot
+    tell the API server's address), the same allowlist is refused in one line."""
+    from testbed.webhook import start_webhook
+    from tests.webhook import golden_cases
+    from tests.webhook.test_golden import decode, load
+
+    pol = golden_cases.EGRESS_POLICY
+    flags = [f"--egress-ceiling={','.join(pol.egress_ceiling)}",
+             *(f"--egress-never={n}" for n in pol.egress_never)]
+    monkeypatch.setenv("KUBERNETES_SERVICE_HOST", pol.api_server[0])
+    server = start_webhook(tmp_path / "with-env", *flags)
+    try:
+        with server.client() as c:
+            for name in golden_cases.EGRESS_CASES:
+                review, expected = load(name)
+                r = c.post("/mutate" if name.startswith("mutate-") else "/validate",
+                           json=review)
+                assert r.status_code == 200 and decode(r.json()) == expected, name
+    finally:
+        server.stop()
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST")
+    server = start_webhook(tmp_path / "without-env", *flags)
+    try:
+        with server.client() as c:
+            review, _ = load("validate-egress-allow-within-ceiling-allowed")
+            out = c.post("/validate", json=review).json()["response"]
+        assert out["allowed"] is False
+        msg = out["status"]["message"]
+        assert msg.startswith("sandman egress-allow-refused: egress allowlists are refused: "
+                              "the webhook cannot tell the API server's address"), msg
+        assert "\n" not in msg
+    finally:
+        server.stop()
