@@ -70,6 +70,20 @@ def timed_sdk(sb: Sandbox, calls: int) -> tuple[list[float], int]:
     return lat, wrong
 
 
+def _kill_shells(local: LocalRuntime) -> None:
+    """SWE-ReX's close gives each bash 0.1 s per signal to end and raises past that (pexpect's
+    "Could not terminate the child") on a loaded machine: SIGKILL and reap what is left."""
+    for session in list(local._sessions.values()):
+        shell = getattr(session, "_shell", None)
+        if shell is None:
+            continue
+        try:
+            os.kill(shell.pid, 9)
+            os.waitpid(shell.pid, 0)
+        except (ProcessLookupError, ChildProcessError):
+            pass  # gone and reaped already
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200, help="echo actions per target per repeat")
@@ -118,6 +132,8 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         try:
             asyncio.run(local.close())
+        except Exception:  # noqa: BLE001 - the peer's close; its shells are killed below
+            _kill_shells(local)
         finally:
             adapter.sandbox.close()
             sdk.close()
