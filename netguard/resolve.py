@@ -41,9 +41,16 @@ def cluster_domain(path: str = RESOLV_CONF) -> str:
         words = line.split()
         if words and words[0] in ("search", "domain"):
             search = words[1:]  # the last one wins, as in the resolver
-    for domain in search:
-        if domain.startswith("svc.") and len(domain) > 4:
-            return domain[4:].rstrip(".")
+    # The kubelet writes `<ns>.svc.<domain> svc.<domain> <domain>` first: the domain is the
+    # third of the first such triple. Not merely the first `svc.` entry: in a namespace named
+    # svc that is `svc.svc.<domain>`, and the names asked would land in the pod's own
+    # namespace, whose Services its tenant may write.
+    names = [d.rstrip(".") for d in search]
+    for i in range(len(names) - 2):
+        own, svc, domain = names[i:i + 3]
+        if domain and svc == f"svc.{domain}" and own.endswith(f".svc.{domain}") and \
+                own != f".svc.{domain}":
+            return domain
     raise ConfigError(f"no svc.<cluster domain> in {path}'s search list: cannot resolve "
                       "svc/ entries outside a Kubernetes pod")
 

@@ -1,11 +1,10 @@
 """netguard's svc/ resolution against a pod whose own namespace shapes its resolv.conf.
 
 The kubelet writes a ClusterFirst pod's search list as `<ns>.svc.<domain> svc.<domain>
-<domain>` (then the node's). netguard takes the cluster domain from the first `svc.` entry, so in
-a namespace named `svc` it reads `svc.cluster.local` and asks `NAME.NS.svc.svc.cluster.local.`:
-CoreDNS reads that as the endpoint NAME of Service NS in namespace `svc`, the pod's own
-namespace, where whoever may create Services and EndpointSlices there picks the address the
-entry opens. Pure logic (the file is what the kubelet writes)."""
+<domain>` (then the node's). Taking the cluster domain from the first `svc.` entry would, in a namespace named `svc`, read
+`svc.cluster.local` and ask `NAME.NS.svc.svc.cluster.local.`: CoreDNS reads that as the
+endpoint NAME of Service NS in namespace `svc`, the pod's own namespace, where whoever may
+create Services and EndpointSlices there picks the address the entry opens. Pure logic (the file is what the kubelet writes)."""
 
 from __future__ import annotations
 
@@ -29,8 +28,15 @@ def test_the_cluster_domain_of_an_ordinary_namespace(tmp_path):
         "cluster.local"
 
 
-@pytest.mark.xfail(strict=True, reason="netguard/resolve.py cluster_domain takes the first "
-                   "search entry starting with 'svc.', which is '<ns>.svc.<domain>' in a "
-                   "namespace named svc")
 def test_a_pod_in_a_namespace_named_svc_gets_the_cluster_domain(tmp_path):
     assert resolve.cluster_domain(resolv_conf(tmp_path, "svc")) == "cluster.local"
+
+
+def test_a_search_list_without_the_kubelets_triple_is_refused(tmp_path):
+    """Only the kubelet's `<ns>.svc.<d> svc.<d> <d>` names the domain: a lone `svc.` entry
+    (a node's search domain) is not taken for it."""
+    path = tmp_path / "resolv.conf"
+    for search in ("svc.corp.example corp.example", "a.svc.x svc.y y", "svc.svc.x"):
+        path.write_text(f"search {search}\nnameserver 10.96.0.10\n")
+        with pytest.raises(resolve.ConfigError, match="no svc.<cluster domain>"):
+            resolve.cluster_domain(str(path))
