@@ -8,6 +8,7 @@ rmi), and the puller pods are gone afterwards."""
 
 from __future__ import annotations
 
+import json
 import time
 
 from kubernetes import client
@@ -55,7 +56,17 @@ def _events(core, ns: str, pod: str) -> list[tuple[str, str]]:
 
 
 def _rmi(rn, *refs: str) -> list[str]:
-    """Remove the images from the node; the refs that could not be (absent is fine)."""
+    """Remove the images from the node; the refs that could not be (absent is fine). Refuses
+    (AssertionError) an image that also carries a name outside the local registry: the CRI
+    removes an image with all its names, and the bed's own images cannot be pulled again."""
+    listed = rn.crictl("images", "-o", "json")
+    assert listed.returncode == 0, listed.stderr
+    for img in json.loads(listed.stdout).get("images", []):
+        names = (img.get("repoTags") or []) + (img.get("repoDigests") or [])
+        if any(ref in names for ref in refs):
+            host = refs[0].split("/", 1)[0]
+            others = [n for n in names if not n.startswith(host + "/")]
+            assert not others, f"removing {refs} would remove the bed's image {others}"
     left = []
     for ref in refs:
         r = rn.crictl("rmi", ref)
@@ -85,8 +96,13 @@ def test_a_prepulled_image_starts_without_a_pull(sandman, ns, figures):
     try:
         _, archive = task_image()
         t0 = time.monotonic()
-        image_a = reg.push(archive, "swe/task:prepulled")
-        image_b = reg.variant("swe/task:prepulled", "swe/task:control",
+        # Variants only: the task image itself has the image id of the bed's
+        # sandman.local/task, and removing a reference by id removes every name of it, so
+        # the suite's later sandboxes would have no image (and nothing to pull it from).
+        reg.push(archive, "swe/task:base")
+        image_a = reg.variant("swe/task:base", "swe/task:prepulled",
+                              "dev.sandman.test/variant=prepulled")
+        image_b = reg.variant("swe/task:base", "swe/task:control",
                               "dev.sandman.test/variant=control")
         figures.add(f"prepull e2e: local registry up and 2 images pushed in "
                     f"{time.monotonic() - t0:.1f}s")
