@@ -342,7 +342,15 @@ def main(argv: list[str] | None = None) -> int:
 
     async def on_lost():
         # Crash-only: a replica that lost the lease must not act; it restarts as a standby.
+        # Deleting the pre-pull's own pullers (by uid) is no act on the new leader's; bounded
+        # by half the margin left before a standby may take over (--lease-renew).
         log.error("exiting: leadership lost")
+        c = state.get("controller")
+        if c is not None:
+            try:
+                await c.prepull.stop(timeout=args.lease_renew / 2)
+            except Exception as ex:  # noqa: BLE001 - exit regardless
+                log.warning("pre-pull stop failed: %s", ex)
         os._exit(3)
 
     @contextlib.asynccontextmanager

@@ -116,6 +116,7 @@ class Controller:
         self.ready = False
         for t in self._bg:
             t.cancel()
+        await self.prepull.stop()  # bounded: its pullers' pods go with this leader
         if self.informer:
             self.informer.stop()
         for w in self._event_watches:

@@ -8,11 +8,11 @@ the 229 nodes that lacked it.
 How: one short-lived puller pod per (node, image), pinned with `nodeName` to a node the
 sandboxes can land on (the pool's node label, the pod template's tolerations, schedulable and
 Ready). The kubelet pulls the image before it creates the container; the container's command
-is a path no image has (NO_ENTRYPOINT), so the image's own entrypoint never runs: the create
-fails at exec, after the pull. The outcome is read from the container status: an `imageID` or a
-running container means the node has the image; the kubelet's pull errors (ErrImagePull,
-ImagePullBackOff, ...) mean it failed, with the kubelet's message as the reason. The pod is
-then deleted.
+is a path no image has (a random name under NO_ENTRYPOINT_DIR), so the image's own entrypoint
+never runs: the create fails at exec, after the pull. The outcome is read from the container
+status: an `imageID` or a running container means the node has the image; the kubelet's pull
+errors (ErrImagePull, ImagePullBackOff, ...) mean it failed, with the kubelet's message as the
+reason. The pod is then deleted.
 
 Every puller's create takes a slot from the controller's one pacer, in the PREPULL role, which
 is granted only when no grading or rollout create waits: a pre-pull never delays an acquire.
@@ -20,9 +20,12 @@ At most CONCURRENCY pullers run at once, spread over the nodes (image-major orde
 concurrent pullers are on different nodes).
 
 Pullers carry contract.LABEL_PREPULL and neither the sandbox nor the managed-by label: the
-books, the sweep, the webhook and the sandbox policies never see them. What this controller no
-longer tracks (a pod left by an earlier leader) is deleted by `sweep`; the chart's uninstall
-cleanup deletes every one.
+books, the sweep, the webhook and the sandbox policies never see them. Anyone who may create pods
+in the namespace can write that label, so it proves nothing: the outcome is read only from a pod
+this controller's create stored (its uid), `stop` deletes exactly those, and `sweep` deletes an
+untracked labelled pod (a pod left by an earlier leader) only when it is a puller as written,
+one that runs no program, with the controller's proof under a books key. The chart's uninstall
+cleanup deletes every labelled pod.
 
 State lives in the leader's memory: a new leader starts from the chart's images
 (--prepull-image) and pulls them again where they are missing; images posted to the old leader
@@ -34,13 +37,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import hashlib
+import hmac
 import logging
+import secrets
 import time
 from dataclasses import dataclass
 
 from kubernetes import client
 
 from controller import metrics
+from controller.create import proof
 from controller.errors import BadRequest
 from controller.kube import AMBIGUOUS_STATUSES, Kube, is_transport_error
 from controller.pacer import ROLE_PREPULL, Pacer
@@ -50,8 +56,10 @@ from sandman import api, contract
 log = logging.getLogger("controller.prepull")
 
 PREPULL_JOB = "sandman-prepull"  # the pacer's job key of every puller
-# The puller's command: no image has it, so the container fails at exec, after the pull.
-NO_ENTRYPOINT = "/.sandman-prepull/no-such-entrypoint"
+# The puller's command is a random name in this directory: no image has it, so the container
+# fails at exec, after the pull. A fixed path could be shipped by an image's author, whose own
+# program would then run there, unguarded, on every node of the pool.
+NO_ENTRYPOINT_DIR = "/.sandman-prepull"
 # The kubelet's deadline for a puller (activeDeadlineSeconds). The paper's slowest pulls: the
 # largest images' p90 153 s, 0.58% of all pulls over 120 s; 600 s leaves room for a node that
 # pulls several images in a row (the kubelet serializes pulls by default).
@@ -61,6 +69,10 @@ POLL_S = 2.0  # a puller's status is read this often
 RECONCILE_S = 30.0  # the pool's nodes are listed this often (new nodes get the images)
 CREATE_ATTEMPTS = 5
 REASON_CAP = 300  # characters of a failure reason kept
+# A stop's bound for cancelling the pullers and deleting their pods (one delete each, tens of
+# ms on a healthy API server); within the controller pod's default 30 s termination grace. What it
+# leaves is the next leader's sweep.
+STOP_S = 10.0
 # Container waiting reasons that mean the kubelet could not pull the image.
 PULL_FAILURES = ("ErrImagePull", "ImagePullBackOff", "InvalidImageName", "ErrImageNeverPull",
                  "RegistryUnavailable", "SignatureValidationFailed")
@@ -101,11 +113,12 @@ def outcome(pod: dict) -> tuple[str, str]:
 
 
 def adoptable(pod: dict, body: dict) -> bool:
-    """A stored pod of a puller's name is ours (an ambiguous create's, an earlier leader's) only
-    when it is a puller as `body` writes it: labelled, on the node, one container of the image
-    running NO_ENTRYPOINT, the same runtime class, nothing else that runs. The names are
-    predictable, so anyone who may create pods here can plant one first: a sibling container
-    would report the node pulled (or run the image's entrypoint) on the controller's word."""
+    """A stored pod of a puller's name is this create's own (an earlier try whose answer was
+    lost) only when it is `body` as written: labelled, on the node, one container of the image
+    running `body`'s command, the same runtime class, nothing else that runs. The command is
+    drawn per body and known to nobody until a create stores it, so an earlier leader's puller,
+    another release's or a tenant's copy of one is not adopted: the names are predictable, and
+    a planted pod's status (kwok's, a sibling's) would be reported on the controller's word."""
     spec, want = pod.get("spec") or {}, body["spec"]
     [ours] = want["containers"]
     got = spec.get("containers") or []
@@ -114,7 +127,34 @@ def adoptable(pod: dict, body: dict) -> bool:
             and not spec.get("initContainers") and not spec.get("ephemeralContainers")
             and spec.get("runtimeClassName") == want.get("runtimeClassName")
             and len(got) == 1
-            and all(got[0].get(k) == ours.get(k) for k in ("name", "image", "command", "args")))
+            and all(got[0].get(k) == ours.get(k) for k in ("name", "image", "args", "command"))
+            and _no_entrypoint(got[0].get("command")))
+
+
+def sweepable(pod: dict, key: bytes | None, namespace: str) -> bool:
+    """An untracked labelled pod the sweep may delete: a puller as written (one container
+    running a path in NO_ENTRYPOINT_DIR, nothing else), so it runs no program, and under a books
+    key the controller's proof (contract.ANNOTATION_PROOF of its name and nonce). The label is
+    anyone's to write: a tenant's labelled pod that runs something is not the controller's."""
+    meta, spec = pod.get("metadata") or {}, pod.get("spec") or {}
+    labels = meta.get("labels") or {}
+    got = spec.get("containers") or []
+    if not (contract.LABEL_PREPULL in labels and len(got) == 1
+            and not spec.get("initContainers") and not spec.get("ephemeralContainers")
+            and _no_entrypoint(got[0].get("command"))):
+        return False
+    if key is None:
+        return True
+    want = proof(key, namespace, meta.get("name", ""), labels.get(contract.LABEL_NONCE, ""))
+    return hmac.compare_digest((meta.get("annotations") or {}).get(contract.ANNOTATION_PROOF)
+                               or "", want)
+
+
+def _no_entrypoint(command: object) -> bool:
+    """The puller's command: one path in NO_ENTRYPOINT_DIR (its name is drawn per puller)."""
+    return (isinstance(command, list) and len(command) == 1 and isinstance(command[0], str)
+            and command[0].startswith(NO_ENTRYPOINT_DIR + "/")
+            and len(command[0]) == len(NO_ENTRYPOINT_DIR) + 1 + 32)
 
 
 def tolerates(tolerations: list[dict], taint: dict) -> bool:
@@ -163,6 +203,10 @@ class Prepuller:
         self._listed = False  # self.nodes came from a list, not the empty start
         self._queue: asyncio.Queue[tuple[str, str]] = asyncio.Queue()
         self._inflight: set[str] = set()  # puller names being created, watched or deleted
+        self._mine: dict[str, str] = {}  # name -> uid of every pod a create stored, until deleted
+        self._calls: set[asyncio.Future] = set()  # create calls (they outlive a cancelled puller)
+        self._workers: list[asyncio.Task] = []
+        self._run: asyncio.Task | None = None
         self._wake = asyncio.Event()
 
     # ---- the API's side ------------------------------------------------------------------------
@@ -236,8 +280,14 @@ class Prepuller:
     async def run(self) -> None:
         """Reconcile every RECONCILE_S (or when images are added) with CONCURRENCY workers;
         cancelled with the controller."""
-        workers = [asyncio.get_running_loop().create_task(self._worker(), name=f"prepull-{i}")
-                   for i in range(CONCURRENCY)]
+        self._run = asyncio.current_task()
+        try:  # an earlier leader's pullers first: their names are the ones the workers take
+            await self.sweep()
+        except Exception as ex:  # noqa: BLE001 - the next pass tries again
+            log.warning("pre-pull sweep failed: %s", ex)
+        workers = self._workers = [
+            asyncio.get_running_loop().create_task(self._worker(), name=f"prepull-{i}")
+            for i in range(CONCURRENCY)]
         try:
             while True:
                 try:
@@ -255,6 +305,28 @@ class Prepuller:
             for w in workers:
                 w.cancel()
             await asyncio.gather(*workers, return_exceptions=True)
+
+    async def stop(self, timeout: float = STOP_S) -> None:
+        """Cancel the pullers and delete every pod they created, by name and uid, within
+        `timeout`: a create still in flight is waited for, so the pod it stores goes too. A
+        stopped or deposed leader leaves none for the next one (docs/controller.md)."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout
+        tasks = [t for t in (self._run, *self._workers) if t is not None]
+        for t in tasks:
+            t.cancel()
+        for waits in (tasks, self._calls):
+            pending = [f for f in waits if not f.done()]
+            if pending:
+                await asyncio.wait(pending, timeout=max(0.0, deadline - loop.time()))
+        deletes = [loop.create_task(self._delete(n, u)) for n, u in list(self._mine.items())]
+        if deletes:
+            _, late = await asyncio.wait(deletes, timeout=max(0.0, deadline - loop.time()))
+            for t in late:
+                t.cancel()
+        if self._mine:
+            log.warning("pre-pull stopped with %d puller(s) not deleted: %s; the next leader's "
+                        "sweep deletes them", len(self._mine), ", ".join(sorted(self._mine)))
 
     async def pool_nodes(self) -> list[str]:
         sel = self.s.node_pool_label or ""
@@ -281,12 +353,13 @@ class Prepuller:
         self._gauge()
 
     async def sweep(self) -> int:
-        """Delete puller pods this controller does not track (an earlier leader's)."""
+        """Delete puller pods this controller does not track (an earlier leader's): pullers as
+        written only (`sweepable`)."""
         n = 0
         for pod in await self.kube.list_pods(contract.LABEL_PREPULL):
             meta = pod.get("metadata") or {}
-            if contract.LABEL_PREPULL not in (meta.get("labels") or {}):
-                continue  # the selector says so; never trust it with a delete
+            if not sweepable(pod, self.s.books_key, self.s.namespace):
+                continue  # the label is anyone's; never trust it with a delete
             if meta.get("name") in self._inflight or meta.get("deletionTimestamp"):
                 continue
             await self._delete(meta["name"], meta.get("uid"))
@@ -321,7 +394,7 @@ class Prepuller:
                                 "seccompProfile": {"type": "RuntimeDefault"}},
             "containers": [{
                 "name": "pull", "image": image, "imagePullPolicy": "IfNotPresent",
-                "command": [NO_ENTRYPOINT],
+                "command": [f"{NO_ENTRYPOINT_DIR}/{secrets.token_hex(16)}"],
                 "resources": {"requests": dict(PULLER_RESOURCES),
                               "limits": dict(PULLER_RESOURCES)},
                 "securityContext": {"allowPrivilegeEscalation": False,
@@ -333,10 +406,14 @@ class Prepuller:
         for k in ("tolerations", "imagePullSecrets", "runtimeClassName"):
             if k in t:
                 spec[k] = t[k]
-        return {"apiVersion": "v1", "kind": "Pod",
-                "metadata": {"name": puller_name(image, node), "namespace": self.s.namespace,
-                             "labels": {contract.LABEL_PREPULL: digest_label(image)}},
-                "spec": spec}
+        meta: dict = {"name": puller_name(image, node), "namespace": self.s.namespace,
+                      "labels": {contract.LABEL_PREPULL: digest_label(image)}}
+        if self.s.books_key is not None:  # the sweep's mark, as on the sandboxes (create.py)
+            nonce = secrets.token_hex(8)
+            meta["labels"][contract.LABEL_NONCE] = nonce
+            meta["annotations"] = {contract.ANNOTATION_PROOF: proof(
+                self.s.books_key, self.s.namespace, meta["name"], nonce)}
+        return {"apiVersion": "v1", "kind": "Pod", "metadata": meta, "spec": spec}
 
     async def pull(self, image: str, node: str) -> tuple[str, str]:
         """One puller: a pacer slot, the create, its outcome, its delete (always)."""
@@ -368,25 +445,45 @@ class Prepuller:
         backoff = 0.5
         for _ in range(CREATE_ATTEMPTS):
             try:
-                return (await self.kube.create_pod(body))["metadata"]["uid"], ""
+                return await self._call_create(body), ""
             except client.ApiException as ex:
-                if ex.status == 409:  # ours from an ambiguous try, or an earlier leader's
+                if ex.status == 409:  # ours from an ambiguous try, or someone else's
                     try:
                         pod = await self.kube.read_pod(name)
                     except Exception as rex:  # noqa: BLE001
                         return None, _text("create conflict, unreadable", rex)
                     if adoptable(pod, body):
+                        self._mine[name] = pod["metadata"]["uid"]
                         return pod["metadata"]["uid"], ""
-                    return None, f"the pod name {name} is taken by a pod that is no puller"
-                if ex.status != 429 and ex.status not in AMBIGUOUS_STATUSES:
+                    if not (pod.get("metadata") or {}).get("deletionTimestamp"):
+                        return None, (f"the pod name {name} is taken by a pod this controller "
+                                      "did not create")
+                    # Going (a swept leftover): its name is free again shortly.
+                elif ex.status != 429 and ex.status not in AMBIGUOUS_STATUSES:
                     return None, _text(f"create refused ({ex.status})", ex.reason)
-                self.pacer.slow_down()
+                else:
+                    self.pacer.slow_down()
             except Exception as ex:  # noqa: BLE001
                 if not is_transport_error(ex):
                     raise
             await asyncio.sleep(backoff)  # the same name again: a stored create answers 409
             backoff = min(backoff * 2, 5.0)
         return None, "create kept failing; gave up"
+
+    async def _call_create(self, body: dict) -> str:
+        """The create's uid. Its call runs on when the puller is cancelled (the client's
+        thread does), so what it stores is recorded in `_mine` for `stop` to delete."""
+        name = body["metadata"]["name"]
+        call = asyncio.ensure_future(self.kube.create_pod(body))
+        self._calls.add(call)
+
+        def stored(f: asyncio.Future) -> None:
+            self._calls.discard(f)
+            if not f.cancelled() and f.exception() is None:
+                self._mine[name] = f.result()["metadata"]["uid"]
+
+        call.add_done_callback(stored)
+        return (await asyncio.shield(call))["metadata"]["uid"]
 
     async def _watch(self, name: str, uid: str) -> tuple[str, str]:
         deadline = self.clock() + PULLER_DEADLINE_S + 30
@@ -414,15 +511,21 @@ class Prepuller:
         for _ in range(5):
             try:
                 await self.kube.delete_pod(name, uid)
+                self._forget(name, uid)
                 return
             except client.ApiException as ex:
                 if ex.status in (404, 409):  # gone, or another pod of that name now
+                    self._forget(name, uid)
                     return
             except Exception as ex:  # noqa: BLE001
                 if not is_transport_error(ex):
                     raise
             await asyncio.sleep(1.0)
         log.warning("puller %s not deleted; the next sweep tries again", name)
+
+    def _forget(self, name: str, uid: str | None) -> None:
+        if uid is not None and self._mine.get(name) == uid:
+            del self._mine[name]
 
 
 def check_images(images: list[str], source: str) -> list[str]:

@@ -29,7 +29,7 @@ def status(phase="Pending", **container):
     (status(state={"waiting": {"reason": "ErrImagePull", "message": "not\nfound"}}),
      (PP.FAILED, "ErrImagePull: not found")),
     (status(state={"waiting": {"reason": "ImagePullBackOff"}}), (PP.FAILED, "ImagePullBackOff")),
-    # The real node: the exec of NO_ENTRYPOINT fails after the pull; the image is there.
+    # The real node: the exec of the puller's command fails after the pull; the image is there.
     (status("Failed", imageID="docker.io/x@sha256:1", state={"terminated": {
         "reason": "StartError", "exitCode": 128}}), (PP.PULLED, "")),
     (status("Running", state={"running": {}}), (PP.PULLED, "")),  # kwok
@@ -85,7 +85,7 @@ def test_puller_pod_is_hardened_and_never_a_sandbox():
     assert spec["imagePullSecrets"] == [{"name": "regcred"}]
     [c] = spec["containers"]
     assert c["image"] == IMAGE and c["imagePullPolicy"] == "IfNotPresent"
-    assert c["command"] == [PP.NO_ENTRYPOINT]
+    assert c["command"][0].startswith(PP.NO_ENTRYPOINT_DIR + "/")
     assert c["resources"]["requests"] == c["resources"]["limits"]
     sc = c["securityContext"]
     assert sc["capabilities"] == {"drop": ["ALL"]} and sc["allowPrivilegeEscalation"] is False

@@ -127,7 +127,8 @@ def test_prepull_paces_pins_reports_and_cleans_up(cluster, namespace, tmp_path):
         for p in seen.values():
             assert contract.LABEL_SANDBOX not in p.metadata.labels
             assert p.spec.automount_service_account_token is False
-            assert p.spec.containers[0].command == [PP.NO_ENTRYPOINT]
+            [cmd] = p.spec.containers[0].command
+            assert cmd.startswith(PP.NO_ENTRYPOINT_DIR + "/")
         # Paced: the pacer's rate, not one burst of CONCURRENCY creates.
         per_second = collections.Counter(p.metadata.creation_timestamp for p in seen.values())
         assert max(per_second.values()) <= RATE + 2, per_second

@@ -18,17 +18,22 @@ IMAGE = f"registry.example/swe/task@sha256:{'cd' * 32}"
 NODE = "node-1"
 
 
+# One create's body: its command is drawn per body, and only that create's stored pod is
+# adopted (test_prepull_ownership.py).
+BODY = PP.Prepuller(None, None, Settings(namespace="sbx")).body(IMAGE, NODE)
+
+
 def puller(**spec) -> dict:
-    """The puller the controller would create on NODE, as the API server stores it (with a
-    uid), its spec updated with `spec`."""
-    body = copy.deepcopy(PP.Prepuller(None, None, Settings(namespace="sbx")).body(IMAGE, NODE))
+    """The puller the controller's create stored on NODE (with a uid), its spec updated with
+    `spec`."""
+    body = copy.deepcopy(BODY)
     body["metadata"]["uid"] = "u-1"
     body["spec"].update(spec)
     return body
 
 
 def expected() -> dict:
-    return PP.Prepuller(None, None, Settings(namespace="sbx")).body(IMAGE, NODE)
+    return copy.deepcopy(BODY)
 
 
 def test_a_pulled_sibling_does_not_make_a_failed_image_pulled():
@@ -62,3 +67,20 @@ def test_only_a_puller_as_written_is_adopted():
     unlabelled["metadata"]["labels"] = {}
     assert not PP.adoptable(unlabelled, expected())
     assert contract.LABEL_PREPULL in puller()["metadata"]["labels"]
+
+
+def test_no_image_can_ship_the_puller_s_command():
+    """The puller's command is a path no image has, so the image's entrypoint never runs. A
+    fixed path could be shipped by an image's author: the image's own program would run there,
+    unguarded (no netguard, no egress label) on every node of the pool. Drawn per puller, it
+    cannot be."""
+    prepuller = PP.Prepuller(None, None, Settings(namespace="sbx"))
+    commands = {tuple(prepuller.body(IMAGE, NODE)["spec"]["containers"][0]["command"])
+                for _ in range(3)}
+    assert len(commands) == 3, commands
+    for [path] in commands:
+        assert path.startswith(PP.NO_ENTRYPOINT_DIR + "/") and len(path) > 32
+    # A puller as written by another create (an earlier leader's, another draw) is not
+    # this create's: never adopted.
+    assert PP.adoptable(puller(), expected())
+    assert not PP.adoptable(puller(), prepuller.body(IMAGE, NODE))

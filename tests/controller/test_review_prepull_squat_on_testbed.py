@@ -3,10 +3,10 @@ controller under a puller's (predictable) name, with the pre-pull label, the nod
 in its first container, but with a sibling container too. Before, the controller's create met
 409, read the pod, adopted it (label, node and first image matched) and reported the node by
 its status, which the sibling can make 'pulled' on a node that lacks the image; then it deleted
-the planted pod. Now it is a squatter: the node is reported failed, naming it. (The pod carries
-the label, so a later sweep deletes it by its uid, as it deletes any puller it does not track;
-the controller's start sweeps once, so the pod is planted after it.) Pure logic:
-test_review_prepull_hostile.py."""
+the planted pod. Now it is a squatter: the node is reported failed, naming it. (The sweep
+leaves it too: a sibling container makes it no puller as written, see
+test_prepull_ownership.py; it is planted after the controller's start all the same.) Pure
+logic: test_review_prepull_hostile.py."""
 
 from __future__ import annotations
 
@@ -40,7 +40,7 @@ def test_a_lookalike_puller_with_a_sibling_is_not_adopted(cluster, namespace, tm
                 "metadata": {"name": name,
                              "labels": {contract.LABEL_PREPULL: PP.digest_label(image)}},
                 "spec": {"nodeName": nodes[0], "containers": [
-                    {"name": "z", "image": image, "command": [PP.NO_ENTRYPOINT]},
+                    {"name": "z", "image": image, "command": [f"{PP.NO_ENTRYPOINT_DIR}/{'0' * 32}"]},
                     {"name": "a", "image": "registry.invalid/present:1"}]}})
             c.prepull([image])
             st = wait_for(lambda: (lambda x: x if x.images[0].pulled + x.images[0].failed
