@@ -355,11 +355,12 @@ def _never(extra: Iterable[Network]) -> dict[Network, str]:
         out.setdefault(n, _CALLER_REASON)
     for n, why in list(out.items()):
         if n.version == 4:
-            out.setdefault(_nat64(n), f"{why}, through NAT64")
+            out.setdefault(nat64(n), f"{why}, through NAT64")
     return out
 
 
-def _nat64(net: ipaddress.IPv4Network) -> ipaddress.IPv6Network:
+def nat64(net: ipaddress.IPv4Network) -> ipaddress.IPv6Network:
+    """The image of an IPv4 network in the well-known NAT64 prefix (RFC 6052)."""
     addr = ipaddress.IPv6Address(int(NAT64.network_address) | int(net.network_address))
     return ipaddress.IPv6Network((addr, 96 + net.prefixlen))
 

@@ -84,7 +84,7 @@ _CAPS = sorted(GUARD_CAPS)
 # webhook's --allow-secrets); the rest are fixed. Order matters: a variable may use the ones
 # before it.
 POLICY_VARIABLES = ("image", "defaultIngressFrom", "guardAlways", "allowSecrets", "gpuResource",
-                    "gpuMax", "gpuTolerations", "egressCeiling", "egressNever")
+                    "gpuMax", "gpuTolerations", "egressCeiling", "egressNever", "egressNat64Never")
 
 
 def _bool(b: bool) -> str:
@@ -106,6 +106,10 @@ def policy_variables(policy: SandboxPolicy) -> list[dict]:
          "expression": json.dumps(list(policy.egress_ceiling), separators=(",", ":"))},
         {"name": "egressNever",
          "expression": json.dumps(list(policy.egress_never), separators=(",", ":"))},
+        # The NAT64 images of the admin's IPv4 never ranges (CEL cannot compute them).
+        {"name": "egressNat64Never", "expression": json.dumps(
+            [str(egress_entries.nat64(n)) for n in egress_entries.parse_never(policy.egress_never)
+             if n.version == 4], separators=(",", ":"))},
     ]
 
 
@@ -217,10 +221,11 @@ FIXED_VARIABLES: list[dict] = [
         "variables.egressCeiling.map(c, string(c)).map(c, "
         "c.substring(c.lastIndexOf(':')).contains('/') ? c : c + '/tcp')"},
     # Never ranges: sandman/egress.py's NEVER (and the NAT64 images of its IPv4 ones), the
-    # admin's (a bare address is one address).
+    # admin's (a bare address is one address) and their NAT64 images.
     {"name": "egressNeverCidrs", "expression":
         f"{_list(_NEVER_CIDRS)} + variables.egressNeverList.map(n, n.contains('/') ? n : "
-        "(n.contains(':') ? n + '/128' : n + '/32'))"},
+        "(n.contains(':') ? n + '/128' : n + '/32')) + "
+        "variables.egressNat64Never.map(n, string(n))"},
     # ...and a sandbox's guard (labelled, or installing already) installs execd
     # (podspec.netguard_container).
     {"name": "guardArgs", "expression":
@@ -452,6 +457,14 @@ RULES: list[Rule] = [
          f"'annotation {ANNOTATION_EGRESS_ALLOW} must be sandman\\'s canonical entries "
          "(CIDR:PORT/PROTO, [IPv6]:PORT/PROTO, svc/NAME.NAMESPACE:PORT/PROTO), at most "
          f"{egress_entries.MAX_ENTRIES}'"),
+    # ...and a CIDR names its network: netguard would mask `10.1.2.3/8` to 10.0.0.0/8, so the
+    # pod would run another list than its annotation (sandman/egress.py refuses host bits).
+    Rule("egress-allow-invalid",
+         "variables.egressAllow.filter(e, e.matches(" + _q(_ENTRY_SHAPE) + ") && "
+         f"!e.startsWith('svc/')).map(e, {_cidr_text(_host('e'))}).all(x, !isCIDR(x) || "
+         "string(cidr(x).masked()) == string(cidr(x)))",
+         f"'annotation {ANNOTATION_EGRESS_ALLOW}: a CIDR entry has host bits set (write the "
+         "network address)'"),
     Rule("egress-allow-refused",
          "variables.egressAllow.all(e, !e.matches(" + _q(_ENTRY_SHAPE) + ") || "
          "(!" + _inside_never("e") + " && variables.egressCeilingTcp.exists(c, "
@@ -784,6 +797,7 @@ CHART_VARIABLES = {
     "gpuTolerations": '{{ .Values.sandbox.gpu.tolerations | default list | toJson | quote }}',
     "egressCeiling": '{{ include "sandman.egressCeilingEntries" . | quote }}',
     "egressNever": '{{ .Values.sandbox.egressNever | default list | toJson | quote }}',
+    "egressNat64Never": '{{ include "sandman.egressNeverNat64" . | quote }}',
 }
 _PLACEHOLDER = "SANDMAN_CHART_VARIABLE_{}"
 

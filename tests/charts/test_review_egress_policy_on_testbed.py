@@ -4,13 +4,13 @@ entries (docs/webhook.md "Egress allowlists"). The pod is written as the webhook
 it for a harmless entry, then the annotation and the guard's argument are swapped for the
 hostile one, as a tenant creating pods in the sandbox namespace would.
 
-- the NAT64 image (64:ff9b::/96) of an admin's never range: sandman/egress.py's never_ranges
-  holds it, the policy's never list has only the images of the built-in ranges;
+- the NAT64 image (64:ff9b::/96) of an admin's never range (sandman/egress.py's never_ranges
+  holds it; the policy gets the chart's rendering of them, `sandman.egressNeverNat64`);
 - an IPv4 entry with host bits: not canonical for the webhook, a CIDR for Kubernetes' cidr();
-  netguard reads it masked (strict=False), so the pod runs another list than its annotation.
-netguard fails both closed at apply time (its own never check; a masked entry stays inside the
-ceiling), so these are disagreements, not open egress; the ceiling NetworkPolicy excepts the
-NAT64 images already (tests/charts/test_egress_ceiling_on_testbed.py)."""
+  netguard would read it masked, so the pod would run another list than its annotation (the
+  policy compares `cidr(x).masked()` with `cidr(x)`).
+netguard fails the first closed at apply time too (its own never check); the ceiling
+NetworkPolicy excepts the NAT64 images (tests/charts/test_egress_ceiling_on_testbed.py)."""
 
 from __future__ import annotations
 
@@ -94,15 +94,11 @@ def test_a_nat64_entry_outside_the_never_ranges_is_admitted(policy_only):
     assert policy_only(make_sandbox(allowlisted(PUBLIC_NAT64), POLICY)) is None
 
 
-@pytest.mark.xfail(strict=True, reason="the policy's never list lacks the NAT64 images of "
-                   "sandbox.egressNever (webhook/policy.py egressNeverCidrs)")
 def test_the_nat64_image_of_an_admin_never_range_is_refused(policy_only):
     e = policy_only(forged(API_NAT64))
     assert e is not None and "sandman egress-allow-refused" in e.body
 
 
-@pytest.mark.xfail(strict=True, reason="the policy's entry shape takes an IPv4 CIDR with host "
-                   "bits, which netguard masks (webhook/policy.py _ENTRY_SHAPE + isCIDR)")
 def test_an_entry_with_host_bits_is_refused(policy_only):
     e = policy_only(forged(HOST_BITS))
     assert e is not None and "sandman egress-allow-invalid" in e.body

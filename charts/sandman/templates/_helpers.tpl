@@ -456,6 +456,23 @@ except from a ceiling entry's ipBlock); Helm has no CIDR functions, so by intege
 {{- and (gt $pin $pout) (eq (div $a $size) (div $b $size)) -}}
 {{- end -}}
 
+{{- /* The NAT64 images (64:ff9b::/96) of sandbox.egressNever's IPv4 ranges, as a JSON list:
+never reached either (sandman/egress.py never_ranges); the ceiling NetworkPolicy excepts them
+and the policy refuses entries inside them. */ -}}
+{{- define "sandman.egressNeverNat64" -}}
+{{- $out := list -}}
+{{- range (.Values.sandbox.egressNever | default list) -}}
+{{- if not (contains ":" .) -}}
+{{- $parts := splitList "/" . -}}
+{{- $ip := include "sandman.ipv4Int" (index $parts 0) | atoi -}}
+{{- $bits := 32 -}}
+{{- if eq (len $parts) 2 }}{{ $bits = index $parts 1 | atoi }}{{ end -}}
+{{- $out = append $out (printf "64:ff9b::%x:%x/%d" (div $ip 65536) (mod $ip 65536) (add 96 $bits)) -}}
+{{- end -}}
+{{- end -}}
+{{- $out | toJson -}}
+{{- end -}}
+
 {{- define "sandman.ipv4Int" -}}
 {{- $o := splitList "." . -}}
 {{- add (mul (atoi (index $o 0)) 16777216) (mul (atoi (index $o 1)) 65536) (mul (atoi (index $o 2)) 256) (atoi (index $o 3)) -}}
