@@ -128,7 +128,9 @@ def never_leased(w: Window, mark: int, name: str) -> None:
 def test_w01_cancel_while_the_create_waits_in_the_queue(window):
     """A hang-up while the create waits for a token of the create bucket: withdrawn, never
     sent (paper: 'no pod (withdrawn)')."""
-    w = window("--rate", "1", "--burst", "1")
+    # One token per 5 s: the first acquire's token cannot come back while it waits for its
+    # pod to be ready, so the second always queues (at --rate 1 a loaded bed let it through).
+    w = window("--rate", "0.2", "--burst", "1")
 
     def trial(i: int, mark: int) -> None:
         first = w.ctl.acquire(job=job(i))  # takes the bucket's only token
@@ -140,7 +142,7 @@ def test_w01_cancel_while_the_create_waits_in_the_queue(window):
         c.hang_up()
         wait_for(lambda: not w.ctl.http.get("/v1/stats").json()["queue_depth"].get(job(i)),
                    5, "the hung-up acquire to leave the queue")
-        time.sleep(1.3)  # the next token: a create still queued would be sent now
+        time.sleep(5.3)  # the next token: a create still queued would be sent now
         creates = w.proxy.since(mark, "POST", PODS)
         assert len(creates) == 1, f"a withdrawn create was sent: {creates}"
 
