@@ -243,23 +243,45 @@ def test_caller_timeouts_and_disconnects_leave_no_unowned_pod(cluster, namespace
     handed = {r["pod"] for s, r, _ in res if s == 201}
 
     # Disconnects: clients that give up (client-side timeout) while their acquire is queued.
+    # Each carries a request id, as the SDK's do: an answer the controller sent as the client
+    # gave up is lost in flight (no server can tell a response was read), and the client's
+    # retry with the same id is how that lease finds its holder instead of waiting out its
+    # lifetime. Twelve: the impatient round parks at most seven warm pods (one burst token and
+    # four a second for 1.5 s), so some of these queue for a token past 0.5 s and are withdrawn.
+    gone = [{"image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "gone",
+             "request_id": f"gone-{i}"} for i in range(12)]
+
     async def impatient():
         async with httpx.AsyncClient(timeout=0.5) as cl:
-            outs = await asyncio.gather(*(cl.post(c.url + "/v1/sandboxes", json={
-                "image": IMAGE, "cpu": "100m", "memory": "128Mi", "job": "gone"})
-                for _ in range(8)), return_exceptions=True)
+            outs = await asyncio.gather(*(cl.post(c.url + "/v1/sandboxes", json=b)
+                                          for b in gone), return_exceptions=True)
         return outs
 
     outs = asyncio.run(impatient())
-    # Those whose answer arrived inside 0.5 s hold their sandbox; the others left.
-    handed |= {o.json()["pod"] for o in outs if isinstance(o, httpx.Response)
-               and o.status_code == 201}
+    answered = {b["request_id"]: o.json()["pod"] for b, o in zip(gone, outs)
+                if isinstance(o, httpx.Response) and o.status_code == 201}
+    assert len(answered) < len(gone), "every acquire answered inside 0.5 s: none was withdrawn"
+    handed |= set(answered.values())
     time.sleep(3)
+    # Withdrawn creates ended warm or deleted; the only leases to job "gone" are the ones
+    # some caller holds or whose answer went out as its caller left.
+    leased = {p.metadata.name for p in pods(cluster.core, namespace)
+              if (p.metadata.labels or {}).get(contract.LABEL_STATE) == contract.STATE_LEASED}
+    in_flight = leased - handed
+    assert len(in_flight) <= len(gone) - len(answered), (in_flight, answered)
+    # The callers come back with their request ids: an answered one gets the same sandbox, a
+    # lost answer is recovered, a withdrawn one acquires anew (a warm pod or a new create).
+    again = asyncio.run(_fire(c.url, gone))
+    assert all(not isinstance(r, BaseException) and r[0] == 201 for r in again), again
+    retried = {b["request_id"]: r[1]["pod"] for b, r in zip(gone, again)}
+    assert all(retried[k] == v for k, v in answered.items()), (retried, answered)
+    assert in_flight <= set(retried.values()), (in_flight, retried)
+    assert len(set(retried.values())) == len(gone)
+    handed |= set(retried.values())
     assert unowned(cluster.core, namespace, c.url, handed) == []
-    # Nothing was handed out to the disconnected callers.
-    leased = [p for p in pods(cluster.core, namespace)
-              if (p.metadata.labels or {}).get(contract.LABEL_STATE) == contract.STATE_LEASED]
-    assert {p.metadata.name for p in leased} <= handed
+    leased = {p.metadata.name for p in pods(cluster.core, namespace)
+              if (p.metadata.labels or {}).get(contract.LABEL_STATE) == contract.STATE_LEASED}
+    assert leased <= handed
 
 
 def test_wait_false_over_cap_is_429_and_bad_input_is_one_line(cluster, namespace, ctl):
