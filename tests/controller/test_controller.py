@@ -258,7 +258,7 @@ def test_caller_timeouts_and_disconnects_leave_no_unowned_pod(cluster, namespace
         return outs
 
     outs = asyncio.run(impatient())
-    answered = {b["request_id"]: o.json()["pod"] for b, o in zip(gone, outs)
+    answered = {b["request_id"]: o.json()["pod"] for b, o in zip(gone, outs, strict=True)
                 if isinstance(o, httpx.Response) and o.status_code == 201}
     assert len(answered) < len(gone), "every acquire answered inside 0.5 s: none was withdrawn"
     handed |= set(answered.values())
@@ -273,7 +273,7 @@ def test_caller_timeouts_and_disconnects_leave_no_unowned_pod(cluster, namespace
     # lost answer is recovered, a withdrawn one acquires anew (a warm pod or a new create).
     again = asyncio.run(_fire(c.url, gone))
     assert all(not isinstance(r, BaseException) and r[0] == 201 for r in again), again
-    retried = {b["request_id"]: r[1]["pod"] for b, r in zip(gone, again)}
+    retried = {b["request_id"]: r[1]["pod"] for b, r in zip(gone, again, strict=True)}
     assert all(retried[k] == v for k, v in answered.items()), (retried, answered)
     assert in_flight <= set(retried.values()), (in_flight, retried)
     assert len(set(retried.values())) == len(gone)
