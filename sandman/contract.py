@@ -84,6 +84,9 @@ EXECD_TOKEN_ENV = "SANDMAN_TOKEN_SHA256"
 # execd's readiness route: forks a process and writes+fsyncs a file, 503 when the pod is wedged
 # (the kubelet's readiness probe and the controller's hand-out check use it; /health does not).
 EXECD_READY_PATH = "/ready"
+# The guard's entry point in the sandman image: a link to netguard/__main__.py
+# (images/Dockerfile), run as a file so the guard's start pays neither runpy nor site.
+NETGUARD_PATH = "/opt/sandman/netguard.py"
 # netguard writes its status here, on a volume shared with the sandbox container.
 NETGUARD_STATUS_PATH = f"{EXECD_DIR}/run/netguard.json"
 

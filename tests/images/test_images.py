@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from sandman import contract, podspec
 from testbed import images
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,6 +159,11 @@ def test_sandman_image_runs_every_component(containerd):
     assert got == want, "/opt/sandman/execd.py is not the repository's execd/execd.py"
     # The install init container copies the package's execd.py: it must be importable too.
     _ok(containerd, ref, "python3", "-c", "import execd.execd")
+    # The guard's command (podspec.NETGUARD_COMMAND) runs the package's own __main__.py.
+    assert _ok(containerd, ref, *podspec.NETGUARD_COMMAND[:-1], "render").startswith("# ipv4:")
+    main = _ok(containerd, ref, "python3", "-c", "import os, netguard; print(os.path.join("
+               "os.path.dirname(netguard.__file__), '__main__.py'))").strip()
+    assert _ok(containerd, ref, "readlink", "-f", contract.NETGUARD_PATH).strip() == main
     r = containerd.run(ref, "ls", "/src")
     assert r.returncode != 0, "the build stage's sources leaked into the final image"
 

@@ -15,14 +15,17 @@ import time
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from netguard import jsontext, proc
 from netguard.cli import APPLY_DEFAULTS, APPLY_OPTIONS, build_parser, fast_apply_args
 from sandman import podspec
 
 ROOT = Path(__file__).resolve().parents[2]
-HEAVY = ("argparse", "re", "json", "subprocess", "socket", "enum", "selectors", "threading",
-         "gettext", "locale", "signal", "typing", "dataclasses", "hashlib", "shutil")
+HEAVY = ("argparse", "re", "json", "_json", "subprocess", "socket", "enum", "selectors",
+         "threading", "gettext", "locale", "signal", "typing", "dataclasses", "hashlib",
+         "shutil", "contextlib", "importlib.util")
 
 
 def _argparse(argv: list[str]):
@@ -58,6 +61,35 @@ def test_an_injected_guard_imports_none_of_the_heavy_modules(tmp_path):
                          timeout=60, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "[]"
+
+
+def test_the_injected_command_runs_the_package_file_without_runpy_or_site(tmp_path):
+    """podspec's guard command, its path pointed at this checkout's netguard/__main__.py
+    through a link as in the image, from a directory holding a hostile `netguard` package
+    and with PYTHONPATH at it: the real netguard runs (-I), and neither runpy (-m) nor site
+    is imported; its output is `python3 -m netguard`'s."""
+    assert podspec.NETGUARD_COMMAND[-2:] == [podspec.NETGUARD_PATH, "apply"]
+    link = tmp_path / "netguard.py"
+    link.symlink_to(ROOT / "netguard" / "__main__.py")
+    evil = tmp_path / "netguard"
+    evil.mkdir()
+    (evil / "__init__.py").write_text("raise SystemExit('the hostile netguard ran')\n")
+    (evil / "cli.py").write_text("raise SystemExit('the hostile netguard ran')\n")
+    argv = [sys.executable if a == "python3" else str(link) if a == podspec.NETGUARD_PATH
+            else a for a in podspec.NETGUARD_COMMAND[:-1]]
+    argv[1:1] = ["-X", "importtime"]
+    env = {**os.environ, "PYTHONPATH": str(tmp_path)}
+    render = ["render", "--egress", "deny", "--allow-egress", "10.1.0.0/16:443"]
+    out = subprocess.run([*argv, *render], capture_output=True, text=True, timeout=60,
+                         cwd=tmp_path, env=env)
+    assert out.returncode == 0, out.stderr
+    imported = {line.rsplit("|", 1)[-1].strip() for line in out.stderr.splitlines()
+                if line.startswith("import time:")}
+    assert "netguard.cli" in imported
+    assert not imported & {"runpy", "site", "_json", "importlib.util"}, imported
+    want = subprocess.run([sys.executable, "-m", "netguard", *render], capture_output=True,
+                          text=True, timeout=60, cwd=ROOT)
+    assert want.returncode == 0 and out.stdout == want.stdout
 
 
 def test_the_fast_reader_knows_exactly_argparses_apply_options():
@@ -152,6 +184,12 @@ STATUSES = [
 @pytest.mark.parametrize("indent", [None, 2])
 def test_json_text_is_what_json_writes(obj, indent):
     assert jsontext.dumps(obj, indent) == json.dumps(obj, indent=indent, sort_keys=True)
+
+
+@settings(max_examples=500, deadline=None)
+@given(st.text())
+def test_json_text_strings_are_what_json_writes(s):
+    assert jsontext.dumps({s: [s]}) == json.dumps({s: [s]}, sort_keys=True)
 
 
 def test_json_text_nan_and_refusals():

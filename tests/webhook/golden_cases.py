@@ -24,6 +24,7 @@ from sandman.contract import (
     SANDMAN_VOLUME,
 )
 from sandman.podspec import (
+    EARLIER_NETGUARD_COMMANDS,
     GPU_RESOURCE,
     GUARD_EGRESS_DENY,
     SandboxPolicy,
@@ -560,6 +561,17 @@ def bypass_cases() -> dict[str, dict]:
     add("validate-update-deny-pod-relabelled-after-upgrade-allowed", _edit(
         old_deny, lambda p: p["metadata"]["labels"].update(team="a")),
         operation="UPDATE", old=old_deny)
+    # A deny sandbox whose guard an earlier release started as `python3 -m netguard apply`:
+    # its label updates stay admitted; the same guard in a new pod is refused.
+    earlier = copy.deepcopy(old_deny)
+    earlier["spec"]["initContainers"][0]["command"] = list(EARLIER_NETGUARD_COMMANDS[0])
+    add("validate-update-earlier-guard-command-label-change-allowed", _edit(
+        earlier, lambda p: p["metadata"]["labels"].update(team="a")),
+        operation="UPDATE", old=earlier)
+    fresh = make_sandbox(pod(labels={LABEL_SANDBOX: "true", LABEL_EGRESS: "deny"}),
+                         SandboxPolicy())
+    fresh["spec"]["initContainers"][0]["command"] = list(EARLIER_NETGUARD_COMMANDS[0])
+    add("validate-earlier-guard-command-at-create-refused", fresh)
     # 4. pods/ephemeralcontainers
     c["validate-ephemeral-netadmin-refused"] = ephemeral(g, securityContext={
         "capabilities": {"add": ["NET_ADMIN", "NET_RAW"]}})

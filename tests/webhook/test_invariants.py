@@ -226,7 +226,7 @@ def assert_invariants(pod: dict) -> None:
         assert guard_present
         g = inits[0]
         assert g["image"] == POLICY.image
-        assert g["command"] == ["python3", "-m", "netguard", "apply"]
+        assert g["command"] == ["python3", "-I", "-S", "/opt/sandman/netguard.py", "apply"]
         assert g["args"][:2] == ["--egress", "deny"]
         assert not any(str(a).startswith("--a") for a in g["args"])
         assert "restartPolicy" not in g and "envFrom" not in g and "workingDir" not in g

@@ -31,6 +31,7 @@
 {{- define "sandman.contract.LABEL_TENANT" -}}sandman.dev/tenant{{- end -}}
 {{- define "sandman.contract.MANAGED_BY_CONTROLLER" -}}sandman-controller{{- end -}}
 {{- define "sandman.contract.NETGUARD_CONTAINER" -}}sandman-netguard{{- end -}}
+{{- define "sandman.contract.NETGUARD_PATH" -}}/opt/sandman/netguard.py{{- end -}}
 {{- define "sandman.contract.NETGUARD_STATUS_PATH" -}}/sandman/run/netguard.json{{- end -}}
 {{- define "sandman.contract.PREPULL_DIGEST_CHARS" -}}32{{- end -}}
 {{- define "sandman.contract.ROLE_AGENT" -}}agent{{- end -}}
