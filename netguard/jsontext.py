@@ -2,13 +2,34 @@
 `json.dumps(obj, indent=indent, sort_keys=True)` writes, without importing `json`.
 
 `json` imports `re` (and with it enum) for its decoder: ~5 ms of CPU on every guarded pod's
-start, paid under the pod's own quota, to write one small object. Strings go through the C
-encoder `json` itself uses (`_json.encode_basestring_ascii`); readers use the real `json`.
+start, paid under the pod's own quota, to write one small object; even its C string encoder
+(`_json`) is a shared library to load. Strings are escaped here as `json` does with
+ensure_ascii: `"`, `\\`, control characters and DEL escaped, anything past ASCII as \\uXXXX
+(a surrogate pair past the BMP). Readers use the real `json`.
 """
 
 from __future__ import annotations
 
-from _json import encode_basestring_ascii as _string
+_ESCAPES = {i: f"\\u{i:04x}" for i in (*range(0x20), 0x7F)}
+_ESCAPES.update({ord('"'): '\\"', ord("\\"): "\\\\", ord("\b"): "\\b", ord("\f"): "\\f",
+                 ord("\n"): "\\n", ord("\r"): "\\r", ord("\t"): "\\t"})
+
+
+def _char(c: str) -> str:
+    n = ord(c)
+    if n < 0x80:
+        return _ESCAPES.get(n, c)
+    if n < 0x10000:
+        return f"\\u{n:04x}"
+    n -= 0x10000
+    return f"\\u{0xD800 | (n >> 10):04x}\\u{0xDC00 | (n & 0x3FF):04x}"
+
+
+def _string(s: str) -> str:
+    if s.isascii():
+        return '"' + s.translate(_ESCAPES) + '"'
+    return '"' + "".join(map(_char, s)) + '"'
+
 
 _FLOAT_SPECIAL = {float("inf"): "Infinity", float("-inf"): "-Infinity"}
 
