@@ -280,7 +280,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
     blocked = [verify.parse_target(x) for x in args.verify_blocked]
     status = {
         "version": STATUS_VERSION, "ok": False, "mode": config.egress,
-        "ruleset_sha256": ruleset_sha256(config), "options": config.to_dict(),
+        "ruleset_sha256": None, "options": config.to_dict(),
         "families": [], "backend": None, "verified": False, "probes": [], "pod_ips": [],
         "error": None,
     }
@@ -332,6 +332,8 @@ def cmd_apply(args: argparse.Namespace) -> int:
         if applied:
             msg += _lock_down(config, applied, found, env)
         status["error"] = msg
+        if status["ruleset_sha256"] is None:  # failed before the gateways were read
+            status["ruleset_sha256"] = ruleset_sha256(config)
         raise GuardError(msg) from None
     finally:
         timings["total"] = round((time.perf_counter() - t_start) * 1000, 2)

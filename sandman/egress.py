@@ -349,14 +349,25 @@ def never_reasons(extra: Iterable[Network] = ()) -> dict[Network, str]:
     return _never(extra)
 
 
+# netguard asks for the same ranges for every rule it renders, on every guarded pod's start:
+# computed once per distinct `extra` (a handful per process; bounded all the same).
+_NEVER_MEMO: dict[tuple[Network, ...], dict[Network, str]] = {}
+
+
 def _never(extra: Iterable[Network]) -> dict[Network, str]:
-    out = dict(_NEVER_REASON)
-    for n in extra:
-        out.setdefault(n, _CALLER_REASON)
-    for n, why in list(out.items()):
-        if n.version == 4:
-            out.setdefault(nat64(n), f"{why}, through NAT64")
-    return out
+    key = tuple(extra)
+    memo = _NEVER_MEMO.get(key)
+    if memo is None:
+        memo = dict(_NEVER_REASON)
+        for n in key:
+            memo.setdefault(n, _CALLER_REASON)
+        for n, why in list(memo.items()):
+            if n.version == 4:
+                memo.setdefault(nat64(n), f"{why}, through NAT64")
+        if len(_NEVER_MEMO) >= 64:
+            _NEVER_MEMO.clear()
+        _NEVER_MEMO[key] = memo
+    return dict(memo)
 
 
 def nat64(net: ipaddress.IPv4Network) -> ipaddress.IPv6Network:
