@@ -3,14 +3,17 @@
 Builds a pod namespace joined by a veth to a peer namespace (which also holds the metadata
 address, so the verify probes never leave the bench's own namespaces), then times, per backend:
 
-- first apply: `ip netns exec POD python3 -m netguard apply ... --install-execd DIR` in a fresh
-  namespace, as a sandbox's one injected init container runs it: wall clock and CPU of the whole
-  process (interpreter start, imports, detection, restore, read-back, probes, execd's install);
+- first apply: `ip netns exec POD python3 -I -S .../netguard.py apply ... --install-execd DIR`
+  in a fresh namespace, as a sandbox's one injected init container runs it (podspec's
+  NETGUARD_COMMAND, over a copy of this checkout's packages laid out and compiled as in the
+  image): wall clock and CPU of the whole process (interpreter start, imports, detection,
+  restore, read-back, probes, execd's install);
 - re-apply: the same command again in the same namespace (a container restart);
 - the in-process phases netguard records in its status file.
 
-Beside it, same run: `python -c pass`, netguard's imports alone, and the floor of any Python
-guard: the interpreter with the standard-library modules the apply cannot do without.
+Beside it, same run and same interpreter flags: `python -c pass`, netguard's imports alone, and
+the floor of any Python guard: the interpreter with the standard-library modules the apply
+cannot do without.
 
 Repeated (default 21 times), medians reported. Needs root, iproute2 and iptables.
 `--write-docs` rewrites its section of docs/benchmarks.md; `--smoke`: one run, nft only.
@@ -34,6 +37,8 @@ from pathlib import Path
 from bench import docs
 from bench.interp import pod_python
 from bench.stats import median
+from sandman.contract import NETGUARD_PATH
+from sandman.podspec import NETGUARD_COMMAND
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTION = "## netguard: `python -m bench.netguard`"
@@ -43,10 +48,13 @@ GOAL_MS = 100
 CPU_BUDGET_MS = 30
 APPLY_ARGS = ["--allow-egress", "10.250.1.2:53", "--ingress-from", "10.250.1.2/32",
               "--verify-blocked", "10.250.1.2:8080"]
-# What any guard written in Python and run as `python3 -m` imports at the least: runpy (the
-# -m), ipaddress (the CIDRs), and the C modules under json (the status file), socket (rtnetlink
-# and the probes) and subprocess's pipes (iptables-*-restore/-save).
-FLOOR_IMPORTS = "import runpy, ipaddress, _json, _socket, select, struct"
+# What any guard written in Python imports at the least: ipaddress (the CIDRs), and the C
+# modules under socket (rtnetlink and the probes) and subprocess's pipes
+# (iptables-*-restore/-save). Run with the guard's own interpreter flags (FLAGS).
+FLOOR_IMPORTS = "import ipaddress, _socket, select, struct"
+# The injected container's interpreter flags (podspec.NETGUARD_COMMAND: python3 FLAGS PATH).
+FLAGS = NETGUARD_COMMAND[1:NETGUARD_COMMAND.index(NETGUARD_PATH)]
+PACKAGES = ("netguard", "sandman", "execd")  # what the guard imports, as the image has them
 
 
 def _sh(*cmd: str) -> None:
@@ -104,46 +112,63 @@ class Netns:
         cpu = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1000
         return ms, cpu
 
+    def launcher_cpu(self) -> float:
+        """CPU ms `ip netns exec` spends before it execs the command (it unshares a mount
+        namespace and remounts /sys, in the process that becomes the command's): what
+        `ip netns exec POD true` costs over `true`. A pod's process is exec'd by the runtime,
+        which pays its own setup, so this is taken off netguard's figure."""
+        true = shutil.which("true") or "/bin/true"
+        r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        subprocess.run([true], check=True, timeout=30)
+        r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
+        bare = (r1.ru_utime - r0.ru_utime + r1.ru_stime - r0.ru_stime) * 1000
+        return self.run_cpu(true)[1] - bare
 
-def compiled_env(tmp: Path, python: str) -> dict:
-    """The environment netguard runs in here: its modules' bytecode compiled, as `pip install`
-    leaves it in the image, into a cache of the bench's own (a PYTHONDONTWRITEBYTECODE checkout
-    would otherwise make every run compile netguard's source, which no pod does)."""
-    env = {k: v for k, v in os.environ.items() if k != "PYTHONDONTWRITEBYTECODE"}
-    env["PYTHONPYCACHEPREFIX"] = str(tmp / "pycache")
-    subprocess.run([python, "-c", "import netguard.cli, execd.install"], check=True, cwd=ROOT,
-                   env=env, capture_output=True, timeout=60)
-    return env
+
+def stage(tmp: Path, python: str) -> list[str]:
+    """The image's layout in `tmp`: this checkout's packages in a site directory, compiled as
+    `pip install` leaves them (-I ignores a PYTHONPYCACHEPREFIX, and a PYTHONDONTWRITEBYTECODE
+    checkout would make every run compile netguard's source, which no pod does), and a link in
+    place of NETGUARD_PATH. Returns the guard's command with that link, as a pod runs it."""
+    site = tmp / "site-packages"
+    for pkg in PACKAGES:
+        shutil.copytree(ROOT / pkg, site / pkg, ignore=shutil.ignore_patterns("__pycache__"))
+    subprocess.run([python, "-I", "-m", "compileall", "-q", str(site)], check=True,
+                   capture_output=True, timeout=120)
+    link = tmp / "netguard.py"
+    link.symlink_to(site / "netguard" / "__main__.py")
+    return [python if a == "python3" else str(link) if a == NETGUARD_PATH else a
+            for a in NETGUARD_COMMAND]
 
 
-def bench_backend(backend: str, runs: int, tmp: Path, python: str) -> dict:
+def bench_backend(backend: str, runs: int, tmp: Path, command: list[str]) -> dict:
     status = tmp / f"{backend}.json"
-    apply = [python, "-m", "netguard", "apply", "--backend", backend,
-             "--status-file", str(status), *APPLY_ARGS]
-    env = compiled_env(tmp, python)
-    first, again, phases, cpu_all, cpu_tools = [], [], {}, [], []
+    apply = [*command, "--backend", backend, "--status-file", str(status), *APPLY_ARGS]
+    first, again, phases, cpu_all, cpu_tools, launcher = [], [], {}, [], [], []
     for i in range(runs):
         volume = tmp / f"{backend}-volume-{i}"  # the pod's emptyDir, fresh per start
         volume.mkdir()
         ns = Netns()
         try:
-            wall, cpu = ns.run_cpu(*apply, "--install-execd", str(volume), env=env)
+            wall, cpu = ns.run_cpu(*apply, "--install-execd", str(volume))
             first.append(wall)
             st = json.loads(status.read_text())
             for k, v in st["timings_ms"].items():
                 phases.setdefault(k, []).append(v)
             cpu_all.append(cpu)
             cpu_tools.append(st["cpu_ms"]["children"])
+            launcher.append(ns.launcher_cpu())  # interleaved: a drift of the machine hits both
             if not (volume / "execd.py").is_file():
                 raise RuntimeError(f"netguard apply --install-execd left no execd in {volume}")
-            again.append(ns.run(*apply, "--install-execd", str(volume), env=env))
+            again.append(ns.run(*apply, "--install-execd", str(volume)))
         finally:
             ns.close()
     med = {k: median(v) for k, v in phases.items()}
-    own = [a - t for a, t in zip(cpu_all, cpu_tools, strict=True)]
+    own = [a - t - n for a, t, n in zip(cpu_all, cpu_tools, launcher, strict=True)]
     return {
         "backend": backend, "runs": runs,
         "cpu_ms": median(cpu_all), "cpu_tools_ms": median(cpu_tools), "cpu_own_ms": median(own),
+        "launcher_cpu_ms": median(launcher),
         "first_ms": median(first), "first_min_ms": min(first), "first_max_ms": max(first),
         "again_ms": median(again),
         "phases_ms": med,
@@ -151,21 +176,24 @@ def bench_backend(backend: str, runs: int, tmp: Path, python: str) -> dict:
     }
 
 
-def bench_baseline(runs: int, python: str, env: dict) -> dict:
+def bench_baseline(runs: int, python: str, tmp: Path) -> dict:
     """What the interpreter costs on its own, and with netguard's imports (same netns wrapper,
-    same run, the same compiled bytecode): where the whole process's CPU goes."""
+    same flags, same run, the same compiled bytecode): where the whole process's CPU goes."""
+    site = str(tmp / "site-packages")
+    imports = f"import sys; sys.path.insert(0, {site!r}); import netguard.cli, execd.install"
     ns = Netns()
     try:
-        bare = [ns.run_cpu(python, "-c", "pass", env=env) for _ in range(max(runs, 5))]
-        imp, floor = [], []
-        for _ in range(max(runs, 5)):  # interleaved: a drift of the machine hits both
-            imp.append(ns.run_cpu(python, "-c", "import netguard.cli, execd.install", env=env))
-            floor.append(ns.run_cpu(python, "-c", FLOOR_IMPORTS, env=env))
+        bare, imp, floor = [], [], []
+        for _ in range(max(runs, 5)):  # interleaved: a drift of the machine hits all three
+            n = ns.launcher_cpu()
+            wall, cpu = ns.run_cpu(python, *FLAGS, "-c", "pass")
+            bare.append((wall, cpu - n))
+            imp.append(ns.run_cpu(python, *FLAGS, "-c", imports)[1] - n)
+            floor.append(ns.run_cpu(python, *FLAGS, "-c", FLOOR_IMPORTS)[1] - n)
     finally:
         ns.close()
     return {"python_ms": median([w for w, _ in bare]), "python_cpu_ms": median([c for _, c in bare]),
-            "import_cpu_ms": median([c for _, c in imp]),
-            "floor_cpu_ms": median([c for _, c in floor])}
+            "import_cpu_ms": median(imp), "floor_cpu_ms": median(floor)}
 
 
 def report(results: list[dict], base: dict, runs: int) -> str:
@@ -204,18 +232,25 @@ def report(results: list[dict], base: dict, runs: int) -> str:
         "",
         f"Load average (1 min) {base['load'][0]:.2f} at the start, {base['load'][1]:.2f} at the "
         f"end. Interpreter: `{base['python']}`. "
-        f"Baseline under the same `ip netns exec`, same run: `python -c pass` "
+        f"Command: `{' '.join(NETGUARD_COMMAND)}` (the injected container's; a link to "
+        "netguard/__main__.py, run as a file). "
+        f"Baseline with the same flags under the same `ip netns exec`, same run: "
+        f"`python {' '.join(FLAGS)} -c pass` "
         f"{base['python_ms']:.0f} ms wall, {base['python_cpu_ms']:.1f} ms CPU; "
-        f"`python -c 'import netguard.cli, execd.install'` {base['import_cpu_ms']:.1f} ms CPU "
+        f"`import netguard.cli, execd.install` {base['import_cpu_ms']:.1f} ms CPU "
         "(the imports alone, the rest of the process is the apply and the install); "
-        f"`python -c '{FLOOR_IMPORTS}'` {base['floor_cpu_ms']:.1f} ms CPU, the floor of any "
-        "Python guard run with `-m` (the CIDRs, and the C modules for the status JSON, "
-        "rtnetlink and the probes, the iptables-* children's pipes), before any work.",
+        f"`{FLOOR_IMPORTS}` {base['floor_cpu_ms']:.1f} ms CPU, the floor of any "
+        "Python guard (the CIDRs, and the C modules for rtnetlink and the probes and the "
+        "iptables-* children's pipes), before any work.",
         "netguard's modules run from compiled bytecode, as the image's `pip install` leaves them",
-        "(a cache of the bench's own, written by one untimed import before the runs).",
+        "(a copy of this checkout's packages, compiled before the runs).",
         "CPU is user + sys from `getrusage(RUSAGE_CHILDREN)` around each first apply (the whole",
         "process tree); the iptables-* children's share is what netguard's own `getrusage`",
-        "reports in its status file (`cpu_ms.children`), and netguard's own is the rest.",
+        "reports in its status file (`cpu_ms.children`), and netguard's own is the rest, less",
+        "what `ip netns exec` spent in the same process before its exec (measured beside each",
+        "run as `ip netns exec POD true` over `true`: "
+        + ", ".join(f"{r['backend']} {r['launcher_cpu_ms']:.1f} ms" for r in results)
+        + "; a pod's runtime pays its own). The baselines are taken the same way.",
         "",
         f"Goal <= {GOAL_MS} ms for apply + self-verify (restore, read-back, probes): "
         f"{'met' if worst <= GOAL_MS else 'NOT met'} ({worst:.1f} ms worst median). "
@@ -254,8 +289,9 @@ def main(argv: list[str] | None = None) -> int:
     backends = args.backend or ["nft"] + (["legacy"] if shutil.which("iptables-legacy-restore")
                                           else [])
     with tempfile.TemporaryDirectory(prefix="netguard-bench-") as tmp:
-        results = [bench_backend(b, args.runs, Path(tmp), args.python) for b in backends]
-        base = bench_baseline(args.runs, args.python, compiled_env(Path(tmp), args.python))
+        command = stage(Path(tmp), args.python)
+        results = [bench_backend(b, args.runs, Path(tmp), command) for b in backends]
+        base = bench_baseline(args.runs, args.python, Path(tmp))
     load_end = docs.load1()
     section = report(results, {**base, "python": args.python,
                                "load": (load0, load_end)}, args.runs)
