@@ -244,10 +244,14 @@ def write_status(path: str, status: dict) -> None:
     os.makedirs(d, exist_ok=True)
     # A fresh name in the same directory (tempfile and its imports would cost the start more).
     tmp = os.path.join(d, f".netguard-{os.getpid()}-{os.urandom(6).hex()}")
+    data = memoryview((jsontext.dumps(status, indent=2) + "\n").encode())  # ASCII: escaped
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
     try:
-        with os.fdopen(fd, "w") as f:
-            f.write(jsontext.dumps(status, indent=2) + "\n")
+        try:  # bytes straight to the descriptor: no text layer to set up for one write
+            while data:
+                data = data[os.write(fd, data):]
+        finally:
+            os.close(fd)
         os.chmod(tmp, 0o644)  # the sandbox container (any uid) reads it; nobody else writes
         os.replace(tmp, path)  # readers see the old or the new file, never half of one
     except BaseException:
