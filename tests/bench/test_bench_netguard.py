@@ -23,8 +23,6 @@ def _cpu_verdict(out: str) -> bool:
     return m.group(1) == "met"
 
 
-@pytest.mark.netns
-@pytest.mark.timeout(120)
 def _goal_verdict(out: str) -> bool:
     m = re.search(r"apply \+ self-verify \(restore, read-back, probes\): (met|NOT met) "
                   r"\((\d+\.\d) ms worst median\)", out)
@@ -34,6 +32,8 @@ def _goal_verdict(out: str) -> bool:
     return m.group(1) == "met"
 
 
+@pytest.mark.netns
+@pytest.mark.timeout(120)
 def test_bench_runs_and_reports_its_verdicts(capsys):
     """One run of the real bench: its table, and verdicts that agree with its own figures.
     Whether the goals are met is the bench's business on a quiet machine (make bench-netguard),
