@@ -56,6 +56,12 @@ _BUILTIN_NEVER = (
     # this range is refused when parsed (write the IPv4 form); a wider entry (::/0) gets it
     # carved out, as the tools that map it back to IPv4 would.
     ("::ffff:0:0/96", "IPv4-mapped"),
+    # Prefixes whose addresses embed an IPv4 address that a translator or relay reaches: the
+    # local-use NAT64 prefix (RFC 8215) places it where the operator's prefix length says, so
+    # no image of a never range can be computed and the whole prefix is never; every 6to4
+    # address (RFC 3056) carries one at bits 16-47 (2002:a9fe:a9fe::/48 is the metadata).
+    ("64:ff9b:1::/48", "local-use NAT64: its IPv4 embedding is the operator's choice"),
+    ("2002::/16", "6to4: every address embeds an IPv4 address"),
 )
 _NEVER_REASON = {ipaddress.ip_network(n): r for n, r in _BUILTIN_NEVER}
 NEVER: tuple[Network, ...] = tuple(_NEVER_REASON)

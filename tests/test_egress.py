@@ -231,6 +231,11 @@ def test_an_empty_ceiling_refuses_any_allowlist_in_one_line():
     ("[::]:80", "unspecified"),
     ("[64:ff9b::a9fe:a9fe]:80", "through NAT64"),
     ("[64:ff9b::a9fe:0/112]:80", "through NAT64"),
+    # The metadata address through a local-use NAT64 prefix (/96 or /48 embedding) and 6to4.
+    ("[64:ff9b:1::a9fe:a9fe]:80", "local-use NAT64"),
+    ("[64:ff9b:1:a9fe:a9:fe00::]:80", "local-use NAT64"),
+    ("[2002:a9fe:a9fe::1]:80", "6to4"),
+    ("[2002:a9fe:a9fe::/48]:80", "6to4"),
 ])
 def test_never_ranges_are_refused_even_inside_the_ceiling(text, reason):
     ceiling = Ceiling.parse(["0.0.0.0/0:*", "[::/0]:*"])
@@ -256,6 +261,8 @@ def test_callers_never_ranges_refuse_containment_and_carve_out_overlap():
     v6 = egress.carve_outs(parse("[::/0]:443"), never)
     assert ipaddress.ip_network("64:ff9b::a60:1/128") in v6  # 10.96.0.1 through NAT64
     assert ipaddress.ip_network("fd00:ec2::254/128") in v6
+    assert ipaddress.ip_network("64:ff9b:1::/48") in v6
+    assert ipaddress.ip_network("2002::/16") in v6
 
 
 def test_resolved_addresses_are_checked_against_the_never_ranges():

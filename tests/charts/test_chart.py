@@ -345,6 +345,8 @@ def test_the_ceiling_policys_except_lists_are_sandman_egress_carve_outs(helm):
     ("[64:ff9b::a9fe:a9fe]:80", "inside the never range 64:ff9b::a9fe:0/112"),
     ("169.254.169.254/32:80", "inside the never range 169.254.0.0/16"),
     ("100.100.100.200:80", "inside the never range 100.100.100.200/32"),
+    ("[2002:a9fe:a9fe::/48]:80", "inside the never range 2002::/16"),
+    ("[64:ff9b:1::/48]:80", "lies inside the never range 64:ff9b:1::/48"),
     ("svc/pypi.infra:3141", "needs its object form"),
 ])
 def test_an_egress_ceiling_entry_no_allowlist_could_use_fails_the_render(helm, entry, why):

@@ -272,6 +272,9 @@ EGRESS_POLICY = SandboxPolicy(
 # The same cluster with a wider ceiling: what a pod built elsewhere (or by hand) asks for.
 EGRESS_WIDE = dataclasses.replace(EGRESS_POLICY, egress_ceiling=("0.0.0.0/0:*/tcp",
                                                                 "svc/*.other:*/tcp"))
+# Every address of both families in the ceiling: only a never range refuses an entry.
+EGRESS_EVERYWHERE = dataclasses.replace(EGRESS_POLICY, egress_ceiling=("0.0.0.0/0:*/tcp",
+                                                                       "[::/0]:*/tcp"))
 ALLOWLIST = "10.0.0.0/8:443/tcp,[fd00:1::/64]:443/tcp,svc/pypi.infra:3141/tcp"
 
 
@@ -322,17 +325,27 @@ def egress_allow_cases() -> dict[str, dict]:
         "validate-egress-allow-cidr-with-host-aliases-allowed": review("e15", make_sandbox(
             _edit(allow_pod("10.0.0.0/8:443/tcp"), lambda p: p["spec"].update(hostAliases=[
                 {"ip": "10.1.2.3", "hostnames": ["mirror.local"]}])), EGRESS_POLICY)),
+        # The metadata address inside prefixes that embed IPv4 (a relay or a translator
+        # reaches it), annotation and guard written by hand; judged under EGRESS_EVERYWHERE.
+        "validate-egress-allow-6to4-metadata-refused": review("e16", _edit(
+            made, _by_hand("[2002:a9fe:a9fe::/48]:80/tcp"))),
+        "validate-egress-allow-local-nat64-metadata-refused": review("e17", _edit(
+            made, _by_hand("[64:ff9b:1::a9fe:a9fe/128]:80/tcp"))),
     }
     assert set(c) == set(EGRESS_CASES)
     return c
 
 
-def _mapped(p: dict) -> None:
-    entry = "[::ffff:a9fe:a9fe/128]:80/tcp"
-    p["metadata"]["annotations"][ANNOTATION_EGRESS_ALLOW] = entry
-    args = p["spec"]["initContainers"][0]["args"]
-    i = args.index("--allow-egress")
-    args[i:i + 6] = ["--allow-egress", entry]  # the three entries of ALLOWLIST, replaced
+def _by_hand(entry: str):
+    def edit(p: dict) -> None:
+        p["metadata"]["annotations"][ANNOTATION_EGRESS_ALLOW] = entry
+        args = p["spec"]["initContainers"][0]["args"]
+        i = args.index("--allow-egress")
+        args[i:i + 6] = ["--allow-egress", entry]  # the three entries of ALLOWLIST, replaced
+    return edit
+
+
+_mapped = _by_hand("[::ffff:a9fe:a9fe/128]:80/tcp")
 
 
 EGRESS_CASES = (
@@ -343,6 +356,8 @@ EGRESS_CASES = (
     "validate-egress-allow-never-args-dropped-refused",
     "validate-egress-allow-with-egress-allow-label-refused",
     "validate-egress-allow-not-canonical-refused",
+    "validate-egress-allow-6to4-metadata-refused",
+    "validate-egress-allow-local-nat64-metadata-refused",
     "validate-egress-allow-annotation-edited-on-update-refused",
     "validate-egress-allow-state-label-on-update-allowed",
     "validate-egress-allow-ipv4-mapped-refused",
@@ -351,6 +366,9 @@ EGRESS_CASES = (
     "validate-egress-allow-cidr-with-host-aliases-allowed")
 # At import, not as cases() runs: a test worker may judge a case without building the list.
 POLICIES.update(dict.fromkeys(EGRESS_CASES, EGRESS_POLICY))
+POLICIES.update(dict.fromkeys(("validate-egress-allow-6to4-metadata-refused",
+                               "validate-egress-allow-local-nat64-metadata-refused"),
+                              EGRESS_EVERYWHERE))
 
 
 def _limits(**limits) -> dict:

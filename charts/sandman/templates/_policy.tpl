@@ -75,7 +75,7 @@ variables:
 - name: egressCeilingTcp
   expression: 'variables.egressCeiling.map(c, string(c)).map(c, c.substring(c.lastIndexOf('':'')).contains(''/'') ? c : c + ''/tcp'')'
 - name: egressNeverCidrs
-  expression: '["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32", "0.0.0.0/32", "::/128", "64:ff9b::a9fe:0/112", "64:ff9b::6464:64c8/128", "64:ff9b::/128"] + variables.egressNeverList.map(n, n.contains(''/'') ? n : (n.contains('':'') ? n + ''/128'' : n + ''/32'')) + variables.egressNat64Never.map(n, string(n))'
+  expression: '["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32", "0.0.0.0/32", "::/128", "64:ff9b:1::/48", "2002::/16", "64:ff9b::a9fe:0/112", "64:ff9b::6464:64c8/128", "64:ff9b::/128"] + variables.egressNeverList.map(n, n.contains(''/'') ? n : (n.contains('':'') ? n + ''/128'' : n + ''/32'')) + variables.egressNat64Never.map(n, string(n))'
 - name: guardArgs
   expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + variables.egressAllow.map(e, [''--allow-egress'', e]).flatten() + (variables.egressAllow.size() > 0 ? variables.egressNeverList.map(c, [''--never-egress'', c]).flatten() : []) + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
 - name: others
