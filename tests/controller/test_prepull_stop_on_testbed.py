@@ -44,6 +44,18 @@ def no_kubelet_node(core, like: str) -> str:
     return name
 
 
+def _one_stuck_puller(ctl, core, namespace: str, image: str, nodes: list, stuck: str):
+    """Pre-pulls `image` until every kwok node has it and only the node without a kubelet
+    still holds its puller pod; returns that pod."""
+    with Client(ctl.url) as c:
+        c.prepull([image])
+        wait_for(lambda: (lambda i: i.pulled == len(nodes) and i.pending == 1)(
+            c.images().images[0]), 60, "every kwok node pulled, the stuck one pending")
+    [pod] = pullers(core, namespace)
+    assert pod.spec.node_name == stuck
+    return pod
+
+
 def test_a_stopped_controller_leaves_no_puller(cluster, namespace, tmp_path):
     core = cluster.core
     nodes = pool_nodes(core)
@@ -52,12 +64,8 @@ def test_a_stopped_controller_leaves_no_puller(cluster, namespace, tmp_path):
     ctl = start_controller(namespace, cluster.kubeconfig, tmp_path / "ctl.log",
                            ["--lease-name", f"ppstop-{namespace}"])
     try:
-        with Client(ctl.url) as c:
-            c.prepull([image])
-            wait_for(lambda: (lambda i: i.pulled == len(nodes) and i.pending == 1)(
-                c.images().images[0]), 60, "every kwok node pulled, the stuck one pending")
-        [pod] = pullers(core, namespace)
-        assert pod.spec.node_name == stuck and pod.status.phase == "Pending"
+        pod = _one_stuck_puller(ctl, core, namespace, image, nodes, stuck)
+        assert pod.status.phase == "Pending"
         ctl.stop()
         assert pullers(core, namespace) == []
     finally:
@@ -75,12 +83,7 @@ def test_a_deposed_leader_leaves_no_puller(cluster, namespace, tmp_path):
     ctl = start_controller(namespace, cluster.kubeconfig, tmp_path / "ctl.log",
                            ["--lease-name", lease, "--lease-duration", "6", "--lease-renew", "2"])
     try:
-        with Client(ctl.url) as c:
-            c.prepull([image])
-            wait_for(lambda: (lambda i: i.pulled == len(nodes) and i.pending == 1)(
-                c.images().images[0]), 60, "every kwok node pulled, the stuck one pending")
-        [pod] = pullers(core, namespace)
-        assert pod.spec.node_name == stuck
+        _one_stuck_puller(ctl, core, namespace, image, nodes, stuck)
         # Another holder takes the Lease: the leader stops renewing and exits.
         coord.patch_namespaced_lease(lease, namespace, {"spec": {
             "holderIdentity": "intruder", "leaseDurationSeconds": 3600}})

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from kubernetes import client
 
-from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_PORT, LABEL_SANDBOX
+from sandman.contract import ANNOTATION_TOKEN_SHA256, EXECD_PORT, LABEL_SANDBOX, NETGUARD_CONTAINER
 from testbed import realnode
 from testbed.trainer import (  # noqa: F401 - the e2e tests' trainer setup lives in testbed
     SDK_CA,
@@ -91,6 +91,34 @@ def plain_pod(name: str, *, labels: dict | None = None, image: str = TASK_IMAGE,
             "spec": {"containers": [c], "restartPolicy": restart,
                      "terminationGracePeriodSeconds": 1, "automountServiceAccountToken": automount,
                      **placement()}}
+
+
+def assert_only_allowed(control: dict, got: dict, blocked: tuple[str, ...]) -> None:
+    """Probes by name from an unguarded pod (`control`) and a guarded one (`got`): every
+    target answers the control, so each block is the guard's; `allowed` gets through."""
+    table = {k: (control[k], got[k]) for k in control}
+    assert all(p.ok for p in control.values()), table
+    assert got["allowed"].ok, table["allowed"]
+    for k in blocked:
+        assert not got[k].ok, (k, table[k])
+
+
+def guard_rules(e2e, ns: str, pod, entry: str) -> str:
+    """The filter table in a guarded pod's namespace, once its guard's args carry `entry`
+    (what the webhook rendered from the pod's allowlist annotation)."""
+    guard = next(c for c in pod.spec.init_containers if c.name == NETGUARD_CONTAINER)
+    assert entry in " ".join(guard.args or []), guard.args
+    return e2e.netns(ns, pod.metadata.name, ["iptables-save", "-t", "filter"]).stdout
+
+
+def refusal(e2e, ns: str, body: dict) -> str:
+    """The one-line message the admission chain refuses `body`'s create with."""
+    try:
+        e2e.create(ns, body)
+    except client.ApiException as e:
+        assert e.status in (400, 403, 422), e
+        return json.loads(e.body)["message"]
+    raise AssertionError(f"{body['metadata']['name']} was admitted")
 
 
 def _ready(pod) -> bool:

@@ -15,11 +15,17 @@ from __future__ import annotations
 import json
 
 import pytest
-from kubernetes import client
 
-from sandman.contract import ANNOTATION_EGRESS_ALLOW, LABEL_EGRESS, NETGUARD_CONTAINER
+from sandman.contract import ANNOTATION_EGRESS_ALLOW, LABEL_EGRESS
 from testbed import realnode
-from tests.e2e.helpers import new_token, plain_pod, sandbox_pod
+from tests.e2e.helpers import (
+    assert_only_allowed,
+    guard_rules,
+    new_token,
+    plain_pod,
+    refusal,
+    sandbox_pod,
+)
 from tests.e2e.test_sdk import run_trainer
 
 OUT, OUT2, METADATA = realnode.OUTSIDE_IP, realnode.OUTSIDE_IP2, realnode.METADATA_IP
@@ -63,16 +69,9 @@ def test_a_labelled_pod_reaches_only_its_allowlist(sandman, ns, outside):
     pod = sandman.wait_ready(ns, "sbx-allow")
     control = _probes(sandman, ns, "control")
     got = _probes(sandman, ns, "sbx-allow")
-    table = {k: (control[k], got[k]) for k in control}
-    # Without a guard every server answers: each block below is the guard's.
-    assert all(p.ok for p in control.values()), table
-    assert got["allowed"].ok, table["allowed"]
-    for k in ("other-port", "other-host", "udp-same-port", "metadata"):
-        assert not got[k].ok, (k, table[k])
+    assert_only_allowed(control, got, ("other-port", "other-host", "udp-same-port", "metadata"))
     # The webhook gave netguard exactly the annotation's entry.
-    guard = next(c for c in pod.spec.init_containers if c.name == NETGUARD_CONTAINER)
-    assert ALLOWED in " ".join(guard.args or []), guard.args
-    rules = sandman.netns(ns, "sbx-allow", ["iptables-save", "-t", "filter"]).stdout
+    rules = guard_rules(sandman, ns, pod, ALLOWED)
     assert f"-d {OUT}/32 -p tcp -m tcp --dport {PORT_A}" in rules, rules
 
 
@@ -89,10 +88,7 @@ REFUSED = [
 def test_a_labelled_pod_outside_the_ceiling_is_refused(sandman, ns):
     _token, sha = new_token()
     for i, (allow, egress, says) in enumerate(REFUSED):
-        with pytest.raises(client.ApiException) as e:
-            sandman.create(ns, _deny_pod(f"sbx-refused-{i}", sha, allow, egress))
-        assert e.value.status in (400, 403, 422), (allow, e.value)
-        message = json.loads(e.value.body)["message"]
+        message = refusal(sandman, ns, _deny_pod(f"sbx-refused-{i}", sha, allow, egress))
         assert says in message, (allow, message)
     assert sandman.core.list_namespaced_pod(ns).items == []
 
