@@ -92,11 +92,11 @@ class Netns:
         for ns in (self.pod, self.peer):
             subprocess.run(["ip", "netns", "del", ns], capture_output=True, timeout=30)
 
-    def run(self, *cmd: str, env: dict | None = None) -> float:
+    def run(self, *cmd: str) -> float:
         """Wall-clock ms of `cmd` inside the pod namespace; raises if it fails."""
-        return self.run_cpu(*cmd, env=env)[0]
+        return self.run_cpu(*cmd)[0]
 
-    def run_cpu(self, *cmd: str, env: dict | None = None) -> tuple[float, float]:
+    def run_cpu(self, *cmd: str) -> tuple[float, float]:
         """(wall-clock ms, CPU ms) of `cmd` inside the pod namespace. The CPU is user + sys of
         the whole process tree from getrusage(RUSAGE_CHILDREN) around the run: `ip netns exec`
         execs the command in its own process, whose waited-for children (iptables-*) roll up
@@ -104,7 +104,7 @@ class Netns:
         r0 = resource.getrusage(resource.RUSAGE_CHILDREN)
         t0 = time.perf_counter()
         p = subprocess.run(["ip", "netns", "exec", self.pod, *cmd], capture_output=True,
-                           text=True, timeout=60, cwd=ROOT, env=env)
+                           text=True, timeout=60, cwd=ROOT)
         ms = (time.perf_counter() - t0) * 1000
         r1 = resource.getrusage(resource.RUSAGE_CHILDREN)
         if p.returncode != 0:
