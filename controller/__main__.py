@@ -9,6 +9,7 @@ import gc
 import ipaddress
 import logging
 import os
+import socket
 import sys
 
 import uvicorn
@@ -35,7 +36,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     sub = ap.add_subparsers(dest="verb", required=True)
     s = sub.add_parser("serve", help="run the controller (leader election + API)")
     s.add_argument("--namespace", required=True, help="namespace of the sandbox pods")
-    s.add_argument("--listen", default="0.0.0.0:8080", help="API address host:port")
+    s.add_argument("--listen", default="0.0.0.0:8080",
+                   help="API address host:port; port 0 picks a free port (printed)")
     s.add_argument("--kubeconfig", default=None, help="default: in-cluster config")
     # Pacing. The paper's campaigns averaged 1.8 creates/s with bursts of 64-132/s; an unpaced
     # 4,096-trajectory evaluation took a shared webhook down. 20/s with a burst of 40 keeps a
@@ -286,7 +288,10 @@ def main(argv: list[str] | None = None) -> int:
         # One kept-alive connection per API thread: a smaller pool re-did TLS handshakes under
         # bursts (seen in a profile at 50 creates/s).
         api = load_api_client(args.kubeconfig, pool=threads + 8)
-        port = int(port)
+        # Bound here, before anything starts: a port in use is a one-line refusal, and port 0
+        # is the kernel's choice, advertised and printed as the port it is.
+        sock = bind(host, int(port))
+        port = sock.getsockname()[1]
         elector = LeaderElector(KubeClient(api, args.namespace, threads=4), args.lease_name,
                                 args.lease_duration, args.lease_renew,
                                 advertise_url=advertise_url(args.advertise_address, host, port,
@@ -304,7 +309,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.auth == "none":
         log.warning("*** --auth none: NO AUTHENTICATION. Anyone who reaches %s can acquire, "
                     "list, release and drain every sandbox and read their tokens. For local "
-                    "use only; the chart always runs --auth kubernetes. ***", args.listen)
+                    "use only; the chart always runs --auth kubernetes. ***", f"{host}:{port}")
         auth = A.NoAuth()
     else:
         auth = A.KubeAuth(api, audience=args.auth_audience, ttl=args.auth_cache_ttl,
@@ -382,13 +387,38 @@ def main(argv: list[str] | None = None) -> int:
     gc.freeze()
     # A run start fires thousands of acquires at once: a short accept backlog would turn the
     # burst into SYN retries (1 s each) before the queue even sees them.
-    uvicorn.run(forwarder, host=host, port=port, log_level="warning", access_log=False,
-                log_config=logs.uvicorn_log_config(args.log_format),
-                backlog=4096, timeout_keep_alive=120, loop="uvloop", http="httptools",
-                # The same SSLContext object for the whole run: ServingTLS reloads it in place.
-                **({"ssl_context_factory": lambda _config, _default: serving_tls.context}
-                   if serving_tls else {}))
+    config = uvicorn.Config(
+        forwarder, host=host, port=port, log_level="warning", access_log=False,
+        log_config=logs.uvicorn_log_config(args.log_format),
+        backlog=BACKLOG, timeout_keep_alive=120, loop="uvloop", http="httptools",
+        # The same SSLContext object for the whole run: ServingTLS reloads it in place.
+        **({"ssl_context_factory": lambda _config, _default: serving_tls.context}
+           if serving_tls else {}))
+    logs.say(args.log_format, "controller",
+             f"controller: serving {'https' if https else 'http'}://{args.listen.rsplit(':', 1)[0]}"
+             f":{port}")
+    uvicorn.Server(config).run(sockets=[sock])
     return 0
+
+
+BACKLOG = 4096
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """The API's listening socket on `host` ("0.0.0.0", "[::]", an address) and `port`."""
+    host = host.strip("[]")
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if family == socket.AF_INET6 and host in ("", "::"):
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind((host, port))
+        sock.listen(BACKLOG)
+    except OSError:
+        sock.close()
+        raise
+    return sock
 
 
 def label_policy(prefixes: list[str]) -> A.LabelPolicy:
