@@ -36,7 +36,7 @@ from bench import docs
 from bench.interp import pod_python
 from bench.stats import percentile
 from sandman.podspec import EXECD_PYTHON_FLAGS
-from testbed.procs import free_port
+from testbed.procs import reserve_port
 
 REPO = Path(__file__).resolve().parents[1]
 EXECD = REPO / "execd" / "execd.py"
@@ -248,7 +248,9 @@ class SweRex(Target):
     def start(self) -> None:
         exe = self.ensure_venv()
         self.token = secrets.token_hex(16)
-        self.port = free_port()
+        # swerex-remote takes its port on its command line and reports none: one no bind(0)
+        # on the machine is given, held for this run (testbed/procs.py).
+        self.port = reserve_port()
         self.proc = subprocess.Popen([str(exe), "--host", "127.0.0.1", "--port", str(self.port),
                                       "--auth-token", self.token], stdout=subprocess.DEVNULL,
                                      stderr=subprocess.DEVNULL, start_new_session=True)

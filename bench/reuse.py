@@ -47,7 +47,7 @@ from pathlib import Path
 
 from bench import docs
 from bench import reuse_controller as pool
-from testbed.procs import free_port
+from testbed.execd import execd_cmd, start_execd
 
 REPO = Path(__file__).resolve().parents[1]
 EXECD = REPO / "execd" / "execd.py"
@@ -140,7 +140,6 @@ class Execd:
     def __init__(self, work: Path, name: str, *flags: str):
         self.token = secrets.token_urlsafe(24)
         sha = hashlib.sha256(self.token.encode()).hexdigest()
-        self.port = free_port()
         self.log = work / f"{name}.log"
         # As root, PID 1 of its own PID namespace like in a pod: the process set it checks is
         # the sandbox's, not every process of this (shared) host.
@@ -148,19 +147,14 @@ class Execd:
         prefix = ["unshare", "--pid", "--fork", "--mount-proc", "--kill-child=SIGTERM"] \
             if pod_like else []
         self.pid1 = pod_like
-        self.proc = subprocess.Popen(
-            [*prefix, sys.executable, str(EXECD), "--listen", f"127.0.0.1:{self.port}",
-             "--token-sha256", sha, "--baseline-at-start", "on",
-             "--baseline-store", str(work / f"{name}.store"), "--baseline-paths", "", *flags],
-            stdout=open(self.log, "wb"), stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 300
-        while time.monotonic() < deadline:
-            try:
-                self.call("GET", "/health")
-                return
-            except OSError:
-                time.sleep(0.05)
-        raise RuntimeError(f"execd did not start: {self.log.read_text()[-2000:]}")
+        # The shared starter: port 0, the port execd reports, /health (the baseline taken at
+        # start can take minutes on a big root).
+        ex = start_execd(work, token=self.token, timeout=300, log=self.log, cmd=[
+            *prefix, *execd_cmd("127.0.0.1", 0, sha, "--baseline-at-start", "on",
+                                "--baseline-store", str(work / f"{name}.store"),
+                                "--baseline-paths", "", *flags)])
+        self.port = ex.port
+        self.proc = ex.proc.proc
 
     def call(self, method: str, path: str, body: dict | None = None) -> dict:
         data = None if body is None else json.dumps(body).encode()

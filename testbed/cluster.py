@@ -29,7 +29,7 @@ from kubernetes import client, config
 
 from sandman import contract
 from testbed import build, pki, versions
-from testbed.procs import Proc, free_port, repo_root, wait_for
+from testbed.procs import Proc, repo_root, reserve_port, wait_for
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
 # Pod IPs are handed out from loopback, so anything that dials a pod IP (the controller's execd
@@ -445,7 +445,7 @@ def node_manifest(i: int) -> dict:
 
 def _env_port(name: str) -> int:
     v = os.environ.get(f"SANDMAN_TESTBED_{name}")
-    return int(v) if v else free_port()
+    return int(v) if v else reserve_port()
 
 
 def _tcp_open(port: int) -> bool:

@@ -28,7 +28,10 @@ from pathlib import Path
 import httpx
 
 from sandman import api
-from testbed.procs import Proc, free_port
+from testbed.procs import Proc, reported_port
+
+# What the controller prints once it listens (sandman's `controller serve`, either log format).
+_SERVING = r"controller: serving https?://[^\s\"]+:(\d+)"
 
 
 @dataclass
@@ -37,7 +40,7 @@ class ControllerProc:
     kubeconfig: Path
     log: Path
     flags: list[str] = field(default_factory=list)  # last on the command line: they override
-    port: int = 0  # 0: a free port at the first start; kept across restarts
+    port: int = 0  # 0: the port the controller binds at the first start; kept across restarts
     ready_check: str | None = "pod"  # None: the controller's own default (execd) or `flags`
     auth: str | None = "none"  # None: the controller's own default (kubernetes) or `flags`
     cwd: Path | None = None  # the tree whose controller/ runs (default: this repository)
@@ -76,9 +79,23 @@ class ControllerProc:
     def start(self, wait_ready: bool = True, timeout: float = 30,
               role: str | None = "leader") -> ControllerProc:
         """Start (or restart, on the same port and log) the process; with `wait_ready`,
-        return once /readyz answers 200 with `role` (see wait_ready)."""
-        self.port = self.port or free_port()
-        self.proc = Proc("controller", self.command(), self.log, cwd=self.cwd).start()
+        return once /readyz answers 200 with `role` (see wait_ready). The first start binds
+        port 0 (or the port `flags`' --listen gives) and reads the port the controller
+        printed: no port is probed and closed first, which another process could take."""
+        for attempt in range(5):
+            seen = self.log.stat().st_size if self.log.exists() else 0
+            self.proc = Proc("controller", self.command(), self.log, cwd=self.cwd).start()
+            try:
+                self.port = reported_port(self.proc, _SERVING, time.monotonic() + timeout, seen)
+                break
+            except RuntimeError:
+                self.proc.stop(timeout=5)
+                # A restart on its port: what took the port since (an outgoing connection's
+                # local port) may let it go; bounded retries.
+                new = self.log.read_bytes()[seen:].decode(errors="replace")
+                if "Address already in use" not in new or attempt == 4:
+                    raise
+                time.sleep(0.25 * (attempt + 1))
         if wait_ready:
             self.wait_ready(timeout, role)
         return self
@@ -137,6 +154,6 @@ def local_tls_dir() -> Path:
 
 def start_controller(namespace: str, kubeconfig: Path, log: Path, flags: list[str] = (),
                      ready_check: str = "pod", timeout: float = 30) -> ControllerProc:
-    """A ready controller for `namespace` on a free port."""
+    """A ready controller for `namespace` on the port it bound (port 0)."""
     return ControllerProc(namespace, kubeconfig, log, list(flags),
                           ready_check=ready_check).start(timeout=timeout)

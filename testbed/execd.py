@@ -10,6 +10,7 @@ from __future__ import annotations
 import hashlib
 import ipaddress
 import os
+import re
 import secrets
 import signal
 import sys
@@ -19,7 +20,7 @@ from pathlib import Path
 
 import httpx
 
-from testbed.procs import ROOT, Proc, descendants, free_port
+from testbed.procs import ROOT, Proc, descendants, reported_port
 
 EXECD = ROOT / "execd" / "execd.py"
 
@@ -65,26 +66,49 @@ class Execd:
                 pass
 
 
+# What execd prints once it listens (port 0 in --listen: the port the kernel gave it).
+LISTENING = re.compile(r"^execd \S+ listening on \S+:(\d+) ", re.M)
+
+
 def start_execd(workdir: Path, *extra: str, address: str = "127.0.0.1",
-                token: str | None = None, timeout: float = 15.0) -> Execd:
-    """A real execd on `address` and a free port with `token` (default: a random one), its
-    workspace and log in `workdir`; returns once /health answers 200."""
+                token: str | None = None, timeout: float = 15.0, port: int = 0,
+                cmd: list[str] | None = None, env: dict[str, str] | None = None,
+                log: Path | None = None) -> Execd:
+    """A real execd on `address` and the port it binds (port 0: the kernel's choice, read from
+    its "listening on" line; nothing else can take it in between) with `token` (default: a
+    random one), its workspace and log in `workdir`; returns once /health answers 200. `cmd`
+    replaces the command line (another interpreter, a launcher: it must listen on
+    `address`:`port` and print execd's line); `env` is added to its environment; `log`
+    replaces workdir/execd-<port or random>.log. A fixed
+    `port` in use is retried a few times (a previous holder's socket may still be closing)."""
     workdir.mkdir(parents=True, exist_ok=True)
     token = token or secrets.token_urlsafe(24)
     digest = hashlib.sha256(token.encode()).hexdigest()
-    last = ""
-    for _ in range(3):  # a free port can be taken between probe and bind: bounded retries
-        port = free_port(address)
-        proc = Proc("execd", execd_cmd(address, port, digest, "--workspace", str(workdir),
-                                       *extra), workdir / f"execd-{port}.log", cwd=workdir)
-        ex = Execd(proc.start(), port, token, workdir, address)
+    if cmd is None:
+        cmd = execd_cmd(address, port, digest, "--workspace", str(workdir), *extra)
+    log = log or workdir / f"execd-{port or secrets.token_hex(4)}.log"
+    for attempt in range(5):
+        seen = log.stat().st_size if log.exists() else 0
+        proc = Proc("execd", cmd, log, cwd=workdir, env=env).start()
         deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline and proc.alive():
+        try:
+            got = reported_port(proc, LISTENING, deadline, seen)
+        except RuntimeError:
+            in_use = "Address already in use" in log.read_bytes()[seen:].decode(errors="replace")
+            Execd(proc, port, token, workdir, address).stop()
+            if in_use and attempt < 4:
+                time.sleep(0.2 * (attempt + 1))
+                continue
+            raise
+        ex = Execd(proc, got, token, workdir, address)
+        while True:
             try:
                 if httpx.get(f"{ex.url}/health", timeout=1, trust_env=False).status_code == 200:
                     return ex
             except httpx.TransportError:
-                time.sleep(0.05)
-        last = proc.tail()
-        ex.stop()
-    raise RuntimeError(f"execd did not start: {last}")
+                pass
+            if not proc.alive() or time.monotonic() > deadline:
+                ex.stop()
+                raise RuntimeError(f"execd did not answer /health: {proc.tail()}")
+            time.sleep(0.02)
+    raise AssertionError("unreachable")

@@ -1,5 +1,5 @@
 """Processes of the test bed and of everything started next to it: one way to start, watch and
-stop a process, one free port, one wait.
+stop a process, the ports of what it starts, one wait.
 
 Every process runs in its own session (a Ctrl-C on the terminal reaches only the parent, which
 stops its children in order) and is stopped by its pid: SIGTERM to its process group, then
@@ -8,11 +8,16 @@ SIGKILL to the group after a timeout. Its stdout and stderr go to one log file.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import os
+import random
+import re
 import signal
 import socket
 import subprocess
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -24,11 +29,73 @@ def repo_root() -> Path:
 ROOT = repo_root()
 
 
-def free_port(host: str = "127.0.0.1") -> int:
-    """A port that was free on `host` a moment ago (another process may take it before use)."""
-    with socket.socket() as s:
+# Ports. A server the tests start binds port 0 itself and reports the port it got (a log line
+# read by `reported_port`); a URL where nothing may answer holds its port (`refused_port`). No
+# helper hands out a port it has closed: the kernel gives a closed port to the next bind(0) or
+# connect() on the machine, and a tier running beside took one (tests/test_ports.py keeps the
+# pattern out). The bed's own components (etcd, kube-apiserver, kubelet...) need their ports
+# on their command lines: `reserve_port`.
+def reported_port(proc: Proc, pattern: str | re.Pattern, deadline: float, seen: int = 0) -> int:
+    """The port a process started on port 0 reports in its log: the first group of `pattern`
+    in the log after byte `seen` (where the log ended before the start). RuntimeError with the
+    log's tail if the process exits first or `deadline` (time.monotonic()) passes."""
+    rx = re.compile(pattern) if isinstance(pattern, str) else pattern
+    while True:
+        try:
+            m = rx.search(proc.log.read_bytes()[seen:].decode(errors="replace"))
+        except OSError:
+            m = None
+        if m:
+            return int(m.group(1))
+        if not proc.alive():
+            raise RuntimeError(f"{proc.name} exited {proc.exit_code()} before it reported its "
+                               f"port: {proc.tail()}")
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"{proc.name} reported no port in time: {proc.tail()}")
+        time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def refused_port(host: str = "127.0.0.1") -> Iterator[int]:
+    """A port on `host` where a connection is refused, for as long as the block runs: bound,
+    never listening, so nothing else can listen there meanwhile."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
         s.bind((host, 0))
-        return s.getsockname()[1]
+        yield s.getsockname()[1]
+
+
+_RESERVED: dict[int, int] = {}  # port -> the fd whose lock holds it, for this process's life
+_RESERVE_DIR = Path("/tmp/sandman-ports")
+
+
+def reserve_port(host: str = "127.0.0.1") -> int:
+    """A port for a bed component that takes its port on its command line (etcd, the API
+    server, the kubelet, ...), which cannot bind 0 and report: below the kernel's ephemeral
+    range (so no bind(0) or outgoing connection on the machine is given it), free on `host`
+    now, and held for this process's life by a lock in /tmp/sandman-ports that every other
+    bed's reserve_port respects (two beds start side by side in `make test`)."""
+    lo = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    _RESERVE_DIR.mkdir(mode=0o1777, exist_ok=True)
+    rng = random.SystemRandom()
+    for _ in range(200):
+        port = rng.randrange(max(1024, lo - 12000), lo)
+        if port in _RESERVED:
+            continue
+        fd = os.open(_RESERVE_DIR / f"{port}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                os.close(fd)
+                continue
+        _RESERVED[port] = fd
+        return port
+    raise RuntimeError(f"no free port below {lo} on {host} after 200 tries")
 
 
 def wait_for(pred, timeout: float, what: str, interval: float = 0.05):

@@ -819,7 +819,7 @@ class RealNode:
         t0 = time.monotonic()
         tb = self.tb
         for name in ("kubelet", "coredns-ready", "kube-proxy-healthz", "kube-proxy-metrics"):
-            self.ports.setdefault(name, _free_port())
+            self.ports.setdefault(name, _reserve_port(self.node_ip))
         if not _port_free(self.node_ip, 53, socket.SOCK_DGRAM) or not _port_free(self.node_ip, 53):
             raise RealNodeError(f"coredns: port {self.node_ip}:53 is already in use; log "
                                 f"{tb.logs / 'coredns.log'}")
@@ -1194,10 +1194,10 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
         return out
 
 
-def _free_port() -> int:
-    from testbed.cluster import free_port
+def _reserve_port(host: str) -> int:
+    from testbed.procs import reserve_port
 
-    return free_port()
+    return reserve_port(host)
 
 
 def _http_ok(url: str) -> bool:

@@ -25,7 +25,7 @@ from pathlib import Path
 
 from testbed import build
 from testbed.cluster import Testbed, TestbedError
-from testbed.procs import Proc, free_port
+from testbed.procs import Proc, reported_port
 
 HOST = "127.0.0.1"
 
@@ -57,12 +57,19 @@ class LocalRegistry:
 
     def start(self, timeout: float = 30.0) -> LocalRegistry:
         self.crane = build.build_crane()
-        self.port = free_port()
         (self.dir / "blobs").mkdir(parents=True, exist_ok=True)
+        log = self.tb.logs / "registry.log"
+        seen = log.stat().st_size if log.exists() else 0
+        # Port 0: crane binds it and logs "serving on port N" (no port probed and closed).
         self.proc = self.tb._spawn("registry", [
-            str(self.crane), "registry", "serve", "--address", self.host,
+            str(self.crane), "registry", "serve", "--address", f"{HOST}:0",
             "--disk", str(self.dir / "blobs")])
         deadline = time.monotonic() + timeout
+        try:
+            self.port = reported_port(self.proc, r"serving on port (\d+)", deadline, seen)
+        except RuntimeError as e:
+            self.stop()
+            raise RegistryError(f"local registry: {e}") from None
         while not self._answers():
             if not self.proc.alive() or time.monotonic() > deadline:
                 tail = self.proc.tail(500)

@@ -33,7 +33,7 @@ from sandman.contract import (
 )
 from sandman.podspec import SandboxPolicy, make_sandbox
 from testbed.controller import ControllerProc
-from testbed.procs import free_port, wait_for
+from testbed.procs import refused_port, wait_for
 from testbed.standin import Standin
 from testbed.webhook import start_webhook, wait_webhook_active
 from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
@@ -159,8 +159,8 @@ def _check_webhook_serves(dep: dict, tls_secret, tmp_path: Path, server_name: st
     certdir.mkdir()
     for key in ("tls.crt", "tls.key", "ca.crt"):
         (certdir / key).write_bytes(base64.b64decode(tls_secret.data[key]))
-    port = free_port()
-    args = _rewrite(container["args"], port=str(port), tls_cert=str(certdir / "tls.crt"),
+    # Port 0: the webhook binds it and prints the port it got (start_webhook reads it).
+    args = _rewrite(container["args"], port="0", tls_cert=str(certdir / "tls.crt"),
                     tls_key=str(certdir / "tls.key"))
     assert f"--tls-cert={mount}/tls.crt" in container["args"]
     # The certificate names the Service, not 127.0.0.1: readiness is checked here, with SNI.
@@ -173,7 +173,7 @@ def _check_webhook_serves(dep: dict, tls_secret, tmp_path: Path, server_name: st
         with httpx.Client(verify=ctx) as http:
             while status != 200 and time.monotonic() < deadline and server.alive():
                 try:
-                    status = http.get(f"https://127.0.0.1:{port}/readyz", timeout=2,
+                    status = http.get(f"https://127.0.0.1:{server.port}/readyz", timeout=2,
                                       extensions={"sni_hostname": server_name}).status_code
                 except httpx.HTTPError:
                     time.sleep(0.2)
@@ -454,7 +454,6 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             container = dep["spec"]["template"]["spec"]["containers"][0]
             assert container["command"] == ["python3", "-m", "controller", "serve"]
             assert "--ready-check=execd" in container["args"]  # the production default
-            port = free_port()
             kc = _service_account_kubeconfig(cluster, namespace, controller, tmp_path)
             # The mounted sandbox pod template, as the Deployment's volume would hold it.
             cm = next(o for o in manifest if o["kind"] == "ConfigMap" and
@@ -472,13 +471,13 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             # The rendered args as they are (namespace, ready check, lease, TLS, CA ConfigMap
             # ...), but on loopback and with local files.
             ctl = ControllerProc(None, kc, tmp_path / "controller.log",
-                                 _rewrite(container["args"], listen=f"127.0.0.1:{port}",
+                                 _rewrite(container["args"], listen="127.0.0.1:0",
                                           advertise_address="127.0.0.1",
                                           pod_template_file=str(tpl),
                                           tls_cert_file=str(certdir / "tls.crt"),
                                           tls_key_file=str(certdir / "tls.key"),
                                           tls_ca_file=str(certdir / "ca.crt")),
-                                 port=port, ready_check=None, tls=certdir)
+                                 ready_check=None, tls=certdir)
             assert f"--tls-server-name={host}" in container["args"]
             try:
                 ctl.start()
@@ -542,17 +541,19 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
             assert res.returncode != 0 and "ConfigurationError" in res.stderr, res.stderr
             assert "certificate did not verify" in res.stderr, res.stderr  # at once, no retries
             # ... and it fails loudly when there is no controller to talk to.
-            bad = subprocess.run(test_cmd, cwd=tmp_path,
-                                 env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
-                                      "SANDMAN_CA_FILE": str(ca_file),
-                                      "SANDMAN_URL": f"https://127.0.0.1:{free_port()}"},
-                                 capture_output=True, text=True, timeout=120)
+            with refused_port() as dead:
+                bad = subprocess.run(test_cmd, cwd=tmp_path,
+                                     env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
+                                          "SANDMAN_CA_FILE": str(ca_file),
+                                          "SANDMAN_URL": f"https://127.0.0.1:{dead}"},
+                                     capture_output=True, text=True, timeout=120)
             assert bad.returncode != 0 and "ControllerUnreachable" in bad.stderr, bad.stderr
             # ... and it never sends the token over plain http.
-            plain = subprocess.run(test_cmd, cwd=tmp_path,
-                                   env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
-                                        "SANDMAN_URL": f"http://127.0.0.1:{free_port()}"},
-                                   capture_output=True, text=True, timeout=120)
+            with refused_port() as dead:
+                plain = subprocess.run(test_cmd, cwd=tmp_path,
+                                       env={**os.environ, "SANDMAN_TOKEN_FILE": str(token),
+                                            "SANDMAN_URL": f"http://127.0.0.1:{dead}"},
+                                       capture_output=True, text=True, timeout=120)
             assert plain.returncode != 0 and "plain http" in plain.stderr, plain.stderr
             # A clean shutdown (it releases the Lease) while the chart's RBAC still exists:
             # no call the controller made was refused.

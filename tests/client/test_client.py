@@ -24,7 +24,7 @@ from sandman.client import (
     SandmanError,
     Unauthorized,
 )
-from testbed.procs import free_port
+from testbed.procs import refused_port
 
 from .conftest import FAST_RETRY, CutProxy, Execd, FakeController, Flavor
 
@@ -188,8 +188,11 @@ def test_acquire_with_a_lost_answer_is_retried_and_gets_the_same_sandbox(
 
 
 def test_unreachable_controller_is_bounded(flavor: Flavor) -> None:
-    url = f"http://127.0.0.1:{free_port()}"  # nothing listens there
+    with refused_port() as dead:  # held: nothing listens there meanwhile
+        _unreachable_is_bounded(flavor, f"http://127.0.0.1:{dead}")
 
+
+def _unreachable_is_bounded(flavor: Flavor, url: str) -> None:
     async def body():
         async with flavor.client(url) as client:
             t0 = time.monotonic()

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 
 from testbed import dist
-from testbed.procs import free_port
+from testbed.procs import refused_port
 
 from .conftest import LOOPBACK, FakeController
 
@@ -95,8 +95,8 @@ def py39_root() -> Path:
 @pytest.mark.timeout(1200)  # the first run debootstraps bullseye (196 s here)
 def test_client_wheel_in_a_bare_python39_venv(py39_root: Path, controller: FakeController,
                                                tmp_path: Path) -> None:
-    dead = f"http://{LOOPBACK}:{free_port(LOOPBACK)}"
-    with dist.Py39Venv(py39_root, tmp_path) as venv:
+    with refused_port(LOOPBACK) as port, dist.Py39Venv(py39_root, tmp_path) as venv:
+        dead = f"http://{LOOPBACK}:{port}"  # held: nothing listens there meanwhile
         assert venv.check([venv.python, "-c", "import sys; print(sys.version_info[:2])"]) \
             .strip() == "(3, 9)"
         out = venv.check([venv.python, venv.put("check.py", SCRIPT), controller.url, dead],

@@ -21,7 +21,7 @@ from kubernetes import client
 
 from sandman import contract
 from testbed import controller as testbed_controller
-from testbed.procs import free_port, wait_for
+from testbed.procs import wait_for
 from tests.controller.faultproxy import FaultProxy
 
 REPO = Path(__file__).resolve().parents[2]
@@ -43,7 +43,8 @@ POOL_JOB = "sandman-pool"  # the job of warm pods (controller.books.POOL_JOB)  #
 class ControllerProc(testbed_controller.ControllerProc):
     """The shared controller starter (testbed/controller.py) run from CONTROLLER_ROOT against
     the proxy's kubeconfig, one per window test, with the windows' flags, a new log file per
-    (re)start on the same port, and an HTTP client for its API."""
+    (re)start on the same port (the one it bound at its first start), and an HTTP client for
+    its API."""
 
     def __init__(self, namespace: str, kubeconfig: Path, workdir: Path, args: list[str]):
         self.lease = f"win-{secrets.token_hex(3)}"
@@ -52,11 +53,19 @@ class ControllerProc(testbed_controller.ControllerProc):
             # The sweep is the backstop, not the owner: off here so every window tests the
             # owner tasks alone (test_sweep_backstop turns it on).
             "--sweep-interval", "3600", "--sweep-grace", "3600",
-            "--log-level", "INFO", *args], port=free_port(), cwd=CONTROLLER_ROOT)
+            "--log-level", "INFO", *args], cwd=CONTROLLER_ROOT)
         self.ns = namespace
         self.workdir = workdir
         self.logs: list[Path] = []
-        self.http = httpx.Client(base_url=self.url, timeout=10)
+        self._http: httpx.Client | None = None
+
+    @property
+    def http(self) -> httpx.Client:
+        """The API client, made once the first start has the port."""
+        if self._http is None:
+            assert self.port, "the controller has not started yet"
+            self._http = httpx.Client(base_url=self.url, timeout=10)
+        return self._http
 
     def start(self, timeout: float = 60.0) -> ControllerProc:
         self.log = self.workdir / f"controller-{len(self.logs)}.log"
@@ -65,7 +74,8 @@ class ControllerProc(testbed_controller.ControllerProc):
 
     def close(self) -> None:
         self.stop(timeout=5)
-        self.http.close()
+        if self._http is not None:
+            self._http.close()
 
     def tail(self, n: int = 40) -> str:
         if not self.logs:

@@ -65,9 +65,16 @@ def test_a_failed_or_missing_guard_reads_nothing(execd_factory, tmp_path):
 def test_a_reachable_probe_address_refuses_the_pod(execd_factory, tmp_path):
     _status(tmp_path, [ENTRY])
     d = execd_factory()
-    with socket.create_server(("127.0.0.1", 0)) as srv:
-        target = f"127.0.0.1:{srv.getsockname()[1]}"
+    # A second socket on the port, bound and never listening, holds it once the listener has
+    # closed: no other process can be given it before the second probe.
+    with socket.create_server(("127.0.0.1", 0), reuse_port=True) as srv, \
+            socket.socket() as hold:
+        port = srv.getsockname()[1]
+        hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        hold.bind(("127.0.0.1", port))
+        target = f"127.0.0.1:{port}"
         v = _check(d, {"egress_allow": [ENTRY]}, probe=target)
-    assert not v.ok and f"{target} reachable" in v.message(), v
-    # Nothing listens there any more: the probe fails, the list verifies.
-    assert _check(d, {"egress_allow": [ENTRY]}, probe=target).ok
+        assert not v.ok and f"{target} reachable" in v.message(), v
+        srv.close()
+        # Nothing listens there any more: the probe fails, the list verifies.
+        assert _check(d, {"egress_allow": [ENTRY]}, probe=target).ok

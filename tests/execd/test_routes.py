@@ -156,38 +156,23 @@ def test_starts_and_runs_without_ctypes(tmp_path):
     """Debian's python3-minimal, a common task-image base, has no ctypes: execd must still
     start (found on the real node: `import ctypes` at the top crashed every such sandbox)."""
     import hashlib
-    import subprocess
     import sys
-    import time
 
     import httpx
 
-    from testbed.execd import EXECD, execd_cmd
-    from testbed.procs import free_port
+    from testbed.execd import EXECD, execd_cmd, start_execd
 
     token = "t" * 32
-    port = free_port()
-    cmd = execd_cmd("127.0.0.1", port, hashlib.sha256(token.encode()).hexdigest(),
+    cmd = execd_cmd("127.0.0.1", 0, hashlib.sha256(token.encode()).hexdigest(),
                     "--workspace", str(tmp_path))
     # The same command, with `import ctypes` failing as it does where the module is absent.
     boot = ("import runpy, sys; sys.modules['ctypes'] = None; sys.argv = sys.argv[1:]; "
             "runpy.run_path(sys.argv[0], run_name='__main__')")
-    log = open(tmp_path / "execd.log", "wb")
-    proc = subprocess.Popen([sys.executable, "-c", boot, str(EXECD), *cmd[2:]],
-                            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+    ex = start_execd(tmp_path, token=token,
+                     cmd=[sys.executable, "-c", boot, str(EXECD), *cmd[2:]])
     try:
-        url, ok = f"http://127.0.0.1:{port}", False
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and proc.poll() is None and not ok:
-            try:
-                ok = httpx.get(url + "/health", timeout=1, trust_env=False).status_code == 200
-            except httpx.TransportError:
-                time.sleep(0.05)
-        assert ok, (tmp_path / "execd.log").read_text()[-2000:]
-        r = httpx.post(url + "/exec", json={"command": "echo fine"}, timeout=10,
+        r = httpx.post(ex.url + "/exec", json={"command": "echo fine"}, timeout=10,
                        headers={"Authorization": f"Bearer {token}"}, trust_env=False)
         assert r.status_code == 200 and r.json()["output"].strip() == "fine", r.text
     finally:
-        proc.terminate()
-        proc.wait(10)
-        log.close()
+        ex.stop()

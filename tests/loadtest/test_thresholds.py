@@ -125,9 +125,10 @@ def test_run_users_below_one_is_refused_in_one_line(tmp_path):
 
 
 def test_nothing_listening_fails_the_run(tmp_path):
-    from testbed.procs import free_port
+    from testbed.procs import refused_port
 
-    code, log, _ = run(tmp_path, f"http://127.0.0.1:{free_port()}")
+    with refused_port() as dead:  # held: nothing listens there meanwhile
+        code, log, _ = run(tmp_path, f"http://127.0.0.1:{dead}")
     assert code == 1, log[-3000:]
     assert "threshold FAIL: error rate" in log
 

@@ -1,10 +1,11 @@
 """testbed/install.py without a bed: "nothing left after uninstall" is only said by an API
-server that answered. The real kubectl against a closed port on 127.0.0.1 must raise, never
+server that answered. The real kubectl against a refused port on 127.0.0.1 must raise, never
 report an empty list."""
 
 from __future__ import annotations
 
-import socket
+import contextlib
+from collections.abc import Iterator
 from types import SimpleNamespace
 
 import pytest
@@ -12,32 +13,29 @@ import yaml
 
 from testbed import build
 from testbed.install import Install, InstallError
-
-
-def closed_port() -> int:
-    """A 127.0.0.1 port nothing listens on (bound, then closed: connections are refused)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from testbed.procs import refused_port
 
 
 @pytest.fixture
-def dead_install(tmp_path) -> Install:
+def dead_install(tmp_path) -> Iterator[Install]:
     if not build.binaries()["kubectl"].exists():
         try:  # as tests/charts/helm.py: the bed's own kubectl, built once per version
             build.build()
         except build.BuildError as e:
             pytest.fail(f"cannot build kubectl: {e}", pytrace=False)
     kubeconfig = tmp_path / "kubeconfig"
+    dead = contextlib.ExitStack()  # held for the test: connections to its port are refused
     kubeconfig.write_text(yaml.safe_dump({
         "apiVersion": "v1", "kind": "Config", "current-context": "dead",
         "clusters": [{"name": "dead", "cluster": {
-            "server": f"https://127.0.0.1:{closed_port()}", "insecure-skip-tls-verify": True}}],
+            "server": f"https://127.0.0.1:{dead.enter_context(refused_port())}",
+            "insecure-skip-tls-verify": True}}],
         "users": [{"name": "dead", "user": {"token": "t"}}],
         "contexts": [{"name": "dead", "context": {"cluster": "dead", "user": "dead"}}],
     }))
     tb = SimpleNamespace(realnode=object(), state_dir=tmp_path / "state", kubeconfig=kubeconfig)
-    return Install(tb)
+    with dead:
+        yield Install(tb)
 
 
 def test_leftovers_raise_when_the_api_server_is_unreachable(dead_install):
