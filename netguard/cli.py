@@ -14,7 +14,12 @@ import time
 from netguard import jsontext, netinfo, verify, xtables
 from netguard.config import FAMILIES, IPV4, IPV6, Config, ConfigError
 from netguard.rules import LiveFilter, diff_live, render, ruleset_sha256, transaction
-from sandman.contract import KUBERNETES_SERVICE_HOST_ENV, NETGUARD_STATUS_PATH
+from sandman.contract import (
+    KUBERNETES_SERVICE_HOST_ENV,
+    NETGUARD_APPLY_OPTIONS,
+    NETGUARD_BACKENDS,
+    NETGUARD_RULESET_OPTIONS,
+)
 
 STATUS_VERSION = 1
 
@@ -64,9 +69,7 @@ def _config(args: argparse.Namespace, gateways: list[str] | None = None) -> Conf
 
 
 def _given(args: argparse.Namespace) -> bool:
-    return any(getattr(args, k) is not None
-               for k in ("egress", "allow_egress", "never_egress", "ingress_port",
-                         "ingress_from", "ingress_from_gateway"))
+    return any(getattr(args, dest) is not None for dest, *_ in NETGUARD_RULESET_OPTIONS.values())
 
 
 def build_parser():
@@ -78,34 +81,13 @@ def build_parser():
 
 
 # The apply command line of an injected guard, read without argparse: its import (with re,
-# gettext and locale) is CPU on every guarded pod's start, under the pod's own quota. Each
-# option: (dest, kind, choices or constant). Whatever this reader cannot take exactly as
-# argparse would (help, an abbreviation, a bad or missing value, `--`, a value that starts
-# with '-') goes to argparse, which answers it; tests/netguard/test_values.py holds this table
-# to build_parser()'s apply options.
-_STR, _INT, _FLOAT, _APPEND, _CONST, _FALSE = range(6)
-APPLY_OPTIONS = {
-    "--log-format": ("log_format", _STR, ("text", "json")),
-    "--egress": ("egress", _STR, ("deny", "allow")),
-    "--allow-egress": ("allow_egress", _APPEND, None),
-    "--never-egress": ("never_egress", _APPEND, None),
-    "--ingress-port": ("ingress_port", _INT, None),
-    "--ingress-from": ("ingress_from", _APPEND, None),
-    "--ingress-from-gateway": ("ingress_from_gateway", _CONST, True),
-    "--backend": ("backend", _STR, ("auto",) + xtables.BACKENDS),
-    "--no-verify": ("verify", _FALSE, None),
-    "--verify-blocked": ("verify_blocked", _APPEND, None),
-    "--verify-timeout": ("verify_timeout", _FLOAT, None),
-    "--status-file": ("status_file", _STR, None),
-    "--install-execd": ("install_execd", _STR, None),
-}
-APPLY_DEFAULTS = {
-    "cmd": "apply", "log_format": "text", "egress": None, "allow_egress": None,
-    "never_egress": None, "ingress_port": None, "ingress_from": None,
-    "ingress_from_gateway": None, "backend": "auto", "verify": True, "verify_blocked": None,
-    "verify_timeout": verify.DEFAULT_TIMEOUT, "status_file": NETGUARD_STATUS_PATH,
-    "install_execd": None,
-}
+# gettext and locale) is CPU on every guarded pod's start, under the pod's own quota. The
+# options are sandman.contract's table, which argparse's parser is built from too. Whatever
+# this reader cannot take exactly as argparse would (help, an abbreviation, a bad or missing
+# value, `--`, a value that starts with '-') goes to argparse, which answers it;
+# tests/netguard/test_hot_path.py holds the two readers equal.
+APPLY_DEFAULTS = {"cmd": "apply",
+                  **{dest: default for dest, _, _, default in NETGUARD_APPLY_OPTIONS.values()}}
 
 
 def fast_apply_args(argv: list[str]):
@@ -113,20 +95,20 @@ def fast_apply_args(argv: list[str]):
     must read it."""
     if not argv or argv[0] != "apply":
         return None
-    ns = dict(APPLY_DEFAULTS, verify_blocked=[])
+    ns = {k: list(v) if isinstance(v, tuple) else v for k, v in APPLY_DEFAULTS.items()}
     i = 1
     while i < len(argv):
         tok = argv[i]
         i += 1
         name, eq, value = tok.partition("=")
-        spec = APPLY_OPTIONS.get(name)
+        spec = NETGUARD_APPLY_OPTIONS.get(name)
         if spec is None:
             return None
-        dest, kind, extra = spec
-        if kind in (_CONST, _FALSE):
+        dest, kind, extra, _ = spec
+        if kind in ("const", "false"):
             if eq:
                 return None
-            ns[dest] = extra if kind == _CONST else False
+            ns[dest] = extra if kind == "const" else False
             continue
         if not eq:
             if i >= len(argv):
@@ -135,11 +117,12 @@ def fast_apply_args(argv: list[str]):
             i += 1
         if value.startswith("-"):  # argparse's own rules for these (`--x=--` is [] there)
             return None
-        if kind == _APPEND:
+        if kind == "append":
             ns[dest] = (ns[dest] or []) + [value]
             continue
         try:
-            converted = int(value) if kind == _INT else float(value) if kind == _FLOAT else value
+            converted = (int(value) if kind == "int" else float(value) if kind == "float"
+                         else value)
         except ValueError:
             return None
         if extra is not None and converted not in extra:
@@ -174,7 +157,7 @@ def legacy_tables_here(family: str) -> bool:
 def detect_start(backend: str, families: tuple[str, ...] = FAMILIES) -> dict:
     """Start reading each candidate backend's tables, in parallel subprocesses. With `auto`, a
     legacy family the kernel lists no table for is known empty without its save."""
-    candidates = xtables.BACKENDS if backend == "auto" else (backend,)
+    candidates = NETGUARD_BACKENDS if backend == "auto" else (backend,)
     state: dict = {"backend": backend, "families": families, "tools": {}, "procs": {},
                    "errors": {}, "empty": set()}
     for b in candidates:
@@ -203,7 +186,7 @@ def detect_finish(state: dict):
             errors[key] = str(e)
     if state["backend"] == "auto":
         # istio-iptables' rule: join the backend that already has rules here, else nft.
-        with_rules = [b for b in xtables.BACKENDS
+        with_rules = [b for b in NETGUARD_BACKENDS
                       if any(xtables.has_rules(dumps.get((b, f), "")) for f in fams)]
         chosen = "legacy" if with_rules == ["legacy"] else "nft"
     else:
@@ -417,7 +400,7 @@ def cmd_check(args: argparse.Namespace) -> int:
     else:
         fams = (IPV4, IPV6) if netinfo.ipv6_enabled() else (IPV4,)
     backend = args.backend
-    if backend == "auto" and status and status.get("backend") in xtables.BACKENDS:
+    if backend == "auto" and status and status.get("backend") in NETGUARD_BACKENDS:
         backend = status["backend"]
     chosen, found, live, missing = detect(backend, fams)
     problems = [f"{f}: {missing[f]}" for f in fams if f in missing]

@@ -28,7 +28,6 @@ BLOCKED_ERRNOS = {
     errno.EADDRNOTAVAIL: "no source address",  # e.g. IPv6 on but unaddressed: cannot leave
 }
 METADATA_PORT = 80
-DEFAULT_TIMEOUT = 1.0
 
 
 class Probe(Record):

@@ -13,7 +13,6 @@ from netguard import proc
 from netguard.config import IPV4, IPV6
 from netguard.values import Frozen
 
-BACKENDS = ("nft", "legacy")
 _PREFIX = {IPV4: "iptables", IPV6: "ip6tables"}
 
 # Legacy iptables-restore serialises writers with a lock file (default /run/xtables.lock). Wait

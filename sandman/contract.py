@@ -90,6 +90,60 @@ NETGUARD_PATH = "/opt/sandman/netguard.py"
 # netguard writes its status here, on a volume shared with the sandbox container.
 NETGUARD_STATUS_PATH = f"{EXECD_DIR}/run/netguard.json"
 
+# netguard's `apply` command line, spelled once: the webhook renders a guard's args with these
+# flags and judges them with a parser built from this table (sandman/podspec.py); netguard's
+# argparse parser is built from it (netguard/args.py, which adds the help) and its fast reader
+# reads it (netguard/cli.py). Here, not in netguard, so the webhook imports nothing of netguard;
+# netguard's start imports this module already, so the table costs it no import.
+NETGUARD_FLAG_EGRESS = "--egress"
+NETGUARD_FLAG_ALLOW_EGRESS = "--allow-egress"
+NETGUARD_FLAG_NEVER_EGRESS = "--never-egress"
+NETGUARD_FLAG_INGRESS_PORT = "--ingress-port"
+NETGUARD_FLAG_INGRESS_FROM = "--ingress-from"
+NETGUARD_FLAG_INGRESS_FROM_GATEWAY = "--ingress-from-gateway"
+NETGUARD_FLAG_INSTALL_EXECD = "--install-execd"
+NETGUARD_BACKENDS = ("nft", "legacy")  # the iptables backends netguard drives (netguard/xtables.py)
+NETGUARD_VERIFY_TIMEOUT = 1.0  # seconds a probe may take by default (netguard/verify.py)
+# flag: (dest, kind, choices or the constant, default); a kind is "str" (with its choices, or
+# None), "int", "float", "append" (a repeatable string), "const" (a flag that stores the
+# constant) or "false" (a flag that stores False). The ruleset options are also those of
+# `render` and `check`.
+NETGUARD_RULESET_OPTIONS: dict[str, tuple[str, str, object, object]] = {
+    NETGUARD_FLAG_EGRESS: ("egress", "str", (EGRESS_DENY, EGRESS_ALLOW), None),
+    NETGUARD_FLAG_ALLOW_EGRESS: ("allow_egress", "append", None, None),
+    NETGUARD_FLAG_NEVER_EGRESS: ("never_egress", "append", None, None),
+    NETGUARD_FLAG_INGRESS_PORT: ("ingress_port", "int", None, None),
+    NETGUARD_FLAG_INGRESS_FROM: ("ingress_from", "append", None, None),
+    NETGUARD_FLAG_INGRESS_FROM_GATEWAY: ("ingress_from_gateway", "const", True, None),
+}
+NETGUARD_APPLY_OPTIONS: dict[str, tuple[str, str, object, object]] = {
+    "--log-format": ("log_format", "str", ("text", "json"), "text"),
+    **NETGUARD_RULESET_OPTIONS,
+    "--backend": ("backend", "str", ("auto",) + NETGUARD_BACKENDS, "auto"),
+    "--no-verify": ("verify", "false", None, True),
+    "--verify-blocked": ("verify_blocked", "append", None, ()),  # () reads as a new []
+    "--verify-timeout": ("verify_timeout", "float", None, NETGUARD_VERIFY_TIMEOUT),
+    "--status-file": ("status_file", "str", None, NETGUARD_STATUS_PATH),
+    NETGUARD_FLAG_INSTALL_EXECD: ("install_execd", "str", None, None),
+}
+
+
+def netguard_argparse_kwargs(flag: str) -> dict[str, object]:
+    """The keyword arguments of argparse's add_argument for the `apply` option `flag`."""
+    dest, kind, extra, default = NETGUARD_APPLY_OPTIONS[flag]
+    if kind == "const":
+        return {"action": "store_const", "const": extra, "default": default}
+    if kind == "false":
+        return {"dest": dest, "action": "store_false"}
+    kw: dict[str, object] = {"default": list(default) if isinstance(default, tuple) else default}
+    if kind == "append":
+        kw["action"] = "append"
+    elif kind in ("int", "float"):
+        kw["type"] = int if kind == "int" else float
+    elif extra is not None:
+        kw["choices"] = extra
+    return kw
+
 _SHA256_HEX = r"[0-9a-f]{64}"
 
 

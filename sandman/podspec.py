@@ -40,13 +40,22 @@ from sandman.contract import (
     EXECD_TOKEN_ENV,
     LABEL_EGRESS,
     LABEL_SANDBOX,
+    NETGUARD_APPLY_OPTIONS,
     NETGUARD_CONTAINER,
+    NETGUARD_FLAG_ALLOW_EGRESS,
+    NETGUARD_FLAG_EGRESS,
+    NETGUARD_FLAG_INGRESS_FROM,
+    NETGUARD_FLAG_INGRESS_FROM_GATEWAY,
+    NETGUARD_FLAG_INGRESS_PORT,
+    NETGUARD_FLAG_INSTALL_EXECD,
+    NETGUARD_FLAG_NEVER_EGRESS,
     NETGUARD_PATH,
     NETGUARD_STATUS_PATH,
     SANDBOX_TRUE,
     SANDMAN_IMAGE,
     SANDMAN_VOLUME,
     is_token_sha256,
+    netguard_argparse_kwargs,
 )
 
 GUARD_ALWAYS = "always"  # every sandbox gets netguard (inbound guard on execd's port at least)
@@ -121,11 +130,19 @@ _API_DEFAULTED = ("terminationMessagePath",)
 # The injected init containers' commands. A guarded sandbox's guard also installs execd (one init
 # container, one container start and one kubelet relist wait fewer than a guard and an install);
 # an unguarded sandbox runs the install alone. execd/install.py says what it writes.
-INSTALL_EXECD_ARGS = ("--install-execd", EXECD_DIR)
+INSTALL_EXECD_ARGS = (NETGUARD_FLAG_INSTALL_EXECD, EXECD_DIR)
+
+
+def _shortest_abbreviation(flag: str, others) -> str:
+    return next(flag[:n] for n in range(3, len(flag) + 1)
+                if not any(o.startswith(flag[:n]) for o in others if o != flag))
+
+
 # The shortest prefix netguard's parser expands to --install-execd (argparse takes any unique
 # abbreviation, and =DIR spellings): what makes a guard an installing one for installs_execd
 # (tests/webhook/test_merged_init.py keeps it true of the parser).
-INSTALL_FLAG_PREFIX = "--ins"
+INSTALL_FLAG_PREFIX = _shortest_abbreviation(NETGUARD_FLAG_INSTALL_EXECD,
+                                             [*NETGUARD_APPLY_OPTIONS, "--help"])
 EXECD_INSTALL_COMMAND = ["python3", "-m", "execd.install", EXECD_DIR]
 
 
@@ -519,20 +536,20 @@ def egress_refusals(entries, policy: SandboxPolicy) -> list[str]:
 
 def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
     egress = EGRESS_DENY if _labels(pod).get(LABEL_EGRESS) == EGRESS_DENY else EGRESS_ALLOW
-    args = ["--egress", egress, "--ingress-port", str(EXECD_PORT)]
+    args = [NETGUARD_FLAG_EGRESS, egress, NETGUARD_FLAG_INGRESS_PORT, str(EXECD_PORT)]
     for cidr in ingress_cidrs(pod, policy):
-        args += ["--ingress-from", cidr]
+        args += [NETGUARD_FLAG_INGRESS_FROM, cidr]
     allow = egress_allow(pod, policy)
     for entry in allow:
-        args += ["--allow-egress", entry]
+        args += [NETGUARD_FLAG_ALLOW_EGRESS, entry]
     for cidr in policy.egress_never if allow else ():
-        args += ["--never-egress", cidr]
+        args += [NETGUARD_FLAG_NEVER_EGRESS, cidr]
     return args + list(GUARD_ARGS_TAIL)
 
 
 # The end of every guard's args: the node's own address and the pod's gateway (the kubelet's
 # probes come from one of them). webhook/policy.py's CEL renders the same tail.
-GUARD_ARGS_TAIL = ("--ingress-from", f"$({NODE_IP_ENV})", "--ingress-from-gateway")
+GUARD_ARGS_TAIL = (NETGUARD_FLAG_INGRESS_FROM, f"$({NODE_IP_ENV})", NETGUARD_FLAG_INGRESS_FROM_GATEWAY)
 
 
 def format_quantity(value: Decimal, binary: bool) -> str:
@@ -1438,17 +1455,27 @@ def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     return [Refusal("guard-misconfigured", NETGUARD_CONTAINER, p) for p in problems]
 
 
+@functools.lru_cache(maxsize=1)
+def _guard_apply_parser():
+    """netguard's `apply` options as its parser has them (sandman.contract's table, and -h),
+    so abbreviations and defaults read as they do in the guard."""
+    import argparse
+
+    p = argparse.ArgumentParser(prog="netguard apply")
+    for flag in NETGUARD_APPLY_OPTIONS:
+        p.add_argument(flag, **netguard_argparse_kwargs(flag))
+    return p
+
+
 @functools.lru_cache(maxsize=64)
 def _args_apply_deny(args: tuple[str, ...], allowed: tuple[str, ...] = ()) -> bool:
-    """netguard's own parser on the guard's args: egress deny (or the default) and no
+    """netguard's apply parser (_guard_apply_parser) on the guard's args: egress deny (or the default) and no
     --allow-egress but the pod's own allowlist (`allowed`, its annotation's entries, which
     cannot change after create). Cached: every label update of a running deny sandbox asks
     (the controller's acquire), and a pod's args never change."""
-    from netguard.cli import build_parser  # the sandman image carries both
-
     try:
         with contextlib.redirect_stderr(io.StringIO()):
-            parsed = build_parser().parse_args(["apply", *args])
+            parsed = _guard_apply_parser().parse_args(list(args))
     except SystemExit:
         return False
     given = [p for a in parsed.allow_egress or () for p in a.split(",")]
@@ -1457,7 +1484,7 @@ def _args_apply_deny(args: tuple[str, ...], allowed: tuple[str, ...] = ()) -> bo
 
 def _guard_applied_deny(pod: dict) -> list[Refusal]:
     """On UPDATE: did the pod's own guard (its args cannot change) apply egress deny? Judged
-    with netguard's own parser, so abbreviations and defaults mean what they mean to it."""
+    with netguard's apply parser, so abbreviations and defaults mean what they mean to it."""
     spec = pod.get("spec") or {}
     inits = spec.get("initContainers") or []
     if not inits or not isinstance(inits[0], dict) or inits[0].get("name") != NETGUARD_CONTAINER:

@@ -34,6 +34,11 @@ from sandman.contract import (
     LABEL_EGRESS,
     LABEL_SANDBOX,
     NETGUARD_CONTAINER,
+    NETGUARD_FLAG_ALLOW_EGRESS,
+    NETGUARD_FLAG_EGRESS,
+    NETGUARD_FLAG_INGRESS_FROM,
+    NETGUARD_FLAG_INGRESS_PORT,
+    NETGUARD_FLAG_NEVER_EGRESS,
     SANDBOX_TRUE,
     SANDMAN_VOLUME,
 )
@@ -229,12 +234,12 @@ FIXED_VARIABLES: list[dict] = [
     # ...and a sandbox's guard (labelled, or installing already) installs execd
     # (podspec.netguard_container).
     {"name": "guardArgs", "expression":
-        f"['--egress', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
-        f"'--ingress-port', {_q(str(EXECD_PORT))}] + "
-        "variables.ingressFrom.map(c, ['--ingress-from', c]).flatten() + "
-        "variables.egressAllow.map(e, ['--allow-egress', e]).flatten() + "
+        f"['{NETGUARD_FLAG_EGRESS}', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
+        f"'{NETGUARD_FLAG_INGRESS_PORT}', {_q(str(EXECD_PORT))}] + "
+        f"variables.ingressFrom.map(c, ['{NETGUARD_FLAG_INGRESS_FROM}', c]).flatten() + "
+        f"variables.egressAllow.map(e, ['{NETGUARD_FLAG_ALLOW_EGRESS}', e]).flatten() + "
         "(variables.egressAllow.size() > 0 ? "
-        "variables.egressNeverList.map(c, ['--never-egress', c]).flatten() : []) + "
+        f"variables.egressNeverList.map(c, ['{NETGUARD_FLAG_NEVER_EGRESS}', c]).flatten() : []) + "
         f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}] + "
         f"(variables.sandbox ? {_list(INSTALL_EXECD_ARGS)} : [])"},
     # Every container but the guard at initContainers[0] (names are unique in a pod).

@@ -19,8 +19,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from netguard import jsontext, proc
-from netguard.cli import APPLY_DEFAULTS, APPLY_OPTIONS, build_parser, fast_apply_args
+from netguard.cli import APPLY_DEFAULTS, build_parser, fast_apply_args
 from sandman import podspec
+from sandman.contract import NETGUARD_APPLY_OPTIONS as APPLY_OPTIONS
 
 ROOT = Path(__file__).resolve().parents[2]
 HEAVY = ("argparse", "re", "json", "_json", "subprocess", "socket", "enum", "selectors",
@@ -101,7 +102,7 @@ def test_the_fast_reader_knows_exactly_argparses_apply_options():
             continue
         name = action.option_strings[0]
         assert action.option_strings == [name]
-        dest, kind, extra = APPLY_OPTIONS[name]
+        dest, kind, extra, _ = APPLY_OPTIONS[name]
         seen.add(name)
         assert dest == action.dest
         default = [] if action.dest == "verify_blocked" else action.default
@@ -109,6 +110,13 @@ def test_the_fast_reader_knows_exactly_argparses_apply_options():
         if action.choices is not None:
             assert tuple(extra) == tuple(action.choices), name
     assert seen == set(APPLY_OPTIONS)
+    # The webhook judges a guard's args with its own parser of the table: the same spellings
+    # (abbreviations are unique prefixes of these), the same readings.
+    webhook = podspec._guard_apply_parser()
+    assert set(webhook._option_string_actions) == set(apply._option_string_actions)
+    for argv in (["--egr", "deny", "--allow=10.0.0.0/8", "--ins", "/x"], []):
+        assert vars(webhook.parse_args(argv)) == {
+            k: v for k, v in vars(apply.parse_args(argv)).items() if k != "cmd"}
 
 
 VALUES = ["deny", "allow", "json", "text", "nft", "legacy", "auto", "9470", " 12", "1_0", "x",

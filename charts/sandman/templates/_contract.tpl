@@ -31,6 +31,13 @@
 {{- define "sandman.contract.LABEL_TENANT" -}}sandman.dev/tenant{{- end -}}
 {{- define "sandman.contract.MANAGED_BY_CONTROLLER" -}}sandman-controller{{- end -}}
 {{- define "sandman.contract.NETGUARD_CONTAINER" -}}sandman-netguard{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_ALLOW_EGRESS" -}}--allow-egress{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_EGRESS" -}}--egress{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_INGRESS_FROM" -}}--ingress-from{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_INGRESS_FROM_GATEWAY" -}}--ingress-from-gateway{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_INGRESS_PORT" -}}--ingress-port{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_INSTALL_EXECD" -}}--install-execd{{- end -}}
+{{- define "sandman.contract.NETGUARD_FLAG_NEVER_EGRESS" -}}--never-egress{{- end -}}
 {{- define "sandman.contract.NETGUARD_PATH" -}}/opt/sandman/netguard.py{{- end -}}
 {{- define "sandman.contract.NETGUARD_STATUS_PATH" -}}/sandman/run/netguard.json{{- end -}}
 {{- define "sandman.contract.PREPULL_DIGEST_CHARS" -}}32{{- end -}}
