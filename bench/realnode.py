@@ -54,6 +54,7 @@ from pathlib import Path
 from bench import docs, realnode_agent
 from bench.docs import LOAD_MAX, docs_refusal, load1, settle
 from bench.stats import percentile, summarize
+from sandman.podspec import parse_quantity
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## real node: `python -m bench.realnode`"
@@ -118,17 +119,9 @@ def arm_order(wave: int) -> tuple[str, ...]:
     return ARMS[k:] + ARMS[:k]
 
 
-_UNITS = {"Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 10**3, "M": 10**6,
-          "G": 10**9, "m": 1e-3}
-
-
 def quantity(q: str | int | float) -> float:
     """A Kubernetes quantity as a number (cpu in cores, memory in bytes)."""
-    s = str(q).strip()
-    m = re.fullmatch(r"([0-9.]+)([a-zA-Z]*)", s)
-    if not m or (m.group(2) and m.group(2) not in _UNITS):
-        raise ValueError(f"not a quantity: {q!r}")
-    return float(m.group(1)) * _UNITS.get(m.group(2), 1)
+    return float(parse_quantity(q))
 
 
 def pod_request(spec: dict, resource: str) -> float:
