@@ -182,18 +182,19 @@ class Execd(Target):
         raise RuntimeError(field)
 
 
-def pod_install(d: Path, py: str) -> Path:
-    """execd laid out as a pod has it (execd/install.py): the daemon as a module with its
-    bytecode, compiled by the same interpreter (as `pip install` does in the image), and the
-    launcher; returns the launcher's path."""
-    from execd.install import DAEMON, LAUNCHER
+def pod_install(d: Path, py: str, bytecode: bool = True) -> Path:
+    """execd laid out as a pod has it (execd/install.py: the launcher and the daemon package),
+    the package's bytecode compiled by the same interpreter (as `pip install` does in the
+    image) unless `bytecode` is false; returns the launcher's path."""
+    from execd.install import DAEMON, install
 
     d.mkdir(exist_ok=True)
-    daemon = d / f"{DAEMON}.py"
-    subprocess.run(["cp", "-p", str(EXECD), str(daemon)], check=True)
-    subprocess.run([py, "-c", "import py_compile, sys; py_compile.compile(sys.argv[1], doraise=True)",
-                    str(daemon)], check=True, timeout=60)
-    (d / "execd.py").write_text(LAUNCHER)
+    install(str(d))
+    pkg = d / DAEMON
+    for pyc in pkg.glob("__pycache__/*.pyc"):  # another interpreter's, copied from the tree
+        pyc.unlink()
+    if bytecode:
+        subprocess.run([py, "-m", "compileall", "-q", str(pkg)], check=True, timeout=120)
     return d / "execd.py"
 
 
@@ -297,7 +298,7 @@ def median_of(runs: list[dict]) -> dict:
 
 def flood_figures(ex: Execd, sizes_mib=(16, 256, 1024), yes_timeout: float = 10
                   ) -> list[tuple[str, str]]:
-    rows = [("execd RSS at rest (as a script)", f"{ex.rss_kib('VmRSS') / 1024:.1f} MiB")]
+    rows = [("execd RSS at rest (from the checkout, venv python)", f"{ex.rss_kib('VmRSS') / 1024:.1f} MiB")]
     for mib in sizes_mib:
         t0 = time.perf_counter()
         r = ex.run(f"head -c {mib * MIB} /dev/zero", 102400)
@@ -348,22 +349,19 @@ def floods_sizes(args) -> tuple[int, ...]:
 
 
 def startup_figures(runs: int, tmp: Path) -> dict:
-    """exec -> listening CPU of execd started as a script (the source compiled at every start)
-    and through the pod's launcher with the bytecode the install copies (execd/install.py
-    LAUNCHER; the bytecode compiled by the same interpreter, as `pip install` does in the
-    image), beside `python3 -c pass`; medians over `runs`, the three interleaved."""
-    from execd.install import DAEMON
-
+    """exec -> listening CPU of execd started through the pod's launcher without bytecode (the
+    sources compiled at every start) and with the bytecode the install copies (execd/install.py;
+    compiled by the same interpreter, as `pip install` does in the image), beside `python3 -c
+    pass`; medians over `runs`, the three interleaved."""
     py = pod_python()
-    d = tmp / "sandman"
-    pod_install(d, py)
-    daemon = d / f"{DAEMON}.py"
+    with_pyc = pod_install(tmp / "sandman", py)
+    without = pod_install(tmp / "sandman-source", py, bytecode=False)
     env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only: nothing is cached
     env["SANDMAN_TOKEN_SHA256"] = "0" * 64
-    arms = {"script": [py, str(daemon), "--listen", "127.0.0.1:0"],
-            "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, str(d / "execd.py"), "--listen",
-                                    "127.0.0.1:0"],
+    listen = ["--listen", "127.0.0.1:0"]
+    arms = {"script": [py, *EXECD_PYTHON_FLAGS, str(without), *listen],
+            "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, str(with_pyc), *listen],
             "python3 -c pass": [py, "-c", "import sys; sys.stderr.write('listening\\n'); "
                                 "sys.stderr.flush(); sys.stdin.read()"]}
     got: dict[str, list[float]] = {k: [] for k in arms}
@@ -379,7 +377,7 @@ def startup_lines(st: dict) -> list[str]:
         "", f"execd's start, exec -> listening, CPU ms (median of {st['runs']}; `{st['python']}`, "
         "the task image's interpreter; each process's own schedstat at its listening line):", "",
         "| how | CPU ms |", "|---|---:|",
-        f"| as a script (the source compiled at every start) | {st['script']:.1f} |",
+        f"| the launcher, no bytecode (the sources compiled at every start) | {st['script']:.1f} |",
         f"| the pod's launcher (`python3 {' '.join(EXECD_PYTHON_FLAGS)}`), daemon from the "
         f"install's bytecode | {st['launcher + bytecode']:.1f} |",
         f"| `python3 -c pass` (the interpreter alone) | {st['python3 -c pass']:.1f} |", "",

@@ -3,56 +3,24 @@ from netguard's `--install-execd DIR` (a guarded sandbox has one injected init c
 applies the guard and then installs execd; an unguarded one runs this module alone).
 
 What DIR holds afterwards, all read-only (0444):
-- `execd_daemon.py`: the package's execd.py, copied as a module, and its bytecode from the
-  image's `pip install` (same mtime, so a task image whose python3 is the sandman image's minor
-  version loads it; any other compiles the source at start, as before).
-- `execd.py`: the launcher the sandbox container runs (`LAUNCHER`), written last, so the file
-  the main container runs appears only once the rest is in place.
+- `execd_daemon/`: the daemon package, each module as the image has it and its bytecode from
+  the image's `pip install` (same mtime, so a task image whose python3 is the sandman image's
+  minor version loads it; any other compiles the source at start).
+- `execd.py`: the launcher the sandbox container runs (this package's execd.py), written last,
+  so the file the main container runs appears only once the rest is in place.
 - `run/`: netguard's status directory (the sandbox container mounts DIR read-only, so it must
   exist before).
 
 Standard library only, like the daemon.
 """
 
+import errno
 import os
+import stat
 import sys
 
 DAEMON = "execd_daemon"
-
-# The launcher imports the daemon instead of running it as a script: Python never uses compiled
-# bytecode for a script, and compiling execd.py is ~40 ms of CPU at every sandbox start, 0.4 s
-# under a 100m quota.
-#
-# It also listens on --listen before the daemon's imports (~50 ms of CPU, ~0.4 s under a 100m
-# quota on the real node): a probe or the controller's /ready that arrives once the interpreter
-# is up waits in the backlog and is answered when execd serves, instead of being refused and
-# retried a period later. A probe sent before even the interpreter is up is still refused (make
-# bench-realnode's "execd listening -> Ready seen" shows that tick). Anything unexpected leaves
-# the bind to execd.
-LAUNCHER = (
-    '"""execd: the daemon is execd_daemon.py beside this file (imported, so compiled bytecode is\n'
-    'used when it matches this python3), on a socket that listens before its imports."""\n'
-    "import os, socket, sys\n"
-    "sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))\n"
-    "def listen(argv):\n"
-    "    try:\n"
-    "        host, _, port = argv[argv.index('--listen') + 1].rpartition(':')\n"
-    "        host = host[1:-1] if host.startswith('[') else host\n"
-    "        s = socket.socket(socket.AF_INET6 if ':' in host else socket.AF_INET)\n"
-    "    except (ValueError, IndexError, OSError):\n"
-    "        return None\n"
-    "    try:\n"
-    "        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)\n"
-    "        s.bind((host, int(port)))\n"
-    "        s.listen(128)\n"
-    "        return s\n"
-    "    except (ValueError, OSError):\n"
-    "        s.close()\n"
-    "        return None\n"
-    "sock = listen(sys.argv[1:])\n"
-    f"from {DAEMON} import main\n"
-    "sys.exit(main(listen_socket=sock))\n"
-)
+LAUNCHER = "execd.py"
 
 
 def bytecode_path(src: str):
@@ -95,6 +63,17 @@ def _put(data: bytes, dst: str, mtime_of: str = "") -> None:
     os.replace(tmp, dst)
 
 
+def _mkdir(path: str) -> None:
+    """A directory of the install, made if missing; never one reached through a link (the
+    install runs as the guard, root), and never its parents (DIR must exist)."""
+    try:
+        os.mkdir(path, 0o755)
+    except FileExistsError:
+        pass
+    if not stat.S_ISDIR(os.lstat(path).st_mode):
+        raise OSError(errno.ENOTDIR, "not a directory", path)
+
+
 def _read(path: str) -> bytes:
     with open(path, "rb") as f:
         return f.read()
@@ -104,22 +83,29 @@ def install(directory: str) -> list:
     """Install execd into `directory` (which must exist); returns the paths written, the
     launcher last. Raises OSError when a file cannot be written."""
     here = os.path.dirname(os.path.abspath(__file__))
-    src = os.path.join(here, "execd.py")
+    src_pkg = os.path.join(here, DAEMON)
+    pkg = os.path.join(directory, DAEMON)
+    tag = sys.implementation.cache_tag
     written = []
-    daemon = os.path.join(directory, DAEMON + ".py")
-    _put(_read(src), daemon, mtime_of=src)
-    written.append(daemon)
-    pyc = bytecode_path(src)
-    if pyc is not None and os.path.exists(pyc):
-        cache = os.path.join(directory, "__pycache__")
-        os.makedirs(cache, exist_ok=True)
-        dst = os.path.join(cache, f"{DAEMON}.{sys.implementation.cache_tag}.pyc")
-        _put(_read(pyc), dst)
+    _mkdir(pkg)
+    for name in sorted(os.listdir(src_pkg)):
+        if not name.endswith(".py"):
+            continue
+        src = os.path.join(src_pkg, name)
+        dst = os.path.join(pkg, name)
+        _put(_read(src), dst, mtime_of=src)
         written.append(dst)
+        pyc = bytecode_path(src)
+        if pyc is not None and os.path.exists(pyc):
+            cache = os.path.join(pkg, "__pycache__")
+            _mkdir(cache)
+            dst = os.path.join(cache, name[:-3] + "." + tag + ".pyc")
+            _put(_read(pyc), dst)
+            written.append(dst)
     os.makedirs(os.path.join(directory, "run"), exist_ok=True)
 
-    launcher = os.path.join(directory, "execd.py")
-    _put(LAUNCHER.encode(), launcher)
+    launcher = os.path.join(directory, LAUNCHER)
+    _put(_read(os.path.join(here, LAUNCHER)), launcher)
     written.append(launcher)
     return written
 

@@ -29,7 +29,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "controller": ("controller.__main__", "parse_args"),
     "controller.cleanup": ("controller.cleanup", "parse_args"),
     "netguard": ("netguard.cli", "build_parser"),
-    "execd": ("execd.execd", "main"),  # in pods: python3 /sandman/execd.py (the launcher)
+    "execd": ("execd.execd_daemon.main", "main"),  # in pods: python3 /sandman/execd.py (the launcher)
     "loadtest.job": ("loadtest.job", "main"),
     "loadtest.report": ("loadtest.report", "main"),
     "sandman.selftest": ("sandman.selftest", "main"),

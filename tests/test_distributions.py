@@ -56,7 +56,8 @@ def test_the_namespace_is_split_without_overlap_or_gap(wheels):
     # A namespace package (PEP 420): neither may own sandman/__init__.py.
     assert "sandman/__init__.py" not in tree
     assert "sandman/client/py.typed" in client
-    assert {"sandman/api.py", "sandman/contract.py", "sandman/_version.py"} <= client
+    assert {"sandman/api.py", "sandman/execd_api.py", "sandman/contract.py",
+            "sandman/_version.py"} <= client
     # The namespace root's marker is the client's: it covers the wire modules there.
     assert "sandman/py.typed" in client
 
@@ -194,7 +195,8 @@ def test_the_server_wheel_ships_the_product_only(wheels):
     tops = {n.split("/")[0] for n in _names(wheels["server"])}
     assert tops == SERVER_TOPS, tops
     names = _names(wheels["server"])
-    assert "execd/execd.py" in names and "loadtest/acquire_burst.py" in names
+    assert "execd/execd.py" in names and "execd/execd_daemon/main.py" in names
+    assert "loadtest/acquire_burst.py" in names
     assert not [n for n in names if "/bench" in n or n.split("/")[-1].startswith("bench")]
 
 

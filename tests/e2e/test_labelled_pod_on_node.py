@@ -48,9 +48,10 @@ def test_plain_client_pod_becomes_a_guarded_sandbox(sandman, ns):
         out['mount'] = sh("grep ' /sandman ' /proc/mounts")
         # The daemon's code comes from the bytecode the install copied (a compile would fail).
         out['bytecode'] = sh("python3 -c \"import sys, importlib.machinery as m; "
-                             "l = m.SourceFileLoader('execd_daemon', '/sandman/execd_daemon.py'); "
+                             "l = m.SourceFileLoader('execd_daemon.main', "
+                             "'/sandman/execd_daemon/main.py'); "
                              "l.source_to_code = lambda *a, **k: sys.exit('compiled from source'); "
-                             "l.get_code('execd_daemon'); print('bytecode')\" 2>&1")
+                             "l.get_code('execd_daemon.main'); print('bytecode')\" 2>&1")
         out['write'] = sh('touch /sandman/x 2>&1')
         out['token_env'] = sh("tr '\\0' '\\n' < /proc/1/environ | grep ^SANDMAN_TOKEN_SHA256=")
         out['cpu'] = sh('cat /sys/fs/cgroup/cpu/cpu.cfs_quota_us /sys/fs/cgroup/cpu/cpu.cfs_period_us'

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import httpx
 
-from execd import execd as execd_mod
+from execd.execd_daemon import base
 
 from .conftest import AUTH, TOKEN
 
@@ -93,7 +93,7 @@ def test_preauth_flood_bounds_threads_and_rss_and_agent_still_served(execd):
         for s in socks:
             s.close()
     print(f"threads {base_threads} -> {threads}, rss {base_rss} -> {rss} KiB")
-    assert threads - base_threads <= execd_mod.MAX_PREAUTH + 2, (base_threads, threads)
+    assert threads - base_threads <= base.MAX_PREAUTH + 2, (base_threads, threads)
     assert rss - base_rss < 8 * 1024, (base_rss, rss)
 
 

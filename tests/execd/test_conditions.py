@@ -9,17 +9,12 @@ in a pod. Visible CPUs come from the real affinity of execd's shell, so pinning 
 
 from __future__ import annotations
 
-import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
-from tests.execd.conftest import EXECD
-
-_spec = importlib.util.spec_from_file_location("execd_mod", EXECD)
-X = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(X)
+from execd.execd_daemon import conditions as X
 
 GI = 1 << 30
 V2_MOUNT = "30 25 0:26 {root} /sys/fs/cgroup rw,nosuid - cgroup2 cgroup2 rw\n"

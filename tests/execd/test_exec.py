@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import shell
 
 from .conftest import alive, proc_state, wait_for
 
@@ -138,8 +138,8 @@ def test_parse_frame_every_split_point():
         for kind in (b"S", b"E"):
             frame = marker + kind + str(status).encode() + b"\n"
             for cut in range(len(frame)):
-                assert execd_mod.parse_frame(bytearray(frame[:cut]), marker)[0] == "need"
-            assert execd_mod.parse_frame(bytearray(frame), marker) == ("ok", kind.decode(),
+                assert shell.parse_frame(bytearray(frame[:cut]), marker)[0] == "need"
+            assert shell.parse_frame(bytearray(frame), marker) == ("ok", kind.decode(),
                                                                         status)
 
 
@@ -147,9 +147,9 @@ def test_parse_frame_every_split_point():
                                  b"S1234", b"S1\nextra"])
 def test_parse_frame_rejects(bad):
     marker = b"@0123456789abcdef"
-    assert execd_mod.parse_frame(bytearray(marker + bad), marker)[0] == "invalid"
-    assert execd_mod.parse_frame(bytearray(b"junk" + marker + b"S0\n"), marker)[0] == "invalid"
-    assert execd_mod.parse_frame(bytearray(b"@01234567"), b"@0123456789abcdef")[0] == "need"
+    assert shell.parse_frame(bytearray(marker + bad), marker)[0] == "invalid"
+    assert shell.parse_frame(bytearray(b"junk" + marker + b"S0\n"), marker)[0] == "invalid"
+    assert shell.parse_frame(bytearray(b"@01234567"), b"@0123456789abcdef")[0] == "need"
 
 
 def test_frame_forced_empty_status_restarts_shell(execd):
@@ -353,14 +353,14 @@ def test_job_notice_told_apart_from_parse_diagnostics(execd, tmp_path):
     found = [ln for ln in notes.read_text().splitlines() if ln.strip()]
     assert len(found) >= 3, found  # bash reports no notice for some (SIGTERM here)
     for ln in found:
-        assert execd_mod.job_notices_only(execd_mod.fix_diag(ln, 0)), ln
+        assert shell.job_notices_only(shell.fix_diag(ln, 0)), ln
     diags = []
     for bad in ("echo 'open", "cat <<EOF\nx", "if true; then", "echo )", "f() {", "x=$((1+"):
         r = execd.exec(bad)
         assert r["exit_code"] == 2, (bad, r)
         diags.append(r["error"])
-        assert not execd_mod.job_notices_only(r["error"]), r["error"]
-    assert not execd_mod.job_notices_only(found[0] + "\n" + diags[0])
+        assert not shell.job_notices_only(r["error"]), r["error"]
+    assert not shell.job_notices_only(found[0] + "\n" + diags[0])
 
 
 @pytest.mark.parametrize("start", [

@@ -11,7 +11,7 @@ import time
 import httpx
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import base, server
 from sandman import contract
 
 from .conftest import EXECD, TOKEN, TOKEN_SHA256
@@ -45,22 +45,22 @@ def raw(port: int, data: bytes, timeout: float = 10) -> tuple[int, dict, bytes]:
 
 
 def test_constants_match_contract():
-    assert execd_mod.EXECD_PORT == contract.EXECD_PORT
-    assert execd_mod.EXECD_PATH == contract.EXECD_PATH
-    assert execd_mod.EXECD_TOKEN_ENV == contract.EXECD_TOKEN_ENV
-    assert execd_mod.NETGUARD_STATUS_PATH == contract.NETGUARD_STATUS_PATH
-    assert execd_mod.EXECD_READY_PATH == contract.EXECD_READY_PATH
+    assert base.EXECD_PORT == contract.EXECD_PORT
+    assert base.EXECD_PATH == contract.EXECD_PATH
+    assert base.EXECD_TOKEN_ENV == contract.EXECD_TOKEN_ENV
+    assert base.NETGUARD_STATUS_PATH == contract.NETGUARD_STATUS_PATH
+    assert base.EXECD_READY_PATH == contract.EXECD_READY_PATH
 
 
 def test_idle_timeout_at_least_120s_and_nodelay_set():
-    assert execd_mod.Handler.timeout >= 120
-    assert execd_mod.Handler.disable_nagle_algorithm is True
-    assert execd_mod.Handler.protocol_version == "HTTP/1.1"
+    assert server.Handler.timeout >= 120
+    assert server.Handler.disable_nagle_algorithm is True
+    assert server.Handler.protocol_version == "HTTP/1.1"
 
 
 def test_health_needs_no_token(execd):
     r = httpx.get(execd.url + "/health")
-    assert r.status_code == 200 and r.json() == {"ok": True, "version": execd_mod.VERSION}
+    assert r.status_code == 200 and r.json() == {"ok": True, "version": base.VERSION}
 
 
 @pytest.mark.parametrize("headers", [{}, {"Authorization": "Bearer wrong"},

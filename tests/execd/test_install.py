@@ -1,6 +1,6 @@
 """execd/install.py: what a sandbox's /sandman holds after the install, written as the guard
-(root) writes it: read-only files, the daemon with its source's mtime, the launcher last, and
-nothing written through a link planted in the volume."""
+(root) writes it: read-only files, the daemon package's modules with their sources' mtimes, the
+launcher last, and nothing written through a link planted in the volume."""
 
 from __future__ import annotations
 
@@ -19,15 +19,18 @@ REPO = Path(__file__).resolve().parents[2]
 def test_install_leaves_the_pods_layout(tmp_path):
     written = install.install(str(tmp_path))
     assert Path(written[-1]).name == "execd.py"  # the file the sandbox runs comes last
-    assert (tmp_path / "execd.py").read_text() == install.LAUNCHER
-    daemon = tmp_path / f"{install.DAEMON}.py"
-    src = REPO / "execd" / "execd.py"
-    assert daemon.read_bytes() == src.read_bytes()
-    assert daemon.stat().st_mtime_ns == src.stat().st_mtime_ns  # the bytecode's check
+    assert (tmp_path / "execd.py").read_bytes() == (REPO / "execd" / "execd.py").read_bytes()
+    src_pkg = REPO / "execd" / install.DAEMON
+    modules = sorted(p.name for p in src_pkg.glob("*.py"))
+    assert sorted(p.name for p in (tmp_path / install.DAEMON).glob("*.py")) == modules
+    for name in modules:
+        src, got = src_pkg / name, tmp_path / install.DAEMON / name
+        assert got.read_bytes() == src.read_bytes()
+        assert got.stat().st_mtime_ns == src.stat().st_mtime_ns  # the bytecode's check
     for f in written:
         assert os.stat(f).st_mode & 0o777 == 0o444, f
     assert (tmp_path / "run").is_dir()
-    assert not list(tmp_path.glob("*.tmp"))
+    assert not list(tmp_path.rglob("*.tmp"))
     assert install.install(str(tmp_path)) == written  # a restarted init container
 
 
@@ -37,10 +40,13 @@ def test_a_link_planted_at_a_temporary_name_is_removed_not_followed(tmp_path):
     volume = tmp_path / "volume"
     volume.mkdir()
     (volume / "execd.py.tmp").symlink_to(victim)
-    (volume / f"{install.DAEMON}.py.tmp").symlink_to(victim)
+    (volume / install.DAEMON).mkdir()
+    (volume / install.DAEMON / "main.py.tmp").symlink_to(victim)
     install.install(str(volume))
     assert victim.read_text() == "unchanged\n"
-    assert (volume / "execd.py").read_text() == install.LAUNCHER
+    assert (volume / install.DAEMON / "main.py").read_bytes() == (
+        REPO / "execd" / install.DAEMON / "main.py").read_bytes()
+    assert (volume / "execd.py").read_bytes() == (REPO / "execd" / "execd.py").read_bytes()
     assert not (volume / "execd.py").is_symlink()
 
 
@@ -81,3 +87,14 @@ def test_bytecode_path_is_what_importlib_would_use(flags, prefix, src):
                          cwd=os.path.dirname(os.path.dirname(os.path.dirname(
                              os.path.abspath(__file__))))).stdout.split()
     assert out[0] == "True", out
+
+
+def test_a_link_planted_at_the_package_directory_is_refused_not_followed(tmp_path):
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    volume = tmp_path / "volume"
+    volume.mkdir()
+    (volume / install.DAEMON).symlink_to(victim)
+    with pytest.raises(OSError):
+        install.install(str(volume))
+    assert list(victim.iterdir()) == [] and not (volume / "execd.py").exists()

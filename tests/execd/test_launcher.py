@@ -1,5 +1,4 @@
-"""The pod's launcher (execd/install.py `LAUNCHER`, written to /sandman/execd.py when execd is
-installed) listens before it imports the daemon: a probe that connects while the imports
+"""The pod's launcher (execd/execd.py, written to /sandman/execd.py when execd is installed) listens before it imports the daemon: a probe that connects while the imports
 run waits in the backlog and is answered, where it used to be refused and retried a probe period
 later. Real sockets on 127.0.0.1, the real daemon in a subprocess."""
 
@@ -12,10 +11,10 @@ import sys
 import time
 from pathlib import Path
 
-from execd import execd as E
 from execd import install
+from execd.execd_daemon import main as E
 
-from .conftest import REPO, run_pids
+from .conftest import run_pids
 
 DELAY_S = 1.5
 
@@ -30,10 +29,14 @@ def _pod_layout(tmp_path: Path, delay: float) -> Path:
     """/sandman as the install leaves it, with the daemon's import made `delay` s slow."""
     d = tmp_path / "sandman"
     d.mkdir()
-    (d / "execd_real.py").write_text((REPO / "execd" / "execd.py").read_text())
-    (d / "execd_daemon.py").write_text(
-        f"import time\ntime.sleep({delay})\nfrom execd_real import main\n")
-    (d / "execd.py").write_text(install.LAUNCHER)
+    install.install(str(d))
+    main = d / install.DAEMON / "main.py"
+    slow = f"import time\ntime.sleep({delay})\n" + main.read_text()
+    main.chmod(0o644)
+    main.write_text(slow)
+    for pyc in (d / install.DAEMON).glob("__pycache__/main.*"):
+        pyc.chmod(0o644)
+        pyc.unlink()
     return d / "execd.py"
 
 

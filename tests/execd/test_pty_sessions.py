@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import server, sessions
 
 from .conftest import alive, descendants, wait_for
 
-RING = execd_mod.PTY_RING
+RING = sessions.PTY_RING
 
 
 def open_session(execd, **kw) -> dict:
@@ -207,7 +207,7 @@ def test_restore_kills_and_forgets_the_last_holders_sessions(execd_factory, tmp_
 
 
 def test_the_live_cap(execd):
-    cap = execd_mod.PTY_MAX_LIVE
+    cap = sessions.PTY_MAX_LIVE
     items = [open_session(execd, command="sleep 300") for _ in range(cap)]
     msg = error_of(execd.post("/sessions/open", {"command": "sleep 1"}), 429)
     assert str(cap) in msg and "open" in msg
@@ -242,7 +242,7 @@ def test_forged_foreign_and_path_like_ids(execd, execd_factory):
                                      {"Authorization": "Basic eDp5"}])
 def test_every_session_route_needs_the_token(execd, headers):
     s = open_session(execd, command="sleep 300")
-    routes = [(m, path) for path, (m, _) in execd_mod.ROUTES.items()
+    routes = [(m, path) for path, (m, _) in server.ROUTES.items()
               if path.startswith("/sessions")]
     assert len(routes) == 7
     for method, path in routes:
@@ -269,7 +269,7 @@ def test_bad_opens_get_one_line_errors(execd, body):
 def test_bad_writes_reads_and_signals(execd):
     s = open_session(execd, command="sleep 300")
     for bad in ({"data_b64": "!!"}, {"data_b64": 5}, {"data": "x"},
-                {"data_b64": "A" * (execd_mod.PTY_WRITE_MAX * 2)}):
+                {"data_b64": "A" * (sessions.PTY_WRITE_MAX * 2)}):
         error_of(execd.post("/sessions/write", {"id": s["id"], **bad}), 400)
     for params in ({"since": "-1"}, {"since": "1"}, {"timeout": "nan"}, {"timeout": "-1"},
                    {"timeout": "1e9"}):
@@ -288,10 +288,10 @@ def test_a_program_that_never_reads_its_input(execd):
     time.sleep(0.3)
     t0 = time.monotonic()
     r = execd.post("/sessions/write", {"id": s["id"], "data_b64": base64.b64encode(
-        b"x" * execd_mod.PTY_WRITE_MAX).decode()}, timeout=60)
+        b"x" * sessions.PTY_WRITE_MAX).decode()}, timeout=60)
     msg = error_of(r, 409)
-    assert "does not read" in msg and r.json()["written"] < execd_mod.PTY_WRITE_MAX
-    assert time.monotonic() - t0 < execd_mod.PTY_WRITE_WAIT + 5
+    assert "does not read" in msg and r.json()["written"] < sessions.PTY_WRITE_MAX
+    assert time.monotonic() - t0 < sessions.PTY_WRITE_WAIT + 5
     assert execd.exec("echo ok")["output"] == "ok\n"  # the write blocked nothing else
     close(execd, s["id"])
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import ready
 from sandman import contract
 
 from .conftest import TOKEN
@@ -60,11 +60,11 @@ def test_ready_not_behind_a_busy_shell_and_concurrent_calls_share_one_check(exec
     t.start()
     try:
         assert execd_mod_wait(lambda: execd.state()["busy"])
-        time.sleep(execd_mod.READY_CACHE + 0.1)  # no reusable result: this one must fork
+        time.sleep(ready.READY_CACHE + 0.1)  # no reusable result: this one must fork
         t0 = time.monotonic()
         code, body = ready_json(execd)
         took = time.monotonic() - t0
-        assert code == 200 and took < execd_mod.READY_BUDGET, (took, body)
+        assert code == 200 and took < ready.READY_BUDGET, (took, body)
         before = body["checks"]
         # 12 callers at once (under the pre-auth cap of 16, so none is shed), 3 calls each:
         # they share the in-flight check and the result of the last second.
@@ -84,7 +84,7 @@ def test_ready_not_behind_a_busy_shell_and_concurrent_calls_share_one_check(exec
             th.join(30)
         assert codes == [200] * 36, codes
         ran = max(checks) - before
-        assert ran <= 2 + int((time.monotonic() - t1) / execd_mod.READY_CACHE), (ran, checks)
+        assert ran <= 2 + int((time.monotonic() - t1) / ready.READY_CACHE), (ran, checks)
     finally:
         t.join(30)
 
@@ -135,13 +135,13 @@ def test_ready_fails_when_fork_fails_while_health_stays_ok(execd_factory):
             assert r.status_code == 200 and r.json()["exit_code"] == 0, r.text
             n = Path(ws) / "n"
             assert execd_mod_wait(lambda: n.exists() and n.read_text().strip(), 30)
-            time.sleep(execd_mod.READY_CACHE + 0.1)
+            time.sleep(ready.READY_CACHE + 0.1)
             r = c.get(READY)
             assert r.status_code == 503 and "cannot fork" in r.json()["error"], (r.text, n.read_text())
             assert c.get("/health").status_code == 200
             # kill is a builtin: no fork needed to end the filler.
             assert c.post("/exec", json={"command": "kill -9 $!; wait $!"}).status_code == 200
-            time.sleep(execd_mod.READY_CACHE + 0.1)
+            time.sleep(ready.READY_CACHE + 0.1)
             r = c.get(READY)
             assert r.status_code == 200, r.text
     finally:

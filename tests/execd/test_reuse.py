@@ -401,13 +401,8 @@ def test_token_rotation_locks_the_old_holder_out(rd):
 
 
 def test_baseline_env_name_matches_contract_and_default_is_off(execd_factory, tmp_path):
-    import importlib.util
-
+    from execd.execd_daemon import reuse as mod
     from sandman import contract
-    spec = importlib.util.spec_from_file_location("execd_mod", Path(__file__).parents[2]
-                                                  / "execd" / "execd.py")
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
     assert mod.EXECD_BASELINE_ENV == contract.EXECD_BASELINE_ENV
     assert mod.EXECD_BASELINE_SCOPE_ENV == contract.EXECD_BASELINE_SCOPE_ENV
     assert mod.BASELINE_SCOPES == contract.BASELINE_SCOPES

@@ -16,7 +16,7 @@ import time
 
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import background, trees
 
 from .conftest import AUTH, wait_for
 from .tartrees import pax, reg, sha, tar_of
@@ -151,7 +151,7 @@ def test_refused_deep_archive_leaves_nothing(execd, tmp_path):
 def test_archive_at_the_depth_cap_with_a_bad_digest_leaves_nothing(execd, tmp_path):
     target = tmp_path / "up"
     target.mkdir()
-    deep = "/".join(["d"] * (execd_mod.TREE_DEPTH_MAX - 1))
+    deep = "/".join(["d"] * (trees.TREE_DEPTH_MAX - 1))
     data = tar_of(reg(deep + "/f"), reg(deep + "/g"), reg("top"))
     r = execd.client.post("/files/tree/write", params={"path": str(target)}, content=data,
                           headers={"X-Content-SHA256": "0" * 64})
@@ -213,7 +213,7 @@ def test_spawn_ids_with_the_right_shape_but_forged_bits_are_404(execd):
     forged = f"{seq}-{'0' * 24}"
     assert execd.get("/processes/output", params={"id": forged}).status_code == 404
     assert execd.post("/processes/signal", {"id": forged, "signal": "KILL"}).status_code == 404
-    assert execd_mod._BG_ID.fullmatch(real)
+    assert background._BG_ID.fullmatch(real)
 
 
 # ---------------------------------------------------------------- the agent: a hidden process

@@ -14,11 +14,11 @@ import time
 import httpx
 import pytest
 
-from execd import execd as execd_mod
+from execd.execd_daemon import background, server
 
 from .conftest import alive, descendants, wait_for
 
-RING = execd_mod.BG_RING
+RING = background.BG_RING
 
 
 def spawn(execd, command: str, **kw) -> dict:
@@ -67,7 +67,7 @@ def test_spawn_poll_output_wait(execd, tmp_path):
     assert rest == data[4:] and obj["start"] == 4
     listed = execd.get("/processes").json()
     assert [x["id"] for x in listed["processes"]] == [p["id"]]
-    assert listed["live"] == 0 and listed["max_live"] == execd_mod.BG_MAX_LIVE
+    assert listed["live"] == 0 and listed["max_live"] == background.BG_MAX_LIVE
 
 
 def test_cwd_env_and_the_shells_directory(execd, tmp_path):
@@ -212,7 +212,7 @@ def test_forged_foreign_and_path_like_ids(execd, execd_factory):
                                      {"Authorization": "Basic eDp5"}])
 def test_every_process_route_needs_the_token(execd, headers):
     p = spawn(execd, "sleep 300")
-    routes = [(m, path) for path, (m, _) in execd_mod.ROUTES.items()
+    routes = [(m, path) for path, (m, _) in server.ROUTES.items()
               if path.startswith("/processes")]
     assert len(routes) == 6
     for method, path in routes:
@@ -226,7 +226,7 @@ def test_every_process_route_needs_the_token(execd, headers):
 
 
 def test_the_live_cap(execd):
-    cap = execd_mod.BG_MAX_LIVE
+    cap = background.BG_MAX_LIVE
     procs = [spawn(execd, "sleep 300") for _ in range(cap)]
     msg = error_of(execd.post("/processes/spawn", {"command": "sleep 1"}), 429)
     assert str(cap) in msg and "live" in msg
@@ -284,7 +284,7 @@ def test_wait_returns_at_its_timeout_while_it_runs(execd):
 
 
 def test_ended_outputs_beyond_the_budget_are_dropped_oldest_first(execd):
-    budget, ring = execd_mod.BG_OUTPUT_BUDGET, RING
+    budget, ring = background.BG_OUTPUT_BUDGET, RING
     ids = []
     for _ in range(budget // ring + 4):
         p = spawn(execd, f"head -c {ring} /dev/urandom")

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from execd.execd_daemon import base, trees
 from sandman import api
 from sandman.client import _tree
 
@@ -301,7 +302,6 @@ def test_download_of_a_tree_changed_while_sent_is_cut(execd, tmp_path):
 
 @pytest.mark.parametrize("impl", ["execd", "sdk"])
 def test_remove_tree_goes_deep_and_never_follows_a_link(tmp_path, impl):
-    from execd import execd as execd_mod
 
     outside = tmp_path / "outside"
     outside.mkdir()
@@ -318,7 +318,7 @@ def test_remove_tree_goes_deep_and_never_follows_a_link(tmp_path, impl):
     fd = os.open(root, os.O_RDONLY | os.O_DIRECTORY)
     try:
         if impl == "execd":
-            gone = execd_mod.remove_tree(fd, "t", execd_mod.now() + 60)
+            gone = trees.remove_tree(fd, "t", base.now() + 60)
         else:
             gone = _tree.remove_tree(fd, "t")
         left = os.listdir(root)
@@ -331,19 +331,17 @@ def test_remove_tree_goes_deep_and_never_follows_a_link(tmp_path, impl):
 
 
 def test_remove_tree_stops_at_its_deadline(tmp_path):
-    from execd import execd as execd_mod
 
     (tmp_path / "t" / "a").mkdir(parents=True)
     fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
     try:
-        assert not execd_mod.remove_tree(fd, "t", execd_mod.now() - 1)
+        assert not trees.remove_tree(fd, "t", base.now() - 1)
     finally:
         os.close(fd)
     assert (tmp_path / "t" / "a").is_dir()
 
 
 def test_remove_tree_skips_what_it_cannot_remove(tmp_path):
-    from execd import execd as execd_mod
 
     locked = tmp_path / "t" / "locked"
     locked.mkdir(parents=True)
@@ -354,9 +352,9 @@ def test_remove_tree_skips_what_it_cannot_remove(tmp_path):
         if os.geteuid() == 0:
             # Root removes a 0500 directory's entries anyway: the removal runs in a process
             # without the capabilities that override file modes, as a pod's root may be.
-            code = ("import os, sys; from execd import execd as e; "
+            code = ("import os, sys; from execd.execd_daemon import base, trees; "
                     "fd = os.open(sys.argv[1], os.O_RDONLY | os.O_DIRECTORY); "
-                    "sys.exit(0 if e.remove_tree(fd, 't', e.now() + 10) else 3)")
+                    "sys.exit(0 if trees.remove_tree(fd, 't', base.now() + 10) else 3)")
             r = subprocess.run(["setpriv", "--bounding-set=-dac_override,-fowner,-dac_read_search",
                                 "--inh-caps=-dac_override,-fowner,-dac_read_search",
                                 sys.executable, "-c", code, str(tmp_path)],
@@ -366,7 +364,7 @@ def test_remove_tree_skips_what_it_cannot_remove(tmp_path):
         else:
             fd = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
             try:
-                assert not execd_mod.remove_tree(fd, "t", execd_mod.now() + 10)
+                assert not trees.remove_tree(fd, "t", base.now() + 10)
             finally:
                 os.close(fd)
     finally:

@@ -157,8 +157,12 @@ def test_sandman_image_runs_every_component(containerd):
     got = _ok(containerd, ref, "python3", "-c", "import hashlib; print(hashlib.sha256("
               "open('/opt/sandman/execd.py', 'rb').read()).hexdigest())").strip()
     assert got == want, "/opt/sandman/execd.py is not the repository's execd/execd.py"
-    # The install init container copies the package's execd.py: it must be importable too.
-    _ok(containerd, ref, "python3", "-c", "import execd.execd")
+    want = hashlib.sha256((ROOT / "execd" / "execd_daemon" / "main.py").read_bytes()).hexdigest()
+    got = _ok(containerd, ref, "python3", "-c", "import hashlib; print(hashlib.sha256("
+              "open('/opt/sandman/execd_daemon/main.py', 'rb').read()).hexdigest())").strip()
+    assert got == want, "/opt/sandman/execd_daemon is not the repository's execd/execd_daemon"
+    # The install init container copies the installed package: it must be importable too.
+    _ok(containerd, ref, "python3", "-c", "import execd.execd_daemon.main")
     # The guard's command (podspec.NETGUARD_COMMAND) runs the package's own __main__.py.
     assert _ok(containerd, ref, *podspec.NETGUARD_COMMAND[:-1], "render").startswith("# ipv4:")
     main = _ok(containerd, ref, "python3", "-c", "import os, netguard; print(os.path.join("

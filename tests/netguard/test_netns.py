@@ -766,9 +766,10 @@ def test_install_execd_after_the_guard_in_the_pods_netns(lab, tmp_path):
     p = lab.apply("--install-execd", str(d))
     assert f"execd installed in {d}" in p.stdout
     assert status(lab)["ok"] is True and status(lab)["verified"] is True
-    assert (d / "execd.py").read_text() == LAUNCHER
-    daemon = d / f"{DAEMON}.py"
-    assert daemon.read_bytes() == (Path(__file__).parents[2] / "execd" / "execd.py").read_bytes()
+    repo = Path(__file__).parents[2] / "execd"
+    assert (d / "execd.py").read_bytes() == (repo / LAUNCHER).read_bytes()
+    daemon = d / DAEMON / "main.py"
+    assert daemon.read_bytes() == (repo / DAEMON / "main.py").read_bytes()
     for f in (d / "execd.py", daemon):
         assert f.stat().st_mode & 0o777 == 0o444, f
     assert (d / "run").is_dir()

@@ -1,0 +1,335 @@
+"""The persistent bash and its protocol: requests on one pipe, exit-status frames on another,
+syntax-checked before anything runs, and the output captured apart from the frames."""
+
+import fcntl
+import os
+import re
+import select
+import signal
+import time
+
+from .base import PIPE_SIZE, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+
+STATUS_FD = 62  # the shell writes exit-status frames here, apart from the command's output
+DIAG_W_FD = 61  # syntax-check diagnostics go into this pipe...
+DIAG_R_FD = 60  # ...and `read -t 0` on its other end tells bash, without a process, if any came
+PROTO_FD = 63  # bash reads its script (our requests) here; stdin is /dev/null
+_DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
+_LINE_NO = re.compile(r"\bline (\d+)")
+# bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
+# A parse diagnostic goes on in lower case ("syntax error", "warning", "unexpected EOF").
+_JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
+
+# Shell-side helpers. The check parses the whole command with `set -n` inside eval: nothing runs
+# (a `x; }; cmd` escape is parsed, not executed), an open quote or heredoc ends at the string's
+# end instead of waiting for more input, and `local -` turns noexec off again on return.
+# noexec stays on until that function returns, so __sm_chk1 does nothing after the eval.
+# Any diagnostic (bash only *warns* on an unterminated heredoc) counts as a refusal.
+BOOTSTRAP = r"""
+builtin exec %(proto)d<&-
+BASH_ARGV0=bash
+__sm_k=0 __sm_t=0
+builtin export %(tag)s=
+__sm_chk1() {
+  local -
+  builtin set +xv
+  builtin eval $'builtin set -n\n'"$__sm_c" 2>&%(diagw)d
+}
+# bash < 4.4 has no `local -`: parse in a forked subshell instead (slower, same verdicts).
+if ((BASH_VERSINFO[0] * 100 + BASH_VERSINFO[1] < 404)) || [[ -n ${SANDMAN_EXECD_FORK_CHECK-} ]]
+then
+  __sm_chk1() { ( builtin eval $'builtin set -n\n'"$__sm_c" ) 2>&%(diagw)d; }
+fi
+__sm_chk() {
+  local __sm_s __sm_x=1
+  builtin shopt -q extglob || __sm_x=0
+  builtin shopt -s extglob
+  # A job that died since the last call (say, killed by a timeout) has a notice pending, which
+  # bash prints at the next eval: flush it to the output here, not into the check's diagnostics.
+  builtin eval :
+  __sm_chk1
+  __sm_s=$?
+  ((__sm_x)) || builtin shopt -u extglob
+  if ((__sm_s)) || builtin read -t 0 -u %(diagr)d; then
+    __sm_k=0; builtin printf '%%sE%%d\n' "$__sm_m" "$__sm_s" >&%(st)d; return 1
+  fi
+  __sm_k=1
+  if ((__sm_t)); then builtin set -x; fi
+}
+__sm_fin() {
+  case $- in *x*) builtin set +x; __sm_t=1;; *) __sm_t=0;; esac
+  ((__sm_k)) && builtin printf '%%sS%%d\n' "$__sm_m" "$1" >&%(st)d
+  __sm_k=0; builtin set +v
+}
+__sm_c=')'; __sm_chk1; __sm_c=
+builtin printf '%%sR0\n' "$1" >&%(st)d
+builtin set --
+"""
+
+
+class Capture:
+    """Keeps at most `cap` bytes of output (head and tail) while the rest is drained."""
+
+    def __init__(self, cap):
+        self.hcap = cap // 2
+        self.tcap = cap - self.hcap
+        self.head = bytearray()
+        self.tail = bytearray()
+        self.total = 0
+
+    def add(self, data):
+        n = len(data)
+        if not n:
+            return
+        self.total += n
+        if len(self.head) < self.hcap:
+            take = self.hcap - len(self.head)
+            self.head += data[:take]
+            data = data[take:]
+            n = len(data)
+        if n and self.tcap:
+            if n >= self.tcap:
+                self.tail[:] = data[n - self.tcap:]
+            else:
+                self.tail += data
+                extra = len(self.tail) - self.tcap
+                if extra > 0:
+                    del self.tail[:extra]
+
+    @property
+    def truncated(self):
+        return self.total > len(self.head) + len(self.tail)
+
+    def text(self):
+        if not self.truncated:
+            return (bytes(self.head) + bytes(self.tail)).decode("utf-8", "replace")
+        omitted = self.total - len(self.head) - len(self.tail)
+        return (bytes(self.head).decode("utf-8", "replace")
+                + "\n[... execd: %d bytes omitted ...]\n" % omitted
+                + bytes(self.tail).decode("utf-8", "replace"))
+
+
+class Teed(object):
+    """A Capture whose every byte also goes, as it is read, to a stream (ExecStream)."""
+
+    def __init__(self, cap, stream):
+        self.cap = cap
+        self.stream = stream
+
+    def add(self, data):
+        self.cap.add(data)
+        if len(data):
+            self.stream.output(bytes(data))
+
+    @property
+    def total(self):
+        return self.cap.total
+
+    @property
+    def truncated(self):
+        return self.cap.truncated
+
+    def text(self):
+        return self.cap.text()
+
+
+def parse_frame(buf, marker):
+    """Strict exit-status frame: marker, kind (S status, E refused), decimal 0-255, newline.
+    Returns ("need", None, None) while buf may still become a frame, ("ok", kind, status), or
+    ("invalid", reason, None)."""
+    m = len(marker)
+    if len(buf) < m:
+        if marker.startswith(bytes(buf)):
+            return ("need", None, None)
+        return ("invalid", "bytes that are not this call's marker", None)
+    if not buf.startswith(marker):
+        return ("invalid", "bytes that are not this call's marker", None)
+    rest = bytes(buf[m:])
+    if not rest:
+        return ("need", None, None)
+    kind = rest[:1]
+    if kind not in (b"S", b"E"):
+        return ("invalid", "unknown frame kind %r" % kind, None)
+    nl = rest.find(b"\n")
+    digits = rest[1:] if nl < 0 else rest[1:nl]
+    if not all(48 <= c <= 57 for c in digits) or len(digits) > 3:
+        return ("invalid", "status %r is not a decimal 0-255" % digits[:16], None)
+    if nl < 0:
+        return ("need", None, None)
+    if not digits or (len(digits) > 1 and digits[:1] == b"0") or int(digits) > 255:
+        return ("invalid", "status %r is not a decimal 0-255" % digits, None)
+    if len(rest) > nl + 1:
+        return ("invalid", "bytes after the frame", None)
+    return ("ok", kind.decode(), int(digits))
+
+
+def job_notices_only(diag):
+    lines = [ln for ln in diag.splitlines() if ln.strip()]
+    return bool(lines) and all(_JOB_NOTICE.match(ln) for ln in lines)
+
+
+def fix_diag(text, offset):
+    # bash numbers eval lines from our helper's definition; report lines of the command itself,
+    # as `bash -c` would (offset calibrated at bootstrap with a command failing on line 1).
+    out = []
+    for ln in text.strip().splitlines():
+        ln = _DIAG_PREFIX.sub("bash: line ", ln, count=1)
+        out.append(_LINE_NO.sub(lambda m: "line %d" % max(1, int(m.group(1)) - offset), ln))
+    return "\n".join(out)
+
+
+class ShellDead(Exception):
+    pass
+
+
+class Shell:
+    def __init__(self, daemon):
+        self.d = daemon
+        self.pid = None
+        self.started = None
+        self.fds = []
+
+    def spawn(self, bash):
+        d = self.d
+        in_r, in_w = os.pipe()
+        out_r, out_w = os.pipe()
+        st_r, st_w = os.pipe()
+        dg_r, dg_w = os.pipe()
+        devnull = os.open(os.devnull, os.O_RDWR)
+        for fd in (out_r, dg_r):
+            try:
+                fcntl.fcntl(fd, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
+            except OSError:
+                pass
+        env = dict(d.base_env)
+        env.pop(TAG_VAR, None)
+        # Read by bash or the dynamic loader as the shell starts: the files they name may be
+        # the previous holder's (a grading pod), so the shell starts without them and exports
+        # them for its commands once it runs (below).
+        startup = [(k, env.pop(k)) for k in SHELL_STARTUP_VARS if k in env]
+        actions = [
+            (os.POSIX_SPAWN_DUP2, devnull, 0),
+            (os.POSIX_SPAWN_DUP2, out_w, 1),
+            (os.POSIX_SPAWN_DUP2, out_w, 2),
+            (os.POSIX_SPAWN_DUP2, st_w, STATUS_FD),
+            (os.POSIX_SPAWN_DUP2, dg_r, DIAG_R_FD),
+            (os.POSIX_SPAWN_DUP2, dg_w, DIAG_W_FD),
+            (os.POSIX_SPAWN_DUP2, in_r, PROTO_FD),
+        ]
+        sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
+                signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
+        ready = b"@ready" + os.urandom(4).hex().encode()
+        try:
+            pid = os.posix_spawn(
+                bash, [bash, "--noprofile", "--norc", "/dev/fd/%d" % PROTO_FD, ready.decode()],
+                env, file_actions=actions, setsid=True, setsigdef=sigs, setsigmask=[])
+        finally:
+            for fd in (in_r, out_w, st_w, dg_w, devnull):
+                os.close(fd)
+        d.reaper.watch(pid)
+        self.pid = pid
+        self.in_w, self.out_r, self.st_r, self.diag_r = in_w, out_r, st_r, dg_r
+        self.fds = [in_w, out_r, st_r, dg_r]
+        for fd in (out_r, st_r, dg_r, in_w):
+            os.set_blocking(fd, False)
+        self.pidfd = None
+        pidfd_open = getattr(os, "pidfd_open", None)
+        if pidfd_open is not None:
+            try:
+                self.pidfd = pidfd_open(pid)
+                self.fds.append(self.pidfd)
+            except OSError:
+                self.pidfd = None
+        self.poller = select.poll()
+        self.poller.register(out_r, select.POLLIN)
+        self.poller.register(st_r, select.POLLIN)
+        if self.pidfd is not None:
+            self.poller.register(self.pidfd, select.POLLIN)
+        self.pending_out = bytearray()
+        self.buf = bytearray(READ_SIZE)
+        self.started = now()
+        script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
+                              "proto": PROTO_FD, "tag": TAG_VAR}
+        cwd = d.workspace or os.getcwd()
+        exports = "".join("builtin export %s=%s\n" % (k, sh_quote(
+            v.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass"))
+            for k, v in startup)
+        text = ("%sbuiltin cd -- %s 2>/dev/null\n%s\n" % (
+            exports, sh_quote(cwd.encode()).decode(), script)).encode("utf-8", "surrogatepass")
+        self.write_all(text, now() + 10)
+        buf = bytearray()
+        deadline = now() + 10
+        while now() < deadline:
+            self.poller.poll(50)
+            buf += self.read_avail(self.st_r, 4096)
+            self.pending_out += self.read_avail(self.out_r, 65536)
+            if buf.endswith(b"\n"):
+                break
+            if self.dead():
+                break
+        if bytes(buf) != ready + b"R0\n":
+            out = bytes(self.pending_out)[-2000:].decode("utf-8", "replace")
+            self.kill()
+            raise RuntimeError("bash did not start: %r %s" % (bytes(buf), out))
+        self.pending_out = bytearray()
+        m = _LINE_NO.search(self.read_diag())
+        self.line_offset = int(m.group(1)) - 1 if m else 0
+
+    def read_diag(self):
+        out = bytearray()
+        for _ in range(64):
+            got = self.read_avail(self.diag_r, 65536)
+            if not got:
+                break
+            out += got
+        return bytes(out).decode("utf-8", "replace")
+
+    def write_all(self, data, deadline):
+        view = memoryview(data)
+        while view:
+            try:
+                n = os.write(self.in_w, view[:65536])
+            except BlockingIOError:
+                n = 0
+                time.sleep(0.001)
+            except BrokenPipeError:
+                raise ShellDead() from None
+            view = view[n:]
+            if now() > deadline:
+                raise ShellDead()
+
+    def read_avail(self, fd, size):
+        try:
+            return os.read(fd, size)
+        except (BlockingIOError, InterruptedError):
+            return b""
+        except OSError:
+            return b""
+
+    def exit_status(self):
+        return self.d.reaper.status(self.pid)
+
+    def dead(self):
+        return self.exit_status() is not None
+
+    def kill(self):
+        if self.pid is None:
+            return
+        try:
+            os.kill(self.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        deadline = now() + 5
+        while self.exit_status() is None and now() < deadline:
+            time.sleep(0.005)
+        self.close()
+
+    def close(self):
+        for fd in self.fds:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        self.fds = []
+        if self.pid is not None:
+            self.d.reaper.forget(self.pid)
