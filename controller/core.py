@@ -102,7 +102,7 @@ class Controller:
         for w in self._event_watches:
             w.start()
         if self._event_watches:  # their first lists prime what happened before this leader
-            waits = [loop.create_task(w.listed.wait()) for w in self._event_watches]
+            waits = [loop.create_task(w.tried.wait()) for w in self._event_watches]
             _, late = await asyncio.wait(waits, timeout=30)
             for t in late:
                 t.cancel()

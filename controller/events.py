@@ -24,19 +24,17 @@ every restart or failover.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import math
 import re
-import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
 
 from kubernetes import client
-from kubernetes.watch.watch import iter_resp_lines
 
 from controller import metrics
+from controller.kube import ListWatch
 
 log = logging.getLogger("controller.events")
 
@@ -48,6 +46,7 @@ REASON_PULLED = "Pulled"
 SEEN_CAP = 65536
 # Pod uids of this controller's pods (uid -> role), for pods deleted since their event.
 OWN_CAP = 65536
+FORBIDDEN_RETRY_S = 60.0  # a refused event watch asks again this often (event_watch)
 MESSAGE_CAP = 4096  # a longer message is not the kubelet's pull message: ignored unparsed
 PULL_MAX_S = 86400.0  # a pull "longer" than a day is a forged or broken message: ignored
 
@@ -180,95 +179,28 @@ class CapacitySignals:
                     self._pulls.popitem(last=False)
 
 
-class EventWatch:
-    """List + watch of core/v1 events with a field selector, in a thread; `on_event(kind, ev,
-    prime)` runs on the loop with slim events (`slim_event`). Resumed from the last
-    resourceVersion, relisted on 410; a refusal (403: the RBAC was not granted) is logged and
-    retried every minute, never fatal: the signals are advice, the acquires do not need them."""
+def event_watch(core: client.CoreV1Api, loop: asyncio.AbstractEventLoop,
+                on_event: Callable[..., None], field_selector: str,
+                namespace: str | None = None) -> ListWatch:
+    """List + watch of core/v1 events with a field selector (every namespace with None), slim
+    (`slim_event`), the first list flagged to prime `Seen`. A refusal (403: the RBAC was not
+    granted) is retried every minute, never fatal: the signals are advice, the acquires do not
+    need them, so the start waits for `tried`, not `synced`."""
+    def list_events(**kw: Any) -> Any:
+        kw.update(field_selector=field_selector, _preload_content=False)
+        if namespace is None:
+            return core.list_event_for_all_namespaces(**kw)
+        return core.list_namespaced_event(namespace, **kw)
 
-    RETRY_S = 1.0
-    FORBIDDEN_RETRY_S = 60.0
-
-    def __init__(self, core: client.CoreV1Api, loop: asyncio.AbstractEventLoop,
-                 on_event: Callable[..., None], field_selector: str,
-                 namespace: str | None = None):
-        self.core = core
-        self.loop = loop
-        self.on_event = on_event
-        self.selector = field_selector
-        self.ns = namespace  # None: every namespace
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True,
-                                        name=f"event-watch-{'ns' if namespace else 'all'}")
-        # Set after the first list was delivered, or failed: what happened before is primed.
-        self.listed = asyncio.Event()
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._stop.set()
-
-    def _list(self, **kw: Any) -> Any:
-        kw.update(field_selector=self.selector, _preload_content=False)
-        if self.ns is None:
-            return self.core.list_event_for_all_namespaces(**kw)
-        return self.core.list_namespaced_event(self.ns, **kw)
-
-    def _emit(self, *args: Any) -> None:
-        self.loop.call_soon_threadsafe(self.on_event, *args)
-
-    def _run(self) -> None:
-        rv = None
-        first = True
-        while not self._stop.is_set():
-            resp = None
-            try:
-                if rv is None:
-                    lst = json.loads(self._list(_request_timeout=60).data)
-                    rv = lst["metadata"]["resourceVersion"]
-                    self._emit("SYNC", [slim_event(e) for e in lst.get("items") or []], first)
-                    if first:
-                        first = False
-                        self.loop.call_soon_threadsafe(self.listed.set)
-                resp = self._list(resource_version=rv, watch=True, timeout_seconds=60,
-                                  allow_watch_bookmarks=True, _request_timeout=90)
-                for line in iter_resp_lines(resp):
-                    if self._stop.is_set():
-                        return
-                    ev = json.loads(line)
-                    obj = ev.get("object") or {}
-                    if ev.get("type") == "ERROR":
-                        if obj.get("code") == 410:
-                            rv = None
-                        break
-                    rv = obj["metadata"]["resourceVersion"]
-                    if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
-                        self._emit(ev["type"], slim_event(obj))
-            except client.ApiException as e:
-                if first:
-                    self.loop.call_soon_threadsafe(self.listed.set)
-                if e.status == 410:
-                    rv = None
-                else:
-                    wait = self.FORBIDDEN_RETRY_S if e.status == 403 else self.RETRY_S
-                    log.warning("event watch (%s) failed: %s %s; retrying in %gs",
-                                self.selector, e.status, e.reason, wait)
-                    self._stop.wait(wait)
-            except Exception as e:  # noqa: BLE001 - keep watching whatever happened
-                if first:
-                    self.loop.call_soon_threadsafe(self.listed.set)
-                log.warning("event watch (%s) failed: %s; retrying", self.selector, e)
-                self._stop.wait(self.RETRY_S)
-            finally:
-                if resp is not None:
-                    resp.release_conn()
+    return ListWatch(f"event-watch-{'ns' if namespace else 'all'} ({field_selector})",
+                     list_events, slim_event, loop, on_event, prime=True,
+                     forbidden_retry_s=FORBIDDEN_RETRY_S)
 
 
 def watches(core: client.CoreV1Api, namespace: str, loop: asyncio.AbstractEventLoop,
-            on_event: Callable[..., None]) -> list[EventWatch]:
+            on_event: Callable[..., None]) -> list[ListWatch]:
     """The two watches the signals need (module docstring)."""
     pod = "involvedObject.kind=Pod"
-    return [EventWatch(core, loop, on_event, f"reason={REASON_SANDBOX_FAILED},{pod}"),
-            EventWatch(core, loop, on_event, f"reason={REASON_PULLED},{pod}", namespace)]
+    return [event_watch(core, loop, on_event, f"reason={REASON_SANDBOX_FAILED},{pod}"),
+            event_watch(core, loop, on_event, f"reason={REASON_PULLED},{pod}", namespace)]
 

@@ -3,8 +3,9 @@
 `Kube` is the narrow interface the books and the owner pipeline use: exactly the API calls they
 make, so they can be tested against a deliberately lagging or failing fake
 (tests/controller/fakekube.py) as well as the real API server. `KubeClient` is the real one:
-blocking `kubernetes` client calls run in a bounded thread pool, plus a pod informer (list +
-watch) that delivers slim pods (`pods.slim_pod`) to the event loop."""
+blocking `kubernetes` client calls run in a bounded thread pool, plus a pod informer that
+delivers slim pods (`pods.slim_pod`) to the event loop. `ListWatch` is the one list + watch loop:
+the pod informer and the capacity signals' event watches (controller/events.py) are two of it."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ import datetime as dt
 import json
 import logging
 import threading
-import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
@@ -161,8 +161,15 @@ class KubeClient:
         return await self._raw(self.core.delete_namespaced_config_map, name, self.ns)
 
     def informer(self, loop: asyncio.AbstractEventLoop,
-                 on_event: Callable[[str, Any], None]) -> PodInformer:
-        return PodInformer(self, loop, on_event)
+                 on_event: Callable[[str, Any], None]) -> ListWatch:
+        """The controller's pods (its managed-by label), slim (`pods.slim_pod`)."""
+        selector = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
+
+        def list_pods(**kw: Any) -> Any:
+            return self.core.list_namespaced_pod(self.ns, label_selector=selector,
+                                                 _preload_content=False, **kw)
+
+        return ListWatch("pod-informer", list_pods, slim_pod, loop, on_event)
 
     def event_watches(self, loop: asyncio.AbstractEventLoop,
                       on_event: Callable[..., None]) -> list[Any]:
@@ -198,21 +205,34 @@ class KubeClient:
         self._pool.shutdown(wait=False, cancel_futures=True)
 
 
-class PodInformer:
-    """List + watch of the controller's pods in a thread; `on_event(type, pod)` runs on the loop.
+class ListWatch:
+    """List + watch of one kind of object in a thread, delivered on the loop: `on_event("SYNC",
+    [obj, ...])` after each (re)list (with `prime`, a third argument: True for the first list
+    only), then `on_event("ADDED"|"MODIFIED"|"DELETED", obj)`, each object through `slim`.
 
-    A watch that ends or fails is resumed from the last resourceVersion, and relisted on 410.
+    `list_call(**kw)` is the kubernetes client's list call with the selector bound, answering
+    raw (`_preload_content=False`). A watch that ends or fails is resumed from the last
+    resourceVersion, and relisted on 410; any other failure is logged and retried after
+    `retry_s` (`forbidden_retry_s` on a 403: the RBAC was not granted, which a retry a second
+    later will not change). `synced` is set once the first list was delivered, `tried` once it
+    was delivered or failed (for a watch whose absence must not hold the start up).
     """
 
-    def __init__(self, kube: KubeClient, loop: asyncio.AbstractEventLoop,
-                 on_event: Callable[[str, Any], None]):
-        self.kube = kube
+    def __init__(self, name: str, list_call: Callable[..., Any], slim: Callable[[dict], Any],
+                 loop: asyncio.AbstractEventLoop, on_event: Callable[..., None], *,
+                 prime: bool = False, retry_s: float = 1.0, forbidden_retry_s: float = 1.0):
+        self.name = name
+        self.list_call = list_call
+        self.slim = slim
         self.loop = loop
         self.on_event = on_event
-        self.selector = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
+        self.prime = prime
+        self.retry_s = retry_s
+        self.forbidden_retry_s = forbidden_retry_s
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="pod-informer", daemon=True)
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self.synced = asyncio.Event()
+        self.tried = asyncio.Event()
 
     def start(self) -> None:
         self._thread.start()
@@ -220,26 +240,26 @@ class PodInformer:
     def stop(self) -> None:
         self._stop.set()
 
-    def _emit(self, kind: str, pod) -> None:
-        self.loop.call_soon_threadsafe(self.on_event, kind, pod)
+    def _emit(self, *args: Any) -> None:
+        self.loop.call_soon_threadsafe(self.on_event, *args)
 
     def _run(self) -> None:
         rv = None
+        first = True
         while not self._stop.is_set():
             resp = None
             try:
                 if rv is None:
-                    r = self.kube.core.list_namespaced_pod(
-                        self.kube.ns, label_selector=self.selector, _request_timeout=60,
-                        _preload_content=False)
-                    lst = json.loads(r.data)
+                    lst = json.loads(self.list_call(_request_timeout=60).data)
                     rv = lst["metadata"]["resourceVersion"]
-                    self._emit("SYNC", [slim_pod(p) for p in lst["items"]])
-                    self.loop.call_soon_threadsafe(self.synced.set)
-                resp = self.kube.core.list_namespaced_pod(
-                    self.kube.ns, label_selector=self.selector, resource_version=rv, watch=True,
-                    timeout_seconds=60, allow_watch_bookmarks=True, _request_timeout=90,
-                    _preload_content=False)
+                    items = [self.slim(o) for o in lst.get("items") or []]
+                    self._emit("SYNC", items, *((first,) if self.prime else ()))
+                    if first:
+                        first = False
+                        self.loop.call_soon_threadsafe(self.synced.set)
+                        self.loop.call_soon_threadsafe(self.tried.set)
+                resp = self.list_call(resource_version=rv, watch=True, timeout_seconds=60,
+                                      allow_watch_bookmarks=True, _request_timeout=90)
                 for line in iter_resp_lines(resp):
                     if self._stop.is_set():
                         return
@@ -250,17 +270,23 @@ class PodInformer:
                             rv = None
                         break
                     rv = obj["metadata"]["resourceVersion"]
-                    if ev["type"] != "BOOKMARK":
-                        self._emit(ev["type"], slim_pod(obj))
+                    if ev.get("type") in ("ADDED", "MODIFIED", "DELETED"):
+                        self._emit(ev["type"], self.slim(obj))
             except client.ApiException as e:
+                if first:
+                    self.loop.call_soon_threadsafe(self.tried.set)
                 if e.status == 410:
                     rv = None
                 else:
-                    log.warning("pod watch failed: %s %s; retrying", e.status, e.reason)
-                    time.sleep(1)
+                    wait = self.forbidden_retry_s if e.status == 403 else self.retry_s
+                    log.warning("%s failed: %s %s; retrying in %gs", self.name, e.status,
+                                e.reason, wait)
+                    self._stop.wait(wait)
             except Exception as e:  # noqa: BLE001 - keep watching whatever happened
-                log.warning("pod watch failed: %s; retrying", e)
-                time.sleep(1)
+                if first:
+                    self.loop.call_soon_threadsafe(self.tried.set)
+                log.warning("%s failed: %s; retrying in %gs", self.name, e, self.retry_s)
+                self._stop.wait(self.retry_s)
             finally:
                 if resp is not None:
                     resp.release_conn()
