@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import Any, ClassVar, NamedTuple, TypeVar
+from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from sandman import contract
@@ -82,12 +82,18 @@ METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
 ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, PREPULL, IMAGES,
           HEALTHZ, LIVEZ, READYZ, METRICS)
 
-# ---- execd's tree routes (docs/execd.md, "Trees"): one tar up (POST /files/tree/write, its
-# SHA-256 in TREE_SHA256_HEADER) or down (GET /files/tree: the tar, then TREE_DIGEST_LEN hex
-# digits of its SHA-256). execd/execd.py keeps copies (it imports nothing); a test keeps them equal.
-TREE_SHA256_HEADER = "X-Content-SHA256"
-TREE_DIGEST_LEN = 64
-TREE_MAX_BYTES = 1 << 30  # a whole archive, either way (execd's --max-tree-bytes)
+# execd's routes, bodies and limits are sandman/execd_api.py's. Its tree limits were here
+# first: read through this module, they are execd_api's (for readers not moved yet; never
+# seen by the type checker, so checked code reads execd_api).
+_MOVED_TO_EXECD_API = ("TREE_SHA256_HEADER", "TREE_DIGEST_LEN", "TREE_MAX_BYTES")
+
+if not TYPE_CHECKING:
+    def __getattr__(name):
+        if name in _MOVED_TO_EXECD_API:
+            from sandman import execd_api
+
+            return getattr(execd_api, name)
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message

@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 
-from sandman import api
+from sandman import api, execd_api
 from sandman._version import __version__
 from sandman.client.errors import (
     BadRequest,
@@ -43,8 +43,8 @@ log = logging.getLogger("sandman.client")
 
 USER_AGENT = f"sandman-client/{__version__}"
 
-# execd's own default command timeout (DEFAULT_TIMEOUT in execd.py).
-EXECD_DEFAULT_TIMEOUT_S = 300.0
+# execd's own default command timeout.
+EXECD_DEFAULT_TIMEOUT_S = execd_api.DEFAULT_TIMEOUT_S
 # How much longer than the command's timeout we wait for execd's answer: execd sends SIGTERM at
 # the timeout, SIGKILL after its --kill-grace (2 s), then waits up to 2 s for the exit frame.
 EXEC_ANSWER_GRACE_S = 15.0
@@ -391,30 +391,27 @@ def _seconds(name: str, value: Any) -> float:
 
 
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,
-              request_id: str | None, idle_timeout_s: float | None = None) -> dict[str, Any]:
+              request_id: str | None, idle_timeout_s: float | None = None
+              ) -> execd_api.ExecRequest:
     if not isinstance(command, str):
         raise BadRequest("command must be a str")
-    body: dict[str, Any] = {"command": command}
-    if request_id is not None:
-        body["request_id"] = request_id
-    if timeout_s is not None:
-        body["timeout"] = _seconds("timeout", timeout_s)
-    if idle_timeout_s is not None:
-        body["idle_timeout"] = _seconds("idle_timeout", idle_timeout_s)
-    if max_output is not None:
-        body["max_output"] = max_output
-    return body
+    return execd_api.ExecRequest(
+        command=command, request_id=request_id,
+        timeout=None if timeout_s is None else _seconds("timeout", timeout_s),
+        idle_timeout=None if idle_timeout_s is None else _seconds("idle_timeout",
+                                                                   idle_timeout_s),
+        max_output=max_output)
 
 
 def stream_body(command: str, timeout_s: float | None, idle_timeout_s: float | None,
-                max_output: int | None, kill_on_disconnect: bool) -> dict[str, Any]:
+                max_output: int | None, kill_on_disconnect: bool) -> execd_api.StreamRequest:
     """/exec/stream's body: /exec's without a request_id (a stream is never replayed)."""
-    body = exec_body(command, timeout_s, max_output, None, idle_timeout_s)
+    e = exec_body(command, timeout_s, max_output, None, idle_timeout_s)
     if not isinstance(kill_on_disconnect, bool):
         raise BadRequest("kill_on_disconnect must be True or False")
-    if kill_on_disconnect:
-        body["kill_on_disconnect"] = True
-    return body
+    return execd_api.StreamRequest(command=e.command, timeout=e.timeout,
+                                   idle_timeout=e.idle_timeout, max_output=e.max_output,
+                                   kill_on_disconnect=True if kill_on_disconnect else None)
 
 
 def stream_line(line: str, route: str) -> str | ExecResult:
@@ -437,21 +434,18 @@ def stream_line(line: str, route: str) -> str | ExecResult:
 
 
 def spawn_body(command: str, cwd: str | None, env: Mapping[str, str] | None,
-               request_id: str) -> dict[str, Any]:
-    """/processes/spawn's body; execd checks the rest (variable names, the cwd)."""
+               request_id: str) -> execd_api.SpawnRequest:
+    """/processes/spawn's body (and /sessions/open's but for the size); execd checks the
+    rest (variable names, the cwd)."""
     if not isinstance(command, str) or not command.strip():
         raise BadRequest("command must be a non-empty str")
-    body: dict[str, Any] = {"command": command, "request_id": request_id}
-    if cwd is not None:
-        if not isinstance(cwd, str):
-            raise BadRequest("cwd must be a str")
-        body["cwd"] = cwd
-    if env is not None:
-        if not isinstance(env, Mapping) or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in env.items()):
-            raise BadRequest("env must map str names to str values")
-        body["env"] = dict(env)
-    return body
+    if cwd is not None and not isinstance(cwd, str):
+        raise BadRequest("cwd must be a str")
+    if env is not None and (not isinstance(env, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in env.items())):
+        raise BadRequest("env must map str names to str values")
+    return execd_api.SpawnRequest(command=command, request_id=request_id, cwd=cwd,
+                                  env=None if env is None else dict(env))
 
 
 def process_id(pid_id: str) -> str:
@@ -479,22 +473,19 @@ def to_bytes(data: bytes | bytearray | memoryview | str) -> bytes:
 
 
 def write_body(path: str, data: bytes, mode: int | str | None,
-               if_sha256: str | None) -> dict[str, Any]:
-    body: dict[str, Any] = {"path": path, "data_b64": base64.b64encode(data).decode("ascii")}
-    if mode is not None:
-        body["mode"] = mode
-    if if_sha256 is not None:
-        if not is_token_sha256(if_sha256.lower()):  # the same digest syntax
-            raise BadRequest("if_sha256 must be a SHA-256 hex digest")
-        body["if_sha256"] = if_sha256.lower()
-    return body
+               if_sha256: str | None) -> execd_api.WriteRequest:
+    if if_sha256 is not None and not is_token_sha256(if_sha256.lower()):  # same syntax
+        raise BadRequest("if_sha256 must be a SHA-256 hex digest")
+    return execd_api.WriteRequest(path=path, data_b64=base64.b64encode(data).decode("ascii"),
+                                  mode=mode,
+                                  if_sha256=None if if_sha256 is None else if_sha256.lower())
 
 
 # ---- answer checks (fail closed)
 
 def check_read(path: str, resp: httpx.Response) -> FileContent:
     """The bytes of `GET /files`, only if their length and SHA-256 match what execd sent."""
-    want = (resp.headers.get("x-content-sha256") or "").strip().lower()
+    want = (resp.headers.get(execd_api.CONTENT_SHA256_HEADER) or "").strip().lower()
     if not is_token_sha256(want):
         raise IntegrityError(f"read {path}: execd sent no valid X-Content-SHA256; refusing "
                              "bytes that cannot be checked")

@@ -16,20 +16,20 @@ import tarfile
 import tempfile
 from typing import IO, Any
 
-from sandman import api
+from sandman import execd_api
 from sandman.client.errors import TreeConflict, TreeError, TreeTooLarge, UnsafeArchive
 
 STAGING_PREFIX = ".sandman-tree-"
 LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
 COPY_CHUNK = 1 << 20
-# A pax or GNU long-name header is read whole by tarfile: bounded here (execd's TREE_META_MAX).
-META_MAX = 1 << 20
+# A pax or GNU long-name header is read whole by tarfile: bounded here as execd bounds it.
+META_MAX = execd_api.TREE_META_MAX
 # A member's name: at most 4,096 bytes (PATH_MAX) and 256 components; a symlink's target at
-# most 4,096 bytes; an mtime finite and within +-2**34 s (execd's TREE_NAME_MAX,
-# TREE_DEPTH_MAX, TREE_MTIME_MAX). Anything else is refused (UnsafeArchive).
-NAME_MAX = 4096
-DEPTH_MAX = 256
-MTIME_MAX = 1 << 34
+# most 4,096 bytes; an mtime finite and within +-2**34 s: execd's limits. Anything else is
+# refused (UnsafeArchive).
+NAME_MAX = execd_api.TREE_NAME_MAX
+DEPTH_MAX = execd_api.TREE_DEPTH_MAX
+MTIME_MAX = execd_api.TREE_MTIME_MAX
 # Modes from the sandbox are masked with this: rwxr-xr-x at most, so no download makes a local
 # file or directory group- or world-writable (the umask does not apply to fchmod), and no
 # sticky bit (setuid and setgid are refused).
@@ -72,7 +72,8 @@ def walk(root_fd: int, where: str = "") -> Any:
                 os.close(fd)
 
 
-def pack(local_dir: str, out: IO[bytes], cap: int = api.TREE_MAX_BYTES) -> tuple[int, str]:
+def pack(local_dir: str, out: IO[bytes],
+         cap: int = execd_api.TREE_MAX_BYTES) -> tuple[int, str]:
     """Writes `local_dir` as a tar (PAX) to `out`: regular files, directories and symlinks
     (as links), modes without setuid/setgid (stripped: execd refuses them), mtimes, no
     owners; a hard link goes as a second copy. Returns (size, SHA-256 hex)."""
@@ -497,7 +498,7 @@ class Withheld:
 
     def feed(self, chunk: bytes) -> None:
         buf = self.tail + chunk
-        keep = api.TREE_DIGEST_LEN
+        keep = execd_api.TREE_DIGEST_LEN
         if len(buf) > keep:
             data, self.tail = buf[:-keep], buf[-keep:]
             self.size += len(data)
@@ -510,5 +511,5 @@ class Withheld:
             self.tail = buf
 
     def digest_ok(self) -> bool:
-        return len(self.tail) == api.TREE_DIGEST_LEN and \
+        return len(self.tail) == execd_api.TREE_DIGEST_LEN and \
             self.tail.decode("latin-1").lower() == self.sha.hexdigest()

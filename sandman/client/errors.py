@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 from sandman import api
+from sandman import execd_api as X
 
 if TYPE_CHECKING:
     from sandman.client.models import ExecResult, ProcessStatus
@@ -265,6 +266,10 @@ def controller_error(status: int, body: Any) -> SandmanError:
     return cls(f"controller answered HTTP {status} without an error body", status=status)
 
 
+# Routes whose 409 means another command holds the shell.
+_BUSY_ROUTES = tuple(r.path for r in (X.EXEC, X.EXEC_STREAM, X.ENV, X.RESET, X.SESSION_OPEN))
+
+
 def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
     """The typed error for an execd error answer (`{"error": msg, "code": status, ...}`)."""
     msg = ""
@@ -274,27 +279,27 @@ def execd_error(status: int, body: Any, *, route: str) -> SandmanError:
     msg = f"{route}: {msg}"
     if status == 401:
         return Unauthorized(msg, status=status)
-    if route.startswith("/files/tree"):
+    if route.startswith(X.TREE_READ.path):  # and its write
         tree = {409: TreeConflict, 413: TreeTooLarge, 422: UnsafeArchive}.get(status)
         if tree is not None:
             return tree(msg, status=status)
         if status == 400 and isinstance(body, dict) and "sha256" in body:
             return IntegrityError(msg, status=status)  # the archive's digest did not match
-    if status == 404 and route.startswith("/files"):
+    if status == 404 and route.startswith(X.FILE_READ.path):  # /files...
         return FileNotFound(msg, status=status)
-    if status == 409 and route == "/files/write":
+    if status == 409 and route == X.FILE_WRITE.path:
         cur = body.get("sha256") if isinstance(body, dict) else None
         return WriteConflict(msg, current_sha256=cur if isinstance(cur, str) else None)
-    if route.startswith("/processes"):
+    if route.startswith(X.PROCESSES.path):
         if status == 404:
             return ProcessNotFound(msg, status=status)
         if status == 429:
             return TooManyProcesses(msg, status=status)
-    if route.startswith("/sessions"):
+    if route.startswith(X.SESSIONS.path):
         cls = {404: SessionNotFound, 409: SessionEnded, 429: TooManySessions}.get(status)
-        if cls is not None and not (status == 409 and route == "/sessions/open"):
+        if cls is not None and not (status == 409 and route == X.SESSION_OPEN.path):
             return cls(msg, status=status)
-    if status == 409 and route in ("/exec", "/exec/stream", "/env", "/reset", "/sessions/open"):
+    if status == 409 and route in _BUSY_ROUTES:
         return SandboxBusy(msg, status=status)
     if status in (400, 413, 422):
         return BadRequest(msg, status=status)

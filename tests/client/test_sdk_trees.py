@@ -7,11 +7,10 @@ from __future__ import annotations
 import os
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from pathlib import Path
 
 import pytest
 
-from sandman import api
+from sandman import execd_api
 from sandman.client import (
     IntegrityError,
     SandboxUnreachable,
@@ -224,22 +223,4 @@ def test_download_result_names_local_dir(flavor: Flavor, hostile: Hostile, tmp_p
     r = flavor.run(body)
     assert r.path == str(tmp_path / "new" / "dir") and r.files == 1 and r.dirs == 1
     assert (tmp_path / "new" / "dir" / "x" / "y.txt").read_bytes() == b"y"
-    assert api.TREE_DIGEST_LEN == 64
-
-
-def test_sdk_routes_match_execd() -> None:
-    """The names execd spells itself (it imports nothing) equal the SDK's."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location(
-        "execd_copy", Path(__file__).parents[2] / "execd" / "execd.py")
-    assert spec and spec.loader
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    from sandman.client._async.sandbox import TREE_READ, TREE_WRITE
-
-    assert mod.ROUTES[TREE_WRITE.path][0] == TREE_WRITE.method
-    assert mod.ROUTES[TREE_READ.path][0] == TREE_READ.method
-    assert mod.TREE_MAX_BYTES == api.TREE_MAX_BYTES
-    assert mod.TREE_DIGEST_LEN == api.TREE_DIGEST_LEN
-    assert mod.TREE_SHA256_HEADER == api.TREE_SHA256_HEADER
+    assert execd_api.TREE_DIGEST_LEN == 64

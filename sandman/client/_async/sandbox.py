@@ -19,7 +19,7 @@ from typing import IO, TYPE_CHECKING, Any
 
 import httpx
 
-from sandman import api
+from sandman import execd_api as X
 from sandman.api import Route
 from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
@@ -62,36 +62,22 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("sandman.client")
 
-# execd's routes (execd/execd.py); `kind` is what `on_request` reports.
-HEALTH = Route("HEALTH", "GET", "/health")
-EXEC = Route("EXEC", "POST", "/exec")
-EXEC_STREAM = Route("EXEC_STREAM", "POST", "/exec/stream")
-FILE_READ = Route("FILE_READ", "GET", "/files")
-FILE_WRITE = Route("FILE_WRITE", "POST", "/files/write")
-ENV = Route("ENV", "POST", "/env")
-RESET = Route("RESET", "POST", "/reset")
-STATE = Route("STATE", "GET", "/state")
-CONDITIONS = Route("CONDITIONS", "GET", "/conditions")
-TREE_WRITE = Route("TREE_WRITE", "POST", "/files/tree/write")
-TREE_READ = Route("TREE_READ", "GET", "/files/tree")
-PROCESSES = Route("PROCESSES", "GET", "/processes")
-PROCESS_SPAWN = Route("PROCESS_SPAWN", "POST", "/processes/spawn")
-PROCESS_INFO = Route("PROCESS_INFO", "GET", "/processes/info")
-PROCESS_OUTPUT = Route("PROCESS_OUTPUT", "GET", "/processes/output")
-PROCESS_SIGNAL = Route("PROCESS_SIGNAL", "POST", "/processes/signal")
-PROCESS_WAIT = Route("PROCESS_WAIT", "POST", "/processes/wait")
-# One /processes/wait answers within execd's BG_WAIT_MAX (30 s); wait() asks again.
-PROCESS_WAIT_ROUND_S = 30.0
-SESSIONS = Route("SESSIONS", "GET", "/sessions")
-SESSION_OPEN = Route("SESSION_OPEN", "POST", "/sessions/open")
-SESSION_WRITE = Route("SESSION_WRITE", "POST", "/sessions/write")
-SESSION_READ = Route("SESSION_READ", "GET", "/sessions/read")
-SESSION_RESIZE = Route("SESSION_RESIZE", "POST", "/sessions/resize")
-SESSION_SIGNAL = Route("SESSION_SIGNAL", "POST", "/sessions/signal")
-SESSION_CLOSE = Route("SESSION_CLOSE", "POST", "/sessions/close")
-# One /sessions/read waits at most execd's PTY_READ_WAIT_MAX (30 s); read() asks again.
-SESSION_READ_ROUND_S = 30.0
-SESSION_WRITE_MAX = 64 << 10  # execd's PTY_WRITE_MAX: longer data goes in several writes
+# execd's routes (sandman/execd_api.py); `kind` is what `on_request` reports.
+HEALTH, EXEC, EXEC_STREAM = X.HEALTH, X.EXEC, X.EXEC_STREAM
+FILE_READ, FILE_WRITE, TREE_WRITE, TREE_READ = (X.FILE_READ, X.FILE_WRITE, X.TREE_WRITE,
+                                                X.TREE_READ)
+ENV, RESET, STATE, CONDITIONS = X.ENV, X.RESET, X.STATE, X.CONDITIONS
+PROCESSES, PROCESS_SPAWN, PROCESS_INFO = X.PROCESSES, X.PROCESS_SPAWN, X.PROCESS_INFO
+PROCESS_OUTPUT, PROCESS_SIGNAL, PROCESS_WAIT = (X.PROCESS_OUTPUT, X.PROCESS_SIGNAL,
+                                                X.PROCESS_WAIT)
+SESSIONS, SESSION_OPEN, SESSION_WRITE = X.SESSIONS, X.SESSION_OPEN, X.SESSION_WRITE
+SESSION_READ, SESSION_RESIZE = X.SESSION_READ, X.SESSION_RESIZE
+SESSION_SIGNAL, SESSION_CLOSE = X.SESSION_SIGNAL, X.SESSION_CLOSE
+# One /processes/wait answers within execd's BG_WAIT_MAX; wait() asks again.
+PROCESS_WAIT_ROUND_S = X.BG_WAIT_MAX
+# One /sessions/read waits at most execd's PTY_READ_WAIT_MAX; read() asks again.
+SESSION_READ_ROUND_S = X.PTY_READ_WAIT_MAX
+SESSION_WRITE_MAX = X.PTY_WRITE_MAX  # longer data goes in several writes
 
 
 async def _spooled(spool: IO[bytes], size: int) -> AsyncIterator[bytes]:
@@ -364,7 +350,7 @@ class AsyncSandbox:
         and answers a retry with the stored result."""
         rid = request_id or _core.new_request_id()
         body = _core.exec_body(command, timeout, max_output, rid, idle_timeout)
-        resp = await self._call(EXEC, json=body,
+        resp = await self._call(EXEC, json=body.to_json(),
                                 read_s=_core.exec_read_timeout(timeout), request_id=rid)
         result = ExecResult.from_json(_core.decode_json(resp, "exec"), rid)
         if result.timed_out:
@@ -399,7 +385,8 @@ class AsyncSandbox:
             while True:
                 attempts.start()
                 try:
-                    async with self._http.stream("POST", path, json=body, timeout=tmo) as resp:
+                    async with self._http.stream(route.method, path, json=body.to_json(),
+                                                  timeout=tmo) as resp:
                         if resp.status_code != 200:
                             await resp.aread()
                             size += len(resp.content)
@@ -449,8 +436,8 @@ class AsyncSandbox:
     async def read_file(self, path: str) -> FileContent:
         """The whole file, byte-exact; its SHA-256 was checked against execd's (fail closed:
         IntegrityError, never unchecked bytes)."""
-        resp = await self._call(FILE_READ, params={"path": path}, read_s=self._file_timeout_s,
-                                retry_409=True)
+        resp = await self._call(FILE_READ, params={X.PATH_PARAM: path},
+                                read_s=self._file_timeout_s, retry_409=True)
         return _core.check_read(path, resp)
 
     async def read(self, path: str) -> bytes:
@@ -466,7 +453,7 @@ class AsyncSandbox:
         body = _core.write_body(path, raw, mode, if_sha256)
         attempts: list[int] = []
         try:
-            resp = await self._call(FILE_WRITE, json=body, read_s=self._file_timeout_s,
+            resp = await self._call(FILE_WRITE, json=body.to_json(), read_s=self._file_timeout_s,
                                     attempts_out=attempts)
         except WriteConflict as e:
             # A retry after a lost answer finds our own bytes already there: that is success.
@@ -502,8 +489,8 @@ class AsyncSandbox:
                   unset: list[str] | None = None) -> dict[str, str]:
         """Export `set` and unset `unset` in the shell (and in shells started later); returns
         the shell's whole environment after the change."""
-        body = {"set": dict(set or {}), "unset": list(unset or [])}
-        resp = await self._call(ENV, json=body, read_s=60.0)
+        body = X.EnvRequest(set=dict(set or {}), unset=list(unset or []))
+        resp = await self._call(ENV, json=body.to_json(), read_s=60.0)
         data = _core.decode_json(resp, "env")
         env = data.get("env") if isinstance(data, dict) else None
         return dict(env) if isinstance(env, dict) else {}
@@ -511,7 +498,8 @@ class AsyncSandbox:
     async def reset(self, workspace: bool = False) -> ResetResult:
         """Kill every process of the sandbox and start a fresh shell; `workspace=True` also
         empties the workspace directory."""
-        resp = await self._call(RESET, json={"workspace": bool(workspace)}, read_s=90.0)
+        resp = await self._call(RESET, json=X.ResetRequest(workspace=bool(workspace)).to_json(),
+                                read_s=90.0)
         return ResetResult.from_json(_core.decode_json(resp, "reset"))
 
     async def state(self) -> State:
@@ -521,7 +509,7 @@ class AsyncSandbox:
     async def conditions(self, egress_probe: str | None = None) -> Conditions:
         """The run conditions as the sandbox reads them; `egress_probe="host:port"` also tries
         one outbound connection (to check the egress guard)."""
-        params = {"egress_probe": egress_probe} if egress_probe else None
+        params = {X.EGRESS_PROBE_PARAM: egress_probe} if egress_probe else None
         resp = await self._call(CONDITIONS, params=params, read_s=30.0)
         return Conditions.from_json(_core.decode_json(resp, "conditions"))
 
@@ -536,7 +524,8 @@ class AsyncSandbox:
         retries: a lost answer never starts it twice. TooManyProcesses at 16 live."""
         rid = _core.new_request_id()
         body = _core.spawn_body(command, cwd, env, rid)
-        resp = await self._call(PROCESS_SPAWN, json=body, read_s=30.0, request_id=rid)
+        resp = await self._call(PROCESS_SPAWN, json=body.to_json(), read_s=30.0,
+                                request_id=rid)
         return AsyncProcess(self, ProcessStatus.from_json(_core.decode_json(resp, "spawn")))
 
     async def processes(self) -> list[AsyncProcess]:
@@ -555,7 +544,8 @@ class AsyncSandbox:
         return AsyncProcess(self, await self._process_status(id))
 
     async def _process_status(self, id: str) -> ProcessStatus:
-        resp = await self._call(PROCESS_INFO, params={"id": _core.process_id(id)}, read_s=30.0)
+        resp = await self._call(PROCESS_INFO, params={X.ID_PARAM: _core.process_id(id)},
+                                read_s=30.0)
         return ProcessStatus.from_json(_core.decode_json(resp, "process"))
 
     # ---- interactive sessions
@@ -569,12 +559,14 @@ class AsyncSandbox:
         `env` names one. cwd and env as for `spawn()`. Sent with one request_id for all
         retries: a lost answer never opens it twice. TooManySessions at 8 open."""
         for name, v in (("cols", cols), ("rows", rows)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
-                raise BadRequest(f"{name} must be an int in 1..4096, not {v!r}")
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= X.PTY_SIZE_MAX:
+                raise BadRequest(f"{name} must be an int in 1..{X.PTY_SIZE_MAX}, not {v!r}")
         rid = _core.new_request_id()
-        body = _core.spawn_body(command, cwd, env, rid)
-        body.update({"cols": cols, "rows": rows})
-        resp = await self._call(SESSION_OPEN, json=body, read_s=30.0, request_id=rid)
+        spawn = _core.spawn_body(command, cwd, env, rid)
+        body = X.SessionOpenRequest(command=spawn.command, request_id=rid, cwd=spawn.cwd,
+                                    env=spawn.env, cols=cols, rows=rows)
+        resp = await self._call(SESSION_OPEN, json=body.to_json(), read_s=30.0,
+                                request_id=rid)
         return AsyncSession(self, SessionStatus.from_json(_core.decode_json(resp, "session")))
 
     async def sessions(self) -> list[AsyncSession]:
@@ -606,7 +598,7 @@ class AsyncSandbox:
                                                            spool)
                 else:
                     size, digest = _tree.pack(os.fspath(local_dir), spool)
-                headers = {api.TREE_SHA256_HEADER: digest, "Content-Length": str(size),
+                headers = {X.TREE_SHA256_HEADER: digest, "Content-Length": str(size),
                            "Content-Type": "application/x-tar"}
                 attempts = _core.Attempts(self._retry, self._file_timeout_s)
                 tmo = _core.timeout(self._retry, self._file_timeout_s)
@@ -617,7 +609,7 @@ class AsyncSandbox:
                     attempts.start()
                     try:
                         # The same archive again is harmless: execd stages it whole each time.
-                        resp = await self._http.post(path, params={"path": remote_dir},
+                        resp = await self._http.post(path, params={X.PATH_PARAM: remote_dir},
                                                      content=_spooled(spool, size),
                                                      headers=headers, timeout=tmo)
                         break
@@ -640,7 +632,7 @@ class AsyncSandbox:
         return result
 
     async def download_tree(self, remote_dir: str, local_dir: str | os.PathLike[str], *,
-                            max_bytes: int = api.TREE_MAX_BYTES) -> TreeResult:
+                            max_bytes: int = X.TREE_MAX_BYTES) -> TreeResult:
         """Copy the sandbox's directory `remote_dir` into `local_dir` (made if missing; what it
         holds stays unless the archive replaces it) as one streamed tar, as upload_tree does
         the other way. The sandbox is not trusted: the archive is spooled to a local temporary
@@ -664,7 +656,8 @@ class AsyncSandbox:
                     spool.truncate()
                     body = _tree.Withheld(spool, max_bytes)
                     try:
-                        async with self._http.stream("GET", path, params={"path": remote_dir},
+                        async with self._http.stream(route.method, path,
+                                                     params={X.PATH_PARAM: remote_dir},
                                                      timeout=tmo) as resp:
                             if resp.status_code != 200:
                                 await resp.aread()
@@ -806,7 +799,7 @@ class AsyncProcess:
         if isinstance(since, bool) or not isinstance(since, int) or since < 0:
             raise BadRequest(f"since must be a byte offset (an int >= 0), not {since!r}")
         resp = await self.sandbox._call(PROCESS_OUTPUT, read_s=60.0,
-                                        params={"id": self.id, "since": str(since)})
+                                        params={X.ID_PARAM: self.id, X.SINCE_PARAM: str(since)})
         return ProcessOutput.from_json(_core.decode_json(resp, "process output"))
 
     async def signal(self, sig: int | str = "TERM") -> ProcessStatus:
@@ -814,8 +807,8 @@ class AsyncProcess:
         descendants, and to whatever still carries its tag (children re-parented to execd)."""
         if isinstance(sig, bool) or not isinstance(sig, (int, str)):
             raise BadRequest(f"sig must be a signal number or name, not {sig!r}")
-        resp = await self.sandbox._call(PROCESS_SIGNAL, json={"id": self.id, "signal": sig},
-                                        read_s=30.0)
+        resp = await self.sandbox._call(
+            PROCESS_SIGNAL, json=X.SignalRequest(id=self.id, signal=sig).to_json(), read_s=30.0)
         self.last = ProcessStatus.from_json(_core.decode_json(resp, "process signal"))
         return self.last
 
@@ -829,8 +822,9 @@ class AsyncProcess:
             left = PROCESS_WAIT_ROUND_S if deadline is None else max(
                 0.0, deadline - time.monotonic())
             step = min(left, PROCESS_WAIT_ROUND_S)
-            resp = await self.sandbox._call(PROCESS_WAIT, json={"id": self.id, "timeout": step},
-                                            read_s=step + 30.0)
+            resp = await self.sandbox._call(
+                PROCESS_WAIT, json=X.WaitRequest(id=self.id, timeout=step).to_json(),
+                read_s=step + 30.0)
             self.last = ProcessStatus.from_json(_core.decode_json(resp, "process wait"))
             if self.last.exit_code is not None:
                 return self.last.exit_code
@@ -874,8 +868,8 @@ class AsyncSession:
             rid = _core.new_request_id()
             resp = await self.sandbox._call(
                 SESSION_WRITE, read_s=30.0, request_id=rid,
-                json={"id": self.id, "data_b64": base64.b64encode(piece).decode(),
-                      "request_id": rid})
+                json=X.SessionWriteRequest(id=self.id, data_b64=base64.b64encode(piece).decode(),
+                                           request_id=rid).to_json())
             answer = _core.decode_json(resp, "session write")
             self.last = SessionStatus.from_json(answer)
             done += int(answer.get("written", len(piece)))
@@ -896,7 +890,8 @@ class AsyncSession:
             step = min(max(0.0, deadline - time.monotonic()), SESSION_READ_ROUND_S)
             resp = await self.sandbox._call(
                 SESSION_READ, read_s=step + 30.0,
-                params={"id": self.id, "since": str(frm), "timeout": f"{step:.3f}"})
+                params={X.ID_PARAM: self.id, X.SINCE_PARAM: str(frm),
+                        X.TIMEOUT_PARAM: f"{step:.3f}"})
             out = SessionOutput.from_json(_core.decode_json(resp, "session read"))
             if out.data or not out.output_open or time.monotonic() >= deadline:
                 break
@@ -928,7 +923,8 @@ class AsyncSession:
             step = min(left, SESSION_READ_ROUND_S)
             resp = await self.sandbox._call(
                 SESSION_READ, read_s=step + 30.0,
-                params={"id": self.id, "since": str(self.offset), "timeout": f"{step:.3f}"})
+                params={X.ID_PARAM: self.id, X.SINCE_PARAM: str(self.offset),
+                        X.TIMEOUT_PARAM: f"{step:.3f}"})
             out = SessionOutput.from_json(_core.decode_json(resp, "session read"))
             self.offset = out.end
             text += decoder.decode(out.data)
@@ -941,10 +937,11 @@ class AsyncSession:
     async def resize(self, cols: int, rows: int) -> SessionStatus:
         """Set the terminal's size; the kernel sends SIGWINCH to its foreground job."""
         for name, v in (("cols", cols), ("rows", rows)):
-            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= 4096:
-                raise BadRequest(f"{name} must be an int in 1..4096, not {v!r}")
-        resp = await self.sandbox._call(SESSION_RESIZE, read_s=30.0,
-                                        json={"id": self.id, "cols": cols, "rows": rows})
+            if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= X.PTY_SIZE_MAX:
+                raise BadRequest(f"{name} must be an int in 1..{X.PTY_SIZE_MAX}, not {v!r}")
+        resp = await self.sandbox._call(
+            SESSION_RESIZE, read_s=30.0,
+            json=X.ResizeRequest(id=self.id, cols=cols, rows=rows).to_json())
         self.last = SessionStatus.from_json(_core.decode_json(resp, "session resize"))
         return self.last
 
@@ -954,8 +951,9 @@ class AsyncSession:
         if isinstance(sig, bool) or not isinstance(sig, (int, str)):
             raise BadRequest(f"sig must be a signal number or name, not {sig!r}")
         rid = _core.new_request_id()
-        resp = await self.sandbox._call(SESSION_SIGNAL, read_s=30.0, request_id=rid,
-                                        json={"id": self.id, "signal": sig, "request_id": rid})
+        resp = await self.sandbox._call(
+            SESSION_SIGNAL, read_s=30.0, request_id=rid,
+            json=X.SignalRequest(id=self.id, signal=sig, request_id=rid).to_json())
         self.last = SessionStatus.from_json(_core.decode_json(resp, "session signal"))
         return self.last
 
@@ -964,14 +962,16 @@ class AsyncSession:
             if s.id == self.id:
                 self.last = s.last
                 return self.last
-        raise SessionNotFound(f"/sessions: no session {self.id} in this sandbox", status=404)
+        raise SessionNotFound(f"{SESSIONS.path}: no session {self.id} in this sandbox",
+                              status=404)
 
     async def close(self) -> SessionStatus:
         """Kill the program and all its descendants (SIGKILL, even what ignores SIGHUP), reap
         them and forget the id. Closing a closed session does nothing."""
         attempts = [0]
         try:
-            resp = await self.sandbox._call(SESSION_CLOSE, read_s=30.0, json={"id": self.id},
+            resp = await self.sandbox._call(SESSION_CLOSE, read_s=30.0,
+                                            json=X.IdRequest(id=self.id).to_json(),
                                             attempts_out=attempts)
         except SessionNotFound:
             if attempts[0] <= 1 and self.last.raw.get("closed") is not True:
