@@ -13,9 +13,9 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any
 
-import httpx
-
+from controller.execd_client import ExecdClient
 from sandman import api, contract, egress
+from sandman.execd_api import EnvRequest
 
 log = logging.getLogger("controller")
 
@@ -174,35 +174,23 @@ class Checker:
         self.port = port
         self.egress_probe = egress_probe  # host:port a pod with egress reaches (optional)
         # execd's own egress probe waits up to 2 s: the read waits longer.
-        self._http = httpx.AsyncClient(timeout=timeout + 2.0)
+        self._execd = ExecdClient(port, timeout + 2.0)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._execd.aclose()
 
     async def read(self, ip: str, token: str, declared: dict[str, Any]) -> dict:
         """The pod's answer; raises on any failure (the caller refuses the pod: fail closed).
         A declared hash seed is applied first (execd /env: the shell and every later shell),
         then read back like the rest: no image sets PYTHONHASHSEED, so refusing pods for it
         would refuse them all."""
-        host = f"[{ip}]" if ":" in ip else ip
-        auth = {"Authorization": f"Bearer {token}"}
         seed = declared.get("hash_seed")
         if seed is not None:
-            body = ({"unset": ["PYTHONHASHSEED"]} if seed == "random"
-                    else {"set": {"PYTHONHASHSEED": str(seed)}})
-            r = await self._http.post(f"http://{host}:{self.port}/env", json=body, headers=auth)
-            if r.status_code != 200:
-                raise RuntimeError(f"execd /env answered {r.status_code}")
-        params = ({"egress_probe": self.egress_probe} if self.egress_probe and (
-            "egress" in declared or "egress_allow" in declared) else None)
-        r = await self._http.get(f"http://{host}:{self.port}/conditions", params=params,
-                                 headers=auth)
-        if r.status_code != 200:
-            raise RuntimeError(f"execd /conditions answered {r.status_code}")
-        data = r.json()
-        if not isinstance(data, dict):
-            raise RuntimeError("execd /conditions answered no object")
-        return data
+            await self._execd.set_env(ip, token, EnvRequest(unset=["PYTHONHASHSEED"])
+                                      if seed == "random"
+                                      else EnvRequest(set={"PYTHONHASHSEED": str(seed)}))
+        probe = self.egress_probe if ("egress" in declared or "egress_allow" in declared) else None
+        return await self._execd.conditions(ip, token, probe)
 
     async def check(self, ip: str, token: str, declared: dict[str, Any]) -> Verdict:
         """The verdict; a pod whose probe fails gets a `probe` contradiction."""

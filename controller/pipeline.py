@@ -17,7 +17,6 @@ import logging
 import time
 from collections.abc import Callable
 
-import httpx
 from kubernetes import client
 
 from controller import metrics
@@ -26,6 +25,7 @@ from controller.books import DRAINED, ENDING, ORPHANED, POOL_JOB, Books, Entry, 
 from controller.conditions import Checker, Verdict
 from controller.create import Creator
 from controller.errors import AcquireError, AcquireTimeout, ConditionsRefused, PodFailed
+from controller.execd_client import ExecdClient
 from controller.kube import Kube
 from controller.pacer import Pacer
 from controller.pods import SandboxSpec
@@ -76,12 +76,12 @@ class Pipeline:
         self.s = settings
         self.spawn = spawn
         self.has_room = has_room  # the warm pool: may a built pod of this key stay warm?
-        self._http = httpx.AsyncClient(timeout=settings.health_timeout)
+        self._execd = ExecdClient(settings.execd_port, settings.health_timeout)
         self.checker = Checker(settings.execd_port, settings.health_timeout,
                                settings.conditions_egress_probe)
 
     async def close(self) -> None:
-        await self._http.aclose()
+        await self._execd.aclose()
         await self.checker.close()
 
     # ---- the owner task -----------------------------------------------------------------------
@@ -316,15 +316,7 @@ class Pipeline:
         pids or disk exhausted still answers /health), within 2 s. `connect`: a shorter connect
         timeout, for the polls before the kubelet calls the pod Ready (a SYN the pod network
         drops while it is still being set up must not hold the next poll back 3 s)."""
-        host = f"[{ip}]" if ":" in ip else ip
-        timeout = (httpx.Timeout(self.s.health_timeout, connect=connect) if connect is not None
-                   else httpx.USE_CLIENT_DEFAULT)
-        try:
-            r = await self._http.get(f"http://{host}:{self.s.execd_port}{contract.EXECD_READY_PATH}",
-                                     timeout=timeout)
-            return r.status_code == 200 and r.json().get("ok") is True
-        except Exception:  # noqa: BLE001 - not answering yet
-            return False
+        return await self._execd.ready(ip, connect)
 
     # ---- deletes ------------------------------------------------------------------------------
     def delete(self, e: Entry, why: str) -> None:

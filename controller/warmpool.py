@@ -27,6 +27,7 @@ from controller import pods as P
 from controller.books import POOL_JOB, POOLED, TERMINAL, Books, Entry, State
 from controller.create import Creator, new_name, tenant_labels, tenant_of, token_pair
 from controller.demand import Budget, Demand, allocate, cpu_of, twin
+from controller.execd_client import ExecdClient, ExecdRefused
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
 from controller.pods import SandboxSpec
@@ -333,27 +334,21 @@ class WarmPool:
         """execd: new token, /restore, /diff; None when clean, else why not."""
         if not e.ip or not e.token:
             return "no address or no known token (books rebuilt since the hand-out?)"
-        host = f"[{e.ip}]" if ":" in e.ip else e.ip
-        base = f"http://{host}:{self.s.execd_port}"
+        step = "token rotation"
         try:
-            async with httpx.AsyncClient(timeout=self.s.restore_timeout, trust_env=False) as c:
-                r = await c.post(f"{base}/token", json={"token_sha256": token_sha},
-                                 headers={"Authorization": f"Bearer {e.token}"})
-                if r.status_code != 200:
-                    return f"token rotation: HTTP {r.status_code}"
-                auth = {"Authorization": f"Bearer {token}"}
-                r = await c.post(f"{base}/restore", json={}, headers=auth)
-                if r.status_code != 200:
-                    return f"restore: HTTP {r.status_code}: {r.text[:200]}"
-                got = r.json()
-                if got.get("restored") is not True:
-                    return f"restore left {got.get('left')!r:.300}"
-                r = await c.get(f"{base}/diff", headers=auth)
-                if r.status_code != 200:
-                    return f"diff: HTTP {r.status_code}"
-                d = r.json()
-                if d.get("clean") is not True:
-                    return f"not clean after restore: {d.get('changes')!r:.300}"
+            async with ExecdClient(self.s.execd_port, self.s.restore_timeout,
+                                   trust_env=False) as c:
+                await c.rotate_token(e.ip, e.token, token_sha)
+                step = "restore"
+                got = await c.restore(e.ip, token)
+                if not got.restored:
+                    return f"restore left {got.left!r:.300}"
+                step = "diff"
+                d = await c.diff(e.ip, token)
+                if not d.clean:
+                    return f"not clean after restore: {d.changes!r:.300}"
+        except ExecdRefused as r:
+            return f"{step}: HTTP {r.status}" + (f": {r.text}" if step == "restore" else "")
         except (httpx.HTTPError, ValueError) as ex:
             return f"execd: {type(ex).__name__}: {ex}"
         return None

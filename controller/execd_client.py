@@ -1,0 +1,99 @@
+"""The controller's one client of execd, built on execd's wire (sandman/execd_api.py): readiness
+before a hand-out (pipeline), the declared conditions (conditions), and a reused grading pod's
+token rotation and restore (warmpool). No other controller module spells an execd route or
+body (tests/client/test_execd_api.py holds it).
+
+Each caller keeps its own client with its own timeout, as it kept its own httpx client: a
+readiness poll, a conditions read and a restore wait for very different times."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+
+from sandman import execd_api as X
+from sandman.api import Route
+
+
+class ExecdRefused(RuntimeError):
+    """execd answered, but not 200: `status` and the start of the answer's `text`."""
+
+    def __init__(self, route: Route, status: int, text: str):
+        super().__init__(f"execd {route.path} answered {status}")
+        self.route, self.status, self.text = route, status, text
+
+
+class ExecdClient:
+    """execd at `port` on any pod's address, over one connection pool. `trust_env`: httpx's
+    (proxy variables, netrc); the restore's client never trusted them."""
+
+    def __init__(self, port: int, timeout: float, *, trust_env: bool = True):
+        self.port = port
+        self.timeout = timeout
+        self._http = httpx.AsyncClient(timeout=timeout, trust_env=trust_env)
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def __aenter__(self) -> ExecdClient:
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        await self.aclose()
+
+    def url(self, ip: str, route: Route) -> str:
+        host = f"[{ip}]" if ":" in ip else ip
+        return f"http://{host}:{self.port}{route.path}"
+
+    async def _call(self, ip: str, route: Route, *, token: str | None = None,
+                    body: Any = None, params: dict[str, str] | None = None,
+                    timeout: Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
+        return await self._http.request(
+            route.method, self.url(ip, route), json=None if body is None else body.to_json(),
+            params=params, headers=headers, timeout=timeout)
+
+    async def _ok(self, ip: str, route: Route, **kw: Any) -> Any:
+        """The JSON of a 200 answer; ExecdRefused for any other status."""
+        r = await self._call(ip, route, **kw)
+        if r.status_code != 200:
+            raise ExecdRefused(route, r.status_code, r.text[:200])
+        return r.json()
+
+    # ---- the calls
+
+    async def ready(self, ip: str, connect: float | None = None) -> bool:
+        """`/ready` answered ok (it forks a process and writes a file in the pod within 2 s);
+        False for anything else, a failure to connect included. `connect`: a shorter connect
+        timeout than the client's."""
+        timeout = (httpx.Timeout(self.timeout, connect=connect) if connect is not None
+                   else httpx.USE_CLIENT_DEFAULT)
+        try:
+            r = await self._call(ip, X.READY, timeout=timeout)
+            return r.status_code == 200 and X.Health.from_json(r.json()).ok
+        except Exception:  # noqa: BLE001 - not answering yet
+            return False
+
+    async def set_env(self, ip: str, token: str, body: X.EnvRequest) -> None:
+        await self._ok(ip, X.ENV, token=token, body=body)
+
+    async def conditions(self, ip: str, token: str,
+                         egress_probe: str | None = None) -> dict[str, Any]:
+        """The answer as execd wrote it (controller/conditions.py reads each field leniently:
+        an unreadable one is unverified, never a failed read)."""
+        params = {X.EGRESS_PROBE_PARAM: egress_probe} if egress_probe else None
+        data = await self._ok(ip, X.CONDITIONS, token=token, params=params)
+        if not isinstance(data, dict):
+            raise RuntimeError(f"execd {X.CONDITIONS.path} answered no object")
+        return data
+
+    async def rotate_token(self, ip: str, token: str, token_sha256: str) -> None:
+        """The next holder's token (its SHA-256), authorized with the current `token`."""
+        await self._ok(ip, X.TOKEN, token=token, body=X.TokenRequest(token_sha256=token_sha256))
+
+    async def restore(self, ip: str, token: str) -> X.Restored:
+        return X.Restored.from_json(await self._ok(ip, X.RESTORE, token=token, body=X.Empty()))
+
+    async def diff(self, ip: str, token: str) -> X.Diff:
+        return X.Diff.from_json(await self._ok(ip, X.DIFF, token=token))
