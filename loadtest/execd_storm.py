@@ -22,6 +22,7 @@ from locust import User, between, events, task
 
 from loadtest import common, users
 from loadtest.run import EXEC, FILE_READ, FILE_WRITE, RUN, RequestFailed, fire
+from sandman import execd_api
 
 common.install([EXEC, FILE_WRITE, FILE_READ])
 
@@ -53,7 +54,7 @@ class AgentUser(User):
         self.n += 1
         code = self.sandboxes.exec(self.sb, f"echo turn {self.n} && ls -la . | wc -l")
         if code is not None and code != 0:
-            fire(self.environment, EXEC, "/exec (exit code)", 0,
+            fire(self.environment, EXEC, f"{execd_api.EXEC.path} (exit code)", 0,
                  RequestFailed(f"exit {code}"), ms=0)
 
     @task(2)
@@ -66,7 +67,7 @@ class AgentUser(User):
         if self.sandboxes.write(self.sb, path, data):
             got = self.sandboxes.read(self.sb, path)
             if got is not None and got != data:
-                fire(self.environment, FILE_READ, "/files (content)", 0,
+                fire(self.environment, FILE_READ, f"{execd_api.FILE_READ.path} (content)", 0,
                      RequestFailed("read back different bytes"), ms=0)
 
     def _no_sandbox(self) -> None:

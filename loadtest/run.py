@@ -19,11 +19,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from sandman import api
+from sandman import api, execd_api
 
-# The SDK's on_request kinds (sandman/api.py routes; execd's in sandman/client) are the types.
+# The SDK's on_request kinds (the routes of sandman/api.py and sandman/execd_api.py) are the types.
 ACQUIRE, RELEASE = api.ACQUIRE.kind, api.RELEASE.kind
-EXEC, FILE_WRITE, FILE_READ = "EXEC", "FILE_WRITE", "FILE_READ"
+EXEC, FILE_WRITE, FILE_READ = (execd_api.EXEC.kind, execd_api.FILE_WRITE.kind,
+                               execd_api.FILE_READ.kind)
 POD_CREATE, ADMISSION_REVIEW, POD_READY, LEAK = "POD_CREATE", "ADMISSION_REVIEW", "POD_READY", "LEAK"
 
 
