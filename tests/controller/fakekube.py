@@ -1,5 +1,6 @@
-"""An in-memory `controller.kube.Kube` that lags and fails on purpose, for pure-logic tests of
-the books and the owner pipeline (tests/controller/test_pipeline.py).
+"""The one in-memory `controller.kube.Kube`: it lags and fails on purpose, for pure-logic tests of
+the books and the owner pipeline (tests/controller/test_pipeline.py) and of the image pre-pull
+(test_prepull_ownership.py).
 
 Not a stand-in for the API server's behaviour in general: the 25 ownership windows run against
 the real one (test_windows.py). What it models is what the books must survive:
@@ -7,10 +8,14 @@ the real one (test_windows.py). What it models is what the books must survive:
   (a stale cache); `read_pod` and the writes see the truth, as a quorum read does;
 - a kubelet: a created pod turns Ready (Running, a pod IP) `start_s` seconds after its create
   (None: stays Pending);
+- a slow create: it is stored `create_s` seconds after the call (which runs on when its caller
+  gives up waiting, as the real client's thread does);
+- nodes: `nodes` is what `list_nodes` answers, whatever the selector;
 - faults on any call, `fault(method, mode)`: "lost" (applied, then the answer is lost: a
   transport error), "500" (refused, not applied), "504-stored" (applied, then answered 504),
   "hold" (waits until `release_held()`, then applied).
-Every call is recorded in `calls` as (method, name).
+Every call is recorded in `calls` as (method, name), every delete in `deletes` as (name, uid).
+`put` and `remove` change the cluster behind the controller's back (another client's writes).
 """
 
 from __future__ import annotations
@@ -52,10 +57,13 @@ class FakeInformer:
 
 
 class FakeKube:
-    def __init__(self, lag: float = 0.0, start_s: float | None = 0.05, api_s: float = 0.001):
+    def __init__(self, lag: float = 0.0, start_s: float | None = 0.05, api_s: float = 0.001,
+                 create_s: float = 0.0):
         self.lag = lag
         self.start_s = start_s
         self.api_s = api_s
+        self.create_s = create_s
+        self.nodes: list[dict] = []
         self.pods: dict[str, dict] = {}  # the truth
         self.view: dict[str, dict] = {}  # what the lagging list and watch have shown so far
         self.config_maps: dict[str, dict] = {}
@@ -63,6 +71,8 @@ class FakeKube:
         self.calls: list[tuple[str, str]] = []
         self.faults: list[Fault] = []
         self.created_names: list[str] = []  # every pod actually stored, in order
+        self.created_uids: list[str] = []  # ...and its uid
+        self.deletes: list[tuple[str, str | None]] = []
         self._informers: list[FakeInformer] = []
         self._rv = itertools.count(1)
         self._held = asyncio.Event()
@@ -76,6 +86,18 @@ class FakeKube:
 
     def count(self, method: str) -> int:
         return sum(1 for m, _ in self.calls if m == method)
+
+    def put(self, pod: dict) -> None:
+        """`pod` (its uid given) is in the cluster, stored by someone else."""
+        pod = copy.deepcopy(pod)
+        self.pods[pod["metadata"]["name"]] = pod
+        self._touch(pod, "ADDED")
+
+    def remove(self, name: str) -> None:
+        """The pod `name` is gone (someone else's delete finished)."""
+        pod = self.pods.pop(name, None)
+        if pod is not None:
+            self._touch(pod, "DELETED")
 
     # ---- internals ----------------------------------------------------------------------------
     async def _enter(self, method: str, name: str) -> str | None:
@@ -132,6 +154,8 @@ class FakeKube:
     async def create_pod(self, body: dict) -> dict:
         name = body["metadata"]["name"]
         spoil = await self._enter("create", name)
+        if self.create_s:
+            await asyncio.sleep(self.create_s)
         if name in self.pods:
             raise client.ApiException(status=409, reason="AlreadyExists")
         pod = copy.deepcopy(body)
@@ -141,6 +165,7 @@ class FakeKube:
         pod["status"] = {"phase": "Pending"}
         self.pods[name] = pod
         self.created_names.append(name)
+        self.created_uids.append(pod["metadata"]["uid"])
         out = self._touch(pod, "ADDED")
         if self.start_s is not None:
             asyncio.get_running_loop().call_later(self.start_s, self._kubelet, name,
@@ -169,6 +194,7 @@ class FakeKube:
 
     async def delete_pod(self, name: str, uid: str | None) -> dict:
         spoil = await self._enter("delete", name)
+        self.deletes.append((name, uid))
         pod = self.pods.get(name)
         if pod is None:
             raise client.ApiException(status=404, reason="NotFound")
@@ -181,12 +207,13 @@ class FakeKube:
 
     async def list_pods(self, selector: str) -> list[dict]:
         await self._enter("list", "")
-        k, _, v = selector.partition("=")
+        k, eq, v = selector.partition("=")  # `key=value`, or `key`: the label is set
         return [copy.deepcopy(p) for p in self.view.values()
-                if (p["metadata"].get("labels") or {}).get(k) == v]
+                if (p["metadata"].get("labels") or {}).get(k) == v
+                or not eq and k in (p["metadata"].get("labels") or {})]
 
     async def list_nodes(self, selector: str) -> list[dict]:
-        return []  # the image pre-pull is tested against the real API (test_prepull_on_testbed)
+        return copy.deepcopy(self.nodes)
 
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         return []

@@ -1,6 +1,6 @@
 """Whose puller is it: the pre-pull reads, adopts and deletes only pods it created. Pure logic
-and a scripted Kube (the create's timing is the point); on the kwok bed's real API server:
-test_prepull_stop_on_testbed.py.
+and the in-memory Kube (tests/controller/fakekube.py; the create's timing is the point); on the
+kwok bed's real API server: test_prepull_stop_on_testbed.py.
 
 - a pod met under a puller's name is adopted only when it is this create's own (its command is
   drawn per create and unknown to anyone until the create stores it): another controller's
@@ -14,15 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import copy
-import itertools
-
-from kubernetes import client
 
 from controller import prepull as PP
 from controller.create import proof
 from controller.pacer import Limits, Pacer
 from controller.settings import Settings
 from sandman import contract
+from tests.controller.fakekube import FakeKube
 
 IMAGE = f"registry.example/swe/task@sha256:{'ef' * 32}"
 NODE = "node-1"
@@ -84,53 +82,19 @@ def test_under_a_books_key_the_sweep_needs_the_controller_s_proof():
     assert not PP.sweepable(moved, KEY, "sbx")
 
 
-class ScriptedKube:
-    """A Kube with the API server's name and uid rules; a create takes `create_s` (its call
-    runs on when the caller gives up waiting, as the client's thread does)."""
-
-    def __init__(self, create_s: float = 0.0):
-        self.create_s = create_s
-        self.pods: dict[str, dict] = {}
-        self.deletes: list[tuple[str, str | None]] = []
-        self.creating = asyncio.Event()
-        self._uids = itertools.count(1)
-
-    async def list_nodes(self, selector: str) -> list[dict]:
-        return [{"metadata": {"name": NODE}, "spec": {},
-                 "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]
-
-    async def list_pods(self, selector: str) -> list[dict]:
-        return [copy.deepcopy(p) for p in self.pods.values()
-                if selector in p["metadata"].get("labels", {})]
-
-    async def create_pod(self, body: dict) -> dict:
-        self.creating.set()
-        await asyncio.sleep(self.create_s)
-        name = body["metadata"]["name"]
-        if name in self.pods:
-            raise client.ApiException(status=409, reason="AlreadyExists")
-        self.pods[name] = stored(body, f"uid-{next(self._uids)}")  # pending forever
-        return copy.deepcopy(self.pods[name])
-
-    async def read_pod(self, name: str) -> dict:
-        if name not in self.pods:
-            raise client.ApiException(status=404, reason="NotFound")
-        return copy.deepcopy(self.pods[name])
-
-    async def delete_pod(self, name: str, uid: str | None) -> dict:
-        self.deletes.append((name, uid))
-        if name not in self.pods:
-            raise client.ApiException(status=404, reason="NotFound")
-        if uid is not None and self.pods[name]["metadata"]["uid"] != uid:
-            raise client.ApiException(status=409, reason="Conflict")
-        return self.pods.pop(name)
+def one_node_kube(create_s: float = 0.0) -> FakeKube:
+    """The API server with one Ready node and no kubelet (a puller stays Pending)."""
+    k = FakeKube(start_s=None, api_s=0.0, create_s=create_s)
+    k.nodes = [{"metadata": {"name": NODE}, "spec": {},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]}}]
+    return k
 
 
 def run(coro):
     return asyncio.run(asyncio.wait_for(coro, timeout=30))
 
 
-async def started(kube: ScriptedKube) -> tuple[PP.Prepuller, Pacer, asyncio.Task]:
+async def started(kube: FakeKube) -> tuple[PP.Prepuller, Pacer, asyncio.Task]:
     pacer = Pacer(Limits(rate=1000, burst=1000))
     pacer.start()
     # Under a books key: a squatter shaped like a puller is not the sweep's either.
@@ -141,7 +105,7 @@ async def started(kube: ScriptedKube) -> tuple[PP.Prepuller, Pacer, asyncio.Task
 
 def test_stop_deletes_a_puller_being_watched():
     async def main():
-        kube = ScriptedKube()
+        kube = one_node_kube()
         p, pacer, task = await started(kube)
         name = PP.puller_name(IMAGE, NODE)
         for _ in range(200):
@@ -163,9 +127,12 @@ def test_stop_deletes_the_pod_of_a_create_still_in_flight():
     """The create's call outlives the cancelled puller (the client's thread goes on): the pod
     it stores is deleted by its uid, not left for the next leader."""
     async def main():
-        kube = ScriptedKube(create_s=0.5)
+        kube = one_node_kube(create_s=0.5)
         p, pacer, task = await started(kube)
-        await asyncio.wait_for(kube.creating.wait(), 5)
+        for _ in range(500):  # the create is in flight (stored only in 0.5 s)
+            if kube.count("create"):
+                break
+            await asyncio.sleep(0.01)
         await p.stop()
         await pacer.stop()
         return kube
@@ -173,15 +140,14 @@ def test_stop_deletes_the_pod_of_a_create_still_in_flight():
     kube = run(main())
     assert kube.pods == {}
     [(name, uid)] = kube.deletes
-    assert name == PP.puller_name(IMAGE, NODE) and uid == "uid-1"
+    assert name == PP.puller_name(IMAGE, NODE) and [uid] == kube.created_uids
 
 
 def test_stop_never_deletes_a_pod_it_did_not_create():
     async def main():
-        kube = ScriptedKube()
-        name = PP.puller_name(IMAGE, NODE)
+        kube = one_node_kube()
         # Another controller's puller, as written, under the name: a squatter here.
-        kube.pods[name] = stored(prepuller().body(IMAGE, NODE), "theirs")
+        kube.put(stored(prepuller().body(IMAGE, NODE), "theirs"))
         p, pacer, task = await started(kube)
         for _ in range(200):
             per = p.images[IMAGE]
@@ -203,12 +169,12 @@ def test_a_leftover_being_deleted_gives_up_its_name():
     """An earlier leader's puller being deleted (a deletionTimestamp) is waited out, not
     reported as a squatter: its name is free again shortly."""
     async def main():
-        kube = ScriptedKube()
+        kube = one_node_kube()
         name = PP.puller_name(IMAGE, NODE)
         going = stored(prepuller().body(IMAGE, NODE), "old")
         going["metadata"]["deletionTimestamp"] = "2026-01-01T00:00:00Z"
-        kube.pods[name] = going
-        asyncio.get_running_loop().call_later(0.3, kube.pods.pop, name)
+        kube.put(going)
+        asyncio.get_running_loop().call_later(0.3, kube.remove, name)
         p, pacer, task = await started(kube)
         for _ in range(300):
             if kube.pods.get(name, going)["metadata"]["uid"] != "old":
