@@ -9,7 +9,7 @@ import re
 import stat
 
 from .base import _SHA256_HEX, sha256
-from .wire import HTTPError, still_authorized
+from .wire import HTTPError, json_bytes, still_authorized
 
 
 def resolve_path(d, path, for_write=False):
@@ -150,3 +150,78 @@ def write_file(d, req):
                 pass
             raise HTTPError(400, "write failed: %s" % (e.strerror or e), {"path": real}) from None
     return {"path": real, "size": len(data), "sha256": sha256(data).hexdigest()}
+
+
+def _r_files_write(handler, query):
+    handler.reply(200, write_file(handler.daemon, handler.json_body()))
+
+
+def _r_files_read(handler, query):
+    """Streams {"data_b64": ..., "size": n, "sha256": ...}: one pass over the file, the
+    hash covers exactly the bytes sent."""
+    req = handler.json_body()
+    real = resolve_path(handler.daemon, req.get("path"))
+    fd, st = open_regular(real)
+    try:
+        size = st.st_size
+        prefix = b'{"path":' + json_bytes(real) + b',"data_b64":"'
+        suffix_len = len(b'","size":%d,"sha256":"' % size) + 64 + 2
+        length = len(prefix) + 4 * ((size + 2) // 3) + suffix_len
+        handler.send_raw(200, prefix, "application/json", length=length)
+        h = sha256()
+        left = size
+        while left > 0:
+            chunk = os.read(fd, min(left, 3 << 18))  # multiple of 3: base64 joins cleanly
+            if not chunk:
+                break
+            if len(chunk) % 3 and len(chunk) < left:
+                more = os.read(fd, 3 - len(chunk) % 3)
+                chunk += more
+            h.update(chunk)
+            left -= len(chunk)
+            handler.wfile.write(base64.b64encode(chunk))
+        if left:
+            # The file shrank while we sent it: cut the response so the client sees it.
+            handler.close_connection = True
+            return
+        handler.wfile.write(b'","size":%d,"sha256":"%s"}' % (size, h.hexdigest().encode()))
+    finally:
+        os.close(fd)
+
+
+def _r_files_get(handler, query):
+    path = query.get("path")
+    real = resolve_path(handler.daemon, path[-1] if path else None)
+    fd, st = open_regular(real)
+    try:
+        size = st.st_size
+        h = sha256()
+        left = size
+        while left > 0:  # pass 1: the hash header must precede the body
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            h.update(chunk)
+            left -= len(chunk)
+        if left:
+            raise HTTPError(409, "file changed while reading", {"path": real})
+        digest = h.hexdigest()
+        os.lseek(fd, 0, os.SEEK_SET)
+        handler.send_raw(200, b"", "application/octet-stream", length=size,
+                      headers=[("X-Content-SHA256", digest)])
+        h2 = sha256()
+        left = size
+        while left > 0:  # pass 2 streams; a file changed in between cuts the connection
+            chunk = os.read(fd, min(left, 1 << 20))
+            if not chunk:
+                break
+            h2.update(chunk)
+            left -= len(chunk)
+            if left == 0 and h2.hexdigest() != digest:
+                handler.close_connection = True
+                return
+            handler.wfile.write(chunk)
+        if left:
+            handler.close_connection = True
+    finally:
+        os.close(fd)

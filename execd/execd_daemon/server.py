@@ -1,10 +1,8 @@
 """HTTP: the connection budget, the request handler, the route table, streamed answers and the
 server. One handler style: a route is a function of (handler, query)."""
 
-import base64
 import collections
 import io
-import os
 import re
 import select
 import socket
@@ -32,7 +30,7 @@ from .base import (
     now,
     sha256,
 )
-from .files import open_regular, resolve_path, write_file
+from .files import _r_files_get, _r_files_read, _r_files_write
 from .reuse import _r_baseline, _r_diff, _r_restore
 from .sessions import (
     _r_session_close,
@@ -382,143 +380,80 @@ class Handler(BaseHTTPRequestHandler):
             except OSError:
                 self.close_connection = True
 
-    # ------------------------------------------------------------ routes
 
-    def r_health(self, query):
-        self.reply(200, {"ok": True, "version": VERSION})
+# The daemon's own routes; the others live with their concern (files, trees, reuse, background,
+# sessions). Every route is a function of (handler, query).
 
-    def r_ready(self, query):
-        res = self.daemon.ready.get()
-        res["version"] = VERSION
-        self.reply(200 if res.get("ok") else 503, res)
+def _r_health(handler, query):
+    handler.reply(200, {"ok": True, "version": VERSION})
 
-    def r_exec(self, query):
-        self.reply(200, self.daemon.exec_command(self.json_body()))
 
-    def r_exec_stream(self, query):
-        stream = ExecStream(self)
-        body = self.json_body()
-        try:
-            result = self.daemon.stream_command(body, stream)
-        except HTTPError as e:
-            if not stream.started:
-                raise
-            obj = {"error": e.message, "code": e.code}
-            obj.update(e.extra)
-            stream.finish(obj)
-            return
-        except Exception as e:
-            if not stream.started:
-                raise
-            sys.stderr.write("execd: internal error on /exec/stream: %r\n" % (e,))
-            self.close_connection = True
-            stream.finish({"error": "internal error: %s" % type(e).__name__, "code": 500})
-            return
-        stream.finish({"result": result})
+def _r_ready(handler, query):
+    res = handler.daemon.ready.get()
+    res["version"] = VERSION
+    handler.reply(200 if res.get("ok") else 503, res)
 
-    def r_env(self, query):
-        self.reply(200, self.daemon.set_env(self.json_body()))
 
-    def r_reset(self, query):
-        self.reply(200, self.daemon.reset(self.json_body()))
+def _r_exec(handler, query):
+    handler.reply(200, handler.daemon.exec_command(handler.json_body()))
 
-    def r_state(self, query):
-        st = self.daemon.state()
-        st["connections"] = self.server.budget.counts()  # the pre-auth budget at work
-        self.reply(200, st)
 
-    def r_conditions(self, query):
-        self.reply(200, self.daemon.conditions(query))
+def _r_exec_stream(handler, query):
+    stream = ExecStream(handler)
+    body = handler.json_body()
+    try:
+        result = handler.daemon.stream_command(body, stream)
+    except HTTPError as e:
+        if not stream.started:
+            raise
+        obj = {"error": e.message, "code": e.code}
+        obj.update(e.extra)
+        stream.finish(obj)
+        return
+    except Exception as e:
+        if not stream.started:
+            raise
+        sys.stderr.write("execd: internal error on /exec/stream: %r\n" % (e,))
+        handler.close_connection = True
+        stream.finish({"error": "internal error: %s" % type(e).__name__, "code": 500})
+        return
+    stream.finish({"result": result})
 
-    def r_files_write(self, query):
-        self.reply(200, write_file(self.daemon, self.json_body()))
 
-    def r_files_read(self, query):
-        """Streams {"data_b64": ..., "size": n, "sha256": ...}: one pass over the file, the
-        hash covers exactly the bytes sent."""
-        req = self.json_body()
-        real = resolve_path(self.daemon, req.get("path"))
-        fd, st = open_regular(real)
-        try:
-            size = st.st_size
-            prefix = b'{"path":' + json_bytes(real) + b',"data_b64":"'
-            suffix_len = len(b'","size":%d,"sha256":"' % size) + 64 + 2
-            length = len(prefix) + 4 * ((size + 2) // 3) + suffix_len
-            self.send_raw(200, prefix, "application/json", length=length)
-            h = sha256()
-            left = size
-            while left > 0:
-                chunk = os.read(fd, min(left, 3 << 18))  # multiple of 3: base64 joins cleanly
-                if not chunk:
-                    break
-                if len(chunk) % 3 and len(chunk) < left:
-                    more = os.read(fd, 3 - len(chunk) % 3)
-                    chunk += more
-                h.update(chunk)
-                left -= len(chunk)
-                self.wfile.write(base64.b64encode(chunk))
-            if left:
-                # The file shrank while we sent it: cut the response so the client sees it.
-                self.close_connection = True
-                return
-            self.wfile.write(b'","size":%d,"sha256":"%s"}' % (size, h.hexdigest().encode()))
-        finally:
-            os.close(fd)
+def _r_env(handler, query):
+    handler.reply(200, handler.daemon.set_env(handler.json_body()))
 
-    def r_files_get(self, query):
-        path = query.get("path")
-        real = resolve_path(self.daemon, path[-1] if path else None)
-        fd, st = open_regular(real)
-        try:
-            size = st.st_size
-            h = sha256()
-            left = size
-            while left > 0:  # pass 1: the hash header must precede the body
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
-                    break
-                h.update(chunk)
-                left -= len(chunk)
-            if left:
-                raise HTTPError(409, "file changed while reading", {"path": real})
-            digest = h.hexdigest()
-            os.lseek(fd, 0, os.SEEK_SET)
-            self.send_raw(200, b"", "application/octet-stream", length=size,
-                          headers=[("X-Content-SHA256", digest)])
-            h2 = sha256()
-            left = size
-            while left > 0:  # pass 2 streams; a file changed in between cuts the connection
-                chunk = os.read(fd, min(left, 1 << 20))
-                if not chunk:
-                    break
-                h2.update(chunk)
-                left -= len(chunk)
-                if left == 0 and h2.hexdigest() != digest:
-                    self.close_connection = True
-                    return
-                self.wfile.write(chunk)
-            if left:
-                self.close_connection = True
-        finally:
-            os.close(fd)
+
+def _r_reset(handler, query):
+    handler.reply(200, handler.daemon.reset(handler.json_body()))
+
+
+def _r_state(handler, query):
+    st = handler.daemon.state()
+    st["connections"] = handler.server.budget.counts()  # the pre-auth budget at work
+    handler.reply(200, st)
+
+
+def _r_conditions(handler, query):
+    handler.reply(200, handler.daemon.conditions(query))
 
 
 PUBLIC_ROUTES = ("/health", EXECD_READY_PATH)  # no token: the kubelet calls them
 
 ROUTES = {
-    "/health": ("GET", Handler.r_health),
-    EXECD_READY_PATH: ("GET", Handler.r_ready),
-    "/exec": ("POST", Handler.r_exec),
-    "/exec/stream": ("POST", Handler.r_exec_stream),
-    "/files/read": ("POST", Handler.r_files_read),
-    "/files": ("GET", Handler.r_files_get),
-    "/files/write": ("POST", Handler.r_files_write),
+    "/health": ("GET", _r_health),
+    EXECD_READY_PATH: ("GET", _r_ready),
+    "/exec": ("POST", _r_exec),
+    "/exec/stream": ("POST", _r_exec_stream),
+    "/files/read": ("POST", _r_files_read),
+    "/files": ("GET", _r_files_get),
+    "/files/write": ("POST", _r_files_write),
     "/files/tree": ("GET", tree_read),
     "/files/tree/write": ("POST", tree_write),
-    "/env": ("POST", Handler.r_env),
-    "/reset": ("POST", Handler.r_reset),
-    "/state": ("GET", Handler.r_state),
-    "/conditions": ("GET", Handler.r_conditions),
+    "/env": ("POST", _r_env),
+    "/reset": ("POST", _r_reset),
+    "/state": ("GET", _r_state),
+    "/conditions": ("GET", _r_conditions),
     "/baseline": ("POST", _r_baseline),
     "/diff": ("GET", _r_diff),
     "/restore": ("POST", _r_restore),
