@@ -54,7 +54,7 @@ from pathlib import Path
 from bench import docs, realnode_agent
 from bench.docs import LOAD_MAX, docs_refusal, load1, settle
 from bench.stats import percentile, summarize
-from sandman.podspec import parse_quantity
+from sandman.quantity import parse_quantity
 
 ROOT = Path(__file__).resolve().parent.parent
 SECTION = "## real node: `python -m bench.realnode`"

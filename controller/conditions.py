@@ -16,6 +16,7 @@ from typing import Any
 from controller.execd_client import ExecdClient
 from sandman import api, contract, egress
 from sandman.execd_api import EnvRequest
+from sandman.quantity import parse_quantity
 
 log = logging.getLogger("controller")
 
@@ -108,8 +109,6 @@ def _tz(z: str) -> str:
 
 
 def _memory_bytes(q: str) -> int:
-    from sandman.podspec import parse_quantity
-
     return int(parse_quantity(q))
 
 

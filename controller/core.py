@@ -51,6 +51,7 @@ from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
 from sandman import api, contract, egress
+from sandman.quantity import parse_quantity
 
 log = logging.getLogger("controller")
 
@@ -169,8 +170,6 @@ class Controller:
             raise BadRequest(f"egress must be deny or allow, not {spec.egress!r}")
         if spec.egress_allow:
             self.validate_egress(spec)
-        from sandman.podspec import parse_quantity
-
         for what, q in (("cpu", spec.cpu), ("memory", spec.memory)):
             try:
                 if parse_quantity(q) <= 0:
@@ -316,8 +315,6 @@ class Controller:
             raise BadRequest(f"conditions: unknown field(s) {', '.join(sorted(unknown))}")
         mem = conditions.get("memory_limit")
         if mem is not None:
-            from sandman.podspec import parse_quantity
-
             try:
                 if parse_quantity(mem) <= 0:
                     raise ValueError

@@ -51,6 +51,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, replace
 
 from sandman import contract
+from sandman.quantity import parse_quantity
 
 TAU_S = 60.0
 REFILL_ALPHA = 0.3
@@ -74,8 +75,6 @@ def cpu_of(spec) -> float:
 
 @functools.lru_cache(maxsize=1024)
 def _cores(quantity: str) -> float:
-    from sandman.podspec import parse_quantity
-
     try:
         return float(parse_quantity(quantity))
     except Exception:  # noqa: BLE001 - validated at acquire; a bad one counts as one core

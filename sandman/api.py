@@ -20,7 +20,7 @@ from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
 from urllib.parse import quote
 
-from sandman import contract
+from sandman import contract, quantity
 
 # ---- the default sandbox: the paper's reference size, requests equal limits
 
@@ -172,17 +172,12 @@ def _check_lifetime(lifetime_s: Any) -> None:
            "lifetime_s: must be a number of seconds")
 
 
-# A Kubernetes quantity's syntax (k8s.io/apimachinery resource.Quantity), without a minus: a
-# size is never negative. The controller parses the value; this refuses what can never be one
-# ("two", "2 CPUs") before anything is sent.
-_QUANTITY_SYNTAX = re.compile(r"\+?([0-9]+(\.[0-9]*)?|\.[0-9]+)"
-                              r"([eE][+-]?[0-9]+|Ki|Mi|Gi|Ti|Pi|Ei|[numkMGTPE])?")
-
-
+# The controller parses the value; this refuses what can never be one ("two", "2 CPUs", a
+# negative size) before anything is sent.
 def _check_size(cpu: Any, memory: Any) -> None:
-    _check(isinstance(cpu, str) and _QUANTITY_SYNTAX.fullmatch(cpu) is not None,
+    _check(quantity.is_quantity(cpu),
            f"cpu: must be a Kubernetes quantity such as 2, 500m or 1.5, not {cpu!r}")
-    _check(isinstance(memory, str) and _QUANTITY_SYNTAX.fullmatch(memory) is not None,
+    _check(quantity.is_quantity(memory),
            f"memory: must be a Kubernetes quantity such as 8Gi or 512Mi, not {memory!r}")
 
 
@@ -233,7 +228,7 @@ def _set(obj: Any, name: str, value: Any) -> None:
 
 def _check_extra(ephemeral_storage: Any, gpu: Any) -> None:
     _check(ephemeral_storage is None or (isinstance(ephemeral_storage, str)
-                                         and _positive_quantity(ephemeral_storage)),
+                                         and quantity.is_positive_plain(ephemeral_storage)),
            "ephemeral_storage: must be a positive Kubernetes quantity such as 10Gi, "
            f"not {ephemeral_storage!r}")
     _check(not isinstance(gpu, bool) and isinstance(gpu, int) and 0 <= gpu <= MAX_GPU,
@@ -275,15 +270,9 @@ class Spec(_Model):
         _check_extra(self.ephemeral_storage, self.gpu)
 
 
-_QUANTITY = re.compile(r"[0-9]+(\.[0-9]+)?(Ki|Mi|Gi|Ti|Pi|Ei|k|M|G|T|P|E)?")
 # The declarable run conditions; a refusal's metric label is one of these (or "probe").
 CONDITION_FIELDS = ("egress", "cpu_quota", "visible_cpus", "memory_limit", "user", "tz",
                     "hash_seed", "time_limit_s", "egress_allow")
-
-
-def _positive_quantity(v: str) -> bool:
-    m = _QUANTITY.fullmatch(v)
-    return m is not None and float(v[:m.start(2)] if m.group(2) else v) > 0
 
 
 def _number(v: Any) -> bool:
@@ -334,7 +323,7 @@ class Conditions(_Model):
                                              and 0 < self.visible_cpus <= 65536),
                "conditions.visible_cpus: must be an integer > 0")
         _check(self.memory_limit is None or (isinstance(self.memory_limit, str)
-                                             and _positive_quantity(self.memory_limit)),
+                                             and quantity.is_positive_plain(self.memory_limit)),
                "conditions.memory_limit: must be a quantity such as 8Gi or 512Mi")
         _check(self.user is None or (isinstance(self.user, str) and 0 < len(self.user) <= 64
                                      and ":" not in self.user and self.user.strip() == self.user),

@@ -21,7 +21,7 @@ import ipaddress
 import posixpath
 import re
 from dataclasses import dataclass
-from decimal import Decimal, InvalidOperation
+from decimal import Decimal
 
 from sandman import egress as egress_entries
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
@@ -57,6 +57,7 @@ from sandman.contract import (
     is_token_sha256,
     netguard_argparse_kwargs,
 )
+from sandman.quantity import format_quantity, parse_quantity
 
 GUARD_ALWAYS = "always"  # every sandbox gets netguard (inbound guard on execd's port at least)
 GUARD_EGRESS_DENY = "egress-deny"  # only pods labelled egress=deny get netguard
@@ -316,32 +317,6 @@ def gpu_policy(args) -> dict:
             "gpu_tolerations": tuple(args.gpu_toleration or ())}
 
 
-# --- quantities ------------------------------------------------------------------------------
-
-_SUFFIXES = {
-    "Ki": Decimal(2) ** 10, "Mi": Decimal(2) ** 20, "Gi": Decimal(2) ** 30,
-    "Ti": Decimal(2) ** 40, "Pi": Decimal(2) ** 50, "Ei": Decimal(2) ** 60,
-    "n": Decimal("1e-9"), "u": Decimal("1e-6"), "m": Decimal("1e-3"), "": Decimal(1),
-    "k": Decimal("1e3"), "M": Decimal("1e6"), "G": Decimal("1e9"), "T": Decimal("1e12"),
-    "P": Decimal("1e15"), "E": Decimal("1e18"),
-}
-
-
-def parse_quantity(value: str | int | float) -> Decimal:
-    """A Kubernetes resource quantity as a Decimal ("500m" -> 0.5, "1Gi" -> 1073741824)."""
-    text = str(value).strip()
-    for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-        if suffix and text.endswith(suffix):
-            number, factor = text[: -len(suffix)], _SUFFIXES[suffix]
-            break
-    else:
-        number, factor = text, Decimal(1)
-    try:
-        return Decimal(number) * factor
-    except InvalidOperation:
-        raise ValueError(f"not a resource quantity: {value!r}") from None
-
-
 def _same_quantity(a, b) -> bool:
     try:
         return parse_quantity(a) == parse_quantity(b)
@@ -550,23 +525,6 @@ def netguard_args(pod: dict, policy: SandboxPolicy) -> list[str]:
 # The end of every guard's args: the node's own address and the pod's gateway (the kubelet's
 # probes come from one of them). webhook/policy.py's CEL renders the same tail.
 GUARD_ARGS_TAIL = (NETGUARD_FLAG_INGRESS_FROM, f"$({NODE_IP_ENV})", NETGUARD_FLAG_INGRESS_FROM_GATEWAY)
-
-
-def format_quantity(value: Decimal, binary: bool) -> str:
-    """A quantity in the spelling the API server stores ("1500m", "2", "1536Mi", "1G")."""
-    if value == value.to_integral_value():
-        n = int(value)
-        suffixes = ("Ei", "Pi", "Ti", "Gi", "Mi", "Ki", "E", "P", "T", "G", "M", "k") if binary else ()
-        for suffix in suffixes:
-            factor = int(_SUFFIXES[suffix])
-            if n and n % factor == 0:
-                return f"{n // factor}{suffix}"
-        return str(n)
-    for suffix in ("m", "u", "n"):
-        scaled = value / _SUFFIXES[suffix]
-        if scaled == scaled.to_integral_value():
-            return f"{int(scaled)}{suffix}"
-    return f"{int((value / _SUFFIXES['n']).to_integral_value(rounding='ROUND_CEILING'))}n"
 
 
 def injected_resources(pod: dict, policy: SandboxPolicy | None = None) -> dict:

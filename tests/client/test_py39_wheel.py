@@ -31,8 +31,8 @@ ALLOWED = {"sandman-client", "httpx", "httpcore", "anyio", "sniffio", "idna", "c
 SERVER = {"sandman", "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn",
           "kubernetes", "cryptography", "pyroute2", "prometheus-client", "jsonpatch", "pyyaml",
           "uvloop", "httptools", "locust"}
-CLIENT_FILES = {"client", "api.py", "contract.py", "egress.py", "_version.py", "py.typed",
-                "__pycache__"}
+CLIENT_FILES = {"client", "api.py", "execd_api.py", "contract.py", "egress.py", "quantity.py",
+                "_version.py", "py.typed", "__pycache__"}
 
 SCRIPT = textwrap.dedent('''
     import asyncio, importlib, json, pkgutil, sys

@@ -26,7 +26,7 @@ from kubernetes import client
 from loadtest.audit import job_label
 from loadtest.job import TRAINERS_NS_LABEL, render
 from sandman import contract
-from sandman.podspec import parse_quantity
+from sandman.quantity import parse_quantity
 from testbed import realnode
 from tests.e2e.helpers import SDK_CA, TASK_IMAGE, copy_ca, placement
 

@@ -193,7 +193,7 @@ def _all(spec: dict):
 
 
 def _quantity_equal(a, b) -> bool:
-    from sandman.podspec import parse_quantity
+    from sandman.quantity import parse_quantity
 
     return a is not None and b is not None and parse_quantity(a) == parse_quantity(b)
 

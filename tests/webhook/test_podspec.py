@@ -15,8 +15,8 @@ from sandman.podspec import (
     SandboxPolicy,
     check_sandbox,
     make_sandbox,
-    parse_quantity,
 )
+from sandman.quantity import parse_quantity
 
 CPU = st.sampled_from(["100m", "250m", "0.5", "1", "1000m", "2", "4"])
 MEM = st.sampled_from(["64Mi", "128Mi", "1Gi", "1024Mi", "2G", "8Gi"])
