@@ -15,6 +15,11 @@ from testbed import build
 from testbed.install import Install, InstallError
 from testbed.procs import refused_port
 
+# The bed's tier: the fixture needs the bed's kubectl and builds the bed's binaries when they
+# are missing (417 s of `make check` on a machine whose `make testbed-build` had not ended);
+# the check tier needs `make deps` only.
+pytestmark = pytest.mark.testbed
+
 
 @pytest.fixture
 def dead_install(tmp_path) -> Iterator[Install]:
