@@ -29,7 +29,10 @@ _UTC = {"UTC", "Etc/UTC", "UCT", "Etc/UCT", "Universal", "Etc/Universal", "Zulu"
 
 
 @dataclass
-class Verdict:
+class Comparison:
+    """The declared conditions against what the pod read (`compare`); its `answer()` is the
+    acquire's api.ConditionsCheck."""
+
     verified: dict[str, Any] = field(default_factory=dict)
     unverified: list[str] = field(default_factory=list)
     contradicted: list[tuple[str, Any, Any]] = field(default_factory=list)  # field, want, read
@@ -148,10 +151,10 @@ def _shown(name: str, got: Any) -> Any:
     return got
 
 
-def compare(declared: dict[str, Any], answer: dict) -> Verdict:
+def compare(declared: dict[str, Any], answer: dict) -> Comparison:
     """Each declared field against the pod's reading (execd's /conditions answer)."""
     got = readings(answer)
-    v = Verdict()
+    v = Comparison()
     for name in api.CONDITION_FIELDS:
         if name not in declared or declared[name] is None:
             continue
@@ -191,10 +194,10 @@ class Checker:
         probe = self.egress_probe if ("egress" in declared or "egress_allow" in declared) else None
         return await self._execd.conditions(ip, token, probe)
 
-    async def check(self, ip: str, token: str, declared: dict[str, Any]) -> Verdict:
+    async def check(self, ip: str, token: str, declared: dict[str, Any]) -> Comparison:
         """The verdict; a pod whose probe fails gets a `probe` contradiction."""
         try:
             answer = await self.read(ip, token, declared)
         except Exception as ex:  # noqa: BLE001 - any failure refuses the pod
-            return Verdict(contradicted=[("probe", "an answer", f"no answer: {ex}")])
+            return Comparison(contradicted=[("probe", "an answer", f"no answer: {ex}")])
         return compare(declared, answer)

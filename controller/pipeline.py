@@ -22,7 +22,7 @@ from kubernetes import client
 from controller import metrics
 from controller import pods as P
 from controller.books import DRAINED, ENDING, ORPHANED, POOL_JOB, Books, Entry, State
-from controller.conditions import Checker, Verdict
+from controller.conditions import Checker, Comparison
 from controller.create import Creator
 from controller.errors import AcquireError, AcquireTimeout, ConditionsRefused, PodFailed
 from controller.execd_client import ExecdClient
@@ -160,13 +160,13 @@ class Pipeline:
         fail(e, ConditionsRefused(f"pod {e.name} refused: {v.message()}"))
         return False
 
-    async def check_conditions(self, e: Entry, declared: dict) -> Verdict:
+    async def check_conditions(self, e: Entry, declared: dict) -> Comparison:
         """Read the pod's conditions with the sandbox token this controller holds."""
         if not e.ip or not e.token:
-            return Verdict(contradicted=[("probe", "an answer", "no pod IP or token")])
+            return Comparison(contradicted=[("probe", "an answer", "no pod IP or token")])
         return await self.checker.check(e.ip, e.token, declared)
 
-    def refuse(self, e: Entry, v: Verdict) -> None:
+    def refuse(self, e: Entry, v: Comparison) -> None:
         """The pod contradicts a declared condition: counted, an event, deleted."""
         for name, _, _ in v.contradicted:
             metrics.conditions_refused(name)

@@ -94,7 +94,7 @@ def _re(pattern: str) -> re.Pattern[str]:
     return re.compile(pattern)
 
 
-class Entry:
+class EgressEntry:
     """One parsed entry (immutable). `text` is its canonical spelling."""
 
     __slots__ = ("kind", "network", "name", "namespace", "port", "protocol")
@@ -111,19 +111,19 @@ class Entry:
             object.__setattr__(self, k, v)
 
     def __setattr__(self, key: str, value: object) -> None:
-        raise AttributeError("Entry is immutable")
+        raise AttributeError("EgressEntry is immutable")
 
     def _fields(self) -> tuple[object, ...]:
         return (self.kind, self.network, self.name, self.namespace, self.port, self.protocol)
 
     def __eq__(self, other: object) -> bool:
-        return isinstance(other, Entry) and self._fields() == other._fields()
+        return isinstance(other, EgressEntry) and self._fields() == other._fields()
 
     def __hash__(self) -> int:
         return hash(self._fields())
 
     def __repr__(self) -> str:
-        return f"Entry({self.text!r})"
+        return f"EgressEntry({self.text!r})"
 
     @property
     def text(self) -> str:
@@ -155,7 +155,7 @@ def _error(text: object, why: str) -> ValueError:
     return ValueError(f"egress entry {_quote(text)}: {why}")
 
 
-def parse(text: str, *, ceiling: bool = False) -> Entry:
+def parse(text: str, *, ceiling: bool = False) -> EgressEntry:
     """One entry; ValueError with one line quoting it when it is not one. `ceiling`: `*` is
     accepted as the port and as a Service's name."""
     if not isinstance(text, str):
@@ -178,7 +178,7 @@ def parse(text: str, *, ceiling: bool = False) -> Entry:
             raise _error(text, f"{namespace!r} is not a namespace name (a DNS-1123 label; "
                          "a Service is written svc/NAME.NAMESPACE)")
         port, proto = _port(text, port_part, ceiling)
-        return Entry(SVC, None, name, namespace, port, proto)
+        return EgressEntry(SVC, None, name, namespace, port, proto)
     if text.startswith("["):
         inner, sep, rest = text[1:].partition("]")
         if not sep:
@@ -201,7 +201,7 @@ def parse(text: str, *, ceiling: bool = False) -> Entry:
             raise _error(text, "not an IPv4 address or CIDR (no leading zeros, no netmasks)")
         network = _network(text, host, 4)
         port, proto = _port(text, port_part, ceiling)
-    return Entry(CIDR, network, None, None, port, proto)
+    return EgressEntry(CIDR, network, None, None, port, proto)
 
 
 def _split_port(text: str, host_port: str) -> tuple[str, str]:
@@ -255,7 +255,7 @@ def _items(items: str | Sequence[str]) -> list[str]:
     return out
 
 
-def parse_list(items: str | Sequence[str]) -> tuple[Entry, ...]:
+def parse_list(items: str | Sequence[str]) -> tuple[EgressEntry, ...]:
     """A request's entries, canonical: sorted and deduplicated. A string is split on ','.
     ValueError (one line) on any bad entry, on more than MAX_ENTRIES entries, and when the
     rendered list exceeds MAX_ANNOTATION_CHARS."""
@@ -267,11 +267,11 @@ def parse_list(items: str | Sequence[str]) -> tuple[Entry, ...]:
     return entries
 
 
-def _canonical(entries: Iterable[Entry]) -> tuple[Entry, ...]:
-    return tuple(sorted(set(entries), key=Entry.sort_key))
+def _canonical(entries: Iterable[EgressEntry]) -> tuple[EgressEntry, ...]:
+    return tuple(sorted(set(entries), key=EgressEntry.sort_key))
 
 
-def render(entries: Iterable[Entry]) -> str:
+def render(entries: Iterable[EgressEntry]) -> str:
     """The annotation value: canonical entries joined by ','."""
     text = ",".join(e.text for e in _canonical(entries))
     if len(text) > MAX_ANNOTATION_CHARS:
@@ -291,9 +291,9 @@ class Ceiling:
     """The admin's bound on every allowlist. Empty: no allowlist is admitted."""
 
     __slots__ = ("entries",)
-    entries: tuple[Entry, ...]
+    entries: tuple[EgressEntry, ...]
 
-    def __init__(self, entries: Iterable[Entry] = ()) -> None:
+    def __init__(self, entries: Iterable[EgressEntry] = ()) -> None:
         self.entries = tuple(entries)
 
     def __repr__(self) -> str:
@@ -308,14 +308,14 @@ class Ceiling:
                              f"{MAX_CEILING_ENTRIES}")
         return cls(_canonical(parse(x, ceiling=True) for x in raw))
 
-    def admits(self, entry: Entry) -> bool:
+    def admits(self, entry: EgressEntry) -> bool:
         return any(_covers(c, entry) for c in self.entries)
 
     def __bool__(self) -> bool:
         return bool(self.entries)
 
 
-def _covers(c: Entry, e: Entry) -> bool:
+def _covers(c: EgressEntry, e: EgressEntry) -> bool:
     if c.kind != e.kind or c.protocol != e.protocol:
         return False
     if c.port is not None and c.port != e.port:
@@ -382,7 +382,7 @@ def nat64(net: ipaddress.IPv4Network) -> ipaddress.IPv6Network:
     return ipaddress.IPv6Network((addr, 96 + net.prefixlen))
 
 
-def _inside(entry: Entry, nets: dict[Network, str]) -> str | None:
+def _inside(entry: EgressEntry, nets: dict[Network, str]) -> str | None:
     e = entry.network
     assert e is not None
     for n, why in nets.items():
@@ -391,7 +391,7 @@ def _inside(entry: Entry, nets: dict[Network, str]) -> str | None:
     return None
 
 
-def carve_outs(entry: Entry, never: Iterable[Network] = ()) -> tuple[Network, ...]:
+def carve_outs(entry: EgressEntry, never: Iterable[Network] = ()) -> tuple[Network, ...]:
     """The never ranges (never_ranges(never)) strictly inside a CIDR entry's network, to be
     excepted from it; () for a Service entry (netguard checks its resolved addresses)."""
     e = entry.network
@@ -412,7 +412,7 @@ def address_refusal(address: str, never: Iterable[Network] = ()) -> str | None:
     return None
 
 
-def refusals(entries: Iterable[Entry], ceiling: Ceiling,
+def refusals(entries: Iterable[EgressEntry], ceiling: Ceiling,
              never: Iterable[Network] = ()) -> list[str]:
     """Why each entry is refused, one line each; [] when all are admitted. An empty ceiling
     refuses any entry, in one line."""

@@ -285,7 +285,9 @@ FIXED_VARIABLES: list[dict] = [
 
 
 @dataclass(frozen=True)
-class Rule:
+class Validation:
+    """One of the policy's validations: the CEL form of (part of) a webhook rule."""
+
     rule: str  # the webhook's rule name (docs/webhook.md), the message's prefix
     expression: str  # true: admit
     message: str  # CEL string expression; the caller prefixes "sandman <rule>: "
@@ -422,27 +424,27 @@ _GPU_TOLERATION = ("(t.?key.orValue('') in variables.gpuTolerationKeys || (t.?ke
                    "'' && t.?operator.orValue('') == 'Exists'))")
 
 
-RULES: list[Rule] = [
+RULES: list[Validation] = [
     # What makes the pod judged never changes (sandbox._identity_rules).
     # First: check_update judges these before anything else, and the API server reports
     # the first validation that fails.
-    Rule("metadata-immutable",
+    Validation("metadata-immutable",
          f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_SANDBOX)}].orValue('') != "
          f"{_q(SANDBOX_TRUE)} || variables.labelledSandbox",
          f"'label {LABEL_SANDBOX}={SANDBOX_TRUE} cannot be removed or changed; a new pod is "
          "needed'"),
-    Rule("metadata-immutable",
+    Validation("metadata-immutable",
          f"!variables.isUpdate || variables.oldLabels[?{_q(LABEL_EGRESS)}].orValue('') != "
          f"{_q(EGRESS_DENY)} || variables.deny",
          f"'label {LABEL_EGRESS}={EGRESS_DENY} cannot be removed or changed; a new pod is "
          "needed'"),
-    Rule("metadata-immutable",
+    Validation("metadata-immutable",
          "!variables.oldSandbox || "
          + _same(f"variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]",
                  f"variables.oldAnnotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"),
          f"'annotation {ANNOTATION_TOKEN_SHA256} cannot change after create; a new pod is "
          "needed'"),
-    Rule("metadata-immutable",
+    Validation("metadata-immutable",
          "!variables.isUpdate || "
          + _same(f"variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}]",
                  f"variables.oldAnnotations[?{_q(ANNOTATION_EGRESS_ALLOW)}]"),
@@ -451,10 +453,10 @@ RULES: list[Rule] = [
     # podspec.egress_allow: with egress=deny only, in the canonical shape, within the ceiling,
     # never inside a never range. The webhook checks more (the exact canonical text, the API
     # server's addresses); the policy never refuses what it admits.
-    Rule("egress-allow-invalid",
+    Validation("egress-allow-invalid",
          f"!variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}].hasValue() || variables.deny",
          f"'annotation {ANNOTATION_EGRESS_ALLOW} needs label {LABEL_EGRESS}={EGRESS_DENY}'"),
-    Rule("egress-allow-invalid",
+    Validation("egress-allow-invalid",
          f"variables.annotations[?{_q(ANNOTATION_EGRESS_ALLOW)}].orValue('').size() <= "
          f"{egress_entries.MAX_ANNOTATION_CHARS} && variables.egressAllow.size() <= "
          f"{egress_entries.MAX_ENTRIES} && variables.egressAllow.all(e, e.matches("
@@ -464,13 +466,13 @@ RULES: list[Rule] = [
          f"{egress_entries.MAX_ENTRIES}'"),
     # ...and a CIDR names its network: netguard would mask `10.1.2.3/8` to 10.0.0.0/8, so the
     # pod would run another list than its annotation (sandman/egress.py refuses host bits).
-    Rule("egress-allow-invalid",
+    Validation("egress-allow-invalid",
          "variables.egressAllow.filter(e, e.matches(" + _q(_ENTRY_SHAPE) + ") && "
          f"!e.startsWith('svc/')).map(e, {_cidr_text(_host('e'))}).all(x, !isCIDR(x) || "
          "string(cidr(x).masked()) == string(cidr(x)))",
          f"'annotation {ANNOTATION_EGRESS_ALLOW}: a CIDR entry has host bits set (write the "
          "network address)'"),
-    Rule("egress-allow-refused",
+    Validation("egress-allow-refused",
          "variables.egressAllow.all(e, !e.matches(" + _q(_ENTRY_SHAPE) + ") || "
          "(!" + _inside_never("e") + " && variables.egressCeilingTcp.exists(c, "
          + _within("c", "e") + ")))",
@@ -479,7 +481,7 @@ RULES: list[Rule] = [
          + _within("c", "e") + "))).join(', ') + ' are outside the cluster\\'s ceiling "
          "(sandbox.egressCeiling) or never allowed'"),
     # podspec._cluster_dns_only: netguard resolves svc/ entries through the pod's own resolver.
-    Rule("egress-allow-refused",
+    Validation("egress-allow-refused",
          "!variables.egressAllow.exists(e, e.startsWith('svc/')) || "
          "(object.spec.?hostAliases.orValue([]).size() == 0 && "
          "!object.spec.?dnsConfig.hasValue() && "
@@ -487,28 +489,28 @@ RULES: list[Rule] = [
          f"'annotation {ANNOTATION_EGRESS_ALLOW} has svc/ entries, which netguard resolves "
          "through the cluster\\'s DNS: the pod must set no hostAliases, no dnsConfig and "
          "dnsPolicy ClusterFirst (or none)'"),
-    Rule("egress-label-invalid",
+    Validation("egress-label-invalid",
          f"!variables.egress.hasValue() || variables.egress.value() in "
          f"{_list([EGRESS_DENY, EGRESS_ALLOW])}",
          f"'label {LABEL_EGRESS}=' + variables.egress.value() + ' is neither "
          f"{EGRESS_DENY} nor {EGRESS_ALLOW}; a mistyped deny would leave egress open'"),
-    Rule("guard-missing",
+    Validation("guard-missing",
          "!variables.guardRequired || variables.guardFirst",
          f"{_G} + (variables.deny ? 'egress is denied by label' : "
          "'the cluster guards every sandbox') + ' but initContainers[0] is ' + "
          "(variables.inits.size() > 0 ? variables.inits[0].name : 'absent') + "
          "', not netguard; a label alone is not enforcement'"),
-    Rule("guard-misconfigured",
+    Validation("guard-misconfigured",
          f"!variables.guardRequired || !variables.guardFirst || {_guard('?image')}.orValue('') "
          "== variables.image",
          f"{_G} + 'image ' + {_guard('?image')}.orValue('') + ' is not ' + variables.image"),
-    Rule("guard-misconfigured",
+    Validation("guard-misconfigured",
          "!variables.guardRequired || !variables.guardFirst || "
          f"({_guard('?command')}.orValue([]) == {_list(_GUARD_COMMAND)} && "
          f"{_guard('?args')}.orValue([]) == variables.guardArgs)",
          f"{_G} + 'command and args must be exactly ' + "
          f"({_list(_GUARD_COMMAND)} + variables.guardArgs).join(' ') + ' (the pod\\'s policy)'"),
-    Rule("guard-misconfigured",
+    Validation("guard-misconfigured",
          "!variables.guardRequired || !variables.guardFirst || "
          f"(sets.equivalent({_added('variables.inits[0]')}, {_list(_CAPS)}) && "
          f"{_guard('?securityContext.?capabilities.?drop')}.orValue([])"
@@ -524,7 +526,7 @@ RULES: list[Rule] = [
     # PYTHONPATH or a working directory or mount over its code runs something else with
     # NET_ADMIN. API validation leaves one source per env var, so name + fieldPath is exact;
     # the service-account plugin's token mount is tolerated (an egress-deny pod is not mutated).
-    Rule("guard-misconfigured",
+    Validation("guard-misconfigured",
          "!variables.guardRequired || !variables.guardFirst || ("
          f"{_guard('?env')}.orValue([]).size() == 1 && "
          f"{_guard('?env')}.orValue([])[0].name == {_q(NODE_IP_ENV)} && "
@@ -542,170 +544,170 @@ RULES: list[Rule] = [
          f"workingDir and only the {SANDMAN_VOLUME} volume mounted, at {EXECD_DIR} in a sandbox"
          f" (its guard installs execd), else at {RUN_DIR} (subPath run), as sandman renders "
          "it'"),
-    Rule("guard-misconfigured",
+    Validation("guard-misconfigured",
          "!variables.sandbox || "
          f"!variables.others.exists(c, c.name == {_q(NETGUARD_CONTAINER)})",
          f"{_G} + 'netguard must be initContainers[0]'"),
     # podspec.RULES order: under hostNetwork the API server defaults hostPort to
     # containerPort, so host-namespace must be reported before host-port.
-    Rule("host-namespace",
+    Validation("host-namespace",
          "!variables.guarded || !(object.spec.?hostNetwork.orValue(false) || "
          "object.spec.?hostPID.orValue(false) || object.spec.?hostIPC.orValue(false))",
          "'hostNetwork, hostPID and hostIPC must not be set: host namespaces bypass the pod\\'s "
          "network guard and isolation'"),
-    Rule("privileged",
+    Validation("privileged",
          "!variables.guarded || !variables.everyContainer.exists(c, "
          "c.?securityContext.?privileged.orValue(false) == true)",
          "'containers ' + variables.everyContainer.filter(c, "
          "c.?securityContext.?privileged.orValue(false) == true).map(c, c.name).join(', ') + "
          "' are privileged; a privileged container can undo every guard'"),
-    Rule("capability-added",
+    Validation("capability-added",
          f"!variables.guarded || variables.others.all(c, {_added('c')}.size() == 0)",
          "'containers ' + variables.others.filter(c, "
          f"{_added('c')}.size() > 0).map(c, c.name).join(', ') + ' add capabilities; only "
          f"netguard at initContainers[0] may add {'+'.join(_CAPS)} (every container shares "
          "the pod\\'s network and could undo the guard)'"),
-    Rule("capability-added",
+    Validation("capability-added",
          f"!variables.guarded || !variables.guardFirst || {_added('variables.inits[0]')}"
          f".all(a, a in {_list(_CAPS)})",
          f"{_G} + 'adds more than {'+'.join(_CAPS)}'"),
-    Rule("net-raw-not-dropped",
+    Validation("net-raw-not-dropped",
          f"!variables.guarded || variables.judgedNotGuard.all(c, {_raw_dropped('c')})",
          "'containers ' + variables.judgedNotGuard.filter(c, "
          f"!{_raw_dropped('c')}).map(c, c.name).join(', ') + ': add NET_RAW (or ALL) to "
          "securityContext.capabilities.drop: runtimes grant it by default and an AF_PACKET "
          "socket sends past the guard\\'s rules'"),
-    Rule("unconfined",
+    Validation("unconfined",
          f"!variables.guarded || !variables.judged.exists(c, {_unconfined('c')})",
          "'containers ' + variables.judged.filter(c, "
          f"{_unconfined('c')}).map(c, c.name).join(', ') + ' set a seccomp or AppArmor "
          "profile Unconfined or an unmasked procMount'"),
-    Rule("unconfined",
+    Validation("unconfined",
          "!variables.guarded || !variables.whole || "
          f"!({_unconfined_type('object.spec.?securityContext')})",
          "'the pod\\'s securityContext sets seccomp Unconfined or an AppArmor profile other "
          f"than {' or '.join(APPARMOR_TYPES)}'"),
-    Rule("unconfined",
+    Validation("unconfined",
          f"!variables.guarded || !variables.annotations.exists(k, {_UNCONFINED_ANNOTATION})",
          f"'a legacy seccomp annotation is unconfined, or an AppArmor annotation is not "
          f"{APPARMOR_RUNTIME_DEFAULT} or {APPARMOR_LOCALHOST_PREFIX}<profile>'"),
     # Pod Security Standards baseline (docs/webhook.md's table), as sandbox._container_rules
     # and _pod_rules judge it.
-    Rule("host-port",
+    Validation("host-port",
          f"!variables.guarded || !variables.judged.exists(c, {_host_port('c')})",
          "'containers ' + variables.judged.filter(c, "
          f"{_host_port('c')}).map(c, c.name).join(', ') + ' set a hostPort, which opens the "
          "node\\'s port past the pod\\'s guard'"),
-    Rule("selinux",
+    Validation("selinux",
          "!variables.guarded || variables.judged.all(c, "
          f"{_selinux_ok('c.?securityContext.?seLinuxOptions')})",
          "'containers ' + variables.judged.filter(c, "
          f"!{_selinux_ok('c.?securityContext.?seLinuxOptions')}).map(c, c.name).join(', ') + "
          f"' set seLinuxOptions outside baseline (type {', '.join(BASELINE_SELINUX_TYPES)} or "
          "unset; no user, no role)'"),
-    Rule("selinux",
+    Validation("selinux",
          "!variables.guarded || !variables.whole || "
          f"{_selinux_ok('object.spec.?securityContext.?seLinuxOptions')}",
          f"'the pod sets seLinuxOptions outside baseline (type "
          f"{', '.join(BASELINE_SELINUX_TYPES)} or unset; no user, no role)'"),
-    Rule("sysctl",
+    Validation("sysctl",
          "!variables.guarded || !variables.whole || "
          f"object.spec.?securityContext.?sysctls.orValue([]).all(s, s.name in "
          f"{_list(BASELINE_SYSCTLS)})",
          "'sysctls ' + object.spec.?securityContext.?sysctls.orValue([]).filter(s, "
          f"!(s.name in {_list(BASELINE_SYSCTLS)})).map(s, s.name).join(', ') + ' are not in "
          "Pod Security baseline\\'s safe set'"),
-    Rule("sandbox-label",
+    Validation("sandbox-label",
          "variables.isUpdate || !variables.installed || variables.labelledSandbox",
          f"'the pod carries sandman\\'s execd install ({EXECD_INSTALL_CONTAINER}, or netguard\\'s "
          f"{INSTALL_EXECD_ARGS[0]}) but is not labelled {LABEL_SANDBOX}={SANDBOX_TRUE}'"),
     # inline csi, nfs, iscsi, cephfs, image, ...: mounted by the node, from the node's network
     # (an nfs server anywhere is a way out that netguard never sees) or exposing the node.
-    Rule("volume-type",
+    Validation("volume-type",
          f"!variables.guarded || !variables.whole || object.spec.?volumes.orValue([])"
          f".all(v, {_VOLUME_OK})",
          "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
          f"!({_VOLUME_OK})).map(v, v.name).join(', ') + ' are not of an allowed type "
          f"({', '.join(VOLUME_TYPES)}; projected: {', '.join(PROJECTED_SOURCES)})'"),
-    Rule("secret-refused",
+    Validation("secret-refused",
          "!variables.secretsRefused || !variables.whole || "
          f"!object.spec.?volumes.orValue([]).exists(v, {_SECRET_VOLUME})",
          "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
          f"{_SECRET_VOLUME}).map(v, v.name).join(', ') + ' mount a Secret; {_WHY_SECRET}'"),
-    Rule("secret-refused",
+    Validation("secret-refused",
          f"!variables.secretsRefused || !variables.judged.exists(c, {_secret_env('c')})",
          "'containers ' + variables.judged.filter(c, "
          f"{_secret_env('c')}).map(c, c.name).join(', ') + ' take env from a Secret; "
          f"{_WHY_SECRET}'"),
-    Rule("resources-unequal",
+    Validation("resources-unequal",
          f"!variables.sandbox || variables.sized.all(c, {_sized_ok('c')})",
          f"'containers ' + variables.sized.filter(c, !({_sized_ok('c')})).map(c, c.name)"
          ".join(', ') + ' need cpu and memory requests == limits (Guaranteed QoS), and "
          "ephemeral-storage requests == limits where either is set'"),
     # podspec._resource_rules. The webhook bounds the pod's total GPUs; CEL has no sum, so the
     # policy bounds each container (a subset: it never refuses what the webhook admits).
-    Rule("extended-resource",
+    Validation("extended-resource",
          f"!variables.sandbox || variables.everyContainer.all(c, {_names('c')}"
          f".all(k, {_ALLOWED_NAME}))",
          "'containers ' + variables.everyContainer.filter(c, "
          f"!{_names('c')}.all(k, {_ALLOWED_NAME})).map(c, c.name).join(', ') + ' ask for a "
          f"resource other than {', '.join(CORE_RESOURCES)} and ' + variables.gpuResource"),
-    Rule("extended-resource",
+    Validation("extended-resource",
          "!variables.sandbox || object.spec.?resources.?requests.orValue({}).all(k, k in "
          "['cpu', 'memory']) && object.spec.?resources.?limits.orValue({}).all(k, k in "
          "['cpu', 'memory'])",
          "'pod-level resources ask for more than cpu and memory'"),
-    Rule("gpu-refused",
+    Validation("gpu-refused",
          "!variables.sandbox || !(variables.inits + variables.ephemeral).exists(c, "
          f"{_names('c')}.exists(k, k == variables.gpuResource))",
          "'init containers ' + (variables.inits + variables.ephemeral).filter(c, "
          f"{_names('c')}.exists(k, k == variables.gpuResource)).map(c, c.name).join(', ') + "
          "' ask for ' + variables.gpuResource + '; only the sandbox\\'s containers may'"),
-    Rule("gpu-refused",
+    Validation("gpu-refused",
          "!variables.sandbox || variables.gpuMax > 0 || !object.spec.containers.exists(c, "
          f"{_names('c')}.exists(k, k == variables.gpuResource))",
          "'containers ask for ' + variables.gpuResource + '; this cluster grants sandboxes no "
          "GPUs (chart sandbox.gpu.enabled)'"),
-    Rule("gpu-refused",
+    Validation("gpu-refused",
          f"!variables.sandbox || !object.spec.containers.exists(c, {_over_max('c')})",
          "'a container asks for more than ' + string(variables.gpuMax) + ' ' + "
          "variables.gpuResource + ' (chart sandbox.gpu.max)'"),
-    Rule("gpu-toleration",
+    Validation("gpu-toleration",
          "!variables.sandbox || variables.gpuTolerationKeys.size() == 0 || "
          f"object.spec.containers.exists(c, {_has_gpu('c')}) || "
          f"!object.spec.?tolerations.orValue([]).exists(t, {_GPU_TOLERATION})",
          "'the pod tolerates the GPU nodes\\' taints (' + variables.gpuTolerationKeys.join(', ')"
          " + ') without asking for ' + variables.gpuResource + ': GPU nodes are for GPU "
          "sandboxes'"),
-    Rule("resources-unequal",
+    Validation("resources-unequal",
          "!variables.sandbox || !has(object.spec.resources) || ("
          + " && ".join(f"({_pod_level_equal(n)})" for n in _RES) + ")",
          "'pod-level resources need cpu and memory requests == limits'"),
-    Rule("service-account-token",
+    Validation("service-account-token",
          "!variables.sandbox || object.spec.?automountServiceAccountToken.orValue(true) == false",
          "'automountServiceAccountToken must be false'"),
-    Rule("service-account-token",
+    Validation("service-account-token",
          "!variables.sandbox || !object.spec.?volumes.orValue([]).exists(v, "
          "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken)))",
          "'volumes ' + object.spec.?volumes.orValue([]).filter(v, "
          "v.?projected.?sources.orValue([]).exists(s, has(s.serviceAccountToken)))"
          ".map(v, v.name).join(', ') + ' project a service-account token'"),
-    Rule("service-links",
+    Validation("service-links",
          "!variables.sandbox || object.spec.?enableServiceLinks.orValue(true) == false",
          "'enableServiceLinks must be false (every Service in the namespace becomes environment "
          "variables in the sandbox)'"),
-    Rule("token-hash",
+    Validation("token-hash",
          f"!variables.sandbox || variables.annotations[?{_q(ANNOTATION_TOKEN_SHA256)}]"
          ".orValue('').matches('^[0-9a-f]{64}$')",
          f"'annotation {ANNOTATION_TOKEN_SHA256} must be 64 lowercase hex characters'"),
     # A guarded sandbox's guard installs execd: an install container beside it is not sandman's
     # (it would write the volume after the guard, over sandman's execd).
-    Rule("not-mutated",
+    Validation("not-mutated",
          "!variables.sandbox || !variables.guardRequired || "
          f"!variables.inits.exists(c, c.name == {_q(EXECD_INSTALL_CONTAINER)})",
          f"'a guarded sandbox\\'s guard installs execd ({INSTALL_EXECD_ARGS[0]}); "
          f"{EXECD_INSTALL_CONTAINER} is not sandman\\'s here'"),
-    Rule("not-mutated",
+    Validation("not-mutated",
          "!variables.sandbox || variables.installed",
          "'sandman\\'s mutating webhook did not run on this pod (is its configuration "
          "missing?)'"),

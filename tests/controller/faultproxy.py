@@ -5,7 +5,7 @@ forwards every request to the real API server with the test bed's admin client c
 Watches (chunked, long-lived) are streamed through untouched, and can be paused as a whole so
 the controller does not learn that a pod became Ready (a "gate" on the Ready wait).
 
-A `Rule` matches (method, path regex, optional body predicate) and fires `count` times. What it
+A `Fault` matches (method, path regex, optional body predicate) and fires `count` times. What it
 does, in order:
     hold="before": wait until the test calls `rule.release()`, then go on (the call is "in
         admission": nothing stored yet). If the client went away meanwhile, nothing is sent.
@@ -52,7 +52,7 @@ _REASONS = {403: "Forbidden", 404: "NotFound", 409: "AlreadyExists", 429: "TooMa
 
 
 @dataclass
-class Rule:
+class Fault:
     method: str
     path: str  # regex, matched with re.search against the path (query string excluded)
     body: Callable[[dict], bool] | None = None
@@ -121,7 +121,7 @@ class FaultProxy:
         self.ca_path, cert, key = _make_tls(workdir)
         self._ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
         self._ctx.load_cert_chain(cert, key)
-        self.rules: list[Rule] = []
+        self.rules: list[Fault] = []
         self.records: list[Record] = []
         self.watch_open = threading.Event()
         self.watch_open.set()
@@ -164,7 +164,7 @@ class FaultProxy:
         return path
 
     # ---- rules and records ----------------------------------------------------------------
-    def add(self, rule: Rule) -> Rule:
+    def add(self, rule: Fault) -> Fault:
         with self._lock:
             self.rules.append(rule)
         return rule
@@ -189,7 +189,7 @@ class FaultProxy:
                 and (path is None or re.search(path, r.path))
                 and (name is None or r.name == name)]
 
-    def _match(self, method: str, path: str, body: dict | None) -> Rule | None:
+    def _match(self, method: str, path: str, body: dict | None) -> Fault | None:
         with self._lock:
             for r in self.rules:
                 if r.matches(method, path, body):
@@ -335,7 +335,7 @@ class _Handler(BaseHTTPRequestHandler):
         rec.status = status
         self._send(status, headers, data)
 
-    def _hold(self, rule: Rule) -> bool:
+    def _hold(self, rule: Fault) -> bool:
         """Wait for the release; False when the client went away meanwhile (or the proxy
         stops)."""
         deadline = time.monotonic() + HOLD_LIMIT_S

@@ -20,7 +20,7 @@ from sandman import api, contract
 from sandman.client import Client, Forbidden, Unauthenticated
 from testbed.controller import local_tls_dir
 from testbed.procs import wait_for
-from tests.controller.faultproxy import FaultProxy, Rule
+from tests.controller.faultproxy import Fault, FaultProxy
 from tests.controller.harness import pods
 
 IMAGE = "registry.invalid/swe/task:1"  # kwok never pulls
@@ -259,11 +259,11 @@ def test_an_api_server_that_cannot_answer_fails_closed(cluster, namespace, tenan
     try:
         ctl = authctl(kubeconfig=proxy.kubeconfig(tmp_path / "proxy.kubeconfig"))
         url = ctl.url + api.LIST.path
-        tr = proxy.add(Rule("POST", r"/tokenreviews$", forward=False, answer=500, count=1))
+        tr = proxy.add(Fault("POST", r"/tokenreviews$", forward=False, answer=500, count=1))
         r = H.get(url, headers=bearer(tok), timeout=20)
         assert r.status_code == 503 and err(r) == "AuthUnavailable", r.text
         assert tr.fired == 1
-        sar = proxy.add(Rule("POST", r"/subjectaccessreviews$", forward=False, answer=500,
+        sar = proxy.add(Fault("POST", r"/subjectaccessreviews$", forward=False, answer=500,
                              count=1))
         r = H.get(url, headers=bearer(tok), timeout=20)
         assert r.status_code == 503 and err(r) == "AuthUnavailable", r.text

@@ -29,7 +29,7 @@ import time
 import pytest
 from kubernetes import client, config
 
-from tests.controller.faultproxy import FaultProxy, Rule
+from tests.controller.faultproxy import Fault, FaultProxy
 from tests.controller.windows_helpers import (
     CANCEL_SETTLE_S,
     CONTROLLER_ROOT,
@@ -154,7 +154,7 @@ def test_w02_cancel_during_admission_then_stored(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("POST", PODS, hold="before"))
+        rule = w.proxy.add(Fault("POST", PODS, hold="before"))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
         c.hang_up()
@@ -174,7 +174,7 @@ def test_w03_cancel_during_admission_then_rejected_403(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("POST", PODS, hold="before", forward=False, answer=403))
+        rule = w.proxy.add(Fault("POST", PODS, hold="before", forward=False, answer=403))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
         c.hang_up()
@@ -196,7 +196,7 @@ def test_w04_acquire_times_out_while_waiting_for_a_create_slot(window):
     w = window("--max-creating", "1")
 
     def trial(i: int, mark: int) -> None:
-        hold = w.proxy.add(Rule("POST", PODS, hold="before"))
+        hold = w.proxy.add(Fault("POST", PODS, hold="before"))
         first = Caller(w.ctl.port, acquire_body(job=job(i)))
         hold.wait_reached()  # the only create slot is taken by a create in admission
         late = Caller(w.ctl.port, acquire_body(job=job(i), timeout_s=0.5))
@@ -219,7 +219,7 @@ def test_w05_cancel_while_the_create_response_is_in_flight(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("POST", PODS, hold="after"))
+        rule = w.proxy.add(Fault("POST", PODS, hold="after"))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
         wait_for(lambda: rec.upstream, 10, "the create to be stored")
@@ -278,7 +278,7 @@ def test_w08_second_cancel_while_cleanup_waits_for_the_create(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("POST", PODS, hold="before"))
+        rule = w.proxy.add(Fault("POST", PODS, hold="before"))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
         c.hang_up()
@@ -299,11 +299,11 @@ def test_w09_second_and_third_cancel_while_the_cleanup_delete_is_held(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("DELETE", POD_DELETE, hold="before"))
+        rule = w.proxy.add(Fault("DELETE", POD_DELETE, hold="before"))
         # The drain also deletes the job's owner ConfigMap, whose pods the garbage collector
         # then deletes: held too, so that delete dies with the controller like the pod's,
         # instead of racing the kill on a busy machine and taking the pod before the restart.
-        owner = w.proxy.add(Rule("DELETE", CONFIGMAP_DELETE, hold="before"))
+        owner = w.proxy.add(Fault("DELETE", CONFIGMAP_DELETE, hold="before"))
         w.proxy.watch_open.clear()
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         name = created_pod(w.proxy, mark, pred=lambda r: r.status == 201)
@@ -329,7 +329,7 @@ def test_w09_second_and_third_cancel_while_the_cleanup_delete_is_held(window):
 
 # ---- acquire timeout with the create in flight ----------------------------------------------
 def _timeout_during_create_response(w: Window, i: int, labels, answer=None):
-    rule = w.proxy.add(Rule("POST", PODS, hold="after", answer=answer))
+    rule = w.proxy.add(Fault("POST", PODS, hold="after", answer=answer))
     c = Caller(w.ctl.port, acquire_body(labels, job=job(i), timeout_s=1.0))
     rec = rule.wait_reached()
     status, err = c.wait(10)
@@ -491,7 +491,7 @@ def test_w15_drain_while_a_warm_build_waits_for_ready(window):
 
 # ---- create stored, but answered with an error (no cancel) ----------------------------------
 def _stored_then_error(w: Window, i: int, mark: int, answer) -> None:
-    rule = w.proxy.add(Rule("POST", PODS, answer=answer))
+    rule = w.proxy.add(Fault("POST", PODS, answer=answer))
     r = w.ctl.acquire(labels=ROLLOUT, job=job(i))
     rec = rule.wait_reached()
     assert rec.upstream == 201, "the create was not stored"
@@ -541,7 +541,7 @@ def test_w18_grading_timeout_then_a_late_504_after_the_pod_was_stored(window):
 
 # ---- delete fails or its reply is lost -------------------------------------------------------
 def _cancel_during_ready_with_delete_fault(w: Window, i: int, mark: int, **fault):
-    rule = w.proxy.add(Rule("DELETE", POD_DELETE, **fault))
+    rule = w.proxy.add(Fault("DELETE", POD_DELETE, **fault))
     w.proxy.watch_open.clear()
     c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
     name = created_pod(w.proxy, mark, pred=lambda r: r.status == 201)
@@ -591,7 +591,7 @@ def test_w21_cleanup_delete_not_applied_and_its_reply_times_out(window):
     is 15 s), so the trials of this window run side by side: one round of REPEATS callers."""
     w = window()
     with w.trial(0) as mark:
-        rule = w.proxy.add(Rule("DELETE", POD_DELETE, forward=False, answer="drop",
+        rule = w.proxy.add(Fault("DELETE", POD_DELETE, forward=False, answer="drop",
                                 count=REPEATS))
         w.proxy.watch_open.clear()
         callers = [Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i))) for i in range(REPEATS)]
@@ -621,7 +621,7 @@ def test_w22_pod_fails_while_starting_and_the_cleanup_delete_answers_500(window)
     w = window(*UNSCHEDULABLE)
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("DELETE", POD_DELETE, forward=False, answer=500))
+        rule = w.proxy.add(Fault("DELETE", POD_DELETE, forward=False, answer=500))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i), timeout_s=30))
         name = created_pod(w.proxy, mark, pred=lambda r: r.status == 201)
         w.core.patch_namespaced_pod_status(name, w.ns, {"status": {
@@ -645,7 +645,7 @@ def test_w23_destroy_of_a_handed_out_sandbox_answers_500(window):
         r = w.ctl.acquire(labels=ROLLOUT, job=job(i))
         assert r.status_code == 201, r.text
         name = r.json()["pod"]
-        w.proxy.add(Rule("DELETE", POD_DELETE + "", forward=False, answer=500))
+        w.proxy.add(Fault("DELETE", POD_DELETE + "", forward=False, answer=500))
         assert w.ctl.release(r.json()["id"])["released"] is True
         wait_for(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
                    "the failed delete")
@@ -666,7 +666,7 @@ def test_w24_pool_release_of_a_handed_out_pod_answers_500(window):
         assert r.status_code == 201 and r.json()["warm"] is True, r.text
         name = r.json()["pod"]
         w.ctl.prewarm(0)
-        w.proxy.add(Rule("DELETE", rf"/pods/{name}$", forward=False, answer=500))
+        w.proxy.add(Fault("DELETE", rf"/pods/{name}$", forward=False, answer=500))
         assert w.ctl.release(r.json()["id"])["released"] is True
         wait_for(lambda: any(d.status == 500 for d in deletes(w.proxy, mark, name)), 5,
                    "the failed delete")
@@ -683,7 +683,7 @@ def test_w25_another_tenants_pod_already_holds_the_name(window):
     w = window()
 
     def trial(i: int, mark: int) -> None:
-        rule = w.proxy.add(Rule("POST", PODS, hold="before"))
+        rule = w.proxy.add(Fault("POST", PODS, hold="before"))
         c = Caller(w.ctl.port, acquire_body(ROLLOUT, job=job(i)))
         rec = rule.wait_reached()
         w.foreign_pod(rec.name)
