@@ -6,12 +6,11 @@ import collections
 import fcntl
 import os
 import re
-import select
 import signal
-import threading
 import time
 
-from .base import _ENV_NAME, PIPE_SIZE, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+from .base import _ENV_NAME, PIPE_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+from .children import ChildTable
 from .procs import all_pids, exit_code_of, proc_tag, process_tree
 from .wire import HTTPError, json_bytes, still_authorized, wire_uint
 
@@ -100,21 +99,15 @@ class BgProc(object):
                 "output_open": self.fd is not None}
 
 
-class Background(object):
+class Background(ChildTable):
     """The spawned processes of this execd. Their ids are never reused (a sequence number) and
     not guessable (96 random bits); /reset kills them with the sandbox and forgets them."""
 
+    READER = "execd-spawn-output"
+
     def __init__(self, daemon):
-        self.d = daemon
-        self.lock = threading.Lock()
-        self.procs = collections.OrderedDict()  # id -> BgProc, oldest first
-        self.rids = {}  # request_id -> id, as many as procs at most
-        self.seq = 0
+        ChildTable.__init__(self, daemon)
         self.kept = 0  # bytes in all rings
-        self.closing = []  # fds the reader thread closes (it alone polls them)
-        self.wake = None  # (r, w): a pipe that wakes the reader; made by the first spawn
-        self.thread = None
-        self.held = False  # a restore is killing the old holder's processes: no spawn
 
     # ---- requests
 
@@ -161,13 +154,13 @@ class Background(object):
                 raise HTTPError(409, "a reset or restore is running; spawn after it")
             still_authorized(d)
             # A retry of a spawn whose answer was lost: the same process, never a second one.
-            known = self.procs.get(self.rids.get(rid)) if rid is not None else None
+            known = self.items.get(self.rids.get(rid)) if rid is not None else None
             if known is not None:
                 return known.info()
-            if len(self.procs) >= BG_MAX_SPAWNED:
+            if len(self.items) >= BG_MAX_SPAWNED:
                 raise HTTPError(429, "%d processes were spawned since the last reset (the "
                                      "limit); /reset forgets them" % BG_MAX_SPAWNED)
-            live = sum(1 for p in self.procs.values() if p.fd is not None or p.status is None)
+            live = sum(1 for p in self.items.values() if p.fd is not None or p.status is None)
             if live >= BG_MAX_LIVE:
                 raise HTTPError(429, "%d background processes are live (the limit): wait for "
                                      "one, signal it, or reset" % BG_MAX_LIVE)
@@ -207,7 +200,7 @@ class Background(object):
                 os.close(w)
                 os.close(devnull)
             os.set_blocking(r, False)
-            self.procs[pid_id] = p
+            self.items[pid_id] = p
             if rid is not None:
                 self.rids[rid] = pid_id
             self._start_reader()
@@ -235,7 +228,7 @@ class Background(object):
     def get(self, pid_id):
         if not isinstance(pid_id, str) or not _BG_ID.fullmatch(pid_id):
             raise HTTPError(400, "invalid process id (ids look like p12-<24 hex>)")
-        p = self.procs.get(pid_id)
+        p = self.items.get(pid_id)
         if p is None:
             raise HTTPError(404, "no process %s in this sandbox (ended by a reset, or "
                                  "another sandbox's)" % pid_id, {"not_found": True})
@@ -244,7 +237,7 @@ class Background(object):
     def listing(self):
         self.d.reaper.reap()
         with self.lock:
-            procs = [p.info() for p in self.procs.values()]
+            procs = [p.info() for p in self.items.values()]
         live = sum(1 for p in procs if p["running"] or p["output_open"])
         return {"processes": procs, "live": live, "max_live": BG_MAX_LIVE}
 
@@ -326,106 +319,20 @@ class Background(object):
                 out.add(pid)
         return out
 
-    def hold(self):
-        """No spawn until reset(): /restore kills the old holder's processes meanwhile."""
-        with self.lock:
-            self.held = True
+    def forgotten(self):
+        self.kept = 0
 
-    def reset(self):
-        """After /reset or /restore killed the sandbox: forget every handle (ids stay unused),
-        so a next holder never sees the last one's commands or output."""
-        with self.lock:
-            self.held = False
-            with self.d.reaper.lock:
-                for p in self.procs.values():
-                    self.d.reaper.procs.pop(p.pid, None)
-            for p in self.procs.values():
-                if p.fd is not None:
-                    self.closing.append(p.fd)
-                    p.fd = None
-                p.drop()
-            self.procs.clear()
-            self.rids.clear()
-            self.kept = 0
-            if self.wake is not None:
-                self._poke()
-
-    # ---- the reader thread
-
-    def _start_reader(self):
-        if self.thread is not None:
-            return
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        self.wake = (r, w)
-        self.thread = threading.Thread(target=self._loop, name="execd-spawn-output",
-                                       daemon=True)
-        self.thread.start()
-
-    def _poke(self):
-        try:
-            os.write(self.wake[1], b"x")
-        except OSError:
-            pass  # full: the reader is awake already
-
-    def _loop(self):
-        wake = self.wake[0]
-        rbuf = bytearray(READ_SIZE)
-        rview = memoryview(rbuf)
-        while True:
-            with self.lock:
-                for fd in self.closing:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                self.closing = []
-                watch = {p.fd: p for p in self.procs.values() if p.fd is not None}
-            poller = select.poll()
-            poller.register(wake, select.POLLIN)
-            for fd in watch:
-                poller.register(fd, select.POLLIN)
-            try:
-                events = poller.poll(1000)
-            except InterruptedError:
-                continue
-            for fd, _ev in events:
-                if fd == wake:
-                    try:
-                        os.read(wake, 4096)
-                    except OSError:
-                        pass
-                    continue
-                p = watch.get(fd)
-                if p is None:
-                    continue
-                try:
-                    # Into one buffer: a fresh 1 MiB object per read, shrunk to what came,
-                    # fragmented the heap under many small reads.
-                    n = os.readv(fd, [rbuf])
-                except (BlockingIOError, InterruptedError):
-                    continue
-                except OSError:
-                    n = 0
-                data = rview[:n]
-                with self.lock:
-                    if p.fd != fd:
-                        continue  # reset meanwhile: the fd is in self.closing
-                    if n:
-                        before = p.kept
-                        p.add(data)
-                        self.kept += p.kept - before
-                        if self.kept > BG_OUTPUT_BUDGET:
-                            self._shed()
-                    else:
-                        os.close(fd)
-                        p.fd = None
+    def took(self, p, data):
+        before = p.kept
+        p.add(data)
+        self.kept += p.kept - before
+        if self.kept > BG_OUTPUT_BUDGET:
+            self._shed()
 
     def _shed(self):
         """Drop the oldest ended outputs (pipe closed) until the rings fit the budget; live
         rings alone fit in it (BG_MAX_LIVE * BG_RING)."""
-        for p in self.procs.values():
+        for p in self.items.values():
             if self.kept <= BG_OUTPUT_BUDGET:
                 return
             if p.fd is None and p.kept:

@@ -7,13 +7,12 @@ import collections
 import fcntl
 import os
 import re
-import select
 import signal
-import threading
 import time
 
 from .background import _BG_SIGNALS, BG_COMMAND_MAX, BG_LISTED_COMMAND, BgProc
-from .base import _ENV_NAME, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+from .base import _ENV_NAME, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+from .children import ChildTable
 from .wire import HTTPError, json_bytes, still_authorized, wire_uint
 
 # sb.session(): a program on its own pseudo-terminal (a REPL, an interactive shell), written
@@ -65,22 +64,12 @@ def _pty_dim(req, name, default):
     return v
 
 
-class Sessions(object):
+class Sessions(ChildTable):
     """The interactive sessions of this execd. Ids are never reused (a sequence number) and
     not guessable (96 random bits); /reset and /restore kill them with the sandbox and forget
     them. Output waits on `cond` (the reader notifies it)."""
 
-    def __init__(self, daemon):
-        self.d = daemon
-        self.lock = threading.Lock()
-        self.cond = threading.Condition(self.lock)
-        self.items = collections.OrderedDict()  # id -> PtySession, oldest first
-        self.rids = collections.OrderedDict()  # request_id of an open -> session id
-        self.seq = 0
-        self.closing = []  # fds the reader thread closes (it alone polls them)
-        self.wake = None
-        self.thread = None
-        self.held = False
+    READER = "execd-pty-output"
 
     def open(self, req):
         d = self.d
@@ -347,94 +336,6 @@ class Sessions(object):
         s.drop()
         out["closed"] = True
         return out
-
-    def hold(self):
-        with self.lock:
-            self.held = True
-
-    def reset(self):
-        """After /reset or /restore killed the sandbox: forget every session (ids stay
-        unused), so a next holder never sees the last one's terminal."""
-        with self.cond:
-            self.held = False
-            with self.d.reaper.lock:
-                for s in self.items.values():
-                    self.d.reaper.procs.pop(s.pid, None)
-            for s in self.items.values():
-                if s.fd is not None:
-                    self.closing.append(s.fd)
-                    s.fd = None
-                s.drop()
-            self.items.clear()
-            self.rids.clear()
-            self.cond.notify_all()
-            if self.wake is not None:
-                self._poke()
-
-    # ---- the reader thread
-
-    def _start_reader(self):
-        if self.thread is not None:
-            return
-        r, w = os.pipe()
-        os.set_blocking(r, False)
-        os.set_blocking(w, False)
-        self.wake = (r, w)
-        self.thread = threading.Thread(target=self._loop, name="execd-pty-output", daemon=True)
-        self.thread.start()
-
-    def _poke(self):
-        try:
-            os.write(self.wake[1], b"x")
-        except OSError:
-            pass
-
-    def _loop(self):
-        wake = self.wake[0]
-        rbuf = bytearray(READ_SIZE)
-        rview = memoryview(rbuf)
-        while True:
-            with self.lock:
-                for fd in self.closing:
-                    try:
-                        os.close(fd)
-                    except OSError:
-                        pass
-                self.closing = []
-                watch = {s.fd: s for s in self.items.values() if s.fd is not None}
-            poller = select.poll()
-            poller.register(wake, select.POLLIN)
-            for fd in watch:
-                poller.register(fd, select.POLLIN)
-            try:
-                events = poller.poll(1000)
-            except InterruptedError:
-                continue
-            for fd, _ev in events:
-                if fd == wake:
-                    try:
-                        os.read(wake, 4096)
-                    except OSError:
-                        pass
-                    continue
-                s = watch.get(fd)
-                if s is None:
-                    continue
-                with self.cond:
-                    if s.fd != fd:
-                        continue  # closed or reset meanwhile: the fd is in self.closing
-                    try:
-                        n = os.readv(fd, [rbuf])
-                    except (BlockingIOError, InterruptedError):
-                        continue
-                    except OSError:
-                        n = 0  # EIO: no process holds the terminal any more
-                    if n:
-                        s.add(rview[:n])
-                    else:
-                        os.close(fd)
-                        s.fd = None
-                    self.cond.notify_all()
 
 
 def _request_id(req):
