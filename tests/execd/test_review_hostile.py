@@ -221,7 +221,8 @@ def test_spawn_ids_with_the_right_shape_but_forged_bits_are_404(execd):
 SYS_EXIT = {"x86_64": 60, "aarch64": 93}  # exit(2): this thread only, not the whole group
 HIDDEN = """
 import ctypes, os, sys, threading, time
-open(sys.argv[1] + ".pid", "w").write(str(os.getpid()))
+open(sys.argv[1] + ".tmp", "w").write(str(os.getpid()))
+os.rename(sys.argv[1] + ".tmp", sys.argv[1] + ".pid")  # whole when it appears: the test reads it
 def beat():
     while True:
         with open(sys.argv[1], "a") as f:

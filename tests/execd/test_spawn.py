@@ -46,6 +46,13 @@ def wait(execd, pid_id: str, timeout: float = 20) -> dict:
     return r.json()
 
 
+def drained(execd, pid_id: str) -> tuple[dict, bytes]:
+    """The output of an ended process once execd's reader has drained its pipe: an exit status
+    can come before the last bytes are read (`output_open` says when they all are)."""
+    assert wait_for(lambda: not info(execd, pid_id)["output_open"], 10)
+    return output(execd, pid_id)
+
+
 def error_of(r: httpx.Response, code: int) -> str:
     assert r.status_code == code, (r.status_code, r.text)
     msg = r.json()["error"]
@@ -59,7 +66,7 @@ def test_spawn_poll_output_wait(execd, tmp_path):
     assert p["cwd"] == str(tmp_path / "ws")  # the shell's cwd
     done = wait(execd, p["id"])
     assert done["exit_code"] == 3 and not done["running"] and done["signal"] is None
-    obj, data = output(execd, p["id"])
+    obj, data = drained(execd, p["id"])
     assert data == f"out\nerr\n{tmp_path / 'ws'}\n".encode()
     assert (obj["start"], obj["end"], obj["dropped"]) == (0, len(data), 0)
     # Read on from an offset: exactly the rest.
@@ -75,10 +82,10 @@ def test_cwd_env_and_the_shells_directory(execd, tmp_path):
     execd.exec("cd sub && export SM_SHELL_ONLY=1")
     p = spawn(execd, 'echo "$PWD ${SM_X} ${SM_SHELL_ONLY:-unset}"', env={"SM_X": "x y"})
     wait(execd, p["id"])
-    assert output(execd, p["id"])[1] == f"{tmp_path / 'ws' / 'sub'} x y unset\n".encode()
+    assert drained(execd, p["id"])[1] == f"{tmp_path / 'ws' / 'sub'} x y unset\n".encode()
     p = spawn(execd, "pwd", cwd="..")
     wait(execd, p["id"])
-    assert output(execd, p["id"])[1] == f"{tmp_path / 'ws'}\n".encode()
+    assert drained(execd, p["id"])[1] == f"{tmp_path / 'ws'}\n".encode()
 
 
 def test_exit_is_reaped_and_the_status_stays(execd):
@@ -145,7 +152,7 @@ def test_signal_reaches_the_process_and_its_tree(execd):
     r = execd.post("/processes/signal", {"id": p["id"], "signal": "SIGTERM"})
     assert r.status_code == 200, r.text
     assert wait(execd, p["id"])["exit_code"] == 7
-    assert b"got-term" in output(execd, p["id"])[1]
+    assert b"got-term" in drained(execd, p["id"])[1]
     # A tree: plain children, a child in its own session (setsid), a grandchild.
     tree = spawn(execd, "sleep 300 & setsid sleep 301 & (sleep 302 &) ; echo started; wait")
     assert wait_for(lambda: b"started" in output(execd, tree["id"])[1], 10)
@@ -315,7 +322,7 @@ def test_reset_kills_an_escapee_without_the_tag(execd):
 def test_stdin_is_empty_and_the_token_hash_is_not_passed(execd):
     p = spawn(execd, 'read -r x; echo "rc=$?"; env')
     wait(execd, p["id"])
-    out = output(execd, p["id"])[1]
+    out = drained(execd, p["id"])[1]
     assert out.startswith(b"rc=1\n")
     assert b"SANDMAN_TOKEN_SHA256" not in out and b"__SANDMAN_CALL=" in out
 
@@ -353,7 +360,7 @@ def test_one_byte_writes_do_not_multiply_the_ring(execd):
     ps = [spawn(execd, f"python3 -c {shlex.quote(script)}") for _ in range(2)]
     for p in ps:
         assert wait(execd, p["id"], 60)["exit_code"] == 0
-        assert info(execd, p["id"])["output_bytes"] == 1500000
+        assert drained(execd, p["id"])[0]["output_bytes"] == 1500000
     grown = execd.rss_hwm_kib() - before
     assert grown < 6 << 10, f"execd grew {grown} KiB for two 1 MiB rings"
     for p in ps:
