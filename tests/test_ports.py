@@ -18,11 +18,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 DIRS = ("tests", "testbed", "bench", "loadtest", "tools")
 # file -> why it may still have the pattern, until fixed (each entry must still match).
-KNOWN: dict[str, str] = {
-    "tests/execd/test_launcher.py": "its `_free_port` (the launcher binds --listen itself, "
-    "before it prints anything) is to become testbed.procs.reserve_port; the file is part of "
-    "the execd package split in progress",
-}
+KNOWN: dict[str, str] = {}
 FREE_PORT = re.compile(r"\b_?free_port\b")
 
 

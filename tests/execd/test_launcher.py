@@ -13,16 +13,17 @@ from pathlib import Path
 
 from execd import install
 from execd.execd_daemon import main as E
+from testbed.procs import reserve_port
 
 from .conftest import run_pids
 
 DELAY_S = 1.5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _launcher_port() -> int:
+    """The launcher binds --listen itself and the test must connect before execd reports
+    anything: a port given to nothing else on the machine (testbed/procs.py)."""
+    return reserve_port()
 
 
 def _pod_layout(tmp_path: Path, delay: float) -> Path:
@@ -42,7 +43,7 @@ def _pod_layout(tmp_path: Path, delay: float) -> Path:
 
 def test_a_connection_made_during_the_daemons_imports_is_answered_not_refused(tmp_path):
     launcher = _pod_layout(tmp_path, DELAY_S)
-    port = _free_port()
+    port = _launcher_port()
     log = tmp_path / "execd.log"
     run_id = os.urandom(6).hex()
     env = {**os.environ, "EXECD_TEST_RUN": run_id, "SANDMAN_EXECD_INSTANCE": run_id,
@@ -116,7 +117,7 @@ def test_the_task_images_python_setup_cannot_reach_into_execd(tmp_path):
     (evil / "sitecustomize.py").write_text("import os\nos._exit(14)\n")
 
     def start(flags):
-        port = _free_port()
+        port = _launcher_port()
         run_id = os.urandom(6).hex()
         env = {**os.environ, "PYTHONPATH": str(evil), "EXECD_TEST_RUN": run_id,
                "SANDMAN_EXECD_INSTANCE": run_id,
