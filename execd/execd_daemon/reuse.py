@@ -360,7 +360,8 @@ class Baseline(object):
             if self.args.baseline_scope == "root":
                 # execd's own dir is mounted read-only; pseudo filesystems are no state.
                 self.exclude += [os.path.join(self.d.root, x) for x in ("proc", "sys", "dev")]
-                self.exclude.append(os.path.dirname(os.path.realpath(__file__)))
+                self.exclude.append(os.path.dirname(os.path.dirname(  # launcher and package
+                    os.path.realpath(__file__))))
                 self.forced.add(os.path.join(self.d.root, "dev/shm"))
             self.roots = self._roots()
             self.shell_bin = _shell_binary(self.d.bash)
