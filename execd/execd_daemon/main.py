@@ -24,10 +24,50 @@ from .base import (
     WORKSPACE_ENV,
 )
 from .daemon import Daemon
-from .reuse import BASELINE_SCOPES, EXECD_BASELINE_SCOPE_ENV, Baseline, baseline_args
+from .reuse import (
+    BASELINE_COPY_CAP,
+    BASELINE_EXCLUDE,
+    BASELINE_PACKAGES,
+    BASELINE_PATHS,
+    BASELINE_SCOPES,
+    BASELINE_STORE,
+    BASELINE_STORE_CAP,
+    EXECD_BASELINE_ENV,
+    EXECD_BASELINE_SCOPE_ENV,
+    Baseline,
+)
 from .server import ConnBudget, Handler, Server, adopt_listener, parse_listen
 from .trees import TREE_MAX_BYTES
 from .wire import HTTPError
+
+
+def baseline_args(p):
+    p.add_argument("--baseline-at-start", choices=("on", "off"),
+                   default="on" if os.environ.get(EXECD_BASELINE_ENV) == "on" else "off",
+                   help="record the reuse baseline before serving (default: %s=on, which "
+                        "the controller sets in grading pods)" % EXECD_BASELINE_ENV)
+    p.add_argument("--baseline-store", default=BASELINE_STORE,
+                   help="private dir (0700) for the baseline's file copies")
+    p.add_argument("--baseline-paths", default=BASELINE_PATHS,
+                   help="':'-separated system and home roots (~ is $HOME)")
+    p.add_argument("--baseline-packages", default=BASELINE_PACKAGES,
+                   help="':'-separated package roots (globs; dirs or files)")
+    p.add_argument("--baseline-exclude", default=BASELINE_EXCLUDE,
+                   help="':'-separated paths never watched (with --baseline-scope root: "
+                        "the pod's scratch mounts)")
+    scope = os.environ.get(EXECD_BASELINE_SCOPE_ENV) or "listed"
+    p.add_argument("--baseline-scope", choices=BASELINE_SCOPES,
+                   default=scope if scope in BASELINE_SCOPES else "invalid",
+                   help="listed: the roots above; root: also the whole of --root except "
+                        "/proc, /sys, /dev (not /dev/shm), the store, execd's own dir and "
+                        "--baseline-exclude, watched without copies (default: $%s, "
+                        "which the controller sets in grading pods, else listed)"
+                        % EXECD_BASELINE_SCOPE_ENV)
+    p.add_argument("--baseline-localtime", default="/etc/localtime")
+    p.add_argument("--baseline-rerecord", action="store_true",
+                   help="let POST /baseline replace an existing baseline (tests, local use)")
+    p.add_argument("--baseline-copy-cap", type=int, default=BASELINE_COPY_CAP)
+    p.add_argument("--baseline-store-cap", type=int, default=BASELINE_STORE_CAP)
 
 
 def main(argv=None, listen_socket=None):

@@ -44,35 +44,6 @@ _ENV_SCRIPT = (
         "${!%s*}" % c for c in "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz_"))
 
 
-def baseline_args(p):
-    p.add_argument("--baseline-at-start", choices=("on", "off"),
-                   default="on" if os.environ.get(EXECD_BASELINE_ENV) == "on" else "off",
-                   help="record the reuse baseline before serving (default: %s=on, which "
-                        "the controller sets in grading pods)" % EXECD_BASELINE_ENV)
-    p.add_argument("--baseline-store", default=BASELINE_STORE,
-                   help="private dir (0700) for the baseline's file copies")
-    p.add_argument("--baseline-paths", default=BASELINE_PATHS,
-                   help="':'-separated system and home roots (~ is $HOME)")
-    p.add_argument("--baseline-packages", default=BASELINE_PACKAGES,
-                   help="':'-separated package roots (globs; dirs or files)")
-    p.add_argument("--baseline-exclude", default=BASELINE_EXCLUDE,
-                   help="':'-separated paths never watched (with --baseline-scope root: "
-                        "the pod's scratch mounts)")
-    scope = os.environ.get(EXECD_BASELINE_SCOPE_ENV) or "listed"
-    p.add_argument("--baseline-scope", choices=BASELINE_SCOPES,
-                   default=scope if scope in BASELINE_SCOPES else "invalid",
-                   help="listed: the roots above; root: also the whole of --root except "
-                        "/proc, /sys, /dev (not /dev/shm), the store, execd's own dir and "
-                        "--baseline-exclude, watched without copies (default: $%s, "
-                        "which the controller sets in grading pods, else listed)"
-                        % EXECD_BASELINE_SCOPE_ENV)
-    p.add_argument("--baseline-localtime", default="/etc/localtime")
-    p.add_argument("--baseline-rerecord", action="store_true",
-                   help="let POST /baseline replace an existing baseline (tests, local use)")
-    p.add_argument("--baseline-copy-cap", type=int, default=BASELINE_COPY_CAP)
-    p.add_argument("--baseline-store-cap", type=int, default=BASELINE_STORE_CAP)
-
-
 def _split_paths(value, globbing=False):
     import glob
 
