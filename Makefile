@@ -53,12 +53,13 @@ export REAL_NODE
 sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; REAL_NODE=1: containerd, runc, CNI plugins, ipset, conntrack)
 	@$(PY) tools/sysdeps.py
 
-lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9; mypy --strict on the client distribution
+lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9; mypy --strict on the client distribution, mypy on the server's packages
 	$(VENV)/bin/ruff check .
 	@if [ -d execd ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd; fi
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/_version.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py
+	$(VENV)/bin/mypy --config-file tools/mypy_server.ini
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
 # control plane nor its binaries) and no root, in CHECK_WORKERS pytest-xdist workers (more than

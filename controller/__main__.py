@@ -310,7 +310,7 @@ def main(argv: list[str] | None = None) -> int:
         log.warning("*** --auth none: NO AUTHENTICATION. Anyone who reaches %s can acquire, "
                     "list, release and drain every sandbox and read their tokens. For local "
                     "use only; the chart always runs --auth kubernetes. ***", f"{host}:{port}")
-        auth = A.NoAuth()
+        auth: A.NoAuth | A.KubeAuth = A.NoAuth()
     else:
         auth = A.KubeAuth(api, audience=args.auth_audience, ttl=args.auth_cache_ttl,
                           timeout=min(5.0, args.api_timeout))
@@ -323,7 +323,9 @@ def main(argv: list[str] | None = None) -> int:
 
     def target() -> tuple[str, str] | None:
         # Only a fresh view of the Lease (read within its duration) names a leader to forward to.
-        if elector.is_leader or not elector.connected() or not elector.leader_url:
+        # (The elector sets holder and URL together: a URL always has its holder.)
+        if (elector.is_leader or not elector.connected() or not elector.leader_url
+                or elector.holder is None):
             return None
         return elector.holder, elector.leader_url
 
@@ -392,8 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         log_config=logs.uvicorn_log_config(args.log_format),
         backlog=BACKLOG, timeout_keep_alive=120, loop="uvloop", http="httptools",
         # The same SSLContext object for the whole run: ServingTLS reloads it in place.
-        **({"ssl_context_factory": lambda _config, _default: serving_tls.context}
-           if serving_tls else {}))
+        ssl_context_factory=((lambda _config, _default: serving_tls.context)
+                             if serving_tls else None))
     logs.say(args.log_format, "controller",
              f"controller: serving {'https' if https else 'http'}://{args.listen.rsplit(':', 1)[0]}"
              f":{port}")

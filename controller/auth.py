@@ -256,7 +256,8 @@ class KubeAuth:
         body = {"apiVersion": "authentication.k8s.io/v1", "kind": "TokenReview",
                 "spec": {"token": token, "audiences": [self.audience]}}
         try:
-            r = self._authn.create_token_review(body, _request_timeout=self.timeout)
+            r = self._authn.create_token_review(
+                body, _request_timeout=self.timeout)  # type: ignore[arg-type]  # a dict is sent as is
         except ApiException as e:
             raise AuthUnavailable(f"TokenReview failed: {e.status} {e.reason}; the controller "
                                   "needs `create tokenreviews` (the chart's ClusterRole)") from None
@@ -300,7 +301,8 @@ class KubeAuth:
                          "extra": {k: list(v) for k, v in caller.extra},
                          "resourceAttributes": attrs}}
         try:
-            r = self._authz.create_subject_access_review(body, _request_timeout=self.timeout)
+            r = self._authz.create_subject_access_review(
+                body, _request_timeout=self.timeout)  # type: ignore[arg-type]  # a dict is sent as is
         except ApiException as e:
             raise AuthUnavailable(f"SubjectAccessReview failed: {e.status} {e.reason}; the "
                                   "controller needs `create subjectaccessreviews` (the "

@@ -82,7 +82,8 @@ class Cleanup:
 
     def _pods(self, ns: str, selector: str) -> list[str]:
         return [p.metadata.name for p in
-                self.core.list_namespaced_pod(ns, label_selector=selector).items]
+                self.core.list_namespaced_pod(ns, label_selector=selector).items
+                if p.metadata is not None and p.metadata.name]  # a stored pod has both
 
     def _test_pod(self) -> list[str]:
         if not self.a.test_pod:

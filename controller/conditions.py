@@ -78,7 +78,8 @@ def readings(c: dict) -> dict[str, Any]:
         seed = c["pythonhashseed"]
         r["hash_seed"] = "random" if seed in (None, "", "random") else str(seed)
     probe = c.get("egress")
-    opened = isinstance(probe, dict) and probe.get("open") is True
+    probe = probe if isinstance(probe, dict) else {}
+    opened = probe.get("open") is True
     if opened:
         r["egress"] = "allow"  # an outbound connection was made: whatever the guard says
     elif c.get("netguard_mode") in api.EGRESS_VALUES:

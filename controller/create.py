@@ -13,6 +13,7 @@ import hmac
 import json
 import re
 import secrets
+from typing import Any
 
 from kubernetes import client
 
@@ -62,7 +63,7 @@ def proof(key: bytes, namespace: str, name: str, nonce: str) -> str:
 
 def _reason(ex: client.ApiException) -> str:
     try:
-        return json.loads(ex.body).get("message", ex.reason)
+        return json.loads(ex.body).get("message", ex.reason)  # type: ignore[arg-type]  # None: caught
     except Exception:  # noqa: BLE001
         return str(ex.reason)
 
@@ -93,7 +94,7 @@ class Creator:
         size = {"cpu": e.spec.cpu, "memory": e.spec.memory}
         if e.spec.ephemeral_storage is not None:
             size["ephemeral-storage"] = e.spec.ephemeral_storage
-        container = {"name": "sandbox", "image": e.spec.image,
+        container: dict[str, Any] = {"name": "sandbox", "image": e.spec.image,
                      "resources": {"requests": dict(size), "limits": dict(size)}}
         if e.spec.gpu:
             # An extended resource is set in limits only: the API server copies the request.
@@ -127,7 +128,7 @@ class Creator:
                 spec[k] = copy.deepcopy(t[k])
         if e.spec.gpu:  # only GPU sandboxes reach the GPU nodes' taints (admission checks it)
             spec["tolerations"] = spec.get("tolerations", []) + gpu_tolerations(self.s.policy)
-        meta = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
+        meta: dict[str, Any] = {"name": e.name, "namespace": self.s.namespace, "labels": labels,
                 "annotations": {**t.get("annotations", {}),
                                 contract.ANNOTATION_TOKEN_SHA256: token_sha}}
         if e.spec.egress_allow:  # canonical already (sandman/api.py); the label says deny

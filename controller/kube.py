@@ -136,7 +136,7 @@ class KubeClient:
         return await self._raw(self.core.read_namespaced_pod, name, self.ns)
 
     async def delete_pod(self, name: str, uid: str | None) -> dict:
-        opts = {"gracePeriodSeconds": 0}
+        opts: dict[str, Any] = {"gracePeriodSeconds": 0}
         if uid:
             opts["preconditions"] = {"uid": uid}
         return await self._raw(self.core.delete_namespaced_pod, name, self.ns, body=opts)

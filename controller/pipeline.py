@@ -118,6 +118,7 @@ class Pipeline:
             self.books.move(e, STORED[e.stage], "stored")
             e.t_created = time.monotonic()
             ok, why = await self.wait_ready(e, e.t_created + budget)
+            assert e.slot is not None  # a create holds its pacer slot (core.acquire) until here
             e.slot.done_creating()
             if ok and e.stage in DRAINED:  # drained during the last health probe
                 ok, why = False, "was deleted while starting (drain)"
@@ -203,6 +204,7 @@ class Pipeline:
         if e.stage is S.STARTING:
             e.lifetime, e.expires_at = lifetime, expires
             self.books.move(e, S.LEASED, "handed out")
+            assert e.handed is not None  # a create for a caller carries its future
             e.handed.set_result(self.result(e, warm=False))
             return
         if e.stage is S.STARTING_ORPHANED:  # the caller left during the patch
@@ -266,6 +268,7 @@ class Pipeline:
 
     # ---- readiness ----------------------------------------------------------------------------
     async def wait_ready(self, e: Entry, deadline: float) -> tuple[bool, str]:
+        assert e.t_created is not None  # set when the create was stored
         waker = self.books.waker(e.name)
         try:
             while True:
@@ -287,7 +290,7 @@ class Pipeline:
                     # and the status write that follows it.
                     early = bool(self.s.ready_check == "execd" and ip and not ready
                                  and P.started(pod))
-                    if ready or early:
+                    if (ready or early) and ip:  # (both need the IP)
                         e.ip = ip
                         if self.s.ready_check == "pod" or await self.healthy(
                                 ip, connect=EARLY_CONNECT_S if early else None):

@@ -104,9 +104,11 @@ def lease_end(lifetime_s: float, now: float | None = None) -> float:
 def expires_at(pod: dict) -> float | None:
     """The lease's end (epoch s) from the pod's annotation; None: none or unreadable."""
     text = (meta(pod).get("annotations") or {}).get(contract.ANNOTATION_EXPIRES_AT)
+    if not isinstance(text, str):
+        return None
     try:
         return dt.datetime.fromisoformat(text.replace("Z", "+00:00")).timestamp()
-    except (AttributeError, ValueError):
+    except ValueError:
         return None
 
 

@@ -89,18 +89,20 @@ class ServingTLS:
         return True
 
 
+def _read(path: str) -> bytes:
+    with open(path, "rb") as f:
+        return f.read()
+
+
 class PeerCA:
     """The client SSLContext a standby verifies the leader with (never CERT_NONE)."""
 
     def __init__(self, ca_file: str | None):
         self.ca_file = ca_file
         self.context = ssl.create_default_context(cafile=ca_file)
-        self.pem = self._read() if ca_file else b""
+        self.pem = _read(ca_file) if ca_file else b""
         self._stamp = _stamp(ca_file) if ca_file else None
 
-    def _read(self) -> bytes:
-        with open(self.ca_file, "rb") as f:
-            return f.read()
 
     def reload(self) -> bool:
         """Trust a CA added to the file. True when the file changed (and was loaded)."""
@@ -110,7 +112,7 @@ class PeerCA:
             stamp = _stamp(self.ca_file)
             if stamp == self._stamp:
                 return False
-            pem = self._read()
+            pem = _read(self.ca_file)
             self.context.load_verify_locations(cadata=pem.decode("ascii"))
         except (OSError, ssl.SSLError, ValueError, UnicodeDecodeError) as e:
             log.warning("CA file reload failed, keeping the loaded CAs: %s", e)
@@ -152,7 +154,7 @@ async def watch(serving: ServingTLS | None, peer: PeerCA | None,
     checks = 0
     pending = publish is not None and peer is not None and bool(peer.pem)
     while True:
-        if pending:
+        if pending and publish is not None and peer is not None:  # (pending says they are)
             try:
                 await loop.run_in_executor(None, publish, peer.pem)
                 pending = False

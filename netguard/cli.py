@@ -26,6 +26,7 @@ STATUS_VERSION = 1
 TYPE_CHECKING = False
 if TYPE_CHECKING:
     import argparse
+    from typing import Any
 
 
 class GuardError(RuntimeError):
@@ -95,13 +96,14 @@ def fast_apply_args(argv: list[str]):
     must read it."""
     if not argv or argv[0] != "apply":
         return None
-    ns = {k: list(v) if isinstance(v, tuple) else v for k, v in APPLY_DEFAULTS.items()}
+    ns: dict[str, Any] = {k: list(v) if isinstance(v, tuple) else v
+                          for k, v in APPLY_DEFAULTS.items()}
     i = 1
     while i < len(argv):
         tok = argv[i]
         i += 1
         name, eq, value = tok.partition("=")
-        spec = NETGUARD_APPLY_OPTIONS.get(name)
+        spec: tuple[str, str, Any, Any] | None = NETGUARD_APPLY_OPTIONS.get(name)
         if spec is None:
             return None
         dest, kind, extra, _ = spec
@@ -265,7 +267,7 @@ def cmd_apply(args: argparse.Namespace) -> int:
 
     config = _config(args, gateways=[])  # the gateways come with the netns read below
     blocked = [verify.parse_target(x) for x in args.verify_blocked]
-    status = {
+    status: dict[str, Any] = {
         "version": STATUS_VERSION, "ok": False, "mode": config.egress,
         "ruleset_sha256": None, "options": config.to_dict(),
         "families": [], "backend": None, "verified": False, "probes": [], "pod_ips": [],

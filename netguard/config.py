@@ -11,6 +11,10 @@ import ipaddress
 from netguard.values import Frozen
 from sandman.contract import EXECD_PORT, KUBERNETES_SERVICE_HOST_ENV
 
+TYPE_CHECKING = False  # typing's import is CPU on the guard's hot path
+if TYPE_CHECKING:
+    from typing import Any
+
 IPV4 = "ipv4"
 IPV6 = "ipv6"
 FAMILIES = (IPV4, IPV6)
@@ -206,7 +210,7 @@ class Config(Frozen):
     def to_dict(self) -> dict:
         """The options as strings, stored in the status file so `check` can re-render. The
         allowlist keys appear only when used: a guard without them records what it did before."""
-        d = {
+        d: dict[str, Any] = {
             "egress": self.egress,
             "allow_egress": [str(a) for a in self.allow_egress],
             "ingress_port": self.ingress_port,

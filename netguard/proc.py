@@ -9,7 +9,7 @@ reaped: no process is left behind, whatever the outcome.
 
 from __future__ import annotations
 
-import _signal
+import _signal  # type: ignore[import-not-found]  # no stub: the C module `signal` wraps
 import os
 import select
 import time
@@ -47,8 +47,9 @@ class Child:
             for _ in range(3):
                 fds += os.pipe()  # both ends close-on-exec: only the dup2'd copies reach it
             in_r, in_w, out_r, out_w, err_r, err_w = fds
-            actions = [(os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
-                       (os.POSIX_SPAWN_DUP2, err_w, 2)]
+            actions: list[tuple[int, ...]] = [
+                (os.POSIX_SPAWN_DUP2, in_r, 0), (os.POSIX_SPAWN_DUP2, out_w, 1),
+                (os.POSIX_SPAWN_DUP2, err_w, 2)]
             # subprocess's close_fds: nothing but the three pipes reaches the tool, not even
             # a descriptor this process was handed inheritable.
             actions += [(os.POSIX_SPAWN_CLOSE, fd) for fd in _inheritable(set(fds))]

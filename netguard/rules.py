@@ -17,10 +17,10 @@ from netguard.config import IPV4, IPV6, METADATA, Config
 from netguard.values import Frozen, Record
 
 try:  # hashlib loads OpenSSL, ~5 ms of CPU at every guarded pod's start; sha256 alone is built in
-    from _sha256 import sha256  # python <= 3.11
+    from _sha256 import sha256  # type: ignore[import-not-found]  # python <= 3.11, no stub
 except ImportError:  # pragma: no cover - the image's python is 3.11
     try:
-        from _sha2 import sha256  # python >= 3.12
+        from _sha2 import sha256  # type: ignore[import-not-found]  # python >= 3.12, no stub
     except ImportError:
         from hashlib import sha256
 

@@ -11,6 +11,12 @@ fields are left out of `==` and the hash (`field(compare=False)`).
 
 from __future__ import annotations
 
+TYPE_CHECKING = False  # typing's import is CPU on the guard's hot path
+if TYPE_CHECKING:
+    from typing import TypeVar
+
+    _F = TypeVar("_F", bound="Frozen")
+
 
 class Record:
     __slots__ = ()
@@ -52,7 +58,7 @@ class Record:
             return NotImplemented
         return self._key() == other._key()
 
-    __hash__ = None  # mutable: unhashable, as @dataclass leaves an eq class
+    __hash__ = None  # type: ignore[assignment]  # mutable: unhashable, as @dataclass leaves an eq class
 
     def __repr__(self) -> str:
         inner = ", ".join(f"{f}={getattr(self, f)!r}" for f in self.FIELDS)
@@ -68,9 +74,9 @@ class Frozen(Record):
     def __delattr__(self, name: str) -> None:
         raise AttributeError(f"{type(self).__name__} is frozen: cannot delete {name!r}")
 
-    def __hash__(self) -> int:
+    def __hash__(self) -> int:  # type: ignore[override]  # frozen: hashable again (Record's is None)
         return hash(self._key())
 
-    def replace(self, **changes) -> Frozen:
+    def replace(self: _F, **changes) -> _F:
         """A copy with `changes` (dataclasses.replace): validated again by __post_init__."""
         return type(self)(**{**{f: getattr(self, f) for f in self.FIELDS}, **changes})

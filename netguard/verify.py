@@ -17,6 +17,10 @@ import time
 from netguard.config import IPV4, IPV6, METADATA, ConfigError
 from netguard.values import Record
 
+TYPE_CHECKING = False  # typing's import is CPU on the guard's hot path
+if TYPE_CHECKING:
+    from collections.abc import Sequence
+
 # errnos that mean "this connect was refused here": ECONNREFUSED is our tcp-reset REJECT;
 # no route or an administrative refusal also keep the packet inside the pod.
 BLOCKED_ERRNOS = {
@@ -28,6 +32,10 @@ BLOCKED_ERRNOS = {
     errno.EADDRNOTAVAIL: "no source address",  # e.g. IPv6 on but unaddressed: cannot leave
 }
 METADATA_PORT = 80
+
+
+def _error(n: int | None) -> str:
+    return f"error {errno.errorcode.get(n, n) if n is not None else n}"
 
 
 class Probe(Record):
@@ -80,7 +88,7 @@ def connect_probe(host: str, port: int, timeout: float, want: str = "blocked") -
     except TimeoutError:
         outcome = "timeout"
     except OSError as e:
-        outcome = BLOCKED_ERRNOS.get(e.errno, f"error {errno.errorcode.get(e.errno, e.errno)}")
+        outcome = BLOCKED_ERRNOS.get(e.errno, _error(e.errno)) if e.errno else _error(e.errno)
     finally:
         s.close()
     return Probe(_fmt(host, port), want, outcome, (time.perf_counter() - t0) * 1000)
@@ -96,7 +104,7 @@ def loopback_probe(host: str, timeout: float) -> Probe:
         port = srv.getsockname()[1]
         probe = connect_probe(host, port, timeout, want="open")
     except OSError as e:
-        probe = Probe(_fmt(host, 0), "open", f"error {errno.errorcode.get(e.errno, e.errno)}", 0)
+        probe = Probe(_fmt(host, 0), "open", _error(e.errno), 0)
     finally:
         srv.close()
     probe.target = f"loopback {probe.target}"
@@ -130,7 +138,7 @@ def never_targets(config, families: tuple[str, ...]) -> list[tuple[str, int]]:
 
 
 def run(families: tuple[str, ...], blocked: list[tuple[str, int]], timeout: float,
-        ipv6_loopback: bool, never: list[tuple[str, int]] = ()) -> list[Probe]:
+        ipv6_loopback: bool, never: Sequence[tuple[str, int]] = ()) -> list[Probe]:
     probes = [loopback_probe("127.0.0.1", timeout)]
     if IPV6 in families and ipv6_loopback:
         probes.append(loopback_probe("::1", timeout))

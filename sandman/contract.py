@@ -155,7 +155,7 @@ def _fullmatch(pattern: str, value: str) -> bool:
     return re.fullmatch(pattern, value) is not None
 
 
-def is_token_sha256(value: str) -> bool:
+def is_token_sha256(value: str | None) -> bool:
     """True for a lowercase 64-hex SHA-256 digest, the only accepted token-hash form.
     fullmatch: `$` would also accept a trailing newline, which the policy's CEL refuses."""
     return _fullmatch(_SHA256_HEX, value or "")

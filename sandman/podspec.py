@@ -22,6 +22,7 @@ import posixpath
 import re
 from dataclasses import dataclass
 from decimal import Decimal
+from typing import Any
 
 from sandman import egress as egress_entries
 from sandman.api import DEFAULT_CPU, DEFAULT_MEMORY
@@ -361,6 +362,12 @@ def is_judged(pod: dict) -> bool:
             or carries(pod, NETGUARD_CONTAINER))
 
 
+def _dict_at(obj: dict, key: str) -> dict:
+    """obj[key] when it is an object, else {} (a hostile pod may put anything there)."""
+    value = obj.get(key)
+    return value if isinstance(value, dict) else {}
+
+
 def _labels(pod: dict) -> dict:
     return (pod.get("metadata") or {}).get("labels") or {}
 
@@ -503,7 +510,8 @@ def egress_refusals(entries, policy: SandboxPolicy) -> list[str]:
         for a in api[1:]:
             if e.network is not None and a.version == e.network.version and \
                     a.subnet_of(e.network) and not any(  # type: ignore[arg-type]
-                        n.version == a.version and a.subnet_of(n) for n in carved):
+                        n.version == a.version and a.subnet_of(n)  # type: ignore[arg-type]
+                        for n in carved):
                 out.append(f"egress entry {e.text!r} contains the API server's endpoint "
                            f"{a.network_address}, which only sandbox.egressNever can carve out")
     return out
@@ -864,6 +872,7 @@ def _equalize_resources(c: dict, policy: SandboxPolicy | None) -> None:
                  ("ephemeral-storage", None)) if policy else (("cpu", None), ("memory", None)))
     for name, default in defaults:
         req, lim = requests.get(name), limits.get(name)
+        value: Any  # a quantity as the pod spells it (the pod's own JSON: any type)
         if req is None and lim is None:
             if default is None:
                 continue
@@ -1102,7 +1111,7 @@ def _pod_rules(pod: dict, policy: SandboxPolicy, sandbox: bool, guarded: bool) -
             out.append(Refusal("host-namespace", "", f"{key} must not be set on a sandbox or an "
                                "egress-deny pod"))
     out.extend(_volume_rules(spec, policy, sandbox))
-    psc = spec.get("securityContext") if isinstance(spec.get("securityContext"), dict) else {}
+    psc = _dict_at(spec, "securityContext")
     if (psc.get("windowsOptions") or {}).get("hostProcess"):
         out.append(Refusal("privileged", "", "hostProcess pods are not allowed"))
     out.extend(_profile_rules(psc, ""))
@@ -1208,7 +1217,7 @@ def _volume_rules(spec: dict, policy: SandboxPolicy, sandbox: bool) -> list[Refu
 def _container_rules(kind: str, i: int, c: dict, policy: SandboxPolicy, sandbox: bool,
                      guarded: bool, execd_container: bool) -> list[Refusal]:
     name = c.get("name", "")
-    sc = c.get("securityContext") if isinstance(c.get("securityContext"), dict) else {}
+    sc = _dict_at(c, "securityContext")
     out: list[Refusal] = []
     if sc.get("privileged"):
         out.append(Refusal("privileged", name, "privileged containers are not allowed"))
@@ -1304,7 +1313,7 @@ def _resource_rules(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     out: list[Refusal] = []
     total = Decimal(0)
     for kind, _, c in _every_container(spec):
-        res = c.get("resources") if isinstance(c.get("resources"), dict) else {}
+        res = _dict_at(c, "resources")
         names = sorted({str(k) for side in ("requests", "limits")
                         for k in (res.get(side) or {}) if k not in CORE_RESOURCES})
         name = c.get("name", "")
@@ -1323,7 +1332,7 @@ def _resource_rules(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     if 0 < policy.gpu_max < total:
         out.append(Refusal("gpu-refused", "", f"the pod asks for {total} {gpu}; at most "
                            f"{policy.gpu_max} per sandbox (chart sandbox.gpu.max)"))
-    pod_level = spec.get("resources") if isinstance(spec.get("resources"), dict) else {}
+    pod_level = _dict_at(spec, "resources")
     extra = sorted({str(k) for side in ("requests", "limits") for k in (pod_level.get(side) or {})
                     if k not in ("cpu", "memory")})
     if extra:
@@ -1377,7 +1386,7 @@ def _check_guard(pod: dict, policy: SandboxPolicy) -> list[Refusal]:
     except SandboxError as e:
         return [e.refusal]
     g = inits[0]
-    sc = g.get("securityContext") if isinstance(g.get("securityContext"), dict) else {}
+    sc = _dict_at(g, "securityContext")
     caps = sc.get("capabilities") or {}
     problems = []
     if g.get("image") != policy.image:

@@ -11,7 +11,8 @@ import contextlib
 import json
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable, Coroutine
+from typing import Any
 
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
@@ -133,7 +134,7 @@ class AdmissionFastPath:
 
 def create_app(policy: SandboxPolicy, metrics: Metrics | None = None,
                ready: Callable[[], str | None] = lambda: None,
-               background: Callable[[], Awaitable[None]] | None = None) -> FastAPI:
+               background: Callable[[], Coroutine[Any, Any, None]] | None = None) -> FastAPI:
     """`ready()` returns None when serving is possible, else why not (for /readyz);
     `background` runs while the app is up (the certificate watcher). The admission routes are
     not here: wrap the app in `AdmissionFastPath` (webhook/server.py does)."""

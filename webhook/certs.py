@@ -22,6 +22,7 @@ import ipaddress
 import logging
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from cryptography import x509
@@ -67,11 +68,11 @@ def new_ca(common_name: str = "sandman-webhook-ca", days: int = CA_DAYS) -> tupl
 
 
 def new_serving(ca_cert_pem: bytes, ca_key_pem: bytes, dns_names: list[str],
-                ip_addresses: list[str] = (), days: int = LEAF_DAYS) -> tuple[bytes, bytes]:
+                ip_addresses: Sequence[str] = (), days: int = LEAF_DAYS) -> tuple[bytes, bytes]:
     ca_cert = x509.load_pem_x509_certificate(ca_cert_pem)
     ca_key = serialization.load_pem_private_key(ca_key_pem, password=None)
     key = ec.generate_private_key(ec.SECP256R1())
-    sans = [x509.DNSName(d) for d in dns_names]
+    sans: list[x509.GeneralName] = [x509.DNSName(d) for d in dns_names]
     sans += [x509.IPAddress(ipaddress.ip_address(ip)) for ip in ip_addresses]
     cn = (list(dns_names) + list(ip_addresses) + ["sandman-webhook"])[0]
     now = _now()
@@ -85,9 +86,10 @@ def new_serving(ca_cert_pem: bytes, ca_key_pem: bytes, dns_names: list[str],
             .add_extension(x509.BasicConstraints(ca=False, path_length=None), critical=True)
             .add_extension(x509.ExtendedKeyUsage([ExtendedKeyUsageOID.SERVER_AUTH]),
                            critical=False)
-            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(ca_key.public_key()),
-                           critical=False)
-            .sign(ca_key, hashes.SHA256()))
+            # A CA key that cannot sign (DH, X25519, X448) fails in sign(): ours is EC (new_ca).
+            .add_extension(x509.AuthorityKeyIdentifier.from_issuer_public_key(
+                ca_key.public_key()), critical=False)  # type: ignore[arg-type]
+            .sign(ca_key, hashes.SHA256()))  # type: ignore[arg-type]
     return cert.public_bytes(serialization.Encoding.PEM), _key_pem(key)
 
 
@@ -279,7 +281,8 @@ def patch_ca_bundle(admission_api, mutating: list[str], validating: list[str],
 
 
 def ensure(core, admission_api, namespace: str, secret: str, dns_names: list[str],
-           ip_addresses: list[str] = (), mutating: list[str] = (), validating: list[str] = (),
+           ip_addresses: Sequence[str] = (), mutating: Sequence[str] = (),
+           validating: Sequence[str] = (),
            force_ca_rotation: bool = False, propagation_seconds: float = 10.0,
            write_dir: str | None = None) -> EnsureResult:
     """Bring CA, bundle, configurations and serving pair to a good state, in the safe order."""

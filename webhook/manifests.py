@@ -11,6 +11,7 @@ webhook-configuration objects, so the deletion cannot itself be blocked.
 from __future__ import annotations
 
 import base64
+from collections.abc import Sequence
 
 from sandman.contract import DOMAIN, LABEL_EGRESS, LABEL_SANDBOX, SANDBOX_TRUE
 
@@ -29,6 +30,7 @@ def client_config(path: str, ca_bundle: bytes | None, url: str | None = None,
     if url is not None:
         cfg["url"] = url.rstrip("/") + path
     else:
+        assert service is not None, "a webhook is reached by url or by service"
         namespace, name, port = service
         cfg["service"] = {"namespace": namespace, "name": name, "port": port, "path": path}
     if ca_bundle:
@@ -68,7 +70,7 @@ _SANDBOX = {"key": LABEL_SANDBOX, "operator": "In", "values": [SANDBOX_TRUE]}
 def configurations(name: str, webhook_namespace: str, ca_bundle: bytes | None = None,
                    url: str | None = None, service: tuple[str, str, int] | None = None,
                    only_namespaces: list[str] | None = None,
-                   extra_excluded_namespaces: list[str] = ()) -> tuple[dict, dict]:
+                   extra_excluded_namespaces: Sequence[str] = ()) -> tuple[dict, dict]:
     """(mutating, validating) configuration objects named `name`.
 
     `only_namespaces` narrows them further (tests scope them to their own namespace)."""
