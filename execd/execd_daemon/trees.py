@@ -9,6 +9,8 @@ import sys
 
 from .base import _SHA256_HEX, STREAM_SEND_TIMEOUT, compare_digest, now, sha256
 from .files import file_kind, resolve_path
+from .treelinks import DIR_FLAGS as _DIR_FLAGS
+from .treelinks import tree_link_escapes, tree_symlinks
 from .wire import HTTPError, still_authorized, wire_uint
 
 # POST /files/tree/write?path=DIR takes a tar (Content-Length, X-Content-SHA256 of the body);
@@ -20,7 +22,6 @@ TREE_MAX_BYTES = 1 << 30  # whole archive; --max-tree-bytes
 TREE_SHA256_HEADER = "X-Content-SHA256"  # the upload's digest
 TREE_DIGEST_LEN = 64  # the download's trailer: SHA-256 hex of the tar before it
 TREE_STAGING_PREFIX = ".execd-tree-"
-TREE_LINK_HOPS = 40  # symlinks followed while checking where one leads (the kernel's limit)
 TREE_CHUNK = 256 << 10
 # A pax or GNU long-name header is read whole by tarfile: bounded here, so a crafted 900 MiB
 # "name" cannot make execd hold it in memory.
@@ -53,42 +54,34 @@ def tree_parts(name):
     return parts
 
 
-def tree_link_escapes(root_fd, link_parts, target, hops=TREE_LINK_HOPS):
-    """Whether following the symlink at link_parts (a path in the tree open as root_fd) to
-    `target` ends outside the tree. Resolved component by component against what the tree
-    holds, so a chain (s -> ., l -> s/s/../..) is judged as the kernel would follow it."""
-    if not target or target.startswith("/"):
-        return True
-    stack = list(link_parts[:-1])
-    todo = target.split("/")[::-1]
-    while todo:
-        p = todo.pop()
-        if p in ("", "."):
-            continue
-        if p == "..":
-            if not stack:
-                return True
-            stack.pop()
-            continue
-        stack.append(p)
-        rel = "/".join(stack)
+def tree_links_judged(stage_fd, target_fd, stage_name, links):
+    """Refuses (422) the archive when one of its symlinks, or one already in the target, would
+    lead outside the target once the staged tree is merged in: judged against the staging
+    directory over the target as it is on disk, whatever earlier calls or the agent left
+    there. A link on disk is refused only when the archive is what makes it lead out."""
+    roots = (stage_fd, target_fd)
+    for parts, target in links:
+        if tree_link_escapes(roots, parts, target, hide=stage_name):
+            raise tree_refuse("symlink leads outside the target (or loops)", "/".join(parts))
+    if not links:
+        return  # files and directories alone never make a path lead elsewhere
+    for parts, target in tree_symlinks(target_fd, TREE_STAGING_PREFIX):
         try:
-            st = os.lstat(rel, dir_fd=root_fd)
-        except OSError:
-            continue  # missing: nothing below it is a link, the rest is lexical
-        if stat.S_ISLNK(st.st_mode):
-            hops -= 1
-            if hops < 0:
-                return True
-            t = os.readlink(rel, dir_fd=root_fd)
-            if not t or t.startswith("/"):
-                return True
-            stack.pop()
-            todo.extend(t.split("/")[::-1])
-    return False
-
-
-_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+            fd = tree_open_dir(stage_fd, parts[:-1])
+        except (OSError, HTTPError):
+            fd = -1
+        if fd >= 0:
+            try:
+                os.lstat(parts[-1], dir_fd=fd)
+                continue  # replaced by the archive's own member, judged above
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if tree_link_escapes(roots, parts, target, hide=stage_name) and \
+                not tree_link_escapes((target_fd,), parts, target, hide=stage_name):
+            raise tree_refuse("symlink already in the target would lead outside it (or loop) "
+                              "with this archive", "/".join(parts))
 
 
 def tree_open_dir(root_fd, parts, create=None):
@@ -244,6 +237,19 @@ def tree_extract(tar, stage_fd, stats):
             os.close(pfd)
         kinds[key] = "f" if kind == "h" else kind
     return dirs, links
+
+
+def tree_mkstage(parent_fd, prefix):
+    """Makes a staging directory (0700, a random name) in the directory open as parent_fd;
+    returns its name."""
+    for _ in range(100):
+        name = prefix + os.urandom(6).hex()
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            return name
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, "no free staging name")
 
 
 def tree_merge(src_fd, dst_fd, dry, where=""):
@@ -444,7 +450,6 @@ def tree_write(handler, query):
 
 def tree_write_into(d, query, body):
     import tarfile
-    import tempfile
 
     path = query.get("path")
     real = resolve_path(d, path[-1] if path else None, for_write=True)
@@ -469,9 +474,9 @@ def tree_write_into(d, query, body):
         except OSError as e:
             raise HTTPError(400, "target is not a directory: %s" % (e.strerror or e),
                             {"path": real}) from None
-        try:
-            stage = tempfile.mkdtemp(prefix=TREE_STAGING_PREFIX, dir=real)
-            stage_fd = os.open(os.path.basename(stage), _DIR_FLAGS, dir_fd=target_fd)
+        try:  # made from the target's fd: never in whatever a link put at `real` meanwhile
+            stage = tree_mkstage(target_fd, TREE_STAGING_PREFIX)
+            stage_fd = os.open(stage, _DIR_FLAGS, dir_fd=target_fd)
         except OSError as e:
             raise HTTPError(403 if e.errno in (errno.EACCES, errno.EROFS) else 400,
                             "cannot stage in %s: %s" % (real, e.strerror)) from None
@@ -489,11 +494,9 @@ def tree_write_into(d, query, body):
         if not compare_digest(got, want):
             raise HTTPError(400, "archive SHA-256 mismatch: got %s, X-Content-SHA256 says %s"
                             % (got, want), {"sha256": got})
-        for parts, target in links:
-            if tree_link_escapes(stage_fd, parts, target):
-                raise tree_refuse("symlink leads outside the target (or loops)", "/".join(parts))
-        with d.files_lock:
+        with d.files_lock:  # judged and merged at once: two uploads never miss each other
             still_authorized(d)
+            tree_links_judged(stage_fd, target_fd, stage, links)
             tree_merge(stage_fd, target_fd, True)
             tree_merge(stage_fd, target_fd, False)
             tree_set_modes(target_fd, dirs)
@@ -502,7 +505,7 @@ def tree_write_into(d, query, body):
         if stage_fd >= 0:
             os.close(stage_fd)
         if stage is not None:
-            remove_tree(target_fd, os.path.basename(stage), now() + REMOVE_MAX_S)
+            remove_tree(target_fd, stage, now() + REMOVE_MAX_S)
         if target_fd >= 0:
             os.close(target_fd)
         for p in made:

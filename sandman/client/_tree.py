@@ -13,7 +13,7 @@ import hashlib
 import os
 import stat
 import tarfile
-import tempfile
+import threading
 from typing import IO, Any
 
 from sandman import execd_api
@@ -36,6 +36,13 @@ MTIME_MAX = execd_api.TREE_MTIME_MAX
 MODE_MASK = 0o755
 REMOVE_FDS = 32  # directory fds a staging dir's removal holds open at once
 _DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+# Judging a link only looks: O_PATH (Linux) opens a directory that can be traversed but not
+# read, as the kernel's own lookup would go through it.
+_LOOK_FLAGS = _DIR_FLAGS | getattr(os, "O_PATH", 0)
+LOOK_FDS = 32  # directory levels a View holds open at once; deeper ones are reopened
+# Judging and merging are one step per process: two downloads into one directory at once
+# would each be judged without the other's links.
+_MERGING = threading.Lock()
 
 
 # ---- pack (upload)
@@ -142,39 +149,202 @@ def member_parts(name: str) -> list[str]:
     return parts
 
 
-def link_escapes(root_fd: int, link_parts: list[str], target: str,
-                 hops: int = LINK_HOPS) -> bool:
-    """Whether following the symlink at link_parts (in the tree open as root_fd) to `target`
-    ends outside the tree, resolved component by component against what the tree holds."""
+def link_escapes(roots: int | list[int] | tuple[int, ...], link_parts: list[str], target: str,
+                 hops: int = LINK_HOPS, hide: str | None = None) -> bool:
+    """Whether following the symlink at link_parts to `target` ends outside the tree (execd's
+    tree_link_escapes): `roots` one fd on the tree's top, or several seen as one (View: the
+    staging directory over local_dir as it is on disk); resolved component by component, each
+    level opened from the one above with O_NOFOLLOW and each link read where it is, whether
+    it comes from this archive, an earlier download or anyone else. `hide`: a name at the top
+    taken as missing (the staging directory)."""
     if not target or target.startswith("/"):
         return True
-    stack = list(link_parts[:-1])
-    todo = target.split("/")[::-1]
-    while todo:
-        p = todo.pop()
-        if p in ("", "."):
-            continue
-        if p == "..":
-            if not stack:
-                return True
-            stack.pop()
-            continue
-        stack.append(p)
-        rel = "/".join(stack)
+    view = View([roots] if isinstance(roots, int) else list(roots), hide)
+    lost = 0  # components below the last directory found (missing, or a file): lexical
+    try:
+        for p in link_parts[:-1]:
+            if lost or view.look(p) is not True:
+                lost += 1
+        todo = target.split("/")[::-1]
+        while todo:
+            p = todo.pop()
+            if p in ("", "."):
+                continue
+            if p == "..":
+                if lost:
+                    lost -= 1
+                elif not view.names:
+                    return True
+                else:
+                    view.up()
+                continue
+            if lost:
+                lost += 1
+                continue
+            got = view.look(p)
+            if got is None:
+                lost += 1  # missing: nothing below it is a link, the rest is lexical
+            elif got is not True:
+                hops -= 1
+                if hops < 0 or not got or got.startswith("/"):
+                    return True
+                todo.extend(got.split("/")[::-1])
+        return False
+    finally:
+        view.close()
+
+
+def links_judged(stage_fd: int, target_fd: int, stage_name: str,
+                 links: list[tuple[list[str], str]]) -> None:
+    """Refuses (UnsafeArchive) the archive when one of its symlinks, or one already in
+    local_dir (an earlier download's, anyone's), would lead outside local_dir once the staged
+    tree is merged in (execd's tree_links_judged). A link on disk is refused only when the
+    archive is what makes it lead out."""
+    roots = (stage_fd, target_fd)
+    for parts, target in links:
+        if link_escapes(roots, parts, target, hide=stage_name):
+            raise _refuse("symlink leads outside the target (or loops)", "/".join(parts))
+    if not links:
+        return  # files and directories alone never make a path lead elsewhere
+    for parts, target in symlinks(target_fd, STAGING_PREFIX):
         try:
-            st = os.lstat(rel, dir_fd=root_fd)
-        except OSError:
-            continue  # missing: nothing below it is a link, the rest is lexical
-        if stat.S_ISLNK(st.st_mode):
-            hops -= 1
-            if hops < 0:
-                return True
-            t = os.readlink(rel, dir_fd=root_fd)
-            if not t or t.startswith("/"):
-                return True
-            stack.pop()
-            todo.extend(t.split("/")[::-1])
-    return False
+            fd = open_dir(stage_fd, parts[:-1])
+        except (OSError, UnsafeArchive):
+            fd = -1
+        if fd >= 0:
+            try:
+                os.lstat(parts[-1], dir_fd=fd)
+                continue  # replaced by the archive's own member, judged above
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+        if link_escapes(roots, parts, target, hide=stage_name) and \
+                not link_escapes((target_fd,), parts, target, hide=stage_name):
+            raise _refuse("symlink already in the target would lead outside it (or loop) "
+                          "with this archive", "/".join(parts))
+
+
+def _open(fd: int, name: str, flags: int) -> int:
+    if fd < 0:
+        return -1
+    try:
+        return os.open(name, flags, dir_fd=fd)
+    except OSError:
+        return -1
+
+
+class View:
+    """One path below `roots`, fds on the tops of trees seen as one (execd's TreeView): the
+    first's entry wins and a directory in several is one merged directory (merge's rules).
+    Each level opened from the one above with O_NOFOLLOW; at most LOOK_FDS levels held, a
+    closed one reopened from the nearest held above it. The roots stay the caller's."""
+
+    def __init__(self, roots: list[int], hide: str | None = None,
+                 flags: int = _LOOK_FLAGS) -> None:
+        self.hide = hide
+        self.flags = flags
+        self.names: list[str] = []
+        self.levels: list[list[int] | None] = [list(roots)]
+
+    def fds(self) -> list[int]:
+        i = len(self.levels) - 1
+        while self.levels[i] is None:
+            i -= 1
+        for k in range(i + 1, len(self.levels)):
+            above = self.levels[k - 1]
+            assert above is not None
+            self.levels[k] = [_open(fd, self.names[k - 1], self.flags) for fd in above]
+        self._cap()
+        last = self.levels[-1]
+        assert last is not None
+        return last
+
+    def _cap(self) -> None:
+        held = [k for k in range(1, len(self.levels)) if self.levels[k] is not None]
+        for k in held[:max(0, len(held) - LOOK_FDS)]:
+            self._close(k)
+
+    def _close(self, k: int) -> None:
+        for fd in self.levels[k] or ():
+            if fd >= 0:
+                os.close(fd)
+        self.levels[k] = None
+
+    def look(self, name: str) -> bool | str | None:
+        """`name` here: True (a directory: the view went down into it), its target (a
+        symlink), or None (missing, a file, or not to be looked into)."""
+        fds = self.fds()
+        if len(self.levels) == 1 and name == self.hide:
+            return None
+        for i, fd in enumerate(fds):
+            if fd < 0:
+                continue
+            try:
+                nfd = os.open(name, self.flags, dir_fd=fd)
+            except OSError as e:
+                if e.errno == errno.ENOENT:
+                    continue
+                if e.errno in (errno.ELOOP, errno.ENOTDIR):
+                    try:
+                        return os.readlink(name, dir_fd=fd)
+                    except OSError:
+                        return None  # a file (or gone meanwhile)
+                return None
+            new = [-1] * len(fds)
+            new[i] = nfd
+            for j in range(i + 1, len(fds)):
+                new[j] = _open(fds[j], name, self.flags)
+            self.names.append(name)
+            self.levels.append(new)
+            self._cap()
+            return True
+        return None
+
+    def up(self) -> None:
+        self._close(len(self.levels) - 1)
+        self.levels.pop()
+        self.names.pop()
+
+    def close(self) -> None:
+        while len(self.levels) > 1:
+            self.up()
+
+
+def symlinks(root_fd: int, skip: str) -> list[tuple[list[str], str]]:
+    """(parts, target) of every symlink under root_fd, never through one; iterative, at most
+    LOOK_FDS directory fds held; names at the top starting with `skip` left out."""
+    view = View([root_fd], flags=_DIR_FLAGS)
+    out: list[tuple[list[str], str]] = []
+    todo: list[tuple[int, str | None]] = [(0, None)]  # back up to depth, then down into name
+    try:
+        while todo:
+            depth, name = todo.pop()
+            while len(view.names) > depth:
+                view.up()
+            if name is not None and view.look(name) is not True:
+                continue  # changed meanwhile
+            fd = view.fds()[0]
+            if fd < 0:
+                continue
+            try:
+                with os.scandir(fd) as it:
+                    for e in it:
+                        if not view.names and e.name.startswith(skip):
+                            continue
+                        if e.is_symlink():
+                            try:
+                                out.append((view.names + [e.name],
+                                            os.readlink(e.name, dir_fd=fd)))
+                            except OSError:
+                                pass
+                        elif e.is_dir(follow_symlinks=False):
+                            todo.append((len(view.names), e.name))
+            except OSError:
+                continue
+    finally:
+        view.close()
+    return out
 
 
 def open_dir(root_fd: int, parts: list[str], made: list[tuple[str, ...]] | None = None) -> int:
@@ -301,6 +471,18 @@ def _extract(tar: tarfile.TarFile, stage_fd: int, stats: dict[str, int]
     return dirs, links
 
 
+def mkstage(parent_fd: int) -> str:
+    """Makes a staging directory (0700, a random name) in parent_fd; returns its name."""
+    for _ in range(100):
+        name = STAGING_PREFIX + os.urandom(6).hex()
+        try:
+            os.mkdir(name, 0o700, dir_fd=parent_fd)
+            return name
+        except FileExistsError:
+            continue
+    raise OSError(errno.EEXIST, "no free staging name")
+
+
 def merge(src_fd: int, dst_fd: int, dry: bool, where: str = "") -> None:
     """Moves what src holds into dst (execd's tree_merge): a missing name is renamed in whole,
     two directories merge, a file or symlink replaces a file or symlink; a directory never
@@ -363,8 +545,8 @@ def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
         for p in reversed(made_top):
             os.mkdir(p)
         target_fd = os.open(local_dir, _DIR_FLAGS)
-        stage = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=local_dir)
-        stage_fd = os.open(os.path.basename(stage), _DIR_FLAGS, dir_fd=target_fd)
+        stage = mkstage(target_fd)  # from the fd: never where a link put local_dir meanwhile
+        stage_fd = os.open(stage, _DIR_FLAGS, dir_fd=target_fd)
         try:
             with tarfile.open(fileobj=archive, mode="r|", encoding="utf-8",
                               errors="surrogateescape", tarinfo=_CheckedInfo) as tar:
@@ -372,12 +554,11 @@ def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
         except (tarfile.TarError, EOFError) as e:
             raise UnsafeArchive(f"download_tree: not a valid tar archive (truncated or "
                                 f"corrupt): {e}; nothing was written") from None
-        for parts, target in links:
-            if link_escapes(stage_fd, parts, target):
-                raise _refuse("symlink leads outside the target (or loops)", "/".join(parts))
-        merge(stage_fd, target_fd, True)
-        merge(stage_fd, target_fd, False)
-        _set_modes(target_fd, dirs)
+        with _MERGING:
+            links_judged(stage_fd, target_fd, stage, links)
+            merge(stage_fd, target_fd, True)
+            merge(stage_fd, target_fd, False)
+            _set_modes(target_fd, dirs)
         made_top = []
     except OSError as e:
         raise TreeError(f"download_tree: writing {local_dir}: {e}") from None
@@ -385,7 +566,7 @@ def unpack(archive: IO[bytes], local_dir: str) -> dict[str, int]:
         if stage_fd >= 0:
             os.close(stage_fd)
         if stage is not None and target_fd >= 0:
-            remove_tree(target_fd, os.path.basename(stage))
+            remove_tree(target_fd, stage)
         if target_fd >= 0:
             os.close(target_fd)
         for p in made_top:

@@ -21,7 +21,18 @@ from sandman.client import (
     UnsafeArchive,
 )
 from testbed.execd import start_execd
-from tests.execd.tartrees import HOSTILE, hostile_archive, make_tree, reg, sha, snapshot, tar_of
+from tests.execd.tartrees import (
+    ACROSS,
+    HOSTILE,
+    PLANTED,
+    escaping_links,
+    hostile_archive,
+    make_tree,
+    reg,
+    sha,
+    snapshot,
+    tar_of,
+)
 
 from .conftest import FAST_RETRY, Execd, Flavor
 
@@ -179,6 +190,51 @@ def test_hostile_download_cannot_escape_local_dir(flavor: Flavor, hostile: Hosti
     flavor.run(body)
     assert snapshot(local) == before_l and snapshot(outside) == before_o
     assert not os.path.lexists("/etc/sandman-tree-escaped")
+
+
+@pytest.mark.parametrize("case", [c[0] for c in ACROSS])
+def test_hostile_downloads_into_one_dir_stay_inside(flavor: Flavor, hostile: Hostile, tmp_path,
+                                                    case: str) -> None:
+    """Several downloads into one local_dir: each is judged against what the earlier ones left
+    there, so the last is refused and no symlink in local_dir leads outside it."""
+    local = tmp_path / "local"
+    local.mkdir()
+    archives = next(c[1] for c in ACROSS if c[0] == case)
+    state = {}
+
+    async def body():
+        async with connect_hostile(flavor, hostile) as sb:
+            for members in archives[:-1]:
+                hostile.serve(tar_of(*members))
+                await sb.download_tree("/x", local)
+            state["before"] = snapshot(local)
+            hostile.serve(tar_of(reg("good.txt"), *archives[-1]))
+            with pytest.raises(UnsafeArchive, match="symlink"):
+                await sb.download_tree("/x", local)
+
+    flavor.run(body)
+    assert snapshot(local) == state["before"] and escaping_links(local) == []
+
+
+@pytest.mark.parametrize("case", [c[0] for c in PLANTED])
+def test_hostile_download_judged_against_links_in_local_dir(flavor: Flavor, hostile: Hostile,
+                                                           tmp_path, case: str) -> None:
+    local, outside = tmp_path / "local", tmp_path / "outside"
+    local.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    plant, members = next(c[1:] for c in PLANTED if c[0] == case)
+    plant(local, outside)
+    before_l, before_o = snapshot(local), snapshot(outside)
+    hostile.serve(tar_of(reg("good.txt"), *members))
+
+    async def body():
+        async with connect_hostile(flavor, hostile) as sb:
+            with pytest.raises(UnsafeArchive, match="symlink"):
+                await sb.download_tree("/x", local)
+
+    flavor.run(body)
+    assert snapshot(local) == before_l and snapshot(outside) == before_o
 
 
 def test_hostile_download_wrong_digest_cut_or_planted_link(flavor: Flavor, hostile: Hostile,

@@ -113,6 +113,57 @@ HOSTILE: list[tuple[str, Callable[[str], list[Member]], int, str]] = [
 ]
 
 
+# Trees that stay inside their target across calls: each case is archives written into one
+# directory in turn. All but the last are accepted; the last is refused, since with what the
+# earlier ones left on disk one of its links, or one already there, would lead outside. Each
+# archive alone passes a check that judges its names lexically.
+ACROSS: list[tuple[str, list[list[Member]]]] = [
+    ("dot_then_up", [[sym("a", ".")], [sym("b", "a/..")]]),
+    ("chain_of_three", [[sym("s", ".")], [sym("t", "s/s")], [sym("l", "t/..")]]),
+    # Through an earlier link whose target has `..` components.
+    ("dotdot_through_earlier", [[dir_("x/y"), sym("x/y/up", "../..")], [sym("z", "x/y/up/..")]]),
+    # The second archive replaces what a link already on disk goes through.
+    ("replaced_under_old_link", [[dir_("d"), sym("a", "d"), sym("b", "a/..")], [sym("a", ".")]]),
+    ("dangling_then_filled", [[sym("b", "a/..")], [sym("a", ".")]]),
+    ("file_then_link", [[reg("f"), sym("b", "f/..")], [sym("f", ".")]]),
+]
+
+# Links already in the target before one archive (the agent's in a sandbox; anyone's in a local
+# directory): (id, plant(target, outside), members). Each archive is refused.
+PLANTED: list[tuple[str, Callable[[Path, Path], None], list[Member]]] = [
+    ("through_link_to_root", lambda t, o: os.symlink("/", t / "r"), [sym("x", "r/etc")]),
+    ("through_link_to_outside", lambda t, o: os.symlink(o, t / "o"), [sym("x", "o/secret")]),
+    ("through_relative_link_out", lambda t, o: os.symlink(f"../{o.name}", t / "o"),
+     [sym("x", "o")]),
+    ("up_through_dot_link", lambda t, o: os.symlink(".", t / "a"), [sym("b", "a/..")]),
+    ("deep_dotdot_through_link", lambda t, o: (os.makedirs(t / "p" / "q"),
+                                                 os.symlink("../..", t / "p" / "q" / "up")),
+     [dir_("p"), sym("p/l", "q/up/../..")]),
+    # The archive's link is what makes the planted one lead out.
+    ("makes_planted_link_escape", lambda t, o: os.symlink("a/..", t / "b"), [sym("a", ".")]),
+]
+
+
+def escaping_links(root: Path) -> list[str]:
+    """The symlinks under root that resolve outside it (or loop)."""
+    top = os.path.realpath(root)
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in dirnames + filenames:
+            p = os.path.join(dirpath, n)
+            if os.path.islink(p):
+                try:
+                    real = os.path.realpath(p, strict=True)
+                except FileNotFoundError:
+                    real = os.path.realpath(p)
+                except OSError:
+                    out.append(p)
+                    continue
+                if real != top and not real.startswith(top + "/"):
+                    out.append(p)
+    return out
+
+
 def hostile_archive(case: str, outside: str) -> bytes:
     for name, members, _, _ in HOSTILE:
         if name == case:

@@ -22,7 +22,20 @@ from sandman import api
 from sandman.client import _tree
 
 from .conftest import AUTH
-from .tartrees import HOSTILE, hostile_archive, make_tree, reg, sha, snapshot, tar_of
+from .tartrees import (
+    ACROSS,
+    HOSTILE,
+    PLANTED,
+    escaping_links,
+    hard,
+    hostile_archive,
+    make_tree,
+    reg,
+    sha,
+    snapshot,
+    sym,
+    tar_of,
+)
 
 WRITE, READ = "/files/tree/write", "/files/tree"
 
@@ -132,6 +145,98 @@ def test_symlink_already_in_the_target_is_never_written_through(execd, tmp_path)
     assert r.status_code == 200, r.text
     assert (outside / "secret").read_bytes() == b"secret"
     assert not (target / "f").is_symlink() and (target / "f").read_bytes() == b"evil"
+
+
+@pytest.mark.parametrize("case", [c[0] for c in ACROSS])
+def test_links_stay_inside_across_uploads(execd, tmp_path, case):
+    """Each upload's links are judged against what the target holds on disk, not against the
+    archive's own names: the last of these is refused, and nothing left leads outside."""
+    target = tmp_path / "target"
+    target.mkdir()
+    archives = next(c[1] for c in ACROSS if c[0] == case)
+    for members in archives[:-1]:
+        r = post_tar(execd, target, tar_of(*members))
+        assert r.status_code == 200, r.text
+    before = snapshot(target)
+    r = post_tar(execd, target, tar_of(reg("good.txt"), *archives[-1]))
+    assert r.status_code == 422, r.text
+    assert "symlink" in r.json()["error"] and "\n" not in r.json()["error"]
+    assert snapshot(target) == before and escaping_links(target) == []
+    no_staging_left(target)
+
+
+@pytest.mark.parametrize("case", [c[0] for c in PLANTED])
+def test_links_planted_in_the_target_are_judged(execd, tmp_path, case):
+    """The agent's links already in the target count when an upload's links are judged."""
+    target, outside = tmp_path / "target", tmp_path / "outside"
+    target.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    plant, members = next(c[1:] for c in PLANTED if c[0] == case)
+    plant(target, outside)
+    before_t, before_o = snapshot(target), snapshot(outside)
+    r = post_tar(execd, target, tar_of(reg("good.txt"), *members))
+    assert r.status_code == 422, r.text
+    assert "symlink" in r.json()["error"]
+    assert snapshot(target) == before_t and snapshot(outside) == before_o
+
+
+def test_links_that_stay_inside_across_uploads_are_kept(execd, tmp_path):
+    """What the judgement must not refuse: links through earlier links that end inside, a
+    dangling link, and a link of the holder's that already led out and the archive leaves be."""
+    target, outside = tmp_path / "target", tmp_path / "outside"
+    target.mkdir()
+    outside.mkdir()
+    os.symlink(outside, target / "theirs")
+    for members in ([sym("s", "."), reg("d/f")], [sym("t", "s/s/d"), sym("u", "t/f")],
+                    [sym("v", "t/../s/d/../missing"), sym("w", "u")]):
+        r = post_tar(execd, target, tar_of(*members))
+        assert r.status_code == 200, r.text
+    assert (target / "w").read_bytes() == b"x"
+    assert escaping_links(target) == [str(target / "theirs")]
+
+
+def test_hard_links_never_reach_a_link_on_disk(execd, tmp_path):
+    """A hard link's source must be a file of the same archive; a name that is a symlink on disk
+    is replaced, never written through."""
+    target, outside = tmp_path / "target", tmp_path / "outside"
+    target.mkdir()
+    outside.mkdir()
+    (outside / "secret").write_bytes(b"secret")
+    os.symlink(outside / "secret", target / "p")
+    os.symlink(outside, target / "o")
+    r = post_tar(execd, target, tar_of(reg("good.txt"), hard("h", "p")))
+    assert r.status_code == 422 and "hard link" in r.json()["error"], r.text
+    r = post_tar(execd, target, tar_of(reg("good.txt"), hard("o/h", "good.txt")))
+    assert r.status_code == 409, r.text
+    r = post_tar(execd, target, tar_of(reg("f", b"new"), hard("p", "f")))
+    assert r.status_code == 200, r.text
+    assert not (target / "p").is_symlink() and (target / "p").read_bytes() == b"new"
+    assert os.listdir(outside) == ["secret"] and (outside / "secret").read_bytes() == b"secret"
+
+
+@pytest.mark.parametrize("impl", ["execd", "sdk"])
+def test_merge_never_follows_a_directory_swapped_for_a_link(tmp_path, impl):
+    """A directory checked as one, then replaced by a symlink before the write: the merge
+    opens each level with O_NOFOLLOW from its parent's fd, so it stops there."""
+    target, stage, outside = tmp_path / "target", tmp_path / "stage", tmp_path / "outside"
+    (target / "d").mkdir(parents=True)
+    (stage / "d").mkdir(parents=True)
+    (stage / "d" / "x").write_bytes(b"evil")
+    outside.mkdir()
+    merge = trees.tree_merge if impl == "execd" else _tree.merge
+    sfd = os.open(stage, os.O_RDONLY | os.O_DIRECTORY)
+    tfd = os.open(target, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        merge(sfd, tfd, True)
+        os.rmdir(target / "d")
+        os.symlink(outside, target / "d")
+        with pytest.raises((OSError, trees.HTTPError, _tree.TreeConflict)):
+            merge(sfd, tfd, False)
+    finally:
+        os.close(sfd)
+        os.close(tfd)
+    assert os.listdir(outside) == []
 
 
 def test_directory_over_a_file_conflicts(execd, tmp_path):
