@@ -62,9 +62,10 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	$(VENV)/bin/mypy --config-file tools/mypy_server.ini
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
-# control plane nor its binaries) and no root, in CHECK_WORKERS pytest-xdist workers (more than
-# the 2 cores: about half of the tier's time is tests waiting, which other workers fill).
-CHECK_MARKERS := not testbed and not realnode and not netns and not e2e
+# control plane nor its binaries) and no root, and is not `slow` (seconds each: `make test` runs
+# those beside the beds), in CHECK_WORKERS pytest-xdist workers (more than the 2 cores: about
+# half of the tier's time is tests waiting, which other workers fill).
+CHECK_MARKERS := not testbed and not realnode and not netns and not e2e and not slow
 CHECK_WORKERS := 4
 check: lint  ## lint + every test that needs no test bed and no root (a few minutes on 2 cores)
 	$(VPY) tools/run_pytest.py -m "$(CHECK_MARKERS)" -n $(CHECK_WORKERS) $(PYTEST_ARGS)
@@ -75,7 +76,7 @@ testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cach
 test: REAL_NODE := $(if $(REAL_NODE),$(REAL_NODE),auto)
 # SANDMAN_NO_SKIPS=1: a skipped test fails the run unless tests/conftest.py's ALLOWED_SKIPS lists it.
 # The suite in three phases (tools/run_pytest.py): check on CHECK_WORKERS workers; the kwok bed's and the
-# real node's sessions side by side; the timing tests alone.
+# real node's sessions side by side, and the slow tests that need no bed beside them; the timing tests alone.
 test: deps testbed-build lint  ## lint + the whole pytest suite, test-bed tests included; a skip fails it
 	SANDMAN_NO_SKIPS=1 $(VPY) tools/run_pytest.py --phased $(PYTEST_ARGS)
 

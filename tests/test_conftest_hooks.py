@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[1]
 CASES = '''
 import pytest
@@ -36,6 +38,7 @@ def run(tmp_path: Path, *args: str, cases: str = CASES, **env: str
                           capture_output=True, text=True, timeout=120)
 
 
+@pytest.mark.slow
 def test_a_skip_fails_the_run_and_is_listed(tmp_path):
     res = run(tmp_path, SANDMAN_NO_SKIPS="1")
     assert res.returncode == 1, res.stdout + res.stderr
@@ -43,6 +46,7 @@ def test_a_skip_fails_the_run_and_is_listed(tmp_path):
     assert run(tmp_path, CI="true").returncode == 1
 
 
+@pytest.mark.slow
 def test_deselected_is_not_skipped_and_skips_pass_without_the_setting(tmp_path):
     res = run(tmp_path, "-k", "test_runs", SANDMAN_NO_SKIPS="1")
     assert res.returncode == 0, res.stdout + res.stderr
@@ -91,6 +95,7 @@ def test_without_a_bed():
 '''
 
 
+@pytest.mark.slow
 def test_tests_on_the_real_bed_get_its_crash_check_and_logs(tmp_path):
     res = run(tmp_path, "-rA", cases=BED_CASES)
     out = res.stdout
@@ -113,6 +118,7 @@ def pytest_collection_finish(session):
 '''
 
 
+@pytest.mark.slow
 def test_make_tests_tiers_are_disjoint_and_cover_the_suite(tmp_path):
     """tools/run_pytest.py's phases, evaluated on the markers the whole collected suite really
     carries: every test is in exactly one tier, so `make test` runs each test once."""
@@ -133,7 +139,7 @@ def test_make_tests_tiers_are_disjoint_and_cover_the_suite(tmp_path):
 
     items = json.loads(dump.read_text())
     assert len(items) > 1000, len(items)
-    names = ("testbed", "realnode", "netns", "e2e", "timing")
+    names = ("testbed", "realnode", "netns", "e2e", "timing", "slow")
     tiers = [t for phase in run_pytest.PHASES for t in phase]
     counts = {name: 0 for name, _m, _e in tiers}
     for nodeid, marks in items.items():

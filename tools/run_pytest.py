@@ -5,12 +5,15 @@
 
 `--phased`: the suite as sessions disjoint by marker, in three phases, each ending before the
 next starts:
-1. `check` (what `make check` runs: no cluster, no root) on CHECK_WORKERS pytest-xdist
-   workers, alone on the machine: it takes both cores, and its waiting tests overlap.
+1. `check` (what `make check` runs: no cluster, no root, not `slow`) on CHECK_WORKERS
+   pytest-xdist workers, alone on the machine: it takes both cores, and its waiting tests
+   overlap.
 2. The two test beds side by side: `bed` (the kwok bed's tests and the root-only ones, in
    order) and `realnode` (its own bed with the real node, the chart installed on it,
    tests/e2e). Both mostly wait, one on the API server, the other on real pods, so together
-   they take about as long as the longer of them alone.
+   they take about as long as the longer of them alone. Beside them `slow`: the tests that
+   need no bed but take seconds each (left out of `make check`), in one session, done long
+   before the beds are.
 3. `timing` (rates and lifetimes measured against the clock on a kwok bed), alone: beside
    another bed a pacing test saw 71 creates in one second.
 The first session of a phase streams to the terminal, the others write
@@ -40,7 +43,7 @@ NO_TESTS = 5  # pytest.ExitCode.NO_TESTS_COLLECTED
 # The check tier's selection and workers, as the Makefile's `make check` has them. More
 # workers than cores: about half of the tier's time is tests waiting (timeouts, retries,
 # subprocesses), which other workers' tests fill.
-CHECK = "not testbed and not realnode and not netns and not e2e"
+CHECK = "not testbed and not realnode and not netns and not e2e and not slow"
 CHECK_WORKERS = "4"
 
 # (name, marker expression, extra pytest args), phase by phase. Disjoint by marker, together
@@ -48,7 +51,8 @@ CHECK_WORKERS = "4"
 PHASES: tuple[tuple[tuple[str, str, tuple[str, ...]], ...], ...] = (
     (("check", CHECK, ("-n", CHECK_WORKERS)),),
     (("bed", "(testbed or netns) and not realnode and not timing", ()),
-     ("realnode", "realnode", ())),
+     ("realnode", "realnode", ()),
+     ("slow", "slow and not testbed and not realnode and not netns and not e2e", ())),
     (("timing", "timing and not realnode", ()),),
 )
 
