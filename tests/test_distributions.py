@@ -43,6 +43,7 @@ def _metadata(wheel: Path) -> str:
         return z.read(next(n for n in z.namelist() if n.endswith(".dist-info/METADATA"))).decode()
 
 
+@pytest.mark.slow
 def test_the_namespace_is_split_without_overlap_or_gap(wheels):
     client = {n for n in _names(wheels["client"]) if n.startswith("sandman/")}
     server = {n for n in _names(wheels["server"]) if n.startswith("sandman/")}
@@ -95,6 +96,7 @@ def _mypy(python: Path, tmp: Path) -> subprocess.CompletedProcess[str]:
                           cwd=tmp, capture_output=True, text=True, timeout=300)
 
 
+@pytest.mark.slow
 def test_a_type_checker_reads_the_client_wheels_wire_modules_as_typed(wheels, tmp_path):
     """mypy --strict on code that imports sandman.api and sandman.contract from the installed
     client wheel: typed through sandman/py.typed. Without that marker mypy refuses them as
@@ -107,6 +109,7 @@ def test_a_type_checker_reads_the_client_wheels_wire_modules_as_typed(wheels, tm
     assert bare.returncode == 1 and "import-untyped" in bare.stdout, bare.stdout + bare.stderr
 
 
+@pytest.mark.slow
 def test_the_client_wheel_has_only_the_client_and_its_wire(wheels):
     tops = {n.split("/")[0] for n in _names(wheels["client"])}
     assert tops == {"sandman"}, tops
@@ -151,6 +154,7 @@ def _extras(wheel: Path) -> set[str]:
     return set(re.findall(r"^Provides-Extra: (\S+)$", _metadata(wheel), re.M))
 
 
+@pytest.mark.slow
 def test_client_files_import_only_stdlib_httpx_and_each_other(wheels):
     with zipfile.ZipFile(wheels["client"]) as z:
         py = {n: z.read(n).decode() for n in z.namelist() if n.endswith(".py")}
@@ -172,6 +176,7 @@ def test_client_files_import_only_stdlib_httpx_and_each_other(wheels):
     assert not bad, f"the client distribution imports what it does not ship: {bad}"
 
 
+@pytest.mark.slow
 def test_the_server_depends_on_the_client_at_the_same_version(wheels):
     from sandman._version import __version__
 
@@ -189,6 +194,7 @@ def test_the_check_sees_a_server_module_in_the_client():
                                      "sandman.api"}
 
 
+@pytest.mark.slow
 def test_the_server_wheel_ships_the_product_only(wheels):
     """Neither the test bed nor the benches (nor tests, tools) are in the server wheel: the
     image installs it, and nothing it runs needs them (tests/test_layout.py)."""
@@ -201,6 +207,7 @@ def test_the_server_wheel_ships_the_product_only(wheels):
 
 
 @pytest.mark.parametrize("dist", ["client", "server"])
+@pytest.mark.slow
 def test_each_wheel_carries_its_license_and_where_the_project_lives(wheels, dist):
     meta = _metadata(wheels[dist])
     assert "License-Expression: Apache-2.0" in meta

@@ -20,6 +20,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+import pytest
 import yaml
 
 from tests import docs_cli
@@ -578,6 +579,7 @@ def exported_names(name: str, kind: str) -> set[str]:
     return {name}
 
 
+@pytest.mark.slow
 def test_every_metric_named_is_defined():
     defined = metric_definitions()
     assert "sandman_build_info" in defined and "sandman_webhook_requests" in defined, defined

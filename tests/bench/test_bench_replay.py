@@ -24,6 +24,7 @@ def small():
     return reqs, replay.replay(reqs, 3)
 
 
+@pytest.mark.slow
 def test_small_replay_report_structure(small):
     reqs, rep = small
     assert rep["requests"] == len(reqs) > 0
@@ -46,6 +47,7 @@ def test_small_replay_report_structure(small):
     assert text.count(": met") + text.count(": not met") == 3
 
 
+@pytest.mark.slow
 def test_same_seed_same_report(small):
     reqs, rep = small
     assert replay.replay(reqs, 3) == rep
@@ -129,6 +131,7 @@ def test_make_bench_replay_writes_its_docs_section():
     assert recipe and "-m bench.replay --write-docs" in recipe.group(1)
 
 
+@pytest.mark.slow
 def test_a_recorded_trace_replays(tmp_path, capsys):
     path = tmp_path / "rec.jsonl"
     path.write_text('{"t": 0, "role": "agent", "image": "task-a", "hold_s": 30}\n'

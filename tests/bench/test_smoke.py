@@ -38,6 +38,7 @@ def test_swerex(capsys, docs_untouched):
 
 
 @pytest.mark.timeout(300)
+@pytest.mark.slow
 def test_reuse_execd_part(capsys, docs_untouched):
     assert reuse.main(["--smoke", "--part", "execd"]) == 0
     out = capsys.readouterr().out

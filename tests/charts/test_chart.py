@@ -1141,6 +1141,7 @@ def test_warm_budget_flags_only_when_demand_sizing_is_on(helm):
         helm.template("--set", "controller.warmBudget.roles={judge}")
 
 
+@pytest.mark.slow
 def test_component_image_falls_back_to_the_global_image(helm):
     def image(*sets: str) -> tuple[str, str]:
         args = [a for s in sets for a in ("--set", s)]

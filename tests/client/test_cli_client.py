@@ -97,6 +97,7 @@ def test_each_error_type_has_its_exit_code():
             assert not issubclass(a, b), (a, b)
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_with_their_code(leases, monkeypatch):
     # A controller that is not there: unreachable, one line, its code.
     env = {**os.environ, "SANDMAN_URL": "https://127.0.0.1:1", cli.ENV_LEASE_DIR: str(leases)}

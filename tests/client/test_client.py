@@ -364,6 +364,7 @@ def test_on_request_reports_each_call_once(flavor: Flavor, controller: FakeContr
                     ("GET", "/v1/sandboxes/{id}", True, False, "SandboxGone")]
 
 
+@pytest.mark.slow
 def test_renewing_survives_failures_and_stops_at_release(flavor: Flavor,
                                                         controller: FakeController,
                                                         caplog) -> None:

@@ -96,6 +96,7 @@ def twin(flavor: Flavor) -> Twin:
 # ---- grade
 
 
+@pytest.mark.slow
 def test_reference_passes_and_empty_fails(flavor, twin, controller: FakeController,
                                           tmp_path) -> None:
     async def body():
@@ -116,6 +117,7 @@ def test_reference_passes_and_empty_fails(flavor, twin, controller: FakeControll
     flavor.run(body, timeout_s=90)
 
 
+@pytest.mark.slow
 def test_planted_conftest_is_graded_without_it(flavor, twin, controller, tmp_path) -> None:
     """A raw patch that plants a conftest.py forcing every test to pass: the hook works (a
     plain pytest run in the patched repository passes), and the grader leaves it out,
@@ -373,6 +375,7 @@ def test_capture_of_an_untouched_repo_is_empty(flavor, twin, execd, tmp_path) ->
 # ---- preflight
 
 
+@pytest.mark.slow
 def test_preflight_keeps_only_sound_tasks(flavor, twin, execd, make_controller,
                                           tmp_path) -> None:
     """Sound task kept; a task whose tests pass without the fix (vacuous) and one whose

@@ -153,6 +153,7 @@ def test_syntax_error_runs_nothing(srt, tmp_path) -> None:
     assert run(srt.run_in_session(A("(exit 2)", check="silent"))).exit_code == 2
 
 
+@pytest.mark.slow
 def test_timeout_kills_and_interrupt_recovers(srt, tmp_path) -> None:
     marker = tmp_path / "late"
     t0 = time.monotonic()
@@ -263,6 +264,7 @@ def test_interactive_same_answers_as_local_runtime(srt) -> None:
     assert got == local
 
 
+@pytest.mark.slow
 def test_interactive_timeout_and_interrupt(srt) -> None:
     run(srt.run_in_session(PY_FLOW[0]))
     with pytest.raises(CommandTimeoutError, match="timeout after 1.0 seconds"):
@@ -620,6 +622,7 @@ def test_runtimes_share_one_loop_without_blocking(execd, fresh_execd) -> None:
             r.sandbox.close()
 
 
+@pytest.mark.slow
 def test_lease_is_renewed_across_event_loops(controller: FakeController) -> None:
     """SWE-agent's asyncio.run() per call ends each loop: the lease renewer must not live in
     one (the sync Sandbox renews from a thread at each third of the lifetime)."""

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import httpx
+import pytest
 
 from execd.execd_daemon import base
 
@@ -118,6 +119,7 @@ HEADER_TIMEOUT = 2.0
 PREAUTH_IDLE = 2.0
 
 
+@pytest.mark.slow
 def test_header_time_and_preauth_idle_bounded_authed_idle_kept(execd_factory):
     execd = execd_factory("--header-timeout", str(HEADER_TIMEOUT),
                           "--preauth-idle", str(PREAUTH_IDLE))

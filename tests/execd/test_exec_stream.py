@@ -136,6 +136,7 @@ def test_kill_on_disconnect_ends_the_command_tree(execd, tmp_path):
     assert execd.exec("echo next")["output"] == "next\n"
 
 
+@pytest.mark.slow
 def test_busy_both_ways(execd):
     t = threading.Thread(target=lambda: stream(execd, {"command": "sleep 1.5"}))
     t.start()
@@ -179,6 +180,7 @@ def test_stream_needs_the_token(execd):
     assert r.status_code == 401
 
 
+@pytest.mark.slow
 def test_stalled_reader_bounds_rss_and_does_not_stop_the_timeout(execd):
     """A client that never reads while the command floods: execd's memory stays bounded,
     other clients are served, and the command still ends (its timeout, or its client gone)."""

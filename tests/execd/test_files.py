@@ -131,6 +131,7 @@ def test_paths_outside_root_refused(execd_factory, tmp_path):
     assert (tmp_path / "out.txt").read_bytes() == b"out"
 
 
+@pytest.mark.slow
 def test_large_file_streams_without_loading_twice(execd, tmp_path):
     rest = execd.reset_hwm()
     size = 64 << 20

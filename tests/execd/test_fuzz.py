@@ -305,6 +305,7 @@ def wire_execd(execd_factory, tmp_path):
                          "--header-timeout", "1", "--body-timeout", "1", "--preauth-idle", "1")
 
 
+@pytest.mark.slow
 def test_fuzz_request_line_and_headers_bytes(wire_execd):
     d = wire_execd
     rng = random.Random(WIRE_SEED)

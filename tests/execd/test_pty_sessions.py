@@ -127,6 +127,7 @@ def test_resize_is_seen_by_the_child(execd):
     close(execd, s["id"])
 
 
+@pytest.mark.slow
 def test_flood_keeps_execd_small_and_the_shell_free(execd):
     s0 = open_session(execd, command="true")  # the reader thread exists before the baseline
     time.sleep(0.3)
@@ -283,6 +284,7 @@ def test_bad_writes_reads_and_signals(execd):
     close(execd, s["id"])
 
 
+@pytest.mark.slow
 def test_a_program_that_never_reads_its_input(execd):
     s = open_session(execd, command="stty -icanon; sleep 300")
     time.sleep(0.3)

@@ -55,6 +55,7 @@ def test_ready_without_token_forks_and_writes(execd):
     assert execd.others() == []  # the probe process is gone
 
 
+@pytest.mark.slow
 def test_ready_not_behind_a_busy_shell_and_concurrent_calls_share_one_check(execd):
     t = threading.Thread(target=execd.exec, args=("sleep 4",), kwargs={"timeout": 30})
     t.start()

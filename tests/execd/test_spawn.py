@@ -350,6 +350,7 @@ def test_restore_kills_and_forgets_the_last_holders_processes(execd_factory, tmp
     assert wait(d, q["id"])["exit_code"] == 0
 
 
+@pytest.mark.slow
 def test_one_byte_writes_do_not_multiply_the_ring(execd):
     """Each read of a process writing one byte at a time may bring one byte: kept as one object
     per read, a 1 MiB ring grew execd by ~5 MiB."""

@@ -80,6 +80,7 @@ def test_cli_renders_a_local_locustfile_into_a_configmap(tmp_path, capsys):
     assert "needs --ca-configmap" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_runner_passes_locusts_exit_code_and_prints_the_summary(tmp_path):
     """`python -m loadtest acquire_burst ...` (what the Job runs) against a fake controller:
     exit 0 and one SANDMAN-SUMMARY line; the raising locustfile by path: exit 1."""

@@ -80,6 +80,7 @@ def run(tmp_path, url: str, *extra: str) -> tuple[int, str, dict]:
 
 
 @pytest.mark.parametrize("fake", [("broken", 0.0)], indirect=True)
+@pytest.mark.slow
 def test_broken_endpoint_fails_the_run(fake, tmp_path):
     code, log, summary = run(tmp_path, fake.url)
     assert code == 1, log[-3000:]
@@ -89,6 +90,7 @@ def test_broken_endpoint_fails_the_run(fake, tmp_path):
 
 
 @pytest.mark.parametrize("fake", [("slow", 0.3)], indirect=True)
+@pytest.mark.slow
 def test_slow_endpoint_fails_the_p99_threshold_without_any_error(fake, tmp_path):
     code, log, summary = run(tmp_path, fake.url, "--max-p99-ms", "100")
     assert code == 1, log[-3000:]
@@ -97,6 +99,7 @@ def test_slow_endpoint_fails_the_p99_threshold_without_any_error(fake, tmp_path)
 
 
 @pytest.mark.parametrize("fake", [("ok", 0.0)], indirect=True)
+@pytest.mark.slow
 def test_healthy_endpoint_passes_the_same_thresholds(fake, tmp_path):
     code, log, summary = run(tmp_path, fake.url, "--max-p99-ms", "2000")
     assert code == 0, log[-3000:]
@@ -107,6 +110,7 @@ def test_healthy_endpoint_passes_the_same_thresholds(fake, tmp_path):
 
 
 @pytest.mark.parametrize("fake", [("ok", 0.0)], indirect=True)
+@pytest.mark.slow
 def test_run_users_scales_the_two_runs_shape(fake, tmp_path):
     code, log, summary = run(tmp_path, fake.url, "--shape", "two-runs", "--run-users", "3")
     assert code == 0, log[-3000:]
@@ -124,6 +128,7 @@ def test_run_users_below_one_is_refused_in_one_line(tmp_path):
     assert "Traceback" not in text
 
 
+@pytest.mark.slow
 def test_nothing_listening_fails_the_run(tmp_path):
     from testbed.procs import refused_port
 
@@ -137,6 +142,7 @@ RAISING = Path(__file__).parent / "files" / "raising.py"
 
 
 @pytest.mark.parametrize("fake", [("ok", 0.0)], indirect=True)
+@pytest.mark.slow
 def test_a_task_that_raises_fails_the_run(fake, tmp_path):
     """Every request succeeds; the task raises after its cycle. locust's own exit code would say
     1, but the threshold hook used to overwrite it with 0."""

@@ -60,6 +60,7 @@ def test_rules_pass_promtool_check(promtool, tmp_path):
     assert res.returncode == 0, res.stdout + res.stderr
 
 
+@pytest.mark.slow
 def test_alert_unit_tests(promtool, tmp_path):
     res = run_tests(promtool, rule_groups(), tmp_path)
     assert res.returncode == 0, res.stdout + res.stderr
@@ -100,6 +101,7 @@ def test_an_unscraped_webhook_alerts():
     assert (metric.component, metric.type, metric.labels) == ("webhook", "gauge", ())
 
 
+@pytest.mark.slow
 def test_the_unit_tests_catch_a_missing_or_broken_alert(promtool, tmp_path):
     """The same unit tests fail without the absent() alert, and with an Errors threshold of
     50% instead of 1%."""

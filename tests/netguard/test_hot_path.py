@@ -139,6 +139,7 @@ def _random_argv(rng: random.Random) -> list[str]:
     return argv
 
 
+@pytest.mark.slow
 def test_the_fast_reader_reads_as_argparse_does_or_not_at_all():
     """Fuzzed apply command lines (abbreviations, `=` forms, option-like values, bad values,
     repeats): whatever the fast reader returns is what argparse returns; when argparse would

@@ -386,6 +386,7 @@ _allows = st.builds(lambda n, port, proto: EgressAllow(n, port, proto if port el
 @settings(max_examples=200, deadline=None)
 @given(allows=st.lists(_allows, max_size=5), sources=st.lists(_nets, max_size=4),
        port=st.integers(1, 65535))
+@pytest.mark.slow
 def test_any_options_render_a_guarded_ruleset(allows, sources, port):
     try:
         cfg = Config(allow_egress=tuple(allows), ingress_port=port, ingress_from=tuple(sources))
@@ -411,6 +412,7 @@ _ALPHABET = ' \t\r\n\x0b\x0c\x85\xa0"\'\\#ab-/:.()é'
 
 @settings(max_examples=3000, deadline=None, derandomize=True)
 @given(st.text(alphabet=_ALPHABET, max_size=40))
+@pytest.mark.slow
 def test_split_words_is_shlex_split_word_for_word(line):
     """The read-back compares what iptables-save printed with what netguard meant: a splitter
     that read a line differently from shlex could make two different rules look alike. On any

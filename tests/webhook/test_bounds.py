@@ -122,6 +122,7 @@ def test_slow_senders_lose_their_connection_and_hold_no_one_up(server):
             s.close()
 
 
+@pytest.mark.slow
 def test_a_kept_alive_connection_keeps_working(server):
     """The deadline is per request: a client that sends whole requests on one connection, with
     pauses longer than the deadline between them, is not cut."""

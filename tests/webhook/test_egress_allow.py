@@ -184,6 +184,7 @@ def test_the_annotation_cannot_change_after_create():
     assert check_update(leased, made, POLICY) == []
 
 
+@pytest.mark.slow
 def test_a_bad_ceiling_or_never_flag_is_refused_in_one_line():
     for flags, why in ((["--egress-ceiling", "10.0.0.0/8"], "a port is required"),
                        (["--egress-ceiling", "10.0.0.0/8:*,svc/a.b.c:*"], "not a namespace"),

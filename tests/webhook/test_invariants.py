@@ -15,6 +15,7 @@ import re
 from collections import Counter
 
 import jsonpatch
+import pytest
 
 from sandman.contract import (
     ANNOTATION_TOKEN_SHA256,
@@ -264,6 +265,7 @@ def assert_invariants(pod: dict) -> None:
             assert m["name"] == SANDMAN_VOLUME and m.get("readOnly") is True, m
 
 
+@pytest.mark.slow
 def test_every_admitted_pod_keeps_the_invariants():
     r = random.Random(13)
     seen = Counter()

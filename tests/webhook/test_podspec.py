@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -91,6 +92,7 @@ def _limits(pod):
 
 @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(pods(), st.sampled_from(GUARD_MODES))
+@pytest.mark.slow
 def test_make_sandbox_properties(pod, guard):
     policy = SandboxPolicy(guard=guard)
     try:
@@ -112,6 +114,7 @@ def test_make_sandbox_properties(pod, guard):
 @given(pods(), st.dictionaries(st.sampled_from(["sandman.dev/nonce", "sandman.dev/job", "app"]),
                                st.text(min_size=1, max_size=5), max_size=2),
        st.sampled_from(["a" * 64, "b" * 64, "short", None]), st.text(max_size=8))
+@pytest.mark.slow
 def test_cached_answers_equal_direct_ones(pod, extra_labels, token, name):
     """The webhook caches by spec + INPUT_LABELS + INPUT_ANNOTATIONS: names, other labels and a
     valid token's value must not change a result, and cached answers equal computed ones."""

@@ -10,6 +10,7 @@ import ssl
 import time
 
 import httpx
+import pytest
 from cryptography import x509
 
 from testbed.webhook import start_webhook
@@ -85,6 +86,7 @@ def _served_cert(port: int, ca_pem: bytes) -> x509.Certificate:
             return x509.load_der_x509_certificate(tls.getpeercert(binary_form=True))
 
 
+@pytest.mark.slow
 def test_certificate_files_reloaded_without_restart(tmp_path):
     certdir = tmp_path / "tls"
     certs.self_signed_dir(str(certdir), ["localhost"], ["127.0.0.1"])
@@ -176,6 +178,7 @@ def test_admission_routes_are_the_fast_paths_only():
     assert set(AdmissionFastPath.ROUTES) == {"/mutate", "/validate"}
 
 
+@pytest.mark.slow
 def test_sigterm_drains_serving_then_exits_and_a_second_signal_ends_it(tmp_path):
     """A deleted replica keeps answering admission calls for --drain-seconds while /readyz
     fails (the pod leaves the Service), closing each connection after its answer; an
