@@ -201,7 +201,8 @@ def leader_tls(tmp_path_factory):
     return d
 
 
-@pytest.mark.parametrize("case", ["verified", "unknown CA", "other name", "plain http leader"])
+@pytest.mark.parametrize("case", [pytest.param("verified", marks=pytest.mark.slow), "unknown CA",
+                                  "other name", "plain http leader"])
 def test_standby_forwards_only_to_a_verified_https_leader(leader_tls, case):
     ctl = StandIn()
     leader, _ = _replica("leader-1", Elector("leader-1", is_leader=True), ctl)

@@ -78,6 +78,7 @@ def test_the_fake_reproduces_stale_cache_over_creation():
     assert asyncio.run(main()) > 3 * 3
 
 
+@pytest.mark.slow
 def test_stale_cache_never_creates_more_than_the_pool_target():
     """The pool counts its own books (warm + building + checking), never the cache: with the
     watch and the list LAG s behind, maintenance ticks and hand-outs create exactly target +

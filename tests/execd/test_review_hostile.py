@@ -290,7 +290,8 @@ def test_a_process_hidden_behind_a_zombie_leader_dies(execd_factory, tmp_path, h
             pass
 
 
-@pytest.mark.parametrize("how", ["exec-timeout", "spawn-kill", "session-close"])
+@pytest.mark.parametrize("how", [pytest.param("exec-timeout", marks=pytest.mark.slow),
+                                 "spawn-kill", "session-close"])
 def test_each_kill_reaches_a_process_hidden_behind_a_zombie_leader(execd, tmp_path, how):
     """The other kills: a timed-out call's processes, a spawn's tree, a session's tree. The
     hidden process is a child of the call's shell or of the spawn's or session's bash."""
@@ -406,6 +407,7 @@ os.kill(shell, signal.SIGCONT)
                    "/proc/<shell>/fd: it takes the trainer's next request, learns its marker and "
                    "answers exit 0 for a command never run")
 @pytest.mark.parametrize("how", ["inherited", "reopened"])
+@pytest.mark.slow
 def test_a_leftover_job_cannot_answer_a_later_calls_status(execd_factory, tmp_path, how):
     import sys
 

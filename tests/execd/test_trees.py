@@ -406,6 +406,7 @@ def test_download_of_a_tree_changed_while_sent_is_cut(execd, tmp_path):
 
 
 @pytest.mark.parametrize("impl", ["execd", "sdk"])
+@pytest.mark.slow
 def test_remove_tree_goes_deep_and_never_follows_a_link(tmp_path, impl):
 
     outside = tmp_path / "outside"
