@@ -58,7 +58,7 @@ from bench.stats import percentile_or_nan
 from controller.core import Controller
 from controller.demand import Budget
 from controller.pacer import Limits
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
 from sandman import api, contract
 
@@ -262,7 +262,8 @@ async def _replay(reqs: list[Request], policy: str, seed: int) -> dict:
                 ctl.prewarm(spec, FIXED_TARGET, FIXED_IDLE_S)
         start = loop.time()
         try:
-            got = await ctl.acquire(spec, "replay", warm_ok=policy != "none", timeout_s=3600)
+            got = await ctl.acquire(AcquireOrder(spec, "replay", warm_ok=policy != "none",
+                                                 timeout_s=3600))
         except Exception:  # noqa: BLE001 - counted, the replay goes on
             failed += 1
             return

@@ -16,6 +16,7 @@ import asyncio
 import logging
 import secrets
 import time
+from dataclasses import replace
 
 from controller import auth as A
 from controller import metrics
@@ -45,7 +46,7 @@ from controller.events import CapacitySignals
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.prepull import Prepuller
 from controller.settings import Settings
 from controller.sweep import Sweeper
@@ -199,20 +200,14 @@ class Controller:
         if owner is not None and not (owner.get("name") and owner.get("uid")):
             raise BadRequest("owner needs both name and uid of the caller's pod")
 
-    async def acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None = None,
-                      labels: dict | None = None, timeout_s: float = 300.0,
-                      warm_ok: bool = True, wait: bool = True,
-                      request_id: str | None = None, lifetime_s: float | None = None,
-                      conditions: dict | None = None, reused_ok: bool = False) -> dict:
-        """`conditions`: declared run conditions (controller/conditions.py), checked in the
-        pod before hand-out. `request_id` makes a retried acquire (its answer was lost) return the same sandbox
-        instead of a second one, while the first is in flight or still leased."""
-        if request_id is None:
-            return await self._acquire(spec, job, owner=owner, labels=labels,
-                                       timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                       lifetime_s=lifetime_s, conditions=conditions,
-                                       reused_ok=reused_ok)
-        key = (job, request_id)
+    async def acquire(self, order: AcquireOrder) -> dict:
+        """`order.conditions`: declared run conditions (controller/conditions.py), checked in
+        the pod before hand-out. `order.request_id` makes a retried acquire (its answer was
+        lost) return the same sandbox instead of a second one, while the first is in flight or
+        still leased."""
+        if order.request_id is None:
+            return await self._acquire(order)
+        key = (order.job, order.request_id)
         for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
             prior = self._requests.get(key)
             if prior is None:
@@ -235,10 +230,7 @@ class Controller:
         while len(self._requests) > 10000:  # bounded: the oldest keys are forgotten
             self._requests.pop(next(iter(self._requests)))
         try:
-            result = await self._acquire(spec, job, owner=owner, labels=labels,
-                                         timeout_s=timeout_s, warm_ok=warm_ok, wait=wait,
-                                         lifetime_s=lifetime_s, conditions=conditions,
-                                         reused_ok=reused_ok)
+            result = await self._acquire(order)
         except BaseException as ex:
             self._requests.pop(key, None)
             if not fut.done():
@@ -250,41 +242,37 @@ class Controller:
         fut.set_result(result)
         return result
 
-    async def _acquire(self, spec: SandboxSpec, job: str, *, owner: dict | None,
-                       labels: dict | None, timeout_s: float, warm_ok: bool,
-                       wait: bool, lifetime_s: float | None = None,
-                       conditions: dict | None = None, reused_ok: bool = False) -> dict:
-        labels = dict(labels or {})
-        self.validate(spec, job, labels, owner)
-        self.validate_conditions(conditions)
-        lifetime = self.lifetime(lifetime_s)
+    async def _acquire(self, order: AcquireOrder) -> dict:
+        order = replace(order, labels=dict(order.labels or {}))  # the books' own copy
+        spec, job = order.spec, order.job
+        self.validate(spec, job, order.labels, order.owner)
+        self.validate_conditions(order.conditions)
+        lifetime = self.lifetime(order.lifetime_s)
         if not self.ready:
             raise NotLeader("this controller replica is not the leader; retry")
-        if owner is not None:
-            await self.check_owner(owner)
+        if order.owner is not None:
+            await self.check_owner(order.owner)
         t0 = time.monotonic()
         # Pods refused for contradicting the declared conditions (each deleted), bounded by
         # --conditions-attempts and the acquire's own timeout.
         refused: list[str] = []
-        attempts = self.s.conditions_attempts if conditions else 1
-        if warm_ok:
+        attempts = self.s.conditions_attempts if order.conditions else 1
+        if order.warm_ok:
             self.warm.acquired(spec, job)  # demand (validated above: never a bogus spec)
-            got = await self.warm.take(spec, job, owner, labels, lifetime, conditions,
-                                       refused, attempts, reused_ok=reused_ok)
+            got = await self.warm.take(order, lifetime, refused, attempts)
             metrics.warm_lookup(spec.role, got is not None)
             if got is not None:
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
         while True:
-            left = timeout_s - (time.monotonic() - t0)
+            left = order.timeout_s - (time.monotonic() - t0)
             if len(refused) >= attempts or (refused and left <= 0):
                 metrics.acquired("failed", False)
                 raise ConditionsRefused(
                     f"{len(refused)} pod(s) refused for contradicting the declared conditions "
                     f"(each deleted); last: {refused[-1]}")
             try:
-                return await self._fresh(spec, job, owner, labels, lifetime, left, wait,
-                                         conditions, t0)
+                return await self._fresh(order, lifetime, left, t0)
             except ConditionsRefused as ex:
                 refused.append(str(ex))
             except AcquireTimeout as ex:
@@ -322,14 +310,14 @@ class Controller:
                 raise BadRequest(f"conditions.memory_limit {mem!r} is not a positive "
                                  "quantity") from None
 
-    async def _fresh(self, spec: SandboxSpec, job: str, owner: dict | None, labels: dict,
-                     lifetime: float, timeout_s: float, wait: bool,
-                     conditions: dict | None, t0: float) -> dict:
+    async def _fresh(self, order: AcquireOrder, lifetime: float, timeout_s: float,
+                     t0: float) -> dict:
         """One new pod for this acquire, handed out once Ready (and its conditions hold)."""
+        spec, job = order.spec, order.job
         token, token_sha = token_pair()
-        e = Entry(new_name(job), spec, job, secrets.token_hex(8), token, owner=owner,
-                  labels=labels, lifetime=lifetime, conditions=conditions or None)
-        if not wait:
+        e = Entry(new_name(job), spec, job, secrets.token_hex(8), token, owner=order.owner,
+                  labels=order.labels, lifetime=lifetime, conditions=order.conditions or None)
+        if not order.wait:
             try:
                 e.slot = await self.pacer.acquire(job, wait=False, role=spec.role)
             except QueueFull as q:

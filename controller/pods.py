@@ -1,5 +1,5 @@
-"""What a sandbox pod is to the controller: its spec (`SandboxSpec`, also the warm-pool key), the
-slim copy the informer keeps of it (`slim_pod`), and every reading the books make of a pod.
+"""What a sandbox pod is to the controller: its spec (`SandboxSpec`, also the warm-pool key), an
+acquire as the controller takes it (`AcquireOrder`), the slim copy the informer keeps of it (`slim_pod`), and every reading the books make of a pod.
 
 Each reader must give the same answer on the slim copy as on the whole object
 (tests/controller/test_slim_pod.py): anything new the books read from a pod is added to
@@ -10,7 +10,7 @@ from __future__ import annotations
 import datetime as dt
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from sandman import api, contract
 
@@ -30,6 +30,44 @@ class SandboxSpec:
     # With egress deny: the allowlist's canonical entries (sandman/egress.py), written to the
     # pod's egress-allow annotation; () for none. Part of the key: lists never share a pod.
     egress_allow: tuple[str, ...] = ()
+
+    @classmethod
+    def of(cls, image: str, size: api.Spec | api.AcquireRequest) -> SandboxSpec:
+        """The sandbox an acquire or a prewarm asks for (`size`: its cpu, memory, workspace,
+        egress, role, ephemeral_storage and gpu)."""
+        egress, allow = api.egress_parts(size.egress)
+        return cls(image=image, cpu=size.cpu, memory=size.memory, workspace=size.workspace,
+                   egress=egress, role=size.role, ephemeral_storage=size.ephemeral_storage,
+                   gpu=size.gpu, egress_allow=allow)
+
+
+@dataclass(frozen=True)
+class AcquireOrder:
+    """One acquire as the controller takes it, from the route through the books to the
+    hand-out: the sandbox, the job it counts against (tenant-scoped), and the caller's options
+    (sandman/api.py's AcquireRequest says what each means)."""
+
+    spec: SandboxSpec
+    job: str
+    owner: dict | None = None  # the caller's pod, {"name", "uid"}: the sandbox's owner
+    labels: dict = field(default_factory=dict)
+    timeout_s: float = 300.0
+    warm_ok: bool = True
+    wait: bool = True
+    request_id: str | None = None  # scoped to the caller: a retry finds the same sandbox
+    lifetime_s: float | None = None
+    conditions: dict | None = None  # declared run conditions (controller/conditions.py)
+    reused_ok: bool = False
+
+    @classmethod
+    def of(cls, body: api.AcquireRequest, job: str, request_id: str | None) -> AcquireOrder:
+        """The API's request, its job and request id already scoped (routes.py)."""
+        return cls(SandboxSpec.of(body.image, body), job,
+                   owner=body.owner.to_json() if body.owner else None, labels=body.labels,
+                   timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
+                   request_id=request_id, lifetime_s=body.lifetime_s,
+                   conditions=body.conditions.declared() if body.conditions else None,
+                   reused_ok=body.reused_ok)
 
 
 LEASE_ANNOTATIONS = (contract.ANNOTATION_EXPIRES_AT, contract.ANNOTATION_LIFETIME)

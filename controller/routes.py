@@ -16,7 +16,7 @@ from controller import auth as A
 from controller.core import Controller
 from controller.errors import AcquireError, NotLeader
 from controller.forward import not_leader_headers
-from controller.pods import SandboxSpec, iso_utc
+from controller.pods import AcquireOrder, SandboxSpec, iso_utc
 from sandman import api
 
 log = logging.getLogger("controller.routes")
@@ -100,19 +100,11 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             await auth.require(who, A.CREATE, tenant)
         labels.check(body.labels)
         c = ctl()
-        egress, allow = api.egress_parts(body.egress)
-        spec = SandboxSpec(body.image, body.cpu, body.memory, body.workspace, egress,
-                           body.role, body.ephemeral_storage, body.gpu, allow)
         # The controller dedups by (job, request_id): the job key carries the tenant and the
         # request id the caller's identity, so nobody else's replay finds this sandbox.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
         task = asyncio.ensure_future(c.acquire(
-            spec, A.scoped_job(tenant, body.job),
-            owner=body.owner.to_json() if body.owner else None,
-            labels=body.labels, timeout_s=body.timeout_s, warm_ok=body.warm_ok, wait=body.wait,
-            request_id=rid, lifetime_s=body.lifetime_s,
-            conditions=body.conditions.declared() if body.conditions else None,
-            reused_ok=body.reused_ok))
+            AcquireOrder.of(body, A.scoped_job(tenant, body.job), rid)))
         # Starlette does not cancel a handler whose client left: wait for the disconnect
         # message too (no polling), so the controller learns the caller is gone and withdraws
         # or cleans up the create.
@@ -227,11 +219,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         who = await caller(request)
         await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
-        s = body.spec
-        egress, allow = api.egress_parts(s.egress)
-        spec = SandboxSpec(body.image, s.cpu, s.memory, s.workspace, egress, s.role,
-                           s.ephemeral_storage, s.gpu, allow)
-        pool = c.prewarm(spec, body.count, body.idle_timeout_s)
+        pool = c.prewarm(SandboxSpec.of(body.image, body.spec), body.count, body.idle_timeout_s)
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()
 

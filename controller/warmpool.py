@@ -30,7 +30,7 @@ from controller.demand import Budget, Demand, allocate, cpu_of, twin
 from controller.execd_client import ExecdClient, ExecdRefused
 from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
 from sandman import contract
 
@@ -185,16 +185,15 @@ class WarmPool:
             pool.building -= 1
 
     # ---- hand-out ---------------------------------------------------------------------------
-    async def take(self, spec: SandboxSpec, job: str, owner: dict | None,
-                   labels: dict, lifetime: float | None = None, conditions: dict | None = None,
-                   refused: list[str] | None = None, max_refused: int = 1, *,
-                   reused_ok: bool = False) -> dict | None:
-        """A warm pod of exactly this key, handed out to `job`; None when there is none.
-        With declared `conditions`, a pod contradicting them is refused (its message appended
-        to `refused`) and the next one tried, until `max_refused` refusals in all. A pod an
-        earlier grading ran in (reuse_count > 0) only with `reused_ok`, and only to the tenant
-        that grading belonged to: by default a grading gets a never-used pod, and a pod never
-        crosses tenants."""
+    async def take(self, order: AcquireOrder, lifetime: float | None = None,
+                   refused: list[str] | None = None, max_refused: int = 1) -> dict | None:
+        """A warm pod of exactly the order's spec, handed out to its job; None when there is
+        none. With declared conditions, a pod contradicting them is refused (its message
+        appended to `refused`) and the next one tried, until `max_refused` refusals in all. A
+        pod an earlier grading ran in (reuse_count > 0) only with `reused_ok`, and only to the
+        tenant that grading belonged to: by default a grading gets a never-used pod, and a pod
+        never crosses tenants."""
+        spec, job, reused_ok = order.spec, order.job, order.reused_ok
         pool = self.pools.get(spec)
         if pool is None:
             return None
@@ -209,9 +208,8 @@ class WarmPool:
                 break
             self.books.move(e, S.CHECKING, "taken for an acquire")
             try:
-                got = await self._hand_out(e, job, owner, labels,
-                                           lifetime or self.s.default_lifetime,
-                                           conditions, refused)
+                got = await self._hand_out(e, order, lifetime or self.s.default_lifetime,
+                                           refused)
             except BaseException:
                 # The caller was cancelled mid-check, or an API call failed: the pod may already
                 # carry the caller's labels, so it goes (fail closed, never back to the pool).
@@ -225,9 +223,9 @@ class WarmPool:
                 return got
         return None
 
-    async def _hand_out(self, e: Entry, job: str, owner: dict | None, labels: dict,
-                        lifetime: float, conditions: dict | None = None,
+    async def _hand_out(self, e: Entry, order: AcquireOrder, lifetime: float,
                         refused: list[str] | None = None) -> dict | None:
+        job, owner, labels, conditions = order.job, order.owner, order.labels, order.conditions
         t0 = time.monotonic()
         if self.s.ready_check == "pod":
             ok = P.is_ready(self.books.pods.get(e.name))

@@ -31,10 +31,11 @@ class StandIn:
         self.leased: dict[str, dict[str, Any]] = {}
         self.acquires: list[dict[str, Any]] = []
 
-    async def acquire(self, spec: Any, job: str, **kw: Any) -> dict[str, Any]:
-        self.acquires.append({"image": spec.image, "cpu": spec.cpu, "job": job, **kw})
+    async def acquire(self, order: Any) -> dict[str, Any]:
+        self.acquires.append({"image": order.spec.image, "cpu": order.spec.cpu,
+                              "job": order.job, "labels": order.labels})
         sid = f"sb-{len(self.acquires)}"
-        self.leased[sid] = {"job": job}
+        self.leased[sid] = {"job": order.job}
         return {"id": sid, "pod": f"pod-{sid}", "address": self.ex.address,
                 "port": self.ex.port, "token": self.ex.token, "warm": True,
                 "timings": {"queued_ms": 0.5, "create_ms": 0, "ready_ms": 2.0}}

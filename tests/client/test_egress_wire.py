@@ -119,8 +119,8 @@ class _Capture:
     def __init__(self) -> None:
         self.calls: list[tuple[Any, dict[str, Any]]] = []
 
-    async def acquire(self, spec: Any, job: str, **kw: Any) -> dict[str, Any]:
-        self.calls.append((spec, kw))
+    async def acquire(self, order: Any) -> dict[str, Any]:
+        self.calls.append((order.spec, {"conditions": order.conditions}))
         return {"id": "sb-1", "pod": "p", "address": "127.0.0.1", "port": 9470, "token": "t",
                 "warm": False, "timings": {}}
 

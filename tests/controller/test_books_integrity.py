@@ -20,7 +20,7 @@ from controller import metrics
 from controller.books import State
 from controller.core import Controller
 from controller.pacer import Limits
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
 from controller.warmpool import WarmPool
 from sandman import contract
@@ -91,7 +91,7 @@ def test_forged_leased_pods_never_enter_the_books_nor_fill_the_caps(sandbox_labe
         assert not ctl.books.entries, "a forged pod became an entry of the books"
         assert ctl.pacer.live == 0
         # max_live=5 and five forged pods: another tenant still gets a sandbox at once.
-        got = await ctl.acquire(SPEC, "other.run", timeout_s=5, wait=False)
+        got = await ctl.acquire(AcquireOrder(SPEC, "other.run", timeout_s=5, wait=False))
         assert ctl.books.entries[got["id"]].stage is State.LEASED
         await ctl.sweep()
         await asyncio.sleep(0.1)
@@ -115,7 +115,7 @@ def test_without_a_key_a_pod_without_the_sandbox_label_is_still_ignored():
 
     async def body(ctl: Controller, kube: FakeKube):
         assert not ctl.books.entries
-        await ctl.acquire(SPEC, "other.run", timeout_s=5, wait=False)
+        await ctl.acquire(AcquireOrder(SPEC, "other.run", timeout_s=5, wait=False))
 
     run(body, settings(), kube)
 
@@ -124,7 +124,7 @@ def test_a_proof_for_another_pod_does_not_check_out():
     """A forger that copies a real pod's proof annotation onto a pod of its own gains nothing:
     the proof binds the pod's name and nonce."""
     async def first(ctl: Controller, kube: FakeKube):
-        got = await ctl.acquire(SPEC, "a.run", timeout_s=5)
+        got = await ctl.acquire(AcquireOrder(SPEC, "a.run", timeout_s=5))
         real = kube.pods[got["pod"]]
         ann = {contract.ANNOTATION_PROOF: real["metadata"]["annotations"][contract.ANNOTATION_PROOF]}
         plant(kube, [forged("copycat", sandbox=True, annotations=ann)])
@@ -146,7 +146,7 @@ def test_the_controllers_own_pods_are_rebuilt_after_a_restart(key):
 
     async def first(ctl: Controller, kube: FakeKube):
         for job in ("a.run", "b.run"):
-            names.append((await ctl.acquire(SPEC, job, timeout_s=5))["pod"])
+            names.append((await ctl.acquire(AcquireOrder(SPEC, job, timeout_s=5)))["pod"])
 
     run(first, settings(books_key=key), kube)
 
@@ -164,7 +164,7 @@ def test_a_pod_made_before_the_key_is_not_the_books_once_there_is_one():
     kube = FakeKube()
 
     async def first(ctl: Controller, kube: FakeKube):
-        await ctl.acquire(SPEC, "a.run", timeout_s=5)
+        await ctl.acquire(AcquireOrder(SPEC, "a.run", timeout_s=5))
 
     run(first, settings(), kube)
 
@@ -183,15 +183,15 @@ def test_a_reused_grading_pod_goes_back_only_to_its_tenant(monkeypatch):
     monkeypatch.setattr(WarmPool, "_restore", _clean)
 
     async def body(ctl: Controller, kube: FakeKube):
-        first = await ctl.acquire(GRADING, "a.grade", timeout_s=5)
+        first = await ctl.acquire(AcquireOrder(GRADING, "a.grade", timeout_s=5))
         assert await ctl.release_reuse(first["id"]) == (True, True)
         assert ctl.books.entries[first["pod"]].stage is State.PARKED
         # Another tenant's grading that accepts a reused pod gets a new one...
-        other = await ctl.acquire(GRADING, "b.grade", timeout_s=5, reused_ok=True)
+        other = await ctl.acquire(AcquireOrder(GRADING, "b.grade", timeout_s=5, reused_ok=True))
         assert other["pod"] != first["pod"]
         assert ctl.books.entries[first["pod"]].stage is State.PARKED
         # ...and the same tenant's (another job of it) gets the restored pod.
-        again = await ctl.acquire(GRADING, "a.other", timeout_s=5, reused_ok=True)
+        again = await ctl.acquire(AcquireOrder(GRADING, "a.other", timeout_s=5, reused_ok=True))
         assert again["pod"] == first["pod"] and again["warm"]
 
     run(body, settings(tenants=True))
@@ -201,9 +201,9 @@ def test_without_tenants_a_reused_pod_goes_to_the_next_grading(monkeypatch):
     monkeypatch.setattr(WarmPool, "_restore", _clean)
 
     async def body(ctl: Controller, kube: FakeKube):
-        first = await ctl.acquire(GRADING, "grade", timeout_s=5)
+        first = await ctl.acquire(AcquireOrder(GRADING, "grade", timeout_s=5))
         assert await ctl.release_reuse(first["id"]) == (True, True)
-        again = await ctl.acquire(GRADING, "grade-2", timeout_s=5, reused_ok=True)
+        again = await ctl.acquire(AcquireOrder(GRADING, "grade-2", timeout_s=5, reused_ok=True))
         assert again["pod"] == first["pod"]
 
     run(body, settings())

@@ -13,7 +13,7 @@ from controller.core import Controller
 from controller.demand import REFILL_K, TAU_S, Budget, Demand, allocate, cpu_of, twin
 from controller.errors import BadRequest
 from controller.pacer import Limits
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
 from sandman import contract
 from tests.controller.fakekube import FakeKube
@@ -159,10 +159,11 @@ def test_hostile_tenant_through_acquires():
     async def body(ctl, kube, clock):
         for i in range(10):
             for _ in range(4):
-                got = await ctl.acquire(key(i, cpu="1"), "evil.spread", warm_ok=True,
-                                        timeout_s=10)
+                got = await ctl.acquire(AcquireOrder(key(i, cpu="1"), "evil.spread",
+                                                     warm_ok=True, timeout_s=10))
                 await ctl.release(got["id"])
-        got = await ctl.acquire(key(50, cpu="1"), "victim.grade", warm_ok=True, timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(key(50, cpu="1"), "victim.grade", warm_ok=True,
+                                             timeout_s=10))
         await ctl.release(got["id"])
         await settle(ctl, kube)
         assert ctl.pools[key(50, cpu="1")].target >= 1
@@ -210,11 +211,11 @@ def warm_count(ctl) -> int:
 def test_pool_grows_with_acquires_shrinks_when_idle_and_stays_in_budget():
     async def body(ctl, kube, clock):
         spec = key(7)
-        got = await ctl.acquire(spec, "job-a", warm_ok=True, timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(spec, "job-a", warm_ok=True, timeout_s=10))
         await ctl.release(got["id"])
         await settle(ctl, kube)
         assert ctl.pools[spec].target == 1 and len(ctl.pools[spec].warm) == 1
-        got = await ctl.acquire(spec, "job-a", warm_ok=True, timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(spec, "job-a", warm_ok=True, timeout_s=10))
         assert got["warm"] is True
         await ctl.release(got["id"])
         clock.now += 301  # past the idle timeout: the key's pool is emptied
@@ -228,8 +229,8 @@ def test_hostile_distinct_keys_through_acquires_stay_within_the_budget():
     async def body(ctl, kube, clock):
         for i in range(12):
             for _ in range(3):
-                got = await ctl.acquire(key(i, cpu="1"), "tenant-x", warm_ok=True,
-                                        timeout_s=10)
+                got = await ctl.acquire(AcquireOrder(key(i, cpu="1"), "tenant-x",
+                                                     warm_ok=True, timeout_s=10))
                 await ctl.release(got["id"])
         await settle(ctl, kube)
         assert all(p.target <= 2 for p in ctl.pools.values())
@@ -244,14 +245,14 @@ def test_a_bogus_spec_never_becomes_a_warm_key():
         bad = SandboxSpec("bad image ref", cpu="1", memory="1Gi", role=G)
         for _ in range(5):
             with pytest.raises(BadRequest):
-                await ctl.acquire(bad, "job-a", timeout_s=1)
+                await ctl.acquire(AcquireOrder(bad, "job-a", timeout_s=1))
         assert bad not in ctl.warm.demand.keys and bad not in ctl.pools
         # A well-formed spec whose pods never start (an image that cannot be pulled): its
         # acquires time out and the pool builds nothing for it.
         never = key(9)
         for _ in range(3):
             with pytest.raises(Exception):  # noqa: B017 - AcquireTimeout
-                await ctl.acquire(never, "job-a", warm_ok=True, timeout_s=0.2)
+                await ctl.acquire(AcquireOrder(never, "job-a", warm_ok=True, timeout_s=0.2))
         await settle(ctl, kube)
         assert ctl.pools.get(never) is None or ctl.pools[never].target == 0
 

@@ -34,7 +34,7 @@ class StandIn:
         self.block = False
         self.n = 0
 
-    async def acquire(self, spec, job, **kw):
+    async def acquire(self, order):
         self.n += 1
         if self.block:
             try:

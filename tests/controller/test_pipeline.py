@@ -13,7 +13,7 @@ from controller.books import State
 from controller.core import Controller
 from controller.errors import AcquireTimeout, PodFailed
 from controller.pacer import Limits
-from controller.pods import SandboxSpec
+from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
 from sandman import contract
 from tests.controller.fakekube import FakeKube
@@ -88,7 +88,7 @@ def test_stale_cache_never_creates_more_than_the_pool_target():
         await asyncio.sleep(LAG + 1.2)  # a tick or two while the cache shows nothing
         assert kube.count("create") == 3
         await until(lambda: len(ctl.pools[SPEC].warm) == 3, LAG + 3, "3 warm pods")
-        got = [await ctl.acquire(SPEC, "job-a", timeout_s=10) for _ in range(2)]
+        got = [await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10)) for _ in range(2)]
         assert all(g["warm"] for g in got)
         await asyncio.sleep(LAG + 1.2)
         assert kube.count("create") == 5 and len(kube.pods) == 5
@@ -100,8 +100,8 @@ def test_stale_cache_never_creates_more_than_the_pool_target():
 
 def test_acquires_under_a_lagging_watch_make_one_pod_each():
     async def body(ctl: Controller, kube: FakeKube):
-        got = await asyncio.gather(*(ctl.acquire(SPEC, "job-a", warm_ok=False, timeout_s=10)
-                                     for _ in range(10)))
+        order = AcquireOrder(SPEC, "job-a", warm_ok=False, timeout_s=10)
+        got = await asyncio.gather(*(ctl.acquire(order) for _ in range(10)))
         assert len({g["pod"] for g in got}) == 10
         assert len(kube.created_names) == 10 and kube.count("create") == 10
         assert stages(ctl) == {State.LEASED: 10}
@@ -114,7 +114,7 @@ def test_acquires_under_a_lagging_watch_make_one_pod_each():
 def test_a_create_whose_answer_is_lost_is_adopted_not_duplicated(mode):
     async def body(ctl: Controller, kube: FakeKube):
         kube.fault("create", mode)
-        got = await ctl.acquire(SPEC, "job-a", timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10))
         assert kube.created_names == [got["pod"]], "a second pod was created"
         assert ("read", got["pod"]) in kube.calls, "no read-back by name"
         assert stages(ctl) == {State.LEASED: 1}
@@ -125,7 +125,7 @@ def test_a_create_whose_answer_is_lost_is_adopted_not_duplicated(mode):
 def test_a_refused_create_500_is_retried_under_the_same_name():
     async def body(ctl: Controller, kube: FakeKube):
         kube.fault("create", "500", count=2)
-        got = await ctl.acquire(SPEC, "job-a", timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10))
         assert kube.created_names == [got["pod"]]
         assert {n for m, n in kube.calls if m == "create"} == {got["pod"]}
 
@@ -137,7 +137,7 @@ def test_a_failed_delete_is_retried_until_gone(mode, deletes):
     """500: not applied, retried after 1 s. Lost answer: applied; the informer's DELETED event
     confirms it before the retry is due, and the books let go of it (window 20)."""
     async def body(ctl: Controller, kube: FakeKube):
-        got = await ctl.acquire(SPEC, "job-a", timeout_s=10)
+        got = await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10))
         kube.fault("delete", mode)
         assert await ctl.release(got["id"]) is True
         await until(lambda: not kube.pods and not ctl.books.entries, 5, "the retried delete")
@@ -152,11 +152,11 @@ def test_a_failed_delete_is_retried_until_gone(mode, deletes):
 def test_a_late_grading_pod_is_parked_and_reused():
     async def body(ctl: Controller, kube: FakeKube):
         with pytest.raises(AcquireTimeout):
-            await ctl.acquire(SPEC, "job-a", timeout_s=0.2)
+            await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=0.2))
         await until(lambda: stages(ctl) == {State.PARKED: 1}, 5, "the late pod parked")
         name = next(iter(ctl.books.entries))
         await asyncio.sleep(1.2)  # a maintenance tick: a parked pod is not surplus
-        got = await ctl.acquire(SPEC, "job-a", timeout_s=5)
+        got = await ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=5))
         assert got["warm"] and got["pod"] == name
         assert len(kube.created_names) == 1
 
@@ -166,7 +166,7 @@ def test_a_late_grading_pod_is_parked_and_reused():
 def test_a_late_rollout_pod_is_deleted_not_parked():
     async def body(ctl: Controller, kube: FakeKube):
         with pytest.raises(AcquireTimeout):
-            await ctl.acquire(SPEC, "job-a", labels={"run": "r1"}, timeout_s=0.2)
+            await ctl.acquire(AcquireOrder(SPEC, "job-a", labels={"run": "r1"}, timeout_s=0.2))
         await until(lambda: not kube.pods and not ctl.books.entries, 5, "the late pod deleted")
         labels_patched = [n for m, n in kube.calls if m == "patch"]
         assert len(labels_patched) == 1  # the deleting label only: never parked nor leased
@@ -176,8 +176,8 @@ def test_a_late_rollout_pod_is_deleted_not_parked():
 
 def test_a_caller_leaving_while_queued_withdraws_the_create():
     async def body(ctl: Controller, kube: FakeKube):
-        first = asyncio.ensure_future(ctl.acquire(SPEC, "job-a", timeout_s=10))
-        second = asyncio.ensure_future(ctl.acquire(SPEC, "job-a", timeout_s=10))
+        first = asyncio.ensure_future(ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10)))
+        second = asyncio.ensure_future(ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10)))
         await until(lambda: stages(ctl).get(State.QUEUED) == 1, 2, "the second queued")
         second.cancel()
         await first
@@ -191,7 +191,7 @@ def test_drain_while_starting_deletes_once_the_pod_moves():
     """A drained pod that waits for Ready is never handed out or parked: its owner deletes it at
     the pod's next event (here: Ready) and its caller gets PodFailed."""
     async def body(ctl: Controller, kube: FakeKube):
-        call = asyncio.ensure_future(ctl.acquire(SPEC, "job-a", timeout_s=30))
+        call = asyncio.ensure_future(ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=30)))
         await until(lambda: stages(ctl) == {State.STARTING: 1}, 2, "the pod to be starting")
         assert await ctl.drain("job-a") == 1
         assert stages(ctl) == {State.STARTING_DRAINED: 1}
@@ -207,7 +207,7 @@ def test_drain_while_starting_deletes_once_the_pod_moves():
 def test_drain_while_the_create_is_in_flight_deletes_once_it_settles():
     async def body(ctl: Controller, kube: FakeKube):
         kube.fault("create", "hold")
-        call = asyncio.ensure_future(ctl.acquire(SPEC, "job-a", timeout_s=30))
+        call = asyncio.ensure_future(ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=30)))
         await until(lambda: stages(ctl) == {State.CREATING: 1}, 2, "the create in flight")
         await until(lambda: kube.count("create") == 1, 2, "the create at the API")
         assert await ctl.drain("job-a") == 1
@@ -230,7 +230,7 @@ def test_a_warm_hand_out_interrupted_mid_patch_is_deleted_not_stuck():
         name = ctl.pools[SPEC].warm[0].name
         ctl.prewarm(SPEC, 0, None)
         kube.fault("patch", "hold")
-        call = asyncio.ensure_future(ctl.acquire(SPEC, "job-a", timeout_s=10))
+        call = asyncio.ensure_future(ctl.acquire(AcquireOrder(SPEC, "job-a", timeout_s=10)))
         await until(lambda: ctl.books.entries[name].stage is State.CHECKING, 2, "the check")
         await until(lambda: ("patch", name) in kube.calls, 2, "the hand-out patch")
         call.cancel()
