@@ -49,7 +49,7 @@ from .procs import (
 )
 from .ready import ReadyCheck
 from .sessions import Sessions
-from .shell import Capture, Shell, Teed, fix_diag, job_notices_only, parse_frame
+from .shell import COMMAND_REDIRECTS, Capture, Shell, Teed, fix_diag, job_notices_only, parse_frame
 from .trees import REMOVE_MAX_S, remove_tree
 from .wire import HTTPError, still_authorized
 
@@ -360,6 +360,7 @@ class Daemon:
         since0 = boot_ticks()
         notice = self._ensure_shell()
         sh = self.shell
+        sh.resume()
         self.calls += 1
         tag = "%s-%d" % (self.instance, self.calls)
         marker = ("@" + os.urandom(8).hex()).encode()
@@ -377,7 +378,7 @@ class Daemon:
         line = b"".join((
             b"__sm_m=", marker, b"; ", TAG_VAR.encode(), b"=", tag.encode(),
             b"; __sm_c=", sh_quote(data),
-            b"; __sm_chk && builtin eval \"$__sm_c\"; __sm_fin $?\n"))
+            b"; __sm_chk && builtin eval \"$__sm_c\" ", COMMAND_REDIRECTS, b"; __sm_fin $?\n"))
         since = None  # in /proc start-time ticks; needed only on a timeout
         result = {"exit_code": None, "output": "", "truncated": False, "duration_ms": 0.0,
                   "error": None}
@@ -434,6 +435,7 @@ class Daemon:
                 if sh.dead():
                     dead_st = sh.exit_status()
                     break
+                sh.resume()
             if phase == "run":
                 if t >= deadline:
                     ended = "timeout"

@@ -1,19 +1,29 @@
-"""The persistent bash and its protocol: requests on one pipe, exit-status frames on another,
-syntax-checked before anything runs, and the output captured apart from the frames."""
+"""The persistent bash and its protocol: requests on one socket, exit-status frames on another,
+syntax-checked before anything runs, and the output captured apart from the frames.
+
+The request, status and diagnostic channels are sockets, not pipes, and every command runs with
+them closed: a job a command leaves behind can neither inherit them nor open them again through
+/proc/<shell>/fd (a pipe can be reopened there by anyone of the uid; a socket cannot), so it can
+neither take a later call's request nor answer its status."""
 
 import fcntl
 import os
 import re
 import select
 import signal
+import socket
 import time
 
 from .base import PIPE_SIZE, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
+from .procs import proc_stat
 
 STATUS_FD = 62  # the shell writes exit-status frames here, apart from the command's output
-DIAG_W_FD = 61  # syntax-check diagnostics go into this pipe...
+DIAG_W_FD = 61  # syntax-check diagnostics go into this socket...
 DIAG_R_FD = 60  # ...and `read -t 0` on its other end tells bash, without a process, if any came
-PROTO_FD = 63  # bash reads its script (our requests) here; stdin is /dev/null
+NULL_FD = 59  # /dev/null as execd opened it: every command's stdin (bash reads requests on 0)
+# What a command runs with, after the check: stdin from NULL_FD, the shell's channels closed
+# (bash keeps its own copies close-on-exec and puts them back once the command is done).
+COMMAND_REDIRECTS = b"0<&59 59<&- 60<&- 61>&- 62>&-"
 _DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
 _LINE_NO = re.compile(r"\bline (\d+)")
 # bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
@@ -26,7 +36,6 @@ _JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
 # noexec stays on until that function returns, so __sm_chk1 does nothing after the eval.
 # Any diagnostic (bash only *warns* on an unterminated heredoc) counts as a refusal.
 BOOTSTRAP = r"""
-builtin exec %(proto)d<&-
 BASH_ARGV0=bash
 __sm_k=0 __sm_t=0
 builtin export %(tag)s=
@@ -65,6 +74,13 @@ __sm_c=')'; __sm_chk1; __sm_c=
 builtin printf '%%sR0\n' "$1" >&%(st)d
 builtin set --
 """
+
+
+def _socketpair():
+    """Two connected stream sockets as plain fds, close-on-exec (posix_spawn's dup2 clears
+    that on the copy the shell gets)."""
+    a, b = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    return a.detach(), b.detach()
 
 
 class Capture:
@@ -191,16 +207,15 @@ class Shell:
 
     def spawn(self, bash):
         d = self.d
-        in_r, in_w = os.pipe()
+        in_r, in_w = _socketpair()
         out_r, out_w = os.pipe()
-        st_r, st_w = os.pipe()
-        dg_r, dg_w = os.pipe()
+        st_r, st_w = _socketpair()
+        dg_r, dg_w = _socketpair()
         devnull = os.open(os.devnull, os.O_RDWR)
-        for fd in (out_r, dg_r):
-            try:
-                fcntl.fcntl(fd, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
-            except OSError:
-                pass
+        try:
+            fcntl.fcntl(out_r, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
+        except OSError:
+            pass
         env = dict(d.base_env)
         env.pop(TAG_VAR, None)
         # Read by bash or the dynamic loader as the shell starts: the files they name may be
@@ -208,20 +223,20 @@ class Shell:
         # them for its commands once it runs (below).
         startup = [(k, env.pop(k)) for k in SHELL_STARTUP_VARS if k in env]
         actions = [
-            (os.POSIX_SPAWN_DUP2, devnull, 0),
+            (os.POSIX_SPAWN_DUP2, in_r, 0),
+            (os.POSIX_SPAWN_DUP2, devnull, NULL_FD),
             (os.POSIX_SPAWN_DUP2, out_w, 1),
             (os.POSIX_SPAWN_DUP2, out_w, 2),
             (os.POSIX_SPAWN_DUP2, st_w, STATUS_FD),
             (os.POSIX_SPAWN_DUP2, dg_r, DIAG_R_FD),
             (os.POSIX_SPAWN_DUP2, dg_w, DIAG_W_FD),
-            (os.POSIX_SPAWN_DUP2, in_r, PROTO_FD),
         ]
         sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
                 signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
         ready = b"@ready" + os.urandom(4).hex().encode()
         try:
             pid = os.posix_spawn(
-                bash, [bash, "--noprofile", "--norc", "/dev/fd/%d" % PROTO_FD, ready.decode()],
+                bash, [bash, "--noprofile", "--norc", "-s", ready.decode()],
                 env, file_actions=actions, setsid=True, setsigdef=sigs, setsigmask=[])
         finally:
             for fd in (in_r, out_w, st_w, dg_w, devnull):
@@ -249,7 +264,7 @@ class Shell:
         self.buf = bytearray(READ_SIZE)
         self.started = now()
         script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
-                              "proto": PROTO_FD, "tag": TAG_VAR}
+                              "tag": TAG_VAR}
         cwd = d.workspace or os.getcwd()
         exports = "".join("builtin export %s=%s\n" % (k, sh_quote(
             v.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass"))
@@ -305,6 +320,16 @@ class Shell:
             return b""
         except OSError:
             return b""
+
+    def resume(self):
+        """SIGCONT to the shell if something of the uid stopped it (a job a command left can
+        SIGSTOP its parent): a stopped shell would time out every later call."""
+        st = proc_stat(self.pid) if self.pid is not None else None
+        if st is not None and st[1] == "T":
+            try:
+                os.kill(self.pid, signal.SIGCONT)
+            except ProcessLookupError:
+                pass
 
     def exit_status(self):
         return self.d.reaper.status(self.pid)

@@ -152,10 +152,16 @@ def test_parse_frame_rejects(bad):
     assert shell.parse_frame(bytearray(b"@01234567"), b"@0123456789abcdef")[0] == "need"
 
 
+def _broken_frame(writer: str) -> str:
+    """A command whose frame the shell writes broken: commands run with the status channel
+    closed, so the command replaces the shell's own frame writer for its call instead."""
+    return "__sm_fin() { %s; }" % writer
+
+
 def test_frame_forced_empty_status_restarts_shell(execd):
     execd.exec("KEEP=1")
     old = execd.shell_pid()
-    r = execd.exec("builtin printf '%s\\n' \"$__sm_m\" >&62; sleep 5")
+    r = execd.exec(_broken_frame("builtin printf '%s\\n' \"$__sm_m\" >&62; sleep 5"))
     assert "invalid frame" in r["error"] and "state lost" in r["error"]
     assert r["exit_code"] == -1
     assert execd.shell_pid() != old
@@ -164,19 +170,19 @@ def test_frame_forced_empty_status_restarts_shell(execd):
 
 
 def test_frame_forged_out_of_range_status(execd):
-    r = execd.exec("builtin printf '%sS999\\n' \"$__sm_m\" >&62; sleep 5")
+    r = execd.exec(_broken_frame("builtin printf '%sS999\\n' \"$__sm_m\" >&62; sleep 5"))
     assert "invalid frame" in r["error"] and r["exit_code"] == -1
 
 
 def test_frame_shell_dies_after_marker_before_status(execd):
-    r = execd.exec("builtin printf '%s' \"$__sm_m\" >&62; kill -9 $$")
+    r = execd.exec(_broken_frame("builtin printf '%s' \"$__sm_m\" >&62; kill -9 $$"))
     assert r["exit_code"] == 137
     assert "incomplete frame" in r["error"] and "shell exited" in r["error"]
     assert execd.exec("echo next")["output"] == "next\n"
 
 
 def test_frame_shell_dies_after_partial_status(execd):
-    r = execd.exec("builtin printf '%sS12' \"$__sm_m\" >&62; exit 1")
+    r = execd.exec(_broken_frame("builtin printf '%sS12' \"$__sm_m\" >&62; exit 1"))
     assert r["exit_code"] == 1
     assert "incomplete frame" in r["error"] and "shell exited" in r["error"]
 

@@ -402,10 +402,6 @@ os.kill(shell, signal.SIGCONT)
 """
 
 
-@pytest.mark.xfail(strict=True, reason="a job left by the agent's call reaches the shell's "
-                   "request pipe (fd 63) and status pipe (fd 62), inherited or reopened through "
-                   "/proc/<shell>/fd: it takes the trainer's next request, learns its marker and "
-                   "answers exit 0 for a command never run")
 @pytest.mark.parametrize("how", ["inherited", "reopened"])
 @pytest.mark.slow
 def test_a_leftover_job_cannot_answer_a_later_calls_status(execd_factory, tmp_path, how):
@@ -421,3 +417,57 @@ def test_a_leftover_job_cannot_answer_a_later_calls_status(execd_factory, tmp_pa
     # The trainer's reward command, a failing test run: its status must be its own.
     r = d.exec("echo ran; false", timeout=10)
     assert r["exit_code"] == 1 and r["output"] == "ran\n", r
+
+
+PROBE_FDS = r"""
+import json, os, stat, sys, time
+time.sleep(0.2)
+shell = os.getppid()
+out = {"fds": {}, "opened": []}
+for name in os.listdir("/proc/%d/fd" % shell):
+    path = "/proc/%d/fd/%s" % (shell, name)
+    try:
+        out["fds"][name] = os.readlink(path)
+    except OSError:
+        continue
+    for flags in (os.O_RDONLY, os.O_WRONLY):
+        try:
+            fd = os.open(path, flags | os.O_NONBLOCK)
+        except OSError:
+            continue
+        out["opened"].append([name, flags, os.readlink("/proc/self/fd/%d" % fd)])
+        os.close(fd)
+out["mine"] = {}
+for n in os.listdir("/proc/self/fd"):
+    try:
+        out["mine"][n] = os.readlink("/proc/self/fd/" + n)
+    except OSError:  # the listing's own fd, closed by now
+        pass
+with open(sys.argv[1] + ".tmp", "w") as f:
+    json.dump(out, f)
+os.rename(sys.argv[1] + ".tmp", sys.argv[1])
+"""
+
+
+def test_a_leftover_job_can_open_no_channel_of_the_shell_but_its_output(execd_factory, tmp_path):
+    """The class of the test above: whatever fd the shell holds (requests, status frames,
+    syntax-check diagnostics, saved copies), a job of the agent neither inherits it nor opens
+    it again through /proc; only the output pipe, which a job's output reaches anyway."""
+    import json
+    import sys
+
+    d = execd_factory()
+    prog, got = tmp_path / "probe.py", tmp_path / "probe.json"
+    prog.write_text(PROBE_FDS)
+    r = d.exec(f"{sys.executable} {prog} {got} &")
+    assert r["exit_code"] == 0, r
+    assert wait_for(got.exists, 10)
+    found = json.loads(got.read_text())
+    output = found["fds"]["1"]
+    assert output.startswith("pipe:"), found
+    opened = [o for o in found["opened"] if o[2].startswith(("pipe:", "socket:"))]
+    assert [o for o in opened if o[2] != output] == [], found
+    channels = {v for k, v in found["fds"].items() if v.startswith(("pipe:", "socket:"))}
+    inherited = {k: v for k, v in found["mine"].items() if v in channels - {output}}
+    assert inherited == {}, found
+    assert d.exec("echo ran; false", timeout=10)["exit_code"] == 1
