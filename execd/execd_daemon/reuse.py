@@ -9,6 +9,7 @@ import stat
 import threading
 import time
 
+from . import procattrs, sysvipc
 from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
 from .files import file_sha256
 from .procs import proc_cmdline, proc_stat
@@ -120,6 +121,8 @@ class Baseline(object):
         self.baseline_id = None
         self.forced = set()  # roots watched although under an excluded path (/dev/shm)
         self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
+        self.attrs = None  # execd's rlimits, oom_score_adj, threads' nice/policy/affinity
+        self.ipc = None  # the SysV IPC objects of the namespace
 
     # ---- roots
 
@@ -341,6 +344,7 @@ class Baseline(object):
             self.base_env = dict(self.d.base_env)
             self.tz = self.tz_state()
             self.procs = self.processes()
+            self.attrs, self.ipc = procattrs.record(), sysvipc.read()
             found, _, _ = self.walk()
             entries = {}
             for p, (st, area) in found.items():
@@ -485,6 +489,11 @@ class Baseline(object):
                 changes.append({"kind": "process", "name": "", "pid": p, "change": "exited"})
         return changes
 
+    def _state_changes(self):
+        """execd's own process attributes and the SysV IPC objects (procattrs.py, sysvipc.py):
+        no shell needed, a retired execd reports them too."""
+        return procattrs.changes(self.attrs) + sysvipc.changes(self.ipc)
+
     def _need(self):
         if self.entries is None:
             raise HTTPError(409, "no baseline recorded (POST /baseline)")
@@ -497,11 +506,12 @@ class Baseline(object):
             t1 = now()
             if self.d.retired:  # no shell runs any more: the files still tell what differs
                 t2 = now()
+                changes += self._state_changes()
                 changes.append({"kind": "retired", "why": self.d.retired})
             else:
                 env = self.shell_env()
                 t2 = now()
-                changes += self._other_changes(env)
+                changes += self._other_changes(env) + self._state_changes()
         t3 = now()
         return {"clean": not changes, "changes": changes, "baseline_id": self.baseline_id,
                 "duration_ms": round((t3 - t0) * 1000, 3),
@@ -526,6 +536,7 @@ class Baseline(object):
                     # clean, and only then a shell starts, from the binary whose hash the
                     # baseline recorded. Any failure retires this execd (no shell starts again,
                     # the controller deletes the pod).
+                    procattrs.restore(self.attrs)  # first, as execd works under its limits
                     d.bg.hold()
                     d.pty.hold()
                     left = self._restore_processes()
@@ -533,6 +544,9 @@ class Baseline(object):
                     d.pty.reset()
                     d.base_env = dict(self.base_env)
                     d.reaper.reap()
+                    # No holder's process is left to change them again, and no shell has
+                    # started yet to inherit them.
+                    left += procattrs.restore(self.attrs) + sysvipc.restore(self.ipc)
                     left += self._restore_files()
                     left += self._restore_tz()
                     if not left:
