@@ -181,7 +181,7 @@ class Background(ChildTable):
                 fcntl.fcntl(r, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
             except OSError:
                 pass
-            devnull = os.open(os.devnull, os.O_RDONLY)
+            devnull = os.dup(d.null_fd)
             actions = [(os.POSIX_SPAWN_DUP2, devnull, 0), (os.POSIX_SPAWN_DUP2, w, 1),
                        (os.POSIX_SPAWN_DUP2, w, 2)]
             bash = os.fsencode(d.bash)

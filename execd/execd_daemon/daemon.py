@@ -2,10 +2,12 @@
 /conditions, and the parts (background processes, sessions, baseline) each route reaches."""
 
 import collections
+import errno
 import os
 import shutil
 import signal
 import socket
+import stat
 import sys
 import threading
 import time
@@ -54,6 +56,18 @@ from .trees import REMOVE_MAX_S, remove_tree
 from .wire import HTTPError, still_authorized
 
 
+def open_null():
+    """/dev/null as execd finds it at start, kept open for every shell's, spawn's and probe's
+    stdin: a holder who can write /dev (root in the container) cannot swap a file of its own in
+    for the next holder's commands. Anything but the null device refuses the start."""
+    fd = os.open(os.devnull, os.O_RDWR | os.O_NOFOLLOW)
+    st = os.fstat(fd)
+    if not stat.S_ISCHR(st.st_mode) or st.st_rdev != os.makedev(1, 3):
+        os.close(fd)
+        raise OSError(errno.EINVAL, "not the null device", os.devnull)
+    return fd
+
+
 class Daemon:
     def __init__(self, args):
         self.args = args
@@ -67,6 +81,7 @@ class Daemon:
         self.base_env = dict(os.environ)
         for k in (EXECD_TOKEN_ENV, INSTANCE_ENV):
             self.base_env.pop(k, None)
+        self.null_fd = open_null()
         self.reaper = Reaper()
         self.subreaper = self._become_subreaper()
         self.exec_lock = threading.Lock()

@@ -127,7 +127,11 @@ def main(argv=None, listen_socket=None):
     if args.workspace:
         args.workspace = os.path.realpath(args.workspace)
     signal.signal(signal.SIGPIPE, signal.SIG_IGN)
-    daemon = Daemon(args)
+    try:
+        daemon = Daemon(args)
+    except OSError as e:
+        sys.stderr.write("execd: %s; refusing to start\n" % (e,))
+        return 2
     Handler.daemon = daemon
     daemon.baseline = Baseline(daemon, args)
     if args.baseline_at_start == "on":

@@ -77,7 +77,7 @@ class ReadyCheck:
     def check_fork(self, deadline):
         if self.d.retired:  # the shell binary may be the previous holder's: never run it
             return self.d.retired
-        devnull = os.open(os.devnull, os.O_RDWR)
+        devnull = os.dup(self.d.null_fd)
         try:
             actions = [(os.POSIX_SPAWN_DUP2, devnull, fd) for fd in (0, 1, 2)]
             # Spawned and recorded under the lock: a /diff that lists the processes in between

@@ -211,7 +211,7 @@ class Shell:
         out_r, out_w = os.pipe()
         st_r, st_w = _socketpair()
         dg_r, dg_w = _socketpair()
-        devnull = os.open(os.devnull, os.O_RDWR)
+        devnull = os.dup(d.null_fd)
         try:
             fcntl.fcntl(out_r, 1031, PIPE_SIZE)  # F_SETPIPE_SZ: fewer wakeups under floods
         except OSError:
