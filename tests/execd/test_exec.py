@@ -155,7 +155,7 @@ def test_parse_frame_rejects(bad):
 def _broken_frame(writer: str) -> str:
     """A command whose frame the shell writes broken: commands run with the status channel
     closed, so the command replaces the shell's own frame writer for its call instead."""
-    return "__sm_fin() { %s; }" % writer
+    return f"__sm_fin() {{ {writer}; }}"
 
 
 def test_frame_forced_empty_status_restarts_shell(execd):
