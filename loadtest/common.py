@@ -86,13 +86,13 @@ def _args(parser) -> None:
                    help="measure other tenants' pod failures this long before the run, then "
                         "stop the run (exit 3) when they rise above the rule (0: no rule; "
                         "120 on a shared cluster)")
-    c.add_argument("--cotenant-window-s", type=float, default=cotenant.Rule.window_s,
+    c.add_argument("--cotenant-window-s", type=float, default=cotenant.StopRule.window_s,
                    help="the window the run's failure rate is measured over")
-    c.add_argument("--cotenant-max-ratio", type=float, default=cotenant.Rule.max_ratio,
+    c.add_argument("--cotenant-max-ratio", type=float, default=cotenant.StopRule.max_ratio,
                    help="stop above this many times the baseline rate ...")
-    c.add_argument("--cotenant-min-excess", type=float, default=cotenant.Rule.min_excess,
+    c.add_argument("--cotenant-min-excess", type=float, default=cotenant.StopRule.min_excess,
                    help="... and above the baseline plus this many failures a minute")
-    c.add_argument("--cotenant-poll-s", type=float, default=cotenant.Rule.poll_s,
+    c.add_argument("--cotenant-poll-s", type=float, default=cotenant.StopRule.poll_s,
                    help="how often the cluster's events and failed pods are listed")
     c.add_argument("--cotenant-exclude-namespace", action="append", default=[],
                    metavar="NS", help="another namespace of the run itself (--namespace is "
@@ -128,8 +128,8 @@ def install(primary: list[str], uses_controller: bool = True) -> None:
     RUN.extra["uses_controller"] = uses_controller
 
 
-def _rule(o) -> cotenant.Rule:
-    return cotenant.Rule(baseline_s=o.cotenant_baseline_s, window_s=o.cotenant_window_s,
+def _rule(o) -> cotenant.StopRule:
+    return cotenant.StopRule(baseline_s=o.cotenant_baseline_s, window_s=o.cotenant_window_s,
                          max_ratio=o.cotenant_max_ratio, min_excess=o.cotenant_min_excess,
                          poll_s=o.cotenant_poll_s)
 

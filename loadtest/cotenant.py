@@ -28,7 +28,7 @@ SEEN_CAP = 100_000  # event and pod uids remembered (oldest forgotten): ~15 MB a
 
 
 @dataclass(frozen=True)
-class Rule:
+class StopRule:
     baseline_s: float = 120.0
     window_s: float = 60.0
     max_ratio: float = 2.0
@@ -125,12 +125,12 @@ class ClusterReader:
 
 
 @dataclass
-class Verdict:
+class StopCheck:
     per_min: float
     threshold: float
     fired: bool
 
-    def line(self, rule: Rule, baseline_per_min: float) -> str:
+    def line(self, rule: StopRule, baseline_per_min: float) -> str:
         return (f"co-tenant stop rule: other tenants' pod failures {self.per_min:.1f}/min over "
                 f"the last {rule.window_s:g} s > threshold {self.threshold:.1f}/min (idle "
                 f"baseline {baseline_per_min:.1f}/min over {rule.baseline_s:g} s, x"
@@ -141,7 +141,7 @@ class Guard:
     """Baseline first (`measure_baseline`), then `poll()` every `rule.poll_s` during the run."""
 
     def __init__(self, read: Callable[[], tuple[list[dict], list[dict]]],
-                 own_namespaces: Iterable[str], rule: Rule,
+                 own_namespaces: Iterable[str], rule: StopRule,
                  clock: Callable[[], float] = time.monotonic):
         self.read = read
         self.rule = rule
@@ -174,7 +174,7 @@ class Guard:
         self.last_ok = self.clock()
         return self.baseline_per_min
 
-    def record(self, n: int) -> Verdict:
+    def record(self, n: int) -> StopCheck:
         """`n` new failures now; the verdict on the window that ends now."""
         now = self.clock()
         self.total += n
@@ -183,9 +183,9 @@ class Guard:
             self._window.popleft()
         per_min = sum(k for _, k in self._window) * 60.0 / self.rule.window_s
         thr = self.rule.threshold(self.baseline_per_min or 0.0)
-        return Verdict(per_min, thr, per_min > thr)
+        return StopCheck(per_min, thr, per_min > thr)
 
-    def poll(self) -> Verdict:
+    def poll(self) -> StopCheck:
         """One read; a read that fails raises, and `blind_s()` grows."""
         got = self.read()
         self.last_ok = self.clock()

@@ -73,7 +73,7 @@ def _ftype(mode):
     return "special"
 
 
-class Entry(object):
+class FileState(object):
     __slots__ = ("mode", "uid", "gid", "size", "mtime", "atime", "ctime", "ino", "dev", "link",
                  "blob", "why")
 
@@ -105,7 +105,7 @@ class Baseline(object):
         self.args = args
         self.lock = threading.Lock()
         self.store = os.path.realpath(args.baseline_store)
-        self.entries = None  # path -> Entry; None until recorded
+        self.entries = None  # path -> FileState; None until recorded
         self.areas = {}  # path -> area (repo, packages, system, home)
         self.kids = {}
         self.dirty = []
@@ -354,7 +354,7 @@ class Baseline(object):
                         link = os.readlink(p)
                     except OSError:
                         link = None
-                ent = Entry(st, link)
+                ent = FileState(st, link)
                 if stat.S_ISREG(st.st_mode):
                     if area == "rest":
                         # The image's own tree (/usr, /var, ...): copying it would double the

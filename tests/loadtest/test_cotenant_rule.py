@@ -88,7 +88,7 @@ def test_the_rule_fires_above_the_baseline_and_not_at_it():
     def read():
         return [event(f"e{next(made)}", "team-b") for _ in range(feed.pop(0) if feed else 0)], []
 
-    rule = C.Rule(baseline_s=60, window_s=60, poll_s=10, max_ratio=2, min_excess=10)
+    rule = C.StopRule(baseline_s=60, window_s=60, poll_s=10, max_ratio=2, min_excess=10)
     g = C.Guard(read, {OWN}, rule, clock)
     feed[:] = [500] + [5] * 6  # 500 old events (primed, not counted), then 5 per 10 s
     assert g.measure_baseline(clock.sleep) == pytest.approx(30.0)  # 30/min
@@ -110,7 +110,7 @@ def test_the_rule_fires_above_the_baseline_and_not_at_it():
 
 def test_an_idle_baseline_needs_the_minimum_excess():
     clock = Clock()
-    rule = C.Rule(baseline_s=10, window_s=60, poll_s=5, min_excess=10)
+    rule = C.StopRule(baseline_s=10, window_s=60, poll_s=5, min_excess=10)
     g = C.Guard(lambda: ([], []), {OWN}, rule, clock)
     assert g.measure_baseline(clock.sleep) == 0.0
     assert not g.record(10).fired  # 10/min is not above 0 + 10
@@ -128,7 +128,7 @@ def test_an_idle_baseline_needs_the_minimum_excess():
 def test_bad_rules_get_one_line(kw, msg):
     with pytest.raises(ValueError, match=msg.replace("(", r"\(").replace(")", r"\)")
                        .replace("[", r"\[").replace("]", r"\]")):
-        C.Rule(**kw).check()
+        C.StopRule(**kw).check()
 
 
 # ---- on the test bed ----------------------------------------------------------------------------
