@@ -212,7 +212,7 @@ class PodExecd(Execd):
         env = {k: v for k, v in os.environ.items() if not k.startswith("PYTHON")}
         env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only
         env["SANDMAN_TOKEN_SHA256"] = hashlib.sha256(self.token.encode()).hexdigest()
-        self.proc = subprocess.Popen([pod_python(), *EXECD_PYTHON_FLAGS, str(launcher),
+        self.proc = subprocess.Popen([pod_python(), *EXECD_PYTHON_FLAGS, "-B", str(launcher),
                                       "--listen", "127.0.0.1:0"], stderr=subprocess.PIPE,
                                      env=env, start_new_session=True)
         line = self.proc.stderr.readline().decode()
@@ -360,8 +360,10 @@ def startup_figures(runs: int, tmp: Path) -> dict:
     env["PYTHONDONTWRITEBYTECODE"] = "1"  # the pod's mount is read-only: nothing is cached
     env["SANDMAN_TOKEN_SHA256"] = "0" * 64
     listen = ["--listen", "127.0.0.1:0"]
-    arms = {"script": [py, *EXECD_PYTHON_FLAGS, str(without), *listen],
-            "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, str(with_pyc), *listen],
+    # -B: the pod's mount is read-only, so nothing is cached between starts (-I ignores
+    # PYTHONDONTWRITEBYTECODE, and root writes into a read-only-moded directory anyway).
+    arms = {"script": [py, *EXECD_PYTHON_FLAGS, "-B", str(without), *listen],
+            "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, "-B", str(with_pyc), *listen],
             "python3 -c pass": [py, "-c", "import sys; sys.stderr.write('listening\\n'); "
                                 "sys.stderr.flush(); sys.stdin.read()"]}
     got: dict[str, list[float]] = {k: [] for k in arms}
