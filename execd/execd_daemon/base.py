@@ -66,3 +66,4 @@ def now():
 
 def sh_quote(data):
     return b"'" + data.replace(b"'", b"'\\''") + b"'"
+TREE_MAX_BYTES = 1 << 30  # a tree's whole archive, up or down; --max-tree-bytes

@@ -12,7 +12,6 @@ import sys
 import threading
 import time
 
-from .background import Background
 from .base import (
     _ENV_NAME,
     CACHE_BYTES,
@@ -30,15 +29,6 @@ from .base import (
     now,
     sh_quote,
 )
-from .conditions import (
-    cpu_limits,
-    egress_probe,
-    guard_allowlist,
-    memory_limit,
-    time_zone,
-    user_info,
-    visible_cpus,
-)
 from .procs import (
     Reaper,
     all_pids,
@@ -50,9 +40,7 @@ from .procs import (
     process_tree,
 )
 from .ready import ReadyCheck
-from .sessions import Sessions
 from .shell import COMMAND_REDIRECTS, Capture, Shell, Teed, fix_diag, job_notices_only, parse_frame
-from .trees import REMOVE_MAX_S, remove_tree
 from .wire import HTTPError, still_authorized
 
 
@@ -99,12 +87,34 @@ class Daemon:
         self.umask = os.umask(0o022)
         os.umask(self.umask)
         self.ready = ReadyCheck(self)
-        self.bg = Background(self)
-        self.pty = Sessions(self)
+        # Background processes and sessions, made by their first use: their modules are CPU
+        # at every sandbox start that most sandboxes never need (docs/execd.md "Layout").
+        self._bg = self._pty = None
+        self._parts_lock = threading.Lock()
         # Set once make_undumpable() ran (main starts it once execd listens); a token is
         # checked only after, so no holder's token is read into a dumpable execd.
         self.undumpable = threading.Event()
         self.start_shell()
+
+    @property
+    def bg(self):
+        if self._bg is None:
+            with self._parts_lock:
+                if self._bg is None:
+                    from .background import Background
+
+                    self._bg = Background(self)
+        return self._bg
+
+    @property
+    def pty(self):
+        if self._pty is None:
+            with self._parts_lock:
+                if self._pty is None:
+                    from .sessions import Sessions
+
+                    self._pty = Sessions(self)
+        return self._pty
 
     def make_undumpable(self):
         """Clear execd's dumpable flag: /proc/<execd>/mem, /fd and /environ are then closed to
@@ -648,6 +658,8 @@ class Daemon:
     def _wipe(self, path):
         """Empties the workspace (the path as configured; below it, never through a symlink):
         any depth, within REMOVE_MAX_S. Returns how many entries it held."""
+        from .trees import REMOVE_MAX_S, remove_tree
+
         deadline = now() + REMOVE_MAX_S
         fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | getattr(os, "O_CLOEXEC", 0))
         try:
@@ -698,6 +710,16 @@ class Daemon:
             return {"error": "unreadable: not JSON"}
 
     def conditions(self, query):
+        from .conditions import (
+            cpu_limits,
+            egress_probe,
+            guard_allowlist,
+            memory_limit,
+            time_zone,
+            user_info,
+            visible_cpus,
+        )
+
         root = getattr(self.args, "conditions_root", "/") or "/"
         sh = self.shell
         out = {}

@@ -20,6 +20,7 @@ from .base import (
     NETGUARD_STATUS_ENV,
     NETGUARD_STATUS_PATH,
     PREAUTH_IDLE,
+    TREE_MAX_BYTES,
     VERSION,
     WORKSPACE_ENV,
 )
@@ -37,7 +38,6 @@ from .reuse import (
     Baseline,
 )
 from .server import ConnBudget, Handler, Server, adopt_listener, parse_listen
-from .trees import TREE_MAX_BYTES
 from .wire import HTTPError
 
 

@@ -12,14 +12,6 @@ import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, urlsplit
 
-from .background import (
-    _r_process,
-    _r_process_output,
-    _r_process_signal,
-    _r_process_wait,
-    _r_processes,
-    _r_spawn,
-)
 from .base import (
     _SHA256_HEX,
     EXECD_READY_PATH,
@@ -32,16 +24,6 @@ from .base import (
 )
 from .files import _r_files_get, _r_files_read, _r_files_write
 from .reuse import _r_baseline, _r_diff, _r_restore
-from .sessions import (
-    _r_session_close,
-    _r_session_open,
-    _r_session_read,
-    _r_session_resize,
-    _r_session_signal,
-    _r_session_write,
-    _r_sessions,
-)
-from .trees import tree_read, tree_write
 from .wire import _REQ, HTTPError, json_bytes, still_authorized, wire_uint
 
 _HEAD_END = re.compile(b"\n\r?\n")
@@ -438,6 +420,17 @@ def _r_conditions(handler, query):
     handler.reply(200, handler.daemon.conditions(query))
 
 
+def _later(module, name):
+    """The route `name` of `module`, imported by its first call: trees, background processes
+    and sessions are CPU at every sandbox start that most sandboxes never spend on them."""
+    def route(handler, query):
+        fn = getattr(__import__(__package__ + "." + module, fromlist=[name]), name)
+        return fn(handler, query)
+
+    route.__name__ = name
+    return route
+
+
 PUBLIC_ROUTES = ("/health", EXECD_READY_PATH)  # no token: the kubelet calls them
 
 ROUTES = {
@@ -448,8 +441,8 @@ ROUTES = {
     "/files/read": ("POST", _r_files_read),
     "/files": ("GET", _r_files_get),
     "/files/write": ("POST", _r_files_write),
-    "/files/tree": ("GET", tree_read),
-    "/files/tree/write": ("POST", tree_write),
+    "/files/tree": ("GET", _later("trees", "tree_read")),
+    "/files/tree/write": ("POST", _later("trees", "tree_write")),
     "/env": ("POST", _r_env),
     "/reset": ("POST", _r_reset),
     "/state": ("GET", _r_state),
@@ -458,19 +451,19 @@ ROUTES = {
     "/diff": ("GET", _r_diff),
     "/restore": ("POST", _r_restore),
     "/token": ("POST", _r_token),
-    "/processes": ("GET", _r_processes),
-    "/processes/spawn": ("POST", _r_spawn),
-    "/processes/info": ("GET", _r_process),
-    "/processes/output": ("GET", _r_process_output),
-    "/processes/signal": ("POST", _r_process_signal),
-    "/processes/wait": ("POST", _r_process_wait),
-    "/sessions": ("GET", _r_sessions),
-    "/sessions/open": ("POST", _r_session_open),
-    "/sessions/write": ("POST", _r_session_write),
-    "/sessions/read": ("GET", _r_session_read),
-    "/sessions/resize": ("POST", _r_session_resize),
-    "/sessions/signal": ("POST", _r_session_signal),
-    "/sessions/close": ("POST", _r_session_close),
+    "/processes": ("GET", _later("background", "_r_processes")),
+    "/processes/spawn": ("POST", _later("background", "_r_spawn")),
+    "/processes/info": ("GET", _later("background", "_r_process")),
+    "/processes/output": ("GET", _later("background", "_r_process_output")),
+    "/processes/signal": ("POST", _later("background", "_r_process_signal")),
+    "/processes/wait": ("POST", _later("background", "_r_process_wait")),
+    "/sessions": ("GET", _later("sessions", "_r_sessions")),
+    "/sessions/open": ("POST", _later("sessions", "_r_session_open")),
+    "/sessions/write": ("POST", _later("sessions", "_r_session_write")),
+    "/sessions/read": ("GET", _later("sessions", "_r_session_read")),
+    "/sessions/resize": ("POST", _later("sessions", "_r_session_resize")),
+    "/sessions/signal": ("POST", _later("sessions", "_r_session_signal")),
+    "/sessions/close": ("POST", _later("sessions", "_r_session_close")),
 }
 
 

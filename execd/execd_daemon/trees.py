@@ -18,7 +18,6 @@ from .wire import HTTPError, still_authorized, wire_uint
 # A tree comes from outside (a trainer's files, or an archive someone crafted): every member is
 # checked by hand, since tarfile's extraction filters need Python 3.12 or a backport.
 
-TREE_MAX_BYTES = 1 << 30  # whole archive; --max-tree-bytes
 TREE_SHA256_HEADER = "X-Content-SHA256"  # the upload's digest
 TREE_DIGEST_LEN = 64  # the download's trailer: SHA-256 hex of the tar before it
 TREE_STAGING_PREFIX = ".execd-tree-"
