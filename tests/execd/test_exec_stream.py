@@ -186,7 +186,7 @@ def test_stalled_reader_bounds_rss_and_does_not_stop_the_timeout(execd):
     other clients are served, and the command still ends (its timeout, or its client gone)."""
     # Growth, not the absolute size: run as a script (as here), execd keeps what compiling its
     # source took, which grows with the file; a pod imports it with bytecode.
-    before = execd.rss_kib()
+    before = execd.reset_hwm()  # growth from here, not the start's peak
     s = raw_stream(execd, {"command": "yes stalled", "timeout": 3})
     try:
         t0 = time.monotonic()

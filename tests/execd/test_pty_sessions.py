@@ -132,7 +132,7 @@ def test_flood_keeps_execd_small_and_the_shell_free(execd):
     s0 = open_session(execd, command="true")  # the reader thread exists before the baseline
     time.sleep(0.3)
     close(execd, s0["id"])
-    before = execd.rss_kib()
+    before = execd.reset_hwm()  # growth from here, not the start's peak
     floods = [open_session(execd, command="cat /dev/zero | od -v -An") for _ in range(3)]
     total = 0
     fg = 0

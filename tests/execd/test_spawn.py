@@ -123,7 +123,7 @@ def test_output_since_after_the_ring_wrapped(execd):
 def test_flood_keeps_execd_small_and_the_shell_free(execd):
     spawn(execd, "true")  # the reader thread exists before the baseline
     time.sleep(0.3)
-    before = execd.rss_kib()
+    before = execd.reset_hwm()  # growth from here, not the start's peak
     others = [spawn(execd, "cat /dev/zero") for _ in range(3)]
     flood = spawn(execd, "cat /dev/zero")
     fg = []
@@ -356,7 +356,7 @@ def test_one_byte_writes_do_not_multiply_the_ring(execd):
     per read, a 1 MiB ring grew execd by ~5 MiB."""
     spawn(execd, "true")
     time.sleep(0.3)
-    before = execd.rss_kib()
+    before = execd.reset_hwm()  # the peak from here on, not the start's compile
     script = "import os\nfor _ in range(1500000): os.write(1, b'x')\n"
     ps = [spawn(execd, f"python3 -c {shlex.quote(script)}") for _ in range(2)]
     for p in ps:
