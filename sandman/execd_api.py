@@ -256,7 +256,7 @@ _TreeResultT = TypeVar("_TreeResultT", bound="TreeResult")
 _HealthT = TypeVar("_HealthT", bound="Health")
 _ResetResultT = TypeVar("_ResetResultT", bound="ResetResult")
 _StateT = TypeVar("_StateT", bound="State")
-_ConditionsT = TypeVar("_ConditionsT", bound="Conditions")
+_ConditionReadingsT = TypeVar("_ConditionReadingsT", bound="ConditionReadings")
 _ProcessStatusT = TypeVar("_ProcessStatusT", bound="ProcessStatus")
 _ProcessOutputT = TypeVar("_ProcessOutputT", bound="ProcessOutput")
 _SessionStatusT = TypeVar("_SessionStatusT", bound="SessionStatus")
@@ -437,7 +437,7 @@ def _strings(d: dict[str, Any], key: str, what: str) -> list[str] | None:
 
 
 @dataclass(frozen=True)
-class Conditions:
+class ConditionReadings:
     """The run conditions a verdict may depend on, as the sandbox itself reads them (cgroup
     CPU quota and memory limit, visible CPUs, user, time zone, hash seed), and an optional
     outbound-connection probe. None means execd could not read that condition."""
@@ -475,7 +475,7 @@ class Conditions:
         return self.cpu_quota_us / self.cpu_period_us
 
     @classmethod
-    def from_json(cls: type[_ConditionsT], data: Any) -> _ConditionsT:
+    def from_json(cls: type[_ConditionReadingsT], data: Any) -> _ConditionReadingsT:
         what = "conditions answer"
         d = _answer(data, what)
         return cls(

@@ -64,6 +64,7 @@ from sandman.client.errors import (
 )
 from sandman.client.models import (
     AcquireTimings,
+    ConditionReadings,
     Conditions,
     ConditionsCheck,
     ExecResult,
@@ -88,7 +89,7 @@ from sandman.client.models import (
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
     "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
-    "CommandTimeout", "Conditions", "ConditionsCheck", "ConditionsRefused", "ConfigurationError",
+    "CommandTimeout", "ConditionReadings", "Conditions", "ConditionsCheck", "ConditionsRefused", "ConfigurationError",
     "ControllerError",
     "ControllerUnreachable", "EditAmbiguous", "EditConflict", "EditError", "EditNoMatch",
     "EditRefused", "EditResult", "ExecResult",

@@ -160,13 +160,18 @@ class State(execd_api.State):
 
 
 @dataclass(frozen=True)
-class Conditions(execd_api.Conditions):
-    __doc__ = execd_api.Conditions.__doc__
+class ConditionReadings(execd_api.ConditionReadings):
+    __doc__ = execd_api.ConditionReadings.__doc__
 
     @classmethod
-    def from_json(cls, data: Any) -> Conditions:
+    def from_json(cls, data: Any) -> ConditionReadings:
         with _wire_answer():
             return super().from_json(data)
+
+
+# The name before readings and declarations were told apart (api.Conditions is what an acquire
+# declares); kept for existing callers.
+Conditions = ConditionReadings
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ import pytest
 
 from sandman.client import (
     CommandTimeout,
-    Conditions,
+    ConditionReadings,
     ExecResult,
     FileNotFound,
     IntegrityError,
@@ -252,7 +252,7 @@ def test_state_conditions_reset(flavor: Flavor, execd: Execd) -> None:
             st = await sb.state()
             assert st.shell_pid and bg in [p.pid for p in st.processes]
             c = await sb.conditions()
-            assert isinstance(c, Conditions) and c.visible_cpu_count and c.uid is not None
+            assert isinstance(c, ConditionReadings) and c.visible_cpu_count and c.uid is not None
             r = await sb.reset()
             assert r.ok and r.left == [] and r.shell_pid != st.shell_pid
             st2 = await sb.state()

@@ -42,7 +42,7 @@ from sandman.client.errors import (
 )
 from sandman.client.models import (
     AcquireTimings,
-    Conditions,
+    ConditionReadings,
     ConditionsCheck,
     ExecResult,
     FileContent,
@@ -480,12 +480,12 @@ class Sandbox:
         resp = self._call(STATE, read_s=30.0)
         return State.from_json(_core.decode_json(resp, "state"))
 
-    def conditions(self, egress_probe: str | None = None) -> Conditions:
+    def conditions(self, egress_probe: str | None = None) -> ConditionReadings:
         """The run conditions as the sandbox reads them; `egress_probe="host:port"` also tries
         one outbound connection (to check the egress guard)."""
         params = {X.EGRESS_PROBE_PARAM: egress_probe} if egress_probe else None
         resp = self._call(CONDITIONS, params=params, read_s=30.0)
-        return Conditions.from_json(_core.decode_json(resp, "conditions"))
+        return ConditionReadings.from_json(_core.decode_json(resp, "conditions"))
 
     # ---- background processes
 
