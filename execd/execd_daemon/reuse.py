@@ -2,6 +2,7 @@
 against it, and the restore that undoes a holder's changes before the next one."""
 
 import base64
+import errno
 import os
 import shutil
 import signal
@@ -751,17 +752,28 @@ def _shell_binary(path):
 
 def _tick(store):
     """Wait until the file system's clock moved past now, so a change made right after this
-    cannot carry the ctime just recorded (git's "racy clean" problem)."""
+    cannot carry the ctime just recorded (git's "racy clean" problem). The probe is opened
+    without following a link or blocking on a FIFO: the store is writable by the holder's uid,
+    and whatever it planted there is removed, never written through."""
     probe = os.path.join(store, ".tick")
-    with open(probe, "wb"):
-        pass
-    first = os.lstat(probe).st_ctime_ns
-    deadline = now() + 1
-    while now() < deadline:
-        time.sleep(0.001)
-        os.utime(probe)
-        if os.lstat(probe).st_ctime_ns != first:
-            break
+    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(probe, flags, 0o600)
+    except OSError:
+        os.unlink(probe)  # a link or a FIFO without a reader; a directory fails the call
+        fd = os.open(probe, flags | os.O_EXCL, 0o600)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", probe)
+        first = os.fstat(fd).st_ctime_ns
+        deadline = now() + 1
+        while now() < deadline:
+            time.sleep(0.001)
+            os.utime(fd)
+            if os.fstat(fd).st_ctime_ns != first:
+                break
+    finally:
+        os.close(fd)
 
 
 def _r_baseline(handler, query):

@@ -212,3 +212,29 @@ def test_baseline_scope_from_the_environment_and_refused_when_garbled(execd_fact
     assert res.returncode == 2, res
     assert res.stderr == ("execd: SANDMAN_BASELINE_SCOPE='everything': must be listed or root; "
                           "refusing to start\n"), res.stderr
+
+
+@pytest.mark.parametrize("plant", ["link", "fifo"])
+def test_a_name_planted_in_the_store_is_never_followed(execd_factory, tmp_path, plant):
+    """The store is the holder's uid's: a link planted where execd touches its clock probe
+    after each restore truncated a file of the holder's choosing, after the restore's own
+    check (and a FIFO there blocked the restore). execd opens it without following links and
+    without blocking; the victim keeps its bytes and the next holder gets a clean pod."""
+    ws, etc, store = tmp_path / "ws", tmp_path / "etc", tmp_path / "store"
+    ws.mkdir()
+    etc.mkdir()
+    (etc / "hosts").write_text("127.0.0.1 localhost\n")
+    victim = tmp_path / "victim"
+    victim.write_text("the next holder's data\n")
+    d = execd_factory("--workspace", str(ws), "--baseline-at-start", "on",
+                      "--baseline-store", str(store), "--baseline-paths", str(etc),
+                      "--baseline-packages", str(etc / "none"),
+                      "--baseline-localtime", str(etc / "localtime"))
+    make = f"ln -s {victim} .tick" if plant == "link" else "mkfifo .tick"
+    r = d.exec(f"cd {store} && rm -f .tick && {make} && echo planted")
+    assert r["output"] == "planted\n", r
+    r = d.post("/restore", {}, timeout=60)
+    assert r.status_code == 200 and r.json()["restored"] is True, r.text
+    assert victim.read_text() == "the next holder's data\n"
+    assert not (store / ".tick").is_symlink()
+    assert d.get("/diff").json()["clean"] is True
