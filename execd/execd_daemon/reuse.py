@@ -10,7 +10,6 @@ import stat
 import threading
 import time
 
-from . import procattrs, sysvipc
 from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
 from .files import file_sha256
 from .procs import proc_cmdline, proc_stat
@@ -345,6 +344,7 @@ class Baseline(object):
             self.base_env = dict(self.d.base_env)
             self.tz = self.tz_state()
             self.procs = self.processes()
+            from . import procattrs, sysvipc  # first here: before any /diff or /restore
             self.attrs, self.ipc = procattrs.record(), sysvipc.read()
             found, _, _ = self.walk()
             entries = {}
@@ -493,6 +493,7 @@ class Baseline(object):
     def _state_changes(self):
         """execd's own process attributes and the SysV IPC objects (procattrs.py, sysvipc.py):
         no shell needed, a retired execd reports them too."""
+        from . import procattrs, sysvipc  # loaded by the record
         return procattrs.changes(self.attrs) + sysvipc.changes(self.ipc)
 
     def _need(self):
@@ -537,6 +538,7 @@ class Baseline(object):
                     # clean, and only then a shell starts, from the binary whose hash the
                     # baseline recorded. Any failure retires this execd (no shell starts again,
                     # the controller deletes the pod).
+                    from . import procattrs, sysvipc  # loaded by the record
                     procattrs.restore(self.attrs)  # first, as execd works under its limits
                     d.bg.hold()
                     d.pty.hold()
