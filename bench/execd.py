@@ -320,9 +320,10 @@ def flood_figures(ex: Execd, sizes_mib=(16, 256, 1024), yes_timeout: float = 10
 STARTUP_BUDGET_MS = 50.0
 
 
-def _listen_cpu_ms(argv: list[str], env: dict) -> float:
+def _listen_cpu_ms(argv: list[str], env: dict, rss: list | None = None) -> float:
     """CPU of a starting execd up to its listening line: its threads' on-CPU time from
-    /proc/<pid>/task/*/schedstat (ns) read the moment the line arrives."""
+    /proc/<pid>/task/*/schedstat (ns) read the moment the line arrives; with `rss`, its
+    VmRSS (KiB) at that moment is appended there."""
     proc = subprocess.Popen(argv, stdin=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             env=env, start_new_session=True)
     try:
@@ -338,6 +339,10 @@ def _listen_cpu_ms(argv: list[str], env: dict) -> float:
                 # A thread that ended meanwhile: execd starts one once it listens (its
                 # dumpable flag), which is past what is measured here.
                 continue
+        if rss is not None:
+            for ln in Path(f"/proc/{proc.pid}/status").read_text().splitlines():
+                if ln.startswith("VmRSS:"):
+                    rss.append(int(ln.split()[1]))
         return ns / 1e6
     finally:
         proc.kill()
@@ -348,7 +353,23 @@ def floods_sizes(args) -> tuple[int, ...]:
     return (1,) if args.smoke else (16, 256, 1024)
 
 
-def startup_figures(runs: int, tmp: Path) -> dict:
+def revision_install(d: Path, py: str, rev: str) -> Path:
+    """execd as revision `rev` of this repository lays it out in a pod: that revision's
+    execd/ (git archive) installed by its own install.py, its bytecode compiled by `py`."""
+    src = d.parent / f"src-{rev}"
+    src.mkdir()
+    archive = subprocess.run(["git", "-C", str(REPO), "archive", rev, "execd"],
+                             capture_output=True, check=True, timeout=60).stdout
+    subprocess.run(["tar", "-x", "-C", str(src)], input=archive, check=True, timeout=60)
+    d.mkdir()
+    subprocess.run([py, "-c", "import sys; sys.path.insert(0, sys.argv[1]); "
+                    "from execd.install import install; install(sys.argv[2])", str(src), str(d)],
+                   check=True, timeout=60)
+    subprocess.run([py, "-m", "compileall", "-q", str(d)], check=True, timeout=120)
+    return d / "execd.py"
+
+
+def startup_figures(runs: int, tmp: Path, before: str | None = None) -> dict:
     """exec -> listening CPU of execd started through the pod's launcher without bytecode (the
     sources compiled at every start) and with the bytecode the install copies (execd/install.py;
     compiled by the same interpreter, as `pip install` does in the image), beside `python3 -c
@@ -366,11 +387,20 @@ def startup_figures(runs: int, tmp: Path) -> dict:
             "launcher + bytecode": [py, *EXECD_PYTHON_FLAGS, "-B", str(with_pyc), *listen],
             "python3 -c pass": [py, "-c", "import sys; sys.stderr.write('listening\\n'); "
                                 "sys.stderr.flush(); sys.stdin.read()"]}
+    if before:
+        old = revision_install(tmp / f"sandman-{before}", py, before)
+        arms["before"] = [py, *EXECD_PYTHON_FLAGS, "-B", str(old), *listen]
     got: dict[str, list[float]] = {k: [] for k in arms}
+    rss: dict[str, list] = {k: [] for k in arms}
     for _ in range(runs):
         for k, argv in arms.items():
-            got[k].append(_listen_cpu_ms(argv, env))
-    return {"python": py, "runs": runs, **{k: statistics.median(v) for k, v in got.items()}}
+            got[k].append(_listen_cpu_ms(argv, env, rss[k]))
+    med = {k: statistics.median(v) for k, v in got.items()}
+    out = {"python": py, "runs": runs, "rss": {k: statistics.median(v) / 1024
+                                                for k, v in rss.items()}, **med}
+    if before:
+        out["before_ms"], out["before"] = out.pop("before"), before
+    return out
 
 
 def startup_lines(st: dict) -> list[str]:
@@ -382,10 +412,15 @@ def startup_lines(st: dict) -> list[str]:
         f"| the launcher, no bytecode (the sources compiled at every start) | {st['script']:.1f} |",
         f"| the pod's launcher (`python3 {' '.join(EXECD_PYTHON_FLAGS)}`), daemon from the "
         f"install's bytecode | {st['launcher + bytecode']:.1f} |",
-        f"| `python3 -c pass` (the interpreter alone) | {st['python3 -c pass']:.1f} |", "",
-        f"- budget <= {STARTUP_BUDGET_MS:.0f} ms from exec to listening: "
+        f"| `python3 -c pass` (the interpreter alone) | {st['python3 -c pass']:.1f} |",
+    ] + ([f"| revision {st['before']}'s launcher and daemon, bytecode, same flags, interleaved "
+          f"| {st['before_ms']:.1f} |"] if st.get("before") else []) + [
+        "", f"- budget <= {STARTUP_BUDGET_MS:.0f} ms from exec to listening: "
         f"**{'met' if ok else 'NOT met'}** ({st['launcher + bytecode']:.1f} ms)",
-    ]
+    ] + ([f"- against revision {st['before']} in the same run: CPU "
+          f"{st['launcher + bytecode']:.1f} ms vs {st['before_ms']:.1f} ms, RSS at the listening "
+          f"line {st['rss']['launcher + bytecode']:.1f} MiB vs {st['rss']['before']:.1f} MiB"]
+         if st.get("before") else [])
 
 
 def main(argv=None) -> int:
@@ -394,6 +429,8 @@ def main(argv=None) -> int:
     p.add_argument("--repeats", type=int, default=3, help="medians over this many repeats")
     p.add_argument("--big-calls", type=int, default=20, help="1 MiB-output calls per repeat")
     p.add_argument("--skip-swerex", action="store_true")
+    p.add_argument("--before", metavar="REV", help="also start execd as revision REV of this "
+                   "repository lays it out (git archive), interleaved, for a before/after")
     docs.add_flags(p)
     args = p.parse_args(argv)
     docs.check_flags(p, args)
@@ -439,7 +476,7 @@ def main(argv=None) -> int:
                        f"peak RSS {pod.rss_kib('VmHWM') / 1024:.1f} MiB, "
                        f"{time.perf_counter() - t0:.2f} s"))
         with tempfile.TemporaryDirectory(prefix="bench-execd-start-") as tmp:
-            startup = startup_figures(3 if args.smoke else 21, Path(tmp))
+            startup = startup_figures(3 if args.smoke else 21, Path(tmp), args.before)
     finally:
         for t in targets:
             t.stop()
