@@ -104,6 +104,8 @@ class Background(ChildTable):
     not guessable (96 random bits); /reset kills them with the sandbox and forgets them."""
 
     READER = "execd-spawn-output"
+    ID, WHAT, LISTING = _BG_ID, ("process", "p12", "ended by a reset"), "processes"
+    MAX_LIVE = BG_MAX_LIVE
 
     def __init__(self, daemon):
         ChildTable.__init__(self, daemon)
@@ -224,22 +226,6 @@ class Background(ChildTable):
         if not os.path.isdir(path):
             raise HTTPError(400, "cwd %s is not a directory" % path[:300])
         return path
-
-    def get(self, pid_id):
-        if not isinstance(pid_id, str) or not _BG_ID.fullmatch(pid_id):
-            raise HTTPError(400, "invalid process id (ids look like p12-<24 hex>)")
-        p = self.items.get(pid_id)
-        if p is None:
-            raise HTTPError(404, "no process %s in this sandbox (ended by a reset, or "
-                                 "another sandbox's)" % pid_id, {"not_found": True})
-        return p
-
-    def listing(self):
-        self.d.reaper.reap()
-        with self.lock:
-            procs = [p.info() for p in self.items.values()]
-        live = sum(1 for p in procs if p["running"] or p["output_open"])
-        return {"processes": procs, "live": live, "max_live": BG_MAX_LIVE}
 
     def info(self, pid_id):
         self.d.reaper.reap()

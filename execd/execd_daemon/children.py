@@ -8,6 +8,7 @@ import select
 import threading
 
 from .base import READ_SIZE
+from .wire import HTTPError
 
 
 class ChildTable(object):
@@ -16,6 +17,10 @@ class ChildTable(object):
     child's fd (it alone polls them): others hand it over through `closing`."""
 
     READER = "execd-children"  # the reader thread's name
+    ID = None  # the ids' pattern (fullmatch: `$` would take a newline)
+    WHAT = ("child", "c12", "gone")  # in messages: the kind, an id's prefix, how one ends
+    LISTING = "children"  # the listing's key
+    MAX_LIVE = 0
 
     def __init__(self, daemon):
         self.d = daemon
@@ -28,6 +33,23 @@ class ChildTable(object):
         self.wake = None  # (r, w): a pipe that wakes the reader; made by the first child
         self.thread = None
         self.held = False  # a restore is killing the old holder's children: none is started
+
+    def get(self, cid):
+        kind, prefix, ended = self.WHAT
+        if not isinstance(cid, str) or not self.ID.fullmatch(cid):
+            raise HTTPError(400, "invalid %s id (ids look like %s-<24 hex>)" % (kind, prefix))
+        c = self.items.get(cid)
+        if c is None:
+            raise HTTPError(404, "no %s %s in this sandbox (%s, or another sandbox's)"
+                            % (kind, cid, ended), {"not_found": True})
+        return c
+
+    def listing(self):
+        self.d.reaper.reap()
+        with self.lock:
+            items = [c.info() for c in self.items.values()]
+        live = sum(1 for c in items if c["running"] or c["output_open"])
+        return {self.LISTING: items, "live": live, "max_live": self.MAX_LIVE}
 
     def hold(self):
         """No new child until reset(): /restore kills the old holder's meanwhile."""

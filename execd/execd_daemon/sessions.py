@@ -70,6 +70,8 @@ class Sessions(ChildTable):
     them. Output waits on `cond` (the reader notifies it)."""
 
     READER = "execd-pty-output"
+    ID, WHAT, LISTING = _PTY_ID, ("session", "s12", "closed, ended by a reset"), "sessions"
+    MAX_LIVE = PTY_MAX_LIVE
 
     def open(self, req):
         d = self.d
@@ -173,22 +175,6 @@ class Sessions(ChildTable):
         ended = [k for k, s in self.items.items() if s.fd is None and s.status is not None]
         for k in ended[:max(0, len(self.items) - keep)]:
             self.items.pop(k).drop()
-
-    def get(self, sid):
-        if not isinstance(sid, str) or not _PTY_ID.fullmatch(sid):
-            raise HTTPError(400, "invalid session id (ids look like s12-<24 hex>)")
-        s = self.items.get(sid)
-        if s is None:
-            raise HTTPError(404, "no session %s in this sandbox (closed, ended by a reset, or "
-                                 "another sandbox's)" % sid, {"not_found": True})
-        return s
-
-    def listing(self):
-        self.d.reaper.reap()
-        with self.lock:
-            items = [s.info() for s in self.items.values()]
-        live = sum(1 for s in items if s["running"] or s["output_open"])
-        return {"sessions": items, "live": live, "max_live": PTY_MAX_LIVE}
 
     def write(self, req):
         unknown = sorted(set(req) - {"id", "data_b64", "request_id"})
