@@ -1,7 +1,6 @@
 """Background processes (sb.spawn()): commands beside the shell, each with a handle, its output
 in a bounded ring, signals and waits."""
 
-import base64
 import collections
 import fcntl
 import os
@@ -10,9 +9,9 @@ import signal
 import time
 
 from .base import _ENV_NAME, PIPE_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
-from .children import ChildTable
+from .children import ChildTable, reply_output
 from .procs import all_pids, exit_code_of, proc_tag, process_tree
-from .wire import HTTPError, json_bytes, still_authorized, wire_uint
+from .wire import HTTPError, still_authorized, wire_uint
 
 # sb.spawn(): commands that run beside the shell, each with a handle (an id) the SDK can
 # find again after its own restart. Each one's stdout and stderr go to its own pipe, read by
@@ -347,14 +346,7 @@ def _r_process_output(handler, query):
         if since is None:
             raise HTTPError(400, "since must be a byte offset (ASCII digits)")
     out, data = handler.daemon.bg.output(ids[-1] if ids else None, since)
-    # The base64 is written as it is, not copied into a JSON string: at most the ring and its
-    # encoding in memory per call.
-    b64 = base64.b64encode(data)
-    del data
-    head = json_bytes(out)[:-1] + b',"data_b64":"'
-    handler.send_raw(200, head, "application/json", length=len(head) + len(b64) + 2)
-    handler.wfile.write(b64)
-    handler.wfile.write(b'"}')
+    reply_output(handler, out, data)
 
 
 def _r_process_signal(handler, query):

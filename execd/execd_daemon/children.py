@@ -2,13 +2,14 @@
 (ids never reused, not guessable), one reader thread polling all their output fds, and the
 forgetting that /reset and /restore do. Background and Sessions add their own requests."""
 
+import base64
 import collections
 import os
 import select
 import threading
 
 from .base import READ_SIZE
-from .wire import HTTPError
+from .wire import HTTPError, json_bytes
 
 
 class ChildTable(object):
@@ -150,3 +151,14 @@ class ChildTable(object):
                         os.close(fd)
                         c.fd = None
                     self.cond.notify_all()
+
+
+def reply_output(handler, out, data):
+    """A child's answer `out` with its output bytes as `data_b64`. The base64 is written as it
+    is, not copied into a JSON string: at most the ring and its encoding in memory per call."""
+    b64 = base64.b64encode(data)
+    del data
+    head = json_bytes(out)[:-1] + b',"data_b64":"'
+    handler.send_raw(200, head, "application/json", length=len(head) + len(b64) + 2)
+    handler.wfile.write(b64)
+    handler.wfile.write(b'"}')

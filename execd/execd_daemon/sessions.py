@@ -12,8 +12,8 @@ import time
 
 from .background import _BG_SIGNALS, BG_COMMAND_MAX, BG_LISTED_COMMAND, BgProc
 from .base import _ENV_NAME, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
-from .children import ChildTable
-from .wire import HTTPError, json_bytes, still_authorized, wire_uint
+from .children import ChildTable, reply_output
+from .wire import HTTPError, still_authorized, wire_uint
 
 # sb.session(): a program on its own pseudo-terminal (a REPL, an interactive shell), written
 # to and read from across calls. Each runs in a new session with the pty as its controlling
@@ -377,12 +377,7 @@ def _r_session_read(handler, query):
             raise HTTPError(400, "timeout must be seconds (digits, an optional fraction)")
         wait = min(float(raw[-1]), PTY_READ_WAIT_MAX)
     out, data = handler.daemon.pty.read(ids[-1] if ids else None, since, wait)
-    b64 = base64.b64encode(data)
-    del data
-    head = json_bytes(out)[:-1] + b',"data_b64":"'
-    handler.send_raw(200, head, "application/json", length=len(head) + len(b64) + 2)
-    handler.wfile.write(b64)
-    handler.wfile.write(b'"}')
+    reply_output(handler, out, data)
 
 
 def _r_session_resize(handler, query):
