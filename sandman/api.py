@@ -17,7 +17,7 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import asdict, dataclass, field
-from typing import TYPE_CHECKING, Any, ClassVar, NamedTuple, TypeVar
+from typing import Any, ClassVar, NamedTuple, TypeVar
 from urllib.parse import quote
 
 from sandman import contract, quantity
@@ -82,18 +82,8 @@ METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
 ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, PREPULL, IMAGES,
           HEALTHZ, LIVEZ, READYZ, METRICS)
 
-# execd's routes, bodies and limits are sandman/execd_api.py's. Its tree limits were here
-# first: read through this module, they are execd_api's (for readers not moved yet; never
-# seen by the type checker, so checked code reads execd_api).
-_MOVED_TO_EXECD_API = ("TREE_SHA256_HEADER", "TREE_DIGEST_LEN", "TREE_MAX_BYTES")
-
-if not TYPE_CHECKING:
-    def __getattr__(name):
-        if name in _MOVED_TO_EXECD_API:
-            from sandman import execd_api
-
-            return getattr(execd_api, name)
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+# execd's routes, bodies and limits (the tree caps and header among them) are
+# sandman/execd_api.py's.
 
 
 # ---- errors: `{"error": {"type", "message", "events"}}`, the type decides, never the message

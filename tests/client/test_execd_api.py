@@ -73,15 +73,6 @@ def test_the_limits_both_sides_need_are_execds(ours, theirs):
     assert getattr(X, ours) == execd_limit(theirs)
 
 
-def test_the_tree_limits_read_through_sandman_api_are_execd_apis():
-    # Readers written before execd_api find them where they were.
-    assert api.TREE_MAX_BYTES == X.TREE_MAX_BYTES  # type: ignore[attr-defined]
-    assert api.TREE_DIGEST_LEN == X.TREE_DIGEST_LEN  # type: ignore[attr-defined]
-    assert api.TREE_SHA256_HEADER == X.TREE_SHA256_HEADER  # type: ignore[attr-defined]
-    with pytest.raises(AttributeError):
-        api.NOT_A_NAME  # type: ignore[attr-defined]  # noqa: B018
-
-
 def test_the_sdk_sends_the_modules_routes():
     from sandman.client._async import sandbox as a
     from sandman.client._sync import sandbox as s

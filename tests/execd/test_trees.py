@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from execd.execd_daemon import base, trees
-from sandman import api
+from sandman import execd_api as api
 from sandman.client import _tree
 
 from .conftest import AUTH
