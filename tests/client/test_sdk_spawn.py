@@ -5,6 +5,7 @@ errors for foreign or forged ids and for the live cap, and a handle found again 
 
 from __future__ import annotations
 
+import asyncio
 import json
 import os
 import secrets
@@ -67,7 +68,13 @@ def test_wait_timeout_and_signal(flavor: Flavor, execd: Execd) -> None:
             await p.signal("USR1")
             assert await p.wait(timeout=20) == 9
             assert b"bye" in (await p.output()).data
-            q = await sb.spawn("sleep 300 & sleep 300; wait")
+            # Signalled once both children exist: the spawn answers when bash starts, before
+            # it forks them (CI once signalled bash alone).
+            q = await sb.spawn("sleep 300 & sleep 300 & echo forked; wait")
+            for _ in range(200):
+                if b"forked" in (await q.output()).data:
+                    break
+                await asyncio.sleep(0.05)
             st = await q.signal(signal.SIGKILL)
             assert st.raw["signalled"] >= 2
             assert await q.wait(timeout=20) == 137
