@@ -64,7 +64,9 @@ def ceiling(e2e) -> dict:
     # injected_resources), so a sandbox's request is its own.
     per_cpu = float(parse_quantity(SANDBOX_CPU))
     per_mem = float(parse_quantity(SANDBOX_MEMORY))
-    fit = {"cpu": int(free_cpu // per_cpu), "memory": int(free_mem // per_mem),
+    # In milli-CPUs and bytes, as integers: a float floor division said 0.7 // 0.1 == 6.
+    fit = {"cpu": round(free_cpu * 1000) // round(per_cpu * 1000),
+           "memory": round(free_mem) // round(per_mem),
            "pods": int(alloc["pods"]) - len(pods) - 1}
     return {"fits": min(fit.values()), "by": fit, "allocatable_cpu": alloc["cpu"],
             "node_pods": len(pods), "free_cpu": round(free_cpu, 3)}
