@@ -2,7 +2,6 @@
 against it, and the restore that undoes a holder's changes before the next one."""
 
 import base64
-import errno
 import os
 import shutil
 import signal
@@ -13,6 +12,7 @@ import time
 from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
 from .files import file_sha256
 from .procs import proc_cmdline, proc_stat
+from .store import Store
 from .wire import HTTPError
 
 #
@@ -104,7 +104,7 @@ class Baseline(object):
         self.d = daemon
         self.args = args
         self.lock = threading.Lock()
-        self.store = os.path.realpath(args.baseline_store)
+        self.store = Store(args.baseline_store)
         self.entries = None  # path -> FileState; None until recorded
         self.areas = {}  # path -> area (repo, packages, system, home)
         self.kids = {}
@@ -116,8 +116,6 @@ class Baseline(object):
         self.procs = None  # pid -> start ticks
         self.tz = None
         self.recorded_at = None
-        self.stored_bytes = 0
-        self.blobs = 0
         self.baseline_id = None
         self.forced = set()  # roots watched although under an excluded path (/dev/shm)
         self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
@@ -229,58 +227,6 @@ class Baseline(object):
                             stack.append(p)
         return out, unreadable, same
 
-    # ---- store
-
-    def _copy(self, path, ent):
-        """Copy a regular file's content into the store; the copy counts only if the file did
-        not change while it was read."""
-        if ent.size > self.args.baseline_copy_cap:
-            ent.why = "over the %d-byte copy cap" % self.args.baseline_copy_cap
-            return
-        if self.stored_bytes + ent.size > self.args.baseline_store_cap:
-            ent.why = "store cap (%d bytes) reached" % self.args.baseline_store_cap
-            return
-        self.blobs += 1
-        blob = os.path.join(self.store, "blobs", "%x" % self.blobs)
-        try:
-            src = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
-        except OSError as e:
-            ent.why = "unreadable at baseline: %s" % e.strerror
-            return
-        try:
-            dst = os.open(blob, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            h = sha256()
-            try:
-                while True:
-                    chunk = os.read(src, 1 << 20)
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    os.write(dst, chunk)
-            finally:
-                os.close(dst)
-            st = os.fstat(src)
-        except OSError as e:
-            ent.why = "copy failed: %s" % e.strerror
-            return
-        finally:
-            os.close(src)
-        if not ent.same(st):
-            ent.why = "changed while it was copied"
-            os.unlink(blob)
-            return
-        # The hash stays in execd's memory: a copy altered in the store (an agent running as
-        # execd's user can reach it) is refused at restore instead of written back.
-        ent.blob = (blob, h.hexdigest())
-        self.stored_bytes += ent.size
-
-    def _reset_store(self):
-        if os.path.lexists(self.store):
-            shutil.rmtree(self.store)
-        os.makedirs(os.path.join(self.store, "blobs"), 0o700)
-        os.chmod(self.store, 0o700)
-        self.stored_bytes = self.blobs = 0
-
     # ---- env, tz, processes
 
     def sh(self, script, locked):
@@ -329,7 +275,7 @@ class Baseline(object):
     def record(self):
         t0 = now()
         with self.lock:
-            self.exclude = _split_paths(self.args.baseline_exclude) + [self.store]
+            self.exclude = _split_paths(self.args.baseline_exclude) + [self.store.path]
             self.forced = set()
             if self.args.baseline_scope == "root":
                 # execd's own dir is mounted read-only; pseudo filesystems are no state.
@@ -339,7 +285,7 @@ class Baseline(object):
                 self.forced.add(os.path.join(self.d.root, "dev/shm"))
             self.roots = self._roots()
             self.shell_bin = _shell_binary(self.d.bash)
-            self._reset_store()
+            self.store.reset()
             self.env = self.shell_env()
             self.base_env = dict(self.d.base_env)
             self.tz = self.tz_state()
@@ -363,7 +309,8 @@ class Baseline(object):
                         # there and retires the pod on any other change.
                         ent.why = "outside the copied roots"
                     else:
-                        self._copy(p, ent)
+                        self.store.copy(p, ent, self.args.baseline_copy_cap,
+                                        self.args.baseline_store_cap)
                 entries[p] = ent
             self.entries = entries
             kids = {}
@@ -371,11 +318,11 @@ class Baseline(object):
                 kids.setdefault(os.path.dirname(p), []).append(p)
             self.kids = kids  # dir -> its baseline entries (restore keeps the same paths)
             self.areas = {p: area for p, (st, area) in found.items()}
-            _tick(self.store)
+            self.store.tick()
             self.recorded_at = time.time()
             self.baseline_id = os.urandom(8).hex()
         return {"recorded": True, "baseline_id": self.baseline_id, "entries": len(self.entries),
-                "stored_bytes": self.stored_bytes,
+                "stored_bytes": self.store.stored_bytes,
                 "uncopied": sum(1 for e in self.entries.values() if e.why),
                 "roots": [{"path": p, "area": a} for p, a in self.roots],
                 "processes": sorted(self.procs), "duration_ms": round((now() - t0) * 1000, 3)}
@@ -575,7 +522,7 @@ class Baseline(object):
             with d.cache_lock:  # a new holder must not see the old holder's answers
                 d.cache.clear()
                 d.cache_bytes = 0
-            _tick(self.store)
+            self.store.tick()
         return {"restored": not left, "left": left, "baseline_id": self.baseline_id,
                 "duration_ms": round((now() - t0) * 1000, 3)}
 
@@ -676,13 +623,16 @@ class Baseline(object):
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             h = sha256()
             try:
-                with open(ent.blob[0], "rb") as src:
+                src = self.store.open_blob(ent.blob[0])
+                try:
                     while True:
-                        chunk = src.read(1 << 20)
+                        chunk = os.read(src, 1 << 20)
                         if not chunk:
                             break
                         h.update(chunk)
                         os.write(fd, chunk)
+                finally:
+                    os.close(src)
             except BaseException:
                 os.close(fd)
                 os.unlink(tmp)
@@ -750,32 +700,6 @@ def _shell_binary(path):
         return (real, file_sha256(real))
     except (HTTPError, OSError):
         return (real, None)
-
-
-def _tick(store):
-    """Wait until the file system's clock moved past now, so a change made right after this
-    cannot carry the ctime just recorded (git's "racy clean" problem). The probe is opened
-    without following a link or blocking on a FIFO: the store is writable by the holder's uid,
-    and whatever it planted there is removed, never written through."""
-    probe = os.path.join(store, ".tick")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-    try:
-        fd = os.open(probe, flags, 0o600)
-    except OSError:
-        os.unlink(probe)  # a link or a FIFO without a reader; a directory fails the call
-        fd = os.open(probe, flags | os.O_EXCL, 0o600)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", probe)
-        first = os.fstat(fd).st_ctime_ns
-        deadline = now() + 1
-        while now() < deadline:
-            time.sleep(0.001)
-            os.utime(fd)
-            if os.fstat(fd).st_ctime_ns != first:
-                break
-    finally:
-        os.close(fd)
 
 
 def _r_baseline(handler, query):

@@ -238,3 +238,63 @@ def test_a_name_planted_in_the_store_is_never_followed(execd_factory, tmp_path, 
     assert victim.read_text() == "the next holder's data\n"
     assert not (store / ".tick").is_symlink()
     assert d.get("/diff").json()["clean"] is True
+
+
+@pytest.mark.parametrize("plant", ["fifo", "link", "dir"])
+def test_a_stored_copy_replaced_in_the_store_fails_the_restore_without_blocking(
+        execd_factory, tmp_path, plant):
+    """The holder's uid owns the store: it replaces every stored copy by a FIFO (whose read
+    blocked the restore until the controller gave up), a link to a file with the very bytes the
+    copy had (the hash matched, so the restore wrote through a name of the holder's choosing),
+    or a directory. Each copy is opened without following a link or blocking, and only a
+    regular file is read: the restore answers, names the file and retires the pod."""
+    ws, etc, store = tmp_path / "ws", tmp_path / "etc", tmp_path / "store"
+    ws.mkdir()
+    etc.mkdir()
+    hosts = etc / "hosts"
+    hosts.write_text("127.0.0.1 localhost\n")
+    same = tmp_path / "same-bytes"
+    same.write_text("127.0.0.1 localhost\n")
+    d = execd_factory("--workspace", str(ws), "--baseline-at-start", "on",
+                      "--baseline-store", str(store), "--baseline-paths", str(etc),
+                      "--baseline-packages", str(etc / "none"),
+                      "--baseline-localtime", str(etc / "localtime"))
+    make = {"fifo": "mkfifo \"$b\"", "link": f"ln -s {same} \"$b\"", "dir": "mkdir \"$b\""}
+    r = d.exec(f"echo changed > {hosts} && for b in {store}/blobs/*; do rm \"$b\" && "
+               f"{make[plant]}; done && echo planted")
+    assert r["output"] == "planted\n", r
+    r = d.post("/restore", {}, timeout=60)
+    assert r.status_code == 200 and r.json()["restored"] is False, r.text
+    assert [x["path"] for x in r.json()["left"]] == [str(hosts)], r.json()
+    assert "not a regular file" in r.json()["left"][0]["why"], r.json()
+    r = d.post("/exec", {"command": "true", "timeout": 10})
+    assert r.status_code == 503 and r.json()["retired"] is True, r.text
+
+
+@pytest.mark.parametrize("how", ["recreated", "removed"])
+def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
+    """Without --workspace (as in controller pods) the workspace is execd's cwd. The holder
+    removes it (and makes a new one of its own at the same path): /diff, /restore and the next
+    holder's shell work from the path resolved at start, not from execd's deleted cwd."""
+    ws, etc = tmp_path / "ws", tmp_path / "etc"
+    ws.mkdir()
+    etc.mkdir()
+    (ws / "f.py").write_text("x = 1\n")
+    d = execd_factory("--baseline-at-start", "on", "--baseline-store", str(tmp_path / "store"),
+                      "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
+                      "--baseline-localtime", str(etc / "localtime"), "--kill-grace", "0.5",
+                      prefix=("sh", "-c", 'cd "$0" && exec "$@"', str(ws)))
+    assert d.exec("pwd")["output"] == f"{ws}\n"
+    again = f" && mkdir {ws} && echo evil > {ws}/f.py && echo new > {ws}/g" \
+        if how == "recreated" else ""
+    sh(d, f"cd / && rm -rf {ws}{again}")
+    r = d.get("/diff")
+    assert r.status_code == 200, r.text
+    assert str(ws / "f.py") in {c.get("path") for c in r.json()["changes"]}, r.json()
+    r = d.post("/restore", {}, timeout=60)
+    assert r.status_code == 200 and r.json()["restored"] is True, r.text
+    assert sh(d, "pwd && cat f.py && ls")["output"] == f"{ws}\nx = 1\nf.py\n"
+    assert d.get("/diff").json()["clean"] is True
+    assert d.get("/ready").status_code == 200, d.get("/ready").text
+    p = d.post("/processes/spawn", {"command": "pwd"}).json()
+    assert "id" in p, p
