@@ -105,6 +105,9 @@ class Baseline(object):
         self.args = args
         self.lock = threading.Lock()
         self.store = Store(args.baseline_store)
+        # Once, at start: the holder may remove execd's cwd (the workspace without
+        # --workspace) and make another at its path, and a deleted cwd has no name.
+        self.cwd = os.path.realpath(os.getcwd())
         self.entries = None  # path -> FileState; None until recorded
         self.areas = {}  # path -> area (repo, packages, system, home)
         self.kids = {}
@@ -151,7 +154,7 @@ class Baseline(object):
 
     def workspace(self):
         """--workspace, else execd's cwd (a pod: the container's workingDir), never /."""
-        ws = os.path.realpath(self.d.workspace or os.getcwd())
+        ws = os.path.realpath(self.d.workspace or self.cwd)
         return ws if ws != "/" else None
 
     def _excluded(self, path):
@@ -498,7 +501,7 @@ class Baseline(object):
                     # started yet to inherit them.
                     left += procattrs.restore(self.attrs) + sysvipc.restore(self.ipc)
                     left += self._restore_files()
-                    left += self._restore_tz()
+                    left += self._restore_tz() + _revive_cwd(self.cwd)
                     if not left:
                         left += [{"kind": c["kind"], "path": c.get("path"),
                                   "why": "differs after restore"}
@@ -691,6 +694,26 @@ class Baseline(object):
         env = self.shell_env(True)
         return [{"kind": "env", "name": k, "why": "differs after restore"}
                 for k in sorted(set(env) | set(self.env)) if env.get(k) != self.env.get(k)]
+
+
+def _revive_cwd(path):
+    """Back into execd's cwd as at start, where the holder removed it (a new one at its path
+    is the restored one by now): every later shell, spawn and /ready starts from it."""
+    try:
+        if os.path.samestat(os.stat("."), os.stat(path)):
+            return []
+    except OSError:
+        pass
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+        try:
+            os.fchdir(fd)
+        finally:
+            os.close(fd)
+    except OSError as e:
+        return [{"kind": "cwd", "path": path,
+                 "why": "execd's working directory is gone: %s" % e.strerror}]
+    return []
 
 
 def _shell_binary(path):
