@@ -69,6 +69,8 @@ class Daemon:
         self.base_env = dict(os.environ)
         for k in (EXECD_TOKEN_ENV, INSTANCE_ENV):
             self.base_env.pop(k, None)
+        # What fresh commands start with: never what /env or a restore set since.
+        self.start_env = dict(self.base_env)
         self.null_fd = open_null()
         self.reaper = Reaper()
         self.subreaper = self._become_subreaper()
@@ -282,8 +284,18 @@ class Daemon:
             raise HTTPError(400, "command contains a NUL byte")
         return data, float(timeout), max_output, None if idle is None else float(idle)
 
-    def exec_command(self, req):
+    def exec_command(self, req, sock=None):
         data, timeout, max_output, idle = self.exec_args(req)
+        alone = req.get("fresh", False)
+        if not isinstance(alone, bool):
+            raise HTTPError(400, "fresh must be true or false")
+        cwd = req.get("cwd")
+        if alone:
+            from .fresh import check_cwd
+
+            check_cwd(cwd)
+        elif cwd is not None:
+            raise HTTPError(400, "cwd is for fresh commands (the shell's is its own)")
         rid = req.get("request_id")
         if rid is not None and (not isinstance(rid, str) or not rid or len(rid) > 256):
             raise HTTPError(400, "request_id must be a non-empty string of at most 256 chars")
@@ -312,7 +324,12 @@ class Daemon:
             raise HTTPError(409, "busy", {"busy": True})
         try:
             still_authorized(self)
-            resp = self._run_checked(data, timeout, max_output, idle)
+            if alone:
+                from .fresh import run_fresh
+
+                resp = run_fresh(self, data, timeout, max_output, idle, cwd, sock)
+            else:
+                resp = self._run_checked(data, timeout, max_output, idle)
         except BaseException:
             if entry is not None:
                 with self.cache_lock:
@@ -354,6 +371,8 @@ class Daemon:
         data, timeout, max_output, idle = self.exec_args(req)
         if req.get("request_id") is not None:
             raise HTTPError(400, "request_id is for /exec: a stream is never replayed")
+        if req.get("fresh") or req.get("cwd") is not None:
+            raise HTTPError(400, "fresh and cwd are for /exec")
         kill = req.get("kill_on_disconnect", False)
         if not isinstance(kill, bool):
             raise HTTPError(400, "kill_on_disconnect must be true or false")

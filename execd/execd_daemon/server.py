@@ -377,7 +377,7 @@ def _r_ready(handler, query):
 
 
 def _r_exec(handler, query):
-    handler.reply(200, handler.daemon.exec_command(handler.json_body()))
+    handler.reply(200, handler.daemon.exec_command(handler.json_body(), handler.connection))
 
 
 def _r_exec_stream(handler, query):
