@@ -87,6 +87,7 @@ TREE_NAME_MAX = 4096  # bytes of a member's name (PATH_MAX) or a symlink's targe
 TREE_DEPTH_MAX = 256  # components of a member's name
 TREE_MTIME_MAX = 1 << 34  # an mtime's bound, either sign
 BG_COMMAND_MAX = 64 << 10  # bytes of a spawned command
+FRESH_COMMAND_MAX = 96 << 10  # bytes of a fresh command (one argument of bash -c)
 BG_WAIT_MAX = 30.0  # one /processes/wait answers within this; the SDK asks again
 PTY_WRITE_MAX = 64 << 10  # bytes of one /sessions/write: longer data goes in several
 PTY_READ_WAIT_MAX = 30.0  # one /sessions/read waits at most this; the SDK asks again
@@ -115,6 +116,10 @@ class ExecRequest(_Body):
     timeout: float | None = None  # seconds (DEFAULT_TIMEOUT_S)
     idle_timeout: float | None = None  # the most seconds it may go without printing
     max_output: int | None = None  # bytes kept, head and tail (DEFAULT_MAX_OUTPUT)
+    # A bash of its own instead of the shell: execd's start environment, `cwd` (absolute,
+    # required), its whole process tree killed when it returns (docs/execd.md, "Fresh").
+    fresh: bool | None = None
+    cwd: str | None = None
 
 
 @dataclass(frozen=True)

@@ -391,16 +391,22 @@ def _seconds(name: str, value: Any) -> float:
 
 
 def exec_body(command: str, timeout_s: float | None, max_output: int | None,
-              request_id: str | None, idle_timeout_s: float | None = None
-              ) -> execd_api.ExecRequest:
+              request_id: str | None, idle_timeout_s: float | None = None,
+              fresh: bool = False, cwd: str | None = None) -> execd_api.ExecRequest:
     if not isinstance(command, str):
         raise BadRequest("command must be a str")
+    if not isinstance(fresh, bool):
+        raise BadRequest("fresh must be True or False")
+    if fresh and (not isinstance(cwd, str) or not cwd.startswith("/")):
+        raise BadRequest("exec(fresh=True) needs cwd: an absolute path")
+    if not fresh and cwd is not None:
+        raise BadRequest("cwd is for exec(fresh=True); the shell's cwd is its own")
     return execd_api.ExecRequest(
         command=command, request_id=request_id,
         timeout=None if timeout_s is None else _seconds("timeout", timeout_s),
         idle_timeout=None if idle_timeout_s is None else _seconds("idle_timeout",
                                                                    idle_timeout_s),
-        max_output=max_output)
+        max_output=max_output, fresh=True if fresh else None, cwd=cwd)
 
 
 def stream_body(command: str, timeout_s: float | None, idle_timeout_s: float | None,

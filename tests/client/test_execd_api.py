@@ -65,7 +65,7 @@ def test_the_routes_without_a_token_are_the_same():
     ("TREE_DIGEST_LEN", "TREE_DIGEST_LEN"), ("TREE_META_MAX", "TREE_META_MAX"),
     ("TREE_NAME_MAX", "TREE_NAME_MAX"), ("TREE_DEPTH_MAX", "TREE_DEPTH_MAX"),
     ("TREE_MTIME_MAX", "TREE_MTIME_MAX"), ("TREE_SHA256_HEADER", "TREE_SHA256_HEADER"),
-    ("BG_COMMAND_MAX", "BG_COMMAND_MAX"),
+    ("BG_COMMAND_MAX", "BG_COMMAND_MAX"), ("FRESH_COMMAND_MAX", "FRESH_COMMAND_MAX"),
     ("BG_WAIT_MAX", "BG_WAIT_MAX"), ("PTY_WRITE_MAX", "PTY_WRITE_MAX"),
     ("PTY_READ_WAIT_MAX", "PTY_READ_WAIT_MAX"), ("PTY_SIZE_MAX", "PTY_SIZE_MAX"),
 ])
@@ -93,6 +93,8 @@ def test_bodies_carry_only_what_was_given():
     assert _core.exec_body("ls", 5, 100, "r1", 2).to_json() == {
         "command": "ls", "request_id": "r1", "timeout": 5.0, "idle_timeout": 2.0,
         "max_output": 100}
+    assert _core.exec_body("ls", None, None, None, fresh=True, cwd="/r").to_json() == {
+        "command": "ls", "fresh": True, "cwd": "/r"}
     assert _core.stream_body("ls", None, None, None, False).to_json() == {"command": "ls"}
     assert _core.stream_body("ls", None, None, None, True).to_json() == {
         "command": "ls", "kill_on_disconnect": True}

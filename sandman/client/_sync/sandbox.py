@@ -314,16 +314,22 @@ class Sandbox:
 
     def exec(self, command: str, timeout: float | None = None, *,
              max_output: int | None = None, request_id: str | None = None,
-             idle_timeout: float | None = None) -> ExecResult:
+             idle_timeout: float | None = None, fresh: bool = False,
+             cwd: str | None = None) -> ExecResult:
         """Run `command` in the sandbox's shell (bash; cwd, variables and functions persist
         between calls) and wait for it. `timeout` in seconds (execd's default: 300);
         `idle_timeout`: the most seconds it may go without printing. Raises CommandTimeout
         when execd killed it for either.
 
+        `fresh=True`: not in the shell but in a bash execd starts for this command alone,
+        with execd's start environment (nothing exported or /env-set since), in `cwd` (an
+        absolute path, required); every process it started is killed when it returns. What
+        a grader runs, so the holder's shell cannot reach it.
+
         One request_id covers every retry of this call: execd runs the command at most once
         and answers a retry with the stored result."""
         rid = request_id or _core.new_request_id()
-        body = _core.exec_body(command, timeout, max_output, rid, idle_timeout)
+        body = _core.exec_body(command, timeout, max_output, rid, idle_timeout, fresh, cwd)
         resp = self._call(EXEC, json=body.to_json(),
                           read_s=_core.exec_read_timeout(timeout), request_id=rid)
         result = ExecResult.from_json(_core.decode_json(resp, "exec"), rid)
