@@ -9,7 +9,9 @@ import stat
 import threading
 import time
 
+from . import devwatch
 from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
+from .devwatch import is_device
 from .files import file_sha256
 from .procs import proc_cmdline, proc_stat
 from .store import Store
@@ -74,8 +76,8 @@ def _ftype(mode):
 
 
 class FileState(object):
-    __slots__ = ("mode", "uid", "gid", "size", "mtime", "atime", "ctime", "ino", "dev", "link",
-                 "blob", "why")
+    __slots__ = ("mode", "uid", "gid", "size", "mtime", "atime", "ctime", "ino", "dev", "rdev",
+                 "link", "blob", "why")
 
     def __init__(self, st, link=None):
         self.set_stat(st)
@@ -86,11 +88,15 @@ class FileState(object):
     def set_stat(self, st):
         self.mode, self.uid, self.gid, self.size = st.st_mode, st.st_uid, st.st_gid, st.st_size
         self.mtime, self.atime, self.ctime = st.st_mtime_ns, st.st_atime_ns, st.st_ctime_ns
-        self.ino, self.dev = st.st_ino, st.st_dev
+        self.ino, self.dev, self.rdev = st.st_ino, st.st_dev, st.st_rdev
 
     def same(self, st):
         if stat.S_ISDIR(self.mode):  # a dir's times move with its entries, which are compared
             return (st.st_mode == self.mode and st.st_uid == self.uid
+                    and st.st_gid == self.gid)
+        if is_device(self.mode):  # a tty's times move with its use; its number is what counts
+            return (st.st_ino == self.ino and st.st_dev == self.dev and st.st_mode == self.mode
+                    and st.st_rdev == self.rdev and st.st_uid == self.uid
                     and st.st_gid == self.gid)
         return (st.st_ctime_ns == self.ctime and st.st_ino == self.ino and st.st_dev == self.dev
                 and st.st_mode == self.mode and st.st_size == self.size
@@ -120,7 +126,8 @@ class Baseline(object):
         self.tz = None
         self.recorded_at = None
         self.baseline_id = None
-        self.forced = set()  # roots watched although under an excluded path (/dev/shm)
+        self.forced = set()  # roots watched although under an excluded path (/dev/shm, /dev)
+        self.dev_removable = False  # what was added to /dev may be deleted (not devtmpfs)
         self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
         self.attrs = None  # execd's rlimits, oom_score_adj, threads' nice/policy/affinity
         self.ipc = None  # the SysV IPC objects of the namespace
@@ -137,6 +144,7 @@ class Baseline(object):
         for p in _split_paths(self.args.baseline_paths):
             roots.append((p, "home" if p == os.path.realpath(os.path.expanduser("~"))
                           else "system"))
+        roots.append((os.path.join(self.d.root, "dev"), "dev"))  # both scopes: devwatch.py
         if self.args.baseline_scope == "root":
             # The rest of the root: watched, never copied (a change there retires the pod).
             roots.append((os.path.join(self.d.root, "dev/shm"), "rest"))
@@ -190,6 +198,7 @@ class Baseline(object):
             out[root] = (st, area)
             if not stat.S_ISDIR(st.st_mode):
                 continue
+            xdev = st.st_dev if area == "dev" else None  # devpts, /dev/shm: not entered
             if known is not None and root in known and st.st_ctime_ns != known[root].ctime:
                 self.dirty.append(root)
             stack = [root]
@@ -213,7 +222,8 @@ class Baseline(object):
                             ent = known.get(p)
                             if ent is not None:
                                 if stat.S_ISDIR(st.st_mode):
-                                    stack.append(p)
+                                    if xdev is None or st.st_dev == xdev:
+                                        stack.append(p)
                                     if st.st_ctime_ns != ent.ctime:
                                         self.dirty.append(p)
                                     if (st.st_mode == ent.mode and st.st_uid == ent.uid
@@ -226,7 +236,7 @@ class Baseline(object):
                                 out[p] = (st, area)
                                 continue
                         out[p] = (st, area)
-                        if stat.S_ISDIR(st.st_mode):
+                        if stat.S_ISDIR(st.st_mode) and (xdev is None or st.st_dev == xdev):
                             stack.append(p)
         return out, unreadable, same
 
@@ -279,7 +289,9 @@ class Baseline(object):
         t0 = now()
         with self.lock:
             self.exclude = _split_paths(self.args.baseline_exclude) + [self.store.path]
-            self.forced = set()
+            dev = os.path.join(self.d.root, "dev")
+            self.forced = {dev}
+            self.dev_removable = devwatch.removable(dev)
             if self.args.baseline_scope == "root":
                 # execd's own dir is mounted read-only; pseudo filesystems are no state.
                 self.exclude += [os.path.join(self.d.root, x) for x in ("proc", "sys", "dev")]
@@ -379,6 +391,10 @@ class Baseline(object):
                 if target != ent.link:
                     changes.append({"kind": "symlink", "path": p, "old": ent.link,
                                     "new": target, "area": area})
+            elif is_device(st.st_mode):
+                c = devwatch.device_change(p, ent, st, area)
+                if c is not None:
+                    changes.append(c)
             elif new_t != "dir":
                 # A chmod or chown moves only ctime; any other ctime move may hide a write
                 # whose mtime was set back, so it counts as modified (restore rewrites it).
@@ -559,8 +575,12 @@ class Baseline(object):
         redo = []  # baseline paths to (re)create, parents first
         # 1. drop what was added, and what changed type (re-created below)
         gone = []
-        for p, (st, _area) in found.items():
+        for p, (st, area) in found.items():
             ent = self.entries.get(p)
+            if area == "dev" and (ent is not None or not self.dev_removable):
+                if ent is None:  # the node's devtmpfs; a type changed in /dev stays (left)
+                    left.append({"kind": "added", "path": p, "why": devwatch.NOT_REMOVED})
+                continue
             if ent is None or _ftype(ent.mode) != _ftype(st.st_mode):
                 gone.append(p)
         for p in sorted(gone, key=lambda x: -x.count("/")):
@@ -605,6 +625,8 @@ class Baseline(object):
 
     def _put(self, p, ent):
         """Make `p` what the baseline recorded; returns why not, or None."""
+        if self.areas.get(p) == "dev":
+            return devwatch.NOT_PUT_BACK
         t = _ftype(ent.mode)
         mode = stat.S_IMODE(ent.mode)
         exists = os.path.lexists(p)

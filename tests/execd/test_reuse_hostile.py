@@ -165,9 +165,9 @@ def test_whole_root_scope_watches_usr_var_run_dev_shm(execd_factory, hw):
         "sys/x", "root/.profile")) + f" && echo new > {r}/var/new")
     got = {c["path"] for c in d.get("/diff").json()["changes"] if "path" in c}
     for p in ("usr/share/doc/x", "var/cache/x", "run/x", "dev/shm/x", "root/.profile",
-              "var/new"):
+              "var/new", "dev/null-ish"):  # /dev: watched as itself (devwatch.py)
         assert str(r / p) in got, (p, got)
-    for p in ("dev/null-ish", "proc/x", "sys/x"):
+    for p in ("proc/x", "sys/x"):
         assert str(r / p) not in got, (p, got)
     got = released(d, hw)
     next_holder_ok(d, hw, got)
@@ -298,3 +298,26 @@ def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
     assert d.get("/ready").status_code == 200, d.get("/ready").text
     p = d.post("/processes/spawn", {"command": "pwd"}).json()
     assert "id" in p, p
+
+
+def test_dev_on_the_nodes_devtmpfs_is_reported_never_deleted(tmp_path, monkeypatch):
+    """The kernel adds nodes to the node's own devtmpfs (execd outside a pod, a pod given the
+    host's /dev): the restore must not delete what it finds added there. Which filesystem
+    holds /dev is read from mountinfo (the longest mount point above it)."""
+    from execd.execd_daemon import devwatch
+
+    mi = tmp_path / "mountinfo"
+    mi.write_text(
+        "22 1 0:20 / / rw - ext4 /dev/vda1 rw\n"
+        "23 22 0:5 / /dev rw,nosuid shared:2 - devtmpfs udev rw\n"
+        "24 23 0:21 / /dev/pts rw - devpts devpts rw\n"
+        "25 22 0:30 / /srv/with\\040space/dev rw - tmpfs sandbox-dev rw\n")
+    assert devwatch.fs_type("/dev", str(mi)) == "devtmpfs"
+    assert devwatch.fs_type("/dev/pts", str(mi)) == "devpts"
+    assert devwatch.fs_type("/srv/with space/dev", str(mi)) == "tmpfs"
+    assert devwatch.fs_type("/devx", str(mi)) == "ext4"
+    assert devwatch.fs_type("/dev", str(tmp_path / "none")) is None
+    # The restore deletes added entries only where the filesystem is known and not devtmpfs.
+    for kind, ok in (("tmpfs", True), ("devtmpfs", False), (None, False)):
+        monkeypatch.setattr(devwatch, "fs_type", lambda path, kind=kind: kind)
+        assert devwatch.removable("/dev") is ok, kind
