@@ -130,7 +130,8 @@ class Baseline(object):
         self.dev_removable = False  # what was added to /dev may be deleted (not devtmpfs)
         self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
         self.attrs = None  # execd's rlimits, oom_score_adj, threads' nice/policy/affinity
-        self.ipc = None  # the SysV IPC objects of the namespace
+        self.ipc = None  # the SysV IPC objects and POSIX message queues of the namespace
+        self.mq = None  # where the queues are listed (sysvipc.mq_source)
 
     # ---- roots
 
@@ -306,7 +307,9 @@ class Baseline(object):
             self.tz = self.tz_state()
             self.procs = self.processes()
             from . import procattrs, sysvipc  # first here: before any /diff or /restore
-            self.attrs, self.ipc = procattrs.record(), sysvipc.read()
+            self.attrs = procattrs.record()
+            self.mq = sysvipc.mq_source(os.path.join(self.d.root, "dev/mqueue"))  # a pod's
+            self.ipc = sysvipc.read(mq=self.mq)
             found, _, _ = self.walk()
             entries = {}
             for p, (st, area) in found.items():
@@ -460,7 +463,7 @@ class Baseline(object):
         """execd's own process attributes and the SysV IPC objects (procattrs.py, sysvipc.py):
         no shell needed, a retired execd reports them too."""
         from . import procattrs, sysvipc  # loaded by the record
-        return procattrs.changes(self.attrs) + sysvipc.changes(self.ipc)
+        return procattrs.changes(self.attrs) + sysvipc.changes(self.ipc, mq=self.mq)
 
     def _need(self):
         if self.entries is None:
@@ -515,7 +518,7 @@ class Baseline(object):
                     d.reaper.reap()
                     # No holder's process is left to change them again, and no shell has
                     # started yet to inherit them.
-                    left += procattrs.restore(self.attrs) + sysvipc.restore(self.ipc)
+                    left += procattrs.restore(self.attrs) + sysvipc.restore(self.ipc, self.mq)
                     left += self._restore_files()
                     left += self._restore_tz() + _revive_cwd(self.cwd)
                     if not left:

@@ -66,7 +66,7 @@ def threads(pid: int) -> dict:
     return out
 
 
-def start(execd_factory, tmp_path, prefix=(), at_start="on"):
+def start(execd_factory, tmp_path, prefix=(), at_start="on", root=None):
     ws, etc, store = tmp_path / "ws", tmp_path / "etc", tmp_path / "store"
     ws.mkdir()
     etc.mkdir()
@@ -74,7 +74,8 @@ def start(execd_factory, tmp_path, prefix=(), at_start="on"):
     return execd_factory("--workspace", str(ws), "--kill-grace", "0.5",
                          "--baseline-at-start", at_start, "--baseline-store", str(store),
                          "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
-                         "--baseline-localtime", str(etc / "localtime"), prefix=prefix)
+                         "--baseline-localtime", str(etc / "localtime"),
+                         *(("--root", str(root)) if root else ()), prefix=prefix)
 
 
 def sh(d, cmd: str) -> str:
@@ -214,7 +215,7 @@ def test_an_affinity_that_follows_the_cpuset_is_no_change(monkeypatch):
 def test_sysv_ipc_objects_in_the_nodes_namespace_are_reported_not_removed(monkeypatch):
     """hostIPC, or execd outside a pod: the objects may be anyone's."""
     monkeypatch.setattr(sysvipc, "_own_namespace", lambda: False)
-    monkeypatch.setattr(sysvipc, "read", lambda root=None: {("shm", 5): ("0",)})
+    monkeypatch.setattr(sysvipc, "read", lambda root=None, mq=None: {("shm", 5): ("0",)})
     monkeypatch.setattr(sysvipc, "_remove", lambda added: pytest.fail("removed"))
     left = sysvipc.restore({})
     assert left == [{"kind": "ipc", "name": "shm", "id": 5,
@@ -236,7 +237,7 @@ def sysv(d) -> dict:
 @pytest.mark.netns
 @IPC_NS
 def test_sysv_ipc_objects_of_the_holder_do_not_outlive_restore(execd_factory, tmp_path):
-    d = start(execd_factory, tmp_path, prefix=("unshare", "--ipc"))
+    d, _ = mq_start(execd_factory, tmp_path)  # its queues mounted, as in a pod
     assert sysv(d) == {"shm": set(), "msg": set(), "sem": set()}
     made = sh(d, f"{sys.executable} {HOLDER} make; "
                  f"({sys.executable} {HOLDER} hold > held &) ; sleep 0.5; cat held")
@@ -254,7 +255,7 @@ def test_sysv_ipc_objects_of_the_holder_do_not_outlive_restore(execd_factory, tm
 @IPC_NS
 def test_sysv_ipc_objects_of_the_baseline_stay_and_their_removal_retires(execd_factory,
                                                                          tmp_path):
-    d = start(execd_factory, tmp_path, prefix=("unshare", "--ipc"), at_start="off")
+    d, _ = mq_start(execd_factory, tmp_path, at_start="off")
     sh(d, f"{sys.executable} {HOLDER} make")
     image = sysv(d)
     assert d.post("/baseline", {}).status_code == 200
@@ -267,4 +268,63 @@ def test_sysv_ipc_objects_of_the_baseline_stay_and_their_removal_retires(execd_f
     changes = d.get("/diff").json()["changes"]
     assert {"kind": "ipc", "name": "msg", "id": min(image["msg"]), "change": "removed"} in \
         changes, changes
+    assert retired(hand_over(d))
+
+
+# ---------------------------------------------------------------- POSIX message queues
+
+MQ_HOLDER = Path(__file__).with_name("mq_holder.py")
+# The pod's IPC namespace with its queues mounted where a container has them (<root>/dev/mqueue),
+# in a private mount namespace: the machine's /dev is never touched.
+MQ_NS = ("unshare", "--ipc", "-m", "--propagation", "private", "sh", "-c",
+         'mkdir -p "$0/dev/mqueue" && mount -t mqueue sandbox-mq "$0/dev/mqueue" && exec "$@"')
+
+
+def mq_start(execd_factory, tmp_path, at_start="on", mount=True):
+    root = tmp_path / "root"
+    root.mkdir()
+    prefix = MQ_NS if mount else ("unshare", "--ipc", "sh", "-c", 'exec "$@"')
+    return start(execd_factory, tmp_path / "root", prefix=(*prefix, str(root)),
+                 at_start=at_start, root=root), root / "dev" / "mqueue"
+
+
+@pytest.mark.netns
+@IPC_NS
+def test_posix_message_queues_of_the_holder_do_not_outlive_restore(execd_factory, tmp_path):
+    """A queue and its message outlive the process that made them: the restore removes it."""
+    d, mq = mq_start(execd_factory, tmp_path)
+    assert sh(d, f"{sys.executable} {MQ_HOLDER} make planted") == "make planted\n"
+    assert sh(d, f"ls {mq}") == "planted\n"  # the mount is the namespace's: seen from it
+    changes = d.get("/diff").json()["changes"]
+    assert {"kind": "ipc", "name": "mq", "id": "planted", "change": "added"} in changes, changes
+    got = hand_over(d)
+    assert got["restore"]["restored"] is True and got["diff"]["clean"] is True, got
+    assert sh(d, f"ls {mq}") == ""
+
+
+@pytest.mark.netns
+@IPC_NS
+def test_posix_message_queues_of_the_baseline_changed_retire(execd_factory, tmp_path):
+    """A message added to (or the removal of) a queue of the image cannot be undone."""
+    d, mq = mq_start(execd_factory, tmp_path, at_start="off")
+    sh(d, f"{sys.executable} {MQ_HOLDER} make image")
+    assert d.post("/baseline", {}).status_code == 200
+    sh(d, f"{sys.executable} {MQ_HOLDER} send image")
+    changes = d.get("/diff").json()["changes"]
+    assert {"kind": "ipc", "name": "mq", "id": "image", "change": "changed"} in changes, changes
+    got = hand_over(d)
+    assert retired(got)
+    # The image's queue is left as it is (never unlinked) for the pod's deletion.
+    assert [c["change"] for c in got["diff"]["changes"] if c.get("name") == "mq"] == [
+        "changed"], got
+
+
+@pytest.mark.netns
+@IPC_NS
+def test_posix_message_queues_that_cannot_be_listed_retire(execd_factory, tmp_path):
+    """The pod's own IPC namespace without its queues mounted: execd cannot vouch for them."""
+    d, _ = mq_start(execd_factory, tmp_path, mount=False)
+    changes = d.get("/diff").json()["changes"]
+    assert [c for c in changes if c.get("name") == "mq"] == [
+        {"kind": "ipc", "name": "mq", "id": "", "change": "unlisted"}], changes
     assert retired(hand_over(d))
