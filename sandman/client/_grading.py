@@ -9,6 +9,7 @@ import posixpath
 import re
 import shlex
 import xml.etree.ElementTree as ET
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from enum import Enum
 from typing import Any, NamedTuple
@@ -220,6 +221,212 @@ def config_matches(path: str, data: bytes) -> bool:
     files; pytest.ini and the .toml pair count even empty)."""
     secs = _CONFIG_SECTIONS.get(posixpath.basename(path))
     return secs is None or bool(sections(data.decode("utf-8", "replace"), secs))
+
+
+# ---- what a patch may write (docs/grading.md, "What a patch may write")
+
+LINK_MODE, GITLINK_MODE = "120000", "160000"
+
+
+def parse_tree_z(data: bytes) -> dict[str, str]:
+    """path -> mode from `git ls-tree -r -z --full-tree` (files, links and submodules)."""
+    out: dict[str, str] = {}
+    for entry in data.split(b"\0"):
+        meta, tab, path = entry.partition(b"\t")
+        if tab:
+            out[path.decode("utf-8", "surrogateescape")] = meta.split(b" ", 1)[0].decode()
+    return out
+
+
+class Change(NamedTuple):
+    status: str  # A, M, D, T
+    old_mode: str
+    new_mode: str
+    path: str
+
+
+def parse_raw_z(data: bytes) -> list[Change]:
+    """`git diff-index --cached -z --no-renames` entries (":old new sha sha S" NUL path)."""
+    parts, out, i = data.split(b"\0"), [], 0
+    while i + 1 < len(parts):
+        meta = parts[i].split(b" ")
+        if parts[i].startswith(b":") and len(meta) >= 5:
+            out.append(Change(meta[4][:1].decode(), meta[0][1:].decode(), meta[1].decode(),
+                              parts[i + 1].decode("utf-8", "surrogateescape")))
+            i += 2
+        else:
+            i += 1
+    return out
+
+
+def path_refusal(path: str, tree: dict[str, str]) -> str | None:
+    """Why no patch may name `path` at all, from the base's tree alone: a `.git` directory
+    (any depth, any case: git refuses it too), or a new path below a tracked link, submodule
+    or file (written through the link, or invisible to git)."""
+    parts = path.split("/")
+    if any(p.lower() == ".git" for p in parts):
+        return "inside a .git directory"
+    if path not in tree:
+        for i in range(1, len(parts)):
+            mode = tree.get("/".join(parts[:i]))
+            if mode is not None:
+                what = {LINK_MODE: "symbolic link", GITLINK_MODE: "submodule"}.get(mode, "file")
+                return f"goes through {'/'.join(parts[:i])}, a {what} at the base"
+    return None
+
+
+def write_refusal(c: Change, tree: dict[str, str], ignored: set[str] | frozenset[str]
+                  ) -> str | None:
+    """Why a patch may not make change `c`: it may write paths tracked at the base, or new
+    files outside the base's ignored paths, as regular files only."""
+    why = path_refusal(c.path, tree)
+    if why:
+        return why
+    if c.status != "D" and c.new_mode == LINK_MODE:
+        return "makes a symbolic link"
+    if c.status != "D" and c.new_mode == GITLINK_MODE:
+        return "makes a submodule"
+    if c.path not in tree and c.path in ignored:
+        return "ignored at the base commit"
+    return None
+
+
+# Top-level module names of the standard library, Python 3.8 to 3.14: 3.11's
+# sys.stdlib_module_names and the names other versions add or dropped. A fixed list, not
+# the SDK's interpreter's nor the pod's: the rule is the same wherever it runs.
+STDLIB_MODULES = frozenset("""
+__future__ _abc _aix_support _ast _asyncio _bisect _blake2 _bootsubprocess _bz2 _codecs
+_codecs_cn _codecs_hk _codecs_iso2022 _codecs_jp _codecs_kr _codecs_tw _collections
+_collections_abc _compat_pickle _compression _contextvars _crypt _csv _ctypes _curses
+_curses_panel _datetime _dbm _decimal _elementtree _frozen_importlib
+_frozen_importlib_external _functools _gdbm _hashlib _heapq _imp _io _json _locale _lsprof
+_lzma _markupbase _md5 _msi _multibytecodec _multiprocessing _opcode _operator _osx_support
+_overlapped _pickle _posixshmem _posixsubprocess _py_abc _pydecimal _pyio _queue _random
+_scproxy _sha1 _sha256 _sha3 _sha512 _signal _sitebuiltins _socket _sqlite3 _sre _ssl _stat
+_statistics _string _strptime _struct _symtable _thread _threading_local _tkinter _tokenize
+_tracemalloc _typing _uuid _warnings _weakref _weakrefset _winapi _zoneinfo abc aifc
+antigravity argparse array ast asynchat asyncio asyncore atexit audioop base64 bdb binascii
+bisect builtins bz2 cProfile calendar cgi cgitb chunk cmath cmd code codecs codeop
+collections colorsys compileall concurrent configparser contextlib contextvars copy copyreg
+crypt csv ctypes curses dataclasses datetime dbm decimal difflib dis distutils doctest email
+encodings ensurepip enum errno faulthandler fcntl filecmp fileinput fnmatch fractions ftplib
+functools gc genericpath getopt getpass gettext glob graphlib grp gzip hashlib heapq hmac
+html http idlelib imaplib imghdr imp importlib inspect io ipaddress itertools json keyword
+lib2to3 linecache locale logging lzma mailbox mailcap marshal math mimetypes mmap
+modulefinder msilib msvcrt multiprocessing netrc nis nntplib nt ntpath nturl2path numbers
+opcode operator optparse os ossaudiodev pathlib pdb pickle pickletools pipes pkgutil
+platform plistlib poplib posix posixpath pprint profile pstats pty pwd py_compile pyclbr
+pydoc pydoc_data pyexpat queue quopri random re readline reprlib resource rlcompleter runpy
+sched secrets select selectors shelve shlex shutil signal site smtpd smtplib sndhdr socket
+socketserver spwd sqlite3 sre_compile sre_constants sre_parse ssl stat statistics string
+stringprep struct subprocess sunau symtable sys sysconfig syslog tabnanny tarfile telnetlib
+tempfile termios textwrap this threading time timeit tkinter token tokenize tomllib trace
+traceback tracemalloc tty turtle turtledemo types typing unicodedata unittest urllib uu uuid
+venv warnings wave weakref webbrowser winreg winsound wsgiref xdrlib xml xmlrpc zipapp
+zipfile zipimport zlib zoneinfo
+
+_bootlocale binhex formatter parser symbol _dummy_thread dummy_threading macpath _peg_parser
+_sha256 _sha512 _sha2 _wmi _tokenize _pydatetime _pylong _xxinterpchannels _xxinterpqueues
+_interpreters _interpchannels _interpqueues _opcode_metadata _pyrepl _colorize _suggestions
+_sysconfig _android_support _ios_support _apple_support annotationlib compression _zstd
+_remote_debugging _hmac _types
+""".split())
+IMPORT_SUFFIXES = ("py", "pyc", "pyw", "so", "pyd")
+
+
+def _module_at(rel: str) -> str | None:
+    """The top-level module that `rel`, a path below a sys.path entry, defines: `name.py`
+    (.pyc, an extension), or `name/__init__.py` (a regular package); else None."""
+    parts = rel.split("/")
+    if len(parts) > 2 or (len(parts) == 2 and parts[1].partition(".")[0] != "__init__"):
+        return None
+    name, dot, rest = parts[-1].partition(".")
+    if not dot or rest.rsplit(".", 1)[-1] not in IMPORT_SUFFIXES:
+        return None
+    return parts[0] if len(parts) == 2 else name
+
+
+def _module_roots(path: str) -> list[tuple[str, str]]:
+    """(directory, module name) for each way `path` defines a top-level module."""
+    parts = path.split("/")
+    out = []
+    for i in (len(parts) - 1, len(parts) - 2):
+        if i >= 0:
+            name = _module_at("/".join(parts[i:]))
+            if name:
+                out.append(("/".join(parts[:i]), name))
+    return out
+
+
+def packages(paths: Iterable[str]) -> set[str]:
+    """The directories holding an `__init__` module (regular packages)."""
+    return {posixpath.dirname(p) for p in paths
+            if _module_at(posixpath.basename(p)) == "__init__"}
+
+
+def shipped_modules(paths: Iterable[str]) -> set[tuple[str, str]]:
+    """(directory, module name) of every top-level-style module the base ships."""
+    return {m for p in paths for m in _module_roots(p)}
+
+
+def import_refusal(path: str, pkgs: set[str], shipped: set[tuple[str, str]],
+                   roots: Iterable[str] = ()) -> str | None:
+    """Why `path`, added or changed by the patch, would shadow a module the interpreter or
+    the runner imports: a module named like the standard library's or one of pytest's
+    imports (RUNNER_MODULES) in a directory that may be on sys.path, i.e. the top, a
+    `pythonpath` entry of the base's configuration (`roots`), or any directory outside a
+    regular package (`pkgs`: src/, pytest's rootdir insertion, a path entry). A module the
+    base already ships there is the task's own."""
+    for d, name in _module_roots(path):
+        if name not in STDLIB_MODULES and name not in RUNNER_MODULES:
+            continue
+        if d and d not in roots and d in pkgs:
+            continue
+        if (d, name) in shipped:
+            continue
+        whose = "the test runner's" if name in RUNNER_MODULES else "a standard library"
+        return (f"adds module {name!r} at {d + '/' if d else 'the top'}, on the import "
+                f"path, shadowing {whose} module")
+    return None
+
+
+def config_pythonpath(path: str, data: bytes) -> list[str]:
+    """The base configuration's `pythonpath` entries as repository paths (pytest resolves
+    them against the configuration file's directory); a loose read, which may find more."""
+    secs = _CONFIG_SECTIONS.get(posixpath.basename(path), ("pytest",))
+    lines = [ln for sec in sections(data.decode("utf-8", "replace"), secs).values()
+             for ln in sec[1:]]
+    out: list[str] = []
+    for i, ln in enumerate(lines):
+        m = re.match(r"\s*pythonpath\s*=(.*)", ln)
+        if not m:
+            continue
+        value = [m.group(1)]
+        for nxt in lines[i + 1:]:
+            if re.match(r"\s*[\w.-]+\s*=", nxt) or not nxt.strip():
+                break
+            value.append(nxt)
+        text = " ".join(value)
+        toks = re.findall(r"\"([^\"]*)\"|'([^']*)'", text)
+        entries = [a or b for a, b in toks] if toks else text.split()
+        base = posixpath.dirname(path)
+        for e in entries:
+            p = posixpath.normpath(posixpath.join(base, e))
+            if not p.startswith("/") and p != ".." and not p.startswith("../"):
+                out.append("" if p == "." else p)
+    return out
+
+
+def config_copy_name(path: str, token: str) -> str | None:
+    """The name of the base configuration's copy next to it (same directory: pytest
+    resolves path options against it) with the suffix pytest reads the same way; None for
+    the pytest.toml pair, whose reading depends on the name (passed as it is: a patch can
+    never write a pytest configuration file)."""
+    base = posixpath.basename(path)
+    if base in ("pytest.toml", ".pytest.toml"):
+        return None
+    suffix = {"pyproject.toml": "toml", "setup.cfg": "cfg"}.get(base, "ini")
+    return posixpath.join(posixpath.dirname(path), f".sandman-grading-{token}.{suffix}")
 
 
 # ---- the verdict from the run's JUnit report
@@ -450,6 +657,12 @@ APPLY_REFUSALS = ("patch failed", "does not apply", "corrupt patch", "No valid p
                   "patch fragment without header", "unrecognized input",
                   "git diff header lacks filename", "bad git-diff", "has type",
                   "No such file or directory", "while searching for", "garbage")
+
+
+# git apply's refusals of a path a patch may not write (git checks them before the grader's
+# own rule can): the patch is refused.
+APPLY_PATH_REFUSALS = ("invalid path", "beyond a symbolic link", "appears as both a file",
+                       "Not a directory", "invalid mode")
 
 
 def apply_refused(stderr: str) -> bool:

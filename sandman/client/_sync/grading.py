@@ -17,7 +17,7 @@ import shlex
 import time
 import uuid
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sandman.client._grading import (
     DEFAULT_EXCLUDE,
@@ -28,20 +28,30 @@ from sandman.client._grading import (
     PreflightResult,
     Task,
     Verdict,
+    APPLY_PATH_REFUSALS,
     apply_refused,
     config_candidates,
+    config_copy_name,
     config_matches,
+    config_pythonpath,
     git,
+    import_refusal,
     is_infra,
     judge,
+    packages,
+    parse_raw_z,
     parse_name_status_z,
     parse_status_z,
+    parse_tree_z,
+    path_refusal,
     patch_paths,
     pytest_env,
     runner_refusal,
     scan_patch,
     sections_changed,
+    shipped_modules,
     tail,
+    write_refusal,
 )
 from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
 
@@ -129,6 +139,13 @@ def capture_patch(sandbox: Sandbox, base_commit: str, *, repo: str = ".",
                 if sections_changed(before, after, secs):
                     excluded.append(Excluded(path, f"changes its test section(s) "
                                                    f"{', '.join('[' + s + ']' for s in secs)}"))
+        # What grade() would refuse is left out here, so the agent's side says so.
+        pre = f"set -e; cd -- {q(repo)}; {env}"
+        tree = _base_tree(sandbox, pre, base_commit, t)
+        left = {e.path for e in excluded}
+        excluded.extend(Excluded(p, why) for p, why in
+                        _write_refusals(sandbox, pre, base_commit, t, tree)
+                        if p not in left)
         resets = "".join(f"{git('reset', '-q', base, '--', q(':(literal)' + e.path))}; "
                          for e in excluded)
         _run(sandbox, (
@@ -179,10 +196,19 @@ def _finish(client: Client, sb: Sandbox, verdict: Verdict, reuse: bool) -> None:
         log.info("grading: releasing sandbox %s failed: %s", sb.id, e)
 
 
-def _base_config(sb: Sandbox, task: Task, t: str) -> tuple[str, str]:
-    """The base's pytest configuration, as pytest would find it for the official tests, but
-    read from the base commit and copied outside the repository: (the copy's path for `-c`,
-    the rootdir). Without one, an empty pytest.ini and the repository as the rootdir."""
+class _Config(NamedTuple):
+    path: str  # for -c
+    rootdir: str | None  # None: pytest's own (the configuration's directory)
+    original: str | None  # the repository path passed as it is (the pytest.toml pair)
+    roots: tuple[str, ...]  # its pythonpath entries, repository paths
+
+
+def _base_config(sb: Sandbox, task: Task, t: str) -> _Config:
+    """The base's pytest configuration, as pytest would find it for the official tests, read
+    from the base commit and written next to the original under a name of the grader's (a
+    patch cannot know or write it): pytest resolves its path options (pythonpath, the
+    default rootdir and confcutdir) against that directory, as it does in the repository.
+    Without one, an empty pytest.ini outside it and the repository as the rootdir."""
     q = shlex.quote
     cands = config_candidates(task.test_files)
     cmds = "; ".join(f"{git('show', q(task.base_commit + ':' + c))} > {q(f'{t}/cand.{i}')}"
@@ -191,17 +217,111 @@ def _base_config(sb: Sandbox, task: Task, t: str) -> tuple[str, str]:
     for i in sorted(int(x) for x in out.split() if x.isdigit()):
         data = sb.read(f"{t}/cand.{i}")
         if config_matches(cands[i], data):
-            path = f"{t}/cfg/{posixpath.basename(cands[i])}"
-            sb.write(path, data)
-            return path, posixpath.join(task.repo, posixpath.dirname(cands[i]))
+            roots = tuple(config_pythonpath(cands[i], data))
+            name = config_copy_name(cands[i], uuid.uuid4().hex[:12])
+            if name is None:
+                return _Config(posixpath.join(task.repo, cands[i]), None, cands[i], roots)
+            sb.write(posixpath.join(task.repo, name), data)
+            return _Config(posixpath.join(task.repo, name), None, None, roots)
     sb.write(f"{t}/cfg/pytest.ini", b"[pytest]\n")
-    return f"{t}/cfg/pytest.ini", task.repo
+    return _Config(f"{t}/cfg/pytest.ini", task.repo, None, ())
 
 
-def _addopts(task: Task, cfg: str, rootdir: str) -> list[str]:
+def _addopts(task: Task, cfg: _Config) -> list[str]:
     plugins = [a for p in task.plugins for a in ("-p", p)]
-    return ["-p", "no:cacheprovider", "-c", cfg, f"--rootdir={rootdir}",
-            f"--confcutdir={rootdir}", *plugins]
+    where = ([] if cfg.rootdir is None else
+             [f"--rootdir={cfg.rootdir}", f"--confcutdir={cfg.rootdir}"])
+    return ["-p", "no:cacheprovider", "-c", cfg.path, *where, *plugins]
+
+
+def _base_tree(sb: Sandbox, prefix: str, base: str, t: str) -> dict[str, str]:
+    _run(sb, f"{prefix}; {git('ls-tree', '-r', '-z', '--full-tree', shlex.quote(base))}"
+                   f" > {shlex.quote(t + '/tree')}", "list the base's tree")
+    return parse_tree_z(sb.read(f"{t}/tree"))
+
+
+def _ignored(sb: Sandbox, prefix: str, base: str, t: str, tree: dict[str, str],
+             paths: list[str]) -> set[str]:
+    """Which of `paths` the base's ignore rules ignore, as git computes them: the base
+    commit's .gitignore files (never the work tree's, which the agent may have changed),
+    the repository's info/exclude."""
+    if not paths:
+        return set()
+    q = shlex.quote
+    ign = f"{t}/ign"
+    script = [f"mkdir -p -- {q(ign)}"]
+    for p, mode in tree.items():
+        if posixpath.basename(p) == ".gitignore" and mode in ("100644", "100755"):
+            script.append(f"mkdir -p -- {q(posixpath.dirname(f'{ign}/{p}'))} && "
+                          f"{git('show', q(base + ':' + p))} > {q(f'{ign}/{p}')}")
+    sb.write(f"{t}/ign.sh", ("\n".join(script) + "\n").encode("utf-8", "surrogateescape"))
+    sb.write(f"{t}/added", b"".join(p.encode("utf-8", "surrogateescape") + b"\0"
+                                    for p in paths))
+    _run(sb, (
+        f"{prefix}; gd=$({git('rev-parse', '--absolute-git-dir')}); . {q(t + '/ign.sh')}; "
+        f"cd -- {q(ign)}; GIT_DIR=\"$gd\" GIT_WORK_TREE=. "
+        f"{git('check-ignore', '--no-index', '-z', '--stdin')} < {q(t + '/added')} "
+        f"> {q(t + '/ignored')} || [ $? -eq 1 ]"), "check the base's ignore rules")
+    return {p.decode("utf-8", "surrogateescape")
+            for p in (sb.read(f"{t}/ignored")).split(b"\0") if p}
+
+
+def _write_refusals(sb: Sandbox, prefix: str, base: str, t: str,
+                    tree: dict[str, str], roots: tuple[str, ...] = ()
+                    ) -> list[tuple[str, str]]:
+    """(path, why) for each change of the index GIT_INDEX_FILE (set in `prefix`) against the
+    base that a patch may not make (docs/grading.md, "What a patch may write"): a path
+    outside the base's tracked and non-ignored ones, a link or a submodule, a module
+    shadowing the standard library or the runner on the import path."""
+    q = shlex.quote
+    _run(sb, f"{prefix}; {git('diff-index', '--cached', '-z', '--no-renames', '--ignore-submodules=none', q(base))}"
+                   f" > {q(t + '/raw')}", "list the patch's changes")
+    changes = parse_raw_z(sb.read(f"{t}/raw"))
+    fresh = [c.path for c in changes if c.status != "D" and c.path not in tree
+             and not path_refusal(c.path, tree)]
+    ignored = _ignored(sb, prefix, base, t, tree, fresh)
+    after = ({p for p in tree} | {c.path for c in changes}) - {
+        c.path for c in changes if c.status == "D"}
+    pkgs, shipped = packages(after), shipped_modules(tree)
+    out = []
+    for c in changes:
+        why = write_refusal(c, tree, ignored)
+        if why is None and c.status != "D" and runner_refusal(c.path) is None:
+            why = import_refusal(c.path, pkgs, shipped, roots)
+        if why:
+            out.append((c.path, why))
+    return out
+
+
+def _refusal(sb: Sandbox, task: Task, t: str, patch: bytes,
+             roots: tuple[str, ...]) -> str | None:
+    """Why the patch is refused, one line, or None: checked on the base before anything is
+    applied, by git's own reading of the patch (applied to an index of the base)."""
+    q = shlex.quote
+    prefix = f"set -e; cd -- {q(task.repo)}"
+    tree = _base_tree(sb, prefix, task.base_commit, t)
+    bad = [(p, why) for p in patch_paths(patch) for why in [path_refusal(p, tree)] if why]
+    if not bad:
+        idx = f"{t}/check.index"
+        sb.write(f"{t}/check.diff", patch)
+        args = " ".join(q(a) for a in
+                        ["--cached", "--binary", "--whitespace=nowarn", *task.exclude.apply_args(),
+                         *(f"--exclude={f}" for f in task.test_files)])
+        out = _run(sb, (
+            f"{prefix}; export GIT_INDEX_FILE={q(idx)}; {git('read-tree', q(task.base_commit))}; "
+            f"{{ {git('apply', args, q(t + '/check.diff'))}; }} > {q(t + '/check.out')} 2>&1 "
+            f"&& echo applied || true"), "check the patch's paths")
+        if "applied" not in out.split():
+            msg = (sb.read(f"{t}/check.out")).decode("utf-8", "replace")
+            lines = [ln for ln in msg.splitlines() if any(s in ln for s in APPLY_PATH_REFUSALS)]
+            # Any other refusal is the apply step's to report (the agent's patch, failed).
+            return lines[0].removeprefix("error: ").strip() if lines else None
+        bad = _write_refusals(sb, f"{prefix}; export GIT_INDEX_FILE={q(idx)}",
+                              task.base_commit, t, tree, roots)
+    if not bad:
+        return None
+    more = f" (and {len(bad) - 1} more)" if len(bad) > 1 else ""
+    return f"{bad[0][0]}: {bad[0][1]}{more}"
 
 
 def _collect(sb: Sandbox, task: Task, t: str, addopts: list[str]
@@ -261,8 +381,8 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
                    f"mkdir -p {q(t + '/cfg')} {q(t + '/out')} {q(t + '/plug')}",
          "restore the official tests")
     stage[0] = "find the base's configuration"
-    cfg, rootdir = _base_config(sb, task, t)
-    addopts = _addopts(task, cfg, rootdir)
+    cfg = _base_config(sb, task, t)
+    addopts = _addopts(task, cfg)
     test_ids = task.test_ids
     if test_ids is None:
         stage[0] = "collect the official tests"
@@ -272,6 +392,10 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
         test_ids = got
     ids_out[:] = test_ids
     if patch.strip():
+        stage[0] = "check the patch's paths"
+        why = _refusal(sb, task, t, patch, cfg.roots)
+        if why:
+            return Verdict.FAILED, f"patch refused: {why}", False, None, {}, ""
         stage[0] = "apply the patch"
         for path in patch_paths(patch):
             why = runner_refusal(path)
@@ -328,6 +452,9 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
         if r.error or r.exit_code != 0:
             raise _StepFailed(f"official tests differ from the base after the patch: "
                               f"{r.error or r.output.strip()[:300]}")
+    if cfg.original:  # read in place: the grader's invariant, checked
+        _run(sb, f"set -e; {cd}; {git('diff', '--quiet', '--no-ext-diff', base, '--', q(cfg.original))}",
+             "the base's configuration file is the base's")
     stage[0] = "run the suite"
     report = f"{t}/out/report.xml"
     env = pytest_env([*addopts, f"--junitxml={report}"])
