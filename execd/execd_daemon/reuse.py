@@ -9,7 +9,7 @@ import stat
 import threading
 import time
 
-from . import devwatch
+from . import devwatch, xattrs
 from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
 from .devwatch import is_device
 from .files import file_sha256
@@ -77,10 +77,12 @@ def _ftype(mode):
 
 class FileState(object):
     __slots__ = ("mode", "uid", "gid", "size", "mtime", "atime", "ctime", "ino", "dev", "rdev",
-                 "link", "blob", "why")
+                 "link", "blob", "why", "nlink", "xattrs")
 
     def __init__(self, st, link=None):
         self.set_stat(st)
+        self.nlink = st.st_nlink  # the baseline's: a rewrite would split a hard link
+        self.xattrs = ()  # recorded for dirs and copied files (xattrs.py)
         self.link = link
         self.blob = None  # store file with the content (regular files)
         self.why = None  # why there is no copy
@@ -320,6 +322,8 @@ class Baseline(object):
                     except OSError:
                         link = None
                 ent = FileState(st, link)
+                if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and area != "rest"):
+                    ent.xattrs = xattrs.read(p)
                 if stat.S_ISREG(st.st_mode):
                     if area == "rest":
                         # The image's own tree (/usr, /var, ...): copying it would double the
@@ -417,6 +421,13 @@ class Baseline(object):
             if p not in self.entries:
                 changes.append({"kind": "added", "path": p, "type": _ftype(st.st_mode),
                                 "area": area})
+        for p in self.dirty:  # a dir's xattr change moves its ctime, as its entries do
+            ent = self.entries.get(p)
+            if ent is not None and stat.S_ISDIR(ent.mode) and os.path.isdir(p) \
+                    and not os.path.islink(p):
+                c = xattrs.change(p, ent.xattrs, self.areas.get(p))
+                if c is not None:
+                    changes.append(c)
         for d in unreadable:
             if d in self.entries:
                 changes.append({"kind": "unreadable", "path": d, "area": self.areas.get(d)})
@@ -600,7 +611,9 @@ class Baseline(object):
         # 2. what is missing or differs
         for p, ent in self.entries.items():
             cur = found.get(p)
-            if cur is not None and p not in gone and ent.same(cur[0]):
+            if cur is not None and p not in gone and ent.same(cur[0]) and not (
+                    stat.S_ISDIR(ent.mode) and cur[0].st_ctime_ns != ent.ctime
+                    and xattrs.read(p) != ent.xattrs):
                 continue
             redo.append(p)
         for p in sorted(redo, key=lambda x: (x.count("/"), x)):
@@ -647,6 +660,8 @@ class Baseline(object):
         elif t == "file":
             if ent.blob is None:
                 return "no copy of the content (%s)" % ent.why
+            if ent.nlink > 1:
+                return "a hard link (%d names at baseline): a rewrite would split it" % ent.nlink
             tmp = os.path.join(os.path.dirname(p), ".sandman-restore-%s" % os.urandom(6).hex())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             h = sha256()
@@ -679,6 +694,10 @@ class Baseline(object):
                 os.lchown(p, ent.uid, ent.gid)
             except PermissionError:
                 return "owner %d:%d cannot be set back" % (ent.uid, ent.gid)
+        if t != "symlink":  # after chown, which drops security.capability
+            why = xattrs.put_back(p, ent.xattrs)
+            if why:
+                return why
         os.utime(p, ns=(ent.atime, ent.mtime), follow_symlinks=False)
         ent.set_stat(os.lstat(p))
         return None
