@@ -192,10 +192,10 @@ OTHER_TOOLS = {
     "--binary": "git diff/apply", "--cached": "git diff", "--no-renames": "git diff",
     "--no-ext-diff": "git diff", "--no-textconv": "git diff", "--exclude": "git apply",
     "--ignored": "git status", "--porcelain": "git status", "--short": "git status",
-    "--quiet": "git diff --quiet; pip",
+    "--quiet": "git diff --quiet; pip", "--no-index": "git check-ignore",
     # pytest, pip, mypy
     "--collect-only": "pytest", "--junitxml": "pytest", "--rootdir": "pytest",
-    "--confcutdir": "pytest", "--no-deps": "pip install/wheel", "--strict": "mypy --strict",
+    "--confcutdir": "pytest", "--import-mode": "pytest", "--no-deps": "pip install/wheel", "--strict": "mypy --strict",
     # image builds, curl, cloud CLIs
     "--build-arg": "docker/buildah build", "--target": "docker build", "--platform": "docker",
     "--push": "docker buildx", "--cacert": "curl", "--resolve": "curl",

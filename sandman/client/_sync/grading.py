@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sandman.client._grading import (
+    APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
     CapturedPatch,
     Excluded,
@@ -28,7 +29,6 @@ from sandman.client._grading import (
     PreflightResult,
     Task,
     Verdict,
-    APPLY_PATH_REFUSALS,
     apply_refused,
     config_candidates,
     config_copy_name,
@@ -39,12 +39,12 @@ from sandman.client._grading import (
     is_infra,
     judge,
     packages,
-    parse_raw_z,
     parse_name_status_z,
+    parse_raw_z,
     parse_status_z,
     parse_tree_z,
-    path_refusal,
     patch_paths,
+    path_refusal,
     pytest_env,
     runner_refusal,
     scan_patch,
