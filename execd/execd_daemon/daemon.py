@@ -34,6 +34,7 @@ from .procs import (
     all_pids,
     boot_ticks,
     exit_code_of,
+    freeze,
     proc_cmdline,
     proc_stat,
     proc_tag,
@@ -238,7 +239,11 @@ class Daemon:
                 pass
 
     def kill_sandbox(self, keep=()):
-        """SIGKILL every sandbox process (rounds, since they may fork meanwhile) and reap."""
+        """SIGKILL every sandbox process (rounds, since they may fork meanwhile) and reap;
+        all stopped first, so none acts on another's death (a `|| touch x` of its own)."""
+        sh = self.shell
+        freeze(lambda: [p for p in self.sandbox_pids() if p not in keep],
+               sh.pid if sh is not None and sh.pid not in keep else None)
         deadline = now() + 10
         while now() < deadline:
             pids = [p for p in self.sandbox_pids() if p not in keep]
@@ -420,7 +425,7 @@ class Daemon:
                 break
         sh.read_diag()
         line = b"".join((
-            b"__sm_m=", marker, b"; ", TAG_VAR.encode(), b"=", tag.encode(),
+            b"__sm_r=1 __sm_m=", marker, b"; ", TAG_VAR.encode(), b"=", tag.encode(),
             b"; __sm_c=", sh_quote(data),
             b"; __sm_chk && builtin eval \"$__sm_c\" ", COMMAND_REDIRECTS, b"; __sm_fin $?\n"))
         since = None  # in /proc start-time ticks; needed only on a timeout
@@ -433,7 +438,7 @@ class Daemon:
         ended = None  # why the command was killed: "timeout", "idle" or "disconnect"
         seen = cap.total  # output bytes read so far; more of them push the idle deadline
         idle_at = t0 + idle if idle else None
-        phase = "run"  # run -> term -> kill -> wait for the frame, then restart
+        phase = "run"  # run -> kill (frozen, killed, the shell told to skip the rest) -> frame
         phase_at = 0.0
         dead_st = None
         buf = sh.buf
@@ -456,10 +461,8 @@ class Daemon:
                 wake = deadline if idle_at is None else min(deadline, idle_at)
                 if stream is not None and stream.kill_on_disconnect:
                     wake = min(wake, last_look + 0.05)
-            elif phase == "term":
-                wake = min(phase_at + self.kill_grace, last_look + 0.05)
             else:
-                wake = phase_at + 1.0
+                wake = phase_at + 2.0
             wait = 0.001 if inview else min(poll_s, max(0.0, wake - t))
             events = sh.poller.poll(int(wait * 1000) + (1 if wait > 0 else 0))
             for fd, _ev in events:
@@ -479,7 +482,8 @@ class Daemon:
                 if sh.dead():
                     dead_st = sh.exit_status()
                     break
-                sh.resume()
+                if not self.resetting:  # a reset's freeze must hold until its kill
+                    sh.resume()
             if phase == "run":
                 if t >= deadline:
                     ended = "timeout"
@@ -488,20 +492,18 @@ class Daemon:
                 elif stream is not None and t - last_look >= 0.05 and stream.abandoned():
                     ended = "disconnect"
             if phase == "run" and ended is not None:
-                phase, phase_at, last_look = "term", t, t
-                since = since0
-                self.kill_pids(self.call_pids(tag, sh.pid, since), signal.SIGTERM)
-            elif phase == "term" and (t >= phase_at + self.kill_grace or (
-                    t - last_look >= 0.05 and not self.call_pids(tag, sh.pid, since))):
-                phase, phase_at = "kill", t
-                self._kill_call(tag, sh.pid, since)
-            elif phase == "kill" and t >= phase_at + 1.0:
+                phase, phase_at, last_look, since = "kill", t, t, since0
+                frame = self._end_call(sh, tag, since, status, marker)
+                if frame[0] != "need":
+                    break
+            elif phase == "kill" and t >= phase_at + 2.0:
                 break
             if t - last_look >= 0.05:
                 last_look = t
         timed_out = phase != "run"
-        if frame is not None and frame[0] == "ok" and timed_out and phase == "term":
-            # The command ended on SIGTERM; its leftovers still go.
+        if frame is not None and frame[0] == "ok" and timed_out:
+            # Forked by the shell after the kill and before its skip began (a simple command
+            # whose $(...) was killed): too late to be frozen, still killed.
             self._kill_call(tag, sh.pid, since)
         self._drain(sh, cap, buf, bufview, PIPE_SIZE // READ_SIZE + 1)
         result["output"] = cap.text()
@@ -511,7 +513,9 @@ class Daemon:
             # Its children are ours now (subreaper): the call's, tagged or started since, go.
             since = since0
             self._kill_call(tag, os.getpid(), since)
-            result["exit_code"] = code
+            # A killed command whose shell then died (set -e: bash exits on the killed child's
+            # status before any trap of ours can run) is still the kill's 124.
+            result["exit_code"] = 124 if timed_out else code
             msg = "shell exited (status %d); a new shell was started, state lost" % code
             if frame is not None and status:
                 msg = "incomplete frame: " + msg
@@ -530,9 +534,11 @@ class Daemon:
             else:
                 errors.append("no exit status after the kill; the shell was restarted, state "
                               "lost")
+            held = sh.freeze(lambda: self.call_pids(tag, sh.pid, since))
             self._kill_call(tag, sh.pid, since)
             result["exit_code"] = 124 if timed_out else -1
             self.restart_shell()
+            sh.thaw(held)
         elif frame[1] == "E":
             result["exit_code"] = 2
             diag = fix_diag(sh.read_diag(), sh.line_offset)
@@ -573,6 +579,20 @@ class Daemon:
             cap.add(bufview[:n])
             if n < len(buf):
                 return
+
+    def _end_call(self, sh, tag, since, status, marker):
+        """A killed command ends whole, no part of it acting on another's death: freeze the
+        shell and the call's processes, SIGKILL all but the shell, tell the stopped shell to
+        skip the rest of the command (unless its frame is in: then it finished), continue
+        it. Returns the frame as parsed after the freeze."""
+        held = sh.freeze(lambda: self.call_pids(tag, sh.pid, since))
+        status += sh.read_avail(sh.st_r, 4096)
+        frame = parse_frame(status, marker)
+        if frame[0] == "need" and not status:
+            sh.abort()
+        self._kill_call(tag, sh.pid, since)
+        sh.thaw(held)
+        return frame
 
     def _kill_call(self, tag, root, since):
         for _ in range(20):

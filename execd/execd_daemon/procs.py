@@ -3,6 +3,7 @@ exit statuses of the children execd adopts as a subreaper."""
 
 import collections
 import os
+import signal
 import threading
 import time
 
@@ -105,6 +106,45 @@ def process_tree(pids, root):
                 desc.add(c)
                 stack.append(c)
     return info, desc
+
+
+def group_states(pgid):
+    """{pid: state} of the live processes in process group `pgid`."""
+    out = {}
+    for p in all_pids():
+        try:
+            with open("/proc/%d/stat" % p, "rb") as f:
+                data = f.read()
+        except OSError:
+            continue
+        rest = data[data.rfind(b")") + 2:].split()
+        if len(rest) > 2 and rest[2] == b"%d" % pgid and rest[0] not in (b"Z", b"X"):
+            out[p] = rest[0].decode()
+    return out
+
+
+def freeze(find, pgid=None, rounds=500):
+    """SIGSTOP group `pgid` at once, then every process `find()` returns, in rounds until a
+    round finds none it has not stopped: only a process not stopped yet can fork, so the rounds
+    end even under a fork loop. Nothing stopped acts on another's death before the SIGKILL.
+    Returns the pids stopped by name."""
+    if pgid is not None:
+        try:
+            os.killpg(pgid, signal.SIGSTOP)
+        except (ProcessLookupError, PermissionError):
+            pass
+    stopped = set()
+    for _ in range(rounds):
+        new = set(find()) - stopped
+        if not new:
+            break
+        for p in new:
+            try:
+                os.kill(p, signal.SIGSTOP)
+            except (ProcessLookupError, PermissionError):
+                pass
+        stopped |= new
+    return stopped
 
 
 def boot_ticks():

@@ -15,7 +15,7 @@ import socket
 import time
 
 from .base import PIPE_SIZE, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
-from .procs import proc_stat
+from .procs import freeze, group_states, proc_stat
 
 STATUS_FD = 62  # the shell writes exit-status frames here, apart from the command's output
 DIAG_W_FD = 61  # syntax-check diagnostics go into this socket...
@@ -26,6 +26,9 @@ NULL_FD = 59  # /dev/null as execd opened it: every command's stdin (bash reads 
 COMMAND_REDIRECTS = b"0<&59 59<&- 60<&- 61>&- 62>&-"
 _DIAG_PREFIX = re.compile(r"^[^:]*: (?:eval: )?line ")
 _LINE_NO = re.compile(r"\bline (\d+)")
+# Sent to the frozen shell when its command is killed: its trap skips the rest of the command.
+# A real-time signal (SIGRTMIN+8), so no command's own `trap ... USR2` takes it over by chance.
+ABORT_SIGNAL = getattr(signal, "SIGRTMIN", 34) + 8
 # bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
 # A parse diagnostic goes on in lower case ("syntax error", "warning", "unexpected EOF").
 _JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
@@ -37,7 +40,7 @@ _JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
 # Any diagnostic (bash only *warns* on an unterminated heredoc) counts as a refusal.
 BOOTSTRAP = r"""
 BASH_ARGV0=bash
-__sm_k=0 __sm_t=0
+__sm_k=0 __sm_t=0 __sm_r=0 __sm_a=0
 builtin export %(tag)s=
 __sm_chk1() {
   local -
@@ -66,10 +69,29 @@ __sm_chk() {
   if ((__sm_t)); then builtin set -x; fi
 }
 __sm_fin() {
+  __sm_r=0
+  if ((__sm_a)); then
+    __sm_a=0; builtin trap - DEBUG; builtin eval "$__sm_tr"
+    [[ $__sm_o == *D* ]] || builtin shopt -u extdebug
+    for __sm_tr in e T E x; do [[ $__sm_o != *$__sm_tr* ]] || builtin set -$__sm_tr; done
+  fi
   case $- in *x*) builtin set +x; __sm_t=1;; *) __sm_t=0;; esac
   ((__sm_k)) && builtin printf '%%sS%%d\n' "$__sm_m" "$1" >&%(st)d
   __sm_k=0; builtin set +v
 }
+# A killed command (execd froze it, killed all of it but this shell, then sent ABORT_SIGNAL):
+# every further command of it is skipped (extdebug: a DEBUG trap that fails skips the command;
+# set -T: inside functions too) and every loop broken, until __sm_fin. errexit is off and the
+# ERR and RETURN traps cleared meanwhile, so nothing acts on a skip; __sm_fin puts them back.
+# A no-op when no command runs (__sm_r) or the command is already framing.
+__sm_ab() {
+  ((__sm_r && !__sm_a)) && [[ ${FUNCNAME[1]-} != __sm_fin ]] || return 1
+  __sm_a=1 __sm_o=$-
+  builtin shopt -q extdebug && __sm_o+=D
+  __sm_tr=$(builtin trap -p ERR RETURN)
+  builtin trap - ERR RETURN; builtin set +ex; builtin shopt -s extdebug
+}
+builtin trap '__sm_ab && builtin trap '\''if [[ $BASH_COMMAND == "__sm_fin "* || ${FUNCNAME-} == __sm_fin ]]; then builtin trap - DEBUG; else builtin break 999 2>&-; builtin false; fi'\'' DEBUG' %(abort)d
 __sm_c=')'; __sm_chk1; __sm_c=
 builtin printf '%%sR0\n' "$1" >&%(st)d
 builtin set --
@@ -232,7 +254,7 @@ class Shell:
             (os.POSIX_SPAWN_DUP2, dg_w, DIAG_W_FD),
         ]
         sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
-                signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
+                signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, ABORT_SIGNAL]
         ready = b"@ready" + os.urandom(4).hex().encode()
         try:
             pid = os.posix_spawn(
@@ -264,7 +286,7 @@ class Shell:
         self.buf = bytearray(READ_SIZE)
         self.started = now()
         script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
-                              "tag": TAG_VAR}
+                              "tag": TAG_VAR, "abort": ABORT_SIGNAL}
         cwd = d.workspace or os.getcwd()
         exports = "".join("builtin export %s=%s\n" % (k, sh_quote(
             v.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass"))
@@ -330,6 +352,33 @@ class Shell:
                 os.kill(self.pid, signal.SIGCONT)
             except ProcessLookupError:
                 pass
+
+    def freeze(self, find):
+        """Stop the shell's process group at once (a fork racing a group signal is restarted
+        by the kernel) and whatever `find()` returns, the call's processes in other groups and
+        sessions too, in rounds until none is new: a stopped process forks no more. Returns
+        the group's processes that were stopped already (a job the agent stopped): thaw()
+        leaves them so."""
+        held = {p for p, st in group_states(self.pid).items() if st == "T"}
+        held.discard(self.pid)
+        freeze(find, self.pid)
+        return held
+
+    def abort(self):
+        """Make the (stopped) shell skip the rest of its command once continued: BOOTSTRAP."""
+        try:
+            os.kill(self.pid, ABORT_SIGNAL)
+        except ProcessLookupError:
+            pass
+
+    def thaw(self, held):
+        """SIGCONT to the shell and to whatever of its group freeze() stopped and left alive."""
+        for p in group_states(self.pid):
+            if p not in held:
+                try:
+                    os.kill(p, signal.SIGCONT)
+                except ProcessLookupError:
+                    pass
 
     def exit_status(self):
         return self.d.reaper.status(self.pid)

@@ -217,9 +217,21 @@ def test_timeout_returns_124_output_so_far_shell_survives(execd):
     assert execd.exec("echo $KEEP")["output"] == "1\n"
 
 
-def test_timeout_builtin_loop_restarts_shell(execd):
+def test_timeout_builtin_loop_is_broken_shell_kept(execd):
+    execd.exec("KEEP=1")
+    shell = execd.shell_pid()
     r = execd.exec("while :; do :; done", timeout=1)
-    assert r["exit_code"] == 124 and "restarted" in r["error"]
+    assert r["exit_code"] == 124 and "restarted" not in r["error"], r
+    assert execd.exec("echo $KEEP")["output"] == "1\n"
+    assert execd.shell_pid() == shell
+    assert execd.others() == []
+
+
+def test_timeout_of_a_shell_that_ignores_the_skip_restarts_it(execd):
+    # A command that takes the skip's signal away (sabotage, docs/execd.md "Limits"): the
+    # shell is stopped, killed and replaced, and the answer says the state was lost.
+    r = execd.exec("trap '' RTMIN+8; while :; do :; done", timeout=1)
+    assert r["exit_code"] == 124 and "restarted" in r["error"] and "state lost" in r["error"]
     assert execd.exec("echo ok")["output"] == "ok\n"
     assert execd.others() == []
 
