@@ -34,13 +34,51 @@ def _limits():
 
 
 LIMITS = _limits()
+# ioprio_get, ioprio_set (no stdlib call): the I/O class every later process inherits.
+_IOPRIO_CALLS = {"x86_64": (252, 251), "aarch64": (31, 30)}
+IOPRIO_WHO_PROCESS = 1
+
+
+def _ioprio_calls():
+    """(syscall, get, set), or why not: a Python without ctypes (Debian's python3-minimal)."""
+    nums = _IOPRIO_CALLS.get(os.uname().machine)
+    if nums is None:
+        return "no ioprio syscall numbers for %s" % os.uname().machine
+    try:
+        import ctypes
+
+        return (ctypes.CDLL(None, use_errno=True).syscall,) + nums
+    except (ImportError, OSError) as e:
+        return "no ctypes: %s" % (e,)
+
+
+_IOPRIO = None
+
+
+def _ioprio(tid, value=None):
+    """A thread's I/O priority, or set it (OSError on failure); None where it cannot be read."""
+    global _IOPRIO
+    if _IOPRIO is None:
+        _IOPRIO = _ioprio_calls()
+    if isinstance(_IOPRIO, str):
+        return None
+    call, get, put = _IOPRIO
+    if value is None:
+        r = call(get, IOPRIO_WHO_PROCESS, tid)
+        return r if r >= 0 else None
+    if call(put, IOPRIO_WHO_PROCESS, tid, value) != 0:
+        import ctypes
+
+        raise OSError(ctypes.get_errno(), os.strerror(ctypes.get_errno()))
+    return value
 
 
 def _thread(tid):
-    """(nice, policy, priority, cpus) of one thread; None once it has exited."""
+    """(nice, policy, priority, cpus, ioprio) of one thread; None once it has exited."""
     try:
         return (os.getpriority(os.PRIO_PROCESS, tid), os.sched_getscheduler(tid),
-                os.sched_getparam(tid).sched_priority, frozenset(os.sched_getaffinity(tid)))
+                os.sched_getparam(tid).sched_priority, frozenset(os.sched_getaffinity(tid)),
+                _ioprio(tid))
     except OSError:  # ESRCH: the thread ended between the listing and the call
         return None
 
@@ -89,7 +127,7 @@ def _wants(base, cur):
             if now_set is None:
                 now_set = frozenset(cpuset()[0] or ())
             if now_set:
-                want = want[:3] + (now_set,)
+                want = want[:3] + (now_set,) + want[4:]
         out[tid] = want
     return out
 
@@ -99,7 +137,7 @@ def _limit(v):
 
 
 _THREAD_ATTRS = (("nice", lambda a: a[0]), ("sched", lambda a: [a[1], a[2]]),
-                 ("affinity", lambda a: sorted(a[3])))
+                 ("affinity", lambda a: sorted(a[3])), ("ionice", lambda a: a[4]))
 
 
 def changes(base, cur=None):
@@ -116,6 +154,8 @@ def changes(base, cur=None):
     if cur["oom_score_adj"] != base["oom_score_adj"]:
         out.append({"kind": "execd", "name": "oom_score_adj", "old": base["oom_score_adj"],
                     "new": cur["oom_score_adj"]})
+    if isinstance(_IOPRIO, str):  # fail closed: execd cannot vouch for its threads' I/O class
+        out.append({"kind": "execd", "name": "ionice", "why": "not read: %s" % _IOPRIO})
     wants = _wants(base, cur)
     for name, get in _THREAD_ATTRS:
         groups = {}
@@ -188,6 +228,13 @@ def _put_back(base, whys):
             continue
         except OSError as e:
             whys["affinity"] = "CPU affinity cannot be set back: %s" % e.strerror
+        try:
+            if now[4] != want[4] and want[4] is not None:
+                _ioprio(tid, want[4])
+        except OSError as e:
+            if e.errno == 3:  # ESRCH: the thread ended
+                continue
+            whys["ionice"] = "I/O priority cannot be set back: %s" % e.strerror
 
 
 def _below(a, b):
@@ -210,5 +257,5 @@ def restore(base):
         _put_back(base, whys)
     left = changes(base)
     for c in left:
-        c["why"] = whys.get(c["name"], "differs after restore")
+        c["why"] = whys.get(c["name"]) or c.get("why") or "differs after restore"
     return left

@@ -47,9 +47,20 @@ UNPRIVILEGED = ("setpriv", "--bounding-set", "-sys_nice,-sys_resource") if os.ge
     else ()
 
 
+IOPRIO_GET = {"x86_64": 252, "aarch64": 31}.get(os.uname().machine)
+
+
+def ioprio(tid: int) -> int:
+    """The thread's I/O priority (ionice): no stdlib call, a syscall through ctypes."""
+    import ctypes
+
+    return ctypes.CDLL(None, use_errno=True).syscall(IOPRIO_GET, 1, tid)
+
+
 def attrs(tid: int) -> dict:
     """What a process started from this thread inherits."""
     return {"limits": {n: resource.prlimit(tid, r) for n, r in LIMITS.items()},
+            "ioprio": ioprio(tid),
             "nice": os.getpriority(os.PRIO_PROCESS, tid),
             "sched": os.sched_getscheduler(tid),
             "cpus": os.sched_getaffinity(tid),
@@ -129,12 +140,13 @@ ATTACKS = {
     "sched-idle": "chrt -a -i -p 0 {pid}",
     "affinity": "taskset -a -p -c {cpu} {pid}",
     "oom_score_adj": "echo 900 > /proc/{pid}/oom_score_adj",
+    "ionice-idle": "for t in /proc/{pid}/task/*; do ionice -c 3 -p ${{t##*/}}; done",
 }
 # What the kernel lets an execd without CAP_SYS_NICE and CAP_SYS_RESOURCE put back: a soft
 # limit raised up to its hard limit, the affinity, and oom_score_adj down to the lowest value a
 # privileged writer set (a holder without the capability cannot move that floor); the rest is
 # reported.
-PUT_BACK_UNPRIVILEGED = {"soft-limits", "affinity", "oom_score_adj"}
+PUT_BACK_UNPRIVILEGED = {"soft-limits", "affinity", "oom_score_adj", "ionice-idle"}
 
 
 def attack(d, name: str) -> None:
@@ -197,13 +209,13 @@ def test_an_affinity_that_follows_the_cpuset_is_no_change(monkeypatch):
     """The kubelet's CPU manager moves a pod's cpuset (its shared pool shrinks) and the kernel
     moves every thread's affinity with it: not the holder's doing. One narrowed inside the
     cpuset is."""
-    all4 = (0, 0, 0, frozenset({0, 1, 2, 3}))
+    all4 = (0, 0, 0, frozenset({0, 1, 2, 3}), 0)
     base = {"rlimits": {}, "oom_score_adj": 0, "threads": {1: all4}, "main": all4,
             "cpuset": all4[3]}
     monkeypatch.setattr(procattrs, "cpuset", lambda root="/": ([0, 1], "cpuset.cpus"))
-    two = all4[:3] + (frozenset({0, 1}),)
+    two = all4[:3] + (frozenset({0, 1}), 0)
     assert procattrs.changes(base, dict(base, threads={1: two, 7: two})) == []
-    one = all4[:3] + (frozenset({0}),)
+    one = all4[:3] + (frozenset({0}), 0)
     got = procattrs.changes(base, dict(base, threads={1: one, 7: two}))
     assert got == [{"kind": "execd", "name": "affinity", "old": [0, 1], "new": [0],
                     "tids": [1]}], got
@@ -328,3 +340,12 @@ def test_posix_message_queues_that_cannot_be_listed_retire(execd_factory, tmp_pa
     assert [c for c in changes if c.get("name") == "mq"] == [
         {"kind": "ipc", "name": "mq", "id": "", "change": "unlisted"}], changes
     assert retired(hand_over(d))
+
+
+def test_ionice_unreadable_without_ctypes_is_a_refusal(monkeypatch):
+    """Where execd's Python has no ctypes it cannot read its threads' I/O class: /diff says so,
+    which retires the pod, rather than vouching for what it cannot see."""
+    monkeypatch.setattr(procattrs, "_IOPRIO", "no ctypes: No module named '_ctypes'")
+    base = procattrs.record()
+    assert procattrs.changes(base) == [{"kind": "execd", "name": "ionice",
+                                        "why": "not read: no ctypes: No module named '_ctypes'"}]
