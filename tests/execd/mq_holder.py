@@ -11,10 +11,8 @@ import ctypes.util
 import os
 import sys
 
-try:
-    lib = ctypes.CDLL(None, use_errno=True)
-    lib.mq_open
-except AttributeError:
+lib = ctypes.CDLL(None, use_errno=True)
+if not hasattr(lib, "mq_open"):
     lib = ctypes.CDLL(ctypes.util.find_library("rt"), use_errno=True)
 
 

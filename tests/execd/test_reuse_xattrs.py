@@ -12,7 +12,6 @@ import struct
 import pytest
 
 
-
 def acl(*entries) -> bytes:
     """A POSIX ACL as the kernel stores it in system.posix_acl_*: version 2, then (tag, perm,
     id) per entry. Tags: user_obj 1, user 2, group_obj 4, mask 0x10, other 0x20."""
