@@ -87,7 +87,8 @@ def main(argv=None, listen_socket=None):
     # Tests only: the directory /conditions reads as "/" (cgroup, mountinfo, passwd, zone).
     p.add_argument("--conditions-root", default="/", help=argparse.SUPPRESS)
     p.add_argument("--kill-grace", type=float, default=2.0,
-                   help="seconds between SIGTERM and SIGKILL on a timeout")
+                   help="unused, kept for old command lines: a killed command's processes "
+                        "get no SIGTERM (docs/execd.md)")
     p.add_argument("--max-body", type=int, default=96 << 20, help="request size cap (bytes)")
     p.add_argument("--body-timeout", type=float, default=BODY_DEADLINE,
                    help="a request body must arrive within this many seconds")

@@ -45,8 +45,8 @@ USER_AGENT = f"sandman-client/{__version__}"
 
 # execd's own default command timeout.
 EXECD_DEFAULT_TIMEOUT_S = execd_api.DEFAULT_TIMEOUT_S
-# How much longer than the command's timeout we wait for execd's answer: execd sends SIGTERM at
-# the timeout, SIGKILL after its --kill-grace (2 s), then waits up to 2 s for the exit frame.
+# How much longer than the command's timeout we wait for execd's answer: execd freezes and
+# SIGKILLs the command at the timeout, then waits up to 2 s for the exit frame.
 EXEC_ANSWER_GRACE_S = 15.0
 # Acquire: the controller answers by timeout_s; the margin covers its queue bookkeeping.
 ACQUIRE_ANSWER_GRACE_S = 30.0
