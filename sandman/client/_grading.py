@@ -734,12 +734,31 @@ def pytest_env(addopts: list[str]) -> str:
             " PYTEST_THEME PYTEST_DEBUG")
 
 
+GIT_VAR = "SANDMAN_GIT"  # the git binary, resolved once per sandbox (git_env sets it)
+# Attributes that make `git add` or `git diff` convert, filter or reinterpret a file: back to
+# git's defaults for every path ($GIT_DIR/info/attributes outranks every .gitattributes).
+NEUTRAL_ATTRIBUTES = "* !text !eol !crlf !ident !filter !diff !merge !working-tree-encoding\n"
+
+
 def git(*args: str) -> str:
-    """A git command line that ignores the repository's config tricks that change output:
-    an external diff driver, textconv, quoted paths, color; and git's "dubious ownership"
-    refusal (the image's owner need not be the pod's user)."""
-    return ("git -c safe.directory='*' -c core.quotepath=off -c color.ui=false "
+    """A git command line for a grading step, run after `git_env` (a fresh process): the
+    binary resolved once ($SANDMAN_GIT: unset, the step fails instead of finding a `git` on
+    PATH), hooks and fsmonitor off, no attributes file of the user, plain paths, no color;
+    and git's "dubious ownership" refusal off (the image's owner need not be the pod's
+    user). Diffs add --no-ext-diff --no-textconv themselves."""
+    return (f'"${GIT_VAR}" -c safe.directory=\'*\' -c core.quotepath=off -c color.ui=false '
+            "-c core.hooksPath=/dev/null -c core.fsmonitor=false "
+            "-c core.attributesFile=/dev/null -c core.autocrlf=false "
             + " ".join(args))
+
+
+def git_env(git_bin: str) -> str:
+    """Shell lines starting a grading step's git: every GIT_* variable unset, no system or
+    global configuration (HOME too, for a git older than GIT_CONFIG_GLOBAL), no system
+    attributes, and the resolved binary in $SANDMAN_GIT."""
+    return ('for __v in ${!GIT_*}; do unset "$__v"; done; unset __v; '
+            "export GIT_CONFIG_NOSYSTEM=1 GIT_CONFIG_GLOBAL=/dev/null GIT_ATTR_NOSYSTEM=1 "
+            f"HOME=/nonexistent XDG_CONFIG_HOME=/nonexistent {GIT_VAR}={shlex.quote(git_bin)}")
 
 
 __all__ = [

@@ -259,9 +259,9 @@ def test_acquire_never_succeeding_is_no_verdict(flavor, twin, controller, tmp_pa
 
 def test_killed_shell_with_a_healthy_pod_is_failed(flavor, twin, controller,
                                                   tmp_path) -> None:
-    """The suite's shell is SIGKILLed from inside (as code under test can do): execd says
-    the shell died, but the pod and execd answer afterwards, so nothing outside the code
-    under test failed: failed, not no_verdict (which a policy could learn to provoke)."""
+    """The suite's shell is SIGKILLed from inside (as code under test can do): the suite
+    runs in a fresh process, so that is its exit status (137) with the pod and execd
+    healthy: failed, not no_verdict (which a policy could learn to provoke)."""
     async def body():
         c = twin.client(controller.url)
         try:
@@ -270,7 +270,7 @@ def test_killed_shell_with_a_healthy_pod_is_failed(flavor, twin, controller,
         finally:
             await twin.close(c)
         assert r.verdict is Verdict.FAILED and r.attempts == 1, r
-        assert "shell died" in r.reason and "healthy" in r.reason, r.reason
+        assert "no JUnit report (exit 137)" in r.reason, r.reason
 
     flavor.run(body, timeout_s=60)
 
@@ -300,7 +300,9 @@ def test_execd_killed_mid_run_is_no_verdict(flavor, twin, fresh_execd: Execd, tm
             await twin.close(c)
         assert r.verdict is Verdict.NO_VERDICT and r.attempts == 2, r
         assert any("Unreachable" in e or "Gone" in e for e in r.infra_errors), r.infra_errors
-        assert r.infra_errors[0].startswith("attempt 1 (run the suite): "), r.infra_errors
+        # execd's shutdown ends the suite and may still answer: then the report's read fails.
+        assert r.infra_errors[0].startswith(("attempt 1 (run the suite): ",
+                                             "attempt 1 (read the report): ")), r.infra_errors
 
     flavor.run(body, timeout_s=90)
 

@@ -15,12 +15,15 @@ import posixpath
 import shlex
 import time
 import uuid
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
 from sandman.client._grading import (
     APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
+    MAX_REPORT,
+    NEUTRAL_ATTRIBUTES,
     CapturedPatch,
     Excluded,
     Exclusions,
@@ -34,6 +37,7 @@ from sandman.client._grading import (
     config_matches,
     config_pythonpath,
     git,
+    git_env,
     import_refusal,
     is_infra,
     judge,
@@ -79,9 +83,37 @@ def _tmpdir() -> str:
     return f"/tmp/sandman-grading-{uuid.uuid4().hex[:12]}"
 
 
-async def _run(sb: AsyncSandbox, cmd: str, what: str, timeout: float = STEP_TIMEOUT_S) -> str:
+# The git binary of each sandbox, resolved once by its first grading step.
+_GIT_BINS: weakref.WeakKeyDictionary[Any, str] = weakref.WeakKeyDictionary()
+
+
+async def _git_bin(sb: AsyncSandbox) -> str:
+    got = _GIT_BINS.get(sb)
+    if got is None:
+        # A fresh process: PATH is execd's start environment's, never the holder's.
+        r = await sb.exec("command -v git", fresh=True, cwd="/", timeout=STEP_TIMEOUT_S)
+        got = r.output.strip()
+        if r.error or r.exit_code != 0 or not got.startswith("/") or "\n" in got:
+            raise _StepFailed(f"no git on the image's PATH: exit {r.exit_code}: "
+                              f"{tail(r.output, 300).strip()}")
+        _GIT_BINS[sb] = got
+    return got
+
+
+async def _step(sb: AsyncSandbox, cmd: str, *, cwd: str = "/",
+                timeout: float = STEP_TIMEOUT_S, uses_git: bool = True) -> Any:
+    """One grading step, in a process execd starts fresh for it (never the holder's shell:
+    docs/grading.md, "Where each step runs"), stderr with stdout; with `uses_git`, after
+    git_env. The ExecResult; CommandTimeout raises."""
+    pre = f"{git_env(await _git_bin(sb))}; " if uses_git else ""
+    return await sb.exec(f"{pre}{{ {cmd}\n}} 2>&1", fresh=True, cwd=cwd, timeout=timeout,
+                         max_output=MAX_OUTPUT)
+
+
+async def _run(sb: AsyncSandbox, cmd: str, what: str, timeout: float = STEP_TIMEOUT_S,
+               *, cwd: str = "/") -> str:
     """A grading step that must succeed; its failure is the infrastructure's (or the task's)."""
-    r = await sb.exec(f"( {cmd} ) 2>&1", timeout=timeout, max_output=MAX_OUTPUT)
+    r = await _step(sb, cmd, cwd=cwd, timeout=timeout)
     if r.error or r.exit_code != 0:
         raise _StepFailed(f"{what}: exit {r.exit_code}"
                           f"{', ' + r.error if r.error else ''}: {tail(r.output, 600).strip()}")
@@ -99,21 +131,44 @@ async def capture_patch(sandbox: AsyncSandbox, base_commit: str, *, repo: str = 
     """The agent's change in `repo` against `base_commit`, as `git diff --binary` bytes
     (new files included, ignored files not), without test configuration (`exclude`).
 
-    The index is reset to the base in a temporary index file (GIT_INDEX_FILE), everything is
-    staged there and diffed: commits the agent made count, and the agent's own index and
-    HEAD are left as they were. Returns (patch, excluded)."""
+    Every git step runs in a fresh process (not the agent's shell) with a git directory of
+    the grader's own: the repository's objects borrowed through alternates, its config,
+    hooks and attributes files never read. The index is set to the base there, everything
+    is staged and diffed: commits the agent made count, and the agent's own index and HEAD
+    are left as they were. A relative `repo` is the shell's cwd's. Returns (patch,
+    excluded)."""
     t = _tmpdir()
     q = shlex.quote
     base = q(base_commit)
-    env = f"export GIT_INDEX_FILE={q(t + '/index')}"
+    g = f"{t}/git"
+    if not repo.startswith("/"):
+        cwd = (await sandbox.state()).cwd
+        if not cwd:
+            raise _StepFailed(f"capture: repo {repo!r} is relative and the shell has no cwd")
+        repo = posixpath.normpath(posixpath.join(cwd, repo))
+    # After the set-up: the grader's git directory over the agent's work tree.
+    env = (f"set -e; export GIT_DIR={q(g)} GIT_INDEX_FILE={q(g + '/index')} "
+           f"GIT_WORK_TREE=\"$(<{q(t + '/top')})\"; cd -- \"$GIT_WORK_TREE\"")
     try:
         await _run(sandbox, (
-            f"set -e; cd -- {q(repo)}; rm -rf {q(t)}; mkdir -p {q(t)}; {env}; "
+            f"set -e; rm -rf -- {q(t)}; mkdir -p -- {q(t)}; "
+            f"top=$({git('rev-parse', '--show-toplevel')}); "
+            f"objs=$(cd -- \"$({git('rev-parse', '--git-path', 'objects')})\" && pwd -P); "
+            f"excl=$({git('rev-parse', '--git-path', 'info/exclude')}"
+            f" 2>/dev/null || true); "
+            f"{git('init', '-q', '--bare', '--template=', q(g))} >/dev/null; "
+            f"printf '%s\\n' \"$objs\" > {q(g + '/objects/info/alternates')}; "
+            f"mkdir -p -- {q(g + '/info')}; "
+            f"printf %s {q(NEUTRAL_ATTRIBUTES)} > {q(g + '/info/attributes')}; "
+            # The agent's own ignore list is patterns, nothing that runs: kept.
+            f"if [ -n \"$excl\" ] && [ -f \"$excl\" ] && [ ! -L \"$excl\" ]; then "
+            f"cat -- \"$excl\" > {q(g + '/info/exclude')}; fi; "
+            f"printf %s \"$top\" > {q(t + '/top')}; {env}; "
             f"{git('rev-parse', '-q', '--verify', q(base_commit + '^{commit}'))} >/dev/null "
             f"|| {{ echo 'base commit {base_commit} is not in this repository'; exit 3; }}; "
             f"{git('read-tree', base)}; {git('add', '-A')}; "
             f"{git('diff', '--cached', '--name-status', '-z', '--no-renames', base)} "
-            f"> {q(t + '/names')}"), "capture: stage the changes")
+            f"> {q(t + '/names')}"), "capture: stage the changes", cwd=repo)
         names = parse_name_status_z(await sandbox.read(f"{t}/names"))
         excluded: list[Excluded] = []
         candidates: list[tuple[int, str, str]] = []
@@ -129,7 +184,7 @@ async def capture_patch(sandbox: AsyncSandbox, base_commit: str, *, repo: str = 
                     cmds.append(f"{git('show', q(base_commit + ':' + path))} > {q(f'{t}/base.{i}')}")
                 if status != "D":
                     cmds.append(f"{git('show', q(':' + path))} > {q(f'{t}/new.{i}')}")
-            await _run(sandbox, f"set -e; cd -- {q(repo)}; {env}; " + "; ".join(cmds),
+            await _run(sandbox, f"{env}; " + "; ".join(cmds),
                        "capture: read configuration files")
             for i, status, path in candidates:
                 before = None if status == "A" else await sandbox.read(f"{t}/base.{i}")
@@ -139,25 +194,38 @@ async def capture_patch(sandbox: AsyncSandbox, base_commit: str, *, repo: str = 
                     excluded.append(Excluded(path, f"changes its test section(s) "
                                                    f"{', '.join('[' + s + ']' for s in secs)}"))
         # What grade() would refuse is left out here, so the agent's side says so.
-        pre = f"set -e; cd -- {q(repo)}; {env}"
-        tree = await _base_tree(sandbox, pre, base_commit, t)
+        tree = await _base_tree(sandbox, env, base_commit, t)
         left = {e.path for e in excluded}
         excluded.extend(Excluded(p, why) for p, why in
-                        await _write_refusals(sandbox, pre, base_commit, t, tree)
+                        await _write_refusals(sandbox, env, base_commit, t, tree)
                         if p not in left)
-        resets = "".join(f"{git('reset', '-q', base, '--', q(':(literal)' + e.path))}; "
-                         for e in excluded)
+        resets = [f"{git('reset', '-q', base, '--', q(':(literal)' + e.path))}"
+                  for e in excluded]
+        for chunk in _chunks(resets):
+            await _run(sandbox, f"{env}; {chunk}", "capture: leave out excluded files")
         await _run(sandbox, (
-            f"set -e; cd -- {q(repo)}; {env}; {resets}"
+            f"{env}; "
             f"{git('diff', '--cached', '--binary', '--no-renames', '--no-ext-diff', '--no-textconv', '--no-color', base)}"
             f" > {q(t + '/patch')}"), "capture: diff")
         patch = await sandbox.read(f"{t}/patch")
     finally:
         try:
-            await sandbox.exec(f"rm -rf {q(t)}", timeout=60)
+            await _step(sandbox, f"rm -rf -- {q(t)}", timeout=60, uses_git=False)
         except SandmanError as e:
             log.info("capture: could not remove %s: %s", t, e)
     return CapturedPatch(patch, excluded)
+
+
+def _chunks(cmds: list[str], limit: int = 32 << 10) -> list[str]:
+    """Commands joined with "; " into lines of at most about `limit` bytes (a fresh
+    command is one argument of bash -c)."""
+    out: list[str] = []
+    for c in cmds:
+        if out and len(out[-1]) + len(c) + 2 <= limit:
+            out[-1] += "; " + c
+        else:
+            out.append(c)
+    return out
 
 
 # ---- grade
@@ -332,11 +400,11 @@ async def _collect(sb: AsyncSandbox, task: Task, t: str, addopts: list[str]
                    Path(__file__).parent.parent.joinpath("_collect_plugin.py").read_bytes())
     ids_file = f"{t}/ids.json"
     opts = [*addopts, "--collect-only", "-p", COLLECT_PLUGIN]
-    r = await sb.exec(
-        f"( {pytest_env(opts)}; export SANDMAN_GRADING_IDS={q(ids_file)} "
-        f"PYTHONPATH={q(t + '/plug')}${{PYTHONPATH:+:$PYTHONPATH}}; cd -- {q(task.repo)} && "
-        f"{q(task.python)} -m pytest -q -- {' '.join(q(f) for f in task.test_files)} ) 2>&1",
-        timeout=max(task.time_limit_s, STEP_TIMEOUT_S), max_output=MAX_OUTPUT)
+    r = await _step(
+        sb, f"{pytest_env(opts)}; export SANDMAN_GRADING_IDS={q(ids_file)} "
+        f"PYTHONPATH={q(t + '/plug')}${{PYTHONPATH:+:$PYTHONPATH}}; "
+        f"{q(task.python)} -m pytest -q -- {' '.join(q(f) for f in task.test_files)}",
+        cwd=task.repo, timeout=max(task.time_limit_s, STEP_TIMEOUT_S), uses_git=False)
     if r.error:
         raise _StepFailed(f"collect the official tests: {r.error}")
     try:
@@ -364,9 +432,9 @@ async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: by
     tests = " ".join(q(f) for f in task.test_files)
     ex = task.exclude
     cd = f"cd -- {q(task.repo)}"
-    r = await sb.exec(f"( set -e; {cd}; "
-                      f"{git('rev-parse', '-q', '--verify', q(task.base_commit + '^{commit}'))}"
-                      f" >/dev/null ) 2>&1", timeout=STEP_TIMEOUT_S)
+    r = await _step(sb, f"set -e; {cd}; "
+                        f"{git('rev-parse', '-q', '--verify', q(task.base_commit + '^{commit}'))}"
+                        f" >/dev/null")
     if r.error:
         raise _StepFailed(f"check base commit: {r.error}")
     if r.exit_code != 0:
@@ -408,8 +476,7 @@ async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: by
         args = " ".join(q(a) for a in
                         ["--binary", "--whitespace=nowarn", *ex.apply_args(),
                          *(f"--exclude={f}" for f in task.test_files)])
-        r = await sb.exec(f"( {cd} && {git('apply', args, q(t + '/patch.diff'))} ) 2>&1",
-                          timeout=STEP_TIMEOUT_S, max_output=MAX_OUTPUT)
+        r = await _step(sb, f"{cd} && {git('apply', args, q(t + '/patch.diff'))}")
         if r.error:
             raise _StepFailed(f"git apply: {r.error}")
         if r.exit_code != 0:
@@ -433,8 +500,8 @@ async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: by
                 if path not in {e.path for e in excluded}:
                     excluded.append(Excluded(path, why))
         for i, path in enumerate(p for p in changed if ex.section_names(p)):
-            r = await sb.exec(f"( {cd} && {git('show', q(task.base_commit + ':' + path))} "
-                              f"> {q(f'{t}/base.{i}')} ) 2>/dev/null", timeout=STEP_TIMEOUT_S)
+            r = await _step(sb, f"{cd} && {git('show', q(task.base_commit + ':' + path))} "
+                                f"> {q(f'{t}/base.{i}')} 2>/dev/null")
             before = await sb.read(f"{t}/base.{i}") if r.exit_code == 0 else None
             try:
                 after = await sb.read(f"{task.repo}/{path}")
@@ -446,8 +513,7 @@ async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: by
                 await _run(sb, f"set -e; {cd}; {undo}", f"restore {path}")
                 excluded.append(Excluded(path, "changes its test section(s)"))
         # The grader's invariant, checked rather than assumed.
-        r = await sb.exec(f"( {cd} && {git('diff', '--quiet', base, '--', tests)} ) 2>&1",
-                          timeout=STEP_TIMEOUT_S)
+        r = await _step(sb, f"{cd} && {git('diff', '--quiet', '--no-ext-diff', '--no-textconv', base, '--', tests)}")
         if r.error or r.exit_code != 0:
             raise _StepFailed(f"official tests differ from the base after the patch: "
                               f"{r.error or r.output.strip()[:300]}")
@@ -458,29 +524,56 @@ async def _grade_on(client: AsyncClient, sb: AsyncSandbox, task: Task, patch: by
     report = f"{t}/out/report.xml"
     env = pytest_env([*addopts, f"--junitxml={report}"])
     try:
-        r = await sb.exec(f"( {env}; {cd} && {task.command} ) 2>&1", timeout=task.time_limit_s,
-                          max_output=MAX_OUTPUT)
+        # A fresh process: when it returns, execd has killed every process it left.
+        r = await _step(sb, f"{env}; {task.command}", cwd=task.repo,
+                        timeout=task.time_limit_s, uses_git=False)
     except CommandTimeout as e:
         out = tail(e.result.output)
         return (Verdict.FAILED, f"the suite ran past its declared time limit "
                 f"({task.time_limit_s:g} s)", False, e.result.exit_code, {}, out)
     out = tail(r.output)
     if r.error:
-        # The shell died. Evidence from outside the code under test decides: a pod gone or
-        # an execd unreachable raise here (the infrastructure's); a healthy pod and execd
-        # mean the suite's own processes did it (the code under test).
+        # execd answered with an error. Evidence from outside the code under test decides: a
+        # pod gone or an execd unreachable raise here (the infrastructure's); a healthy pod
+        # and execd leave it to the run (the code under test).
         await asyncio.sleep(HEALTH_WAIT_S)
         if sb.id:
             await client.get(sb.id)
-        await sb.exec("true", timeout=STEP_TIMEOUT_S)
-        return (Verdict.FAILED, f"the suite's shell died (execd: {r.error}) while the pod "
-                "and execd stayed healthy", False, r.exit_code, {}, out)
-    try:
-        data: bytes | None = await sb.read(report)
-    except FileNotFound:
-        data = None
+        await _step(sb, "true", uses_git=False)
+        return (Verdict.FAILED, f"the suite's run ended in an error (execd: {r.error}) while "
+                "the pod and execd stayed healthy", False, r.exit_code, {}, out)
+    stage[0] = "read the report"
+    data, why = await _report_copy(sb, report)
+    if why:
+        return Verdict.FAILED, f"{why} (exit {r.exit_code})", False, r.exit_code, {}, out
     verdict, reason, summary = judge(data, tuple(test_ids), r.exit_code)
     return verdict, reason, False, r.exit_code, summary, out
+
+
+async def _report_copy(sb: AsyncSandbox, report: str) -> tuple[bytes | None, str | None]:
+    """The suite's report, read from a copy made now that no process of the suite is left:
+    (its bytes or None when there is none, None), or (None, why it is no report: a
+    symlink, not a regular file, unreadable). At most MAX_REPORT + 1 bytes are copied."""
+    q = shlex.quote
+    copy = _tmpdir()
+    r = await _step(sb, (
+        f"r={q(report)}; c={q(copy)}; mkdir -m 700 -- \"$c\" || exit 70; "
+        'if [ -L "$r" ]; then echo "the JUnit report is a symlink"; exit 3; fi; '
+        'if [ ! -e "$r" ]; then exit 4; fi; '
+        'if [ ! -f "$r" ]; then echo "the JUnit report is not a regular file"; exit 3; fi; '
+        f'head -c {MAX_REPORT + 1} -- "$r" > "$c/report.xml" '
+        '|| { echo "the JUnit report is unreadable"; exit 3; }'), uses_git=False)
+    if r.error or r.exit_code not in (0, 3, 4):
+        raise _StepFailed(f"copy the report: exit {r.exit_code}"
+                          f"{', ' + r.error if r.error else ''}: {tail(r.output, 300).strip()}")
+    if r.exit_code == 3:
+        return None, (tail(r.output, 300).strip().splitlines() or ["no JUnit report"])[-1]
+    if r.exit_code == 4:
+        return None, None
+    try:
+        return await sb.read(f"{copy}/report.xml"), None
+    except FileNotFound:
+        return None, None
 
 
 async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
