@@ -121,9 +121,10 @@ def _wait(d, pid, tag, since, r, st_r, t0, timeout, max_output, idle, sock):
     poller.register(r, select.POLLIN)
     poller.register(st_r, select.POLLIN)
     pidfd = None
-    if hasattr(os, "pidfd_open"):
+    pidfd_open = getattr(os, "pidfd_open", None)  # 3.9+: bash's end wakes the poll at once
+    if pidfd_open is not None:
         try:
-            pidfd = os.pidfd_open(pid)
+            pidfd = pidfd_open(pid)
             poller.register(pidfd, select.POLLIN)
         except OSError:
             pidfd = None

@@ -19,7 +19,6 @@ import dataclasses
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest

@@ -59,6 +59,8 @@ from sandman.client._grading import (
 from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
 
 if TYPE_CHECKING:
+    from sandman.client.models import ExecResult
+
     from .client import AsyncClient
     from .sandbox import AsyncSandbox
 
@@ -101,7 +103,7 @@ async def _git_bin(sb: AsyncSandbox) -> str:
 
 
 async def _step(sb: AsyncSandbox, cmd: str, *, cwd: str = "/",
-                timeout: float = STEP_TIMEOUT_S, uses_git: bool = True) -> Any:
+                timeout: float = STEP_TIMEOUT_S, uses_git: bool = True) -> ExecResult:
     """One grading step, in a process execd starts fresh for it (never the holder's shell:
     docs/grading.md, "Where each step runs"), stderr with stdout; with `uses_git`, after
     git_env. The ExecResult; CommandTimeout raises."""

@@ -60,6 +60,8 @@ from sandman.client._grading import (
 from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
 
 if TYPE_CHECKING:
+    from sandman.client.models import ExecResult
+
     from .client import Client
     from .sandbox import Sandbox
 
@@ -102,7 +104,7 @@ def _git_bin(sb: Sandbox) -> str:
 
 
 def _step(sb: Sandbox, cmd: str, *, cwd: str = "/",
-          timeout: float = STEP_TIMEOUT_S, uses_git: bool = True) -> Any:
+          timeout: float = STEP_TIMEOUT_S, uses_git: bool = True) -> ExecResult:
     """One grading step, in a process execd starts fresh for it (never the holder's shell:
     docs/grading.md, "Where each step runs"), stderr with stdout; with `uses_git`, after
     git_env. The ExecResult; CommandTimeout raises."""
