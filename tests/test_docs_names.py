@@ -173,6 +173,8 @@ OTHER_TOOLS = {
     "--dry-run": "kubectl", "--from": "kubectl create job", "--from-file": "kubectl create",
     "--ignore-not-found": "kubectl delete", "--for": "kubectl wait", "--timeout": "kubectl wait",
     "--audience": "kubectl create token", "--field-selector": "kubectl get",
+    # bash (execd's fresh commands) and git init (capture's own git directory)
+    "--noprofile": "bash", "--norc": "bash", "--bare": "git init", "--template": "git init",
     # helm
     "--wait": "helm install/upgrade/uninstall; iptables -w", "--force": "helm upgrade",
     "--reuse-values": "helm upgrade", "--no-hooks": "helm uninstall", "--logs": "helm test",
