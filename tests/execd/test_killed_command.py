@@ -172,3 +172,20 @@ def test_a_late_kill_signal_does_not_skip_the_next_command(execd):
     r = execd.exec("echo a; echo b")
     assert r["output"].endswith("a\nb\n") and r["exit_code"] == 0, r
     assert execd.shell_pid() == shell
+
+
+@pytest.mark.slow
+def test_a_shell_stuck_where_no_trap_runs_is_replaced_and_says_so(execd, tmp_path):
+    """Opening a FIFO nobody writes blocks bash where it runs no trap: no frame comes, so the
+    shell is stopped, killed and replaced, the answer says the state was lost, and the rest of
+    the command never runs."""
+    d = tmp_path / "out"
+    d.mkdir()
+    shell = execd.shell_pid()
+    r = execd.exec(f"mkfifo {tmp_path}/ff; read x < {tmp_path}/ff; touch {d}/x", timeout=1)
+    assert r["exit_code"] == 124 and "state lost" in r["error"], r
+    time.sleep(SETTLE_S)
+    assert list(d.iterdir()) == []
+    assert execd.shell_pid() != shell
+    assert execd.exec("echo ok")["output"].endswith("ok\n")
+    assert execd.others() == []
