@@ -12,6 +12,7 @@ import subprocess
 import sys
 import threading
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -280,13 +281,16 @@ def test_execd_killed_mid_run_is_no_verdict(flavor, twin, fresh_execd: Execd, tm
     """The grading pod's execd dies while the suite runs (a deleted pod): no_verdict after
     the retry, never failed."""
     ctl = make_controller(fresh_execd)
+    # A duration no other test's sleep has: pgrep sees every process on the machine, and a
+    # `sleep 20` of a test beside this one stopped execd before the suite started.
+    pause = f"20.{uuid.uuid4().int % 10**9:09d}"
     task = dataclasses.replace(new_task(tmp_path),
-                               test_command=f"sleep 20; {PYTEST} tests/test_calc.py")
+                               test_command=f"sleep {pause}; {PYTEST} tests/test_calc.py")
 
     def killer():
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:
-            if subprocess.run(["pgrep", "-f", "^sleep 20$"], capture_output=True).stdout:
+            if subprocess.run(["pgrep", "-f", f"^sleep {pause}$"], capture_output=True).stdout:
                 break
             time.sleep(0.1)
         fresh_execd.stop()
