@@ -216,7 +216,7 @@ class Background(ChildTable):
                 base = os.readlink("/proc/%d/cwd" % sh.pid)
             except OSError:
                 base = None
-        base = base or self.d.workspace or "/"
+        base = base or self.d.start_dir
         if cwd is None:
             return base
         if not isinstance(cwd, str) or not cwd or "\0" in cwd or len(cwd) > 4096:

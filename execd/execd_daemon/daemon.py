@@ -64,6 +64,11 @@ class Daemon:
         self.instance = os.environ.get(INSTANCE_ENV) or os.urandom(6).hex()
         self.bash = shutil.which("bash") or "/bin/bash"
         self.workspace = args.workspace
+        # Resolved once, at start: the holder may remove execd's cwd (the workspace without
+        # --workspace, as in controller pods), and a removed cwd has no name (getcwd fails).
+        self.start_cwd = os.path.realpath(os.getcwd())
+        # The shell's first cwd, the base of relative paths and where /ready probes the disk.
+        self.start_dir = self.workspace or self.start_cwd
         self.root = os.path.realpath(args.root)
         self.netguard_status = args.netguard_status
         self.kill_grace = args.kill_grace
@@ -409,6 +414,9 @@ class Daemon:
         since0 = boot_ticks()
         notice = self._ensure_shell()
         sh = self.shell
+        if sh.note:  # said once, by the first call the shell runs
+            notice = "; ".join(x for x in (notice, sh.note) if x)
+            sh.note = None
         sh.resume()
         self.calls += 1
         tag = "%s-%d" % (self.instance, self.calls)

@@ -24,7 +24,7 @@ def resolve_path(d, path, for_write=False):
                 base = os.readlink("/proc/%d/cwd" % d.shell.pid)
             except OSError:
                 base = None
-        path = os.path.join(base or os.getcwd(), path)
+        path = os.path.join(base or d.start_dir, path)
     real = os.path.realpath(path)
     root = d.root
     if root != "/" and real != root and not real.startswith(root + "/"):

@@ -125,7 +125,7 @@ class ReadyCheck:
         # The shell's first cwd (the pod's workingDir without --workspace) and the temp dir.
         # (Not tempfile.gettempdir(): it probes by writing and caches a fallback dir.)
         tmp = self.d.base_env.get("TMPDIR") or "/tmp"
-        for path in (self.d.workspace or os.getcwd(), tmp):
+        for path in (self.d.start_dir, tmp):
             if not path:
                 continue
             try:

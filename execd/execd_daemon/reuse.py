@@ -113,9 +113,8 @@ class Baseline(object):
         self.args = args
         self.lock = threading.Lock()
         self.store = Store(args.baseline_store)
-        # Once, at start: the holder may remove execd's cwd (the workspace without
-        # --workspace) and make another at its path, and a deleted cwd has no name.
-        self.cwd = os.path.realpath(os.getcwd())
+        # Resolved at start (daemon.py): the holder may remove it and make another at its path.
+        self.cwd = daemon.start_cwd
         self.entries = None  # path -> FileState; None until recorded
         self.areas = {}  # path -> area (repo, packages, system, home)
         self.kids = {}

@@ -226,6 +226,7 @@ class Shell:
         self.pid = None
         self.started = None
         self.fds = []
+        self.note = None  # why it started elsewhere than the workspace; said by its first call
 
     def spawn(self, bash):
         d = self.d
@@ -287,7 +288,12 @@ class Shell:
         self.started = now()
         script = BOOTSTRAP % {"diagr": DIAG_R_FD, "diagw": DIAG_W_FD, "st": STATUS_FD,
                               "tag": TAG_VAR, "abort": ABORT_SIGNAL}
-        cwd = d.workspace or os.getcwd()
+        cwd = d.start_dir
+        if not os.path.isdir(cwd):
+            # Removed within a holding (the restore puts it back): a shell in / that says so
+            # beats one in a deleted directory, or none.
+            self.note = "the workspace %s is gone; the shell started in /" % cwd
+            cwd = "/"
         exports = "".join("builtin export %s=%s\n" % (k, sh_quote(
             v.encode("utf-8", "surrogatepass")).decode("utf-8", "surrogatepass"))
             for k, v in startup)

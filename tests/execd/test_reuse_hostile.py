@@ -300,6 +300,47 @@ def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
     assert "id" in p, p
 
 
+@pytest.mark.parametrize("how", ["recreated", "removed"])
+def test_shell_ended_after_execds_cwd_was_removed(execd_factory, tmp_path, how):
+    """Within a holding: the holder removes execd's cwd (the workspace without --workspace)
+    and ends its shell. The next /exec gets a shell at once: in the directory now at the
+    workspace's path, or, where there is none, in / with an error naming the gone workspace.
+    Relative file paths and spawns keep working; /diff and /restore still put it all back."""
+    ws, etc = tmp_path / "ws", tmp_path / "etc"
+    ws.mkdir()
+    etc.mkdir()
+    (ws / "f.py").write_text("x = 1\n")
+    d = execd_factory("--baseline-at-start", "on", "--baseline-store", str(tmp_path / "store"),
+                      "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
+                      "--baseline-localtime", str(etc / "localtime"), "--kill-grace", "0.5",
+                      prefix=("sh", "-c", 'cd "$0" && exec "$@"', str(ws)))
+    again = f" && mkdir {ws} && echo new > {ws}/g" if how == "recreated" else ""
+    sh(d, f"cd / && rm -rf {ws}{again}")
+    r = d.post("/exec", {"command": "kill -9 $$", "timeout": 10})
+    assert r.status_code == 200, r.text
+    assert "a new shell was started" in r.json()["error"], r.json()
+    r = d.post("/exec", {"command": "pwd", "timeout": 10})
+    assert r.status_code == 200, r.text
+    if how == "recreated":
+        assert r.json()["output"] == f"{ws}\n" and r.json()["exit_code"] == 0, r.json()
+        r = d.get("/files", params={"path": "g"})
+        assert r.status_code == 200 and r.content == b"new\n", r.text
+    else:
+        assert r.json()["output"] == "/\n" and r.json()["exit_code"] == 0, r.json()
+        assert f"{ws} is gone" in r.json()["error"], r.json()
+        # Said once: the next call in the same shell is plain.
+        assert d.exec("true")["error"] is None
+    p = d.post("/processes/spawn", {"command": "pwd"}).json()
+    assert "id" in p, p
+    r = d.get("/diff")
+    assert r.status_code == 200 and r.json()["clean"] is False, r.text
+    r = d.post("/restore", {}, timeout=60)
+    assert r.status_code == 200 and r.json()["restored"] is True, r.text
+    assert sh(d, "pwd && cat f.py && ls")["output"] == f"{ws}\nx = 1\nf.py\n"
+    assert d.get("/diff").json()["clean"] is True
+    assert d.get("/ready").status_code == 200, d.get("/ready").text
+
+
 def test_dev_on_the_nodes_devtmpfs_is_reported_never_deleted(tmp_path, monkeypatch):
     """The kernel adds nodes to the node's own devtmpfs (execd outside a pod, a pod given the
     host's /dev): the restore must not delete what it finds added there. Which filesystem
