@@ -134,6 +134,7 @@ class Baseline(object):
         self.ipc = None  # the SysV IPC objects and POSIX message queues of the namespace
         self.mq = None  # where the queues are listed (sysvipc.mq_source)
         self.keys = None  # the keys reachable from execd's keyrings (keyrings.py)
+        self.pattrs = None  # the attributes of the baseline's processes (baseprocs.py)
 
     # ---- roots
 
@@ -308,9 +309,10 @@ class Baseline(object):
             self.base_env = dict(self.d.base_env)
             self.tz = self.tz_state()
             self.procs = self.processes()
-            from . import keyrings, procattrs, sysvipc  # first here: before /diff, /restore
+            from . import baseprocs, keyrings, procattrs, sysvipc  # first here
             self.attrs = procattrs.record()
             self.keys = keyrings.read()
+            self.pattrs = baseprocs.record(self.procs)
             self.mq = sysvipc.mq_source(os.path.join(self.d.root, "dev/mqueue"))  # a pod's
             self.ipc = sysvipc.read(mq=self.mq)
             found, _, _ = self.walk()
@@ -474,9 +476,9 @@ class Baseline(object):
     def _state_changes(self):
         """execd's own process attributes and the SysV IPC objects (procattrs.py, sysvipc.py):
         no shell needed, a retired execd reports them too."""
-        from . import keyrings, procattrs, sysvipc  # loaded by the record
+        from . import baseprocs, keyrings, procattrs, sysvipc  # loaded by the record
         return (procattrs.changes(self.attrs) + sysvipc.changes(self.ipc, mq=self.mq)
-                + keyrings.changes(self.keys))
+                + keyrings.changes(self.keys) + baseprocs.changes(self.pattrs))
 
     def _need(self):
         if self.entries is None:
@@ -520,7 +522,7 @@ class Baseline(object):
                     # clean, and only then a shell starts, from the binary whose hash the
                     # baseline recorded. Any failure retires this execd (no shell starts again,
                     # the controller deletes the pod).
-                    from . import keyrings, procattrs, sysvipc  # loaded by the record
+                    from . import baseprocs, keyrings, procattrs, sysvipc  # loaded by record
                     procattrs.restore(self.attrs)  # first, as execd works under its limits
                     d.bg.hold()
                     d.pty.hold()
@@ -532,7 +534,7 @@ class Baseline(object):
                     # No holder's process is left to change them again, and no shell has
                     # started yet to inherit them.
                     left += procattrs.restore(self.attrs) + sysvipc.restore(self.ipc, self.mq)
-                    left += keyrings.restore(self.keys)
+                    left += keyrings.restore(self.keys) + baseprocs.restore(self.pattrs)
                     left += self._restore_files()
                     left += self._restore_tz() + _revive_cwd(self.cwd)
                     if not left:

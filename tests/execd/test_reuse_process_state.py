@@ -349,3 +349,38 @@ def test_ionice_unreadable_without_ctypes_is_a_refusal(monkeypatch):
     base = procattrs.record()
     assert procattrs.changes(base) == [{"kind": "execd", "name": "ionice",
                                         "why": "not read: no ctypes: No module named '_ctypes'"}]
+
+
+# ---------------------------------------------------------------- baseline processes
+
+# What the holder does to a daemon the image started before the baseline ($D its pid); each
+# is inherited by whatever the daemon starts for the next holder.
+DAEMON_ATTACKS = {
+    "rlimit": "prlimit --pid $D --nofile=64:64",
+    "nice": "renice -n 7 -p $D",
+    "affinity": f"taskset -p -c {min(os.sched_getaffinity(0))} $D",
+    "oom_score_adj": "echo 700 > /proc/$D/oom_score_adj",
+    # The daemon's own cd, on the holder's signal.
+    "cwd": "kill -USR1 $D && sleep 0.3",
+}
+
+
+@pytest.mark.parametrize("name", sorted(DAEMON_ATTACKS))
+def test_attributes_of_a_baseline_daemon_changed_by_the_holder_retire(execd_factory, tmp_path,
+                                                                      name):
+    if name == "affinity" and len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("one CPU: no narrower affinity")
+    d = start(execd_factory, tmp_path, at_start="off")
+    # One process without children (a loop of `sleep`s would change the process set).
+    daemon = sh(d, f"{sys.executable} -c 'import os, signal, time\n"
+                   "signal.signal(signal.SIGUSR1, lambda *a: os.chdir(\"/tmp\"))\n"
+                   "while True: time.sleep(1)' > /dev/null 2>&1 & echo $!").strip()
+    assert d.post("/baseline", {}).status_code == 200
+    assert d.get("/diff").json()["clean"] is True
+    sh(d, f"D={daemon}; {DAEMON_ATTACKS[name]}")
+    changes = [c for c in d.get("/diff").json()["changes"] if c["kind"] == "process"]
+    assert [(c["pid"], c["name"]) for c in changes] == [(int(daemon), name)], changes
+    got = hand_over(d)
+    assert retired(got), got
+    assert any(x["kind"] == "process" and x["pid"] == int(daemon)
+               for x in got["restore"]["left"]), got
