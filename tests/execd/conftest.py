@@ -172,8 +172,12 @@ def start_execd(tmp_path: Path, *args: str, env: dict | None = None, token: bool
                 python: str = sys.executable, prefix: tuple[str, ...] = ()) -> Execd:
     run_id = secrets.token_hex(6)
     e = {k: v for k, v in os.environ.items() if k != "SANDMAN_TOKEN_SHA256"}
+    # An empty HOME of its own: the machine's ~/.bashrc is not the image's (one that runs
+    # `pyenv init` kept an interactive bash from ever printing its prompt).
+    home = tmp_path / f"home-{run_id}"
+    home.mkdir()
     e.update({"EXECD_TEST_RUN": run_id, "SANDMAN_EXECD_INSTANCE": run_id,
-              "SANDMAN_NETGUARD_STATUS": str(tmp_path / "netguard.json")})
+              "SANDMAN_NETGUARD_STATUS": str(tmp_path / "netguard.json"), "HOME": str(home)})
     if token:
         e["SANDMAN_TOKEN_SHA256"] = TOKEN_SHA256
     if env:
