@@ -247,8 +247,9 @@ class Daemon:
         """SIGKILL every sandbox process (rounds, since they may fork meanwhile) and reap;
         all stopped first, so none acts on another's death (a `|| touch x` of its own)."""
         sh = self.shell
-        freeze(lambda: [p for p in self.sandbox_pids() if p not in keep],
-               sh.pid if sh is not None and sh.pid not in keep else None)
+        if sh is not None and sh.pid not in keep:
+            sh.unreaped(lambda: freeze(lambda: (), sh.pid))
+        freeze(lambda: [p for p in self.sandbox_pids() if p not in keep])
         deadline = now() + 10
         while now() < deadline:
             pids = [p for p in self.sandbox_pids() if p not in keep]

@@ -103,10 +103,12 @@ class ReadyCheck:
                     code = exit_code_of(st)
                     return None if code == 0 else "the probe process exited %d" % code
                 if now() >= deadline:
-                    try:
-                        os.kill(pid, signal.SIGKILL)
-                    except ProcessLookupError:
-                        pass
+                    with self.d.reaper.lock:  # unreaped: the pid is still the probe's
+                        if self.d.reaper.watched.get(pid, 0) is None:
+                            try:
+                                os.kill(pid, signal.SIGKILL)
+                            except ProcessLookupError:
+                                pass
                     return "the probe process did not finish within %gs" % (
                         READY_BUDGET * 0.75)
                 time.sleep(0.002)

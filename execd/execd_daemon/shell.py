@@ -354,10 +354,22 @@ class Shell:
         SIGSTOP its parent): a stopped shell would time out every later call."""
         st = proc_stat(self.pid) if self.pid is not None else None
         if st is not None and st[1] == "T":
+            self.unreaped(lambda: os.kill(self.pid, signal.SIGCONT))
+
+    def unreaped(self, send):
+        """Run `send` (a signal to the shell or to its group) only while the shell is unreaped,
+        under the reaper's lock: a reaped pid is free, and with pid_max at 32768 another
+        process takes it within minutes; a group signal then stops a stranger's processes.
+        Returns whether it was sent."""
+        r = self.d.reaper
+        with r.lock:
+            if self.pid is None or r.watched.get(self.pid, 0) is not None:
+                return False
             try:
-                os.kill(self.pid, signal.SIGCONT)
+                send()
             except ProcessLookupError:
                 pass
+            return True
 
     def freeze(self, find):
         """Stop the shell's process group at once (a fork racing a group signal is restarted
@@ -365,26 +377,29 @@ class Shell:
         sessions too, in rounds until none is new: a stopped process forks no more. Returns
         the group's processes that were stopped already (a job the agent stopped): thaw()
         leaves them so."""
+        if not self.unreaped(lambda: None):
+            freeze(find)  # the shell is gone: its group number may be a stranger's
+            return set()
         held = {p for p, st in group_states(self.pid).items() if st == "T"}
         held.discard(self.pid)
-        freeze(find, self.pid)
+        self.unreaped(lambda: freeze(lambda: (), self.pid))
+        freeze(find)
         return held
 
     def abort(self):
         """Make the (stopped) shell skip the rest of its command once continued: BOOTSTRAP."""
-        try:
-            os.kill(self.pid, ABORT_SIGNAL)
-        except ProcessLookupError:
-            pass
+        self.unreaped(lambda: os.kill(self.pid, ABORT_SIGNAL))
 
     def thaw(self, held):
         """SIGCONT to the shell and to whatever of its group freeze() stopped and left alive."""
-        for p in group_states(self.pid):
-            if p not in held:
-                try:
-                    os.kill(p, signal.SIGCONT)
-                except ProcessLookupError:
-                    pass
+        def cont():
+            for p in group_states(self.pid):
+                if p not in held:
+                    try:
+                        os.kill(p, signal.SIGCONT)
+                    except ProcessLookupError:
+                        pass
+        self.unreaped(cont)
 
     def exit_status(self):
         return self.d.reaper.status(self.pid)
@@ -395,10 +410,7 @@ class Shell:
     def kill(self):
         if self.pid is None:
             return
-        try:
-            os.kill(self.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+        self.unreaped(lambda: os.kill(self.pid, signal.SIGKILL))
         deadline = now() + 5
         while self.exit_status() is None and now() < deadline:
             time.sleep(0.005)
