@@ -232,7 +232,7 @@ def run_virtual(coro):
 def _settings(policy: str) -> Settings:
     demand = policy == "demand"
     return Settings(
-        namespace="replay", ready_check="pod", sweep_interval=1e9,
+        namespace="replay", ready_check="pod", sweep_interval=1e9, image_pinning="off",
         default_idle_timeout=DEMAND_IDLE_S if demand else FIXED_IDLE_S,
         limits=Limits(),  # the controller's defaults: 20 creates/s, burst 40, 200 creating
         warm_budget=Budget(pods=WARM_BUDGET_PODS, cpu=WARM_BUDGET_PODS * float(CPU))

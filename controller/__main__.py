@@ -155,6 +155,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="an image, pinned by digest, pulled onto every node of the sandbox "
                         "node pool at start and onto nodes that join it (repeatable; "
                         "docs/controller.md \"Pre-pull\")")
+    s.add_argument("--image-pinning", choices=("resolve", "require", "off"), default="resolve",
+                   help="resolve: a job's tag is resolved to its digest once, through the "
+                        "registry, and the job's pods run that digest (a tag that cannot be "
+                        "resolved is refused); require: tags refused, digests only; off: "
+                        "references as given, unpinned (docs/controller.md \"Image pinning\")")
+    s.add_argument("--registry-insecure", action="append", default=[], metavar="HOST[:PORT]",
+                   help="a registry image pinning asks over plain http (repeatable)")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -240,6 +247,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
         baseline_scope=args.baseline_scope,
         books_key=_read_key(args.books_key_file),
         prepull_images=tuple(check_images(args.prepull_image, "--prepull-image")),
+        image_pinning=args.image_pinning,
+        registry_insecure=tuple(args.registry_insecure),
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
@@ -302,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     if elector.advertise_url is None:
         log.warning("no --advertise-address: as leader, standbys cannot forward API calls "
                     "here and answer NotLeader (retried by the SDK) instead")
+    if args.image_pinning == "off":
+        log.warning("*** --image-pinning off: tags are used as given; a tag that moves "
+                    "changes the image under a running job (and its grading). ***")
     if args.insecure_http:
         log.warning("*** --insecure-http: the API is plain http, so ServiceAccount tokens and "
                     "sandbox tokens cross the network in clear text. For local use only; the "

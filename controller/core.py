@@ -43,6 +43,7 @@ from controller.errors import (
     QueueFullError,
 )
 from controller.events import CapacitySignals
+from controller.images import Pins, dockerconfigs
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
@@ -73,6 +74,10 @@ class Controller:
                                  self._spawn, has_room=lambda spec: self.warm.has_room(spec))
         self.warm = WarmPool(self.books, self.pacer, self.pipeline, self.creator, settings,
                              self._spawn, clock)
+        # A job's tags, resolved once to digests (controller/images.py).
+        self.pins = Pins(settings.image_pinning, settings.registry_insecure,
+                         self._pull_credentials if settings.pod_template.get(
+                             "imagePullSecrets") else None)
         self.sweeper = Sweeper(kube, self.books, self.pacer, self.pipeline, self.creator,
                                settings, self._spawn)
         self.informer: Informer | None = None
@@ -247,6 +252,9 @@ class Controller:
         spec, job = order.spec, order.job
         self.validate(spec, job, order.labels, order.owner)
         self.validate_conditions(order.conditions)
+        # Before any pool lookup: the warm key, the pod and the answer name the job's digest.
+        spec = replace(spec, image=await self.pins.pin(job, spec.image))
+        order = replace(order, spec=spec)
         lifetime = self.lifetime(order.lifetime_s)
         if not self.ready:
             raise NotLeader("this controller replica is not the leader; retry")
@@ -449,7 +457,24 @@ class Controller:
         return released
 
     async def drain(self, job: str) -> int:
+        self.pins.forget(job)  # a job drained is over: its name may pin anew
         return await self.sweeper.drain(job)
+
+    async def pinned_spec(self, spec: SandboxSpec) -> SandboxSpec:
+        """A prewarm's spec by digest: its pool is keyed by what the tag names now."""
+        self.validate(spec, POOL_JOB, {}, None)
+        return replace(spec, image=await self.pins.pin(None, spec.image))
+
+    async def _pull_credentials(self) -> list[dict]:
+        """The pod template's pull Secrets, as the kubelet would use them for the sandboxes
+        (the chart grants `get` on these names only)."""
+        out = []
+        for ref in self.s.pod_template.get("imagePullSecrets", []):
+            try:
+                out.append(await self.kube.read_secret(ref["name"]))
+            except Exception as ex:  # noqa: BLE001 - one unreadable secret: ask with the rest
+                log.warning("image pinning: pull secret %s unreadable: %s", ref["name"], ex)
+        return dockerconfigs(out)
 
     async def sweep(self) -> int:
         return await self.sweeper.sweep()

@@ -21,6 +21,7 @@ from controller import metrics
 from controller import pods as P
 from controller.auth import split_job
 from controller.books import Books, Entry
+from controller.images import digest_of
 from controller.kube import AMBIGUOUS_STATUSES, Kube, is_transport_error
 from controller.pacer import Pacer
 from controller.settings import Settings
@@ -96,6 +97,10 @@ class Creator:
             size["ephemeral-storage"] = e.spec.ephemeral_storage
         container: dict[str, Any] = {"name": "sandbox", "image": e.spec.image,
                      "resources": {"requests": dict(size), "limits": dict(size)}}
+        if digest_of(e.spec.image) is not None:
+            # A digest names one image: a node that has it needs no pull. A tag reaches a pod
+            # only under --image-pinning off (the kubelet's default policy, unpinned).
+            container["imagePullPolicy"] = "IfNotPresent"
         if e.spec.gpu:
             # An extended resource is set in limits only: the API server copies the request.
             container["resources"]["limits"][self.s.policy.gpu_resource] = str(e.spec.gpu)

@@ -47,6 +47,12 @@ class ConditionsRefused(PodFailed):
     status, kind = api.CONDITIONS_REFUSED
 
 
+class ImageUnresolved(AcquireError):
+    """A tag the registry did not resolve to a digest: no pod by tag (controller/images.py)."""
+
+    status, kind = api.IMAGE_UNRESOLVED
+
+
 class NotLeader(AcquireError):
     status, kind = api.NOT_LEADER
 

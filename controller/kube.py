@@ -90,6 +90,9 @@ class Kube(Protocol):
 
     async def read_config_map(self, name: str) -> dict: ...
 
+    async def read_secret(self, name: str) -> dict:
+        """A pull Secret the pod template names (image pinning's registry credentials)."""
+
     async def delete_config_map(self, name: str) -> dict: ...
 
     def informer(self, loop: asyncio.AbstractEventLoop,
@@ -159,6 +162,9 @@ class KubeClient:
 
     async def delete_config_map(self, name: str) -> dict:
         return await self._raw(self.core.delete_namespaced_config_map, name, self.ns)
+
+    async def read_secret(self, name: str) -> dict:
+        return await self._raw(self.core.read_namespaced_secret, name, self.ns)
 
     def informer(self, loop: asyncio.AbstractEventLoop,
                  on_event: Callable[[str, Any], None]) -> ListWatch:

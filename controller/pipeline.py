@@ -26,6 +26,7 @@ from controller.conditions import Checker, Comparison
 from controller.create import Creator
 from controller.errors import AcquireError, AcquireTimeout, ConditionsRefused, PodFailed
 from controller.execd_client import ExecdClient
+from controller.images import digest_of
 from controller.kube import Kube
 from controller.pacer import Pacer
 from controller.pods import SandboxSpec
@@ -238,7 +239,8 @@ class Pipeline:
                 "token": e.token, "warm": warm,
                 "timings": {k: e.timings.get(k, 0.0) for k in TIMINGS},
                 "expires_at": P.iso_utc(e.expires_at) if e.expires_at else None,
-                "lifetime_s": e.lifetime, "conditions": e.conditions_check}
+                "lifetime_s": e.lifetime, "conditions": e.conditions_check,
+                "image": e.spec.image, "image_digest": digest_of(e.spec.image)}
 
     async def events(self, e: Entry) -> list[str]:
         return await self.kube.pod_events(e.name) if e.uid else []

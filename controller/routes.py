@@ -219,7 +219,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         who = await caller(request)
         await auth.require(who, A.CREATE, A.CLUSTER, A.PREWARM_SUB)
         c = ctl()
-        pool = c.prewarm(SandboxSpec.of(body.image, body.spec), body.count, body.idle_timeout_s)
+        spec = await c.pinned_spec(SandboxSpec.of(body.image, body.spec))
+        pool = c.prewarm(spec, body.count, body.idle_timeout_s)
         return api.PoolStatus(target=pool.target, warm=len(pool.warm), building=pool.building,
                               idle_timeout_s=pool.idle_timeout).to_json()
 

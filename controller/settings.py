@@ -130,6 +130,11 @@ class Settings:
     # --prepull-image (chart controller.prepull.images): pulled onto the sandbox node pool at
     # start and onto every node that joins it (controller/prepull.py); checked refs.
     prepull_images: tuple[str, ...] = ()
+    # --image-pinning: resolve (a job's tags resolved once to digests), require (tags
+    # refused) or off (references as given); --registry-insecure: registries asked over
+    # plain http (controller/images.py).
+    image_pinning: str = "resolve"
+    registry_insecure: tuple[str, ...] = ()
 
     # The API server's addresses (KUBERNETES_SERVICE_HOST): never in an allowlist, besides
     # the policy's egress_never (chart sandbox.egressNever) and sandman/egress.py's NEVER.
@@ -140,6 +145,8 @@ class Settings:
         # the admin's never ranges are the policy's: the webhook's flags, the same values).
         self.ceiling = egress.Ceiling.parse(list(self.policy.egress_ceiling))
         self.never = egress.parse_never(list(self.policy.egress_never) + list(self.api_server))
+        if self.image_pinning not in ("resolve", "require", "off"):
+            raise ValueError("image_pinning must be resolve, require or off")
         if self.ready_check not in ("execd", "pod"):
             raise ValueError("ready_check must be execd or pod")
         if self.baseline_scope not in contract.BASELINE_SCOPES:

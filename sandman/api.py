@@ -113,9 +113,12 @@ ACQUIRE_TIMEOUT = ErrorType(504, "AcquireTimeout")
 # Every pod tried contradicted a declared condition (each was deleted): the cluster cannot
 # give what was declared, the message names the field, the declared and the read value.
 CONDITIONS_REFUSED = ErrorType(502, "ConditionsRefused")
+# A tag the controller could not resolve to a digest (registry unreachable, no credentials):
+# refused, never a pod by tag, which would pin nothing for the job.
+IMAGE_UNRESOLVED = ErrorType(502, "ImageUnresolved")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
           INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
-          FORBIDDEN, AUTH_UNAVAILABLE)
+          FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -551,6 +554,11 @@ class Lease(_Model):
     expires_at: str | None = None  # RFC 3339 UTC; deleted after it unless renewed
     lifetime_s: float | None = None  # what a renew without lifetime_s extends by
     conditions: ConditionsCheck | None = None  # None: the acquire declared none
+    # The reference the pod was made of: a tag resolved once per job to `repo@sha256:...`
+    # (docs/controller.md "Image pinning"), and its digest. None: a controller without
+    # pinning, or one told --image-pinning off and asked for a tag.
+    image: str | None = None
+    image_digest: str | None = None
 
     @classmethod
     def from_json(cls: type[_LeaseT], data: Any, **extra: Any) -> _LeaseT:
@@ -571,6 +579,8 @@ class Lease(_Model):
                    expires_at=_opt(d, "expires_at", str, what),
                    lifetime_s=_opt(d, "lifetime_s", _NUM, what),
                    conditions=None if conditions is None else ConditionsCheck.from_json(conditions),
+                   image=_opt(d, "image", str, what),
+                   image_digest=_opt(d, "image_digest", str, what),
                    **extra)
 
 

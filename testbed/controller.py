@@ -43,6 +43,9 @@ class ControllerProc:
     port: int = 0  # 0: the port the controller binds at the first start; kept across restarts
     ready_check: str | None = "pod"  # None: the controller's own default (execd) or `flags`
     auth: str | None = "none"  # None: the controller's own default (kubernetes) or `flags`
+    # off: the bed's task images are in no registry (kwok pulls nothing); None: the
+    # controller's own default (resolve) or `flags`
+    image_pinning: str | None = "off"
     cwd: Path | None = None  # the tree whose controller/ runs (default: this repository)
     tls: Path | None = None  # a directory of tls.crt, tls.key, ca.crt: serve https
     proc: Proc | None = None
@@ -68,6 +71,8 @@ class ControllerProc:
             cmd += ["--ready-check", self.ready_check]
         if self.auth is not None:
             cmd += ["--auth", self.auth]
+        if self.image_pinning is not None:
+            cmd += ["--image-pinning", self.image_pinning]
         if self.tls:
             cmd += ["--tls-cert-file", str(self.tls / "tls.crt"),
                     "--tls-key-file", str(self.tls / "tls.key"),

@@ -17,8 +17,10 @@ and the pushed data lives in the bed's state dir (removed with it)."""
 
 from __future__ import annotations
 
+import io
 import shutil
 import subprocess
+import tarfile
 import time
 import urllib.request
 from pathlib import Path
@@ -36,12 +38,11 @@ class RegistryError(TestbedError):
 
 class LocalRegistry:
     def __init__(self, tb: Testbed) -> None:
-        if tb.realnode is None:
-            raise RegistryError("the local registry serves the real node: start the bed with "
-                                "real_node=True")
+        # On a kwok bed it serves the controller alone (image pinning asks it for digests;
+        # kwok pulls nothing): no containerd entry.
         self.tb = tb
         self.rn = tb.realnode
-        self.dir = self.rn.dir / "registry"
+        self.dir = (self.rn.dir if self.rn is not None else tb.state_dir) / "registry"
         self.port = 0
         self.proc: Proc | None = None
         self.crane: Path | None = None
@@ -51,8 +52,10 @@ class LocalRegistry:
         return f"{HOST}:{self.port}"
 
     @property
-    def hosts_dir(self) -> Path:
+    def hosts_dir(self) -> Path | None:
         """containerd's certs.d entry for this registry (the node's `config_path`)."""
+        if self.rn is None:
+            return None
         return self.rn.dir / "containerd" / "certs.d" / self.host
 
     def start(self, timeout: float = 30.0) -> LocalRegistry:
@@ -77,6 +80,8 @@ class LocalRegistry:
                 raise RegistryError(f"local registry not serving on {self.host} within "
                                     f"{timeout:g}s: {tail}")
             time.sleep(0.1)
+        if self.hosts_dir is None:
+            return self
         self.hosts_dir.mkdir(parents=True, exist_ok=True)
         (self.hosts_dir / "hosts.toml").write_text(
             f'server = "http://{self.host}"\n\n'
@@ -120,6 +125,19 @@ class LocalRegistry:
                     "-t", f"{self.host}/{new_tag}")
         return self.digest_ref(new_tag)
 
+    def scratch(self, repo_tag: str, label: str) -> str:
+        """Push a one-file image (no base, `label` in its config, so each call's digest is
+        its own) as `repo:tag`, moving the tag if it exists; returns its reference by digest."""
+        layer = self.dir / "scratch-layer.tar"
+        data = label.encode()
+        with tarfile.open(layer, "w") as tf:
+            info = tarfile.TarInfo("task-id")
+            info.size = len(data)
+            tf.addfile(info, io.BytesIO(data))
+        self._crane("append", "-f", str(layer), "-t", f"{self.host}/{repo_tag}")
+        self._crane("mutate", "--label", label, f"{self.host}/{repo_tag}")
+        return self.digest_ref(repo_tag)
+
     def stop(self) -> None:
         """Stop the process and remove its data and containerd's entry for it."""
         if self.proc is not None:
@@ -127,5 +145,6 @@ class LocalRegistry:
             self.tb.components = [c for c in self.tb.components if c is not self.proc]
             self.tb._write_pids()
             self.proc = None
-        shutil.rmtree(self.hosts_dir, ignore_errors=True)
+        if self.hosts_dir is not None:
+            shutil.rmtree(self.hosts_dir, ignore_errors=True)
         shutil.rmtree(self.dir, ignore_errors=True)

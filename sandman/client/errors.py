@@ -70,6 +70,12 @@ class ConditionsRefused(PodFailed):
     cluster cannot give what was declared (fix the declaration or the pods' size)."""
 
 
+class ImageUnresolved(ControllerError):
+    """The controller could not resolve the image's tag to a digest (502): no pod is made by
+    tag, which would pin nothing for the job. Reference the image by digest, or see the
+    controller's --image-pinning."""
+
+
 class NotLeader(ControllerError):
     """A standby controller replica answered (503). Retried by the SDK; raised when the
     retries are used up."""
@@ -235,6 +241,7 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.UNAUTHENTICATED.type: Unauthenticated,
     api.FORBIDDEN.type: Forbidden,
     api.AUTH_UNAVAILABLE.type: AuthUnavailable,
+    api.IMAGE_UNRESOLVED.type: ImageUnresolved,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,
     api.CLIENT_CLOSED.type: ControllerError,

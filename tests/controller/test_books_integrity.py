@@ -34,7 +34,7 @@ KEY = b"k" * 32
 
 def settings(**kw) -> Settings:
     kw.setdefault("limits", Limits(rate=100, burst=100, max_live=5))
-    return Settings(namespace="ns", ready_check="pod", sweep_interval=3600, sweep_grace=0,
+    return Settings(namespace="ns", ready_check="pod", image_pinning="off", sweep_interval=3600, sweep_grace=0,
                     **kw)
 
 

@@ -185,7 +185,7 @@ def run(body, budget: Budget, start_s: float | None = 0.02, tenants: bool = Fals
     async def main():
         kube = FakeKube(start_s=start_s)
         clock = Clock()
-        ctl = Controller(kube, Settings(namespace="ns", ready_check="pod", sweep_interval=3600,
+        ctl = Controller(kube, Settings(namespace="ns", ready_check="pod", image_pinning="off", sweep_interval=3600,
                                         limits=Limits(rate=1000, burst=1000),
                                         warm_budget=budget, tenants=tenants), clock=clock)
         await ctl.start()

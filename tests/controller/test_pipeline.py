@@ -27,7 +27,7 @@ def run(body, *, lag: float = 0.0, start_s: float | None = 0.05, timeout: float 
     """`body(ctl, kube)` on a started controller; afterwards no refused transition."""
     async def main():
         kube = FakeKube(lag=lag, start_s=start_s)
-        ctl = Controller(kube, Settings(namespace="ns", ready_check="pod", sweep_interval=3600,
+        ctl = Controller(kube, Settings(namespace="ns", ready_check="pod", image_pinning="off", sweep_interval=3600,
                                         limits=limits or Limits(rate=100, burst=100)))
         await ctl.start()
         try:

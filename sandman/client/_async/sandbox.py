@@ -133,6 +133,10 @@ class AsyncSandbox:
             self._renewer: threading.Thread | None = None
         self.expires_at: str | None = None  # RFC 3339 UTC; None: no lifetime (or not known)
         self.lifetime_s: float | None = None
+        # What the pod runs, by digest (the controller resolved a tag once for the job);
+        # None: a controller that does not say.
+        self.image: str | None = None
+        self.image_digest: str | None = None
         self._closed = False  # no execd call is sent any more
         self._released = False  # the controller confirmed the release (or there is none)
         self.reused: bool | None = None  # after release(reuse=True): back in a warm pool?
@@ -169,7 +173,8 @@ class AsyncSandbox:
         return Lease(id=self.id or "", pod=self.pod or "", address=self.address, port=self.port,
                      token=self._token, warm=self.warm, timings=self.timings,
                      expires_at=self.expires_at, lifetime_s=self.lifetime_s,
-                     conditions=self.conditions_check)
+                     conditions=self.conditions_check, image=self.image,
+                     image_digest=self.image_digest)
 
     def __repr__(self) -> str:
         state = "released" if self._closed else "live"

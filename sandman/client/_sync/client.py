@@ -173,6 +173,7 @@ class Client:
                      job=body.job, file_timeout_s=self._file_timeout_s,
                      transport=self._execd_transport, on_request=self._on_request,
                      conditions_check=lease.conditions, _client=self)
+        sb.image, sb.image_digest = lease.image, lease.image_digest
         with self._lock:
             self._live[lease.id] = sb
         if renew:
