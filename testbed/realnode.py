@@ -59,6 +59,10 @@ TOLERATION = {"key": LABEL_REAL_NODE, "operator": "Equal", "value": "true", "eff
 
 # Fixed names of what the node creates on the machine (cleanup finds them without a record).
 BRIDGE = "sm-cni0"
+# The pods' gateway MAC, set once (locally administered). A bridge given none takes the lowest
+# MAC of its ports and changes it as pods come and go; a pod whose ARP entry still names the old
+# one sends frames the bridge switches instead of routing, and reaches nothing for ~30 s.
+BRIDGE_MAC = "02:53:4d:00:00:01"
 NODE_LINK, NODE_PEER = "sm-node0", "sm-node1"  # a veth holds the node IP: no dummy driver here
 OUT_LINK, OUT_PEER = "sm-out0", "sm-out1"  # host <-> fake outside
 OUTSIDE_NETNS = "sandman-outside"
@@ -749,7 +753,7 @@ class RealNode:
             ["ip", "addr", "add", f"{self.node_ip}/32", "dev", NODE_LINK],
             ["ip", "link", "set", NODE_PEER, "up"], ["ip", "link", "set", NODE_LINK, "up"],
             # The pods' bridge, made here (the CNI plugin reuses it) so the guard exists first.
-            ["ip", "link", "add", BRIDGE, "type", "bridge"],
+            ["ip", "link", "add", BRIDGE, "address", BRIDGE_MAC, "type", "bridge"],
             ["ip", "addr", "add", f"{self.gateway}/{plen}", "dev", BRIDGE],
             ["ip", "link", "set", BRIDGE, "up"],
             # The fake outside.
@@ -1244,6 +1248,21 @@ class OutsideServer:
     def hits(self) -> list[str]:
         return [ln.split(" ", 1)[1] for ln in self.log.read_text(errors="replace").splitlines()
                 if ln.startswith("hit ")]
+
+    def describe(self) -> str:
+        """One line for a failed probe: the server's process state (T: something stopped it)
+        and its listening socket's queue (connections the kernel took that it never accepted),
+        so a probe that timed out says whether the server or the path was at fault."""
+        try:
+            data = Path(f"/proc/{self.proc.pid}/stat").read_bytes()
+            state = data[data.rfind(b")") + 2:].split()[0].decode()
+        except OSError:
+            state = f"gone (exit {self.proc.poll()})"
+        res = subprocess.run(["ip", "netns", "exec", OUTSIDE_NETNS, "ss", "-Hltn", "src",
+                              f"{self.ip}:{self.port}"], capture_output=True, text=True)
+        queue = " ".join(res.stdout.split()[1:3]) or (res.stderr.strip() or "no listener")
+        return (f"outside server {self.kind} {self.ip}:{self.port} pid {self.proc.pid} state "
+                f"{state}, listen queue (now/max) {queue}, hits {len(self.hits())}")
 
     def stop(self) -> None:
         if self.proc.poll() is None:

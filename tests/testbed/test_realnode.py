@@ -328,19 +328,46 @@ def test_network_policy_denying_ingress_blocks(real_cluster, real_namespace):
         srv.stop()
 
 
+def test_the_pods_gateway_keeps_its_mac_as_pods_come_and_go(real_cluster, real_namespace):
+    """The bridge's MAC is set, not taken from its ports: a bridge given none follows its
+    lowest port MAC, and a pod still holding the old one in its ARP cache lost all traffic
+    for ~30 s whenever another pod came or went (the egress test's probes timed out)."""
+    ns = real_namespace
+    sysfs = Path("/sys/class/net") / realnode.BRIDGE
+
+    def mac() -> tuple[str, str]:
+        return ((sysfs / "address").read_text().strip(),
+                (sysfs / "addr_assign_type").read_text().strip())
+
+    want = (realnode.BRIDGE_MAC, "3")  # NET_ADDR_SET: never recalculated from the ports
+    assert mac() == want
+    ports = {p.name for p in (sysfs / "brif").iterdir()}
+    run_pods(real_cluster, ns, *(pause_pod(f"p{i}") for i in range(3)))
+    assert len({p.name for p in (sysfs / "brif").iterdir()} - ports) == 3
+    assert mac() == want
+    core = client.CoreV1Api(real_cluster.api_client)
+    for i in range(3):
+        core.delete_namespaced_pod(f"p{i}", ns, grace_period_seconds=0)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and {p.name for p in (sysfs / "brif").iterdir()} - ports:
+        time.sleep(0.2)
+    assert not {p.name for p in (sysfs / "brif").iterdir()} - ports, "the pods' veths stayed"
+    assert mac() == want
+
+
 def test_egress_reaches_fake_outside_and_nothing_else(real_cluster, real_namespace):
     ns = real_namespace
     pods = run_pods(real_cluster, ns, pause_pod("egress"))
     pod_ip = pods["egress"].status.pod_ip
     with realnode.serve_outside("tcp", realnode.OUTSIDE_IP, 8080, lifetime=30) as out, \
             realnode.serve_outside("tcp", realnode.METADATA_IP, 80, lifetime=30) as meta:
-        assert in_pod(real_cluster, ns, "egress",
-                      connect_code(realnode.OUTSIDE_IP, 8080)) == "OK sandman-outside"
+        res = in_pod(real_cluster, ns, "egress", connect_code(realnode.OUTSIDE_IP, 8080))
+        assert res == "OK sandman-outside", f"{res}; {out.describe()}"
         # No masquerade: the outside sees the pod's own address.
         assert [h.split(":")[0] for h in out.hits()] == [pod_ip]
         # The metadata address is the fake outside's, reached through the pods' table only.
-        assert in_pod(real_cluster, ns, "egress",
-                      connect_code(realnode.METADATA_IP, 80)) == "OK sandman-outside"
+        res = in_pod(real_cluster, ns, "egress", connect_code(realnode.METADATA_IP, 80))
+        assert res == "OK sandman-outside", f"{res}; {meta.describe()}"
         assert meta.hits()
     # TEST-NET-3 (never routed): refused on this machine, at once.
     t0 = time.monotonic()
