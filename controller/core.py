@@ -456,6 +456,23 @@ class Controller:
             metrics.retired("caller")
         return released
 
+    async def shadow(self, sid: str, outcome: str) -> tuple[bool, bool]:
+        """The caller graded this reused grading pod's verdict again on a never-used pod:
+        counted; a contradiction retires the pod, an agreement releases it for reuse.
+        (released, reused); 400 for an agent pod."""
+        e = self.books.entries.get(sid)
+        if e is None or e.stage is not S.LEASED:
+            return await self.release(sid), False
+        if e.spec.role != contract.ROLE_GRADING:
+            raise BadRequest(f"sandbox {sid} has role {e.spec.role}: only {contract.ROLE_GRADING}"
+                             " sandboxes are shadow-graded")
+        metrics.shadowed(outcome)
+        if outcome == contract.SHADOW_CONTRADICT:
+            self.pipeline.unwant(e, "retired: a never-used pod's verdict contradicted its own")
+            metrics.retired("shadow")
+            return True, False
+        return True, await self.warm.give_back(e)
+
     async def drain(self, job: str) -> int:
         self.pins.forget(job)  # a job drained is over: its name may pin anew
         return await self.sweeper.drain(job)

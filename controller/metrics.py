@@ -59,9 +59,18 @@ REUSES = Counter("sandman_controller_reuses_total",
                  "Grading pods restored, checked clean and returned to their warm pool")
 RETIREMENTS = Counter("sandman_controller_retirements_total",
                       "Grading pods deleted instead of reused: caller (retire: the grading "
-                      "contradicted an earlier one), max_reuse (reused --max-reuse times)",
+                      "contradicted an earlier one), max_reuse (reused --max-reuse times), "
+                      "shadow (a never-used pod's verdict contradicted the reused pod's)",
                       ["reason"])
-RETIRE_REASONS = ("caller", "max_reuse")
+RETIRE_REASONS = ("caller", "max_reuse", "shadow")
+# Shadow grading: a verdict on a reused grading pod graded again on a never-used pod, as the
+# SDK reports it (outcome: sandman.contract.SHADOW_OUTCOMES). Any contradiction alerts.
+SHADOW_GRADINGS = Counter("sandman_shadow_grading_total",
+                          "Verdicts of reused grading pods graded again on a never-used pod, "
+                          "by outcome: agree, or contradict (the reused pod was retired)",
+                          ["outcome"])
+for _o in contract.SHADOW_OUTCOMES:
+    SHADOW_GRADINGS.labels(_o)
 RESTORE_FAILURES = Counter("sandman_controller_restore_failures_total",
                            "Released grading pods deleted because execd could not restore "
                            "them or /diff was not clean afterwards")
@@ -172,6 +181,10 @@ def renewed(result: str) -> None:
 
 def retired(reason: str) -> None:
     RETIREMENTS.labels(bounded(reason, RETIRE_REASONS)).inc()
+
+
+def shadowed(outcome: str) -> None:
+    SHADOW_GRADINGS.labels(bounded(outcome, contract.SHADOW_OUTCOMES)).inc()
 
 
 def warm_lookup(role: str, hit: bool) -> None:

@@ -195,6 +195,12 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             return await c.retire(id), False
         return await let_go(id, request, "retire", act)
 
+    @app.post(api.SHADOW.path)
+    async def shadow(id: str, request: Request, body: api.ShadowReport):
+        async def act(c):
+            return await c.shadow(id, body.outcome)
+        return await let_go(id, request, "report a shadow grading of", act)
+
     @app.post(api.RENEW.path)
     async def renew(id: str, request: Request, body: api.RenewRequest | None = None):
         who = await caller(request)

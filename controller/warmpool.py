@@ -272,7 +272,8 @@ class WarmPool:
         self.books.move(e, S.LEASED, "warm hand-out")
         e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "started_ms": 0.0,
                      "ready_ms": ms(time.monotonic() - t0)}
-        return self.pipeline.result(e, warm=True)
+        # A pod an earlier grading ran in says so: the SDK may shadow its verdict.
+        return {**self.pipeline.result(e, warm=True), "reuses": e.reuse_count}
 
     # ---- checked reuse: a released grading pod back to its pool ------------------------------
     async def give_back(self, e: Entry) -> bool:

@@ -67,6 +67,9 @@ PREWARM = Route("PREWARM", "POST", "/v1/prewarm")
 RENEW = Route("RENEW", "POST", "/v1/sandboxes/{id}/renew")  # pushes expires_at back
 # The caller's grading contradicted an earlier one on this pod: delete it, never reuse it.
 RETIRE = Route("RETIRE", "POST", "/v1/sandboxes/{id}/retire")
+# A reused grading pod's verdict was graded again on a never-used pod (ShadowReport): counted;
+# "contradict" retires the pod, "agree" releases it for reuse. The rights of a release.
+SHADOW = Route("SHADOW", "POST", "/v1/sandboxes/{id}/shadow")
 # RELEASE with `?reuse=true` (grading pods): restored, checked, back to its warm pool.
 RELEASE_REUSE_PARAM = "reuse"
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
@@ -79,8 +82,8 @@ HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as L
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, PREWARM, DRAIN, STATS, PREPULL, IMAGES,
-          HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, PREWARM, DRAIN, STATS, PREPULL,
+          IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 # execd's routes, bodies and limits (the tree caps and header among them) are
 # sandman/execd_api.py's.
@@ -411,6 +414,18 @@ class RenewRequest(_Model):
 
 
 @dataclass(frozen=True, **_KW_ONLY)
+class ShadowReport(_Model):
+    """`POST /v1/sandboxes/{id}/shadow`: the caller graded this reused pod's verdict again on
+    a never-used pod; `outcome` is one of contract.SHADOW_OUTCOMES."""
+
+    outcome: str
+
+    def __post_init__(self) -> None:
+        _check(self.outcome in contract.SHADOW_OUTCOMES,
+               f"outcome: one of {', '.join(contract.SHADOW_OUTCOMES)}")
+
+
+@dataclass(frozen=True, **_KW_ONLY)
 class PrewarmRequest(_Model):
     """`POST /v1/prewarm`: keep `count` never-used sandboxes of (image, spec) ready; they go
     after `idle_timeout_s` without an acquire (the controller's default when None)."""
@@ -559,6 +574,9 @@ class Lease(_Model):
     # pinning, or one told --image-pinning off and asked for a tag.
     image: str | None = None
     image_digest: str | None = None
+    # Times the pod was given back for reuse before this hand-out (0: never used): a grading
+    # on a reused pod may be shadowed on a never-used one.
+    reuses: int = 0
 
     @classmethod
     def from_json(cls: type[_LeaseT], data: Any, **extra: Any) -> _LeaseT:
@@ -581,6 +599,7 @@ class Lease(_Model):
                    conditions=None if conditions is None else ConditionsCheck.from_json(conditions),
                    image=_opt(d, "image", str, what),
                    image_digest=_opt(d, "image_digest", str, what),
+                   reuses=_opt(d, "reuses", int, what, 0),
                    **extra)
 
 

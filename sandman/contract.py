@@ -66,6 +66,11 @@ ROLE_AGENT = "agent"
 ROLE_GRADING = "grading"
 ROLES = (ROLE_AGENT, ROLE_GRADING)
 ANNOTATION_REUSE_COUNT = f"{DOMAIN}/reuse-count"  # times the pod went back to a pool
+# Shadow grading: a reused pod's verdict against a never-used pod's, reported by the SDK (the
+# `outcome` of POST /v1/sandboxes/{id}/shadow and of the counter's label).
+SHADOW_AGREE = "agree"
+SHADOW_CONTRADICT = "contradict"  # the reused pod is retired
+SHADOW_OUTCOMES = (SHADOW_AGREE, SHADOW_CONTRADICT)
 # In a grading pod's sandbox container: execd records its reuse baseline before it serves.
 EXECD_BASELINE_ENV = "SANDMAN_BASELINE"
 # Its watched set (execd --baseline-scope): `root`, the whole root filesystem, in grading pods.

@@ -144,6 +144,37 @@ def test_retire_deletes_and_counts(cluster, namespace, stack):
     assert metric(ctl, 'sandman_controller_retirements_total{reason="caller"}') == 1
 
 
+def test_shadow_contradiction_retires_and_counts(cluster, namespace, stack):
+    """A reused pod's acquire says it was reused; the SDK's shadow report of a contradiction
+    deletes it (never handed out again) and counts it, an agreement sends it back for reuse;
+    an agent pod cannot be reported."""
+    ctl, standin = stack
+    with Client(ctl.url) as cl:
+        g = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,
+                       role="grading")
+        assert g.reuses == 0
+        assert g.release(reuse=True) is True and g.reused is True
+        again = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,
+                           role="grading", reused_ok=True)
+        assert again.pod == g.pod and again.reuses == 1
+        assert again.report_shadow("agree") is True and again.reused is True
+        third = cl.acquire(IMAGE, job="grade", cpu="1", memory="1Gi", timeout_s=60,
+                           role="grading", reused_ok=True)
+        assert third.pod == g.pod and third.reuses == 2
+        assert third.report_shadow("contradict") is True and third.reused is False
+        wait_for(lambda: g.pod not in {p.metadata.name for p in live(cluster, namespace)}, 20,
+                 "contradicted pod deleted")
+        agent = cl.acquire(IMAGE, job="agent", cpu="1", memory="1Gi", timeout_s=60)
+        with pytest.raises(BadRequest, match="shadow"):
+            agent.report_shadow("contradict")
+        with pytest.raises(BadRequest, match="outcome"):
+            cl.report_shadow(agent.id, "maybe")
+        agent.release()
+    assert metric(ctl, 'sandman_shadow_grading_total{outcome="contradict"}') == 1
+    assert metric(ctl, 'sandman_shadow_grading_total{outcome="agree"}') == 1
+    assert metric(ctl, 'sandman_controller_retirements_total{reason="shadow"}') == 1
+
+
 def test_pod_that_cannot_be_checked_is_deleted(cluster, namespace, stack):
     """The holder rotated execd's token itself: the controller cannot restore or check the
     pod, so it deletes it (fail closed) and counts a restore failure."""

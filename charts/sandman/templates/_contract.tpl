@@ -46,6 +46,8 @@
 {{- define "sandman.contract.SANDBOX_TRUE" -}}true{{- end -}}
 {{- define "sandman.contract.SANDMAN_IMAGE" -}}ghcr.io/sandman-dev/sandman:0.1.0{{- end -}}
 {{- define "sandman.contract.SANDMAN_VOLUME" -}}sandman{{- end -}}
+{{- define "sandman.contract.SHADOW_AGREE" -}}agree{{- end -}}
+{{- define "sandman.contract.SHADOW_CONTRADICT" -}}contradict{{- end -}}
 {{- define "sandman.contract.STATE_DELETING" -}}deleting{{- end -}}
 {{- define "sandman.contract.STATE_LEASED" -}}leased{{- end -}}
 {{- define "sandman.contract.STATE_WARM" -}}warm{{- end -}}
@@ -65,4 +67,5 @@
 {{- define "sandman.api.RELEASE" -}}/v1/sandboxes/{id}{{- end -}}
 {{- define "sandman.api.RENEW" -}}/v1/sandboxes/{id}/renew{{- end -}}
 {{- define "sandman.api.RETIRE" -}}/v1/sandboxes/{id}/retire{{- end -}}
+{{- define "sandman.api.SHADOW" -}}/v1/sandboxes/{id}/shadow{{- end -}}
 {{- define "sandman.api.STATS" -}}/v1/stats{{- end -}}

@@ -198,6 +198,7 @@ class AsyncClient:
             sb.expires_at, sb.lifetime_s = lease.expires_at, lease.lifetime_s
         log.info("sandbox %s acquired: pod %s at %s:%d (warm %s)", lease.id, lease.pod,
                  lease.address, lease.port, lease.warm)
+        sb.reuses = lease.reuses
         return sb
 
     if True:  # ASYNC
@@ -227,6 +228,22 @@ class AsyncClient:
         released = isinstance(data, dict) and data.get("released") is True
         log.info("sandbox %s %s", sandbox_id, "retired" if released else "was already gone")
         return released
+
+    async def report_shadow(self, sandbox_id: str, outcome: str) -> tuple[bool, bool]:
+        """A reused grading pod's verdict against a never-used pod's: `outcome` "agree" or
+        "contradict" (contract.SHADOW_OUTCOMES). The controller counts it, retires a
+        contradicted pod and releases an agreeing one for reuse: (released, reused)."""
+        body = _core.request(api.ShadowReport, outcome=outcome)
+        resp = await self._send(api.SHADOW, id=_check_id(sandbox_id), json=body.to_json(),
+                                read_s=self._timeout_s)
+        data = _core.decode_json(resp, "shadow")
+        self._forget(sandbox_id)
+        released = isinstance(data, dict) and data.get("released") is True
+        reused = isinstance(data, dict) and data.get("reused") is True
+        log.info("sandbox %s: shadow grading %s; %s", sandbox_id, outcome,
+                 ("released for reuse" if reused else "released") if released
+                 else "was already released")
+        return released, reused
 
     async def _let_go(self, sandbox_id: str, reuse: bool) -> tuple[bool, bool]:
         """(released, reused)."""

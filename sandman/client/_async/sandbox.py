@@ -115,6 +115,7 @@ class AsyncSandbox:
         self.address = address
         self.port = port
         self.warm = warm
+        self.reuses = 0  # times the pod was reused before this hand-out (the acquire says)
         self.timings = timings or AcquireTimings()
         self.url = _core.execd_url(address, port)
         self._token = token  # for lease() only; never in repr() or logs
@@ -238,11 +239,25 @@ class AsyncSandbox:
         self._renew_stop.set()
         return await self._do_release(False, retire=True)
 
-    async def _do_release(self, reuse: bool = False, retire: bool = False) -> bool:
+    async def report_shadow(self, outcome: str) -> bool:
+        """This reused grading pod's verdict was graded again on a never-used pod: `outcome`
+        "agree" (released for reuse) or "contradict" (retired, never reused). The controller
+        counts it. Ends the holding like release(); True when this call released it."""
+        with self._lock:
+            self._closed = True
+            if self._released:
+                return False
+        self._renew_stop.set()
+        return await self._do_release(False, shadow=outcome)
+
+    async def _do_release(self, reuse: bool = False, retire: bool = False,
+                          shadow: str | None = None) -> bool:
         try:
             released = True
             if self._client is not None and self.id is not None:
-                if retire:
+                if shadow is not None:
+                    released, self.reused = await self._client.report_shadow(self.id, shadow)
+                elif retire:
                     released = await self._client.retire(self.id)
                 else:
                     released, self.reused = await self._client._let_go(self.id, reuse)
