@@ -4,14 +4,19 @@ verdict, and which failures are the infrastructure's (retried, never scored 0)."
 
 from __future__ import annotations
 
+import dataclasses
 import fnmatch
+import hashlib
+import json
+import os
 import posixpath
 import re
 import shlex
 import xml.etree.ElementTree as ET
 from collections.abc import Iterable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from enum import Enum
+from pathlib import Path
 from typing import Any, NamedTuple
 
 from sandman import api
@@ -508,7 +513,7 @@ def judge(report: bytes | None, test_ids: tuple[str, ...], exit_code: int | None
 
 # ---- the task
 
-DEFAULT_TIME_LIMIT_S = 1800.0
+DEFAULT_TIME_LIMIT_S = 1800.0  # the paper's suite limit: a value to declare, not a default
 
 
 @dataclass(frozen=True)
@@ -533,7 +538,7 @@ class Task:
     test_files: tuple[str, ...]
     test_command: str | None = None
     reference_patch: bytes | None = None
-    time_limit_s: float = DEFAULT_TIME_LIMIT_S
+    time_limit_s: float | None = None  # required: a task without one is refused
     cpu: str = api.DEFAULT_CPU
     memory: str = api.DEFAULT_MEMORY
     egress: str | dict[str, Any] = api.DEFAULT_EGRESS  # or {"allow": [entries]}
@@ -577,6 +582,9 @@ class Task:
             raise bad(str(e)) from None
         if isinstance(self.reference_patch, str):
             object.__setattr__(self, "reference_patch", self.reference_patch.encode())
+        if self.time_limit_s is None:
+            # An undeclared limit let a grader send none: execd's default cut the suite.
+            raise bad("time_limit_s: declare the suite's time limit in seconds (none given)")
         if isinstance(self.time_limit_s, bool) or not (
                 isinstance(self.time_limit_s, (int, float)) and self.time_limit_s > 0):
             raise bad(f"time_limit_s must be > 0, not {self.time_limit_s!r}")
@@ -587,6 +595,133 @@ class Task:
             return self.test_command
         return ("python3 -m pytest -q -p no:cacheprovider "
                 + " ".join(shlex.quote(f) for f in self.test_files))
+
+    def canonical(self) -> bytes:
+        """Every field, as canonical JSON (sorted keys, no spaces; bytes as their SHA-256):
+        what preflight records, so a field edited afterwards changes the task's hash."""
+        return _canonical({f.name: getattr(self, f.name) for f in fields(self)})
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+
+def _plain(v: Any) -> Any:
+    if isinstance(v, Enum):
+        return v.value
+    if isinstance(v, (bytes, bytearray)):
+        return {"sha256": hashlib.sha256(v).hexdigest(), "size": len(v)}
+    if dataclasses.is_dataclass(v) and not isinstance(v, type):
+        return {f.name: _plain(getattr(v, f.name)) for f in fields(v)}
+    if isinstance(v, dict):
+        return {str(k): _plain(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_plain(x) for x in v]
+    if v is None or isinstance(v, (str, bool, int)):
+        return v
+    if isinstance(v, float):
+        return int(v) if v.is_integer() else v  # 900 and 900.0 are one limit
+    raise TypeError(f"no canonical form for {type(v).__name__}")
+
+
+def _canonical(v: Any) -> bytes:
+    return json.dumps(_plain(v), sort_keys=True, separators=(",", ":"),
+                      ensure_ascii=True).encode()
+
+
+class TaskRefused(BadRequest):
+    """grade() or PreflightRecord.load() refused a task or a record (one line, why): a task
+    changed since preflight, one preflight did not admit, a record whose SHA-256 is not the
+    pinned one. Nothing was graded; never a reward."""
+
+
+def image_digest_of(task: Task) -> str | None:
+    """The task's image digest when known: a field the task carries, or its `@sha256:`."""
+    d = getattr(task, "image_digest", None)
+    if isinstance(d, str) and d:
+        return d
+    m = re.search(r"@(sha256:[0-9a-f]{64})$", task.image)
+    return m.group(1) if m else None
+
+
+@dataclass(frozen=True)
+class TaskRecord:
+    """One task in a preflight record: its name, the SHA-256 of its canonical bytes
+    (`Task.sha256`), its image digest when known, whether preflight admitted it, the
+    (reference, empty) verdicts of each run graded, and why it was dropped."""
+
+    name: str
+    sha256: str
+    image_digest: str | None
+    admitted: bool
+    outcomes: tuple[tuple[str, str], ...] = ()
+    reason: str = ""
+
+    @classmethod
+    def of(cls, task: Task, *, admitted: bool, outcomes: Iterable[tuple[str, str]] = (),
+           reason: str = "") -> TaskRecord:
+        return cls(task.name, task.sha256, image_digest_of(task), admitted,
+                   tuple((str(r), str(e)) for r, e in outcomes), reason)
+
+
+@dataclass(frozen=True)
+class PreflightRecord:
+    """What preflight found, chained by SHA-256: `sha256` is the hash of `canonical()`,
+    the bytes `save()` writes. A job pins that hash (its config, next to its prompts) and
+    `load(path, sha256)` refuses any other file; `grade(..., record=)` refuses a task the
+    record does not hold as admitted with the same hash (docs/grading.md "The record")."""
+
+    tasks: tuple[TaskRecord, ...]
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tasks", tuple(self.tasks))
+        names = [t.name for t in self.tasks]
+        if len(set(names)) != len(names):
+            raise TaskRefused("preflight record: a task name appears twice")
+
+    def canonical(self) -> bytes:
+        return _canonical({"version": 1, "tasks": list(self.tasks)})
+
+    @property
+    def sha256(self) -> str:
+        return hashlib.sha256(self.canonical()).hexdigest()
+
+    def save(self, path: str | os.PathLike[str]) -> str:
+        """Write the canonical bytes (so `sha256sum path` is `self.sha256`); the hash."""
+        Path(path).write_bytes(self.canonical())
+        return self.sha256
+
+    @classmethod
+    def load(cls, path: str | os.PathLike[str], sha256: str) -> PreflightRecord:
+        """The record at `path`, refused unless its bytes hash to `sha256` (the pinned one)."""
+        data = Path(path).read_bytes()
+        got = hashlib.sha256(data).hexdigest()
+        if got != sha256.lower():
+            raise TaskRefused(f"preflight record {path}: its SHA-256 is {got}, the job pinned "
+                              f"{sha256}")
+        try:
+            d = json.loads(data)
+            rec = cls(tuple(TaskRecord(t["name"], t["sha256"], t["image_digest"],
+                                       t["admitted"], tuple(tuple(o) for o in t["outcomes"]),
+                                       t["reason"]) for t in d["tasks"]))
+        except (ValueError, KeyError, TypeError) as e:
+            raise TaskRefused(f"preflight record {path}: unreadable ({e})") from None
+        if d.get("version") != 1 or rec.canonical() != data:
+            raise TaskRefused(f"preflight record {path}: not a canonical version 1 record")
+        return rec
+
+    def check(self, task: Task) -> str | None:
+        """None when preflight admitted this very task; else why not (one line)."""
+        got = next((t for t in self.tasks if t.name == task.name), None)
+        if got is None:
+            return f"task {task.name!r} is not in the preflight record {self.sha256[:12]}"
+        if got.sha256 != task.sha256:
+            return (f"task {task.name!r} changed since preflight: its definition hashes to "
+                    f"{task.sha256[:12]}, the record {self.sha256[:12]} holds {got.sha256[:12]}")
+        if not got.admitted:
+            return (f"task {task.name!r} was not admitted by preflight "
+                    f"({got.reason or 'dropped'})")
+        return None
 
 
 # ---- results
@@ -599,7 +734,7 @@ class GradeResult:
     `infra_errors`: why earlier attempts gave no verdict; `excluded`: what was kept out of the
     patch when it was applied; `suspicious`: what the static scan of the patch's added lines
     found (runner internals, `sys.modules` rewrites: audit or zero them); `test_ids`: the
-    official test ids the verdict checked."""
+    official test ids the verdict checked; `shadow`: see docs/grading.md "Shadow grading"."""
 
     verdict: Verdict
     reason: str
@@ -613,6 +748,9 @@ class GradeResult:
     duration_s: float = 0.0
     suspicious: tuple[str, ...] = ()
     test_ids: tuple[str, ...] = ()
+    # Graded again on a never-used pod after a reused pod's verdict: "agree" or "contradict"
+    # (the reused pod retired; this result is the never-used pod's); None: not shadowed.
+    shadow: str | None = None
 
     @property
     def passed(self) -> bool:
@@ -622,11 +760,13 @@ class GradeResult:
 @dataclass(frozen=True)
 class PreflightResult:
     """`kept`: the tasks whose reference patch passed and whose empty patch failed;
-    `dropped`: (task, why) for the others; `results`: name -> (reference, empty)."""
+    `dropped`: (task, why) for the others; `results`: name -> (reference, empty) of the
+    first run; `record`: every task's hash and outcomes, to save and pin by its SHA-256."""
 
     kept: list[Task]
     dropped: list[tuple[Task, str]]
     results: dict[str, tuple[GradeResult, GradeResult | None]]
+    record: PreflightRecord = field(default_factory=lambda: PreflightRecord(()))
 
 
 # ---- verdicts from a suite's run
@@ -764,7 +904,8 @@ def git_env(git_bin: str) -> str:
 __all__ = [
     "RUNNER_CONFIG_FILES", "RUNNER_MODULES", "RUNNER_PACKAGES", "STARTUP_HOOKS",
     "CALLER_ERRORS", "DEFAULT_EXCLUDE", "NO_EXCLUDE", "CapturedPatch", "Excluded",
-    "Exclusions", "GradeResult", "PreflightResult", "Task", "Verdict",
+    "Exclusions", "GradeResult", "PreflightRecord", "PreflightResult", "Task", "TaskRecord",
+    "TaskRefused", "Verdict",
     "is_infra", "judge", "parse_junit", "runner_refusal",
     "scan_patch", "sections", "sections_changed",
 ]

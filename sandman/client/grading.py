@@ -5,8 +5,10 @@ grading pod, preflight a task set.
     from sandman.client.grading import Task, capture_patch, grade, preflight
 
     patch, excluded = capture_patch(agent_sandbox, task.base_commit, repo=task.repo)
-    result = grade(client, task, patch)     # result.verdict: passed | failed | no_verdict
-    kept = preflight(client, tasks).kept    # reference passes, empty patch fails
+    pre = preflight(client, tasks)          # reference passes, empty fails, twice
+    pre.record.save("preflight.json")       # pin pre.record.sha256 in the job's config
+    record = PreflightRecord.load("preflight.json", PINNED_SHA256)
+    result = grade(client, task, patch, record=record)  # passed | failed | no_verdict
 
 `acapture_patch`, `agrade` and `apreflight` are the asyncio twins (with an AsyncClient /
 AsyncSandbox). `passed`/`failed` are verdicts on the patch; `no_verdict` means resample:
@@ -23,16 +25,26 @@ from sandman.client._grading import (
     Excluded,
     Exclusions,
     GradeResult,
+    PreflightRecord,
     PreflightResult,
     Task,
+    TaskRecord,
+    TaskRefused,
     Verdict,
     judge,
     scan_patch,
 )
-from sandman.client._sync.grading import GRADING_ROLE, capture_patch, grade, preflight
+from sandman.client._sync.grading import (
+    GRADING_ROLE,
+    SHADOW_SHARE,
+    capture_patch,
+    grade,
+    preflight,
+)
 
 __all__ = [
     "DEFAULT_EXCLUDE", "GRADING_ROLE", "NO_EXCLUDE", "CapturedPatch", "Excluded", "Exclusions",
-    "GradeResult", "PreflightResult", "Task", "Verdict", "acapture_patch", "agrade",
+    "GradeResult", "PreflightRecord", "PreflightResult", "SHADOW_SHARE", "Task", "TaskRecord",
+    "TaskRefused", "Verdict", "acapture_patch", "agrade",
     "apreflight", "capture_patch", "grade", "judge", "preflight", "scan_patch",
 ]

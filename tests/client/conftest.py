@@ -231,6 +231,10 @@ class FakeController:
     acquire_delay_s: float = 0.0
     release_delay_s: float = 0.0
     lifetime_s: float | None = None  # answered with each acquire: the SDK then renews
+    # Per acquire body: (execd, times the pod was reused before) to hand out instead of
+    # `target` (a reused, possibly poisoned pod for a reused_ok grading, a fresh one otherwise).
+    pick: Callable[[dict[str, Any]], tuple[Execd, int]] | None = None
+    shadows: list[tuple[str, str]] = field(default_factory=list)  # (id, outcome) reported
     renew_answers: list[tuple[int, Any]] = field(default_factory=list)  # canned renew replies
     sandboxes: dict[str, dict[str, Any]] = field(default_factory=dict)
     by_request: dict[tuple[str, str], dict[str, Any]] = field(default_factory=dict)  # request_id
@@ -301,6 +305,15 @@ class _Handler(BaseHTTPRequestHandler):
             with ctl.lock:
                 existed = ctl.sandboxes.pop(m.group(1), None) is not None
             return self._reply(200, {"id": m.group(1), "released": existed, "reused": False})
+        m = re.fullmatch(r"/v1/sandboxes/([^/]+)/shadow", self.path)
+        if m:
+            # As the controller: counted; a contradicted pod is deleted, an agreeing one goes
+            # back to its pool.
+            with ctl.lock:
+                ctl.shadows.append((m.group(1), body["outcome"]))
+                existed = ctl.sandboxes.pop(m.group(1), None) is not None
+            return self._reply(200, {"id": m.group(1), "released": existed,
+                                     "reused": existed and body["outcome"] == "agree"})
         m = re.fullmatch(r"/v1/sandboxes/([^/]+)/renew", self.path)
         if m:
             with ctl.lock:
@@ -336,13 +349,16 @@ class _Handler(BaseHTTPRequestHandler):
             if answer is not None and answer["id"] in ctl.sandboxes:
                 return self._reply(201, answer)
         sid = "sb-" + secrets.token_hex(4)
+        target, reuses = ctl.pick(body) if ctl.pick else (ctl.target, 0)
         # What the controller writes for a sandbox (sandman.api.SandboxView), all of it.
         sb = {"id": sid, "pod": f"pod-{sid}", "job": body["job"], "state": "leased",
-              "address": ctl.target.address, "port": ctl.target_port or ctl.target.port,
+              "address": target.address, "port": ctl.target_port or target.port,
               "image": body["image"], "cpu": body["cpu"], "memory": body["memory"],
               "egress": body["egress"]}
-        answer = dict(sb, token=ctl.token or ctl.target.token, warm=False,
+        answer = dict(sb, token=ctl.token or target.token, warm=bool(reuses),
                       timings={"queued_ms": 1.5, "create_ms": 20, "ready_ms": 30.25})
+        if reuses:
+            answer["reuses"] = reuses
         if ctl.lifetime_s:
             answer.update(lifetime_s=ctl.lifetime_s, expires_at="2026-01-01T00:00:00Z")
         with ctl.lock:

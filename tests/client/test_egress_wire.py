@@ -221,7 +221,7 @@ def test_a_grading_task_takes_an_allowlist():
 
     def task(egress: Any) -> Task:
         return Task(name="t", image="img", repo="/repo", base_commit="abc1234",
-                    test_files=("tests/test_x.py",), egress=egress)
+                    test_files=("tests/test_x.py",), egress=egress, time_limit_s=60)
 
     assert task({"allow": ["10.1.2.0/24:443"]}).egress == {"allow": [ENTRY]}
     assert task("allow").egress == "allow"

@@ -164,14 +164,14 @@ def test_infra_errors_are_retried_caller_errors_raise() -> None:
 ])
 def test_task_checks(kw, words) -> None:
     base = dict(name="t", image="img", repo="/testbed", base_commit="a" * 40,
-                test_files=("tests/test_x.py",))
+                test_files=("tests/test_x.py",), time_limit_s=60)
     with pytest.raises(BadRequest, match=words):
         Task(**{**base, **kw})
 
 
 def test_task_defaults() -> None:
     t = Task(name="t", image="img", repo="/r", base_commit="abc1234",
-             test_files=["tests/test a.py"], reference_patch="diff")
+             test_files=["tests/test a.py"], reference_patch="diff", time_limit_s=60)
     assert t.test_files == ("tests/test a.py",) and t.reference_patch == b"diff"
     assert t.command == "python3 -m pytest -q -p no:cacheprovider 'tests/test a.py'"
     assert t.test_ids is None and t.plugins == () and t.python == "python3"
@@ -210,6 +210,7 @@ class _Sb:
 
 
 def _task(**kw):
+    kw.setdefault("time_limit_s", 60)
     return Task(name="t", image="img", repo="/r", base_commit="abc1234",
                 test_files=("t.py",), **kw)
 

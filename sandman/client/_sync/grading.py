@@ -13,6 +13,7 @@ import inspect
 import json
 import logging
 import posixpath
+import random
 import shlex
 import time
 import uuid
@@ -20,6 +21,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
+from sandman import contract
 from sandman.client._grading import (
     APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
@@ -29,8 +31,11 @@ from sandman.client._grading import (
     Excluded,
     Exclusions,
     GradeResult,
+    PreflightRecord,
     PreflightResult,
     Task,
+    TaskRecord,
+    TaskRefused,
     Verdict,
     apply_refused,
     config_candidates,
@@ -57,7 +62,7 @@ from sandman.client._grading import (
     tail,
     write_refusal,
 )
-from sandman.client.errors import CommandTimeout, FileNotFound, SandmanError
+from sandman.client.errors import CommandTimeout, FileNotFound, ImageChanged, SandmanError
 
 if TYPE_CHECKING:
     from sandman.client.models import ExecResult
@@ -72,6 +77,8 @@ COLLECT_PLUGIN = "sandman_grading_collect"
 HEALTH_WAIT_S = 1.0  # after a dead shell: a deleted pod's execd is gone by then
 STEP_TIMEOUT_S = 120.0  # git steps; the suite has the task's own time limit
 MAX_OUTPUT = 1 << 20
+# The share of verdicts on reused grading pods graded again on a never-used pod (0: none).
+SHADOW_SHARE = 0.03
 
 
 def _takes(fn: Any, name: str) -> bool:
@@ -121,6 +128,12 @@ def _run(sb: Sandbox, cmd: str, what: str, timeout: float = STEP_TIMEOUT_S,
         raise _StepFailed(f"{what}: exit {r.exit_code}"
                           f"{', ' + r.error if r.error else ''}: {tail(r.output, 600).strip()}")
     return r.output
+
+
+def _limit(task: Task) -> float:
+    """The suite's declared time limit: execd's timeout of its run (Task refuses none)."""
+    assert task.time_limit_s is not None
+    return float(task.time_limit_s)
 
 
 class _StepFailed(SandmanError):
@@ -249,6 +262,31 @@ def _acquire(client: Client, task: Task, job: str, timeout_s: float,
                                "acquire() takes no conditions: they would not be checked")
         kw["conditions"] = task.conditions
     return client.acquire(task.image, **kw)
+
+
+# The digest each task's image had at its first grading through a client (preflight's
+# included): a later grading pod of another digest (the tag moved) is refused, never graded.
+_DIGESTS: weakref.WeakKeyDictionary[Any, dict[tuple[str, str], str]] = \
+    weakref.WeakKeyDictionary()
+
+
+def _check_image(client: Client, task: Task, sb: Sandbox) -> None:
+    """ImageChanged (one line) when the grading pod's digest is not the task's: the digest of
+    `task.image` when pinned, else the one recorded at the task's first grading."""
+    pinned = task.image.partition("@")[2] or None
+    # A controller that does not say runs a digest reference as given.
+    got = getattr(sb, "image_digest", None) or pinned
+    seen = _DIGESTS.setdefault(client, {})
+    want = pinned or seen.get((task.name, task.image))
+    if want is None:
+        if got is not None:
+            seen[(task.name, task.image)] = got
+        return
+    if got != want:
+        raise ImageChanged(
+            f"task {task.name!r}: the grading pod's image {task.image} is "
+            f"{got or 'of an unknown digest'}, not {want} as at the task's preflight or first "
+            "grading (the tag moved): refused, not graded; preflight the task again")
 
 
 def _finish(client: Client, sb: Sandbox, verdict: Verdict, reuse: bool) -> None:
@@ -407,7 +445,7 @@ def _collect(sb: Sandbox, task: Task, t: str, addopts: list[str]
         sb, f"{pytest_env(opts)}; export SANDMAN_GRADING_IDS={q(ids_file)} "
         f"PYTHONPATH={q(t + '/plug')}${{PYTHONPATH:+:$PYTHONPATH}}; "
         f"{q(task.python)} -m pytest -q -- {' '.join(q(f) for f in task.test_files)}",
-        cwd=task.repo, timeout=max(task.time_limit_s, STEP_TIMEOUT_S), uses_git=False)
+        cwd=task.repo, timeout=max(_limit(task), STEP_TIMEOUT_S), uses_git=False)
     if r.error:
         raise _StepFailed(f"collect the official tests: {r.error}")
     try:
@@ -529,7 +567,7 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
     try:
         # A fresh process: when it returns, execd has killed every process it left.
         r = _step(sb, f"{env}; {task.command}", cwd=task.repo,
-                  timeout=task.time_limit_s, uses_git=False)
+                  timeout=_limit(task), uses_git=False)
     except CommandTimeout as e:
         out = tail(e.result.output)
         return (Verdict.FAILED, f"the suite ran past its declared time limit "
@@ -582,7 +620,8 @@ def _report_copy(sb: Sandbox, report: str) -> tuple[bytes | None, str | None]:
 def grade(client: Client, task: Task, patch: bytes | str | None, *,
           job: str = "grading", attempts: int = 3, reuse: bool = False,
           acquire_timeout_s: float = 300.0, retry_backoff_s: float = 1.0,
-          namespace: str | None = None) -> GradeResult:
+          namespace: str | None = None, record: PreflightRecord | None = None,
+          shadow: float = SHADOW_SHARE) -> GradeResult:
     """Grade `patch` for `task`: a never-used grading pod (or, with `reuse=True`, one the
     controller restored and checked), the official tests restored from the base commit, the
     patch applied without test configuration, the suite run under the task's time limit,
@@ -592,7 +631,70 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
     that does not apply, a suite past its time limit, a crash in a healthy pod). Anything the infrastructure did (pod lost, execd unreachable,
     acquire timeout, a killed run, the controller's 5xx) is retried on a new pod up to
     `attempts` pods in all and then answered as no_verdict: resample, never score 0. The
-    caller's own errors (BadRequest, Unauthenticated, Forbidden) raise."""
+    caller's own errors (BadRequest, Unauthenticated, Forbidden) raise.
+
+    `record`: the task set's preflight record (PreflightRecord.load, pinned by its SHA-256):
+    a task it does not hold as admitted, with the same hash, raises TaskRefused before any
+    pod. `shadow`: the share of verdicts on a reused pod (`reuse=True`) graded again on a
+    never-used pod; that verdict is returned, and the reused pod is retired when the two
+    contradict (docs/grading.md "Shadow grading")."""
+    if record is not None:
+        why = record.check(task)
+        if why:
+            raise TaskRefused(why)
+    if isinstance(shadow, bool) or not 0 <= shadow <= 1:
+        raise SandmanError(f"grade: shadow must be a share between 0 and 1, not {shadow!r}")
+    kw: dict[str, Any] = {"job": job, "attempts": attempts,
+                          "acquire_timeout_s": acquire_timeout_s,
+                          "retry_backoff_s": retry_backoff_s, "namespace": namespace}
+    held: list[Sandbox] = []
+    sampled = reuse and shadow > 0 and random.random() < shadow
+    first = _grade(client, task, patch, reuse=reuse, hold=held if sampled else None,
+                   **kw)
+    if not held:
+        return first
+    return _shadow(client, task, patch, first, held[0], kw)
+
+
+def _shadow(client: Client, task: Task, patch: bytes | str | None,
+            first: GradeResult, sb: Sandbox, kw: dict[str, Any]) -> GradeResult:
+    """`first` was graded on the reused pod `sb`, still held: grade again on a never-used
+    pod, report the outcome (the controller counts it and retires a contradicted pod, or
+    takes an agreeing one back for reuse) and answer the never-used pod's verdict."""
+    try:
+        fresh = _grade(client, task, patch, reuse=False, hold=None, **kw)
+    except BaseException:
+        _finish(client, sb, first.verdict, True)
+        raise
+    if fresh.verdict is Verdict.NO_VERDICT:  # nothing to compare with: as if not sampled
+        _finish(client, sb, first.verdict, True)
+        return first
+    outcome = (contract.SHADOW_AGREE if fresh.verdict is first.verdict
+               else contract.SHADOW_CONTRADICT)
+    if outcome == contract.SHADOW_CONTRADICT:
+        log.warning("grading %s: reused pod %s said %s, a never-used pod %s: retiring it",
+                    task.name, sb.pod or sb.id, first.verdict, fresh.verdict)
+    try:
+        if hasattr(sb, "report_shadow"):
+            sb.report_shadow(outcome)
+        elif outcome == contract.SHADOW_CONTRADICT:
+            sb.retire()
+        else:
+            sb.release(reuse=True)
+    except SandmanError as e:
+        log.warning("grading: reporting shadow outcome %s for %s failed: %s", outcome, sb.id, e)
+    return dataclasses.replace(
+        fresh, shadow=outcome, attempts=first.attempts + fresh.attempts,
+        infra_errors=first.infra_errors + fresh.infra_errors, pods=first.pods + fresh.pods,
+        duration_s=first.duration_s + fresh.duration_s)
+
+
+def _grade(client: Client, task: Task, patch: bytes | str | None, *, job: str,
+           attempts: int, reuse: bool, acquire_timeout_s: float,
+           retry_backoff_s: float, namespace: str | None,
+           hold: list[Sandbox] | None) -> GradeResult:
+    """grade() with one pod per attempt. `hold`: a reused pod (an earlier grading ran in it)
+    that gave a verdict goes there instead of back (the shadow decides its fate)."""
     if attempts < 1:
         raise SandmanError("grade: attempts must be >= 1")
     data = patch.encode() if isinstance(patch, str) else bytes(patch or b"")
@@ -611,6 +713,7 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
         try:
             sb = _acquire(client, task, job, acquire_timeout_s, namespace, reuse)
             pods.append(sb.pod or sb.id or "?")
+            _check_image(client, task, sb)
             last = _grade_on(client, sb, task, data, excluded, stage, ids)
             verdict = last[0]
             if not last[2]:  # a verdict, or a no-verdict retrying cannot change
@@ -624,7 +727,11 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
             errors.append(f"attempt {n} ({stage[0]}): {type(e).__name__}: {e}")
         finally:
             if sb is not None:
-                _finish(client, sb, verdict, reuse)
+                if (hold is not None and verdict is not Verdict.NO_VERDICT
+                        and getattr(sb, "reuses", 0) > 0):
+                    hold.append(sb)
+                else:
+                    _finish(client, sb, verdict, reuse)
         log.warning("grading %s: attempt %d/%d without a verdict: %s", task.name, n, attempts,
                     errors[-1])
         if n < attempts:
@@ -639,30 +746,53 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
 # ---- preflight
 
 def preflight(client: Client, tasks: list[Task], **grade_kw: Any) -> PreflightResult:
-    """Grade each task's reference patch (must pass) and the empty patch (must fail); keep
-    the tasks that do both (paper: two Verified tasks' tests pass without the fix). A task
-    without a reference patch, or with no verdict on either check, is dropped too: it cannot
-    be shown to be gradable. `grade_kw` go to grade()."""
+    """Grade each task's reference patch (must pass) and the empty patch (must fail), twice;
+    keep the tasks that do both both times (paper: two Verified tasks' tests pass without the
+    fix; a flaky test gives rewards by chance). A task whose reference fails or whose empty
+    patch passes on the first run is not graded again; one whose runs disagree is dropped as
+    flaky, naming both outcomes. A task without a reference patch, or with no verdict on any
+    check, is dropped too: it cannot be shown to be gradable. `record` holds every task's
+    hash and outcomes: save it and pin its SHA-256 (docs/grading.md "The preflight record").
+    `grade_kw` go to grade()."""
     kept: list[Task] = []
     dropped: list[tuple[Task, str]] = []
     results: dict[str, tuple[GradeResult, GradeResult | None]] = {}
-    for task in tasks:
-        if not task.reference_patch:
-            dropped.append((task, "no reference patch"))
-            continue
-        ref = grade(client, task, task.reference_patch, **grade_kw)
-        if ref.verdict is not Verdict.PASSED:
-            results[task.name] = (ref, None)
-            dropped.append((task, f"reference patch: {ref.verdict}: {ref.reason}"))
-            continue
-        if task.test_ids is None and ref.test_ids:
-            task = dataclasses.replace(task, test_ids=ref.test_ids)
-        empty = grade(client, task, b"", **grade_kw)
-        results[task.name] = (ref, empty)
-        if empty.verdict is not Verdict.FAILED:
-            dropped.append((task, f"empty patch: {empty.verdict} (must fail): {empty.reason}"))
-            continue
-        # The official test ids, as collected on the base: later gradings check these.
-        kept.append(task if task.test_ids is not None
-                    else dataclasses.replace(task, test_ids=ref.test_ids))
-    return PreflightResult(kept, dropped, results)
+    records: list[TaskRecord] = []
+    for given in tasks:
+        task = given
+        runs: list[tuple[GradeResult, GradeResult | None]] = []
+        why = "" if task.reference_patch else "no reference patch"
+        for n in ((1, 2) if not why else ()):
+            ref = grade(client, task, task.reference_patch, **grade_kw)
+            if task.test_ids is None and ref.test_ids:
+                # The official test ids, as collected on the base: later gradings check these.
+                task = dataclasses.replace(task, test_ids=ref.test_ids)
+            if ref.verdict is not Verdict.PASSED:
+                runs.append((ref, None))
+                why = _preflight_why("reference patch", Verdict.PASSED, ref, n)
+                break
+            empty = grade(client, task, b"", **grade_kw)
+            runs.append((ref, empty))
+            if empty.verdict is not Verdict.FAILED:
+                why = _preflight_why("empty patch", Verdict.FAILED, empty, n)
+                break
+        if runs:
+            results[given.name] = runs[0]
+        outcomes = [(str(r.verdict), str(e.verdict) if e else "") for r, e in runs]
+        if why:
+            dropped.append((task, why))
+            # The task as given: that is what a trainer would grade it as.
+            records.append(TaskRecord.of(given, admitted=False, outcomes=outcomes, reason=why))
+        else:
+            kept.append(task)
+            records.append(TaskRecord.of(task, admitted=True, outcomes=outcomes))
+    return PreflightResult(kept, dropped, results, PreflightRecord(tuple(records)))
+
+
+def _preflight_why(what: str, want: Verdict, got: GradeResult, n: int) -> str:
+    """Why a task is dropped at run `n`: the check's outcome; both runs' when they differ."""
+    if n > 1 and got.verdict is not Verdict.NO_VERDICT:
+        return f"flaky: {what} {want} on run 1, {got.verdict} on run 2: {got.reason}"
+    must = " (must fail)" if want is Verdict.FAILED else ""
+    run = f", run {n}" if n > 1 else ""
+    return f"{what}{run}: {got.verdict}{must}: {got.reason}"
