@@ -136,8 +136,8 @@ bench-trees: deps  ## whole trees as one tar vs one request per file: 1,000 smal
 bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
 	$(VPY) -m bench.swerex --write-docs
 
-bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod
-	$(VPY) -m bench.reuse --write-docs
+bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod; BEFORE=rev adds that revision's execd, interleaved
+	$(VPY) -m bench.reuse --write-docs $(if $(BEFORE),--before $(BEFORE))
 
 bench-netguard: deps  ## netguard apply + self-verify time in a real network namespace (docs/benchmarks.md)
 	$(VPY) -m bench.netguard --write-docs

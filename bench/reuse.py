@@ -137,7 +137,7 @@ def make_venv(path: Path, pip: bool = True) -> Path:
 
 
 class Execd:
-    def __init__(self, work: Path, name: str, *flags: str):
+    def __init__(self, work: Path, name: str, *flags: str, launcher: Path | None = None):
         self.token = secrets.token_urlsafe(24)
         sha = hashlib.sha256(self.token.encode()).hexdigest()
         self.log = work / f"{name}.log"
@@ -149,10 +149,12 @@ class Execd:
         self.pid1 = pod_like
         # The shared starter: port 0, the port execd reports, /health (the baseline taken at
         # start can take minutes on a big root).
-        ex = start_execd(work, token=self.token, timeout=300, log=self.log, cmd=[
-            *prefix, *execd_cmd("127.0.0.1", 0, sha, "--baseline-at-start", "on",
-                                "--baseline-store", str(work / f"{name}.store"),
-                                "--baseline-paths", "", *flags)])
+        cmd = execd_cmd("127.0.0.1", 0, sha, "--baseline-at-start", "on",
+                        "--baseline-store", str(work / f"{name}.store"),
+                        "--baseline-paths", "", *flags)
+        if launcher is not None:  # another revision's execd, as it lays itself out in a pod
+            cmd[1] = str(launcher)
+        ex = start_execd(work, token=self.token, timeout=300, log=self.log, cmd=[*prefix, *cmd])
         self.port = ex.port
         self.proc = ex.proc.proc
 
@@ -201,6 +203,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--samples", type=int, default=15, help="timed calls per repeat")
     ap.add_argument("--rounds", type=int, default=15, help="controller part: rounds")
+    ap.add_argument("--before", metavar="REV", default=None,
+                    help="execd part: also run execd as revision REV of this repository lays it "
+                    "out (git archive), on copies of the same trees, interleaved: a before/after "
+                    "in one run")
     ap.add_argument("--kubeconfig", default=None,
                     help="controller part: this cluster instead of a test bed of its own")
     docs.add_flags(ap)
@@ -226,6 +232,56 @@ def main(argv: list[str] | None = None) -> int:
         for section in sections:
             print(f"wrote {docs.write_section(section)}", file=sys.stderr)
     return 0
+
+
+# --before: measure -> the row of this revision it is compared with.
+BEFORE_ROWS = {"b_diff_all": "diff_all", "b_diff_dirty": "diff_dirty", "b_restore": "restore",
+               "b_diff_root": "diff_root", "b_restore_root": "restore_root",
+               "b_record_all": "record_all", "b_record_root": "record_root"}
+BEFORE_LABELS = {"diff_all": "`GET /diff`, repository + venv (clean)",
+                 "diff_dirty": "`GET /diff` after the agent-like change",
+                 "restore": "`POST /restore` of it",
+                 "diff_root": "`GET /diff`, `--baseline-scope root` (clean)",
+                 "restore_root": "`POST /restore` there",
+                 "record_all": "`POST /baseline`, repository + venv",
+                 "record_root": "`POST /baseline`, `--baseline-scope root`"}
+
+
+def restored(ex: Execd, repo: Path, sp: Path, rep: int) -> float:
+    """The agent-like change, then the timed /restore (ms) and a clean /diff."""
+    agent_change(ex, repo, sp, rep)
+    dt, res = ex.timed("POST", "/restore", {})
+    assert res["restored"], res["left"]
+    after = ex.call("GET", "/diff")
+    assert after["clean"], after["changes"][:5]
+    return dt * 1000
+
+
+def restored_dirty(ex: Execd, repo: Path, sp: Path, rep: int) -> tuple[float, float]:
+    """The agent-like change, the timed /diff that lists it, then the timed /restore (ms)."""
+    agent_change(ex, repo, sp, rep)
+    dt_diff, dirty = ex.timed("GET", "/diff")
+    assert not dirty["clean"]
+    dt, res = ex.timed("POST", "/restore", {})
+    assert res["restored"], res["left"]
+    after = ex.call("GET", "/diff")
+    assert after["clean"], after["changes"][:5]
+    return dt_diff * 1000, dt * 1000
+
+
+def before_table(rev: str, rows: dict[str, list[float]], m: dict[str, float]) -> str:
+    """This revision against revision `rev`, arm by arm, in the same run: medians and the
+    median of the per-repeat ratios (each repeat's calls were interleaved)."""
+    out = [f"Against revision `{rev}` in the same run (`--before {rev}`): the same arms as that "
+           "revision's execd, each on its own copy of the trees, its calls interleaved with "
+           "this revision's.", "",
+           f"| measure | this revision ms | `{rev}` ms | this / `{rev}` |", "|---|---|---|---|"]
+    for b, k in BEFORE_ROWS.items():
+        if b not in rows:
+            continue
+        ratio = statistics.median([x / y for x, y in zip(rows[k], rows[b], strict=True)])
+        out.append(f"| {BEFORE_LABELS[k]} | {m[k]:.1f} | {m[b]:.1f} | {ratio:.2f}x |")
+    return "\n".join(out) + "\n"
 
 
 def execd_part(a) -> str:
@@ -256,18 +312,41 @@ def execd_part(a) -> str:
                       "--baseline-scope", "root", "--baseline-packages", "",
                       "--baseline-copy-cap", str(64 << 20), "--baseline-rerecord")
         execds.append(whole)
-        base = whole.call("GET", "/diff")
-        assert base["clean"], base["changes"][:5]
-        base = full.call("GET", "/diff")
-        assert base["clean"], base["changes"][:5]
+        # --before: the same two arms as revision REV's execd, each on its own copy of the
+        # trees (a restore makes new inodes another arm would see as changes).
+        old_arms: tuple[Execd, Path, Path, Execd, Path, Path] | None = None
+        if a.before:
+            from bench.execd import revision_install
+
+            launcher = revision_install(work / f"execd-{a.before}", sys.executable, a.before)
+            bw = work / "before"
+            shutil.copytree(repo, bw / "repo", symlinks=True)
+            shutil.copytree(work / "venv", bw / "venv", symlinks=True)
+            shutil.copytree(rootfs, bw / "rootfs", symlinks=True)
+            sp_b = bw / "venv" / sp.relative_to(work / "venv")
+            full_b = Execd(work, "full-before", "--workspace", str(bw / "repo"),
+                           "--baseline-packages", str(sp_b), "--baseline-rerecord",
+                           launcher=launcher)
+            execds.append(full_b)
+            rrepo_b = bw / "rootfs" / "bench-repo"
+            whole_b = Execd(work, "root-before", "--workspace", str(rrepo_b), "--root",
+                            str(bw / "rootfs"), "--baseline-scope", "root",
+                            "--baseline-packages", "", "--baseline-copy-cap", str(64 << 20),
+                            "--baseline-rerecord", launcher=launcher)
+            execds.append(whole_b)
+            old_arms = (full_b, bw / "repo", sp_b, whole_b, rrepo_b,
+                        bw / "rootfs" / "usr" / "lib")
+        for arm in (whole, full) + ((old_arms[0], old_arms[3]) if old_arms else ()):
+            base = arm.call("GET", "/diff")
+            assert base["clean"], base["changes"][:5]
         rows: dict[str, list[float]] = {k: [] for k in (
             "git", "diff_repo", "diff_all", "diff_dirty", "restore", "git_dirty", "diff_root",
-            "restore_root", "record_all", "record_root")}
+            "restore_root", "record_all", "record_root", *BEFORE_ROWS)}
         load0 = os.getloadavg()[0]
         entries = None
         parts: dict[str, list[float]] = {}
         for rep in range(a.repeats):
-            g, d1, d2, d3 = [], [], [], []
+            g, d1, d2, d3, d2b, d3b = [], [], [], [], [], []
             for _ in range(a.samples):  # interleaved: the same noise for all three
                 t = time.perf_counter()
                 subprocess.run(["git", "-C", str(repo), "status", "--porcelain"], check=True,
@@ -279,10 +358,21 @@ def execd_part(a) -> str:
                 d2.append(dt)
                 for k, v in got["parts_ms"].items():
                     parts.setdefault(k, []).append(v)
+                if old_arms:
+                    d2b.append(old_arms[0].timed("GET", "/diff")[0])
+                    d3b.append(old_arms[3].timed("GET", "/diff")[0])
             rows["git"].append(med(g))
             rows["diff_repo"].append(med(d1))
             rows["diff_all"].append(med(d2))
             rows["diff_root"].append(med(d3))
+            if old_arms:
+                rows["b_diff_all"].append(med(d2b))
+                rows["b_diff_root"].append(med(d3b))
+                rows["b_restore_root"].append(restored(old_arms[3], old_arms[4], old_arms[5],
+                                                       rep))
+                dt, rest = restored_dirty(old_arms[0], old_arms[1], old_arms[2], rep)
+                rows["b_diff_dirty"].append(dt)
+                rows["b_restore"].append(rest)
             rsp = rootfs / "usr" / "lib"
             agent_change(whole, rrepo, rsp, rep)
             dt, res = whole.timed("POST", "/restore", {})
@@ -310,19 +400,24 @@ def execd_part(a) -> str:
             assert only.call("GET", "/diff")["clean"]
             # What a grading pod does before it serves: record the baseline (a walk and the
             # copies; the root arm copies only the repository).
-            for arm, key in ((full, "record_all"), (whole, "record_root")):
+            records = [(full, "record_all"), (whole, "record_root")]
+            if old_arms:
+                records += [(old_arms[0], "b_record_all"), (old_arms[3], "b_record_root")]
+            for arm, key in records:
                 dt, rec = arm.timed("POST", "/baseline", {})
                 assert rec["recorded"], rec
                 rows[key].append(dt * 1000)
             print(f"repeat {rep + 1}/{a.repeats}: git {rows['git'][-1]:.1f} ms, /diff repo "
                   f"{rows['diff_repo'][-1]:.1f}, all {rows['diff_all'][-1]:.1f}, restore "
                   f"{rows['restore'][-1]:.1f}", file=sys.stderr)
+        rows = {k: v for k, v in rows.items() if v}
         m = {k: statistics.median(v) for k, v in rows.items()}
         # The ratio of each repeat (its calls were interleaved), then the median of those.
         r = {k: statistics.median([x / g for x, g in zip(v, rows["git"], strict=True)])
              for k, v in rows.items()}
         cmd = f"make bench-reuse (python -m bench.reuse --files {a.files} " \
-              f"--repeats {a.repeats} --samples {a.samples})"
+              f"--repeats {a.repeats} --samples {a.samples}" \
+              + (f" --before {a.before})" if a.before else ")")
         table = "\n".join([
             SECTION, "",
             f"`{cmd}`: a generated repository of {a.files} tracked files (~10k like a "
@@ -365,6 +460,8 @@ def execd_part(a) -> str:
             "ignored), a package directory added to the venv's site-packages, an exported "
             "variable and a background process. `/restore` includes killing the process and "
             "starting a fresh shell.", ""])
+        if old_arms:
+            table += "\n" + before_table(a.before, rows, m) + "\n"
         print(table)
     finally:
         for ex in execds:
