@@ -805,8 +805,17 @@ APPLY_PATH_REFUSALS = ("invalid path", "beyond a symbolic link", "appears as bot
                        "Not a directory", "invalid mode")
 
 
-def apply_refused(stderr: str) -> bool:
-    return any(s in stderr for s in APPLY_REFUSALS)
+# git apply's fatal refusals (exit 128) of input that is no readable patch: the agent's too.
+# Only these: exit 128 is also git's for a broken repository, which is no verdict.
+APPLY_UNREADABLE = ("corrupt patch", "No valid patches", "patch fragment without header",
+                    "git diff header lacks filename", "unrecognized input")
+
+
+def apply_refused(stderr: str, exit_code: int = 1) -> bool:
+    """Whether git apply's exit and message say the patch is at fault (a failure)."""
+    if exit_code == 1:
+        return any(s in stderr for s in APPLY_REFUSALS)
+    return exit_code == 128 and any(s in stderr for s in APPLY_UNREADABLE)
 
 
 def tail(text: str, n: int = OUTPUT_TAIL) -> str:

@@ -164,6 +164,31 @@ def test_patch_that_does_not_apply_is_failed(flavor, twin, controller, tmp_path)
     flavor.run(body, timeout_s=60)
 
 
+# What an agent can hand in that git refuses to read at all (git apply exits 128 for these):
+# the agent's fault like a patch that does not fit, so failed; no_verdict would let a policy
+# trade a certain failure for a sample that does not count.
+CORRUPT_PATCHES = {
+    "garbage": b"garbage\n",
+    "hunk cut short": taskimage.REFERENCE_PATCH.rsplit(b"\n", 3)[0] + b"\n",
+    "hunk without a body": b"--- a/calc/__init__.py\n+++ b/calc/__init__.py\n@@ -1 +1 @@\n",
+    "header without names": b"diff --git a/calc/__init__.py\n",
+}
+
+
+@pytest.mark.parametrize("case", list(CORRUPT_PATCHES))
+def test_a_patch_git_cannot_read_is_failed(flavor, twin, controller, tmp_path, case) -> None:
+    async def body():
+        c = twin.client(controller.url)
+        try:
+            r = await twin.grade(c, new_task(tmp_path), CORRUPT_PATCHES[case])
+        finally:
+            await twin.close(c)
+        assert r.verdict is Verdict.FAILED and r.attempts == 1, r
+        assert r.reason.startswith("patch does not apply"), r.reason
+
+    flavor.run(body, timeout_s=60)
+
+
 def test_patch_cannot_change_the_official_tests(flavor, twin, controller, tmp_path) -> None:
     """A patch that rewrites the official test file to pass is applied without that file."""
     task = new_task(tmp_path, "probe")

@@ -522,7 +522,7 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
             raise _StepFailed(f"git apply: {r.error}")
         if r.exit_code != 0:
             out = tail(r.output, 1500).strip()
-            if r.exit_code == 1 and apply_refused(out):
+            if apply_refused(out, r.exit_code):
                 return (Verdict.FAILED, f"patch does not apply: {out}", False, None, {}, out)
             raise _StepFailed(f"git apply: exit {r.exit_code}: {out}")
         # Every path the patch changed, ignored files included: the runner's own files
