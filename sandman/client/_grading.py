@@ -805,6 +805,10 @@ APPLY_PATH_REFUSALS = ("invalid path", "beyond a symbolic link", "appears as bot
                        "Not a directory", "invalid mode")
 
 
+# A patch longer than this is failed before it is sent (execd's request cap, 96 MiB by default,
+# would refuse it as the caller's error): real fixes are kilobytes; a generated blob is not one.
+MAX_PATCH_BYTES = 32 << 20
+
 # git apply's fatal refusals (exit 128) of input that is no readable patch: the agent's too.
 # Only these: exit 128 is also git's for a broken repository, which is no verdict.
 APPLY_UNREADABLE = ("corrupt patch", "No valid patches", "patch fragment without header",

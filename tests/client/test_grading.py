@@ -189,6 +189,25 @@ def test_a_patch_git_cannot_read_is_failed(flavor, twin, controller, tmp_path, c
     flavor.run(body, timeout_s=60)
 
 
+def test_a_patch_over_the_cap_is_failed(flavor, twin, controller, tmp_path) -> None:
+    """80 MiB of a new file: past execd's request cap once encoded, which raised the caller's
+    BadRequest out of grade(); the agent's output, so failed."""
+    blob = b"+" + b"x" * 79 + b"\n"
+    big = (b"diff --git a/blob.txt b/blob.txt\nnew file mode 100644\n--- /dev/null\n"
+           b"+++ b/blob.txt\n@@ -0,0 +1,%d @@\n" % (1 << 20)) + blob * (1 << 20)
+
+    async def body():
+        c = twin.client(controller.url)
+        try:
+            r = await twin.grade(c, new_task(tmp_path), big)
+        finally:
+            await twin.close(c)
+        assert r.verdict is Verdict.FAILED and r.attempts == 1, r
+        assert r.reason.startswith("patch too large"), r.reason
+
+    flavor.run(body, timeout_s=120)
+
+
 def test_patch_cannot_change_the_official_tests(flavor, twin, controller, tmp_path) -> None:
     """A patch that rewrites the official test file to pass is applied without that file."""
     task = new_task(tmp_path, "probe")

@@ -25,6 +25,7 @@ from sandman import contract
 from sandman.client._grading import (
     APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
+    MAX_PATCH_BYTES,
     MAX_REPORT,
     NEUTRAL_ATTRIBUTES,
     CapturedPatch,
@@ -499,6 +500,9 @@ def _grade_on(client: Client, sb: Sandbox, task: Task, patch: bytes,
             return Verdict.NO_VERDICT, got, False, None, {}, ""
         test_ids = got
     ids_out[:] = test_ids
+    if len(patch) > MAX_PATCH_BYTES:  # the agent's output: a failure, never an SDK error
+        return (Verdict.FAILED, f"patch too large: {len(patch)} bytes, the cap is "
+                f"{MAX_PATCH_BYTES}", False, None, {}, "")
     if patch.strip():
         stage[0] = "check the patch's paths"
         why = _refusal(sb, task, t, patch, cfg.roots)
