@@ -22,6 +22,10 @@ interleaved in each repeat so they share the machine's noise:
                 (what grading pods watch; the tree outside the repository is not copied)
   /baseline     the record a grading pod makes before it serves, repository + venv and root
 
+--before REV adds revision REV's execd (its execd/ from git, installed as a pod lays it out)
+on copies of the same trees, its calls interleaved with this revision's: a before/after of
+/diff, /restore and /baseline in one run (`make bench-reuse BEFORE=REV`).
+
 It prints medians over --repeats and the ratios; with --write-docs it replaces the two
 sections of docs/benchmarks.md. --smoke: a 1,200-file repository, a venv without pip, a
 500-file root tree, one repeat of two samples; one round through the controller (on --kubeconfig's cluster when given, else its own bed).
