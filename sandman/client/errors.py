@@ -54,6 +54,11 @@ class BadRequest(SandmanError):
     """The request was refused as invalid (400/422), by the controller or by execd."""
 
 
+class ImageChanged(BadRequest):
+    """grade(): the grading pod's image digest is not the task's (pinned in `Task.image`, or
+    recorded at its preflight or first grading): the tag moved. Refused, never a verdict."""
+
+
 class BadOwner(BadRequest):
     """`owner=` names no pod in the sandbox namespace: an ownerReference cannot cross
     namespaces (the garbage collector would delete the sandbox at once). Rely on `lifetime_s`

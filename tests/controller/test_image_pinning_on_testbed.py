@@ -144,3 +144,41 @@ def test_a_tag_the_registry_cannot_resolve_is_refused(cluster, namespace, tmp_pa
             assert _sandboxes(cluster, namespace) == []
     finally:
         ctl.stop()
+
+
+def test_grading_refuses_a_task_whose_image_digest_changed(cluster, namespace, tmp_path,
+                                                           registry):
+    """A real controller (pinning), a real execd behind each kwok pod (the stand-in), the
+    bed's registry: the task's tag moves between its first grading and a later one."""
+    import sys
+
+    from sandman.client import ImageChanged
+    from sandman.client import grading as G
+    from testbed import taskimage
+    from tests.controller.harness import standin_stack
+
+    registry.scratch("swe/grade:v1", "task=first")
+    repo = tmp_path / "repo"
+    base = taskimage.make_repo(repo)
+    task = G.Task(name="calc-add", image=f"{registry.host}/swe/grade:v1", repo=str(repo),
+                  base_commit=base, test_files=tuple(taskimage.TEST_FILES),
+                  test_command=f"{sys.executable} -m pytest -q -p no:cacheprovider "
+                               "tests/test_calc.py",
+                  python=sys.executable, reference_patch=taskimage.REFERENCE_PATCH,
+                  time_limit_s=60, exclude=G.NO_EXCLUDE)
+    with standin_stack(cluster, namespace, tmp_path, "pin-grade", "--image-pinning",
+                       "resolve", "--registry-insecure", registry.host) as (ctl, _standin), \
+            Client(ctl.url) as c:
+        # The empty patch (it must fail): the stand-in's pods share the host's repository,
+        # which a patch would change for the next grading.
+        first = G.grade(c, task, b"", job="preflight")
+        assert first.verdict is G.Verdict.FAILED, first.reason
+
+        registry.scratch("swe/grade:v1", "task=second")  # the tag moves
+        # The same job keeps its digest: graded as before.
+        again = G.grade(c, task, b"", job="preflight")
+        assert again.verdict is G.Verdict.FAILED, again.reason
+        # A job that starts now gets the moved tag's image: refused, not graded.
+        with pytest.raises(ImageChanged) as ei:
+            G.grade(c, task, b"", job="train")
+        assert "tag moved" in str(ei.value) and "\n" not in str(ei.value), ei.value
