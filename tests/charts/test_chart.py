@@ -486,10 +486,18 @@ def test_controller_rbac_lives_only_in_the_sandbox_namespace(helm):
                 assert b["metadata"]["namespace"] == sandboxes, (case, b["metadata"])
                 if ref["kind"] == "Role":
                     assert role["metadata"]["namespace"] == sandboxes, (case, role["metadata"])
+            tpl = json.loads(_find(objs, "ConfigMap", "-pod-template")["data"][
+                "pod-template.json"])
+            pulls = [x["name"] for x in tpl.get("imagePullSecrets") or []]
             for rule in role["rules"]:
                 if b["kind"] == "ClusterRoleBinding":  # cluster-wide: never pods or secrets
                     assert not {"pods", "secrets"} & set(rule["resources"]), (case, rule)
-                assert "secrets" not in rule["resources"], (case, rule)
+                if "secrets" in rule["resources"]:
+                    # Image pinning: the sandboxes' pull secrets, by name, read only, in the
+                    # sandbox namespace; nothing when the template names none.
+                    assert pulls and b["kind"] == "RoleBinding" and rule == {
+                        "apiGroups": [""], "resources": ["secrets"], "resourceNames": pulls,
+                        "verbs": ["get"]}, (case, rule)
 
 
 def test_webhook_network_policy_admits_only_the_configured_cidrs_and_prometheus(helm):

@@ -445,8 +445,11 @@ def test_controller_under_its_rbac_and_the_helm_test_script(cluster, namespace, 
     ctl = None
     try:
         with Release(helm, cluster, namespace) as rel:
+            # Image pinning off: the helm test's image is on Docker Hub, which the bed does
+            # not reach (pinning on the bed: tests/controller/test_image_pinning_on_testbed.py).
             rel.install(_values_file(tmp_path, "v", _scoped(other),
-                                     {"sandboxNamespace": sandboxes}))
+                                     {"sandboxNamespace": sandboxes,
+                                      "sandbox": {"imagePinning": "off"}}))
             manifest = rel.manifest()
             controller = f"{rel.name}-sandman-controller"
             dep = next(o for o in manifest if o["kind"] == "Deployment" and
