@@ -8,7 +8,7 @@ it (devpts, /dev/shm, /dev/mqueue) are not entered, their mount points are compa
 restore deletes what was added; anything else changed is left, which retires the pod: execd
 makes no device node. On the node's own device filesystem (devtmpfs: execd outside a pod, a
 pod given the host's /dev) nothing is deleted, since the kernel adds nodes there: a change is
-only reported."""
+only reported. The cgroup v1 tmpfs at /sys/fs/cgroup is watched the same way (watched())."""
 
 import os
 import stat
@@ -41,6 +41,37 @@ def fs_type(path, mountinfo="/proc/self/mountinfo"):
         if (path == point or path.startswith(point.rstrip("/") + "/")) and len(point) > best:
             best, kind = len(point), fstype
     return kind
+
+
+def mount_type(path, mountinfo="/proc/self/mountinfo"):
+    """The type of the filesystem mounted exactly at `path`, or None (not a mount point, or
+    mountinfo unreadable)."""
+    try:
+        with open(mountinfo, "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+    except OSError:
+        return None
+    kind = None
+    for line in lines:
+        fields = line.split(" ")
+        try:
+            if _unescape(fields[4]) == path:
+                kind = fields[fields.index("-", 6) + 1]  # the last mount there is the one seen
+        except (IndexError, ValueError):
+            continue
+    return kind
+
+
+def watched(root):
+    """The pseudo filesystems watched like /dev: /dev itself and, on a cgroup v1 node, the
+    tmpfs the runtime mounts at /sys/fs/cgroup to hold the controllers' (read-only) mounts:
+    runc leaves that tmpfs writable, so a holder's files there (a fake `cpu.max` a runtime
+    would read for its thread count) outlived it. A cgroup v2 mount is read-only: not walked."""
+    out = [os.path.join(root, "dev")]
+    cgroup = os.path.join(root, "sys/fs/cgroup")
+    if mount_type(cgroup) == "tmpfs":
+        out.append(cgroup)
+    return out
 
 
 def removable(path):

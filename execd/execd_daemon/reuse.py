@@ -129,6 +129,7 @@ class Baseline(object):
         self.baseline_id = None
         self.forced = set()  # roots watched although under an excluded path (/dev/shm, /dev)
         self.dev_removable = False  # what was added to /dev may be deleted (not devtmpfs)
+        self.forced_dev = []  # /dev, and the cgroup v1 tmpfs where there is one
         self.shell_bin = None  # (realpath, sha256) of the shell binary at baseline
         self.attrs = None  # execd's rlimits, oom_score_adj, threads' nice/policy/affinity
         self.ipc = None  # the SysV IPC objects and POSIX message queues of the namespace
@@ -148,7 +149,7 @@ class Baseline(object):
         for p in _split_paths(self.args.baseline_paths):
             roots.append((p, "home" if p == os.path.realpath(os.path.expanduser("~"))
                           else "system"))
-        roots.append((os.path.join(self.d.root, "dev"), "dev"))  # both scopes: devwatch.py
+        roots += [(p, "dev") for p in self.forced_dev]  # both scopes: devwatch.py
         if self.args.baseline_scope == "root":
             # The rest of the root: watched, never copied (a change there retires the pod).
             roots.append((os.path.join(self.d.root, "dev/shm"), "rest"))
@@ -293,9 +294,9 @@ class Baseline(object):
         t0 = now()
         with self.lock:
             self.exclude = _split_paths(self.args.baseline_exclude) + [self.store.path]
-            dev = os.path.join(self.d.root, "dev")
-            self.forced = {dev}
-            self.dev_removable = devwatch.removable(dev)
+            self.forced_dev = devwatch.watched(self.d.root)
+            self.forced = set(self.forced_dev)
+            self.dev_removable = all(devwatch.removable(p) for p in self.forced_dev)
             if self.args.baseline_scope == "root":
                 # execd's own dir is mounted read-only; pseudo filesystems are no state.
                 self.exclude += [os.path.join(self.d.root, x) for x in ("proc", "sys", "dev")]

@@ -143,3 +143,57 @@ def test_tampered_grading_pod_is_clean_or_retired_and_stays_with_its_tenant(sand
     assert nxt["released_reused"] is False, nxt  # /usr/bin/bash has no copy: retired
     figures.add("e2e: a tampered grading pod (planted bash, .pth, ld.so.preload, library) came "
                 "back clean to its tenant only; with /usr/bin/bash replaced it was retired")
+
+
+# What /restore never looks at because a pod cannot change it: the kernel's own state. Tried
+# as the holder would, as the image's root, in a real grading pod: each attempt must be refused
+# and leave the value as it was, else a reused pod would carry it to the next holder unseen.
+OUT_OF_REACH = r"""
+set +e
+try() { l=$1; shift; "$@" >/dev/null 2>&1; echo "$l $?"; }
+echo "uid $(id -u)"
+h0=$(cat /proc/sys/kernel/hostname)
+try sysctl-hostname sh -c 'echo sandman-evil > /proc/sys/kernel/hostname'
+try hostname hostname sandman-evil
+try sysctl-forward sh -c 'echo 1 > /proc/sys/net/ipv4/ip_forward'
+try sysctl-vm sh -c 'echo 1 > /proc/sys/vm/drop_caches'
+cg=/sys/fs/cgroup; [ -d $cg/pids ] && cg=$cg/pids  # cgroup v1: the controller's own mount
+try cgroup-limit sh -c "echo max > $cg/pids.max"
+try cgroup-new mkdir $cg/evil
+try mount mount -t tmpfs none /mnt
+try unshare unshare -m true
+try add_key python3 -c 'import ctypes, platform, sys; n = {"x86_64": 248, "aarch64": 217}[platform.machine()]; libc = ctypes.CDLL(None, use_errno=True); sys.exit(0 if libc.syscall(n, b"user", b"sandman-evil", b"x", 1, -3) >= 0 else 1)'
+# cgroup v1: the tmpfs holding the controllers is writable; a planted name is state (watched).
+touch /sys/fs/cgroup/cpu.max 2>/dev/null && echo "planted yes" || echo "planted no"
+echo "hostname-same $([ "$(cat /proc/sys/kernel/hostname)" = "$h0" ] && echo yes || echo no)"
+"""
+
+KERNEL_SCRIPT = r"""
+import json, os
+from sandman.client import Client
+with Client(timeout_s=120) as c:
+    sb = c.acquire(image=os.environ["TASK_IMAGE"], job="e2e-kernel", cpu="250m",
+                   memory="160Mi", timeout_s=150, role="grading", reused_ok=True)
+    r = sb.exec(os.environ["OUT_OF_REACH"], timeout=60)
+    d = sb._http.get("/diff").json()
+    res = {"out": r.output.split("\n"), "clean": d["clean"],
+           "changed": [c["path"] for c in d["changes"] if c.get("path")]}
+    sb.release()
+print("E2E-RESULT " + json.dumps(res))
+"""
+
+
+def test_kernel_state_is_out_of_a_grading_pods_reach(sandman, ns, figures):
+    res = run_trainer(sandman, ns, "trainer-kernel", KERNEL_SCRIPT, timeout=400,
+                      OUT_OF_REACH=OUT_OF_REACH)
+    got = dict(ln.rsplit(" ", 1) for ln in res["out"] if " " in ln)
+    assert got.pop("uid") == "0", res  # the task image's root: the strongest holder
+    assert got.pop("hostname-same") == "yes", res
+    # A cgroup v1 node (this machine's): the name planted in its tmpfs is seen, so restored.
+    # util-linux's `mount` leaves its lock dir /run/mount even when refused: a file like any.
+    want = {"/sys/fs/cgroup/cpu.max"} if got.pop("planted") == "yes" else set()
+    assert set(res["changed"]) - {"/run/mount"} == want, res
+    assert len(got) == 9, got
+    assert not [k for k, code in got.items() if code == "0"], got
+    figures.add("e2e: a grading pod's root could change none of /proc/sys, /sys, the hostname, "
+                "mounts, namespaces or kernel keys (9 attempts refused)")

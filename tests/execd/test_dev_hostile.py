@@ -96,6 +96,13 @@ exec "$@"
 
 def watched_dev(execd_factory, tmp_path, scope):
     """execd watching <root>/dev (a container's, as above) with a baseline from its start."""
+    d, r = watched_root(execd_factory, tmp_path, scope, ROOT_DEV)
+    return d, r / "dev"
+
+
+def watched_root(execd_factory, tmp_path, scope, layout):
+    """execd over a --root laid out by the shell script `layout` in a private mount
+    namespace, with a baseline from its start, clean: (execd, the root)."""
     r = tmp_path / "root"
     for p in ("ws", "etc", "dev"):
         (r / p).mkdir(parents=True)
@@ -106,10 +113,10 @@ def watched_dev(execd_factory, tmp_path, scope):
         "--baseline-at-start", "on", "--baseline-store", str(tmp_path / "store"),
         "--baseline-paths", str(r / "etc"), "--baseline-packages", str(r / "none"),
         "--baseline-localtime", str(r / "etc" / "localtime"), "--baseline-scope", scope,
-        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", ROOT_DEV, "sh"),
+        prefix=("unshare", "-m", "--propagation", "private", "sh", "-c", layout, "sh"),
         env={"SANDMAN_TEST_ROOT": str(r)})
     assert d.get("/diff").json()["clean"] is True
-    return d, r / "dev"
+    return d, r
 
 
 @pytest.mark.parametrize("scope", ["listed", "root"])
@@ -165,3 +172,38 @@ def test_what_the_holder_only_added_to_dev_is_removed(execd_factory, tmp_path, s
     assert not any(os.path.lexists(dev / n) for n in added)
     assert d.get("/diff").json()["clean"] is True
     assert d.exec(f"stat -c '%t:%T' {dev}/null")["output"] == "1:3\n"
+
+
+# A cgroup v1 node's /sys/fs/cgroup as runc lays it out in a container: a tmpfs (left
+# writable) holding each controller's cgroup mounted read-only. Here: a tmpfs under --root
+# with read-only binds standing in for the controllers.
+ROOT_CGROUP_V1 = ROOT_DEV.replace("exec \"$@\"\n", r"""c="$SANDMAN_TEST_ROOT/sys/fs/cgroup"
+mkdir -p "$c"
+mount -t tmpfs -o mode=755 sandbox-cgroup "$c"
+for n in cpu memory pids; do
+  mkdir "$c/$n"; mount --bind /sys/fs/cgroup "$c/$n"; mount -o remount,bind,ro "$c/$n"
+done
+exec "$@"
+""")
+
+
+@pytest.mark.parametrize("scope", ["listed", "root"])
+def test_what_the_holder_planted_in_the_cgroup_tmpfs_is_seen_and_removed(execd_factory,
+                                                                          tmp_path, scope):
+    """A cgroup v2 file name planted at the top of a v1 node's /sys/fs/cgroup (`cpu.max`, which
+    runtimes read for their thread count), a directory and a link: the tmpfs is writable, so
+    they outlived the holder unseen (/sys is never walked). Now /diff lists them and the
+    restore deletes them; the controllers' own mounts are not entered."""
+    d, r = watched_root(execd_factory, tmp_path, scope, ROOT_CGROUP_V1)
+    cg = r / "sys" / "fs" / "cgroup"
+    assert d.exec(f"echo 1 > {cg}/pids/evil")["exit_code"] != 0  # the controllers: read-only
+    added = ("cpu.max", "evil", "evil/x", "memory.max")
+    out = d.exec(f"cd {cg} && echo '1000 100000' > cpu.max && mkdir evil && echo 1 > evil/x && "
+                 "ln -s /etc/passwd memory.max && echo planted")
+    assert out["output"] == "planted\n", out
+    got = {(c["kind"], c["path"]) for c in d.get("/diff").json()["changes"] if "path" in c}
+    assert got == {("added", str(cg / n)) for n in added}, got
+    res = d.post("/restore", {}, timeout=60)
+    assert res.status_code == 200 and res.json()["restored"] is True, res.text
+    assert not any(os.path.lexists(cg / n) for n in added)
+    assert d.get("/diff").json()["clean"] is True
