@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import shutil
 import statistics
@@ -84,6 +85,23 @@ def _kill_shells(local: LocalRuntime) -> None:
             pass  # gone and reaped already
 
 
+@contextlib.contextmanager
+def _empty_home(d: Path):
+    """HOME an empty dir while SWE-ReX starts its bash: that bash is interactive and reads
+    ~/.bashrc, and a machine's own (one running `pyenv init` here) kept it from ever printing
+    its prompt; the image's rc is what a sandbox reads, not the bench machine's."""
+    d.mkdir(parents=True, exist_ok=True)
+    old = os.environ.get("HOME")
+    os.environ["HOME"] = str(d)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("HOME", None)
+        else:
+            os.environ["HOME"] = old
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--calls", type=int, default=200, help="echo actions per target per repeat")
@@ -107,7 +125,8 @@ def main(argv: list[str] | None = None) -> int:
     wrong: dict[str, int] = {}
     try:
         # SWE-ReX's default 1 s startup timeout fails on a loaded machine
-        asyncio.run(local.create_session(CreateBashSessionRequest(startup_timeout=30)))
+        with _empty_home(work / "home"):
+            asyncio.run(local.create_session(CreateBashSessionRequest(startup_timeout=30)))
         asyncio.run(adapter.create_session(CreateBashSessionRequest()))
         targets: list[tuple[str, Callable[[], tuple[list[float], int]]]] = [
             ("SWE-ReX LocalRuntime, one loop", lambda: timed_async(local, args.calls, False)),

@@ -124,6 +124,9 @@ class _Capture:
         return {"id": "sb-1", "pod": "p", "address": "127.0.0.1", "port": 9470, "token": "t",
                 "warm": False, "timings": {}}
 
+    async def pinned_spec(self, spec: Any) -> Any:
+        return spec  # image pinning is the controller's (tests/controller), not the route's
+
     def prewarm(self, spec: Any, count: int, idle: float | None) -> Any:
         self.calls.append((spec, {"count": count}))
         raise RuntimeError("stop here")
@@ -146,8 +149,9 @@ def test_the_controller_gets_the_label_and_the_list(app):
     assert kw["conditions"] == {"egress": "deny", "egress_allow": [ENTRY]}
     r = http.post(api.ACQUIRE.path, json={"image": "img", "job": "j", "egress": "allow"})
     assert r.status_code == 201 and ctl.calls[-1][0].egress_allow == ()
-    http.post(api.PREWARM.path, json={"image": "img", "count": 1,
-                                      "spec": {"egress": {"allow": [ENTRY]}}})
+    r = http.post(api.PREWARM.path, json={"image": "img", "count": 1,
+                                          "spec": {"egress": {"allow": [ENTRY]}}})
+    assert ctl.calls[-1][1] == {"count": 1}, r.text  # the prewarm reached the controller
     assert ctl.calls[-1][0].egress_allow == (ENTRY,)
 
 

@@ -241,6 +241,13 @@ def test_interactive_python_flow(srt) -> None:
     run(srt.run_in_session(PY_FLOW[3]))
 
 
+@pytest.fixture(autouse=True)
+def _empty_home(tmp_path_factory, monkeypatch) -> None:
+    """LocalRuntime's bash is interactive and reads ~/.bashrc: the machine's own (one running
+    `pyenv init` kept it from ever printing its prompt) must not decide these tests."""
+    monkeypatch.setenv("HOME", str(tmp_path_factory.mktemp("home")))
+
+
 def test_interactive_same_answers_as_local_runtime(srt) -> None:
     """The interactive sequence through LocalRuntime (pexpect) and through the adapter: the
     same outputs and expect strings (LocalRuntime gets up to 3 tries, as above)."""

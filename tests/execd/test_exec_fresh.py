@@ -110,6 +110,10 @@ def test_client_gone_kills_the_tree(execd, tmp_path):
     assert wait_for(lambda: len(pids_running(tag)) == 2, 10)
     s.close()
     assert wait_for(lambda: pids_running(tag) == [], 10), pids_running(tag)
+    # The call's tree is dead before execd has finished the call (its bash is killed last and
+    # reaped): until then another call is refused busy, as any call beside a running one is.
+    assert wait_for(lambda: execd.post("/exec", {"command": "echo ok", "fresh": True,
+                                                 "cwd": "/"}).status_code != 409, 10)
     assert fresh(execd, "echo ok")["output"] == "ok\n"
 
 
