@@ -87,6 +87,7 @@ class Daemon:
         self.cache_max = 512
         self.cache_bytes = 0
         self.resetting = False
+        self.stopping = False  # SIGTERM: the pod is going away (main.py)
         self.calls = 0
         self.shell = None
         self.retired = None  # why this execd starts no shell any more (a failed restore)

@@ -148,7 +148,10 @@ def main(argv=None, listen_socket=None):
     stopping = threading.Event()
 
     def stop(signum, frame):
-        # Leave nothing behind: the shell and everything it started go with us.
+        # Leave nothing behind: the shell and everything it started go with us. Calls still
+        # answered say so, and nothing new is served: a suite killed by the pod's stop must
+        # not read as its own death.
+        daemon.stopping = True
         stopping.set()
         try:
             daemon.kill_sandbox()

@@ -336,6 +336,8 @@ class Handler(BaseHTTPRequestHandler):
             _REQ.gen = None if route in PUBLIC_ROUTES else self.daemon.token_gen
             if route not in PUBLIC_ROUTES and not self.authorized():
                 raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
+            if self.daemon.stopping:
+                raise HTTPError(503, STOPPING, {"close_body": True})
             if route not in PUBLIC_ROUTES or self.authorized():
                 # Authenticated connections leave the pre-auth budget (longer idle, no shedding).
                 self.server.budget.mark_authed(self.connection)
@@ -376,8 +378,14 @@ def _r_ready(handler, query):
     handler.reply(200 if res.get("ok") else 503, res)
 
 
+STOPPING = "execd is stopping (SIGTERM): the sandbox's processes were killed"
+
+
 def _r_exec(handler, query):
-    handler.reply(200, handler.daemon.exec_command(handler.json_body(), handler.connection))
+    res = handler.daemon.exec_command(handler.json_body(), handler.connection)
+    if handler.daemon.stopping:  # its processes died of the stop, not of their own doing
+        res["error"] = "; ".join(e for e in (res.get("error"), STOPPING) if e)
+    handler.reply(200, res)
 
 
 def _r_exec_stream(handler, query):

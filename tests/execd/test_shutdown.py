@@ -89,3 +89,33 @@ def _cmdline(pid: int) -> str:
         return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode()
     except OSError:
         return "?"
+
+
+def test_a_call_killed_by_the_stop_never_reads_as_its_own_death(execd_factory, tmp_path):
+    """A suite killed by the pod's stop (the kubelet's SIGTERM to execd) answered a bare exit
+    137 and execd went on serving while it stopped: the grader read "no report" in a pod that
+    was going away and graded failed, not no_verdict. A call answered during the stop now says
+    so in its error; nothing else is served (503) or the connection just ends. Several times:
+    whether the answer leaves before execd exits is a race."""
+    def run(d, got: list, fresh: bool) -> None:
+        body = {"command": "sleep 1000", "timeout": 1000}
+        if fresh:
+            body.update(fresh=True, cwd=str(tmp_path))
+        try:
+            got.append(httpx.post(d.url + "/exec", json=body, headers=AUTH, timeout=60))
+        except httpx.HTTPError as e:
+            got.append(e)
+
+    for i in range(4):
+        d = execd_factory()
+        got: list = []
+        t = threading.Thread(target=run, args=(d, got, i % 2 == 0), daemon=True)
+        t.start()
+        assert wait_for(lambda d=d: len(d.others()) >= 1, 5), d.others()  # the sleep runs
+        os.kill(d.pid, signal.SIGTERM)
+        t.join(30)
+        d.proc.wait(15)
+        (r,) = got
+        if isinstance(r, httpx.Response):
+            assert r.status_code != 200 or "execd is stopping" in (r.json()["error"] or ""), \
+                (i, r.text)
