@@ -149,61 +149,44 @@ def test_planted_conftest_is_graded_without_it(flavor, twin, controller, tmp_pat
     flavor.run(body, timeout_s=90)
 
 
-def test_patch_that_does_not_apply_is_failed(flavor, twin, controller, tmp_path) -> None:
-    bad = taskimage.REFERENCE_PATCH.replace(b"-    return a - b", b"-    return a * b")
-
-    async def body():
-        c = twin.client(controller.url)
-        try:
-            r = await twin.grade(c, new_task(tmp_path), bad)
-        finally:
-            await twin.close(c)
-        assert r.verdict is Verdict.FAILED and r.attempts == 1, r
-        assert r.reason.startswith("patch does not apply"), r.reason
-
-    flavor.run(body, timeout_s=60)
+def _over_the_cap() -> bytes:
+    """80 MiB of a new file: past execd's request cap once encoded, which raised the caller's
+    BadRequest out of grade()."""
+    blob = b"+" + b"x" * 79 + b"\n"
+    return (b"diff --git a/blob.txt b/blob.txt\nnew file mode 100644\n--- /dev/null\n"
+            b"+++ b/blob.txt\n@@ -0,0 +1,%d @@\n" % (1 << 20)) + blob * (1 << 20)
 
 
-# What an agent can hand in that git refuses to read at all (git apply exits 128 for these):
-# the agent's fault like a patch that does not fit, so failed; no_verdict would let a policy
-# trade a certain failure for a sample that does not count.
-CORRUPT_PATCHES = {
-    "garbage": b"garbage\n",
-    "hunk cut short": taskimage.REFERENCE_PATCH.rsplit(b"\n", 3)[0] + b"\n",
-    "hunk without a body": b"--- a/calc/__init__.py\n+++ b/calc/__init__.py\n@@ -1 +1 @@\n",
-    "header without names": b"diff --git a/calc/__init__.py\n",
+# The agent's output, wrong in a way git or the grader refuses: failed, never no_verdict (which
+# would let a policy trade a certain failure for a sample that does not count) nor an error.
+# The corrupt ones are input git cannot read at all (git apply exits 128 for them).
+WRONG_PATCHES = {
+    "does not apply": (lambda: taskimage.REFERENCE_PATCH.replace(
+        b"-    return a - b", b"-    return a * b"), "patch does not apply"),
+    "garbage": (lambda: b"garbage\n", "patch does not apply"),
+    "hunk cut short": (lambda: taskimage.REFERENCE_PATCH.rsplit(b"\n", 3)[0] + b"\n",
+                       "patch does not apply"),
+    "hunk without a body": (
+        lambda: b"--- a/calc/__init__.py\n+++ b/calc/__init__.py\n@@ -1 +1 @@\n",
+        "patch does not apply"),
+    "header without names": (lambda: b"diff --git a/calc/__init__.py\n",
+                             "patch does not apply"),
+    "over the cap": (_over_the_cap, "patch too large"),
 }
 
 
-@pytest.mark.parametrize("case", list(CORRUPT_PATCHES))
-def test_a_patch_git_cannot_read_is_failed(flavor, twin, controller, tmp_path, case) -> None:
-    async def body():
-        c = twin.client(controller.url)
-        try:
-            r = await twin.grade(c, new_task(tmp_path), CORRUPT_PATCHES[case])
-        finally:
-            await twin.close(c)
-        assert r.verdict is Verdict.FAILED and r.attempts == 1, r
-        assert r.reason.startswith("patch does not apply"), r.reason
-
-    flavor.run(body, timeout_s=60)
-
-
-def test_a_patch_over_the_cap_is_failed(flavor, twin, controller, tmp_path) -> None:
-    """80 MiB of a new file: past execd's request cap once encoded, which raised the caller's
-    BadRequest out of grade(); the agent's output, so failed."""
-    blob = b"+" + b"x" * 79 + b"\n"
-    big = (b"diff --git a/blob.txt b/blob.txt\nnew file mode 100644\n--- /dev/null\n"
-           b"+++ b/blob.txt\n@@ -0,0 +1,%d @@\n" % (1 << 20)) + blob * (1 << 20)
+@pytest.mark.parametrize("case", list(WRONG_PATCHES))
+def test_a_wrong_patch_is_failed(flavor, twin, controller, tmp_path, case) -> None:
+    make, reason = WRONG_PATCHES[case]
 
     async def body():
         c = twin.client(controller.url)
         try:
-            r = await twin.grade(c, new_task(tmp_path), big)
+            r = await twin.grade(c, new_task(tmp_path), make())
         finally:
             await twin.close(c)
         assert r.verdict is Verdict.FAILED and r.attempts == 1, r
-        assert r.reason.startswith("patch too large"), r.reason
+        assert r.reason.startswith(reason), r.reason
 
     flavor.run(body, timeout_s=120)
 
