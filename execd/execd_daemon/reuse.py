@@ -10,11 +10,11 @@ import threading
 import time
 
 from . import devwatch, xattrs
-from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote, sha256
+from .base import MAX_OUTPUT_LIMIT, TAG_VAR, now, sh_quote
 from .devwatch import is_device
 from .files import file_sha256
 from .procs import proc_cmdline, proc_stat
-from .store import Store
+from .store import Store, copy_hashed
 from .wire import HTTPError
 
 #
@@ -670,16 +670,10 @@ class Baseline(object):
                 return "a hard link (%d names at baseline): a rewrite would split it" % ent.nlink
             tmp = os.path.join(os.path.dirname(p), ".sandman-restore-%s" % os.urandom(6).hex())
             fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-            h = sha256()
             try:
                 src = self.store.open_blob(ent.blob[0])
                 try:
-                    while True:
-                        chunk = os.read(src, 1 << 20)
-                        if not chunk:
-                            break
-                        h.update(chunk)
-                        os.write(fd, chunk)
+                    digest = copy_hashed(src, fd)
                 finally:
                     os.close(src)
             except BaseException:
@@ -687,7 +681,7 @@ class Baseline(object):
                 os.unlink(tmp)
                 raise
             os.close(fd)
-            if h.hexdigest() != ent.blob[1]:
+            if digest != ent.blob[1]:
                 os.unlink(tmp)
                 return "the stored copy was altered since the baseline"
             os.rename(tmp, p)

@@ -18,6 +18,17 @@ _DIR = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
 _READ = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
 
 
+
+def copy_hashed(src, dst):
+    """Copy fd `src` to fd `dst` to its end; the SHA-256 of what was copied (hex)."""
+    h = sha256()
+    while True:
+        chunk = os.read(src, 1 << 20)
+        if not chunk:
+            return h.hexdigest()
+        h.update(chunk)
+        os.write(dst, chunk)
+
 class Store(object):
     def __init__(self, path):
         self.path = os.path.realpath(path)
@@ -58,14 +69,8 @@ class Store(object):
         try:
             dst = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW
                           | os.O_CLOEXEC, 0o600, dir_fd=self.blobs_fd)
-            h = sha256()
             try:
-                while True:
-                    chunk = os.read(src, 1 << 20)
-                    if not chunk:
-                        break
-                    h.update(chunk)
-                    os.write(dst, chunk)
+                digest = copy_hashed(src, dst)
             finally:
                 os.close(dst)
             st = os.fstat(src)
@@ -80,7 +85,7 @@ class Store(object):
             return
         # The hash stays in execd's memory: a copy altered in the store (an agent running as
         # execd's user can reach it) is refused at restore instead of written back.
-        ent.blob = (name, h.hexdigest())
+        ent.blob = (name, digest)
         self.stored_bytes += ent.size
 
     def open_blob(self, name):
