@@ -440,13 +440,21 @@ class Controller:
     async def release_reuse(self, sid: str) -> tuple[bool, bool]:
         """Release with reuse: (released, reused). Only a handed-out grading pod (400 for an
         agent pod: its state was the agent's and is never handed on)."""
+        e = self._leased_grading(sid, "may be released with reuse")
+        if e is None:
+            return await self.release(sid), False
+        return True, await self.warm.give_back(e)
+
+    def _leased_grading(self, sid: str, may: str) -> Entry | None:
+        """The handed-out grading pod `sid`, None when it is not handed out; 400 for an agent
+        pod ("only grading sandboxes <may>")."""
         e = self.books.entries.get(sid)
         if e is None or e.stage is not S.LEASED:
-            return await self.release(sid), False
+            return None
         if e.spec.role != contract.ROLE_GRADING:
             raise BadRequest(f"sandbox {sid} has role {e.spec.role}: only {contract.ROLE_GRADING}"
-                             " sandboxes may be released with reuse")
-        return True, await self.warm.give_back(e)
+                             f" sandboxes {may}")
+        return e
 
     async def retire(self, sid: str) -> bool:
         """The caller's grading on this pod contradicted an earlier one: delete it."""
@@ -460,12 +468,9 @@ class Controller:
         """The caller graded this reused grading pod's verdict again on a never-used pod:
         counted; a contradiction retires the pod, an agreement releases it for reuse.
         (released, reused); 400 for an agent pod."""
-        e = self.books.entries.get(sid)
-        if e is None or e.stage is not S.LEASED:
+        e = self._leased_grading(sid, "are shadow-graded")
+        if e is None:
             return await self.release(sid), False
-        if e.spec.role != contract.ROLE_GRADING:
-            raise BadRequest(f"sandbox {sid} has role {e.spec.role}: only {contract.ROLE_GRADING}"
-                             " sandboxes are shadow-graded")
         metrics.shadowed(outcome)
         if outcome == contract.SHADOW_CONTRADICT:
             self.pipeline.unwant(e, "retired: a never-used pod's verdict contradicted its own")
