@@ -271,11 +271,9 @@ def test_a_stored_copy_replaced_in_the_store_fails_the_restore_without_blocking(
     assert r.status_code == 503 and r.json()["retired"] is True, r.text
 
 
-@pytest.mark.parametrize("how", ["recreated", "removed"])
-def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
-    """Without --workspace (as in controller pods) the workspace is execd's cwd. The holder
-    removes it (and makes a new one of its own at the same path): /diff, /restore and the next
-    holder's shell work from the path resolved at start, not from execd's deleted cwd."""
+def execd_in_its_workspace(execd_factory, tmp_path):
+    """execd started in its workspace, no --workspace (as in controller pods: the workspace is
+    execd's cwd), with a baseline from its start: (execd, the workspace)."""
     ws, etc = tmp_path / "ws", tmp_path / "etc"
     ws.mkdir()
     etc.mkdir()
@@ -284,6 +282,15 @@ def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
                       "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
                       "--baseline-localtime", str(etc / "localtime"), "--kill-grace", "0.5",
                       prefix=("sh", "-c", 'cd "$0" && exec "$@"', str(ws)))
+    return d, ws
+
+
+@pytest.mark.parametrize("how", ["recreated", "removed"])
+def test_execds_cwd_removed_by_the_holder(execd_factory, tmp_path, how):
+    """Without --workspace (as in controller pods) the workspace is execd's cwd. The holder
+    removes it (and makes a new one of its own at the same path): /diff, /restore and the next
+    holder's shell work from the path resolved at start, not from execd's deleted cwd."""
+    d, ws = execd_in_its_workspace(execd_factory, tmp_path)
     assert d.exec("pwd")["output"] == f"{ws}\n"
     again = f" && mkdir {ws} && echo evil > {ws}/f.py && echo new > {ws}/g" \
         if how == "recreated" else ""
@@ -306,14 +313,7 @@ def test_shell_ended_after_execds_cwd_was_removed(execd_factory, tmp_path, how):
     and ends its shell. The next /exec gets a shell at once: in the directory now at the
     workspace's path, or, where there is none, in / with an error naming the gone workspace.
     Relative file paths and spawns keep working; /diff and /restore still put it all back."""
-    ws, etc = tmp_path / "ws", tmp_path / "etc"
-    ws.mkdir()
-    etc.mkdir()
-    (ws / "f.py").write_text("x = 1\n")
-    d = execd_factory("--baseline-at-start", "on", "--baseline-store", str(tmp_path / "store"),
-                      "--baseline-paths", str(etc), "--baseline-packages", str(etc / "none"),
-                      "--baseline-localtime", str(etc / "localtime"), "--kill-grace", "0.5",
-                      prefix=("sh", "-c", 'cd "$0" && exec "$@"', str(ws)))
+    d, ws = execd_in_its_workspace(execd_factory, tmp_path)
     again = f" && mkdir {ws} && echo new > {ws}/g" if how == "recreated" else ""
     sh(d, f"cd / && rm -rf {ws}{again}")
     r = d.post("/exec", {"command": "kill -9 $$", "timeout": 10})
