@@ -244,6 +244,12 @@ class Sessions(ChildTable):
             frm = max(since, start)
             data = s.data()[frm - start:]
         self.d.reaper.reap()
+        # The kernel closes a dying program's terminal before the program can be reaped (and a
+        # program may close it and go on): within this read's wait, the answer that says the
+        # output ended waits for the exit, so it carries the exit status.
+        while s.fd is None and s.status is None and now() < deadline:
+            time.sleep(0.01)
+            self.d.reaper.reap()
         out = s.info()
         out.update({"start": frm, "end": frm + len(data), "dropped": frm - since})
         return out, data

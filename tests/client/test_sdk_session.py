@@ -117,6 +117,27 @@ def test_resize_signal_cursor_and_expect_timeout(flavor: Flavor, execd: Execd) -
     flavor.run(body, timeout_s=60)
 
 
+def test_the_read_that_sees_the_end_carries_the_exit_status(flavor: Flavor, execd: Execd) -> None:
+    # The kernel closes a dying program's terminal before the program can be reaped, and a
+    # program may close it and go on (ignoring the hang-up): the read that says the output ended waits (within its
+    # own timeout) for the exit, so its answer and status() after it carry the exit status.
+    async def body():
+        async with flavor.connect(execd) as sb:
+            s = await sb.session("trap '' HUP; exec 0<&- 1>&- 2>&-; sleep 0.5; exit 3")
+            try:
+                for _ in range(100):
+                    out = await s.read(timeout=5)
+                    if not out.output_open:
+                        break
+                assert not out.output_open
+                assert out.exit_code == 3, out
+                assert (await s.status()).exit_code == 3
+            finally:
+                await s.close()
+
+    flavor.run(body, timeout_s=60)
+
+
 def test_close_kills_a_tree_that_ignores_sighup(flavor: Flavor, execd: Execd) -> None:
     async def body():
         async with flavor.connect(execd) as sb:
