@@ -76,6 +76,10 @@ EXECD_BASELINE_ENV = "SANDMAN_BASELINE"
 # Its watched set (execd --baseline-scope): `root`, the whole root filesystem, in grading pods.
 EXECD_BASELINE_SCOPE_ENV = "SANDMAN_BASELINE_SCOPE"
 BASELINE_SCOPES = ("listed", "root")
+# In an agent pod's sandbox container: execd records a stat-only snapshot base of the root
+# filesystem before it serves, so GET /snapshot can carry the holder's changes into a fork
+# (docs/execd.md "Snapshots"). Without it /snapshot answers 409. Value "on".
+EXECD_SNAPSHOT_ENV = "SANDMAN_SNAPSHOT"
 
 # Set by the kubelet in every container: the API server's ClusterIP. netguard and the webhook
 # read it as an address no egress allowlist may reach.

@@ -63,11 +63,16 @@ SESSION_READ = Route("SESSION_READ", "GET", "/sessions/read")  # ?id=&since=&tim
 SESSION_RESIZE = Route("SESSION_RESIZE", "POST", "/sessions/resize")
 SESSION_SIGNAL = Route("SESSION_SIGNAL", "POST", "/sessions/signal")
 SESSION_CLOSE = Route("SESSION_CLOSE", "POST", "/sessions/close")
+# Snapshots (docs/execd.md, "Snapshots"): the holder's changes against the image, as a tar
+# (first member a JSON manifest) then its SHA-256 like TREE_READ; applied in a fresh pod of the
+# same image (the tar, its SHA-256 in TREE_SHA256_HEADER, like TREE_WRITE).
+SNAPSHOT = Route("SNAPSHOT", "GET", "/snapshot")
+SNAPSHOT_APPLY = Route("SNAPSHOT_APPLY", "POST", "/snapshot/apply")
 ROUTES = (HEALTH, READY, EXEC, EXEC_STREAM, FILE_READ, FILE_READ_JSON, FILE_WRITE, TREE_READ,
           TREE_WRITE, ENV, RESET, STATE, CONDITIONS, BASELINE, DIFF, RESTORE, TOKEN, PROCESSES,
           PROCESS_SPAWN, PROCESS_INFO, PROCESS_OUTPUT, PROCESS_SIGNAL, PROCESS_WAIT, SESSIONS,
           SESSION_OPEN, SESSION_WRITE, SESSION_READ, SESSION_RESIZE, SESSION_SIGNAL,
-          SESSION_CLOSE)
+          SESSION_CLOSE, SNAPSHOT, SNAPSHOT_APPLY)
 PUBLIC_ROUTES = (HEALTH, READY)  # answered without the bearer token
 
 
@@ -92,6 +97,8 @@ BG_WAIT_MAX = 30.0  # one /processes/wait answers within this; the SDK asks agai
 PTY_WRITE_MAX = 64 << 10  # bytes of one /sessions/write: longer data goes in several
 PTY_READ_WAIT_MAX = 30.0  # one /sessions/read waits at most this; the SDK asks again
 PTY_SIZE_MAX = 4096  # a session's columns and rows
+SNAPSHOT_MAX_BYTES = 1 << 30  # content bytes of one snapshot (execd's --max-snapshot-bytes)
+SNAPSHOT_MAX_ENTRIES = 200_000  # members of one snapshot (files, dirs, links), either way
 
 
 # ---- request bodies
@@ -258,6 +265,7 @@ _NUM = (int, float)
 _ExecResultT = TypeVar("_ExecResultT", bound="ExecResult")
 _WriteResultT = TypeVar("_WriteResultT", bound="WriteResult")
 _TreeResultT = TypeVar("_TreeResultT", bound="TreeResult")
+_SnapshotAppliedT = TypeVar("_SnapshotAppliedT", bound="SnapshotApplied")
 _HealthT = TypeVar("_HealthT", bound="Health")
 _ResetResultT = TypeVar("_ResetResultT", bound="ResetResult")
 _StateT = TypeVar("_StateT", bound="State")
@@ -354,6 +362,28 @@ class TreeResult:
                    dirs=_req(d, "dirs", int, what), symlinks=_req(d, "symlinks", int, what),
                    hardlinks=_req(d, "hardlinks", int, what), bytes=_req(d, "bytes", int, what),
                    sha256=_req(d, "sha256", str, what))
+
+
+@dataclass(frozen=True)
+class SnapshotApplied:
+    """`POST /snapshot/apply`: the snapshot is in place. `files`: entries written (files,
+    dirs, symlinks, hard links); `deleted`: image paths removed; `bytes`: the archive's size;
+    `cwd`: the shell's working directory now (the snapshot's)."""
+
+    files: int
+    deleted: int
+    bytes: int
+    cwd: str
+    sha256: str | None = None
+    env: int | None = None  # exported variables set from the snapshot
+
+    @classmethod
+    def from_json(cls: type[_SnapshotAppliedT], data: Any) -> _SnapshotAppliedT:
+        what = "snapshot apply answer"
+        d = _answer(data, what)
+        return cls(files=_req(d, "files", int, what), deleted=_req(d, "deleted", int, what),
+                   bytes=_req(d, "bytes", int, what), cwd=_req(d, "cwd", str, what),
+                   sha256=_opt(d, "sha256", str, what), env=_opt(d, "env", int, what))
 
 
 @dataclass(frozen=True)

@@ -472,6 +472,8 @@ ROUTES = {
     "/sessions/resize": ("POST", _later("sessions", "_r_session_resize")),
     "/sessions/signal": ("POST", _later("sessions", "_r_session_signal")),
     "/sessions/close": ("POST", _later("sessions", "_r_session_close")),
+    "/snapshot": ("GET", _later("snapshot", "_r_snapshot")),
+    "/snapshot/apply": ("POST", _later("snapshot", "_r_snapshot_apply")),
 }
 
 

@@ -68,6 +68,7 @@ def test_the_routes_without_a_token_are_the_same():
     ("BG_COMMAND_MAX", "BG_COMMAND_MAX"), ("FRESH_COMMAND_MAX", "FRESH_COMMAND_MAX"),
     ("BG_WAIT_MAX", "BG_WAIT_MAX"), ("PTY_WRITE_MAX", "PTY_WRITE_MAX"),
     ("PTY_READ_WAIT_MAX", "PTY_READ_WAIT_MAX"), ("PTY_SIZE_MAX", "PTY_SIZE_MAX"),
+    ("SNAPSHOT_MAX_BYTES", "SNAPSHOT_MAX_BYTES"), ("SNAPSHOT_MAX_ENTRIES", "SNAPSHOT_MAX_ENTRIES"),
 ])
 def test_the_limits_both_sides_need_are_execds(ours, theirs):
     assert getattr(X, ours) == execd_limit(theirs)
@@ -110,6 +111,10 @@ def test_bodies_carry_only_what_was_given():
 
 def test_answers_are_read_and_refused_by_their_form():
     assert X.Restored.from_json({"restored": True}).restored
+    a = X.SnapshotApplied.from_json({"files": 2, "deleted": 1, "bytes": 3072, "cwd": "/w"})
+    assert (a.files, a.deleted, a.bytes, a.cwd) == (2, 1, 3072, "/w")
+    with pytest.raises(api.AnswerError, match="no 'cwd'"):
+        X.SnapshotApplied.from_json({"files": 2, "deleted": 1, "bytes": 3072})
     assert not X.Diff.from_json({"clean": "yes", "changes": [1]}).clean
     assert X.Health.from_json({"ok": True, "version": "1"}).ok
     with pytest.raises(api.AnswerError, match="no 'exit_code'"):
