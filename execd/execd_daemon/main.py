@@ -38,6 +38,7 @@ from .reuse import (
     Baseline,
 )
 from .server import ConnBudget, Handler, Server, adopt_listener, parse_listen
+from .snapshot import record_at_start, snapshot_args
 from .wire import HTTPError
 
 
@@ -108,6 +109,7 @@ def main(argv=None, listen_socket=None):
     p.add_argument("--status-read-size", type=int, default=4096, help=argparse.SUPPRESS)
     p.add_argument("--verbose", action="store_true")
     baseline_args(p)
+    snapshot_args(p)
     args = p.parse_args(argv)
     if args.token_sha256:
         args.token_sha256 = args.token_sha256.strip().lower()
@@ -140,6 +142,7 @@ def main(argv=None, listen_socket=None):
             daemon.baseline.record()
         except (OSError, HTTPError) as e:
             sys.stderr.write("execd: no reuse baseline: %s\n" % (getattr(e, "message", e),))
+    record_at_start(daemon, args)  # before serving too: no holder's change can be in it
     Server.address_family = socket.AF_INET6 if ":" in host else socket.AF_INET
     Server.budget = ConnBudget(args.max_connections, min(args.max_preauth,
                                                          args.max_connections))

@@ -154,10 +154,11 @@ def tree_made(made, kinds, stats):
         stats.dirs += 1
 
 
-def tree_extract(tar, stage_fd, stats):
+def tree_extract(tar, stage_fd, stats, absolute_links=False):
     """Writes every member of `tar` (opened "r|") under stage_fd. Returns the directories'
     modes (applied once everything is in place) and the symlinks (checked at the end: a link
-    may lead through one that comes later)."""
+    may lead through one that comes later). `absolute_links`: a symlink may name any target
+    (a snapshot's, whose target is the whole root); it is data, never followed here."""
     import tarfile
 
     dirs = {}
@@ -213,7 +214,8 @@ def tree_extract(tar, stage_fd, stats):
                     os.close(fd)
                 stats.files += 1
             elif kind == "l":
-                if not m.linkname or "\0" in m.linkname or m.linkname.startswith("/"):
+                if not m.linkname or "\0" in m.linkname or (
+                        m.linkname.startswith("/") and not absolute_links):
                     raise tree_refuse("symlink leads outside the target", key)
                 if len(m.linkname.encode("utf-8", "surrogateescape")) > TREE_NAME_MAX:
                     raise tree_refuse("symlink target over %d bytes" % TREE_NAME_MAX, key)
@@ -251,11 +253,12 @@ def tree_mkstage(parent_fd, prefix):
     raise OSError(errno.EEXIST, "no free staging name")
 
 
-def tree_merge(src_fd, dst_fd, dry, where=""):
+def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
     """Moves what src holds into dst: a name dst lacks is renamed in whole; two directories
     merge; a file or symlink replaces a file or symlink. A directory never meets a file or a
     symlink (409): replacing one would drop a tree or write through a link. `dry`: check
-    only, so a refusal comes before anything moved."""
+    only, so a refusal comes before anything moved. `dev`: dst's file system; an entry of
+    dst on another (a mount point: a kubelet file, a volume) is never replaced (422)."""
     for name in sorted(os.listdir(src_fd)):
         s = os.lstat(name, dir_fd=src_fd)
         try:
@@ -263,6 +266,8 @@ def tree_merge(src_fd, dst_fd, dry, where=""):
         except FileNotFoundError:
             d = None
         rel = where + name
+        if d is not None and dev is not None and d.st_dev != dev:
+            raise tree_refuse("a member lands on a mount point", rel)
         if d is None or (not stat.S_ISDIR(s.st_mode) and not stat.S_ISDIR(d.st_mode)):
             if not dry:
                 os.rename(name, name, src_dir_fd=src_fd, dst_dir_fd=dst_fd)
@@ -271,7 +276,7 @@ def tree_merge(src_fd, dst_fd, dry, where=""):
             try:
                 dfd = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
                 try:
-                    tree_merge(sfd, dfd, dry, rel + "/")
+                    tree_merge(sfd, dfd, dry, rel + "/", dev)
                 finally:
                     os.close(dfd)
             finally:
@@ -420,31 +425,36 @@ def tree_write(handler, query):
     """Extracts the request's tar into ?path= (made if missing). Staged in a directory inside
     the target, checked whole (every member, the SHA-256, every symlink), then moved in:
     a refusal leaves the target as it was."""
-    d = handler.daemon
-    if handler.headers.get("Transfer-Encoding"):
-        raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)",
-                        {"close": True})
-    raws = handler.headers.get_all("Content-Length") or []
-    cap = d.args.max_tree_bytes
-    lengths = {wire_uint(raw, cap) for raw in raws}
-    if not raws or None in lengths or len(lengths) > 1:
-        raise HTTPError(411, "send one Content-Length of ASCII digits", {"close": True})
-    n = lengths.pop()
-    if n > cap:
-        raise HTTPError(413, "archive over the %d-byte cap (--max-tree-bytes)" % cap,
-                        {"close": True})
-    want = (handler.headers.get(TREE_SHA256_HEADER) or "").strip().lower()
-    if not _SHA256_HEX.match(want):
-        raise HTTPError(400, "%s must be the archive's SHA-256 hex digest" % TREE_SHA256_HEADER,
-                        {"close_body": True})
-    body = TreeBody(handler, n, d.args.body_timeout, want)
+    body = tree_body(handler, handler.daemon.args.max_tree_bytes, "--max-tree-bytes")
     try:
-        res = tree_write_into(d, query, body)
+        res = tree_write_into(handler.daemon, query, body)
     except HTTPError as e:
         if body.left > 0:
             e.extra["close"] = True  # the rest of the body is not read: no reuse
         raise
     handler.reply(200, res)
+
+
+def tree_body(handler, cap, flag):
+    """The request's archive as a TreeBody, once its headers are checked: one Content-Length
+    within `cap` (the option `flag` sets it) and the SHA-256 it must have."""
+    d = handler.daemon
+    if handler.headers.get("Transfer-Encoding"):
+        raise HTTPError(411, "send a Content-Length (chunked bodies are not accepted)",
+                        {"close": True})
+    raws = handler.headers.get_all("Content-Length") or []
+    lengths = {wire_uint(raw, cap) for raw in raws}
+    if not raws or None in lengths or len(lengths) > 1:
+        raise HTTPError(411, "send one Content-Length of ASCII digits", {"close": True})
+    n = lengths.pop()
+    if n > cap:
+        raise HTTPError(413, "archive over the %d-byte cap (%s)" % (cap, flag),
+                        {"close": True})
+    want = (handler.headers.get(TREE_SHA256_HEADER) or "").strip().lower()
+    if not _SHA256_HEX.match(want):
+        raise HTTPError(400, "%s must be the archive's SHA-256 hex digest" % TREE_SHA256_HEADER,
+                        {"close_body": True})
+    return TreeBody(handler, n, d.args.body_timeout, want)
 
 
 def tree_write_into(d, query, body):
@@ -567,6 +577,44 @@ class _FdReader(object):
         return os.read(self.fd, size if size and size > 0 else 1 << 20)
 
 
+def tree_add(tar, dir_fd, leaf, ti, st, owner=False):
+    """Adds `leaf` of the directory open as dir_fd, as lstat saw it (`st`), to `tar` as `ti`
+    (named by the caller): a directory, a symlink as a link, or a regular file's bytes, read
+    without following a link; mode without setuid/setgid, mtime to the second, owners only
+    with `owner`. A file that is no longer the one `st` saw, or that changed while it was read
+    (size, mtime or ctime), raises OSError: the sender cuts its answer, never sends a torn
+    copy."""
+    import tarfile
+
+    ti.mode = stat.S_IMODE(st.st_mode) & 0o1777
+    ti.mtime = int(st.st_mtime)
+    ti.uid, ti.gid = (st.st_uid, st.st_gid) if owner else (0, 0)
+    ti.uname = ti.gname = ""
+    if stat.S_ISDIR(st.st_mode):
+        ti.type = tarfile.DIRTYPE
+        tar.addfile(ti)
+    elif stat.S_ISLNK(st.st_mode):
+        ti.type = tarfile.SYMTYPE
+        ti.linkname = os.readlink(leaf, dir_fd=dir_fd)
+        tar.addfile(ti)
+    else:
+        fd = os.open(leaf, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
+                     | getattr(os, "O_CLOEXEC", 0), dir_fd=dir_fd)
+        try:
+            fst = os.fstat(fd)
+            if not stat.S_ISREG(fst.st_mode) or fst.st_ino != st.st_ino:
+                raise OSError(errno.EINVAL, "changed kind while sent")
+            os.set_blocking(fd, True)
+            ti.size = fst.st_size
+            tar.addfile(ti, _FdReader(fd))
+            end = os.fstat(fd)
+            if (end.st_size, end.st_mtime_ns, end.st_ctime_ns) != (
+                    fst.st_size, fst.st_mtime_ns, fst.st_ctime_ns):
+                raise OSError(errno.EAGAIN, "changed while sent", leaf)
+        finally:
+            os.close(fd)
+
+
 def tree_read(handler, query):
     """Sends ?path= as a tar: regular files, directories and symlinks (as links), modes
     without setuid/setgid, mtimes; no owners. A first walk refuses special files and a tree
@@ -611,30 +659,7 @@ def tree_read(handler, query):
             with tarfile.open(fileobj=out, mode="w|", format=tarfile.PAX_FORMAT,
                               encoding="utf-8", errors="surrogateescape") as tar:
                 for name, st in tree_walk(root_fd):
-                    ti = tarfile.TarInfo(name)
-                    ti.mode = stat.S_IMODE(st.st_mode) & 0o1777
-                    ti.mtime = int(st.st_mtime)
-                    ti.uid = ti.gid = 0
-                    ti.uname = ti.gname = ""
-                    if stat.S_ISDIR(st.st_mode):
-                        ti.type = tarfile.DIRTYPE
-                        tar.addfile(ti)
-                    elif stat.S_ISLNK(st.st_mode):
-                        ti.type = tarfile.SYMTYPE
-                        ti.linkname = os.readlink(name, dir_fd=root_fd)
-                        tar.addfile(ti)
-                    else:
-                        fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK
-                                     | getattr(os, "O_CLOEXEC", 0), dir_fd=root_fd)
-                        try:
-                            fst = os.fstat(fd)
-                            if not stat.S_ISREG(fst.st_mode):
-                                raise OSError(errno.EINVAL, "changed kind while sent")
-                            os.set_blocking(fd, True)
-                            ti.size = fst.st_size
-                            tar.addfile(ti, _FdReader(fd))
-                        finally:
-                            os.close(fd)
+                    tree_add(tar, root_fd, name, tarfile.TarInfo(name), st)
             out.flush()
             out.h.wfile.write(b"%x\r\n%s\r\n0\r\n\r\n" % (
                 TREE_DIGEST_LEN, out.sha.hexdigest().encode()))

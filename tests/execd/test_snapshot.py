@@ -1,0 +1,225 @@
+"""execd's snapshots (docs/execd.md, "Snapshots"): the holder's changes to an "image" root taken
+from one execd and applied by a second execd started on a copy of the same image; both trees
+then hold the same entries (content, mode, owner, link targets, mtimes), and the second shell
+the first one's cwd and exported environment. Against real execd processes."""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import os
+import stat
+import subprocess
+import tarfile
+from pathlib import Path
+
+import httpx
+import pytest
+
+from sandman import contract
+from sandman import execd_api as X
+
+SNAP_ENV = {contract.EXECD_SNAPSHOT_ENV: "on"}
+T0 = 1_600_000_000  # the image's mtimes
+
+
+def make_image(root: Path) -> Path:
+    """A small "image": files, an executable, a symlink, a hard link pair, nested dirs."""
+    for rel, data, mode in [("usr/bin/tool", b"#!/bin/sh\necho tool\n", 0o755),
+                            ("etc/app.conf", b"level=1\n", 0o644),
+                            ("etc/old.conf", b"gone soon\n", 0o644),
+                            ("opt/pkg/lib/mod.py", b"X = 1\n", 0o644),
+                            ("opt/pkg/lib/data.bin", bytes(range(256)) * 64, 0o600),
+                            ("srv/tree/a/b/c.txt", b"deep\n", 0o644),
+                            ("work/README", b"the task\n", 0o644)]:
+        p = root / rel
+        p.parent.mkdir(parents=True, exist_ok=True)
+        p.write_bytes(data)
+        p.chmod(mode)
+    (root / "usr/bin/tool-link").symlink_to("tool")
+    os.link(root / "etc/app.conf", root / "etc/app.conf.hard")
+    for dirpath, dirnames, filenames in os.walk(root):
+        for n in filenames + dirnames:
+            os.utime(os.path.join(dirpath, n), (T0, T0), follow_symlinks=False)
+    return root
+
+
+def copy_image(src: Path, dst: Path) -> Path:
+    # contents, modes, owners, mtimes and hard links, as every pod of one image has them
+    subprocess.run(["cp", "-a", str(src), str(dst)], check=True)
+    return dst
+
+
+def tree_manifest(root: Path, dir_mtimes: bool = True) -> dict[str, tuple]:
+    """What a tree holds: per path its type, mode, owner, content's SHA-256 or link target,
+    and mtime (to the second); hard links as the group they form."""
+    out: dict[str, tuple] = {}
+    inodes: dict[int, list[str]] = {}
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = [d for d in dirnames if not d.startswith(".execd-")]
+        for n in sorted(filenames + dirnames):
+            p = os.path.join(dirpath, n)
+            rel = os.path.relpath(p, root)
+            st = os.lstat(p)
+            mode = stat.S_IMODE(st.st_mode)
+            if stat.S_ISLNK(st.st_mode):
+                what = ("link", os.readlink(p))
+            elif stat.S_ISDIR(st.st_mode):
+                what = ("dir", int(st.st_mtime) if dir_mtimes else None)
+            else:
+                what = ("file", hashlib.sha256(Path(p).read_bytes()).hexdigest(),
+                        int(st.st_mtime))
+                if st.st_nlink > 1:
+                    inodes.setdefault(st.st_ino, []).append(rel)
+            out[rel] = (what, mode, st.st_uid, st.st_gid)
+    for names in inodes.values():
+        for n in names:
+            out[n] = out[n] + (tuple(sorted(names)),)
+    return out
+
+
+def take(d) -> bytes:
+    """GET /snapshot: the tar, checked against its SHA-256 trailer."""
+    r = d.get(X.SNAPSHOT.path, timeout=120)
+    assert r.status_code == 200, r.text
+    body = r.content
+    tar, digest = body[:-X.TREE_DIGEST_LEN], body[-X.TREE_DIGEST_LEN:].decode()
+    assert hashlib.sha256(tar).hexdigest() == digest
+    return tar
+
+
+def apply(d, tar: bytes, sha: str | None = None) -> httpx.Response:
+    return d.client.post(X.SNAPSHOT_APPLY.path, content=tar, timeout=120, headers={
+        X.TREE_SHA256_HEADER: sha or hashlib.sha256(tar).hexdigest()})
+
+
+def manifest_of(tar: bytes) -> dict:
+    with tarfile.open(fileobj=io.BytesIO(tar), mode="r:") as t:
+        first = t.next()
+        assert first is not None and first.name == ".sandman-snapshot.json"
+        f = t.extractfile(first)
+        assert f is not None
+        return json.loads(f.read())
+
+
+def start_pair(execd_factory, tmp_path: Path, image: Path | None = None):
+    """The parent on image A, the child on a copy of it (or on `image`)."""
+    a = make_image(tmp_path / "imgA")
+    b = image or copy_image(a, tmp_path / "imgB")
+    parent = execd_factory("--root", str(a), "--workspace", str(a / "work"), env=SNAP_ENV)
+    child = execd_factory("--root", str(b), "--workspace", str(b / "work"), env=SNAP_ENV)
+    return a, b, parent, child
+
+
+def test_a_snapshot_applied_in_a_copy_of_the_image_makes_the_same_tree(execd_factory,
+                                                                         tmp_path):
+    a, b, parent, child = start_pair(execd_factory, tmp_path)
+    script = f"""
+        set -e
+        cd {a}
+        echo level=2 > etc/app.conf           # changed (a hard link's content: both names)
+        rm etc/old.conf                       # deleted
+        rm -r srv/tree/a                      # a deleted dir: one entry in the deleted list
+        mkdir -p work/src/pkg && echo 'print(1)' > work/src/pkg/main.py
+        chmod 0700 work/src
+        ln -s ../../etc/app.conf work/src/conf-link
+        ln -s /usr/bin/tool work/abs-link
+        ln work/src/pkg/main.py work/src/pkg/main-hard.py
+        chmod 4755 usr/bin/tool               # setuid: never carried
+        echo sneaky > opt/pkg/lib/mod.py && touch -d @{T0} opt/pkg/lib/mod.py  # mtime set back
+        rm usr/bin/tool-link && mkdir usr/bin/tool-link  # a symlink became a dir
+        cd work/src
+        export FORKED=yes GREETING='a b  c'
+        unset HOSTNAME_NOT_SET_ANYWAY
+    """
+    r = parent.exec(script)
+    assert r["exit_code"] == 0, r
+    tar = take(parent)
+    man = manifest_of(tar)
+    assert set(man["deleted"]) == {"etc/old.conf", "srv/tree/a", "usr/bin/tool-link"}
+    assert man["cwd"] == "work/src"
+    assert man["env"]["set"]["FORKED"] == "yes"
+    assert man["env"]["set"]["GREETING"] == "a b  c"
+    r = apply(child, tar)
+    assert r.status_code == 200, r.text
+    res = X.SnapshotApplied.from_json(r.json())
+    assert res.deleted == 3 and res.files > 0 and res.bytes == len(tar)
+    assert res.cwd == str(b / "work/src")
+    want = tree_manifest(a)
+    # setuid is not carried: the child's tool is the parent's without it
+    assert want["usr/bin/tool"][1] == 0o4755
+    want["usr/bin/tool"] = (want["usr/bin/tool"][0], 0o755) + want["usr/bin/tool"][2:]
+    got = tree_manifest(b)
+    assert got == want
+    out = child.exec('echo "$PWD|$FORKED|$GREETING"')
+    assert out["output"].strip() == f"{b}/work/src|yes|a b  c"
+
+
+def test_an_untouched_sandbox_gives_an_empty_snapshot(execd_factory, tmp_path):
+    a, b, parent, child = start_pair(execd_factory, tmp_path)
+    tar = take(parent)
+    man = manifest_of(tar)
+    assert man["deleted"] == [] and man["counts"]["entries"] == 0, man
+    r = apply(child, tar)
+    assert r.status_code == 200, r.text
+    assert tree_manifest(a, dir_mtimes=False) == tree_manifest(b, dir_mtimes=False)
+
+
+def test_without_the_base_or_in_a_grading_pod_it_refuses(execd_factory, tmp_path):
+    a = make_image(tmp_path / "img")
+    plain = execd_factory("--root", str(a))
+    r = plain.get(X.SNAPSHOT.path)
+    assert r.status_code == 409 and "SANDMAN_SNAPSHOT" in r.json()["error"], r.text
+    grading = execd_factory("--root", str(a), "--baseline-store", str(tmp_path / "store"),
+                            "--baseline-paths", str(a / "etc"), "--baseline-packages", "",
+                            env={**SNAP_ENV, contract.EXECD_BASELINE_ENV: "on"})
+    r = grading.get(X.SNAPSHOT.path)
+    assert r.status_code == 409 and r.json()["error"] == "a grading pod is never snapshotted"
+    r = apply(grading, b"x" * 1024)
+    assert r.status_code == 409 and r.json()["error"] == "a grading pod is never snapshotted"
+
+
+def test_a_snapshot_of_another_image_is_refused_and_changes_nothing(execd_factory, tmp_path):
+    other = make_image(tmp_path / "imgC")
+    (other / "etc/extra").write_text("another image\n")
+    a, b, parent, child = start_pair(execd_factory, tmp_path, image=other)
+    parent.exec(f"echo changed > {a}/etc/app.conf")
+    before = tree_manifest(b)
+    r = apply(child, take(parent))
+    assert r.status_code == 409 and "another image" in r.json()["error"], r.text
+    assert tree_manifest(b) == before
+
+
+def test_apply_is_for_a_fresh_sandbox_once(execd_factory, tmp_path):
+    a, b, parent, child = start_pair(execd_factory, tmp_path)
+    parent.exec(f"echo v2 > {a}/etc/app.conf")
+    tar = take(parent)
+    child.exec(f"echo mine > {b}/work/own")
+    r = apply(child, tar)
+    assert r.status_code == 409 and "fresh" in r.json()["error"], r.text
+    child.exec(f"rm {b}/work/own")
+    assert apply(child, tar).status_code == 200
+    r = apply(child, tar)
+    assert r.status_code == 409 and "already" in r.json()["error"], r.text
+
+
+def test_a_fork_of_a_fork_carries_both_holders_changes(execd_factory, tmp_path):
+    a, b, parent, child = start_pair(execd_factory, tmp_path)
+    parent.exec(f"echo one > {a}/work/one")
+    assert apply(child, take(parent)).status_code == 200
+    child.exec(f"echo two > {b}/work/two")
+    c = copy_image(make_image(tmp_path / "imgD"), tmp_path / "imgE")
+    grandchild = execd_factory("--root", str(c), "--workspace", str(c / "work"), env=SNAP_ENV)
+    assert apply(grandchild, take(child)).status_code == 200
+    assert (c / "work/one").read_text() == "one\n" and (c / "work/two").read_text() == "two\n"
+
+
+@pytest.mark.parametrize("cap", [4096])
+def test_a_snapshot_over_the_byte_cap_is_refused_before_it_streams(execd_factory, tmp_path,
+                                                                    cap):
+    a = make_image(tmp_path / "img")
+    d = execd_factory("--root", str(a), "--max-snapshot-bytes", str(cap), env=SNAP_ENV)
+    d.exec(f"head -c {cap + 1} /dev/zero > {a}/work/big")
+    r = d.get(X.SNAPSHOT.path)
+    assert r.status_code == 413 and "--max-snapshot-bytes" in r.json()["error"], r.text
