@@ -43,6 +43,7 @@ from controller.errors import (
     QueueFullError,
 )
 from controller.events import CapacitySignals
+from controller.fork import Forker
 from controller.images import Pins, dockerconfigs
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
@@ -83,6 +84,7 @@ class Controller:
         self.informer: Informer | None = None
         self.signals = CapacitySignals(settings.namespace)
         self.prepull = Prepuller(kube, self.pacer, settings)
+        self.forker = Forker(self)
         self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
@@ -130,6 +132,7 @@ class Controller:
             w.stop()
         await self.pacer.stop()
         await self.pipeline.close()
+        await self.forker.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)

@@ -111,6 +111,10 @@ class Creator:
             container["env"] = [{"name": contract.EXECD_BASELINE_ENV, "value": "on"},
                                 {"name": contract.EXECD_BASELINE_SCOPE_ENV,
                                  "value": self.s.baseline_scope}]
+        else:
+            # Agent pods may be forked: execd records at start what its snapshot is taken
+            # against (the image's files). Grading pods are never forked.
+            container["env"] = [{"name": contract.EXECD_SNAPSHOT_ENV, "value": "on"}]
         spec: dict = {
             "containers": [container],
             # A sandbox whose daemon died has lost its state: surface it, don't restart it.

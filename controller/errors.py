@@ -47,6 +47,18 @@ class ConditionsRefused(PodFailed):
     status, kind = api.CONDITIONS_REFUSED
 
 
+class SandboxGone(AcquireError):
+    """The sandbox named is not handed out (released, drained, expired, or never was)."""
+
+    status, kind = api.SANDBOX_GONE
+
+
+class ForkFailed(AcquireError):
+    """The parent's state did not reach every child of a fork (controller/fork.py)."""
+
+    status, kind = api.FORK_FAILED
+
+
 class ImageUnresolved(AcquireError):
     """A tag the registry did not resolve to a digest: no pod by tag (controller/images.py)."""
 

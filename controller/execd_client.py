@@ -1,19 +1,32 @@
 """The controller's one client of execd, built on execd's wire (sandman/execd_api.py): readiness
-before a hand-out (pipeline), the declared conditions (conditions), and a reused grading pod's
-token rotation and restore (warmpool). No other controller module spells an execd route or
-body (tests/client/test_execd_api.py holds it).
+before a hand-out (pipeline), the declared conditions (conditions), a reused grading pod's
+token rotation and restore (warmpool), and a fork's copy of a sandbox's state (fork). No other
+controller module spells an execd route or body (tests/client/test_execd_api.py holds it).
 
 Each caller keeps its own client with its own timeout, as it kept its own httpx client: a
 readiness poll, a conditions read and a restore wait for very different times."""
 
 from __future__ import annotations
 
-from typing import Any
+import hashlib
+from collections.abc import AsyncIterator
+from typing import IO, Any
 
 import httpx
 
 from sandman import execd_api as X
 from sandman.api import Route
+
+APPLY_CHUNK = 1 << 20  # bytes of a spooled snapshot read per send
+# The most a fork spools: execd's cap on a snapshot's content bytes plus its tar framing, at
+# most 10 KiB a member (a header, a pax header naming a path and a link target of up to
+# TREE_NAME_MAX bytes each, padding) for SNAPSHOT_MAX_ENTRIES members.
+SNAPSHOT_ARCHIVE_MAX = X.SNAPSHOT_MAX_BYTES + X.SNAPSHOT_MAX_ENTRIES * (10 << 10)
+
+
+class SnapshotBroken(RuntimeError):
+    """A snapshot that cannot be trusted: over its cap, cut short, or not the bytes its
+    SHA-256 trailer names."""
 
 
 class ExecdRefused(RuntimeError):
@@ -97,3 +110,59 @@ class ExecdClient:
 
     async def diff(self, ip: str, token: str) -> X.Diff:
         return X.Diff.from_json(await self._ok(ip, X.DIFF, token=token))
+
+    # ---- a sandbox's state (controller/fork.py): a tar, never parsed here
+
+    async def snapshot(self, ip: str, token: str, out: IO[bytes], cap: int,
+                       timeout: float) -> tuple[int, str]:
+        """The sandbox's state (`/snapshot`) written to `out` as it arrives: (size, SHA-256
+        hex). The answer's last TREE_DIGEST_LEN bytes are execd's SHA-256 of the rest: checked
+        here, and SnapshotBroken when it differs, the stream ends short or passes `cap`. The
+        bytes are opaque: no member name is read."""
+        sha = hashlib.sha256()
+        tail, size = b"", 0
+        keep = X.TREE_DIGEST_LEN
+        headers = {"Authorization": f"Bearer {token}"}
+        async with self._http.stream(X.SNAPSHOT.method, self.url(ip, X.SNAPSHOT),
+                                     headers=headers, timeout=timeout) as r:
+            if r.status_code != 200:
+                await r.aread()
+                raise ExecdRefused(X.SNAPSHOT, r.status_code, r.text[:200])
+            async for chunk in r.aiter_bytes():
+                buf = tail + chunk
+                if len(buf) <= keep:
+                    tail = buf
+                    continue
+                data, tail = buf[:-keep], buf[-keep:]
+                size += len(data)
+                if size > cap:
+                    raise SnapshotBroken(f"the snapshot is over the {cap}-byte cap")
+                sha.update(data)
+                out.write(data)
+        if len(tail) != keep or tail.decode("latin-1").lower() != sha.hexdigest():
+            raise SnapshotBroken(f"the snapshot's SHA-256 is {sha.hexdigest()}, execd's "
+                                 f"trailer says {tail[:keep].decode('latin-1')!r}")
+        return size, sha.hexdigest()
+
+    async def apply_snapshot(self, ip: str, token: str, spool: IO[bytes], size: int,
+                             sha256: str, timeout: float) -> X.SnapshotApplied:
+        """`spool`'s first `size` bytes to `/snapshot/apply` with their SHA-256. Several
+        applies may read one spool at once: each seeks to its own offset before every read,
+        and nothing awaits between the seek and the read."""
+        async def body() -> AsyncIterator[bytes]:
+            pos = 0
+            while pos < size:
+                spool.seek(pos)
+                chunk = spool.read(min(size - pos, APPLY_CHUNK))
+                if not chunk:
+                    raise SnapshotBroken("the spooled snapshot shrank while it was sent")
+                pos += len(chunk)
+                yield chunk
+
+        headers = {"Authorization": f"Bearer {token}", X.TREE_SHA256_HEADER: sha256,
+                   "Content-Length": str(size)}
+        r = await self._http.request(X.SNAPSHOT_APPLY.method, self.url(ip, X.SNAPSHOT_APPLY),
+                                     content=body(), headers=headers, timeout=timeout)
+        if r.status_code != 200:
+            raise ExecdRefused(X.SNAPSHOT_APPLY, r.status_code, r.text[:200])
+        return X.SnapshotApplied.from_json(r.json())

@@ -111,6 +111,23 @@ LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease
 CREATE_RATE = Gauge("sandman_controller_create_rate", "Current create rate limit (creates/s)")
 LIMITS = ("rate", "burst", "max_creating", "max_live")
 LIMIT = Gauge("sandman_controller_limit", "Configured pacing limits", ["limit"])
+# A fork's end (controller/fork.py): ok; refused (a grading pod, a parent not handed out or
+# whose token this replica does not hold); acquire (a child could not be had); snapshot (the
+# parent's state could not be read, or its digest was wrong); apply (a child refused it);
+# client_closed (the caller left; every child made was released).
+FORK_RESULTS = ("ok", "refused", "acquire", "snapshot", "apply", "client_closed")
+FORKS = Counter("sandman_controller_forks_total", "Forks by result", ["result"])
+FORK_CHILDREN = Counter("sandman_controller_fork_children_total",
+                        "Children handed out by forks that succeeded")
+FORK_SECONDS = Histogram("sandman_controller_fork_seconds",
+                         "Fork latency of the forks that succeeded (children acquired and the "
+                         "parent's state applied to each)",
+                         buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+FORK_SNAPSHOT_BYTES = Histogram("sandman_controller_fork_snapshot_bytes",
+                                "Size of the parent's state each fork copied",
+                                buckets=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26,
+                                         1 << 28, 1 << 30, 1 << 32))
+
 # Capacity signals (controller/events.py). Create stored -> Ready and execd answering, by role
 # (sandman.contract.ROLES). Buckets from the paper's figures: 2 s at 2 vCPU, 4.1 s p50 with the
 # image present, 5-7 s for tiny pods, 17.4 s p50 / 74.3 s p90 when the node pulled, the
@@ -185,6 +202,14 @@ def retired(reason: str) -> None:
 
 def shadowed(outcome: str) -> None:
     SHADOW_GRADINGS.labels(bounded(outcome, contract.SHADOW_OUTCOMES)).inc()
+
+
+def forked(result: str, children: int = 0, seconds: float | None = None) -> None:
+    FORKS.labels(bounded(result, FORK_RESULTS)).inc()
+    if children:
+        FORK_CHILDREN.inc(children)
+    if seconds is not None:
+        FORK_SECONDS.observe(seconds)
 
 
 def warm_lookup(role: str, hit: bool) -> None:

@@ -220,6 +220,44 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
                                           "expired)")
         return _view(c, e, split).to_json()
 
+    @app.post(api.FORK.path, status_code=201)
+    async def fork(id: str, request: Request, body: api.ForkRequest):
+        """Only a caller that may create sandboxes in the parent's tenant (its holder's
+        rights): the children are made there and carry the parent's state."""
+        who = await caller(request)
+        c = ctl()
+        e = c.get(id)
+        if e is None:
+            if auth.enabled:  # a caller without create rights learns nothing either way
+                await auth.require(who, A.CREATE, who.namespace or A.CLUSTER)
+            return _err(api.SANDBOX_GONE, f"no sandbox {id}")
+        if auth.enabled and not await may_see(who, A.CREATE, e):
+            raise A.Forbidden(f"{who.username} may not fork sandbox {id} (another tenant's)")
+        # Scoped to the caller as an acquire's: nobody else's replay finds these children.
+        rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
+        task = asyncio.ensure_future(c.forker.fork(id, body.n, body.timeout_s, rid))
+        # As acquire: the handler learns of the caller's leaving and cancels the fork, whose
+        # undo releases every child already made.
+        gone = asyncio.ensure_future(_disconnect(request))
+        try:
+            await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
+            if task.done():
+                await asyncio.sleep(0)
+        finally:
+            gone.cancel()
+        client_left = gone.done() and not gone.cancelled() and gone.exception() is None
+        if task.done() and not client_left:
+            children = task.result()
+            return JSONResponse(api.Forked([_lease(ch) for ch in children]).to_json(),
+                                status_code=201)
+        task.cancel()
+        try:
+            for ch in await task:  # finished in the same tick: nobody will read these tokens
+                await c.release(ch["id"])
+        except (asyncio.CancelledError, AcquireError):
+            pass
+        return _err(api.CLIENT_CLOSED, "client disconnected")
+
     @app.post(api.PREWARM.path)
     async def prewarm(body: api.PrewarmRequest, request: Request):
         who = await caller(request)

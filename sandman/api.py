@@ -72,6 +72,9 @@ RETIRE = Route("RETIRE", "POST", "/v1/sandboxes/{id}/retire")
 SHADOW = Route("SHADOW", "POST", "/v1/sandboxes/{id}/shadow")
 # RELEASE with `?reuse=true` (grading pods): restored, checked, back to its warm pool.
 RELEASE_REUSE_PARAM = "reuse"
+# n new sandboxes of this one's spec, tenant and job, each holding its state at the call
+# (docs/controller.md "Fork"). The rights of a release.
+FORK = Route("FORK", "POST", "/v1/sandboxes/{id}/fork")
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
 # Image pre-pull (admin): pull images, by digest, onto every node of the sandbox node pool;
@@ -82,8 +85,8 @@ HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as L
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, PREWARM, DRAIN, STATS, PREPULL,
-          IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, FORK, PREWARM, DRAIN, STATS,
+          PREPULL, IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 # execd's routes, bodies and limits (the tree caps and header among them) are
 # sandman/execd_api.py's.
@@ -119,9 +122,13 @@ CONDITIONS_REFUSED = ErrorType(502, "ConditionsRefused")
 # A tag the controller could not resolve to a digest (registry unreachable, no credentials):
 # refused, never a pod by tag, which would pin nothing for the job.
 IMAGE_UNRESOLVED = ErrorType(502, "ImageUnresolved")
+# A fork's children were had but the parent's state did not reach every one of them (the
+# parent's execd could not give it, its digest was wrong, a child's execd refused it): every
+# child was released, one line says which step and which pod.
+FORK_FAILED = ErrorType(502, "ForkFailed")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
           INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
-          FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED)
+          FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED, FORK_FAILED)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -425,6 +432,33 @@ class ShadowReport(_Model):
                f"outcome: one of {', '.join(contract.SHADOW_OUTCOMES)}")
 
 
+# Children per fork: every one is a pod made through the pacer and holds a copy of the
+# parent's changes; a search wider than this forks in several calls.
+MAX_FORK = 64
+
+
+@dataclass(frozen=True, **_KW_ONLY)
+class ForkRequest(_Model):
+    """`POST /v1/sandboxes/{id}/fork`: `n` new sandboxes of the parent's spec, tenant and job,
+    each holding the parent's filesystem changes, cwd and exported environment at the call.
+    All or nothing. `request_id`: a retry by the same caller gets the same children while
+    they are in flight or leased. `timeout_s`: for the whole fork (acquires and copies)."""
+
+    n: int
+    request_id: str | None = None
+    timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _check(not isinstance(self.n, bool) and isinstance(self.n, int)
+               and 1 <= self.n <= MAX_FORK, f"n: must be an integer 1 to {MAX_FORK}")
+        _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, (int, float))
+               and 0 < self.timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
+               f"timeout_s: must be > 0 and <= {MAX_ACQUIRE_TIMEOUT_S:g}")
+        _check(self.request_id is None or (isinstance(self.request_id, str)
+                                           and 0 < len(self.request_id) <= MAX_REQUEST_ID_LEN),
+               f"request_id: must be 1 to {MAX_REQUEST_ID_LEN} characters")
+
+
 @dataclass(frozen=True, **_KW_ONLY)
 class PrewarmRequest(_Model):
     """`POST /v1/prewarm`: keep `count` never-used sandboxes of (image, spec) ready; they go
@@ -601,6 +635,23 @@ class Lease(_Model):
                    image_digest=_opt(d, "image_digest", str, what),
                    reuses=_opt(d, "reuses", int, what, 0),
                    **extra)
+
+
+@dataclass(frozen=True)
+class Forked(_Model):
+    """201 to a fork: each child as an acquire answers it (its token included), in order."""
+
+    children: list[Lease]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Forked:
+        return cls(children=cls.read_children(data, Lease))
+
+    @staticmethod
+    def read_children(data: Any, lease: type[_LeaseT]) -> list[_LeaseT]:
+        """The children, each read as `lease` (Lease, or the SDK's subclass adding `raw`)."""
+        what = "fork answer"
+        return [lease.from_json(c) for c in _req(_answer(data, what), "children", list, what)]
 
 
 # A subclass (the SDK's model, adding `raw`) reads itself with the same code.

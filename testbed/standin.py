@@ -65,9 +65,15 @@ class Standin:
 
     def __init__(self, core, namespace: str, workdir: Path, max_procs: int = 200,
                  root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None,
-                 conditions_root: Callable[[str], str | None] | None = None):
+                 conditions_root: Callable[[str], str | None] | None = None,
+                 snapshots: bool = False, before_start: Callable[[str, Path], None] | None = None):
         self.core, self.namespace, self.workdir = core, namespace, Path(workdir)
         self.conditions_root = conditions_root
+        # A pod whose container sets SANDMAN_SNAPSHOT=on (agent pods) gets an execd rooted at
+        # its own directory, recording its snapshot base there: the host's /tmp is shared by
+        # every pod, so a base over it would carry one pod's changes into another's fork.
+        self.snapshots = snapshots
+        self.before_start = before_start  # (pod name, its directory), before its execd starts
         self.max_procs, self.root, self.max_s, self.say = max_procs, root, max_s, say
         self.procs: dict[str, Proc] = {}
         self._lock = threading.Lock()
@@ -131,12 +137,17 @@ class Standin:
         home = self.workdir / name
         home.mkdir(parents=True, exist_ok=True)
         croot = self.conditions_root(name) if self.conditions_root else None
+        if self.before_start is not None:
+            self.before_start(name, home)
+        root, base = self.root, ("--baseline-at-start", "on")
+        if self.snapshots and _env(pod, contract.EXECD_SNAPSHOT_ENV) == "on":
+            root, base = str(home), ("--baseline-at-start", "off", "--snapshot-at-start", "on")
         # The reuse baseline (execd's /diff, /restore) covers this pod's own directory only:
         # a stand-in must never restore, or delete additions in, the host's /etc or /tmp (nor
         # watch the host's whole root, whatever SANDMAN_BASELINE_SCOPE says).
         proc = Proc(f"execd-{name}", execd_cmd(
             ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
-            "--root", self.root, "--workspace", str(home), "--baseline-at-start", "on",
+            "--root", root, "--workspace", str(home), *base,
             "--baseline-store", str(self.workdir / f"{name}.baseline"), "--baseline-paths", "",
             "--baseline-packages", "", "--baseline-scope", "listed",
             *(["--conditions-root", croot] if croot else [])),
@@ -156,6 +167,15 @@ class Standin:
                 os.kill(pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+
+
+def _env(pod: dict, name: str) -> str | None:
+    """The sandbox container's value of `name` in the pod's spec (None when unset)."""
+    for c in (pod.get("spec") or {}).get("containers") or []:
+        for e in c.get("env") or []:
+            if e.get("name") == name:
+                return e.get("value")
+    return None
 
 
 def start_standin(namespace: str, kubeconfig: Path, log: Path, max_procs: int = 100,

@@ -3,12 +3,13 @@
 $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE; `--url`, `--token-file`, `--ca-file` override them).
 
     sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600]
+    sandman fork ID -n N
     sandman exec ID [--timeout S] [--idle-timeout S] -- COMMAND ...
     sandman cp [ID:]SRC [ID:]DST
     sandman list [--job JOB] | get ID | renew ID | release ID | drain JOB | stats
     sandman prewarm IMAGE COUNT
 
-`acquire` keeps the controller's answer (it holds execd's token) in the lease directory, one
+`acquire` (and `fork`, for each child) keeps the controller's answer (it holds execd's token) in the lease directory, one
 file per sandbox, readable by this user only; `exec` and `cp` use it, `release` removes it.
 Output is a table, or JSON with `-o json`. Every error is one line on stderr and an exit code
 per error type (EXIT_CODES); `exec` exits with the command's own status.
@@ -218,6 +219,30 @@ def cmd_acquire(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_fork(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        kids = c.fork(args.id, args.n, timeout_s=args.timeout, renew=False)
+        kept: list[tuple[Lease, Path]] = []
+        try:
+            for sb in kids:
+                lease = sb.detach()
+                kept.append((lease, save_lease(lease)))
+        except BaseException:
+            # All or nothing, as the fork itself: a child not kept could never be reached.
+            try:
+                for sb in kids:
+                    c.release(sb.id or "")
+                for lease, _ in kept:
+                    drop_lease(lease.id)
+            finally:
+                raise
+    emit(args, [{"id": lease.id, "pod": lease.pod, "expires_at": lease.expires_at,
+                 "lease_file": str(path)} for lease, path in kept],
+         lambda: [["ID", "POD", "EXPIRES"]] + [[lease.id, lease.pod, str(lease.expires_at)]
+                                               for lease, _ in kept])
+    return 0
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with _client(args) as c:
         items = c.list(job=args.job, namespace=args.namespace)
@@ -410,6 +435,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--lifetime", type=float, default=None,
                    help="seconds the sandbox lives unless renewed (default the controller's)")
     p.set_defaults(func=cmd_acquire)
+
+    p = sub.add_parser("fork", help="N new sandboxes holding a sandbox's state; keep their "
+                                    "leases here")
+    p.add_argument("id")
+    p.add_argument("-n", type=int, required=True, help=f"children, 1 to {api.MAX_FORK}")
+    p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                   help="seconds for the whole fork")
+    p.set_defaults(func=cmd_fork)
 
     p = sub.add_parser("list", help="sandboxes the caller may list")
     p.add_argument("--job")

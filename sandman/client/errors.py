@@ -75,6 +75,12 @@ class ConditionsRefused(PodFailed):
     cluster cannot give what was declared (fix the declaration or the pods' size)."""
 
 
+class ForkFailed(ControllerError):
+    """fork(): the children were had but the parent's state did not reach every one (its
+    execd could not give it, a child's execd refused it) (502). Every child was released;
+    the parent is as it was."""
+
+
 class ImageUnresolved(ControllerError):
     """The controller could not resolve the image's tag to a digest (502): no pod is made by
     tag, which would pin nothing for the job. Reference the image by digest, or see the
@@ -247,6 +253,7 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.FORBIDDEN.type: Forbidden,
     api.AUTH_UNAVAILABLE.type: AuthUnavailable,
     api.IMAGE_UNRESOLVED.type: ImageUnresolved,
+    api.FORK_FAILED.type: ForkFailed,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,
     api.CLIENT_CLOSED.type: ControllerError,

@@ -183,10 +183,13 @@ class AsyncClient:
     async def _acquire(self, body: api.AcquireRequest, renew: bool = True) -> AsyncSandbox:
         resp = await self._send(api.ACQUIRE, json=body.to_json(),
                                 read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
-        lease = Lease.from_json(_core.decode_json(resp, "acquire"))
+        return self._adopt(Lease.from_json(_core.decode_json(resp, "acquire")), body.job, renew)
+
+    def _adopt(self, lease: Lease, job: str | None, renew: bool) -> AsyncSandbox:
+        """A handle on a sandbox the controller just handed out, held (released at close)."""
         sb = AsyncSandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
                           warm=lease.warm, timings=lease.timings, retry=self._retry,
-                          job=body.job, file_timeout_s=self._file_timeout_s,
+                          job=job, file_timeout_s=self._file_timeout_s,
                           transport=self._execd_transport, on_request=self._on_request,
                           conditions_check=lease.conditions, _client=self)
         sb.image, sb.image_digest = lease.image, lease.image_digest
@@ -212,6 +215,58 @@ class AsyncClient:
             self._pending.add(rel)
             rel.add_done_callback(self._pending.discard)
             rel.add_done_callback(lambda t: t.cancelled() or t.exception())
+
+    async def fork(self, sandbox_id: str, n: int, *,
+                   timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, renew: bool = True,
+                   job: str | None = None) -> list[AsyncSandbox]:
+        """`n` new sandboxes of the sandbox's spec, tenant and job, each holding its state at
+        the call: its filesystem changes against the image, its shell's cwd and exported
+        environment (never its running processes or sessions). Held like acquired ones.
+        All or nothing: on any failure every child is released and one error says why
+        (ForkFailed when the state did not reach a child; an acquire's error when a child
+        could not be had; BadRequest for a grading sandbox). `job`: the children's `job`
+        attribute (the parent's, when forked through its handle)."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        body = _core.request(api.ForkRequest, n=n, timeout_s=timeout_s,
+                             request_id=_core.new_request_id())
+        if True:  # ASYNC
+            task = _core.keep(asyncio.ensure_future(self._fork(sandbox_id, body, renew, job)))
+            try:
+                return await asyncio.shield(task)
+            except asyncio.CancelledError:
+                # The controller may still hand the children out: own them, release them.
+                self._pending.add(task)
+                task.add_done_callback(self._release_orphans)
+                raise
+        else:
+            return self._fork(sandbox_id, body, renew, job)
+
+    async def _fork(self, sandbox_id: str, body: api.ForkRequest, renew: bool,
+                    job: str | None) -> list[AsyncSandbox]:
+        resp = await self._send(api.FORK, id=_check_id(sandbox_id), json=body.to_json(),
+                                read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        try:
+            leases = api.Forked.read_children(_core.decode_json(resp, "fork"), Lease)
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+        if len(leases) != body.n:
+            raise ProtocolError(f"fork: asked for {body.n} children, the controller answered "
+                                f"{len(leases)}")
+        kids = [self._adopt(lease, job, renew) for lease in leases]
+        log.info("sandbox %s forked into %s", sandbox_id, ", ".join(k.id or "" for k in kids))
+        return kids
+
+    if True:  # ASYNC
+        def _release_orphans(self, task: asyncio.Task[list[AsyncSandbox]]) -> None:
+            self._pending.discard(task)
+            if task.cancelled() or task.exception() is not None:
+                return
+            for sb in task.result():
+                rel = _core.keep(asyncio.ensure_future(sb.release()))
+                self._pending.add(rel)
+                rel.add_done_callback(self._pending.discard)
+                rel.add_done_callback(lambda t: t.cancelled() or t.exception())
 
     async def release(self, sandbox_id: str, reuse: bool = False) -> bool:
         """Release by id (idempotent; True when this call released it). `reuse` (grading

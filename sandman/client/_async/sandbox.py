@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from sandman import execd_api as X
-from sandman.api import Route
+from sandman.api import DEFAULT_ACQUIRE_TIMEOUT_S, Route
 from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.editing import EditResult
@@ -287,6 +287,22 @@ class AsyncSandbox:
         self._client._forget(self.id)
         await self.aclose()
         return lease
+
+    async def fork(self, n: int, *, timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S,
+                   renew: bool = True) -> list[AsyncSandbox]:
+        """`n` new sandboxes of this one's spec, tenant and job, each holding this one's
+        state now: its filesystem changes against the image, its shell's cwd and exported
+        environment. Running processes and sessions are not carried. The children are
+        independent (a write in one is seen in no other, nor here), held by the same client
+        and released like acquired sandboxes. All or nothing: on any failure no child is
+        left and one error says why (ForkFailed, or the acquire's error such as QueueFull or
+        AcquireTimeout); a grading sandbox is never forked (BadRequest)."""
+        if self._client is None or self.id is None:
+            raise SandmanError("fork: this handle has no controller behind it")
+        if self._closed:
+            raise SandboxGone(f"sandbox {self.id} was released; fork not sent")
+        return await self._client.fork(self.id, n, timeout_s=timeout_s, renew=renew,
+                                       job=self.job)
 
     # ---- the lifetime: renewed in the background while the handle is open
 

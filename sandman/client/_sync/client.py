@@ -167,10 +167,13 @@ class Client:
     def _acquire(self, body: api.AcquireRequest, renew: bool = True) -> Sandbox:
         resp = self._send(api.ACQUIRE, json=body.to_json(),
                           read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
-        lease = Lease.from_json(_core.decode_json(resp, "acquire"))
+        return self._adopt(Lease.from_json(_core.decode_json(resp, "acquire")), body.job, renew)
+
+    def _adopt(self, lease: Lease, job: str | None, renew: bool) -> Sandbox:
+        """A handle on a sandbox the controller just handed out, held (released at close)."""
         sb = Sandbox(lease.address, lease.port, lease.token, id=lease.id, pod=lease.pod,
                      warm=lease.warm, timings=lease.timings, retry=self._retry,
-                     job=body.job, file_timeout_s=self._file_timeout_s,
+                     job=job, file_timeout_s=self._file_timeout_s,
                      transport=self._execd_transport, on_request=self._on_request,
                      conditions_check=lease.conditions, _client=self)
         sb.image, sb.image_digest = lease.image, lease.image_digest
@@ -184,6 +187,37 @@ class Client:
                  lease.address, lease.port, lease.warm)
         sb.reuses = lease.reuses
         return sb
+
+    def fork(self, sandbox_id: str, n: int, *,
+             timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S, renew: bool = True,
+             job: str | None = None) -> list[Sandbox]:
+        """`n` new sandboxes of the sandbox's spec, tenant and job, each holding its state at
+        the call: its filesystem changes against the image, its shell's cwd and exported
+        environment (never its running processes or sessions). Held like acquired ones.
+        All or nothing: on any failure every child is released and one error says why
+        (ForkFailed when the state did not reach a child; an acquire's error when a child
+        could not be had; BadRequest for a grading sandbox). `job`: the children's `job`
+        attribute (the parent's, when forked through its handle)."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        body = _core.request(api.ForkRequest, n=n, timeout_s=timeout_s,
+                             request_id=_core.new_request_id())
+        return self._fork(sandbox_id, body, renew, job)
+
+    def _fork(self, sandbox_id: str, body: api.ForkRequest, renew: bool,
+              job: str | None) -> list[Sandbox]:
+        resp = self._send(api.FORK, id=_check_id(sandbox_id), json=body.to_json(),
+                          read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        try:
+            leases = api.Forked.read_children(_core.decode_json(resp, "fork"), Lease)
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+        if len(leases) != body.n:
+            raise ProtocolError(f"fork: asked for {body.n} children, the controller answered "
+                                f"{len(leases)}")
+        kids = [self._adopt(lease, job, renew) for lease in leases]
+        log.info("sandbox %s forked into %s", sandbox_id, ", ".join(k.id or "" for k in kids))
+        return kids
 
     def release(self, sandbox_id: str, reuse: bool = False) -> bool:
         """Release by id (idempotent; True when this call released it). `reuse` (grading
