@@ -160,6 +160,14 @@ class ReplayKube:
             raise client.ApiException(status=404, reason="NotFound")
         return {"kind": "Status", "status": "Success"}
 
+    async def patch_config_map(self, name: str, patch: dict) -> dict:
+        await asyncio.sleep(API_S)
+        if name not in self.config_maps:
+            raise client.ApiException(status=404, reason="NotFound")
+        cm = self.config_maps[name]
+        cm.setdefault("data", {}).update((patch or {}).get("data") or {})
+        return copy.deepcopy(cm)
+
     def informer(self, loop, on_event) -> _Informer:
         return _Informer(self, loop, on_event)
 

@@ -75,10 +75,13 @@ class Controller:
                                  self._spawn, has_room=lambda spec: self.warm.has_room(spec))
         self.warm = WarmPool(self.books, self.pacer, self.pipeline, self.creator, settings,
                              self._spawn, clock)
-        # A job's tags, resolved once to digests (controller/images.py).
+        # A job's tags, resolved once to digests, recorded in the job's ConfigMap so that a
+        # new leader keeps them (controller/images.py).
         self.pins = Pins(settings.image_pinning, settings.registry_insecure,
                          self._pull_credentials if settings.pod_template.get(
-                             "imagePullSecrets") else None)
+                             "imagePullSecrets") else None,
+                         record=self.creator, proof_key=settings.books_key,
+                         scope=settings.namespace)
         self.sweeper = Sweeper(kube, self.books, self.pacer, self.pipeline, self.creator,
                                settings, self._spawn)
         self.informer: Informer | None = None

@@ -172,6 +172,35 @@ class Creator:
             self.job_owner_uid[job] = uid
         return {"apiVersion": "v1", "kind": "ConfigMap", "name": name, "uid": uid}
 
+    # ---- the job's image pins (controller/images.py PinRecord) ------------------------------
+    def where(self, job: str) -> str:
+        return f"ConfigMap {self.s.namespace}/{job_object_name(job)}"
+
+    async def read(self, job: str) -> dict[str, str]:
+        """The job ConfigMap's data: its pins outlive the leader that resolved them."""
+        try:
+            cm = await self.kube.read_config_map(job_object_name(job))
+        except client.ApiException as ex:
+            if ex.status == 404:
+                return {}
+            raise
+        return dict(cm.get("data") or {})
+
+    async def write(self, job: str, key: str, value: str) -> None:
+        """One pin into the job's ConfigMap (made here when the job has none yet: a pin is
+        recorded before the job's first pod exists). The pins go with the ConfigMap: a drain
+        deletes it, so nothing of the job is left behind."""
+        for _ in range(2):
+            name = (await self.owner_ref(job))["name"]
+            try:
+                await self.kube.patch_config_map(name, {"data": {key: value}})
+                return
+            except client.ApiException as ex:
+                if ex.status != 404:
+                    raise
+                self.job_owner_uid.pop(job, None)  # deleted under us: made again, once
+        raise RuntimeError(f"{self.where(job)} was deleted while a pin was written")
+
     async def delete_job_object(self, job: str) -> None:
         self.job_owner_uid.pop(job, None)
         for _ in range(10):

@@ -7,9 +7,12 @@ move would still serve the old image, and a grading pod the new one.
 
 `--image-pinning` (docs/controller.md "Image pinning"):
 - `resolve` (default): a tag is resolved through the registry the first time a job names it;
-  the job keeps that digest until it is drained, whatever the tag does. A tag that cannot be
-  resolved (registry unreachable, credentials the controller does not have) is refused
-  (ImageUnresolved, 502): a pod by tag would pin nothing.
+  the job keeps that digest until it is drained, whatever the tag does, across a leader change
+  or a restart: the pin is recorded in the job's ConfigMap before any pod is made of it and
+  read back before anything is resolved for the job. A record that does not verify is refused
+  (ImageUnresolved), never resolved anew. A tag that cannot be resolved (registry
+  unreachable, credentials the controller does not have) is refused (ImageUnresolved, 502):
+  a pod by tag would pin nothing.
 - `require`: a tag is refused (BadRequest, 400), only digests are taken.
 - `off`: references as given (beds whose images no registry serves); the job is not pinned.
 
@@ -25,11 +28,13 @@ from __future__ import annotations
 import asyncio
 import base64
 import hashlib
+import hmac
 import json
 import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass
+from typing import Protocol
 
 from controller.errors import BadRequest, ImageUnresolved
 
@@ -40,6 +45,11 @@ MODES = (RESOLVE, REQUIRE, OFF)
 SETTING = "--image-pinning (chart sandbox.imagePinning)"
 RESOLVE_TIMEOUT_S = 20.0  # one resolution, every request in it (a thread; requests' timeout)
 MAX_PINS = 100_000  # (job, reference) pairs remembered; the oldest are forgotten first
+# A job's recorded pins, in bytes of keys and values: the API server stores at most 1 MiB per
+# object; half of it leaves room for the metadata and for two first pins of one job written
+# at once. One pin is ~400 bytes with a books key (~1,300 references per job).
+MAX_RECORDED_BYTES = 512 * 1024
+PIN_KEY_PREFIX = "pin."  # the record's keys; other keys of the object are not pins
 DOCKER_HUB = "docker.io"
 DOCKER_HUB_API = "registry-1.docker.io"
 MANIFEST_TYPES = (
@@ -153,13 +163,45 @@ def fetch_digest(ref: Ref, insecure: bool, creds: tuple[str, str] | None,
     return got
 
 
+class PinRecord(Protocol):
+    """Where a job's pins outlive the leader (the job's ConfigMap, controller/create.py)."""
+
+    def where(self, job: str) -> str:
+        """The record's name, for errors."""
+        ...
+
+    async def read(self, job: str) -> dict[str, str]:
+        """The record's entries ({} when there is none); raises when it cannot be read."""
+        ...
+
+    async def write(self, job: str, key: str, value: str) -> None:
+        """Store one entry; returns once the API server has it."""
+        ...
+
+
+def pin_key(image: str) -> str:
+    """A record key for a reference as asked (a ConfigMap key cannot hold `/`, `:` or `@`)."""
+    return PIN_KEY_PREFIX + hashlib.sha256(image.encode()).hexdigest()[:40]
+
+
+def pin_proof(key: bytes, scope: str, job: str, image: str, pinned: str) -> str:
+    """HMAC-SHA256 binding a pin to its namespace and job: a copy from another job's record
+    proves nothing for this one."""
+    msg = json.dumps(["pin", scope, job, image, pinned]).encode()
+    return hmac.new(key, msg, hashlib.sha256).hexdigest()
+
+
 class Pins:
     """Each job's pinned references: (job, reference as asked) -> `name@sha256:...`, resolved
     once (concurrent first acquires share the one resolution) and kept until the job is
-    drained. Leader memory: a new leader resolves again (docs/controller.md "Image pinning")."""
+    drained. With a `record`, a pin is written there before it is used and read from there
+    before a tag is resolved, so a new leader keeps the job's digests (docs/controller.md
+    "Image pinning"); memory is only the cache of it."""
 
     def __init__(self, mode: str = RESOLVE, insecure: tuple[str, ...] = (),
-                 credentials=None, timeout: float = RESOLVE_TIMEOUT_S) -> None:
+                 credentials=None, timeout: float = RESOLVE_TIMEOUT_S,
+                 record: PinRecord | None = None, proof_key: bytes | None = None,
+                 scope: str = "") -> None:
         if mode not in MODES:
             raise ValueError(f"image pinning must be one of {', '.join(MODES)}")
         self.mode = mode
@@ -167,6 +209,9 @@ class Pins:
         # async () -> list of dockerconfigjson documents (the template's pull secrets)
         self.credentials = credentials
         self.timeout = timeout
+        self.record = record
+        self.proof_key = proof_key  # the books key: a record entry must carry its HMAC
+        self.scope = scope  # the sandbox namespace, bound into each proof
         self._pins: OrderedDict[tuple[str, str], str] = OrderedDict()
         self._inflight: dict[tuple[str, str], asyncio.Future] = {}
 
@@ -204,7 +249,7 @@ class Pins:
             fut = asyncio.get_running_loop().create_future()
             self._inflight[key] = fut
             try:
-                got = ref.at(await self._resolve(ref))
+                got = await self._recorded_or_resolved(job, image, ref)
             except BaseException as e:
                 fut.set_exception(e)
                 fut.exception()  # read: nobody else may be waiting
@@ -215,6 +260,73 @@ class Pins:
             fut.set_result(got)
             return got
         return await asyncio.shield(fut)
+
+    async def _recorded_or_resolved(self, job: str, image: str, ref: Ref) -> str:
+        """The job's recorded pin, else the tag resolved now and recorded before it is used
+        (a crash after the record and before the create leaves a pin nobody used; the other
+        order could leave a pod by a digest nobody recorded)."""
+        if self.record is None:
+            return ref.at(await self._resolve(ref))
+        k = pin_key(image)
+        try:
+            data = await self.record.read(job)
+        except Exception as e:  # noqa: BLE001 - unreadable: resolving anew could move the job
+            raise ImageUnresolved(self._unrecorded(job, image, "could not be read", e)) \
+                from None
+        raw = data.get(k)
+        if raw is not None:
+            return self._verified(job, image, ref, raw)
+        got = ref.at(await self._resolve(ref))
+        doc = {"image": image, "pinned": got}
+        if self.proof_key is not None:
+            doc["proof"] = pin_proof(self.proof_key, self.scope, job, image, got)
+        value = json.dumps(doc, separators=(",", ":"))
+        used = sum(len(a) + len(b) for a, b in data.items() if a.startswith(PIN_KEY_PREFIX))
+        if used + len(k) + len(value) > MAX_RECORDED_BYTES:
+            raise BadRequest(
+                f"job {job[:100]!r} has recorded {used} bytes of image pins in "
+                f"{self.record.where(job)}, the most one job may ({MAX_RECORDED_BYTES}): "
+                f"{image[:200]!r} is not pinned; name it by digest or drain the job")
+        try:
+            await self.record.write(job, k, value)
+        except Exception as e:  # noqa: BLE001 - unrecorded: no pod may be made of it
+            raise ImageUnresolved(self._unrecorded(job, image, "could not be written", e)) \
+                from None
+        return got
+
+    def _verified(self, job: str, image: str, ref: Ref, raw: str) -> str:
+        """A recorded pin, checked; anything else is refused (fail closed: resolving anew is
+        what a record that cannot be trusted must never lead to)."""
+        def bad(why: str) -> ImageUnresolved:
+            log.error("image pinning: job %s, %s: record %s refused: %s", job, image,
+                      self.record.where(job) if self.record else "", why)
+            return ImageUnresolved(
+                f"image {image[:200]!r} of job {job[:100]!r}: its pin recorded in "
+                f"{self.record.where(job) if self.record else 'the record'} is not valid "
+                f"({why}); refused, not resolved anew: drain the job to pin it again")
+        try:
+            doc = json.loads(raw)
+        except ValueError:
+            raise bad("not JSON") from None
+        if not isinstance(doc, dict) or doc.get("image") != image:
+            raise bad("it is not this reference's")
+        pinned = doc.get("pinned")
+        if (not isinstance(pinned, str) or pinned.partition("@")[0] != ref.name
+                or not _DIGEST.fullmatch(pinned.partition("@")[2])):
+            raise bad(f"not {ref.name[:100]}@sha256:<64 lowercase hex>")
+        if self.proof_key is not None:
+            want = pin_proof(self.proof_key, self.scope, job, image, pinned)
+            said = doc.get("proof")
+            if not isinstance(said, str) or not hmac.compare_digest(said, want):
+                raise bad("its proof does not verify under the books key")
+        log.info("image pinning: %s of job %s kept at %s (recorded)", image, job, pinned)
+        return pinned
+
+    def _unrecorded(self, job: str, image: str, what: str, e: BaseException) -> str:
+        where = self.record.where(job) if self.record else "the record"
+        return (f"image {image[:200]!r} of job {job[:100]!r}: the job's pins ({where}) {what} "
+                f"({type(e).__name__}: {' '.join(str(e).split())[:200]}); refused, not "
+                f"resolved without a record")
 
     async def _resolve(self, ref: Ref) -> str:
         creds = None

@@ -95,6 +95,8 @@ class Kube(Protocol):
 
     async def delete_config_map(self, name: str) -> dict: ...
 
+    async def patch_config_map(self, name: str, patch: dict) -> dict: ...
+
     def informer(self, loop: asyncio.AbstractEventLoop,
                  on_event: Callable[[str, Any], None]) -> Informer: ...
 
@@ -162,6 +164,9 @@ class KubeClient:
 
     async def delete_config_map(self, name: str) -> dict:
         return await self._raw(self.core.delete_namespaced_config_map, name, self.ns)
+
+    async def patch_config_map(self, name: str, patch: dict) -> dict:
+        return await self._raw(self.core.patch_namespaced_config_map, name, self.ns, patch)
 
     async def read_secret(self, name: str) -> dict:
         return await self._raw(self.core.read_namespaced_secret, name, self.ns)

@@ -243,6 +243,14 @@ class FakeKube:
             raise client.ApiException(status=404, reason="NotFound")
         return {"kind": "Status", "status": "Success"}
 
+    async def patch_config_map(self, name: str, patch: dict) -> dict:
+        await self._enter("patch_cm", name)
+        if name not in self.config_maps:
+            raise client.ApiException(status=404, reason="NotFound")
+        cm = self.config_maps[name]
+        cm.setdefault("data", {}).update((patch or {}).get("data") or {})
+        return copy.deepcopy(cm)
+
     def informer(self, loop, on_event) -> FakeInformer:
         return FakeInformer(self, loop, on_event)
 
