@@ -177,15 +177,11 @@ def _shell_state(d, base):
     sets = {k: v for k, v in env.items() if k not in _SHELL_OWN and start.get(k) != v}
     unset = sorted(k for k in start if k not in env and k not in _SHELL_OWN)
     cwd = None
-    if d.shell is not None:
-        try:
-            real = os.readlink("/proc/%d/cwd" % d.shell.pid)
-        except OSError:
-            real = None
-        if real == base.root:
-            cwd = "."
-        elif real and real.startswith(base.root.rstrip("/") + "/"):
-            cwd = base.rel(real)
+    real = d.state().get("cwd")
+    if real == base.root:
+        cwd = "."
+    elif real and real.startswith(base.root.rstrip("/") + "/"):
+        cwd = base.rel(real)
     return sets, unset, cwd
 
 

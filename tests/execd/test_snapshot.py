@@ -144,3 +144,10 @@ def test_a_snapshot_over_the_byte_cap_is_refused_before_it_streams(execd_factory
     d.exec(f"head -c {cap + 1} /dev/zero > {a}/work/big")
     r = d.get(X.SNAPSHOT.path)
     assert r.status_code == 413 and "--max-snapshot-bytes" in r.json()["error"], r.text
+
+
+def test_execds_copy_of_the_contract_name_is_the_contracts():
+    from execd.execd_daemon import snapshot
+
+    assert snapshot.EXECD_SNAPSHOT_ENV == contract.EXECD_SNAPSHOT_ENV
+    assert snapshot.SNAPSHOT_MAX_BYTES == X.SNAPSHOT_MAX_BYTES
