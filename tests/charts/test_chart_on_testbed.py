@@ -225,6 +225,10 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
             assert _can(cluster, namespace, controller, "create", "pods", sandboxes)
             assert _can(cluster, namespace, controller, "patch", "pods", sandboxes)
             assert _can(cluster, namespace, controller, "create", "configmaps", sandboxes)
+            # A job's image pins are patched into its ConfigMap: no update, no list.
+            assert _can(cluster, namespace, controller, "patch", "configmaps", sandboxes)
+            assert not _can(cluster, namespace, controller, "update", "configmaps", sandboxes)
+            assert not _can(cluster, namespace, controller, "list", "configmaps", sandboxes)
             assert _can(cluster, namespace, controller, "update", "leases", sandboxes,
                         "coordination.k8s.io", "sandman-controller")
             assert not _can(cluster, namespace, controller, "create", "pods", other)
