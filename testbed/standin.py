@@ -26,6 +26,10 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
   (default /tmp);
 - checked reuse: execd's baseline covers the pod's own directory (its workspace) only, not
   /etc, /usr/local, /opt, $HOME or /tmp;
+- snapshots (fork): only with `snapshots=True`, and then an agent pod's execd (its container
+  sets SANDMAN_SNAPSHOT=on) is rooted at the pod's own directory, which stands for its image:
+  its snapshot base, its file routes and its cwd are under it, never the host's root;
+  `before_start(pod, dir)` plants that "image" before the execd starts;
 - readiness: kwok marks the pod Ready on its own; the kubelet's probe of execd /health does
   not exist, and an execd that dies is not restarted.
 
