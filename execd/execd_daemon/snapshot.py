@@ -10,6 +10,7 @@ archive's SHA-256 matched."""
 
 import errno
 import os
+import re
 import stat
 import time
 
@@ -46,6 +47,28 @@ def snapshot_args(p):
                    help="content bytes of one snapshot, either way")
 
 
+def mount_points(root):
+    """The mount points below `root` (mountinfo's fifth field, octal escapes undone): the
+    kubelet's files (/etc/hosts, /etc/resolv.conf, the service-account token...), volumes and
+    the runtime's masks. Never walked, carried or written; a file bind-mounted has the root's
+    st_dev on some kernels, so the device alone cannot tell."""
+    top = root.rstrip("/") + "/"
+    out = []
+    try:
+        with open("/proc/self/mountinfo", "rb") as f:
+            lines = f.read().decode("utf-8", "surrogateescape").splitlines()
+    except OSError:
+        return out
+    for line in lines:
+        fields = line.split(" ")
+        if len(fields) < 5:
+            continue
+        mp = re.sub(r"\\([0-7]{3})", lambda m: chr(int(m.group(1), 8)), fields[4])
+        if mp.startswith(top) and mp != root and mp not in out:
+            out.append(mp)
+    return out
+
+
 def _kind(mode):
     return ("dir" if stat.S_ISDIR(mode) else "symlink" if stat.S_ISLNK(mode)
             else "file" if stat.S_ISREG(mode) else "special")
@@ -77,7 +100,7 @@ class SnapshotBase(object):
         w, root = self.walker, self.root
         w.exclude = [os.path.join(root, x) for x in SNAPSHOT_EXCLUDE] + [
             os.path.dirname(os.path.dirname(os.path.realpath(__file__))),  # execd's own dir
-            os.path.realpath(self.args.baseline_store)]
+            os.path.realpath(self.args.baseline_store)] + mount_points(root)
         w.forced = set()
         w.roots = [(root, "snapshot")]
         self.dev = os.lstat(root).st_dev
@@ -86,7 +109,7 @@ class SnapshotBase(object):
         h = sha256()
         for p in sorted(found):
             st = found[p][0]
-            if st.st_dev != self.dev:
+            if self.elsewhere(st):
                 continue  # a mount point: per pod (kubelet files, volumes), never carried
             link = None
             if stat.S_ISLNK(st.st_mode):
@@ -110,6 +133,11 @@ class SnapshotBase(object):
         # A change in the same clock tick as the walk could carry the ctime just recorded.
         time.sleep(0.011)
         return len(entries)
+
+    def elsewhere(self, st):
+        """A directory on another file system than the root's: a mount point mountinfo did not
+        list. Only directories: overlayfs may report a file's st_dev as its layer's."""
+        return stat.S_ISDIR(st.st_mode) and st.st_dev != self.dev
 
     def excluded(self, path):
         return self.walker._excluded(path)
@@ -143,7 +171,7 @@ class SnapshotBase(object):
                 st = os.lstat(p)
             except OSError:
                 continue  # gone since the walk
-            if st.st_dev != self.dev:
+            if self.elsewhere(st):
                 continue
             if _kind(st.st_mode) == "special":
                 skipped.append(self.rel(p))  # devices, FIFOs, sockets: never carried
@@ -373,13 +401,13 @@ def _deletions(base, root_fd, names):
             except FileNotFoundError:
                 continue  # gone already: nothing to delete
             out.append((pfd, parts[-1]))
-            if os.fstat(pfd).st_dev != base.dev:
+            if base.elsewhere(os.fstat(pfd)):
                 raise tree_refuse("a deleted path on a mount point", name)
             try:
                 st = os.lstat(parts[-1], dir_fd=pfd)
             except FileNotFoundError:
                 continue
-            if st.st_dev != base.dev:
+            if base.elsewhere(st):
                 raise tree_refuse("a deleted path on a mount point", name)
     except BaseException:
         for fd, _ in out:

@@ -257,8 +257,9 @@ def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
     """Moves what src holds into dst: a name dst lacks is renamed in whole; two directories
     merge; a file or symlink replaces a file or symlink. A directory never meets a file or a
     symlink (409): replacing one would drop a tree or write through a link. `dry`: check
-    only, so a refusal comes before anything moved. `dev`: dst's file system; an entry of
-    dst on another (a mount point: a kubelet file, a volume) is never replaced (422)."""
+    only, so a refusal comes before anything moved. `dev`: dst's file system; a directory of
+    dst on another (a mount point: a volume) is never merged into (422); a file mounted over
+    cannot be renamed over (EBUSY)."""
     for name in sorted(os.listdir(src_fd)):
         s = os.lstat(name, dir_fd=src_fd)
         try:
@@ -266,7 +267,7 @@ def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
         except FileNotFoundError:
             d = None
         rel = where + name
-        if d is not None and dev is not None and d.st_dev != dev:
+        if d is not None and dev is not None and stat.S_ISDIR(d.st_mode) and d.st_dev != dev:
             raise tree_refuse("a member lands on a mount point", rel)
         if d is None or (not stat.S_ISDIR(s.st_mode) and not stat.S_ISDIR(d.st_mode)):
             if not dry:

@@ -151,3 +151,13 @@ def test_execds_copy_of_the_contract_name_is_the_contracts():
 
     assert snapshot.EXECD_SNAPSHOT_ENV == contract.EXECD_SNAPSHOT_ENV
     assert snapshot.SNAPSHOT_MAX_BYTES == X.SNAPSHOT_MAX_BYTES
+
+
+def test_the_mount_points_below_the_root_are_never_walked(tmp_path):
+    """The kubelet's files are bind mounts over the root's file system (same st_dev on some
+    kernels): mountinfo names them, and the base excludes each."""
+    from execd.execd_daemon import snapshot
+
+    mounted = snapshot.mount_points("/")
+    assert "/proc" in mounted and "/" not in mounted
+    assert snapshot.mount_points(str(tmp_path / "img")) == []
