@@ -556,6 +556,8 @@ def _apply(d, base, body, cap):
         try:
             with d.files_lock:
                 still_authorized(d)
+                if base.applied:  # a concurrent apply won the lock first
+                    raise HTTPError(409, "a snapshot was applied here already (one per pod)")
                 gone = _deletions(base, root_fd, man["deleted"])
                 trash = tree_mkstage(at_fd, SNAPSHOT_STAGING_PREFIX)
                 trash_fd = os.open(trash, DIR_FLAGS, dir_fd=at_fd)

@@ -177,6 +177,8 @@ def test_setuid_and_setgid_members_are_refused(child, mode):
     (["lnk-out/victim"], 422, "through a symlink"),  # a naive rm follows the image's link
     (["proc/1"], 422, "never carried"),
     ([""], 422, "empty name"),
+    (["."], 422, "no path"),  # the root itself
+    (["work/.."], 422, "'..'"),
     ([7], 422, "no path"),
 ])
 def test_deleted_paths_outside_or_through_a_link_are_refused(child, deleted, code, words):
@@ -297,3 +299,22 @@ def test_an_archive_over_the_childs_cap_is_refused(execd_factory, tmp_path):
     r = apply(d, craft(base, [member("work/a", b"a" * 600), member("work/b", b"b" * 600)]))
     assert r.status_code == 413 and "--max-snapshot-bytes" in r.json()["error"], r.text
     assert tree_manifest(root, dir_mtimes=False) == before
+
+
+def test_two_applies_at_once_apply_one(child):
+    """Both pass the first check while neither holds the lock: the second must not merge
+    over the first."""
+    d, root, outside, base = child
+    tars = [craft(base, [member(f"work/from-{i}", b"%d\n" % i)]) for i in range(2)]
+    out: list = [None, None]
+
+    def go(i):
+        out[i] = apply(d, tars[i]).status_code
+
+    threads = [threading.Thread(target=go, args=(i,)) for i in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert sorted(out) == [200, 409], out
+    assert len([p for p in (root / "work").iterdir() if p.name.startswith("from-")]) == 1
