@@ -5,6 +5,7 @@ the first one's cwd and exported environment. Against real execd processes."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -161,3 +162,32 @@ def test_the_mount_points_below_the_root_are_never_walked(tmp_path):
     mounted = snapshot.mount_points("/")
     assert "/proc" in mounted and "/" not in mounted
     assert snapshot.mount_points(str(tmp_path / "img")) == []
+
+
+DROP = "-dac_override,-fowner,-dac_read_search,-chown"
+UNPRIVILEGED = ("setpriv", f"--bounding-set={DROP}", f"--inh-caps={DROP}")
+
+
+def test_an_execd_that_may_not_write_the_root_stages_in_tmp(execd_factory, tmp_path):
+    """As in a pod whose user is not root: the image's / (here owned by another user, and
+    execd without the capabilities that pass over that) cannot take the staging directory,
+    /tmp can; the image's directories execd does not own keep their own mode and owner."""
+    a = make_image(tmp_path / "imgA")
+    (a / "tmp").mkdir()
+    (a / "tmp").chmod(0o1777)
+    for p in (a, a / "tmp", a / "etc"):
+        os.chown(p, 1000, 1000)
+    b = copy_image(a, tmp_path / "imgB")
+    parent = execd_factory("--root", str(a), "--workspace", str(a / "work"), env=SNAP_ENV,
+                           prefix=UNPRIVILEGED)
+    child = execd_factory("--root", str(b), "--workspace", str(b / "work"), env=SNAP_ENV,
+                          prefix=UNPRIVILEGED)
+    r = parent.exec(f"touch {a}/cannot 2>/dev/null; echo $?; echo data > {a}/tmp/scratch; "
+                    f"mkdir {a}/work/new && echo n > {a}/work/new/f; rm {a}/work/README")
+    assert r["output"].split()[0] == "1", r  # the root is not the holder's to write
+    r = apply(child, take(parent))
+    assert r.status_code == 200, r.text
+    assert tree_manifest(b, dir_mtimes=False) == tree_manifest(a, dir_mtimes=False)
+    assert os.stat(b).st_uid == 1000 and not [p for p in b.iterdir()
+                                               if p.name.startswith(".execd-")]
+    assert not [p for p in (b / "tmp").iterdir() if p.name.startswith(".execd-")]
