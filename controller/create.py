@@ -11,6 +11,7 @@ import copy
 import hashlib
 import hmac
 import json
+import logging
 import re
 import secrets
 from typing import Any
@@ -27,6 +28,8 @@ from controller.pacer import Pacer
 from controller.settings import Settings
 from sandman import contract
 from sandman.podspec import gpu_tolerations, make_sandbox
+
+log = logging.getLogger("controller")
 
 
 def tenant_of(settings: Settings, job: str) -> str | None:
@@ -213,6 +216,9 @@ class Creator:
             except Exception:  # noqa: BLE001
                 pass
             await asyncio.sleep(1)
+        # Left behind: the next acquire of this job name would keep the job's old pins.
+        log.warning("the ConfigMap of job %s could not be deleted; its pods' owner and image "
+                    "pins remain until a drain succeeds", job)
 
     # ---- the create --------------------------------------------------------------------------
     async def create(self, e: Entry, token_sha: str) -> bool:

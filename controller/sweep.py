@@ -141,7 +141,9 @@ class Sweeper:
 
     async def drain(self, job: str) -> int:
         """Every pod of the job goes (queued creates are withdrawn, creates in flight are
-        deleted once they settle), and the job's owner ConfigMap with them."""
+        deleted once they settle), and the job's owner ConfigMap with them, before the answer:
+        it holds the job's image pins, which an acquire of the same name after the drain must
+        not find."""
         n = 0
         for e in list(self.books.entries.values()):
             if (e.job != job or e.stage in ENDING or e.stage in DRAINED
@@ -149,5 +151,5 @@ class Sweeper:
                 continue
             n += 1
             self.pipeline.unwant(e, "job drained")
-        self.spawn(self.creator.delete_job_object(job), f"drain-{job}")
+        await self.creator.delete_job_object(job)
         return n
