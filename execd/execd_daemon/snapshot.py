@@ -384,8 +384,9 @@ class _Members(object):
 
 
 def _deletions(base, root_fd, names):
-    """[(parent fd, leaf)] of the manifest's deleted paths, each judged before any goes: under
-    the root, never under an excluded path, its parents opened without following a link."""
+    """[(parent fd, leaf, "a/b")] of the manifest's deleted paths, each judged before any
+    goes: under the root, never under an excluded path, its parents opened without following
+    a link."""
     from .trees import tree_open_dir, tree_parts, tree_refuse
 
     out = []
@@ -400,7 +401,7 @@ def _deletions(base, root_fd, names):
                 pfd = tree_open_dir(root_fd, parts[:-1])
             except FileNotFoundError:
                 continue  # gone already: nothing to delete
-            out.append((pfd, parts[-1]))
+            out.append((pfd, parts[-1], "/".join(parts)))
             if base.elsewhere(os.fstat(pfd)):
                 raise tree_refuse("a deleted path on a mount point", name)
             try:
@@ -410,7 +411,7 @@ def _deletions(base, root_fd, names):
             if base.elsewhere(st):
                 raise tree_refuse("a deleted path on a mount point", name)
     except BaseException:
-        for fd, _ in out:
+        for fd, _, _ in out:
             os.close(fd)
         raise
     return out
@@ -512,7 +513,6 @@ def _apply(d, base, body, cap):
         remove_tree,
         tree_extract,
         tree_merge,
-        tree_mkstage,
         tree_tarinfo,
     )
 
@@ -525,8 +525,8 @@ def _apply(d, base, body, cap):
                              "to a fresh one only" % (base.rel(sorted(carried)[0])
                                                       if carried else deleted[0]))
     root_fd = os.open(base.root, DIR_FLAGS)
-    stage = trash = None
-    stage_fd = trash_fd = at_fd = -1
+    stage = None
+    stage_fd = at_fd = -1
     gone = []
     stats = TreeStats()
     try:
@@ -559,27 +559,16 @@ def _apply(d, base, body, cap):
                 if base.applied:  # a concurrent apply won the lock first
                     raise HTTPError(409, "a snapshot was applied here already (one per pod)")
                 gone = _deletions(base, root_fd, man["deleted"])
-                trash = tree_mkstage(at_fd, SNAPSHOT_STAGING_PREFIX)
-                trash_fd = os.open(trash, DIR_FLAGS, dir_fd=at_fd)
-                # The deleted paths move aside (a rename on the same file system), so the
-                # merge is judged against the tree as it will be and a refusal puts them back.
-                moved = []
-                try:
-                    for pfd, leaf in gone:
-                        try:
-                            os.rename(leaf, str(len(moved)), src_dir_fd=pfd,
-                                      dst_dir_fd=trash_fd)
-                        except FileNotFoundError:
-                            continue
-                        moved.append((pfd, leaf))
-                    tree_merge(stage_fd, root_fd, True, dev=base.dev)
-                except BaseException:
-                    for i in reversed(range(len(moved))):
-                        os.rename(str(i), moved[i][1], src_dir_fd=trash_fd,
-                                  dst_dir_fd=moved[i][0])
-                    raise
+                # Judged against the tree as it will be: the deleted paths count as absent.
+                # (Not moved aside to judge: overlayfs refuses to rename an image directory,
+                # EXDEV, without redirect_dir.)
+                tree_merge(stage_fd, root_fd, True, dev=base.dev,
+                           gone={key for _, _, key in gone})
                 base.applied = True  # from here on a failure leaves a partial state
                 try:
+                    for pfd, leaf, _ in gone:
+                        if not remove_tree(pfd, leaf, now() + REMOVE_MAX_S):
+                            raise OSError(errno.EPERM, "cannot delete", leaf)
                     tree_merge(stage_fd, root_fd, False, dev=base.dev)
                     _set_attrs(root_fd, members.meta, dirs)
                 except (OSError, HTTPError) as e:
@@ -589,14 +578,12 @@ def _apply(d, base, body, cap):
         finally:
             d.exec_lock.release()
     finally:
-        for pfd, _ in gone:
+        for pfd, _, _ in gone:
             os.close(pfd)
-        for fd in (stage_fd, trash_fd):
-            if fd >= 0:
-                os.close(fd)
-        for name in (stage, trash):
-            if name is not None:
-                remove_tree(at_fd, name, now() + REMOVE_MAX_S)
+        if stage_fd >= 0:
+            os.close(stage_fd)
+        if stage is not None:
+            remove_tree(at_fd, stage, now() + REMOVE_MAX_S)
         if at_fd >= 0:
             os.close(at_fd)
         os.close(root_fd)

@@ -253,13 +253,14 @@ def tree_mkstage(parent_fd, prefix):
     raise OSError(errno.EEXIST, "no free staging name")
 
 
-def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
+def tree_merge(src_fd, dst_fd, dry, where="", dev=None, gone=()):
     """Moves what src holds into dst: a name dst lacks is renamed in whole; two directories
     merge; a file or symlink replaces a file or symlink. A directory never meets a file or a
     symlink (409): replacing one would drop a tree or write through a link. `dry`: check
     only, so a refusal comes before anything moved. `dev`: dst's file system; a directory of
     dst on another (a mount point: a volume) is never merged into (422); a file mounted over
-    cannot be renamed over (EBUSY)."""
+    cannot be renamed over (EBUSY). `gone`: names of dst ("a/b") to judge as absent (a dry
+    run before they are deleted)."""
     for name in sorted(os.listdir(src_fd)):
         s = os.lstat(name, dir_fd=src_fd)
         try:
@@ -267,6 +268,8 @@ def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
         except FileNotFoundError:
             d = None
         rel = where + name
+        if rel in gone:
+            d = None
         if d is not None and dev is not None and stat.S_ISDIR(d.st_mode) and d.st_dev != dev:
             raise tree_refuse("a member lands on a mount point", rel)
         if d is None or (not stat.S_ISDIR(s.st_mode) and not stat.S_ISDIR(d.st_mode)):
@@ -277,7 +280,7 @@ def tree_merge(src_fd, dst_fd, dry, where="", dev=None):
             try:
                 dfd = os.open(name, _DIR_FLAGS, dir_fd=dst_fd)
                 try:
-                    tree_merge(sfd, dfd, dry, rel + "/", dev)
+                    tree_merge(sfd, dfd, dry, rel + "/", dev, gone)
                 finally:
                     os.close(dfd)
             finally:

@@ -98,3 +98,30 @@ def manifest_of(tar: bytes) -> dict:
         f = t.extractfile(first)
         assert f is not None
         return json.loads(f.read())
+
+
+def craft(base: str, members=(), deleted=(), env=None, cwd=None, manifest_name=None) -> bytes:
+    """A snapshot archive: the manifest, then (TarInfo, bytes or None) members."""
+    man = json.dumps({"version": 1, "base": base, "cwd": cwd,
+                      "env": env or {"set": {}, "unset": []}, "deleted": list(deleted),
+                      "skipped": [], "counts": {}}).encode()
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
+        ti = tarfile.TarInfo(manifest_name or ".sandman-snapshot.json")
+        ti.size = len(man)
+        t.addfile(ti, io.BytesIO(man))
+        for ti, data in members:
+            if data is not None:
+                ti.size = len(data)
+            t.addfile(ti, io.BytesIO(data) if data is not None else None)
+    return buf.getvalue()
+
+
+def member(name: str, data: bytes | None = b"x\n", kind=tarfile.REGTYPE, mode=0o644,
+           link: str = "") -> tuple:
+    ti = tarfile.TarInfo(name)
+    ti.type = kind
+    ti.mode = mode
+    ti.mtime = 1_600_000_000
+    ti.linkname = link
+    return ti, (data if kind == tarfile.REGTYPE else None)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import hashlib
 import io
-import json
 import os
 import tarfile
 import threading
@@ -25,8 +24,10 @@ from .snaptrees import (
     SNAP_ENV,
     apply,
     copy_image,
+    craft,
     make_image,
     manifest_of,
+    member,
     take,
     tree_manifest,
 )
@@ -46,33 +47,6 @@ def child(execd_factory, tmp_path):
     d = execd_factory("--root", str(root), "--workspace", str(root / "work"), env=SNAP_ENV)
     base = manifest_of(take(d))["base"]
     return d, root, outside, base
-
-
-def craft(base: str, members=(), deleted=(), env=None, cwd=None, manifest_name=None) -> bytes:
-    """A snapshot archive: the manifest, then (TarInfo, bytes or None) members."""
-    man = json.dumps({"version": 1, "base": base, "cwd": cwd,
-                      "env": env or {"set": {}, "unset": []}, "deleted": list(deleted),
-                      "skipped": [], "counts": {}}).encode()
-    buf = io.BytesIO()
-    with tarfile.open(fileobj=buf, mode="w", format=tarfile.PAX_FORMAT) as t:
-        ti = tarfile.TarInfo(manifest_name or ".sandman-snapshot.json")
-        ti.size = len(man)
-        t.addfile(ti, io.BytesIO(man))
-        for ti, data in members:
-            if data is not None:
-                ti.size = len(data)
-            t.addfile(ti, io.BytesIO(data) if data is not None else None)
-    return buf.getvalue()
-
-
-def member(name: str, data: bytes | None = b"x\n", kind=tarfile.REGTYPE, mode=0o644,
-           link: str = "") -> tuple:
-    ti = tarfile.TarInfo(name)
-    ti.type = kind
-    ti.mode = mode
-    ti.mtime = 1_600_000_000
-    ti.linkname = link
-    return ti, (data if kind == tarfile.REGTYPE else None)
 
 
 def unchanged(root: Path, outside: Path, before: dict):
