@@ -45,6 +45,8 @@ def test_a_snapshot_applied_in_a_copy_of_the_image_makes_the_same_tree(execd_fac
         rm -r srv/tree/a                      # a deleted dir: one entry in the deleted list
         mkdir -p work/src/pkg && echo 'print(1)' > work/src/pkg/main.py
         chmod 0700 work/src
+        chown 1234:2345 work/src/pkg/main.py     # an owner (execd is root here)
+        chown -h 1234:2345 work/src/pkg
         ln -s ../../etc/app.conf work/src/conf-link
         ln -s /usr/bin/tool work/abs-link
         ln work/src/pkg/main.py work/src/pkg/main-hard.py
@@ -74,6 +76,7 @@ def test_a_snapshot_applied_in_a_copy_of_the_image_makes_the_same_tree(execd_fac
     want["usr/bin/tool"] = (want["usr/bin/tool"][0], 0o755) + want["usr/bin/tool"][2:]
     got = tree_manifest(b)
     assert got == want
+    assert got["work/src/pkg/main.py"][2:4] == (1234, 2345)
     out = child.exec('echo "$PWD|$FORKED|$GREETING"')
     assert out["output"].strip() == f"{b}/work/src|yes|a b  c"
 
