@@ -503,18 +503,8 @@ def _r_snapshot_apply(handler, query):
 
 
 def _apply(d, base, body, cap):
-    import tarfile
-
-    from .base import compare_digest
     from .treelinks import DIR_FLAGS
-    from .trees import (
-        REMOVE_MAX_S,
-        TreeStats,
-        remove_tree,
-        tree_extract,
-        tree_merge,
-        tree_tarinfo,
-    )
+    from .trees import REMOVE_MAX_S, TreeStats, remove_tree, tree_merge, tree_stage
 
     _busy(d)
     carried, deleted, _ = base.changes(dirty=False)
@@ -532,24 +522,17 @@ def _apply(d, base, body, cap):
     try:
         at_fd, stage = _stage_dir(d, base, root_fd)
         stage_fd = os.open(stage, DIR_FLAGS, dir_fd=at_fd)
-        try:
-            with tarfile.open(fileobj=body, mode="r|", encoding="utf-8",
-                              errors="surrogateescape", tarinfo=tree_tarinfo()) as tar:
-                members = _Members(tar, base, cap)
-                dirs, _links = tree_extract(members, stage_fd, stats, absolute_links=True)
-            body.drain()
-        except (tarfile.TarError, EOFError) as e:
-            raise HTTPError(400, "not a valid tar archive (truncated or corrupt): %s" % e) \
-                from None
-        except OSError as e:
-            raise HTTPError(400, "extracting failed: %s" % (e.strerror or e)) from None
-        man = members.manifest
+        judged = []  # the archive's members, judged as tree_extract reads them
+
+        def judge(tar):
+            judged.append(_Members(tar, base, cap))
+            return judged[0]
+
+        dirs, _links = tree_stage(body, stage_fd, stats, judge, absolute_links=True)
+        man = judged[0].manifest if judged else None
         if man is None:
             raise HTTPError(422, "not a snapshot: an empty archive")
-        got = body.sha.hexdigest()
-        if not compare_digest(got, body.want):
-            raise HTTPError(400, "archive SHA-256 mismatch: got %s, X-Content-SHA256 says %s"
-                            % (got, body.want), {"sha256": got})
+        members = judged[0]
         # Nothing outside the staging directory changed before this point.
         if not d.exec_lock.acquire(True, 30):
             raise HTTPError(409, "busy: a command did not finish within 30 s", {"busy": True})

@@ -461,9 +461,30 @@ def tree_body(handler, cap, flag):
     return TreeBody(handler, n, d.args.body_timeout, want)
 
 
-def tree_write_into(d, query, body):
+def tree_stage(body, stage_fd, stats, wrap=None, absolute_links=False):
+    """Extracts the request's archive (`body`, a TreeBody) under stage_fd, then checks its
+    SHA-256 once the last byte is read; tree_extract's (dirs, links). `wrap`: a function of
+    the open tar giving what tree_extract iterates instead (a snapshot's judged members)."""
     import tarfile
 
+    try:
+        with tarfile.open(fileobj=body, mode="r|", encoding="utf-8",
+                          errors="surrogateescape", tarinfo=tree_tarinfo()) as tar:
+            out = tree_extract(wrap(tar) if wrap else tar, stage_fd, stats, absolute_links)
+        body.drain()  # the end-of-archive padding: the digest covers every byte
+    except (tarfile.TarError, EOFError) as e:
+        raise HTTPError(400, "not a valid tar archive (truncated or corrupt): %s" % e) \
+            from None
+    except OSError as e:
+        raise HTTPError(400, "extracting failed: %s" % (e.strerror or e)) from None
+    got = body.sha.hexdigest()
+    if not compare_digest(got, body.want):
+        raise HTTPError(400, "archive SHA-256 mismatch: got %s, X-Content-SHA256 says %s"
+                        % (got, body.want), {"sha256": got})
+    return out
+
+
+def tree_write_into(d, query, body):
     path = query.get("path")
     real = resolve_path(d, path[-1] if path else None, for_write=True)
     want = body.want
@@ -493,20 +514,7 @@ def tree_write_into(d, query, body):
         except OSError as e:
             raise HTTPError(403 if e.errno in (errno.EACCES, errno.EROFS) else 400,
                             "cannot stage in %s: %s" % (real, e.strerror)) from None
-        try:
-            with tarfile.open(fileobj=body, mode="r|", encoding="utf-8",
-                              errors="surrogateescape", tarinfo=tree_tarinfo()) as tar:
-                dirs, links = tree_extract(tar, stage_fd, stats)
-            body.drain()  # the end-of-archive padding: the digest covers every byte
-        except (tarfile.TarError, EOFError) as e:
-            raise HTTPError(400, "not a valid tar archive (truncated or corrupt): %s" % e) \
-                from None
-        except OSError as e:
-            raise HTTPError(400, "extracting failed: %s" % (e.strerror or e)) from None
-        got = body.sha.hexdigest()
-        if not compare_digest(got, want):
-            raise HTTPError(400, "archive SHA-256 mismatch: got %s, X-Content-SHA256 says %s"
-                            % (got, want), {"sha256": got})
+        dirs, links = tree_stage(body, stage_fd, stats)
         with d.files_lock:  # judged and merged at once: two uploads never miss each other
             still_authorized(d)
             tree_links_judged(stage_fd, target_fd, stage, links)
