@@ -504,7 +504,7 @@ def _r_snapshot_apply(handler, query):
 
 def _apply(d, base, body, cap):
     from .treelinks import DIR_FLAGS
-    from .trees import REMOVE_MAX_S, TreeStats, remove_tree, tree_merge, tree_stage
+    from .trees import REMOVE_MAX_S, TreeStats, remove_tree, tree_merge, tree_stage, tree_unstage
 
     _busy(d)
     carried, deleted, _ = base.changes(dirty=False)
@@ -563,12 +563,7 @@ def _apply(d, base, body, cap):
     finally:
         for pfd, _, _ in gone:
             os.close(pfd)
-        if stage_fd >= 0:
-            os.close(stage_fd)
-        if stage is not None:
-            remove_tree(at_fd, stage, now() + REMOVE_MAX_S)
-        if at_fd >= 0:
-            os.close(at_fd)
+        tree_unstage(at_fd, stage, stage_fd)
         os.close(root_fd)
     env = man["env"]
     if env["set"] or env["unset"]:

@@ -484,6 +484,17 @@ def tree_stage(body, stage_fd, stats, wrap=None, absolute_links=False):
     return out
 
 
+def tree_unstage(parent_fd, stage, stage_fd):
+    """After an upload or an apply, whatever became of it: the staging directory's fd closed,
+    the directory removed (what the merge did not move in with it), the parent's fd closed."""
+    if stage_fd >= 0:
+        os.close(stage_fd)
+    if stage is not None:
+        remove_tree(parent_fd, stage, now() + REMOVE_MAX_S)
+    if parent_fd >= 0:
+        os.close(parent_fd)
+
+
 def tree_write_into(d, query, body):
     path = query.get("path")
     real = resolve_path(d, path[-1] if path else None, for_write=True)
@@ -523,12 +534,7 @@ def tree_write_into(d, query, body):
             tree_set_modes(target_fd, dirs)
         made = []
     finally:
-        if stage_fd >= 0:
-            os.close(stage_fd)
-        if stage is not None:
-            remove_tree(target_fd, stage, now() + REMOVE_MAX_S)
-        if target_fd >= 0:
-            os.close(target_fd)
+        tree_unstage(target_fd, stage, stage_fd)
         for p in made:
             try:
                 os.rmdir(p)
