@@ -152,8 +152,11 @@ class SnapshotBase(object):
             deleted, skipped = set(), []
             for c in w._file_changes():
                 p = c.get("path")
-                if p is None or c["kind"] == "unreadable":
-                    continue  # "repo" names repeat a path; unreadable: nothing to read
+                if p is None or c["kind"] in ("unreadable", "xattr"):
+                    # "repo" names repeat a path; unreadable: nothing to read; xattrs are not
+                    # carried (and the base has none: a label on every directory, SELinux's,
+                    # would read as a change of each directory whose entries changed)
+                    continue
                 if c["kind"] in ("removed", "type"):
                     deleted.add(p)
                 if c["kind"] != "removed":
@@ -161,12 +164,15 @@ class SnapshotBase(object):
             if dirty:
                 # Directories whose entries changed, and the parents of what the child will
                 # write or delete (the renames there move their mtimes): their times go along.
-                for p in list(w.dirty) + list(found) + list(deleted):
-                    found.setdefault(p if p in w.dirty else os.path.dirname(p), None)
+                for p in list(found) + list(deleted):
+                    found.setdefault(os.path.dirname(p), None)
+                for p in w.dirty:
+                    found.setdefault(p, None)
         carried = {}
+        top = self.root.rstrip("/") + "/"
         for p in sorted(found):
-            if p == self.root:
-                continue  # the target keeps its own root
+            if not p.startswith(top):
+                continue  # the root itself: the target keeps its own
             try:
                 st = os.lstat(p)
             except OSError:
@@ -177,11 +183,14 @@ class SnapshotBase(object):
                 skipped.append(self.rel(p))  # devices, FIFOs, sockets: never carried
                 continue
             carried[p] = st
-        top = []
-        for p in sorted(deleted):
-            if not any(p.startswith(t + "/") for t in top):
-                top.append(p)
-        return carried, [self.rel(p) for p in top], skipped
+        tops = set()
+        for p in sorted(deleted, key=len):  # parents first: a child of one is not listed
+            up = os.path.dirname(p)
+            while up not in tops and up.startswith(top) and up != self.root:
+                up = os.path.dirname(up)
+            if up not in tops:
+                tops.add(p)
+        return carried, [self.rel(p) for p in sorted(tops)], skipped
 
 
 # ---- capture
