@@ -7,15 +7,21 @@ process execd starts later inherits them from the thread that starts it: the nex
 correct patch would grade failed. The baseline records them, /diff compares them and /restore
 puts back what the kernel allows; what it does not (a hard limit raised, nice or policy raised
 back, oom_score_adj lowered, all without the capability) is named in `left`, which retires the
-pod. Syscalls only: no file but oom_score_adj is read, no process started."""
+pod. Syscalls only: no file but oom_score_adj and the autogroup is read, no process started.
+
+The autogroup (/proc/<pid>/autogroup, one per session) is execd's alone, as each shell gets
+its own (setsid); the holder can raise its nice, which starves execd of CPU beside every other
+session."""
 
 import os
 import resource
 import sys
+import time
 
 from .conditions import cpuset
 
 OOM_SCORE_ADJ = "/proc/self/oom_score_adj"
+AUTOGROUP = "/proc/self/autogroup"  # absent without CONFIG_SCHED_AUTOGROUP
 
 
 def _limits():
@@ -91,6 +97,29 @@ def _oom():
         return None
 
 
+def _autogroup():
+    """The autogroup's nice ("/autogroup-7 nice 0"), None where the kernel has none."""
+    try:
+        with open(AUTOGROUP, "rb") as f:
+            return int(f.read().split()[-1])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _set_autogroup(nice):
+    """Write it; the kernel takes one write per 100 ms from a writer without CAP_SYS_ADMIN
+    (EAGAIN), node-wide, so a few tries."""
+    for i in range(10):
+        try:
+            with open(AUTOGROUP, "w") as f:
+                f.write(str(nice))
+            return
+        except BlockingIOError:
+            if i == 9:
+                raise
+            time.sleep(0.11)
+
+
 def read():
     """The attributes as they are now."""
     limits = {}
@@ -104,8 +133,8 @@ def read():
         got = _thread(int(t))
         if got is not None:
             threads[int(t)] = got
-    return {"rlimits": limits, "oom_score_adj": _oom(), "threads": threads,
-            "main": threads.get(os.getpid())}
+    return {"rlimits": limits, "oom_score_adj": _oom(), "autogroup": _autogroup(),
+            "threads": threads, "main": threads.get(os.getpid())}
 
 
 def record():
@@ -154,6 +183,9 @@ def changes(base, cur=None):
     if cur["oom_score_adj"] != base["oom_score_adj"]:
         out.append({"kind": "execd", "name": "oom_score_adj", "old": base["oom_score_adj"],
                     "new": cur["oom_score_adj"]})
+    if base.get("autogroup") is not None and cur.get("autogroup") != base["autogroup"]:
+        out.append({"kind": "execd", "name": "autogroup", "old": base["autogroup"],
+                    "new": cur.get("autogroup")})
     if isinstance(_IOPRIO, str):  # fail closed: execd cannot vouch for its threads' I/O class
         out.append({"kind": "execd", "name": "ionice", "why": "not read: %s" % _IOPRIO})
     wants = _wants(base, cur)
@@ -200,6 +232,13 @@ def _put_back(base, whys):
             whys["oom_score_adj"] = ("%s cannot go back to %s: %s (lowering it needs "
                                      "CAP_SYS_RESOURCE)" % (cur["oom_score_adj"],
                                                             base["oom_score_adj"], e.strerror))
+    want = base.get("autogroup")
+    if want is not None and cur["autogroup"] != want:
+        try:
+            _set_autogroup(want)
+        except OSError as e:
+            whys["autogroup"] = ("autogroup nice %s cannot go back to %d: %s (a negative nice "
+                                 "needs CAP_SYS_NICE)" % (cur["autogroup"], want, e.strerror))
     wants = _wants(base, cur)
     for tid, now in cur["threads"].items():
         want = wants[tid]

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import resource
 import shutil
+import signal
 import sys
 from pathlib import Path
 
@@ -25,7 +26,7 @@ import pytest
 
 from execd.execd_daemon import procattrs, sysvipc
 
-from .conftest import AUTH
+from .conftest import AUTH, wait_for
 
 HOLDER = Path(__file__).with_name("sysv_holder.py")
 LIMITS = {n[7:].lower(): getattr(resource, n) for n in dir(resource)
@@ -57,9 +58,27 @@ def ioprio(tid: int) -> int:
     return ctypes.CDLL(None, use_errno=True).syscall(IOPRIO_GET, 1, tid)
 
 
+def autogroup(pid: int) -> int | None:
+    """The nice of the process's autogroup (`/proc/<pid>/autogroup`: "/autogroup-7 nice 0"),
+    None in a kernel without autogroups. A new session (each shell's setsid) has its own."""
+    try:
+        return int(Path(f"/proc/{pid}/autogroup").read_text().split()[-1])
+    except FileNotFoundError:
+        return None
+
+
+def sigcaught(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("SigCgt:"):
+            return int(line.split()[1], 16)
+    return 0
+
+
 def attrs(tid: int) -> dict:
-    """What a process started from this thread inherits."""
+    """What a process started from this thread inherits (the autogroup's nice: what it starts
+    in execd's session)."""
     return {"limits": {n: resource.prlimit(tid, r) for n, r in LIMITS.items()},
+            "autogroup": autogroup(tid),
             "ioprio": ioprio(tid),
             "nice": os.getpriority(os.PRIO_PROCESS, tid),
             "sched": os.sched_getscheduler(tid),
@@ -141,18 +160,22 @@ ATTACKS = {
     "affinity": "taskset -a -p -c {cpu} {pid}",
     "oom_score_adj": "echo 900 > /proc/{pid}/oom_score_adj",
     "ionice-idle": "for t in /proc/{pid}/task/*; do ionice -c 3 -p ${{t##*/}}; done",
+    # execd's session's scheduling group: a share of CPU below every other session's
+    "autogroup": "echo 19 > /proc/{pid}/autogroup",
 }
 # What the kernel lets an execd without CAP_SYS_NICE and CAP_SYS_RESOURCE put back: a soft
 # limit raised up to its hard limit, the affinity, and oom_score_adj down to the lowest value a
 # privileged writer set (a holder without the capability cannot move that floor); the rest is
 # reported.
-PUT_BACK_UNPRIVILEGED = {"soft-limits", "affinity", "oom_score_adj", "ionice-idle"}
+PUT_BACK_UNPRIVILEGED = {"soft-limits", "affinity", "oom_score_adj", "ionice-idle", "autogroup"}
 
 
 def attack(d, name: str) -> None:
     cpus = os.sched_getaffinity(d.pid)
     if name == "affinity" and len(cpus) < 2:
         pytest.skip("one CPU: no narrower affinity to set")
+    if name == "autogroup" and autogroup(d.pid) is None:
+        pytest.skip("no autogroups in this kernel")
     tool = ATTACKS[name].split()[0]
     if tool != "for" and tool != "echo" and not shutil.which(tool):
         pytest.skip(f"no {tool}")
@@ -201,8 +224,39 @@ def test_diff_names_each_changed_attribute(execd_factory, tmp_path):
     changes = d.get("/diff").json()["changes"]
     names = {c["name"] for c in changes if c["kind"] == "execd"}
     assert {"rlimit nofile", "nice", "oom_score_adj"} <= names, changes
+    was = autogroup(d.pid)
+    if was is not None:
+        sh(d, f"echo 7 > /proc/{d.pid}/autogroup")
+        changes = d.get("/diff").json()["changes"]
+        assert {"kind": "execd", "name": "autogroup", "old": was, "new": 7} in changes, changes
     nofile = next(c for c in changes if c.get("name") == "rlimit nofile")
     assert nofile["new"][0] == 64 and nofile["old"][0] != 64, nofile
+
+
+def test_autogroup_without_autogroups_is_not_recorded(monkeypatch, tmp_path):
+    """A kernel without autogroups has no /proc/<pid>/autogroup: nothing to compare."""
+    monkeypatch.setattr(procattrs, "AUTOGROUP", str(tmp_path / "absent"))
+    base = procattrs.record()
+    assert base["autogroup"] is None
+    assert [c for c in procattrs.changes(base) if c["name"] == "autogroup"] == []
+
+
+def test_autogroup_that_cannot_be_set_back_is_left(monkeypatch, tmp_path):
+    """A negative nice cannot be written back without CAP_SYS_NICE, nor anything where /proc
+    refuses: the restore names it (the pod is retired)."""
+    fake = tmp_path / "autogroup"
+    fake.write_text("/autogroup-7 nice -5\n")
+    monkeypatch.setattr(procattrs, "AUTOGROUP", str(fake))
+    base = procattrs.record()
+    fake.write_text("/autogroup-7 nice 19\n")
+
+    def refuse(nice):
+        raise PermissionError(1, "Operation not permitted")
+
+    monkeypatch.setattr(procattrs, "_set_autogroup", refuse)
+    left = [c for c in procattrs.restore(base) if c["name"] == "autogroup"]
+    assert left and left[0]["old"] == -5 and left[0]["new"] == 19, left
+    assert "cannot go back" in left[0]["why"], left
 
 
 def test_an_affinity_that_follows_the_cpuset_is_no_change(monkeypatch):
@@ -361,7 +415,8 @@ DAEMON_ATTACKS = {
     "affinity": f"taskset -p -c {min(os.sched_getaffinity(0))} $D",
     "oom_score_adj": "echo 700 > /proc/$D/oom_score_adj",
     # The daemon's own cd, on the holder's signal.
-    "cwd": "kill -USR1 $D && sleep 0.3",
+    "cwd": "kill -USR1 $D && for i in $(seq 100); do [ \"$(readlink /proc/$D/cwd)\" = /tmp ] "
+           "&& break; sleep 0.05; done",
 }
 
 
@@ -375,6 +430,8 @@ def test_attributes_of_a_baseline_daemon_changed_by_the_holder_retire(execd_fact
     daemon = sh(d, f"{sys.executable} -c 'import os, signal, time\n"
                    "signal.signal(signal.SIGUSR1, lambda *a: os.chdir(\"/tmp\"))\n"
                    "while True: time.sleep(1)' > /dev/null 2>&1 & echo $!").strip()
+    # Its handler in place before anything is recorded (a loaded machine starts Python slowly).
+    assert wait_for(lambda: sigcaught(int(daemon)) & 1 << (signal.SIGUSR1 - 1), 30)
     assert d.post("/baseline", {}).status_code == 200
     assert d.get("/diff").json()["clean"] is True
     sh(d, f"D={daemon}; {DAEMON_ATTACKS[name]}")
