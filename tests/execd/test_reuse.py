@@ -271,6 +271,32 @@ def test_shell_state_is_fresh_after_restore(rd, world):
     assert out == [str(world["ws"]), "unset"]
 
 
+# What a shell carries that no file, variable or cwd shows: the next holder's commands would
+# run under them (a `ls` that is the holder's alias, a DEBUG trap before each command, errexit,
+# noclobber, 64 fds, a nice of 5).
+SHELL_PROBE = ("umask; alias; trap -p; echo $-; set -o; shopt; ulimit -a; ulimit -Ha; "
+               "cut -d' ' -f19 /proc/$$/stat")
+SHELL_ATTACKS = {
+    "umask": "umask 0027",
+    "alias": "shopt -s expand_aliases; alias ls='echo planted'",
+    "traps": "trap 'echo e' EXIT; trap 'echo d' DEBUG; trap 'echo r' ERR; set -T",
+    "options": "set -o noclobber -o pipefail -o nounset -o errexit; shopt -s failglob dotglob",
+    "limits": "ulimit -n 64; ulimit -S -s 1024; ulimit -S -c 0; ulimit -u 256",
+    "nice": "renice -n 5 -p $$ >/dev/null",
+}
+
+
+@pytest.mark.parametrize("name", sorted(SHELL_ATTACKS))
+def test_shell_state_outside_variables_is_fresh_after_restore(rd, name):
+    fresh = sh(rd, SHELL_PROBE)["output"]
+    r = rd.exec(SHELL_ATTACKS[name], timeout=30)
+    assert r["exit_code"] == 0, r
+    assert rd.exec(SHELL_PROBE, timeout=30)["output"] != fresh, "the attack did nothing"
+    assert restore(rd)["restored"] is True
+    assert sh(rd, SHELL_PROBE)["output"] == fresh
+    assert diff(rd)["clean"] is True
+
+
 def test_unrestorable_change_is_named_in_left(rd, world):
     big = world["big"]  # 5000 bytes, over the 4096-byte copy cap
     sh(rd, f"printf y >> {big} && echo ok > {world['etc']}/hosts")
