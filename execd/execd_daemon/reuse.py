@@ -82,7 +82,7 @@ class FileState(object):
     def __init__(self, st, link=None):
         self.set_stat(st)
         self.nlink = st.st_nlink  # the baseline's: a rewrite would split a hard link
-        self.xattrs = ()  # recorded for dirs and copied files (xattrs.py)
+        self.xattrs = ()  # recorded for dirs, symlinks and copied files (xattrs.py)
         self.link = link
         self.blob = None  # store file with the content (regular files)
         self.why = None  # why there is no copy
@@ -326,7 +326,8 @@ class Baseline(object):
                     except OSError:
                         link = None
                 ent = FileState(st, link)
-                if stat.S_ISDIR(st.st_mode) or (stat.S_ISREG(st.st_mode) and area != "rest"):
+                if stat.S_ISDIR(st.st_mode) or stat.S_ISLNK(st.st_mode) or (
+                        stat.S_ISREG(st.st_mode) and area != "rest"):
                     ent.xattrs = xattrs.read(p)
                 if stat.S_ISREG(st.st_mode):
                     if area == "rest":
@@ -402,6 +403,10 @@ class Baseline(object):
                 if target != ent.link:
                     changes.append({"kind": "symlink", "path": p, "old": ent.link,
                                     "new": target, "area": area})
+                else:  # its own xattrs (trusted.*, security.*) move only its ctime
+                    c = xattrs.change(p, ent.xattrs, area)
+                    if c is not None:
+                        changes.append(c)
             elif is_device(st.st_mode):
                 c = devwatch.device_change(p, ent, st, area)
                 if c is not None:
@@ -694,10 +699,9 @@ class Baseline(object):
                 os.lchown(p, ent.uid, ent.gid)
             except PermissionError:
                 return "owner %d:%d cannot be set back" % (ent.uid, ent.gid)
-        if t != "symlink":  # after chown, which drops security.capability
-            why = xattrs.put_back(p, ent.xattrs)
-            if why:
-                return why
+        why = xattrs.put_back(p, ent.xattrs)  # after chown, which drops security.capability
+        if why:
+            return why
         os.utime(p, ns=(ent.atime, ent.mtime), follow_symlinks=False)
         ent.set_stat(os.lstat(p))
         return None

@@ -1,7 +1,8 @@
 """Extended attributes (ACLs are system.posix_acl_access and _default) and hard links, for
 checked reuse. A directory's attributes are compared where its ctime moved (an xattr change
 moves it, as its entries do); a file's move its ctime, so the file is rewritten, and the
-rewrite carries the baseline's attributes back. A file with more than one name at baseline
+rewrite carries the baseline's attributes back; a symlink's (trusted.*, security.*) too, where
+its ctime moved and its target did not. A file with more than one name at baseline
 cannot be rewritten without splitting it: the restore leaves it, which retires the pod."""
 
 import errno

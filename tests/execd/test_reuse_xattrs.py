@@ -99,3 +99,26 @@ def test_a_hard_link_of_the_baseline_is_not_split_silently(execd_factory, tmp_pa
     r = d.post("/restore", {})
     assert r.status_code == 200 and r.json()["restored"] is False, r.text
     assert any("hard link" in x["why"] for x in r.json()["left"]), r.json()
+
+
+def test_a_symlinks_own_xattrs_are_seen_and_undone(execd_factory, tmp_path, etc):
+    """A symlink takes only trusted.* and security.* (root): changing them moves its ctime
+    alone, its target the same, which was all the baseline compared of a symlink."""
+    link = etc / "link"
+    os.symlink("hosts", link)
+    try:
+        os.setxattr(link, "trusted.keep", b"image", follow_symlinks=False)
+    except OSError as e:
+        pytest.skip(f"no trusted xattrs on a symlink here (root on a filesystem with them): {e}")
+    d = start(execd_factory, tmp_path)
+    py(d, f"import os; p = {str(link)!r}; "
+          f"os.setxattr(p, \"trusted.evil\", b\"1\", follow_symlinks=False); "
+          f"os.removexattr(p, \"trusted.keep\", follow_symlinks=False)")
+    changes = d.get("/diff").json()["changes"]
+    assert {"kind": "xattr", "path": str(link), "area": "system",
+            "names": ["trusted.evil", "trusted.keep"]} in changes, changes
+    r = d.post("/restore", {})
+    assert r.status_code == 200 and r.json()["restored"] is True, r.text
+    assert os.readlink(link) == "hosts"
+    assert xattrs(link) == {"trusted.keep": b"image"}
+    assert d.get("/diff").json()["clean"] is True
