@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import gc
 import ipaddress
+import json
 import logging
 import os
 import socket
@@ -162,6 +163,21 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         "references as given, unpinned (docs/controller.md \"Image pinning\")")
     s.add_argument("--registry-insecure", action="append", default=[], metavar="HOST[:PORT]",
                    help="a registry image pinning asks over plain http (repeatable)")
+    s.add_argument("--checkpoint-registry", default=None, metavar="HOST[:PORT]/PREFIX",
+                   help="where checkpoints are stored, one repository per tenant under PREFIX "
+                        "(default: checkpoints off)")
+    s.add_argument("--checkpoint-insecure", action="store_true",
+                   help="ask the checkpoint registry over plain http (a test bed's)")
+    s.add_argument("--checkpoint-auth-file", default=None, metavar="CONFIG_JSON",
+                   help="a docker config.json (a dockerconfigjson Secret's) holding the "
+                        "checkpoint registry's credentials; default: anonymous")
+    s.add_argument("--checkpoint-ttl", type=float, default=Settings.checkpoint_ttl,
+                   help="seconds a checkpoint is kept before the sweep deletes it")
+    s.add_argument("--checkpoint-max-bytes", type=int, default=Settings.checkpoint_max_bytes,
+                   help="the most state bytes one checkpoint holds (all its sandboxes)")
+    s.add_argument("--checkpoint-sweep-interval", type=float,
+                   default=Settings.checkpoint_sweep_interval,
+                   help="seconds between sweeps of expired checkpoints")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -249,6 +265,12 @@ def settings_from(args: argparse.Namespace) -> Settings:
         prepull_images=tuple(check_images(args.prepull_image, "--prepull-image")),
         image_pinning=args.image_pinning,
         registry_insecure=tuple(args.registry_insecure),
+        checkpoint_registry=args.checkpoint_registry,
+        checkpoint_insecure=args.checkpoint_insecure,
+        checkpoint_credentials=_registry_creds(args.checkpoint_auth_file,
+                                               args.checkpoint_registry),
+        checkpoint_ttl=args.checkpoint_ttl, checkpoint_max_bytes=args.checkpoint_max_bytes,
+        checkpoint_sweep_interval=args.checkpoint_sweep_interval,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.
@@ -274,6 +296,16 @@ def _read_key(path: str | None) -> bytes | None:
         return None
     with open(path, "rb") as f:
         return f.read().strip()
+
+
+def _registry_creds(path: str | None, registry: str | None) -> tuple[str, str] | None:
+    """(user, password) for the checkpoint registry's host from a docker config.json."""
+    if not path or not registry:
+        return None
+    from controller.images import _auth_for
+
+    with open(path, encoding="utf-8") as f:
+        return _auth_for(registry.partition("/")[0], [json.load(f)])
 
 
 def _ip_or_none(text: str) -> str | None:

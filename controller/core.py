@@ -31,6 +31,7 @@ from controller.books import (
     Entry,
     State,
 )
+from controller.checkpoint import Checkpoints
 from controller.create import Creator, new_name, token_pair
 from controller.errors import (
     AcquireError,
@@ -88,6 +89,7 @@ class Controller:
         self.signals = CapacitySignals(settings.namespace)
         self.prepull = Prepuller(kube, self.pacer, settings)
         self.forker = Forker(self)
+        self.checkpoints = Checkpoints(self)
         self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
@@ -121,7 +123,8 @@ class Controller:
         self.prepull.add(list(self.s.prepull_images), pinned=True)
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
                     loop.create_task(self.sweeper.loop(), name="sweep"),
-                    loop.create_task(self.prepull.run(), name="prepull")]
+                    loop.create_task(self.prepull.run(), name="prepull"),
+                    loop.create_task(self.checkpoints.loop(), name="checkpoint-sweep")]
         self.ready = True
 
     async def stop(self) -> None:
@@ -136,6 +139,7 @@ class Controller:
         await self.pacer.stop()
         await self.pipeline.close()
         await self.forker.close()
+        await self.checkpoints.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)

@@ -85,3 +85,16 @@ class AuthUnavailable(AcquireError):
     """The API server did not answer the review: refused, never admitted (fail closed)."""
 
     status, kind = api.AUTH_UNAVAILABLE
+
+
+class CheckpointFailed(AcquireError):
+    """A checkpoint or a restore that did not complete; nothing of it is left
+    (controller/checkpoint.py)."""
+
+    status, kind = api.CHECKPOINT_FAILED
+
+
+class CheckpointGone(AcquireError):
+    """No such checkpoint in that tenant, or past its TTL."""
+
+    status, kind = api.CHECKPOINT_GONE

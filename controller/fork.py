@@ -152,17 +152,19 @@ class Forker:
 
     async def _child(self, parent, i: int, n: int, got: list[dict | None],
                      snap: asyncio.Future, spool: IO[bytes], gate: asyncio.Semaphore,
-                     deadline: float, request_id: str | None) -> None:
+                     deadline: float, request_id: str | None, what: str = "fork") -> None:
+        """One child acquired, then given the state in `spool` once `snap` has its (size,
+        SHA-256). `what` names the call in errors (a checkpoint's restore uses it too)."""
         sid = parent.id
         order = AcquireOrder(
             parent.spec, parent.job, owner=parent.owner, labels=dict(parent.labels),
             timeout_s=_left(deadline), lifetime_s=parent.lifetime,
             conditions=parent.conditions,
-            request_id=None if request_id is None else f"{request_id}/fork/{sid}/{i}")
+            request_id=None if request_id is None else f"{request_id}/{what}/{sid}/{i}")
         try:
             lease = await self.c.acquire(order)
         except AcquireError as ex:
-            raise _Step("acquire", type(ex)(f"fork of {sid}: child {i + 1} of {n}: "
+            raise _Step("acquire", type(ex)(f"{what} of {sid}: child {i + 1} of {n}: "
                                             f"{one_line(ex)}", ex.events)) from None
         got[i] = lease  # ours from here: released by the undo if anything fails
         size, sha = await asyncio.shield(snap)
@@ -172,11 +174,11 @@ class Forker:
                                                 sha, _left(deadline))
             except ExecdRefused as ex:
                 raise _Step("apply", ForkFailed(
-                    f"fork of {sid}: child {lease['id']}'s execd answered {ex.status} to "
+                    f"{what} of {sid}: child {lease['id']}'s execd answered {ex.status} to "
                     f"{ex.route.path}: {one_line(ex.text)}")) from None
             except (httpx.HTTPError, SnapshotBroken, ValueError) as ex:
                 raise _Step("apply", ForkFailed(
-                    f"fork of {sid}: sending its state to child {lease['id']} failed: "
+                    f"{what} of {sid}: sending its state to child {lease['id']} failed: "
                     f"{type(ex).__name__} {one_line(ex)}")) from None
 
     async def _undo(self, sid: str, tasks: list[asyncio.Future], got: list[dict | None],

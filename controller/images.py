@@ -134,24 +134,14 @@ def fetch_digest(ref: Ref, insecure: bool, creds: tuple[str, str] | None,
                  timeout: float = RESOLVE_TIMEOUT_S) -> str:
     """The digest of `ref`'s manifest (an index for a multi-platform image: what the kubelet
     resolves the tag to), asked of its registry. Blocking: run it in a thread."""
-    import oras.provider
+    from controller import oci
 
     api_host = DOCKER_HUB_API if ref.host == DOCKER_HUB else ref.host
-    reg = oras.provider.Registry(hostname=api_host, insecure=insecure)
-    if creds is not None:
-        reg.auth.set_basic_auth(*creds)
-    plain = reg.session.request
-
-    def bounded(*a, **kw):  # oras sends no timeout: a registry that never answers would hang
-        kw.setdefault("timeout", timeout)
-        return plain(*a, **kw)
-
-    reg.session.request = bounded  # type: ignore[method-assign]
+    # Every request bounded and sent once: the acquire's caller is waiting.
+    reg = oci.client(api_host, insecure, creds, timeout)
     url = f"{reg.prefix}://{api_host}/v2/{ref.repository}/manifests/{ref.tag}"
-    # Once, not oras' own five tries with sleeps: the acquire's caller is waiting.
-    once = getattr(type(reg).do_request, "__wrapped__", type(reg).do_request)
     try:
-        r = once(reg, url, "GET", headers={"Accept": ", ".join(MANIFEST_TYPES)})
+        r = reg.do_request(url, "GET", headers={"Accept": ", ".join(MANIFEST_TYPES)})
     except Exception as e:  # noqa: BLE001 - transport, auth: all mean "not resolved"
         raise ImageUnresolved(f"{type(e).__name__}: {' '.join(str(e).split())[:200]}") from None
     if r.status_code != 200:

@@ -127,6 +127,31 @@ FORK_SNAPSHOT_BYTES = Histogram("sandman_controller_fork_snapshot_bytes",
                                 "Size of the parent's state each fork copied",
                                 buckets=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26,
                                          1 << 28, 1 << 30, 1 << 32))
+# Checkpoints (controller/checkpoint.py), by how each call ended: ok; refused (a grading
+# sandbox, one not handed out, checkpoints off, another tenant's id); snapshot (an execd could
+# not give its state); registry (the registry refused or failed); tampered (an artifact not
+# the bytes its digest names, or not a checkpoint of that tenant); size (over the bound);
+# acquire / apply (a restore's sandbox could not be had, or refused the state); client_closed.
+CHECKPOINT_RESULTS = ("ok", "refused", "snapshot", "registry", "tampered", "size", "acquire",
+                      "apply", "client_closed")
+CHECKPOINTS = Counter("sandman_controller_checkpoints_total", "Checkpoints by result",
+                      ["result"])
+CHECKPOINT_BYTES = Histogram("sandman_controller_checkpoint_bytes",
+                             "State bytes of each checkpoint that succeeded (all its sandboxes)",
+                             buckets=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26,
+                                      1 << 28, 1 << 30, 1 << 32, 1 << 34))
+CHECKPOINT_SECONDS = Histogram("sandman_controller_checkpoint_seconds",
+                               "Latency of the checkpoints that succeeded",
+                               buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+RESTORES = Counter("sandman_controller_restores_total", "Checkpoint restores by result",
+                   ["result"])
+RESTORED_SANDBOXES = Counter("sandman_controller_restored_sandboxes_total",
+                             "Sandboxes handed out by restores that succeeded")
+RESTORE_SECONDS = Histogram("sandman_controller_restore_seconds",
+                            "Latency of the restores that succeeded",
+                            buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
+CHECKPOINTS_EXPIRED = Counter("sandman_controller_checkpoints_expired_total",
+                              "Checkpoints the TTL sweep deleted from the registry")
 
 # Capacity signals (controller/events.py). Create stored -> Ready and execd answering, by role
 # (sandman.contract.ROLES). Buckets from the paper's figures: 2 s at 2 vCPU, 4.1 s p50 with the
@@ -210,6 +235,23 @@ def forked(result: str, children: int = 0, seconds: float | None = None) -> None
         FORK_CHILDREN.inc(children)
     if seconds is not None:
         FORK_SECONDS.observe(seconds)
+
+
+def checkpointed(result: str, sandboxes: int = 0, seconds: float | None = None,
+                 size: int | None = None) -> None:
+    CHECKPOINTS.labels(bounded(result, CHECKPOINT_RESULTS)).inc()
+    if seconds is not None:
+        CHECKPOINT_SECONDS.observe(seconds)
+    if size is not None:
+        CHECKPOINT_BYTES.observe(size)
+
+
+def restored(result: str, sandboxes: int = 0, seconds: float | None = None) -> None:
+    RESTORES.labels(bounded(result, CHECKPOINT_RESULTS)).inc()
+    if sandboxes:
+        RESTORED_SANDBOXES.inc(sandboxes)
+    if seconds is not None:
+        RESTORE_SECONDS.observe(seconds)
 
 
 def warm_lookup(role: str, hit: bool) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -13,8 +14,9 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller import auth as A
+from controller.checkpoint import parse_id
 from controller.core import Controller
-from controller.errors import AcquireError, NotLeader
+from controller.errors import AcquireError, NotLeader, SandboxGone
 from controller.forward import not_leader_headers
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
 from sandman import api
@@ -235,9 +237,25 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             raise A.Forbidden(f"{who.username} may not fork sandbox {id} (another tenant's)")
         # Scoped to the caller as an acquire's: nobody else's replay finds these children.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
-        task = asyncio.ensure_future(c.forker.fork(id, body.n, body.timeout_s, rid))
+
+        async def release_all(children) -> None:  # nobody will read these tokens
+            for ch in children:
+                await c.release(ch["id"])
         # As acquire: the handler learns of the caller's leaving and cancels the fork, whose
         # undo releases every child already made.
+        done, children = await run_or_leave(
+            request, c.forker.fork(id, body.n, body.timeout_s, rid), release_all)
+        if not done:
+            return _err(api.CLIENT_CLOSED, "client disconnected")
+        return JSONResponse(api.Forked([_lease(ch) for ch in children]).to_json(),
+                            status_code=201)
+
+    async def run_or_leave(request: Request, coro, on_late) -> tuple[bool, Any]:
+        """(True, result) of `coro`, or (False, None) when the caller left first: then it is
+        cancelled (its undo runs by itself) and `on_late(result)` undoes one that finished in
+        the same tick. Starlette does not cancel a handler whose client left: the disconnect
+        message is awaited beside the call (no polling)."""
+        task = asyncio.ensure_future(coro)
         gone = asyncio.ensure_future(_disconnect(request))
         try:
             await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -245,18 +263,89 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
                 await asyncio.sleep(0)
         finally:
             gone.cancel()
-        client_left = gone.done() and not gone.cancelled() and gone.exception() is None
-        if task.done() and not client_left:
-            children = task.result()
-            return JSONResponse(api.Forked([_lease(ch) for ch in children]).to_json(),
-                                status_code=201)
+        if task.done() and not (gone.done() and not gone.cancelled()
+                                and gone.exception() is None):
+            return True, task.result()
         task.cancel()
         try:
-            for ch in await task:  # finished in the same tick: nobody will read these tokens
-                await c.release(ch["id"])
+            await on_late(await task)
         except (asyncio.CancelledError, AcquireError):
             pass
-        return _err(api.CLIENT_CLOSED, "client disconnected")
+        return False, None
+
+    async def checkpointable(who: A.Caller, c: Controller, sid: str, verb: str):
+        """A handed-out sandbox the caller may read the state of (create in its tenant, as a
+        fork); 404 and 403 as fork's."""
+        e = c.get(sid)
+        if e is None:
+            if auth.enabled:
+                await auth.require(who, A.CREATE, who.namespace or A.CLUSTER)
+            raise SandboxGone(f"no sandbox {sid}")
+        if auth.enabled and not await may_see(who, A.CREATE, e):
+            raise A.Forbidden(f"{who.username} may not {verb} sandbox {sid} "
+                              "(another tenant's)")
+        return c.checkpoints.leased(sid)
+
+    @app.post(api.CHECKPOINT.path, status_code=201)
+    async def checkpoint(request: Request, body: api.CheckpointRequest):
+        who = await caller(request)
+        c = ctl()
+        if body.job is not None:
+            tenant = tenant_for(who, body.namespace)
+            if tenant is not None:
+                await auth.require(who, A.CREATE, tenant)
+            entries = c.checkpoints.of_job(A.scoped_job(tenant, body.job))
+        else:
+            entries = [await checkpointable(who, c, sid, "checkpoint") for sid in body.ids or ()]
+
+        async def nothing(_r) -> None:
+            return None  # a set nobody got the id of expires with its TTL
+        done, result = await run_or_leave(request, c.checkpoints.checkpoint(
+            entries, body.timeout_s), nothing)
+        if not done:
+            return _err(api.CLIENT_CLOSED, "client disconnected")
+        return JSONResponse(result.to_json(), status_code=201)
+
+    @app.post(api.PAUSE.path)
+    async def pause(id: str, request: Request, body: api.RestoreRequest | None = None):
+        """A checkpoint of one sandbox, then its release (the rights of a checkpoint)."""
+        who = await caller(request)
+        c = ctl()
+        e = await checkpointable(who, c, id, "pause")
+
+        async def keep(_r) -> None:
+            return None  # the caller never got the id: the sandbox stays leased, not lost
+        done, result = await run_or_leave(request, c.checkpoints.checkpoint(
+            [e], body.timeout_s if body else api.DEFAULT_ACQUIRE_TIMEOUT_S), keep)
+        if not done:
+            return _err(api.CLIENT_CLOSED, "client disconnected")
+        await c.release(id)
+        return result.to_json()
+
+    @app.post(api.RESTORE.path, status_code=201)
+    async def restore(id: str, request: Request, body: api.RestoreRequest | None = None):
+        """The rights of an acquire in the checkpoint's tenant (named in its id): another
+        tenant's id is refused before the registry is asked."""
+        who = await caller(request)
+        body = body or api.RestoreRequest()
+        tenant = None
+        if auth.enabled:
+            tenant = parse_id(id)[0]
+            if not await auth.allowed(who, A.CREATE, tenant):
+                raise A.Forbidden(f"{who.username} may not restore checkpoint {id[:100]} "
+                                  "(another tenant's)")
+        c = ctl()
+        rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
+
+        async def release_all(got) -> None:
+            for lease in got.values():
+                await c.release(lease["id"])
+        done, got = await run_or_leave(request, c.checkpoints.restore(
+            id, tenant, body.timeout_s, rid), release_all)
+        if not done:
+            return _err(api.CLIENT_CLOSED, "client disconnected")
+        return JSONResponse({"sandboxes": {k: _lease(v).to_json() for k, v in got.items()}},
+                            status_code=201)
 
     @app.post(api.PREWARM.path)
     async def prewarm(body: api.PrewarmRequest, request: Request):

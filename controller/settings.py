@@ -135,6 +135,15 @@ class Settings:
     # plain http (controller/images.py).
     image_pinning: str = "resolve"
     registry_insecure: tuple[str, ...] = ()
+    # Checkpoints (controller/checkpoint.py): HOST[:PORT]/PREFIX of the registry they are
+    # stored in (None: off), over plain http or not, (user, password) for it, how long each
+    # is kept, the most state bytes one holds, and the seconds between TTL sweeps.
+    checkpoint_registry: str | None = None
+    checkpoint_insecure: bool = False
+    checkpoint_credentials: tuple[str, str] | None = None
+    checkpoint_ttl: float = 7 * 86400.0
+    checkpoint_max_bytes: int = 16 << 30
+    checkpoint_sweep_interval: float = 600.0
 
     # The API server's addresses (KUBERNETES_SERVICE_HOST): never in an allowlist, besides
     # the policy's egress_never (chart sandbox.egressNever) and sandman/egress.py's NEVER.
@@ -156,6 +165,10 @@ class Settings:
         self.pod_template = check_pod_template(self.pod_template)
         if self.books_key is not None and len(self.books_key) < 16:
             raise ValueError("books_key must be at least 16 bytes")
+        if self.checkpoint_registry is not None and "/" not in self.checkpoint_registry.strip("/"):
+            raise ValueError("checkpoint_registry must be HOST[:PORT]/PREFIX")
+        if self.checkpoint_ttl <= 0 or self.checkpoint_max_bytes <= 0:
+            raise ValueError("checkpoint_ttl and checkpoint_max_bytes must be > 0")
         if self.conditions_attempts < 1:
             raise ValueError("conditions_attempts must be >= 1")
         if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:

@@ -75,6 +75,13 @@ RELEASE_REUSE_PARAM = "reuse"
 # n new sandboxes of this one's spec, tenant and job, each holding its state at the call
 # (docs/controller.md "Fork"). The rights of a release.
 FORK = Route("FORK", "POST", "/v1/sandboxes/{id}/fork")
+# Checkpoints (docs/controller.md "Checkpoints"): the state of named sandboxes, or of a job's
+# agent sandboxes, stored in the admin's registry as one artifact each; one id for the set.
+# The rights of a fork; RESTORE makes every sandbox of it anew (the rights of an acquire in
+# the checkpoint's tenant), PAUSE is a checkpoint of one sandbox and its release.
+CHECKPOINT = Route("CHECKPOINT", "POST", "/v1/checkpoints")
+RESTORE = Route("RESTORE", "POST", "/v1/checkpoints/{id}/restore")
+PAUSE = Route("PAUSE", "POST", "/v1/sandboxes/{id}/pause")
 DRAIN = Route("DRAIN", "POST", "/v1/jobs/{job}/drain")
 STATS = Route("STATS", "GET", "/v1/stats")
 # Image pre-pull (admin): pull images, by digest, onto every node of the sandbox node pool;
@@ -85,8 +92,8 @@ HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as L
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, FORK, PREWARM, DRAIN, STATS,
-          PREPULL, IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, FORK, CHECKPOINT, RESTORE, PAUSE,
+          PREWARM, DRAIN, STATS, PREPULL, IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 # execd's routes, bodies and limits (the tree caps and header among them) are
 # sandman/execd_api.py's.
@@ -126,9 +133,16 @@ IMAGE_UNRESOLVED = ErrorType(502, "ImageUnresolved")
 # parent's execd could not give it, its digest was wrong, a child's execd refused it): every
 # child was released, one line says which step and which pod.
 FORK_FAILED = ErrorType(502, "ForkFailed")
+# A checkpoint or a restore that did not complete: the registry refused or failed, an artifact
+# is not the bytes its digest names (changed in the registry), over the size bound, or a
+# sandbox's execd refused; nothing of it is left (no partial checkpoint, no restored sandbox).
+CHECKPOINT_FAILED = ErrorType(502, "CheckpointFailed")
+# No such checkpoint in the caller's tenant, or past its TTL (deleted or about to be).
+CHECKPOINT_GONE = ErrorType(404, "CheckpointGone")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
           INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
-          FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED, FORK_FAILED)
+          FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED, FORK_FAILED, CHECKPOINT_FAILED,
+          CHECKPOINT_GONE)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -459,6 +473,57 @@ class ForkRequest(_Model):
                f"request_id: must be 1 to {MAX_REQUEST_ID_LEN} characters")
 
 
+# Sandboxes per checkpoint: each is one artifact pushed and, on restore, one pod made and sent
+# its state; a job wider than this is checkpointed by ids, in several calls.
+MAX_CHECKPOINT = 256
+
+
+def _check_timeout(timeout_s: Any) -> None:
+    _check(not isinstance(timeout_s, bool) and isinstance(timeout_s, (int, float))
+           and 0 < timeout_s <= MAX_ACQUIRE_TIMEOUT_S,
+           f"timeout_s: must be > 0 and <= {MAX_ACQUIRE_TIMEOUT_S:g}")
+
+
+@dataclass(frozen=True, **_KW_ONLY)
+class CheckpointRequest(_Model):
+    """`POST /v1/checkpoints`: the sandboxes `ids`, or every handed-out agent sandbox of `job`
+    (of the caller's tenant, or `namespace`), one of the two. All or nothing: the answer's id
+    names every one, or the call fails and no artifact of it is kept. A grading sandbox named
+    in `ids` is refused (a job's are left out)."""
+
+    job: str | None = None
+    ids: list[str] | None = None
+    namespace: str | None = None
+    timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        _check((self.job is None) != (self.ids is None), "job or ids: exactly one of the two")
+        if self.job is not None:
+            _check(isinstance(self.job, str) and bool(self.job), "job: must not be empty")
+        if self.ids is not None:
+            _check(isinstance(self.ids, list) and 0 < len(self.ids) <= MAX_CHECKPOINT
+                   and all(isinstance(i, str) and 0 < len(i) <= 253 for i in self.ids)
+                   and len(set(self.ids)) == len(self.ids),
+                   f"ids: 1 to {MAX_CHECKPOINT} distinct sandbox ids")
+        _check_timeout(self.timeout_s)
+
+
+@dataclass(frozen=True, **_KW_ONLY)
+class RestoreRequest(_Model):
+    """`POST /v1/checkpoints/{id}/restore` (and the body of a pause): `timeout_s` for the
+    whole call. `request_id`: a retry by the same caller gets the same sandboxes while they
+    are in flight or leased."""
+
+    timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+    request_id: str | None = None
+
+    def __post_init__(self) -> None:
+        _check_timeout(self.timeout_s)
+        _check(self.request_id is None or (isinstance(self.request_id, str)
+                                           and 0 < len(self.request_id) <= MAX_REQUEST_ID_LEN),
+               f"request_id: must be 1 to {MAX_REQUEST_ID_LEN} characters")
+
+
 @dataclass(frozen=True, **_KW_ONLY)
 class PrewarmRequest(_Model):
     """`POST /v1/prewarm`: keep `count` never-used sandboxes of (image, spec) ready; they go
@@ -652,6 +717,53 @@ class Forked(_Model):
         """The children, each read as `lease` (Lease, or the SDK's subclass adding `raw`)."""
         what = "fork answer"
         return [lease.from_json(c) for c in _req(_answer(data, what), "children", list, what)]
+
+
+@dataclass(frozen=True)
+class CheckpointedSandbox(_Model):
+    """One sandbox of a checkpoint: its id then, its artifact's manifest digest, the bytes of
+    its state."""
+
+    id: str
+    digest: str
+    bytes: int
+
+
+@dataclass(frozen=True)
+class Checkpointed(_Model):
+    """201 to a checkpoint (and 200 to a pause): `id` names the set (restore it by this id
+    alone); `expires_at` (RFC 3339 UTC): deleted from the registry after it."""
+
+    id: str
+    sandboxes: list[CheckpointedSandbox]
+    expires_at: str
+
+    @classmethod
+    def from_json(cls, data: Any) -> Checkpointed:
+        what = "checkpoint answer"
+        d = _answer(data, what)
+        items = []
+        for x in _req(d, "sandboxes", list, what):
+            x = _answer(x, what)
+            items.append(CheckpointedSandbox(id=_req(x, "id", str, what),
+                                             digest=_req(x, "digest", str, what),
+                                             bytes=_req(x, "bytes", int, what)))
+        return cls(id=_req(d, "id", str, what), sandboxes=items,
+                   expires_at=_req(d, "expires_at", str, what))
+
+
+@dataclass(frozen=True)
+class RestoredCheckpoint(_Model):
+    """201 to a restore: each old sandbox id -> the new sandbox, as an acquire answers it."""
+
+    sandboxes: dict[str, Lease]
+
+    @staticmethod
+    def read(data: Any, lease: type[_LeaseT]) -> dict[str, _LeaseT]:
+        """The new sandboxes by old id, each read as `lease` (Lease, or the SDK's subclass)."""
+        what = "restore answer"
+        got = _req(_answer(data, what), "sandboxes", dict, what)
+        return {str(k): lease.from_json(v) for k, v in got.items()}
 
 
 # A subclass (the SDK's model, adding `raw`) reads itself with the same code.

@@ -12,6 +12,7 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 """
 
 from sandman._version import __version__
+from sandman.api import Checkpointed
 from sandman.client._async.client import AsyncClient
 from sandman.client._async.sandbox import AsyncProcess, AsyncSandbox, AsyncSession
 from sandman.client._core import RetryPolicy
@@ -30,6 +31,8 @@ from sandman.client.errors import (
     AuthUnavailable,
     BadOwner,
     BadRequest,
+    CheckpointFailed,
+    CheckpointGone,
     CommandTimeout,
     ConditionsRefused,
     ConfigurationError,
@@ -91,7 +94,8 @@ from sandman.client.models import (
 
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
-    "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "Client",
+    "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "CheckpointFailed",
+    "CheckpointGone", "Checkpointed", "Client",
     "CommandTimeout", "ConditionReadings", "Conditions", "ConditionsCheck", "ConditionsRefused", "ConfigurationError",
     "ControllerError",
     "ControllerUnreachable", "EditAmbiguous", "EditConflict", "EditError", "EditNoMatch",

@@ -4,6 +4,7 @@ $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE; `--url`, `--token-file`, `--ca-file` over
 
     sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600]
     sandman fork ID -n N
+    sandman checkpoint (--job JOB | ID ...) | restore CHECKPOINT
     sandman exec ID [--timeout S] [--idle-timeout S] -- COMMAND ...
     sandman cp [ID:]SRC [ID:]DST
     sandman list [--job JOB] | get ID | renew ID | release ID | drain JOB | stats
@@ -44,6 +45,7 @@ EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
     (E.ConfigurationError, 3),
     (E.BadRequest, 2),
     (E.SandboxGone, 4),
+    (E.CheckpointGone, 4),
     (E.FileNotFound, 4),
     (E.ProcessNotFound, 4),
     (E.Unauthenticated, 5),
@@ -219,27 +221,55 @@ def cmd_acquire(args: argparse.Namespace) -> int:
     return 0
 
 
+def _keep_all(c: Client, sbs: Sequence[Sandbox]) -> list[tuple[Lease, Path]]:
+    """Each sandbox detached and its lease kept here; all or nothing, as the fork or restore
+    that made them: a sandbox not kept could never be reached."""
+    kept: list[tuple[Lease, Path]] = []
+    try:
+        for sb in sbs:
+            lease = sb.detach()
+            kept.append((lease, save_lease(lease)))
+    except BaseException:
+        try:
+            for sb in sbs:
+                c.release(sb.id or "")
+            for lease, _ in kept:
+                drop_lease(lease.id)
+        finally:
+            raise
+    return kept
+
+
 def cmd_fork(args: argparse.Namespace) -> int:
     with _client(args) as c:
-        kids = c.fork(args.id, args.n, timeout_s=args.timeout, renew=False)
-        kept: list[tuple[Lease, Path]] = []
-        try:
-            for sb in kids:
-                lease = sb.detach()
-                kept.append((lease, save_lease(lease)))
-        except BaseException:
-            # All or nothing, as the fork itself: a child not kept could never be reached.
-            try:
-                for sb in kids:
-                    c.release(sb.id or "")
-                for lease, _ in kept:
-                    drop_lease(lease.id)
-            finally:
-                raise
+        kept = _keep_all(c, c.fork(args.id, args.n, timeout_s=args.timeout, renew=False))
     emit(args, [{"id": lease.id, "pod": lease.pod, "expires_at": lease.expires_at,
                  "lease_file": str(path)} for lease, path in kept],
          lambda: [["ID", "POD", "EXPIRES"]] + [[lease.id, lease.pod, str(lease.expires_at)]
                                                for lease, _ in kept])
+    return 0
+
+
+def cmd_checkpoint(args: argparse.Namespace) -> int:
+    if bool(args.job) == bool(args.ids):
+        raise CliError("checkpoint: --job JOB or sandbox ids, one of the two", 2)
+    with _client(args) as c:
+        ck = c.checkpoint(job=args.job, ids=args.ids or None, namespace=args.namespace,
+                          timeout_s=args.timeout)
+    emit(args, ck.to_json(), lambda: [["CHECKPOINT", "SANDBOX", "BYTES", "EXPIRES"]]
+         + [[ck.id, s.id, str(s.bytes), ck.expires_at] for s in ck.sandboxes])
+    return 0
+
+
+def cmd_restore(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        got = c.restore(args.checkpoint, timeout_s=args.timeout, renew=False)
+        olds = list(got)
+        kept = _keep_all(c, [got[o] for o in olds])
+    rows = [{"old": old, "id": lease.id, "pod": lease.pod, "expires_at": lease.expires_at,
+             "lease_file": str(path)} for old, (lease, path) in zip(olds, kept)]
+    emit(args, rows, lambda: [["OLD", "ID", "POD", "EXPIRES"]]
+         + [[str(r["old"]), str(r["id"]), str(r["pod"]), str(r["expires_at"])] for r in rows])
     return 0
 
 
@@ -443,6 +473,22 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
                    help="seconds for the whole fork")
     p.set_defaults(func=cmd_fork)
+
+    p = sub.add_parser("checkpoint", help="store sandboxes' state in the checkpoint "
+                                          "registry; prints the checkpoint's id")
+    p.add_argument("ids", nargs="*", help="sandbox ids (or --job)")
+    p.add_argument("--job", help="every handed-out agent sandbox of the job")
+    p.add_argument("--namespace", help="the job's tenant (default the caller's)")
+    p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                   help="seconds for the whole checkpoint")
+    p.set_defaults(func=cmd_checkpoint)
+
+    p = sub.add_parser("restore", help="a checkpoint's sandboxes made anew; keep their "
+                                       "leases here")
+    p.add_argument("checkpoint")
+    p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                   help="seconds for the whole restore")
+    p.set_defaults(func=cmd_restore)
 
     p = sub.add_parser("list", help="sandboxes the caller may list")
     p.add_argument("--job")

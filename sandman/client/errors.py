@@ -81,6 +81,16 @@ class ForkFailed(ControllerError):
     the parent is as it was."""
 
 
+class CheckpointFailed(ControllerError):
+    """checkpoint(), restore(), pause(): did not complete (the registry refused or failed, an
+    artifact was changed in it, over the size bound, a sandbox's execd refused) (502).
+    Nothing of it is left: no partial checkpoint, no restored sandbox."""
+
+
+class CheckpointGone(ControllerError):
+    """restore(), resume(): no such checkpoint in the caller's tenant, or past its TTL (404)."""
+
+
 class ImageUnresolved(ControllerError):
     """The controller could not resolve the image's tag to a digest (502): no pod is made by
     tag, which would pin nothing for the job. Reference the image by digest, or see the
@@ -254,6 +264,8 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.AUTH_UNAVAILABLE.type: AuthUnavailable,
     api.IMAGE_UNRESOLVED.type: ImageUnresolved,
     api.FORK_FAILED.type: ForkFailed,
+    api.CHECKPOINT_FAILED.type: CheckpointFailed,
+    api.CHECKPOINT_GONE.type: CheckpointGone,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,
     api.CLIENT_CLOSED.type: ControllerError,

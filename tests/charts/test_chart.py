@@ -555,6 +555,27 @@ def test_prepull_images_are_refused_without_a_digest(helm):
     assert f"--prepull-image={ok}" in args
 
 
+def test_checkpoints_are_off_by_default_and_their_secret_is_mounted_when_named(helm):
+    def controller(objs):
+        return _find(objs, "Deployment", "-controller")["spec"]["template"]["spec"]
+
+    pod = controller(_render(helm))
+    assert not [a for a in pod["containers"][0]["args"] if a.startswith("--checkpoint")]
+    reg = "123456789012.dkr.ecr.us-east-1.amazonaws.com/sandman-checkpoints"
+    pod = controller(_render(helm, "--set", f"controller.checkpoints.registry={reg}",
+                             "--set", "controller.checkpoints.authSecret=ecr-login",
+                             "--set", "controller.checkpoints.ttl=3600"))
+    args = pod["containers"][0]["args"]
+    assert f"--checkpoint-registry={reg}" in args and "--checkpoint-ttl=3600" in args
+    assert "--checkpoint-insecure" not in args
+    assert "--checkpoint-auth-file=/etc/sandman/checkpoint-auth/config.json" in args
+    vol = [v for v in pod["volumes"] if v["name"] == "checkpoint-auth"]
+    assert vol and vol[0]["secret"]["secretName"] == "ecr-login"
+    assert vol[0]["secret"]["items"] == [{"key": ".dockerconfigjson", "path": "config.json"}]
+    bad = helm.template("--set", "controller.checkpoints.registry=no-prefix", check=False)
+    assert bad.returncode != 0 and "registry" in bad.stderr
+
+
 # ------------------------------------------------------------------ readiness of replicas
 # kwok marks pods Ready without probing them, so a readiness probe that only the leader
 # passes (the controller's /readyz answered 503 on its standby) kept a 2-replica Deployment

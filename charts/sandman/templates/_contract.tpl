@@ -53,6 +53,7 @@
 {{- define "sandman.contract.STATE_LEASED" -}}leased{{- end -}}
 {{- define "sandman.contract.STATE_WARM" -}}warm{{- end -}}
 {{- define "sandman.api.ACQUIRE" -}}/v1/sandboxes{{- end -}}
+{{- define "sandman.api.CHECKPOINT" -}}/v1/checkpoints{{- end -}}
 {{- define "sandman.api.DEFAULT_CPU" -}}2{{- end -}}
 {{- define "sandman.api.DEFAULT_MEMORY" -}}8Gi{{- end -}}
 {{- define "sandman.api.DRAIN" -}}/v1/jobs/{job}/drain{{- end -}}
@@ -63,11 +64,13 @@
 {{- define "sandman.api.LIST" -}}/v1/sandboxes{{- end -}}
 {{- define "sandman.api.LIVEZ" -}}/livez{{- end -}}
 {{- define "sandman.api.METRICS" -}}/metrics{{- end -}}
+{{- define "sandman.api.PAUSE" -}}/v1/sandboxes/{id}/pause{{- end -}}
 {{- define "sandman.api.PREPULL" -}}/v1/images{{- end -}}
 {{- define "sandman.api.PREWARM" -}}/v1/prewarm{{- end -}}
 {{- define "sandman.api.READYZ" -}}/readyz{{- end -}}
 {{- define "sandman.api.RELEASE" -}}/v1/sandboxes/{id}{{- end -}}
 {{- define "sandman.api.RENEW" -}}/v1/sandboxes/{id}/renew{{- end -}}
+{{- define "sandman.api.RESTORE" -}}/v1/checkpoints/{id}/restore{{- end -}}
 {{- define "sandman.api.RETIRE" -}}/v1/sandboxes/{id}/retire{{- end -}}
 {{- define "sandman.api.SHADOW" -}}/v1/sandboxes/{id}/shadow{{- end -}}
 {{- define "sandman.api.STATS" -}}/v1/stats{{- end -}}

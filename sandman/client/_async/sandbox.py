@@ -20,7 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from sandman import execd_api as X
-from sandman.api import DEFAULT_ACQUIRE_TIMEOUT_S, Route
+from sandman.api import DEFAULT_ACQUIRE_TIMEOUT_S, Checkpointed, Route
 from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.editing import EditResult
@@ -303,6 +303,23 @@ class AsyncSandbox:
             raise SandboxGone(f"sandbox {self.id} was released; fork not sent")
         return await self._client.fork(self.id, n, timeout_s=timeout_s, renew=renew,
                                        job=self.job)
+
+    async def pause(self, *,
+                    timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S) -> Checkpointed:
+        """A checkpoint of this sandbox, then its release: returns the handle
+        `client.resume()` makes it anew from (until the handle's `expires_at`). This handle
+        is done afterwards. A grading sandbox is never paused (BadRequest); on failure
+        (CheckpointFailed) the sandbox is not released."""
+        if self._client is None or self.id is None:
+            raise SandmanError("pause: this handle has no controller behind it")
+        if self._closed:
+            raise SandboxGone(f"sandbox {self.id} was released; pause not sent")
+        handle = await self._client._pause(self.id, timeout_s)
+        with self._lock:
+            self._closed = True
+            self._released = True
+        self._renew_stop.set()
+        return handle
 
     # ---- the lifetime: renewed in the background while the handle is open
 

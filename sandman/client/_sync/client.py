@@ -219,6 +219,77 @@ class Client:
         log.info("sandbox %s forked into %s", sandbox_id, ", ".join(k.id or "" for k in kids))
         return kids
 
+    def checkpoint(self, *, job: str | None = None, ids: Sequence[str] | None = None,
+                   namespace: str | None = None,
+                   timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S) -> api.Checkpointed:
+        """The state of the sandboxes `ids`, or of every handed-out agent sandbox of `job`
+        (one of the two), stored in the admin's registry; the answer's `id` names the set and
+        is all `restore()` needs, from any process of the same tenant, until its `expires_at`.
+        The sandboxes keep running. All or nothing (CheckpointFailed); a grading sandbox named
+        in `ids` is refused (BadRequest), a job's are left out."""
+        body = _core.request(api.CheckpointRequest, job=job,
+                             ids=None if ids is None else list(ids), namespace=namespace,
+                             timeout_s=timeout_s)
+        resp = self._send(api.CHECKPOINT, json=body.to_json(),
+                          read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        try:
+            return api.Checkpointed.from_json(_core.decode_json(resp, "checkpoint"))
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+
+    def restore(self, checkpoint: str | api.Checkpointed, *,
+                timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                renew: bool = True) -> dict[str, Sandbox]:
+        """Every sandbox of a checkpoint made anew, each holding its state at the checkpoint
+        (filesystem changes, cwd, exported environment): {old sandbox id: new handle}, held
+        like acquired ones. All or nothing: CheckpointFailed (an artifact changed in the
+        registry, a pod that refused the state) or an acquire's error, and no sandbox is left;
+        CheckpointGone for an id past its TTL or of no checkpoint; Forbidden for another
+        tenant's."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        cid = checkpoint.id if isinstance(checkpoint, api.Checkpointed) else checkpoint
+        if not cid:
+            raise BadRequest("empty checkpoint id")
+        body = _core.request(api.RestoreRequest, timeout_s=timeout_s,
+                             request_id=_core.new_request_id())
+        return self._restore(cid, body, renew)
+
+    def _restore(self, cid: str, body: api.RestoreRequest,
+                 renew: bool) -> dict[str, Sandbox]:
+        resp = self._send(api.RESTORE, id=cid, json=body.to_json(),
+                          read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        try:
+            leases = api.RestoredCheckpoint.read(_core.decode_json(resp, "restore"), Lease)
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+        got = {old: self._adopt(lease, None, renew) for old, lease in leases.items()}
+        log.info("checkpoint %s restored: %s", cid,
+                 ", ".join(f"{old} -> {sb.id}" for old, sb in got.items()))
+        return got
+
+    def resume(self, handle: str | api.Checkpointed, *,
+               timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S,
+               renew: bool = True) -> Sandbox:
+        """The sandbox a `pause()` gave `handle` for, made anew with its state."""
+        got = self.restore(handle, timeout_s=timeout_s, renew=renew)
+        if len(got) != 1:
+            for sb in got.values():
+                sb.release()
+            raise ProtocolError(f"resume: the checkpoint holds {len(got)} sandboxes, not one "
+                                "(restore it instead)")
+        return next(iter(got.values()))
+
+    def _pause(self, sandbox_id: str, timeout_s: float) -> api.Checkpointed:
+        body = _core.request(api.RestoreRequest, timeout_s=timeout_s)
+        resp = self._send(api.PAUSE, id=_check_id(sandbox_id), json=body.to_json(),
+                          read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        self._forget(sandbox_id)
+        try:
+            return api.Checkpointed.from_json(_core.decode_json(resp, "pause"))
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+
     def release(self, sandbox_id: str, reuse: bool = False) -> bool:
         """Release by id (idempotent; True when this call released it). `reuse` (grading
         sandboxes only, else BadRequest): the controller restores the pod, checks it clean
