@@ -190,11 +190,20 @@ def test_a_child_that_cannot_be_had_fails_the_fork_and_leaves_no_child(cluster, 
             parent.fork(3, timeout_s=8)
         msg = str(err.value)
         assert "\n" not in msg and "child" in msg and parent.id in msg, msg
-        wait_for(lambda: leased(ctl) == {parent.id}, 30, "only the parent leased")
-        wait_for(lambda: live(cluster, namespace) == {parent.pod}, 30, "no child pod left")
+        no_child_left(cluster, namespace, ctl, standin, parent)
         assert parent.exec("cat marker").output == "x"
         parent.release()
     assert metric(ctl, 'sandman_controller_forks_total{result="acquire"}') == 1
+
+
+def no_child_left(cluster, namespace, ctl, standin, parent) -> None:
+    """Only the parent is handed out; any other pod is a never-given-out one the pool kept (a
+    create whose caller, the fork, had left: parked warm, ownerless) and holds none of the
+    parent's state."""
+    wait_for(lambda: leased(ctl) == {parent.id}, 30, "only the parent leased")
+    assert unowned(cluster.core, namespace, ctl.url, {parent.pod}) == []
+    for name in live(cluster, namespace) - {parent.pod}:
+        assert not (standin.workdir / name / "marker").exists(), name
 
 
 def leased(ctl) -> set[str]:
@@ -215,8 +224,7 @@ def test_a_child_whose_execd_refuses_fails_the_fork_and_leaves_no_child(cluster,
             parent.fork(3, timeout_s=60)
         msg = str(err.value)
         assert "\n" not in msg and "409" in msg and image.poisoned[0] in msg, msg
-        wait_for(lambda: leased(ctl) == {parent.id}, 30, "only the parent leased")
-        wait_for(lambda: live(cluster, namespace) == {parent.pod}, 30, "no child pod left")
+        no_child_left(cluster, namespace, ctl, standin, parent)
         parent.release()
     assert metric(ctl, 'sandman_controller_forks_total{result="apply"}') == 1
 
@@ -248,10 +256,7 @@ def test_a_caller_that_leaves_mid_fork_leaves_no_child(cluster, namespace, bed):
         wait_for(lambda: metric(ctl, 'sandman_controller_forks_total{result="client_closed"}')
                  == 1, 30, "the fork saw its caller leave")
         time.sleep(2)  # creates already sent settle (parked warm, or deleted)
-        wait_for(lambda: leased(ctl) == {parent.id}, 30, "only the parent leased")
-        assert unowned(cluster.core, namespace, ctl.url, {parent.pod}) == []
-        for name in live(cluster, namespace) - {parent.pod}:
-            assert not (standin.workdir / name / "marker").exists(), name
+        no_child_left(cluster, namespace, ctl, standin, parent)
         parent.release()
 
 
