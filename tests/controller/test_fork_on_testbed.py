@@ -284,3 +284,20 @@ def test_another_tenant_cannot_fork_my_sandbox(tenants, authctl):
         assert r.status_code == 422 and "n:" in r.json()["error"]["message"]
         r = h.delete(ctl.url + api.RELEASE.url(id=sid), headers=bearer(tok_a))
         assert r.status_code == 200
+
+
+def test_children_come_from_the_warm_pool_of_the_parents_key(cluster, namespace, bed):
+    """A pool prewarmed for the parent's image and size hands the children out: no create."""
+    ctl, standin, _ = bed
+    with Client(ctl.url) as cl:
+        parent = cl.acquire(IMAGE, job="warm", timeout_s=60, **SIZE)
+        parent.exec("printf warm > marker")
+        cl.prewarm(IMAGE, 2, **SIZE)
+        wait_for(lambda: sum(i.state == "warm" for i in cl.list()) == 2, 60, "2 warm pods")
+        kids = parent.fork(2, timeout_s=60)
+        assert all(k.warm for k in kids), [k.warm for k in kids]
+        for k in kids:
+            assert (standin.workdir / k.pod / "marker").read_bytes() == b"warm"
+            k.release()
+        cl.prewarm(IMAGE, 0, **SIZE)
+        parent.release()
