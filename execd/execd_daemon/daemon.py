@@ -535,6 +535,11 @@ class Daemon:
             sh.close()
             if not self.resetting:
                 self.start_shell()
+        elif frame is not None and frame[0] == "expanding":
+            errors.append(frame[1])
+            result["exit_code"] = 124
+            self._kill_call(tag, os.getpid(), since)  # orphaned to us, as subreaper
+            self.restart_shell()
         elif frame is None or frame[0] != "ok":
             why = frame[1] if frame is not None and frame[0] == "invalid" else None
             if why is not None:
@@ -593,14 +598,18 @@ class Daemon:
     def _end_call(self, sh, tag, since, status, marker):
         """A killed command ends whole, no part of it acting on another's death: freeze the
         shell and the call's processes, SIGKILL all but the shell, tell the stopped shell to
-        skip the rest of the command (unless its frame is in: then it finished), continue
-        it. Returns the frame as parsed after the freeze."""
+        skip the rest of the command (unless its frame is in: then it finished; or it reads a
+        substitution: then it dies too), continue it. Returns the frame after the freeze."""
         held = sh.freeze(lambda: self.call_pids(tag, sh.pid, since))
         status += sh.read_avail(sh.st_r, 4096)
         frame = parse_frame(status, marker)
-        if frame[0] == "need" and not status:
+        expanding = frame[0] == "need" and not status and sh.expanding()
+        if frame[0] == "need" and not status and not expanding:
             sh.abort()
         self._kill_call(tag, sh.pid, since)
+        if expanding:  # killed while still stopped: it acts on nothing
+            sh.unreaped(lambda: os.kill(sh.pid, signal.SIGKILL))
+            frame = ("expanding", expanding, None)
         sh.thaw(held)
         return frame
 

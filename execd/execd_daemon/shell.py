@@ -12,6 +12,7 @@ import re
 import select
 import signal
 import socket
+import stat
 import time
 
 from .base import PIPE_SIZE, READ_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
@@ -29,6 +30,13 @@ _LINE_NO = re.compile(r"\bline (\d+)")
 # Sent to the frozen shell when its command is killed: its trap skips the rest of the command.
 # A real-time signal (SIGRTMIN+8), so no command's own `trap ... USR2` takes it over by chance.
 ABORT_SIGNAL = getattr(signal, "SIGRTMIN", 34) + 8
+# read, readv, pread64, open, openat as /proc/<pid>/syscall numbers them: the shell blocked on
+# its own input (a substitution, `$(< fifo)`, a redirection's FIFO).
+_INPUT_CALLS = {"x86_64": {"0", "19", "17", "2", "257"},
+                "aarch64": {"63", "65", "67", "56"}}.get(os.uname().machine)
+EXPANSION_KILLED = ("the shell was blocked reading what the kill ended ($(...), `...`, <(...), "
+                    "a FIFO), so it was killed too: bash would have run the command it was "
+                    "expanding; a new shell was started, state lost")
 # bash's job notice ("bash: line 3: 4242 Killed   sleep 9"): a pid, then a capitalised status.
 # A parse diagnostic goes on in lower case ("syntax error", "warning", "unexpected EOF").
 _JOB_NOTICE = re.compile(r"^[^:]*: (?:line \d+: )?\s*\d+ [A-Z]")
@@ -227,6 +235,7 @@ class Shell:
         self.started = None
         self.fds = []
         self.note = None  # why it started elsewhere than the workspace; said by its first call
+        self.own = set()  # (dev, ino) of its channels and /dev/null
 
     def spawn(self, bash):
         d = self.d
@@ -257,6 +266,9 @@ class Shell:
         sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
                 signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2, ABORT_SIGNAL]
         ready = b"@ready" + os.urandom(4).hex().encode()
+        # What the shell reads that is its own: channels and /dev/null (expanding()).
+        self.own = {(s.st_dev, s.st_ino) for s in map(os.fstat, (in_r, st_w, dg_r, dg_w,
+                                                                  devnull))}
         try:
             pid = os.posix_spawn(
                 bash, [bash, "--noprofile", "--norc", "-s", ready.decode()],
@@ -385,6 +397,44 @@ class Shell:
         self.unreaped(lambda: freeze(lambda: (), self.pid))
         freeze(find)
         return held
+
+    def expanding(self):
+        """Why the stopped shell must die with its killed command, or None: it is blocked in
+        read(2) or open(2) itself, so expanding a `$(...)`, backticks, `<(...)` or `$(< f)`
+        (or a builtin reading one). bash takes no trap between an expansion and its command,
+        and no signal makes it drop one: once what it reads dies, the command runs with what
+        was printed. Where /proc does not name the call, holding a pipe, FIFO, socket or
+        device to read that is none of the shell's own is enough."""
+        pid = self.pid
+        for _ in range(200):  # SIGSTOP lands when the shell next leaves the kernel
+            st = proc_stat(pid)
+            if st is None or st[1] != "S" and st[1] != "R":
+                break
+            time.sleep(0.001)
+        try:
+            with open("/proc/%d/syscall" % pid) as f:
+                call = f.read().split(None, 1)[0]
+        except (OSError, IndexError):
+            call = None
+        if call is not None and _INPUT_CALLS is not None:
+            return EXPANSION_KILLED if call in _INPUT_CALLS else None
+        try:
+            fds = os.listdir("/proc/%d/fd" % pid)
+        except OSError:
+            return None
+        for fd in fds:
+            try:
+                st = os.stat("/proc/%d/fd/%s" % (pid, fd))
+                with open("/proc/%d/fdinfo/%s" % (pid, fd)) as f:
+                    flags = [ln for ln in f.read().splitlines() if ln.startswith("flags:")]
+                mode = int(flags[0].split()[1], 8) & os.O_ACCMODE
+            except (OSError, IndexError, ValueError):
+                continue
+            kind = stat.S_IFMT(st.st_mode)
+            if mode != os.O_WRONLY and kind in (stat.S_IFIFO, stat.S_IFSOCK, stat.S_IFCHR) \
+                    and (st.st_dev, st.st_ino) not in self.own:
+                return EXPANSION_KILLED
+        return None
 
     def abort(self):
         """Make the (stopped) shell skip the rest of its command once continued: BOOTSTRAP."""

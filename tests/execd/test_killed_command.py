@@ -43,6 +43,30 @@ CASES = {
                           "touch {d}/x\"; sleep 30; touch {d}/y",
     "killed_watcher": "sleep 30 & p=$!; ( while kill -0 $p 2>/dev/null; do sleep 0.01; done; "
                       "touch {d}/x ) & wait $p; touch {d}/y",
+    # the shell holds the read end of a <(...) while it waits for the program reading it
+    "procsubst_read_by_a_program": "cat <(sleep 30); touch {d}/x",
+    "procsubst_read_by_a_builtin": "read v < <(sleep 30; echo v); echo \"$v\" > {d}/x",
+    "assignment_then_list": "a=$(sleep 30; echo {d}/x); echo > \"$a\"",
+}
+
+# A simple command whose expansion reads a substitution the kill ends: bash runs no trap
+# between the expansion and the command, so the command itself would act, with what the
+# substitution printed. Each makes {d}/x if it does.
+EXPANSIONS = {
+    "redirect_target": "echo > {d}/x$(sleep 30)",
+    "word_then_redirect": "echo $(sleep 30) > {d}/x",
+    "backticks": "echo > {d}/x`sleep 30`",
+    "nested": "echo > {d}/x$(echo $(sleep 30))",
+    "here_string": "read v <<< $(sleep 30) 2> {d}/x",
+    "eval_of_it": "eval \"echo > {d}/x$(sleep 30)\"",
+    "assignment_prefix": "a=$(sleep 30) eval 'echo > {d}/x'",
+    "procsubst_inside": "echo > {d}/x$(cat <(sleep 30))",
+    "output_printed_first": "echo > $(echo {d}/x; sleep 30)",
+    "heredoc": "read v <<E 2> {d}/x\n$(sleep 30)\nE",
+    "external_command": "touch {d}/x$(sleep 30)",
+    # read by the shell itself, no substitution process: bash reads `$(< f)` in the parent
+    "fifo_read_by_the_shell": "mkfifo {d}-f; (sleep 30; echo d) > {d}-f & echo > {d}/x$(< {d}-f)",
+    "fifo_opened_by_the_shell": "mkfifo {d}-g; (sleep 30; : > {d}-g) & echo > {d}/x$(< {d}-g)",
 }
 
 TRIGGERS = ["timeout", "idle", "disconnect", "reset"]
@@ -93,6 +117,108 @@ def test_killed_command_runs_nothing_more(execd, tmp_path, trigger, case):
     assert execd.others() == []
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger", TRIGGERS)
+@pytest.mark.parametrize("case", sorted(EXPANSIONS))
+def test_a_command_expanding_a_killed_substitution_does_not_run(execd, tmp_path, trigger,
+                                                                  case):
+    """The shell reading the substitution is killed with it (its state lost, and the answer
+    says so): no signal makes bash abandon an expansion."""
+    d = tmp_path / "out"
+    d.mkdir()
+    started = d / "started"
+    r = _kill(execd, trigger, f"touch {started}; " + EXPANSIONS[case].format(d=d), started)
+    time.sleep(SETTLE_S)
+    made = sorted(p.name for p in d.iterdir() if p.name != "started")
+    assert made == [], f"the killed command went on: {made}"
+    if r is not None:  # /reset: the shell's own death (137), said as such
+        assert r["exit_code"] == (137 if trigger == "reset" else 124), r
+        assert "state lost" in r["error"], r
+    assert execd.exec("echo next")["output"].endswith("next\n")
+    assert execd.others() == []
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=True, reason="NOT COVERED (docs/execd.md, Limits): the shell waits "
+                   "for a substitution that closed its output as for any command")
+def test_a_substitution_that_closed_its_output_is_not_told_apart(execd, tmp_path):
+    d = tmp_path / "out"
+    d.mkdir()
+    execd.exec(f"echo > {d}/x$(exec >/dev/null; sleep 30)", timeout=1.5)
+    time.sleep(SETTLE_S)
+    assert list(d.iterdir()) == []
+
+
+@pytest.mark.parametrize("syscall_readable", [True, False])
+def test_the_shell_is_told_expanding_from_waiting(monkeypatch, syscall_readable):
+    """The shell blocked reading is expanding; without /proc/<pid>/syscall (no ptrace access)
+    holding a pipe, FIFO, socket or device to read that is none of its own is enough; either
+    way a shell waiting for a command is not."""
+    import signal
+    import subprocess
+    from pathlib import Path
+
+    from execd.execd_daemon import shell as shell_mod
+    from execd.execd_daemon.procs import proc_stat
+
+    if not syscall_readable:
+        monkeypatch.setattr(shell_mod, "_INPUT_CALLS", None)
+    got = {}
+    for name, cmd in (("expanding", "cd $(sleep 30; echo /)"),
+                      ("waiting", "sleep 30; cd /"), ("procsubst", "cat <(sleep 30)")):
+        p = subprocess.Popen(["bash", "-c", f"eval '{cmd}'"], start_new_session=True,
+                             stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                             stderr=subprocess.DEVNULL)
+        try:
+            pid = p.pid
+            assert wait_for(lambda pid=pid: Path(f"/proc/{pid}/task/{pid}/children")
+                            .read_text() and proc_stat(pid)[1] == "S", 10)
+            os.killpg(p.pid, signal.SIGSTOP)
+            sh = shell_mod.Shell.__new__(shell_mod.Shell)
+            null = os.stat("/dev/null")
+            sh.pid, sh.own = p.pid, {(null.st_dev, null.st_ino)}
+            got[name] = sh.expanding() is not None
+        finally:
+            os.killpg(p.pid, signal.SIGKILL)
+            p.wait()
+    # a <(...)'s reader is a program: the shell holds the pipe and waits (wait4), which only
+    # the syscall tells apart
+    assert got == {"expanding": True, "waiting": False, "procsubst": not syscall_readable}
+
+
+# A builtin that changes the shell's state with what a killed substitution printed.
+STATE_EXPANSIONS = {
+    "cd": "cd {d}$(sleep 30)",
+    "cd_home": "cd $(sleep 30)",
+    "export": "export KEEP_E=changed$(sleep 30)",
+    "printf_v": "printf -v KEEP_N %s changed$(sleep 30)",
+    "assignment_of_a_list": "KEEP_N=changed$(sleep 30) KEEP_E=changed",
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("trigger", ["timeout", "idle", "disconnect"])
+@pytest.mark.parametrize("case", sorted(STATE_EXPANSIONS))
+def test_a_builtin_expanding_a_killed_substitution_changes_no_state(execd, tmp_path, trigger,
+                                                                    case):
+    sub = tmp_path / "sub"
+    sub.mkdir()
+    d = tmp_path / "out"
+    d.mkdir()
+    assert execd.exec(f"cd {sub} && export KEEP_E=e1 && KEEP_N=n1")["exit_code"] == 0
+    started = d / "started"
+    killed = _kill(execd, trigger, f"touch {started}; " + STATE_EXPANSIONS[case].format(d=d),
+                   started)
+    if killed is not None:
+        assert killed["exit_code"] == 124, killed
+    r = execd.exec("pwd; echo $HOME; echo ${KEEP_E-unset} ${KEEP_N-unset}")
+    pwd, home, values = r["output"].splitlines()[-3:]
+    assert pwd not in (str(d), home), r
+    assert "changed" not in values, r
+    if values != "e1 n1" and killed is not None:  # the shell was replaced: the answer says so
+        assert "state lost" in killed["error"], killed
+
+
 STATE = ("cd {sub} && export KEEP_E=e1 && KEEP_N=n1 && keep_f() {{ echo fn-$1; }} && "
          "alias keep_a='echo al' && set -o pipefail && umask 0077")
 
@@ -100,7 +226,8 @@ STATE = ("cd {sub} && export KEEP_E=e1 && KEEP_N=n1 && keep_f() {{ echo fn-$1; }
 @pytest.mark.slow
 @pytest.mark.parametrize("trigger", ["timeout", "idle", "disconnect"])
 @pytest.mark.parametrize("case", ["rest_of_list", "builtin_loop_then_list",
-                                  "sleep_loop_then_list", "function_then_list"])
+                                  "sleep_loop_then_list", "function_then_list",
+                                  "procsubst_read_by_a_program"])
 def test_state_of_earlier_commands_survives_a_killed_command(execd, tmp_path, trigger, case):
     sub = tmp_path / "sub"
     sub.mkdir()
