@@ -24,6 +24,7 @@ from tests.controller.harness import unowned
 from tests.controller.test_fork_on_testbed import IMAGE, SIZE, leased, live, metric, stack, tree
 
 PREFIX = "sandman/checkpoints"
+BOOKS_KEY = "<books key file>"
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,8 +41,13 @@ def registry(cluster):
 
 @pytest.fixture
 def bed(cluster, namespace, tmp_path, registry, request):
+    extra = list(getattr(request, "param", ()))
+    if BOOKS_KEY in extra:  # a key file of this test's own
+        key = tmp_path / "books.key"
+        key.write_bytes(b"k" * 32)
+        extra[extra.index(BOOKS_KEY)] = str(key)
     flags = ("--checkpoint-registry", f"{registry.host}/{PREFIX}", "--checkpoint-insecure",
-             *getattr(request, "param", ()))
+             *extra)
     ctl, standin, image = stack(cluster, namespace, tmp_path, *flags)
     try:
         ctl.start()
@@ -363,3 +369,35 @@ def test_the_cli_checkpoints_and_restores(cluster, namespace, bed, tmp_path):
         finally:
             os.environ.pop(cli.ENV_LEASE_DIR, None)
         sb.release()
+
+
+@pytest.mark.parametrize("bed", [("--books-key-file", BOOKS_KEY)], indirect=True)
+def test_an_index_rewritten_in_the_registry_fails_the_books_keys_proof(cluster, namespace,
+                                                                        bed):
+    """Whoever may push to the registry writes a new index (its own digest, so its own id):
+    the set's expiry pushed a year out, every other byte kept, the old proof with it. Under a
+    books key the proof binds the times, the tenant and the sandboxes: refused, nothing made."""
+    ctl, _, _, reg = bed
+    with Client(ctl.url) as cl:
+        sb = cl.acquire(IMAGE, job="forge", timeout_s=60, **SIZE)
+        shape(sb, 3)
+        ck = cl.checkpoint(ids=[sb.id])
+        base = f"http://{reg.host}/v2/{PREFIX}/local/manifests/"
+        media = "application/vnd.oci.image.index.v1+json"
+        index = httpx.get(base + "sha256:" + ck.id.partition(".")[2],
+                          headers={"Accept": media}, timeout=10).json()
+        key = "sandman.dev/checkpoint.expires"
+        index["annotations"][key] = "2099" + index["annotations"][key][4:]
+        body = json.dumps(index, sort_keys=True, separators=(",", ":")).encode()
+        r = httpx.put(base + "forged", content=body, headers={"Content-Type": media},
+                      timeout=10)
+        assert r.status_code == 201, r.text
+        forged = "local." + r.headers["Docker-Content-Digest"].partition(":")[2]
+        before = live(cluster, namespace)
+        with pytest.raises(CheckpointFailed, match="proof") as err:
+            cl.restore(forged, timeout_s=60)
+        assert "\n" not in str(err.value)
+        assert live(cluster, namespace) == before and leased(ctl) == {sb.id}
+        # The set as the controller wrote it restores.
+        got = cl.restore(ck.id, timeout_s=60)
+        assert list(got) == [sb.id]
