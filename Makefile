@@ -7,7 +7,7 @@ STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
-        testbed-status e2e bench-execd bench-swerex bench-reuse bench-netguard bench-webhook bench-controller clean \
+        testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
         demo bench-loadtest bench-realnode bench-trees bench-replay
 
 help:  ## list targets
@@ -58,7 +58,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	@if [ -d execd ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd; fi
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/_version.py
 	$(VENV)/bin/mypy
-	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py
+	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py sandman/client/minisweagent.py
 	$(VENV)/bin/mypy --config-file tools/mypy_server.ini
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
@@ -135,6 +135,9 @@ bench-trees: deps  ## whole trees as one tar vs one request per file: 1,000 smal
 
 bench-swerex: deps  ## a SWE-ReX echo action: sandman's adapter vs SWE-ReX's LocalRuntime (writes docs/benchmarks.md)
 	$(VPY) -m bench.swerex --write-docs
+
+bench-minisweagent: deps  ## a mini-swe-agent step: sandman's environment vs mini-swe-agent's LocalEnvironment (writes docs/benchmarks.md on a quiet machine)
+	$(VPY) -m bench.minisweagent --write-docs
 
 bench-reuse: deps testbed-build  ## execd /diff, /restore vs git status (10k-file repo + venv); reused vs fresh grading pod; BEFORE=rev adds that revision's execd, interleaved
 	$(VPY) -m bench.reuse --write-docs $(if $(BEFORE),--before $(BEFORE))

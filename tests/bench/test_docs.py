@@ -43,8 +43,8 @@ def test_rewriting_every_section_with_its_own_text_changes_nothing(tmp_path):
     assert path.read_text() == text
 
 
-BENCHES = ("execd", "swerex", "reuse", "netguard", "webhook", "controller", "loadtest",
-           "realnode", "trees", "replay")
+BENCHES = ("execd", "swerex", "minisweagent", "reuse", "netguard", "webhook", "controller",
+           "loadtest", "realnode", "trees", "replay")
 
 
 def test_each_section_heading_names_its_command_and_percentiles_are_stated():

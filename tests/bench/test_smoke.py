@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 
-from bench import controller, execd, loadtest, reuse, reuse_controller, swerex, webhook
+from bench import (
+    controller,
+    execd,
+    loadtest,
+    minisweagent,
+    reuse,
+    reuse_controller,
+    swerex,
+    webhook,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 
@@ -37,6 +46,14 @@ def test_swerex(capsys, docs_untouched):
     assert out.startswith(swerex.SECTION) and "| sandman adapter, one loop |" in out
 
 
+@pytest.mark.timeout(120)
+def test_minisweagent(capsys, docs_untouched):
+    assert minisweagent.main(["--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith(minisweagent.SECTION) and "| sandman environment, bash -c |" in out
+    assert "| 0 of 3 |" in out and "| 1 of 3 |" not in out
+
+
 @pytest.mark.timeout(300)
 @pytest.mark.slow
 def test_reuse_execd_part(capsys, docs_untouched):
@@ -46,7 +63,7 @@ def test_reuse_execd_part(capsys, docs_untouched):
 
 
 def test_smoke_never_writes_docs():
-    for bench in (execd, swerex, reuse, webhook, controller, loadtest):
+    for bench in (execd, swerex, minisweagent, reuse, webhook, controller, loadtest):
         with pytest.raises(SystemExit):
             bench.main(["--smoke", "--write-docs"])
 
