@@ -401,3 +401,29 @@ def test_an_index_rewritten_in_the_registry_fails_the_books_keys_proof(cluster, 
         # The set as the controller wrote it restores.
         got = cl.restore(ck.id, timeout_s=60)
         assert list(got) == [sb.id]
+
+
+@pytest.mark.parametrize("bed", [("--rate", "1", "--burst", "1")], indirect=True)
+def test_a_caller_that_leaves_mid_restore_leaves_no_sandbox(cluster, namespace, bed):
+    """Creates paced at 1/s: the caller of a restore of 3 gives up after 1.5 s, while its pods
+    are still being made; the ones handed out are released, the rest withdrawn or parked
+    never handed out; no pod but the originals holds their state."""
+    ctl, standin, _, _ = bed
+    with Client(ctl.url) as cl:
+        sbs = [cl.acquire(IMAGE, job="leave", timeout_s=60, **SIZE) for _ in range(3)]
+        for i, sb in enumerate(sbs):
+            shape(sb, i)
+        ck = cl.checkpoint(job="leave")
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{ctl.url}{api.RESTORE.url(id=ck.id)}", json={},
+                       timeout=httpx.Timeout(1.5))
+        wait_for(lambda: metric(ctl, 'sandman_controller_restores_total{result='
+                                     '"client_closed"}') == 1, 30, "the restore saw it")
+        mine = {sb.id for sb in sbs}
+        wait_for(lambda: leased(ctl) == mine, 30, "only the originals leased")
+        time.sleep(2)  # creates already sent settle (parked warm, or deleted)
+        assert leased(ctl) == mine
+        pods = {sb.pod for sb in sbs}
+        assert unowned(cluster.core, namespace, ctl.url, pods) == []
+        for name in live(cluster, namespace) - pods:
+            assert not (standin.workdir / name / "work").exists(), name
