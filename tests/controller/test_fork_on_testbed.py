@@ -8,6 +8,7 @@ the child's execd wrote, not what it says it wrote."""
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hashlib
 import io
@@ -301,3 +302,20 @@ def test_children_come_from_the_warm_pool_of_the_parents_key(cluster, namespace,
             k.release()
         cl.prewarm(IMAGE, 0, **SIZE)
         parent.release()
+
+
+def test_the_async_twin_forks_too(cluster, namespace, bed):
+    ctl, standin, _ = bed
+    from sandman.client import AsyncClient
+
+    async def run() -> None:
+        async with AsyncClient(ctl.url) as cl:
+            parent = await cl.acquire(IMAGE, job="async", timeout_s=60, **SIZE)
+            await parent.exec("printf async > marker; export ASYNC=1")
+            (kid,) = await parent.fork(1, timeout_s=60)
+            assert (standin.workdir / kid.pod / "marker").read_bytes() == b"async"
+            assert (await kid.exec("echo $ASYNC")).output == "1\n"
+            await kid.release()
+            await parent.release()
+
+    asyncio.run(run())
