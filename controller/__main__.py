@@ -143,6 +143,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--max-reuse", type=int, default=Settings.max_reuse,
                    help="a grading pod released with reuse goes back to its pool at most this "
                         "many times, then it is deleted (0: never reused)")
+    s.add_argument("--snapshot-base", choices=("on", "off"), default="on",
+                   help="on: agent pods' execd records a snapshot base at start (one stat walk "
+                        "of the image before the pod is ready), which fork, checkpoints and "
+                        "pause need; off: they are refused (docs/controller.md \"Fork\")")
     s.add_argument("--baseline-scope", choices=contract.BASELINE_SCOPES,
                    default=Settings.baseline_scope,
                    help="what execd watches in grading pods for checked reuse: root, the whole "
@@ -261,6 +265,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         tenants=args.auth == "kubernetes",
         max_reuse=args.max_reuse,
         baseline_scope=args.baseline_scope,
+        snapshot_base=args.snapshot_base == "on",
         books_key=_read_key(args.books_key_file),
         prepull_images=tuple(check_images(args.prepull_image, "--prepull-image")),
         image_pinning=args.image_pinning,

@@ -48,7 +48,7 @@ from controller.execd_client import (
     ExecdRefused,
     SnapshotBroken,
 )
-from controller.fork import APPLY_CONCURRENCY, _left, _Step, one_line
+from controller.fork import APPLY_CONCURRENCY, _left, _Step, one_line, snapshots_on
 from controller.pods import SandboxSpec, iso_utc
 from sandman import api, contract
 
@@ -165,6 +165,7 @@ class Checkpoints:
         t0 = time.monotonic()
         try:
             store = self._on()
+            snapshots_on(self.c.s, "a checkpoint")
             tenants = {self._tenant(e) for e in entries}
             if len(tenants) != 1:
                 raise BadRequest("a checkpoint's sandboxes are of one tenant")
@@ -319,6 +320,7 @@ class Checkpoints:
         ok = False
         try:
             store = self._on()
+            snapshots_on(self.c.s, "a restore")
             name, digest = parse_id(cid)
             if name != (tenant or NO_TENANT):
                 raise CheckpointGone(f"no checkpoint {cid} in this tenant")

@@ -114,7 +114,7 @@ class Creator:
             container["env"] = [{"name": contract.EXECD_BASELINE_ENV, "value": "on"},
                                 {"name": contract.EXECD_BASELINE_SCOPE_ENV,
                                  "value": self.s.baseline_scope}]
-        else:
+        elif self.s.snapshot_base:
             # Agent pods may be forked: execd records at start what its snapshot is taken
             # against (the image's files). Grading pods are never forked.
             container["env"] = [{"name": contract.EXECD_SNAPSHOT_ENV, "value": "on"}]

@@ -74,6 +74,7 @@ class Forker:
         after every child was released."""
         t0 = time.monotonic()
         try:
+            snapshots_on(self.c.s, "fork")
             parent = self._parent(sid)
         except AcquireError:
             metrics.forked("refused")
@@ -193,6 +194,14 @@ class Forker:
             await self.c.release(cid)
         if released:
             log.info("fork of %s failed: released its children %s", sid, ", ".join(released))
+
+
+def snapshots_on(s, what: str) -> None:
+    """Refuses `what` when the controller gives its pods no snapshot base: every child's or
+    restored pod's execd would refuse the state anyway, after the pods were made."""
+    if not s.snapshot_base:
+        raise BadRequest(f"{what} needs sandboxes with a snapshot base, and this controller "
+                         "makes none (--snapshot-base off, chart sandbox.snapshots)")
 
 
 def _left(deadline: float) -> float:

@@ -123,6 +123,9 @@ class Settings:
     # execd's watched set in grading pods: root (the whole root filesystem; a change outside
     # the copied roots retires the pod) or listed (execd's listed roots only).
     baseline_scope: str = "root"
+    # --snapshot-base: agent pods' execd records the snapshot base fork, checkpoints and pause
+    # need (one stat walk of the image before the pod is ready, its entries in execd's memory).
+    snapshot_base: bool = True
     restore_timeout: float = 120.0  # execd /restore of a released grading pod
     # --books-key-file: pods must carry its proof (create.proof) to enter the books; None:
     # the sandbox and managed-by labels alone (then the books policy must guard the labels).

@@ -1194,3 +1194,12 @@ def test_component_image_falls_back_to_the_global_image(helm):
     c = _container(_find(_render(helm, "--set", "webhook.image.repository=r.example/s"),
                          "Deployment", "-webhook"))
     assert f"--image={contract.SANDMAN_IMAGE}" in c["args"]
+
+
+def test_sandbox_snapshots_reach_the_controller_as_its_flag(helm):
+    """sandbox.snapshots: the controller's --snapshot-base (agent pods' snapshot base, which
+    fork, checkpoints and pause need); on unless the admin turns it off."""
+    for extra, want in (((), "on"), (("--set", "sandbox.snapshots=false"), "off")):
+        args = _container(_find(_render(helm, *extra), "Deployment", "-controller"))["args"]
+        assert [a for a in args if a.startswith("--snapshot-base")] == [
+            f"--snapshot-base={want}"], extra

@@ -242,6 +242,25 @@ def test_a_grading_sandbox_is_never_forked(cluster, namespace, bed):
     assert metric(ctl, 'sandman_controller_forks_total{result="refused"}') == 1
 
 
+@pytest.mark.parametrize("bed", [("--snapshot-base", "off")], indirect=True)
+def test_without_a_snapshot_base_fork_is_refused_before_any_pod(cluster, namespace, bed):
+    """--snapshot-base off: agent pods carry no SANDMAN_SNAPSHOT (no stat walk at start), and a
+    fork is refused in one line before a child is made: each child's execd would refuse the
+    state only after the pods were had."""
+    ctl, _, _ = bed
+    with Client(ctl.url) as cl:
+        parent = cl.acquire(IMAGE, job="nobase", timeout_s=60, **SIZE)
+        pod = cluster.core.read_namespaced_pod(parent.pod, namespace)
+        env = {e.name for c in pod.spec.containers for e in (c.env or [])}
+        assert contract.EXECD_SNAPSHOT_ENV not in env, env
+        with pytest.raises(BadRequest, match="--snapshot-base off") as err:
+            parent.fork(2, timeout_s=30)
+        assert "\n" not in str(err.value)
+        assert live(cluster, namespace) == {parent.pod}
+        parent.release()
+    assert metric(ctl, 'sandman_controller_forks_total{result="refused"}') == 1
+
+
 @pytest.mark.parametrize("bed", [("--rate", "1", "--burst", "1")], indirect=True)
 def test_a_caller_that_leaves_mid_fork_leaves_no_child(cluster, namespace, bed):
     """Creates paced at 1/s: the caller gives up after 1.5 s, while children are still being
