@@ -171,8 +171,10 @@ class SnapshotBase(object):
         carried = {}
         top = self.root.rstrip("/") + "/"
         for p in sorted(found):
-            if not p.startswith(top):
-                continue  # the root itself: the target keeps its own
+            # The root itself (in a pod it is "/", which starts with its own top): the target
+            # keeps its own; carried, its name is "." and the snapshot was cut at it.
+            if p == self.root or not p.startswith(top) or p == top:
+                continue
             try:
                 st = os.lstat(p)
             except OSError:

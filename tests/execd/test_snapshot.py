@@ -194,3 +194,23 @@ def test_an_execd_that_may_not_write_the_root_stages_in_tmp(execd_factory, tmp_p
     assert os.stat(b).st_uid == 1000 and not [p for p in b.iterdir()
                                                if p.name.startswith(".execd-")]
     assert not [p for p in (b / "tmp").iterdir() if p.name.startswith(".execd-")]
+
+
+def test_a_pods_root_slash_is_never_carried():
+    """In a pod the root is "/", which starts with its own top ("/"): a change at the top
+    level (a file of /etc) made "/" a carried directory named ".", and every snapshot was
+    cut at it."""
+    import threading
+    import types
+
+    from execd.execd_daemon import snapshot
+
+    base = snapshot.SnapshotBase.__new__(snapshot.SnapshotBase)
+    base.root, base.dev = "/", os.lstat("/").st_dev
+    base.walker = types.SimpleNamespace(
+        lock=threading.Lock(), dirty={"/"},
+        _file_changes=lambda: [{"path": "/etc/hostname", "kind": "changed"},
+                               {"path": "/etc/no-such-entry", "kind": "removed"}])
+    carried, deleted, _ = base.changes()
+    assert "/" not in carried and "/etc" in carried and "/etc/hostname" in carried
+    assert deleted == ["etc/no-such-entry"]
