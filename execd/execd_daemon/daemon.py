@@ -8,7 +8,6 @@ import shutil
 import signal
 import socket
 import stat
-import sys
 import threading
 import time
 
@@ -21,8 +20,6 @@ from .base import (
     INSTANCE_ENV,
     MAX_OUTPUT_LIMIT,
     PIPE_SIZE,
-    PR_SET_CHILD_SUBREAPER,
-    PR_SET_DUMPABLE,
     READ_SIZE,
     TAG_VAR,
     VERSION,
@@ -32,7 +29,9 @@ from .base import (
 from .procs import (
     Reaper,
     all_pids,
+    become_subreaper,
     boot_ticks,
+    clear_dumpable,
     exit_code_of,
     freeze,
     proc_cmdline,
@@ -79,7 +78,7 @@ class Daemon:
         self.start_env = dict(self.base_env)
         self.null_fd = open_null()
         self.reaper = Reaper()
-        self.subreaper = self._become_subreaper()
+        self.subreaper = become_subreaper()
         self.exec_lock = threading.Lock()
         self.files_lock = threading.Lock()
         self.cache_lock = threading.Lock()
@@ -126,38 +125,12 @@ class Daemon:
         return self._pty
 
     def make_undumpable(self):
-        """Clear execd's dumpable flag: /proc/<execd>/mem, /fd and /environ are then closed to
-        the sandbox's processes even under execd's own uid (a pod has no CAP_SYS_PTRACE), so a
-        process the agent leaves behind cannot read a holder's bearer token out of execd's
-        memory. Its children are dumpable again at their execve, as always. Off the start's
-        path (ctypes costs start CPU under the pod's quota); without ctypes (python3-minimal)
-        execd stays dumpable and says so."""
+        """Clear execd's dumpable flag (procs.clear_dumpable), off the start's path: ctypes
+        costs start CPU under the pod's quota. A token is accepted only once this ran."""
         try:
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
-                raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
-        except (ImportError, OSError, AttributeError) as e:
-            sys.stderr.write("execd: stays dumpable (%s): the sandbox's processes can read its "
-                             "memory\n" % (e,))
+            clear_dumpable()
         finally:
             self.undumpable.set()
-
-    def _become_subreaper(self):
-        if os.getpid() == 1:
-            return "pid1"
-        try:
-            # Imported here: Debian's python3-minimal (a common task-image base) has no ctypes,
-            # and as the pod's PID 1 execd never needs it.
-            import ctypes
-
-            libc = ctypes.CDLL(None, use_errno=True)
-            if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
-                return "subreaper"
-        except (ImportError, OSError, AttributeError):
-            pass
-        return None
 
     def start_shell(self, bash=None):
         if self.retired:

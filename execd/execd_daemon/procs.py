@@ -4,10 +4,11 @@ exit statuses of the children execd adopts as a subreaper."""
 import collections
 import os
 import signal
+import sys
 import threading
 import time
 
-from .base import TAG_VAR
+from .base import PR_SET_CHILD_SUBREAPER, PR_SET_DUMPABLE, TAG_VAR
 
 _CLK_TCK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -209,3 +210,37 @@ def exit_code_of(st):
     if os.WIFEXITED(st):
         return os.WEXITSTATUS(st)
     return -1
+
+
+def clear_dumpable():
+    """Clear the dumpable flag: /proc/<execd>/mem, /fd and /environ are then closed to the
+    sandbox's processes even under execd's own uid (a pod has no CAP_SYS_PTRACE), so a process
+    the agent leaves behind cannot read a holder's bearer token out of execd's memory. Its
+    children are dumpable again at their execve, as always. Without ctypes (python3-minimal)
+    execd stays dumpable and says so."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_DUMPABLE, 0, 0, 0, 0) != 0:
+            raise OSError(ctypes.get_errno(), "prctl(PR_SET_DUMPABLE)")
+    except (ImportError, OSError, AttributeError) as e:
+        sys.stderr.write("execd: stays dumpable (%s): the sandbox's processes can read its "
+                         "memory\n" % (e,))
+
+
+def become_subreaper():
+    """"pid1", "subreaper" or None: how orphans of the sandbox come to execd."""
+    if os.getpid() == 1:
+        return "pid1"
+    try:
+        # Imported here: Debian's python3-minimal (a common task-image base) has no ctypes,
+        # and as the pod's PID 1 execd never needs it.
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) == 0:
+            return "subreaper"
+    except (ImportError, OSError, AttributeError):
+        pass
+    return None
