@@ -5,31 +5,39 @@ $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE; `--url`, `--token-file`, `--ca-file` over
     sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600]
     sandman fork ID -n N
     sandman checkpoint (--job JOB | ID ...) | restore CHECKPOINT
-    sandman exec ID [--timeout S] [--idle-timeout S] -- COMMAND ...
+    sandman exec ID [--timeout S] [--idle-timeout S] [--] COMMAND ...
+    sandman shell ID [-- COMMAND ...]
     sandman cp [ID:]SRC [ID:]DST
     sandman list [--job JOB] | get ID | renew ID | release ID | drain JOB | stats
     sandman prewarm IMAGE COUNT
+    sandman completion bash|zsh
 
-`acquire` (and `fork`, for each child) keeps the controller's answer (it holds execd's token) in the lease directory, one
-file per sandbox, readable by this user only; `exec` and `cp` use it, `release` removes it.
-Output is a table, or JSON with `-o json`. Every error is one line on stderr and an exit code
-per error type (EXIT_CODES); `exec` exits with the command's own status.
+Global options go anywhere before the command (`--` or, for `exec`, its first word that is not
+an option). `acquire` (and `fork`, for each child) keeps the controller's answer (it holds
+execd's token) in the lease directory, one file per sandbox, readable by this user only;
+`exec`, `cp` and `shell` use it, `release` removes it. Output is a table, or JSON with
+`-o json` (errors too). Every error is one line on stderr and an exit code of the CLI's own
+(EXIT_TABLE); `exec` and `shell` exit with the command's own status.
 """
 
 from __future__ import annotations
 
 import argparse
+import codecs
 import json
 import os
 import re
 import shlex
+import signal
 import stat
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, Callable
 
 from sandman import api
+from sandman._version import __version__
 from sandman.client import errors as E
 from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
@@ -38,28 +46,52 @@ from sandman.client.models import ExecResult, Lease
 ENV_LEASE_DIR = "SANDMAN_LEASE_DIR"
 PROG = "sandman"
 
-# Exit codes by error type, most specific first (a class's subclasses come before it). 2 is
-# argparse's own for bad usage; `exec` passes the command's status through (0-255), so a
-# script cannot tell these apart from the command's there: `-o json` carries the kind.
+# The CLI's own exit codes sit above what commands usually use, next to the conventions of
+# timeout(1) and `docker run` (124 timed out, 125 the tool's own usage error; 126 and 127 stay
+# the sandbox shell's, passed through): `exec` and `shell` pass the command's status through,
+# so a code of the CLI's own must not read as a command's ordinary failure. A command that
+# itself exits with one of these is told apart by `-o json` (`timed_out`, `error`).
+EXIT_OTHER = 116  # any other SandmanError; a local file the CLI could not read or write
+EXIT_CONFIG = 117
+EXIT_NOT_FOUND = 118
+EXIT_AUTH = 119
+EXIT_UNREACHABLE = 120
+EXIT_QUEUE_FULL = 121
+EXIT_TREE = 122
+EXIT_PROTOCOL = 123
+EXIT_TIMEOUT = 124
+EXIT_USAGE = 125
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report ^C
+
+# Exit codes by error type, most specific first (a class's subclasses come before it).
 EXIT_CODES: tuple[tuple[type[BaseException], int], ...] = (
-    (E.ConfigurationError, 3),
-    (E.BadRequest, 2),
-    (E.SandboxGone, 4),
-    (E.CheckpointGone, 4),
-    (E.FileNotFound, 4),
-    (E.ProcessNotFound, 4),
-    (E.Unauthenticated, 5),
-    (E.Forbidden, 5),
-    (E.Unauthorized, 5),
-    (E.ControllerUnreachable, 6),
-    (E.SandboxUnreachable, 6),
-    (E.AcquireTimeout, 7),
-    (E.CommandTimeout, 7),
-    (E.QueueFull, 8),
-    (E.TreeError, 9),
-    (E.SandmanError, 1),
+    (E.ConfigurationError, EXIT_CONFIG),
+    (E.BadRequest, EXIT_USAGE),
+    (E.SandboxGone, EXIT_NOT_FOUND),
+    (E.CheckpointGone, EXIT_NOT_FOUND),
+    (E.FileNotFound, EXIT_NOT_FOUND),
+    (E.ProcessNotFound, EXIT_NOT_FOUND),
+    (E.Unauthenticated, EXIT_AUTH),
+    (E.Forbidden, EXIT_AUTH),
+    (E.Unauthorized, EXIT_AUTH),
+    (E.ControllerUnreachable, EXIT_UNREACHABLE),
+    (E.SandboxUnreachable, EXIT_UNREACHABLE),
+    (E.AcquireTimeout, EXIT_TIMEOUT),
+    (E.CommandTimeout, EXIT_TIMEOUT),
+    (E.QueueFull, EXIT_QUEUE_FULL),
+    (E.TreeError, EXIT_TREE),
+    (E.ProtocolError, EXIT_PROTOCOL),
+    (E.SandmanError, EXIT_OTHER),
 )
-EXIT_NO_LEASE = 4  # `exec`/`cp` on an id this machine holds no lease for: not found here
+EXIT_NO_LEASE = EXIT_NOT_FOUND  # `exec`/`cp`/`shell` on an id with no lease here
+# Every code of the CLI's own, as docs/sdk.md's table states it (tests/client/
+# test_cli_terminal.py checks the table against this).
+EXIT_TABLE: dict[int, str] = {
+    EXIT_OTHER: "other", EXIT_CONFIG: "configuration", EXIT_NOT_FOUND: "not found",
+    EXIT_AUTH: "refused", EXIT_UNREACHABLE: "unreachable", EXIT_QUEUE_FULL: "queue full",
+    EXIT_TREE: "tree", EXIT_PROTOCOL: "protocol", EXIT_TIMEOUT: "timed out",
+    EXIT_USAGE: "usage", EXIT_INTERRUPTED: "interrupted",
+}
 
 
 class CliError(Exception):
@@ -76,7 +108,7 @@ def exit_code(e: BaseException) -> int:
     for cls, code in EXIT_CODES:
         if isinstance(e, cls):
             return code
-    return 1
+    return EXIT_OTHER
 
 
 # ---- the lease directory: execd tokens at rest, for this user only
@@ -101,7 +133,7 @@ def _private_dir(create: bool) -> Path | None:
         return None
     if not stat.S_ISDIR(st.st_mode) or st.st_uid != os.geteuid() or st.st_mode & 0o077:
         raise CliError(f"lease directory {d} must be a directory owned by this user with mode "
-                       f"0700 (it holds execd tokens)", 3)
+                       f"0700 (it holds execd tokens)", EXIT_CONFIG)
     return d
 
 
@@ -112,7 +144,7 @@ _ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,127}")
 
 def _lease_path(d: Path, sandbox_id: str) -> Path:
     if not _ID.fullmatch(sandbox_id):
-        raise CliError(f"{sandbox_id[:80]!r} is not a sandbox id", 2)
+        raise CliError(f"{sandbox_id[:80]!r} is not a sandbox id", EXIT_USAGE)
     return d / f"{sandbox_id}.json"
 
 
@@ -137,19 +169,22 @@ def load_lease(sandbox_id: str) -> Lease:
             raise FileNotFoundError
         fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
     except FileNotFoundError:
-        raise CliError(f"no lease for {sandbox_id} in {lease_dir()}: exec and cp reach "
-                       f"sandboxes acquired here with `{PROG} acquire`", EXIT_NO_LEASE) from None
+        # The controller hands execd's token out once, at acquire, and never again: another
+        # machine reaches the sandbox with a copy of this file, not with the API token.
+        raise CliError(f"no lease for {sandbox_id} in {lease_dir()}: exec, cp and shell reach "
+                       f"sandboxes whose lease file is there (`{PROG} acquire` writes it; copy "
+                       f"it, mode 0600, to use it from another machine)", EXIT_NO_LEASE) from None
     except OSError as e:
-        raise CliError(f"lease {path}: {e.strerror}", 3) from None
+        raise CliError(f"lease {path}: {e.strerror}", EXIT_CONFIG) from None
     with os.fdopen(fd, "rb") as f:
         st = os.fstat(f.fileno())
         if st.st_uid != os.geteuid() or st.st_mode & 0o077:
-            raise CliError(f"lease {path} must be owned by this user with mode 0600", 3)
+            raise CliError(f"lease {path} must be owned by this user with mode 0600", EXIT_CONFIG)
         raw = f.read(1 << 20)
     try:
         return Lease.from_json(json.loads(raw))
     except (ValueError, E.SandmanError) as e:
-        raise CliError(f"lease {path} is not an acquire's answer: {e}", 3) from None
+        raise CliError(f"lease {path} is not an acquire's answer: {e}", EXIT_CONFIG) from None
 
 
 def drop_lease(sandbox_id: str) -> None:
@@ -172,11 +207,83 @@ def _jsonable(obj: Any) -> Any:
     return obj
 
 
+# C0 and C1 controls but \t, \n and \r (layout, and progress bars' \r), and DEL: what a
+# terminal acts on instead of showing (ESC starts OSC 52 clipboard writes, title changes,
+# screen clears). Shown as ^X (C0, DEL) or \xHH (C1) instead.
+_CONTROLS = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f-\x9f]")
+
+
+def _visible(m: re.Match[str]) -> str:
+    c = ord(m.group())
+    return f"\\x{c:02x}" if c >= 0x80 else "^" + chr(c ^ 0x40)
+
+
+def neutral(text: str) -> str:
+    """`text` with every control sequence's introducer made visible and inert."""
+    return _CONTROLS.sub(_visible, text)
+
+
+class TerminalFilter:
+    """For `shell`: lets through what a terminal needs to draw a program (text, layout
+    controls, CSI sequences: cursor, colours, erase) and drops the control strings (OSC, DCS,
+    SOS, PM, APC: title changes, OSC 52 clipboard writes, hyperlinks, terminal queries) and
+    CSI window operations (`t`: resize, title reports). Keeps its state across chunks."""
+
+    _STRING_STARTS = "]PX^_"
+
+    def __init__(self) -> None:
+        self.state = "text"  # text, esc, csi, string, string_esc
+        self.csi = ""
+
+    def feed(self, text: str) -> str:
+        out: list[str] = []
+        for ch in text:
+            st = self.state
+            if st == "text":
+                if ch == "\x1b":
+                    self.state = "esc"
+                elif ch == "\x9b":
+                    self.state, self.csi = "csi", ""
+                elif ch in "\x90\x98\x9d\x9e\x9f":
+                    self.state = "string"
+                elif "\x80" <= ch <= "\x9f":
+                    pass
+                else:
+                    out.append(ch)
+            elif st == "esc":
+                if ch == "[":
+                    self.state, self.csi = "csi", ""
+                elif ch in self._STRING_STARTS:
+                    self.state = "string"
+                else:
+                    self.state = "text"
+                    if " " <= ch <= "~":
+                        out.append("\x1b" + ch)  # a two-byte escape (keypad modes, charsets)
+            elif st == "csi":
+                if "\x40" <= ch <= "\x7e":
+                    self.state = "text"
+                    if ch != "t":
+                        out.append("\x1b[" + self.csi + ch)
+                elif len(self.csi) < 64:
+                    self.csi += ch
+                else:
+                    self.state = "text"  # an endless sequence: dropped
+            elif st == "string":
+                if ch == "\x07" or ch == "\x9c":
+                    self.state = "text"
+                elif ch == "\x1b":
+                    self.state = "string_esc"
+            else:  # string_esc: ESC \ ends the string; any other ESC starts anew
+                self.state = "text" if ch == "\\" else "string"
+        return "".join(out)
+
+
 def emit(args: argparse.Namespace, obj: Any, table: Callable[[], list[list[str]]]) -> None:
     if args.output == "json":
         print(json.dumps(_jsonable(obj), indent=2, sort_keys=True, default=str))
         return
-    rows = table()
+    # Cells hold names callers chose (jobs, images): never a control sequence to a terminal.
+    rows = [[neutral(c) for c in r] for r in table()]
     if not rows:
         return
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -252,7 +359,7 @@ def cmd_fork(args: argparse.Namespace) -> int:
 
 def cmd_checkpoint(args: argparse.Namespace) -> int:
     if bool(args.job) == bool(args.ids):
-        raise CliError("checkpoint: --job JOB or sandbox ids, one of the two", 2)
+        raise CliError("checkpoint: --job JOB or sandbox ids, one of the two", EXIT_USAGE)
     with _client(args) as c:
         ck = c.checkpoint(job=args.job, ids=args.ids or None, namespace=args.namespace,
                           timeout_s=args.timeout)
@@ -341,31 +448,131 @@ def _connect(sandbox_id: str) -> Sandbox:
     return Sandbox.connect(load_lease(sandbox_id))
 
 
+def _line(command: list[str]) -> str:
+    """One argument is a shell line as typed; several are joined as the shell would read them."""
+    return command[0] if len(command) == 1 else " ".join(shlex.quote(c) for c in command)
+
+
+def _writer(args: argparse.Namespace, stream: Any) -> Callable[[str], str]:
+    """What the sandbox printed, made inert for a terminal unless --raw. Not a terminal (a
+    file, a pipe): as it came, the bytes are data for a program."""
+    if args.raw or not stream.isatty():
+        return lambda text: text
+    return neutral
+
+
 def cmd_exec(args: argparse.Namespace) -> int:
-    command = args.command[1:] if args.command[:1] == ["--"] else args.command
-    if not command:
-        raise CliError("exec: give the command after the sandbox id (sandman exec ID -- CMD)", 2)
-    # One argument is a shell line as typed; several are joined as the shell would read them.
-    line = command[0] if len(command) == 1 else " ".join(shlex.quote(c) for c in command)
+    if not args.command:
+        raise CliError("exec: give the command after the sandbox id (sandman exec ID -- CMD)",
+                       EXIT_USAGE)
+    line = _line(args.command)
+    show = _writer(args, sys.stdout)
     sb = _connect(args.id)
     result: ExecResult | None = None
     try:
         for part in sb.stream(line, timeout=args.timeout, idle_timeout=args.idle_timeout):
             if isinstance(part, str):
-                sys.stdout.write(part)
+                sys.stdout.write(show(part))
                 sys.stdout.flush()
             else:
                 result = part
+    except E.CommandTimeout as e:
+        result = e.result  # its status is execd's 124; the timed_out flag tells it apart
     finally:
         sb.close()
     if result is None:
         raise E.ProtocolError("exec: the stream ended without the command's status")
+    code = EXIT_TIMEOUT if result.timed_out else result.exit_code
     if args.output == "json":
-        print(json.dumps({"exit_code": result.exit_code, "error": result.error,
+        print(json.dumps({"exit_code": code, "error": result.error,
                           "timed_out": result.timed_out}))
     elif result.error:
-        print(f"{PROG}: exec: {result.error}", file=sys.stderr)
-    return result.exit_code
+        print(f"{PROG}: exec: {neutral(result.error)}", file=sys.stderr)
+    return code
+
+
+class _Signalled(Exception):
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+def _raise_signalled(signum: int, frame: Any) -> None:
+    raise _Signalled(signum)
+
+
+def cmd_shell(args: argparse.Namespace) -> int:
+    import termios
+    import tty
+
+    if not (os.isatty(0) and os.isatty(1)):
+        raise CliError("shell: stdin and stdout must be a terminal (for a command without "
+                       "one: sandman exec ID -- COMMAND)", EXIT_USAGE)
+    cols, rows = os.get_terminal_size(1)
+    env = {"TERM": os.environ.get("TERM") or "xterm-256color"}
+    sb = _connect(args.id)
+    saved = termios.tcgetattr(0)
+    old_handlers: dict[signal.Signals, Any] = {}
+    resized = threading.Event()
+    done = threading.Event()
+    session = None
+    try:
+        live = session = sb.session(_line(args.command) if args.command else "bash",
+                                    env=env, cols=max(1, cols), rows=max(1, rows))
+        old_handlers[signal.SIGWINCH] = signal.signal(signal.SIGWINCH,
+                                                      lambda *_: resized.set())
+        for signum in (signal.SIGTERM, signal.SIGHUP):
+            old_handlers[signum] = signal.signal(signum, _raise_signalled)
+        tty.setraw(0)
+        failed: list[BaseException] = []
+
+        def keys() -> None:  # the operator's keys, typed into the sandbox's terminal
+            try:
+                while not done.is_set():
+                    data = os.read(0, 4096)
+                    if not data:
+                        return
+                    live.write(data)
+            except BaseException as e:  # noqa: BLE001 - handed to the main thread
+                failed.append(e)
+                done.set()
+
+        threading.Thread(target=keys, daemon=True).start()
+        filt = None if args.raw else TerminalFilter()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        while not done.is_set():
+            if resized.is_set():
+                resized.clear()
+                c, r = os.get_terminal_size(1)
+                live.resize(max(1, c), max(1, r))
+            out = live.read(timeout=0.25)
+            if out.data:
+                if filt is None:
+                    os.write(1, out.data)
+                else:
+                    os.write(1, filt.feed(decoder.decode(out.data)).encode())
+            if not out.running and not out.output_open:
+                break
+        if failed and not isinstance(failed[0], E.SessionEnded):
+            raise failed[0]
+        session = None
+        status = live.close()
+        if status.exit_code is not None:
+            return status.exit_code
+        return 128 + status.signal if status.signal else 0
+    except _Signalled as e:
+        return 128 + e.signum
+    finally:
+        done.set()
+        # The operator's terminal comes back as it was, whatever ended the session.
+        termios.tcsetattr(0, termios.TCSADRAIN, saved)
+        for signum, h in old_handlers.items():
+            signal.signal(signum, h)
+        try:
+            if session is not None:
+                session.close()
+        finally:
+            sb.close()
 
 
 def _remote(spec: str) -> tuple[str, str] | None:
@@ -374,14 +581,14 @@ def _remote(spec: str) -> tuple[str, str] | None:
     if not sep or "/" in head or not head:
         return None
     if not tail.startswith("/"):
-        raise CliError(f"cp: {spec!r}: a sandbox path must be absolute (ID:/path)", 2)
+        raise CliError(f"cp: {spec!r}: a sandbox path must be absolute (ID:/path)", EXIT_USAGE)
     return head, tail
 
 
 def cmd_cp(args: argparse.Namespace) -> int:
     src, dst = _remote(args.src), _remote(args.dst)
     if (src is None) == (dst is None):
-        raise CliError("cp: exactly one of SRC and DST is in a sandbox (ID:/path)", 2)
+        raise CliError("cp: exactly one of SRC and DST is in a sandbox (ID:/path)", EXIT_USAGE)
     if dst is not None:  # upload
         sid, remote = dst
         local = Path(args.src)
@@ -393,7 +600,7 @@ def cmd_cp(args: argparse.Namespace) -> int:
                 res = sb.write(remote, local.read_bytes(),
                                mode=stat.S_IMODE(local.stat().st_mode))
             else:
-                raise CliError(f"cp: {args.src}: not a regular file or a directory", 2)
+                raise CliError(f"cp: {args.src}: not a regular file or a directory", EXIT_USAGE)
         finally:
             sb.close()
     else:
@@ -445,14 +652,42 @@ def _size_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--role", default=api.DEFAULT_ROLE, help="agent or grading")
 
 
+class UsageError(Exception):
+    """argparse's refusal, raised instead of its exit(2): the CLI's usage code, and JSON under
+    `-o json` like every other error."""
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> Any:
+        verb = self.prog[len(PROG):].strip()  # "sandman exec" -> "exec"
+        raise UsageError(f"{verb}: {message}" if verb else message)
+
+
+DEFAULTS = {"url": None, "token_file": None, "ca_file": None, "request_timeout": 30.0,
+            "output": "table", "raw": False}
+
+
+def _global_args(p: argparse.ArgumentParser, suppress: bool) -> None:
+    """The global options, on the top parser and on each command's (there without defaults,
+    so an option given before the command is not reset by the command's parser)."""
+    kw: dict[str, Any] = {"default": argparse.SUPPRESS} if suppress else {}
+    p.add_argument("--url", help="the controller (default $SANDMAN_URL)", **kw)
+    p.add_argument("--token-file", help="bearer token file (default $SANDMAN_TOKEN_FILE)",
+                   **kw)
+    p.add_argument("--ca-file", help="the controller's CA (default $SANDMAN_CA_FILE)", **kw)
+    p.add_argument("--request-timeout", type=float,
+                   help="seconds per controller call (default 30)", **kw)
+    p.add_argument("-o", "--output", choices=("table", "json"), **kw)
+    p.add_argument("--raw", action="store_true",
+                   help="the sandbox's output to a terminal as it came, control sequences "
+                        "included", **kw)
+
+
 def parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog=PROG, description="sandman's command-line client")
-    ap.add_argument("--url", help="the controller (default $SANDMAN_URL)")
-    ap.add_argument("--token-file", help="bearer token file (default $SANDMAN_TOKEN_FILE)")
-    ap.add_argument("--ca-file", help="the controller's CA (default $SANDMAN_CA_FILE)")
-    ap.add_argument("--request-timeout", type=float, default=30.0,
-                    help="seconds per controller call (default 30)")
-    ap.add_argument("-o", "--output", choices=("table", "json"), default="table")
+    ap = _Parser(prog=PROG, description="sandman's command-line client")
+    _global_args(ap, suppress=False)
+    ap.set_defaults(**DEFAULTS)
+    ap.add_argument("--version", action="version", version=f"{PROG} {__version__}")
     sub = ap.add_subparsers(dest="verb", required=True, metavar="COMMAND")
 
     p = sub.add_parser("acquire", help="acquire a sandbox and keep its lease here")
@@ -527,13 +762,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--idle-timeout", type=float, default=None)
     p.set_defaults(func=cmd_prewarm)
 
-    p = sub.add_parser("exec", help="run a command in a sandbox acquired here, streaming")
+    # exec's and shell's COMMAND is cut off before argparse sees it (split_command).
+    p = sub.add_parser("exec", help="run a command in a sandbox, streaming",
+                       usage=f"{PROG} exec ID [options] [--] COMMAND ...")
     p.add_argument("id")
     p.add_argument("--timeout", type=float, default=None, help="wall seconds")
     p.add_argument("--idle-timeout", type=float, default=None,
                    help="seconds without output that end the command")
-    p.add_argument("command", nargs=argparse.REMAINDER)
     p.set_defaults(func=cmd_exec)
+
+    p = sub.add_parser("shell", help="an interactive terminal in a sandbox (default bash)",
+                       usage=f"{PROG} shell ID [options] [-- COMMAND ...]")
+    p.add_argument("id")
+    p.set_defaults(func=cmd_shell)
 
     p = sub.add_parser("cp", help="copy a file or a tree in or out (ID:/path on one side)")
     p.add_argument("src")
@@ -541,24 +782,173 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--tree", action="store_true",
                    help="download: SRC is a directory, DST the local directory to fill")
     p.set_defaults(func=cmd_cp)
+
+    p = sub.add_parser("completion", help="print a completion script: "
+                                          "eval \"$(sandman completion bash)\"")
+    p.add_argument("shell", choices=("bash", "zsh"))
+    p.set_defaults(func=cmd_completion)
+    for p in sub.choices.values():
+        _global_args(p, suppress=True)
     return ap
 
 
+COMMAND_VERBS = ("exec", "shell")
+
+
+def split_command(ap: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """(sandman's own words, the command's) for `exec` and `shell`: the command starts after
+    `--`, or at exec's first word after the id that is neither an option nor an option's
+    value. Options may come anywhere before it; a command's own options need the `--`
+    only when they come first. Other commands: (argv, [])."""
+    takes_value: set[str] = set()
+    verbs: dict[str, argparse.ArgumentParser] = {}
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            verbs = dict(action.choices)
+        elif action.nargs != 0:
+            takes_value |= set(action.option_strings)
+    verb = None
+    words = 0  # positional words after the verb (exec's id)
+    i = 0
+    while i < len(argv):
+        w = argv[i]
+        if w == "--":
+            if verb in COMMAND_VERBS:
+                return argv[:i], argv[i + 1:]
+            return argv, []
+        if w.startswith("-") and w != "-":
+            if "=" not in w and w in takes_value:
+                i += 1
+            i += 1
+            continue
+        if verb is None:
+            verb = w
+            if verb not in COMMAND_VERBS:
+                return argv, []
+            sp = verbs[verb]
+            takes_value |= {s for a in sp._actions if a.nargs != 0 for s in a.option_strings}
+        elif words == 0:
+            words = 1
+        elif verb == "exec":
+            return argv[:i], argv[i:]
+        else:
+            i += 1
+            continue  # shell takes its command after `--` only: argparse refuses the rest
+        i += 1
+    return argv, []
+
+
+# ---- completion: a script of the parser's own words, so it never lags the commands
+
+def _words(ap: argparse.ArgumentParser) -> tuple[list[str], dict[str, list[str]]]:
+    top: list[str] = []
+    verbs: dict[str, list[str]] = {}
+    for action in ap._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            for verb, sp in action.choices.items():
+                verbs[verb] = sorted({s for a in sp._actions for s in a.option_strings
+                                      if s.startswith("--")} - {"--help"})
+        else:
+            top += [s for s in action.option_strings if s.startswith("--")]
+    return sorted(set(top) - {"--help"}), verbs
+
+
+def completion_script(shell: str) -> str:
+    ap = parser()
+    top, verbs = _words(ap)
+    valued = "|".join(sorted(s for a in ap._actions if a.nargs != 0 and a.option_strings
+                             and not isinstance(a, argparse._VersionAction)
+                             for s in a.option_strings))
+    cases = "\n".join(f'        {v}) opts="{" ".join(o)}" ;;' for v, o in verbs.items())
+    bash = f"""# {PROG} completion (bash): eval "$({PROG} completion bash)"
+_{PROG}_complete() {{
+    local cur verb i opts
+    cur="${{COMP_WORDS[COMP_CWORD]}}"
+    verb=""
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        case "${{COMP_WORDS[i]}}" in
+            --) return 0 ;;
+            {valued}) ((i++)) ;;
+            -*) ;;
+            *) verb="${{COMP_WORDS[i]}}"; break ;;
+        esac
+    done
+    case "$verb" in
+{cases}
+        "") if [[ "$cur" == -* ]]; then
+                COMPREPLY=($(compgen -W "{" ".join(top)}" -- "$cur"))
+            else
+                COMPREPLY=($(compgen -W "{" ".join(verbs)}" -- "$cur"))
+            fi
+            return 0 ;;
+        *) opts="" ;;
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$opts" -- "$cur"))
+    else
+        COMPREPLY=($(compgen -f -- "$cur"))
+    fi
+}}
+complete -F _{PROG}_complete {PROG}
+"""
+    if shell == "zsh":
+        return ("# sandman completion (zsh): eval \"$(sandman completion zsh)\"\n"
+                "autoload -U +X bashcompinit && bashcompinit\n" + bash)
+    return bash
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    sys.stdout.write(completion_script(args.shell))
+    return 0
+
+
+def _fail(json_out: bool, e: BaseException, message: str, code: int) -> int:
+    message = neutral(" ".join(message.split())) or type(e).__name__
+    print(f"{PROG}: error: {message}", file=sys.stderr)
+    if json_out:
+        print(json.dumps({"error": {"type": type(e).__name__, "message": message,
+                                    "exit_code": code}}))
+    return code
+
+
+def _wants_json(argv: list[str]) -> bool:
+    """-o json anywhere before the command, for errors found before parsing ends."""
+    for i, w in enumerate(argv):
+        if w == "--":
+            break
+        if w in ("-o", "--output") and argv[i + 1:i + 2] == ["json"]:
+            return True
+        if w in ("-ojson", "--output=json"):
+            return True
+    return False
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = parser().parse_args(argv)
+    words = list(sys.argv[1:] if argv is None else argv)
+    ap = parser()
+    own, command = split_command(ap, words)
+    json_out = _wants_json(own)
     try:
+        args = ap.parse_args(own)
+    except UsageError as e:
+        if not json_out:
+            ap.print_usage(sys.stderr)
+        return _fail(json_out, e, str(e), EXIT_USAGE)
+    args.command = command
+    json_out = args.output == "json"
+    try:
+        if command and args.verb not in COMMAND_VERBS:
+            raise CliError(f"{args.verb} takes no command after --", EXIT_USAGE)
         return int(args.func(args))
-    except KeyboardInterrupt:
-        print(f"{PROG}: interrupted", file=sys.stderr)
-        return 130
+    except (KeyboardInterrupt, BrokenPipeError) as e:
+        if isinstance(e, BrokenPipeError):
+            return EXIT_OTHER
+        return _fail(json_out, e, "interrupted", EXIT_INTERRUPTED)
     except (CliError, E.SandmanError) as e:
-        msg = " ".join(str(e).split()) or type(e).__name__
-        print(f"{PROG}: error: {msg}", file=sys.stderr)
-        return exit_code(e)
+        return _fail(json_out, e, str(e), exit_code(e))
     except OSError as e:
-        print(f"{PROG}: error: {e.strerror or e}: {e.filename or ''}".rstrip(": "),
-              file=sys.stderr)
-        return 1
+        msg = f"{e.strerror or e}: {e.filename or ''}".rstrip(": ")
+        return _fail(json_out, e, msg, EXIT_OTHER)
 
 
 if __name__ == "__main__":

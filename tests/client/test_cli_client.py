@@ -45,7 +45,7 @@ def test_a_saved_lease_is_private_and_comes_back(leases):
 def test_an_id_is_a_name_never_a_path(leases, bad):
     with pytest.raises(cli.CliError, match="is not a sandbox id") as e:
         cli.load_lease(bad) if leases.exists() else cli._lease_path(leases, bad)
-    assert e.value.code == 2
+    assert e.value.code == cli.EXIT_USAGE
 
 
 def test_a_lease_directory_others_can_reach_is_refused(leases):
@@ -84,13 +84,15 @@ def test_remote_paths():
 
 
 def test_each_error_type_has_its_exit_code():
-    assert cli.exit_code(E.ConfigurationError("x")) == 3
-    assert cli.exit_code(E.SandboxGone("x")) == 4
-    assert cli.exit_code(E.ControllerUnreachable("x")) == 6
-    assert cli.exit_code(E.AcquireTimeout("x")) == 7
-    assert cli.exit_code(E.QueueFull("x")) == 8
-    assert cli.exit_code(E.UnsafeArchive("x")) == 9
-    assert cli.exit_code(E.SandmanError("x")) == 1
+    assert cli.exit_code(E.ConfigurationError("x")) == cli.EXIT_CONFIG
+    assert cli.exit_code(E.SandboxGone("x")) == cli.EXIT_NOT_FOUND
+    assert cli.exit_code(E.ControllerUnreachable("x")) == cli.EXIT_UNREACHABLE
+    assert cli.exit_code(E.AcquireTimeout("x")) == cli.EXIT_TIMEOUT == 124
+    assert cli.exit_code(E.QueueFull("x")) == cli.EXIT_QUEUE_FULL
+    assert cli.exit_code(E.UnsafeArchive("x")) == cli.EXIT_TREE
+    assert cli.exit_code(E.SandmanError("x")) == cli.EXIT_OTHER
+    # The CLI's own codes stay clear of the ones commands use for ordinary failures.
+    assert min(cli.EXIT_TABLE) > 100 and len(set(cli.EXIT_TABLE)) == len(cli.EXIT_TABLE)
     # Subclasses come before their bases, or a specific code could never be reached.
     for i, (a, _) in enumerate(cli.EXIT_CODES):
         for b, _ in cli.EXIT_CODES[:i]:
@@ -104,11 +106,11 @@ def test_errors_are_one_line_with_their_code(leases, monkeypatch):
     env.pop("SANDMAN_TOKEN_FILE", None)
     r = subprocess.run([sys.executable, "-m", "sandman.client", "--request-timeout", "2",
                         "get", "abc"], env=env, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 6, r.stderr
+    assert r.returncode == cli.EXIT_UNREACHABLE, r.stderr
     assert r.stderr.count("\n") == 1 and r.stderr.startswith("sandman: error: ")
     r = subprocess.run([sys.executable, "-m", "sandman.client", "exec", "nolease", "--", "true"],
                        env=env, capture_output=True, text=True, timeout=60)
     assert r.returncode == cli.EXIT_NO_LEASE and "no lease for nolease" in r.stderr
     r = subprocess.run([sys.executable, "-m", "sandman.client", "--url", "ftp://x", "list"],
                        env=env, capture_output=True, text=True, timeout=60)
-    assert r.returncode == 3 and r.stderr.count("\n") == 1
+    assert r.returncode == cli.EXIT_CONFIG and r.stderr.count("\n") == 1

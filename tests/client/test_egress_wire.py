@@ -207,7 +207,7 @@ def test_the_cli_refuses_a_bad_entry_in_one_line(capsys):
     code = cli.main(["--url", "http://127.0.0.1:9", "acquire", "img", "--job", "j",
                      "--egress-allow", "10.0.0.1:80,,10.0.0.2:80"])
     err = capsys.readouterr().err.strip()
-    assert code == 2 and "\n" not in err and "'': empty" in err, err
+    assert code == cli.EXIT_USAGE and "\n" not in err and "'': empty" in err, err
 
 
 def test_the_swerex_deployment_takes_an_allowlist():

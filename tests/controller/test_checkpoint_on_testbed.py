@@ -365,7 +365,7 @@ def test_the_cli_checkpoints_and_restores(cluster, namespace, bed, tmp_path):
             assert got[0]["old"] == sb.id and Path(got[0]["lease_file"]).exists()
             assert (standin.workdir / got[0]["pod"] / "marker").read_bytes() == b"cli"
             assert cli.main(["--url", ctl.url, "release", got[0]["id"]]) == 0
-            assert cli.main(["--url", ctl.url, "restore", "local." + "0" * 64]) == 4
+            assert cli.main(["--url", ctl.url, "restore", "local." + "0" * 64]) == cli.EXIT_NOT_FOUND
         finally:
             os.environ.pop(cli.ENV_LEASE_DIR, None)
         sb.release()

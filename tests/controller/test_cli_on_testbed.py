@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from sandman.client import cli
 from testbed.procs import wait_for
 from tests.controller.harness import pods, standin_stack
 
@@ -79,9 +80,9 @@ def test_acquire_exec_cp_and_release_from_the_command_line(cluster, namespace, s
     assert not (tmp_path / "leases" / f"{sid}.json").exists()
     wait_for(lambda: pod not in {p.metadata.name for p in pods(cluster.core, namespace)
                                  if not p.metadata.deletion_timestamp}, 20, "release")
-    r = sandman("get", sid, check=4)  # gone: one line, the not-found code
+    r = sandman("get", sid, check=cli.EXIT_NOT_FOUND)  # gone: one line, the not-found code
     assert r.stderr.startswith("sandman: error: ") and r.stderr.count("\n") == 1
-    sandman("exec", sid, "--", "true", check=4)  # its lease went with it
+    sandman("exec", sid, "--", "true", check=cli.EXIT_NOT_FOUND)  # its lease went with it
 
     # drain: a job's sandboxes go at once; prewarm sets a pool's target.
     sandman("acquire", IMAGE, "--job", "cli-drain", "--cpu", "1", "--memory", "1Gi")
