@@ -27,6 +27,7 @@ import codecs
 import json
 import os
 import re
+import select
 import shlex
 import signal
 import stat
@@ -529,6 +530,10 @@ def cmd_shell(args: argparse.Namespace) -> int:
         def keys() -> None:  # the operator's keys, typed into the sandbox's terminal
             try:
                 while not done.is_set():
+                    # Polled, so that no key typed after the session ended is taken from
+                    # the operator's next program.
+                    if not select.select([0], [], [], 0.2)[0]:
+                        continue
                     data = os.read(0, 4096)
                     if not data:
                         return
@@ -570,7 +575,9 @@ def cmd_shell(args: argparse.Namespace) -> int:
             signal.signal(signum, h)
         try:
             if session is not None:
-                session.close()
+                session.close()  # kills what still runs there
+        except E.SandmanError:
+            pass  # the error or signal that got here is the one to report
         finally:
             sb.close()
 
