@@ -19,6 +19,7 @@ import asyncio
 import logging
 import tempfile
 import time
+from collections.abc import Callable, Sequence
 from typing import IO, TYPE_CHECKING
 
 import httpx
@@ -89,12 +90,9 @@ class Forker:
         every: list[asyncio.Future] = [snap, *kids]
         ok = False
         try:
-            done, _ = await asyncio.wait(every, return_when=asyncio.FIRST_EXCEPTION)
-            failed = [t for t in every if t.done() and not t.cancelled()
-                      and t.exception() is not None]
-            if failed:
-                # The parent's snapshot first: children waiting on it fail with its error too.
-                ex = failed[0].exception()
+            # The parent's snapshot first: children waiting on it fail with its error too.
+            ex = await first_failure(every)
+            if ex is not None:
                 if isinstance(ex, _Step):
                     metrics.forked(ex.result)
                     raise ex.error from None
@@ -116,11 +114,7 @@ class Forker:
             if ok:
                 spool.close()
             else:
-                undo = self.c._spawn(self._undo(sid, every, got, spool), f"fork-undo-{sid}")
-                try:
-                    await asyncio.shield(undo)
-                except asyncio.CancelledError:
-                    pass  # the undo goes on by itself
+                await undo_detached(self.c, f"fork of {sid}", every, got, spool.close)
 
     def _parent(self, sid: str):
         e = self.c.books.entries.get(sid)
@@ -182,18 +176,41 @@ class Forker:
                     f"{what} of {sid}: sending its state to child {lease['id']} failed: "
                     f"{type(ex).__name__} {one_line(ex)}")) from None
 
-    async def _undo(self, sid: str, tasks: list[asyncio.Future], got: list[dict | None],
-                    spool: IO[bytes]) -> None:
-        """Every task ended, every child handed out released, the spool closed."""
-        for t in tasks:
-            t.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
-        spool.close()
-        released = [ch["id"] for ch in got if ch is not None]
-        for cid in released:
-            await self.c.release(cid)
-        if released:
-            log.info("fork of %s failed: released its children %s", sid, ", ".join(released))
+
+async def first_failure(tasks: Sequence[asyncio.Future]) -> BaseException | None:
+    """Waits until every task ended or one failed: the first failure (in `tasks`' order), or
+    None when all succeeded. The others are left running (the undo cancels them)."""
+    await asyncio.wait(tasks, return_when=asyncio.FIRST_EXCEPTION)
+    failed = [t for t in tasks if t.done() and not t.cancelled() and t.exception() is not None]
+    return failed[0].exception() if failed else None
+
+
+async def undo_detached(ctl: Controller, what: str, tasks: Sequence[asyncio.Future],
+                        got: Sequence[dict | None],
+                        after: Callable[[], object] | None = None) -> None:
+    """The undo of an all-or-nothing call that failed or whose caller left (a fork, a group):
+    every task ended, then every sandbox already handed out (`got`) released. It runs in a
+    task of its own: the caller's cancel cannot interrupt it halfway, and a create still in
+    flight is orphaned to the pipeline by its cancelled acquire (parked or deleted there)."""
+    undo = ctl._spawn(_undo(ctl, what, tasks, got, after), f"undo-{what}")
+    try:
+        await asyncio.shield(undo)
+    except asyncio.CancelledError:
+        pass  # the undo goes on by itself
+
+
+async def _undo(ctl: Controller, what: str, tasks: Sequence[asyncio.Future],
+                got: Sequence[dict | None], after: Callable[[], object] | None) -> None:
+    for t in tasks:
+        t.cancel()
+    await asyncio.gather(*tasks, return_exceptions=True)
+    if after is not None:
+        after()
+    released = [ch["id"] for ch in got if ch is not None]
+    for cid in released:
+        await ctl.release(cid)
+    if released:
+        log.info("%s failed: released %s", what, ", ".join(released))
 
 
 def snapshots_on(s, what: str) -> None:

@@ -127,6 +127,18 @@ FORK_SNAPSHOT_BYTES = Histogram("sandman_controller_fork_snapshot_bytes",
                                 "Size of the parent's state each fork copied",
                                 buckets=(1 << 10, 1 << 14, 1 << 17, 1 << 20, 1 << 23, 1 << 26,
                                          1 << 28, 1 << 30, 1 << 32))
+# A group acquire's end (controller/group.py): ok; refused (it can never fit under a cap, or a
+# bad request); acquire (a member could not be had: timeout, queue full, a failed pod);
+# client_closed (the caller left). Every failure released the members already handed out.
+GROUP_RESULTS = ("ok", "refused", "acquire", "client_closed")
+GROUPS = Counter("sandman_controller_groups_total", "Group acquires by result", ["result"])
+GROUP_SANDBOXES = Counter("sandman_controller_group_sandboxes_total",
+                          "Sandboxes handed out by group acquires that succeeded, by whether "
+                          "the warm pool served them", ["warm"])
+GROUP_SECONDS = Histogram("sandman_controller_group_seconds",
+                          "Group acquire latency of the groups that succeeded (to the last "
+                          "member ready)",
+                          buckets=(0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600))
 # Checkpoints (controller/checkpoint.py), by how each call ended: ok; refused (a grading
 # sandbox, one not handed out, checkpoints off, another tenant's id); snapshot (an execd could
 # not give its state); registry (the registry refused or failed); tampered (an artifact not
@@ -235,6 +247,15 @@ def forked(result: str, children: int = 0, seconds: float | None = None) -> None
         FORK_CHILDREN.inc(children)
     if seconds is not None:
         FORK_SECONDS.observe(seconds)
+
+
+def grouped(result: str, leases: list[dict] | None = None,
+            seconds: float | None = None) -> None:
+    GROUPS.labels(bounded(result, GROUP_RESULTS)).inc()
+    for lease in leases or ():
+        GROUP_SANDBOXES.labels("true" if lease.get("warm") else "false").inc()
+    if seconds is not None:
+        GROUP_SECONDS.observe(seconds)
 
 
 def checkpointed(result: str, sandboxes: int = 0, seconds: float | None = None,

@@ -18,6 +18,7 @@ from controller.checkpoint import parse_id
 from controller.core import Controller
 from controller.errors import AcquireError, NotLeader, SandboxGone
 from controller.forward import not_leader_headers
+from controller.group import acquire_group
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
 from sandman import api
 
@@ -238,17 +239,40 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         # Scoped to the caller as an acquire's: nobody else's replay finds these children.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
 
-        async def release_all(children) -> None:  # nobody will read these tokens
-            for ch in children:
-                await c.release(ch["id"])
         # As acquire: the handler learns of the caller's leaving and cancels the fork, whose
         # undo releases every child already made.
         done, children = await run_or_leave(
-            request, c.forker.fork(id, body.n, body.timeout_s, rid), release_all)
+            request, c.forker.fork(id, body.n, body.timeout_s, rid), releaser(c))
         if not done:
             return _err(api.CLIENT_CLOSED, "client disconnected")
         return JSONResponse(api.Forked([_lease(ch) for ch in children]).to_json(),
                             status_code=201)
+
+    @app.post(api.GROUP.path, status_code=201)
+    async def group(body: api.GroupRequest, request: Request):
+        """The rights of an acquire; an acquire's own answer per member, in order."""
+        who = await caller(request)
+        tenant = tenant_for(who, body.namespace)
+        if tenant is not None:
+            await auth.require(who, A.CREATE, tenant)
+        labels.check(body.labels)
+        c = ctl()
+        rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
+        assert body.count is not None  # checked by the model
+        done, leases = await run_or_leave(request, acquire_group(
+            c, AcquireOrder.of(body, A.scoped_job(tenant, body.job), rid), body.count),
+            releaser(c))
+        if not done:
+            return _err(api.CLIENT_CLOSED, "client disconnected")
+        return JSONResponse(api.Group([_lease(g) for g in leases]).to_json(), status_code=201)
+
+    def releaser(c: Controller):
+        """`on_late` of a call that hands out several sandboxes: nobody will read their
+        tokens."""
+        async def release_all(leases: list[dict]) -> None:
+            for lease in leases:
+                await c.release(lease["id"])
+        return release_all
 
     async def run_or_leave(request: Request, coro, on_late) -> tuple[bool, Any]:
         """(True, result) of `coro`, or (False, None) when the caller left first: then it is

@@ -4,7 +4,9 @@ Each user is one rollout: it acquires a sandbox (ACQUIRE, latency includes the p
 holds it (the paper's rollout sandboxes lived 136-207 s at the median; runs here scale that
 down with --hold-s), runs --commands small commands through execd (EXEC; needs a real execd
 behind each pod, see testbed/standin.py), and releases it (RELEASE); all through the SDK
-(`sandman.client`), whose `on_request` hook reports each call to locust (loadtest/users.py). With --kubeconfig, the pod
+(`sandman.client`), whose `on_request` hook reports each call to locust (loadtest/users.py).
+With --group-size N each user is one task's N rollouts: one GROUP call for N sandboxes, held and
+released together (the same pacing, caps and fairness as N acquires). With --kubeconfig, the pod
 watch adds POD_READY (create-to-Ready per pod) and the leak audit runs after the run.
 
 Shapes (--shape), played by `SandmanShape` (loadtest/shapes.py), advancing on what exists:
@@ -30,10 +32,10 @@ import gevent
 from locust import LoadTestShape, User, events, task
 
 from loadtest import common, shapes, users
-from loadtest.run import ACQUIRE, RUN
+from loadtest.run import ACQUIRE, GROUP, RUN
 from sandman.client import Sandbox
 
-common.install([ACQUIRE])
+common.install([ACQUIRE, GROUP])
 
 HOLD_DEFAULT = {"burst64": 5.0, "two-runs": 5.0, "ramp": -1.0, "steady": 3.0}
 MAX_HOLD_S = 3600.0  # "until the run ends" is still bounded
@@ -67,6 +69,9 @@ def _args(parser) -> None:
     g.add_argument("--pacing-rate", type=float, default=0.0,
                    help="the controller's --rate, drawn in the report (0: from /v1/stats)")
     g.add_argument("--pacing-burst", type=int, default=0, help="the controller's --burst")
+    g.add_argument("--group-size", type=_at_least_one, default=1,
+                   help="each user acquires this many sandboxes in one group call (GROUP), "
+                        "holds and releases them together (1: single acquires)")
 
 
 def _hold(o) -> float:
@@ -86,7 +91,7 @@ class SandboxUser(User):
         self.o = o
         self.sandboxes = users.Sandboxes(self.environment, o.controller_url)
         self.job = common.job_of(self.environment)
-        self.sb: Sandbox | None = None
+        self.sbs: list[Sandbox] = []
         self.cycles = 0
         self.max_cycles = 0 if o.shape == "steady" else 1
         self.finished = False
@@ -103,11 +108,17 @@ class SandboxUser(User):
         if self.finished:
             return
         self.last = time.monotonic()
-        self.sb = self.sandboxes.acquire(self.job)
-        if self.sb is not None:
-            self._hold_and_exec(self.sb)
-            users.release(self.sb)
-            self.sb = None
+        if self.o.group_size > 1:
+            self.sbs = self.sandboxes.acquire_group(self.job, self.o.group_size) or []
+        else:
+            sb = self.sandboxes.acquire(self.job)
+            self.sbs = [sb] if sb is not None else []
+        if self.sbs:
+            # The group's rollouts run side by side; the first member carries the commands.
+            self._hold_and_exec(self.sbs[0])
+            for sb in self.sbs:
+                users.release(sb)
+            self.sbs = []
         else:
             gevent.sleep(1.0)  # a failed acquire does not turn into a tight retry loop
         self.cycles += 1
@@ -132,9 +143,9 @@ class SandboxUser(User):
         gevent.sleep(step if n else hold)
 
     def on_stop(self) -> None:
-        if self.sb is not None:
-            users.later(users.release, self.sb)
-            self.sb = None
+        for sb in self.sbs:
+            users.later(users.release, sb)
+        self.sbs = []
 
 
 class SandmanShape(LoadTestShape):
@@ -150,6 +161,7 @@ class SandmanShape(LoadTestShape):
                 burst_s=max(_hold(o), 0) + 5.0, run_users=o.run_users)
             RUN.plan = self.plan
             RUN.extra.update({"shape": o.shape, "locustfile": "acquire_burst",
+                              "group_size": o.group_size,
                               "pacing": {"rate": o.pacing_rate or None,
                                          "burst": o.pacing_burst or None}})
         return self.plan.tick(self.get_run_time(), self.get_current_user_count(), RUN.live,

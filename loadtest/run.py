@@ -23,6 +23,7 @@ from sandman import api, execd_api
 
 # The SDK's on_request kinds (the routes of sandman/api.py and sandman/execd_api.py) are the types.
 ACQUIRE, RELEASE = api.ACQUIRE.kind, api.RELEASE.kind
+GROUP = api.GROUP.kind  # one call for --group-size sandboxes (acquire_burst)
 EXEC, FILE_WRITE, FILE_READ = (execd_api.EXEC.kind, execd_api.FILE_WRITE.kind,
                                execd_api.FILE_READ.kind)
 POD_CREATE, ADMISSION_REVIEW, POD_READY, LEAK = "POD_CREATE", "ADMISSION_REVIEW", "POD_READY", "LEAK"

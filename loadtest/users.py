@@ -67,15 +67,33 @@ class Sandboxes:
                                      timeout_s=o.acquire_timeout_s)
         except SandmanError:
             pass
-        tm = sb.timings if sb is not None else None
-        RUN.acquires.append([RUN.rel(t), RUN.rel(), sb is not None,
-                             bool(sb is not None and sb.warm),
-                             tm.queued_ms if tm else None, tm.create_ms if tm else None,
-                             tm.ready_ms if tm else None])
-        if sb is not None and sb.id is not None:
-            RUN.live += 1
-            RUN.held[sb.id] = sb
+        self._book(t, [sb] if sb is not None else [None])
         return sb
+
+    def acquire_group(self, job: str, count: int) -> list[Sandbox] | None:
+        """One GROUP call for `count` sandboxes; each member is one row of the run's acquires
+        (its own queue and create timings), a failed group one failed row."""
+        o = self.env.parsed_options
+        t = time.time()
+        group = None
+        try:
+            group = self.client.acquire_group(o.image, count, job=job, cpu=o.cpu,
+                                              memory=o.memory, timeout_s=o.acquire_timeout_s)
+        except SandmanError:
+            pass
+        self._book(t, list(group) if group is not None else [None])
+        return group
+
+    def _book(self, t: float, got: list[Sandbox | None]) -> None:
+        for sb in got:
+            tm = sb.timings if sb is not None else None
+            RUN.acquires.append([RUN.rel(t), RUN.rel(), sb is not None,
+                                 bool(sb is not None and sb.warm),
+                                 tm.queued_ms if tm else None, tm.create_ms if tm else None,
+                                 tm.ready_ms if tm else None])
+            if sb is not None and sb.id is not None:
+                RUN.live += 1
+                RUN.held[sb.id] = sb
 
     def exec(self, sb: Sandbox, command: str, label: str = "") -> int | None:
         """The command's exit code, None when the call failed."""

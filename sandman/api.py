@@ -75,6 +75,9 @@ RELEASE_REUSE_PARAM = "reuse"
 # n new sandboxes of this one's spec, tenant and job, each holding its state at the call
 # (docs/controller.md "Fork"). The rights of a release.
 FORK = Route("FORK", "POST", "/v1/sandboxes/{id}/fork")
+# A group: `count` sandboxes of one spec in one call, all ready or none left (docs/controller.md
+# "Group acquires"). The rights of an acquire.
+GROUP = Route("GROUP", "POST", "/v1/groups")
 # Checkpoints (docs/controller.md "Checkpoints"): the state of named sandboxes, or of a job's
 # agent sandboxes, stored in the admin's registry as one artifact each; one id for the set.
 # The rights of a fork; RESTORE makes every sandbox of it anew (the rights of an acquire in
@@ -92,8 +95,8 @@ HEALTHZ = Route("HEALTHZ", "GET", "/healthz")  # the process is alive (same as L
 LIVEZ = Route("LIVEZ", "GET", "/livez")  # the process and its event loop answer; never the API
 READYZ = Route("READYZ", "GET", "/readyz")  # this replica can serve (a standby forwards)
 METRICS = Route("METRICS", "GET", "/metrics")  # Prometheus text format
-ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, FORK, CHECKPOINT, RESTORE, PAUSE,
-          PREWARM, DRAIN, STATS, PREPULL, IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
+ROUTES = (ACQUIRE, LIST, GET, RELEASE, RENEW, RETIRE, SHADOW, FORK, GROUP, CHECKPOINT, RESTORE,
+          PAUSE, PREWARM, DRAIN, STATS, PREPULL, IMAGES, HEALTHZ, LIVEZ, READYZ, METRICS)
 
 # execd's routes, bodies and limits (the tree caps and header among them) are
 # sandman/execd_api.py's.
@@ -423,6 +426,26 @@ class AcquireRequest(_Model):
                     ephemeral_storage=self.ephemeral_storage, gpu=self.gpu)
 
 
+# Sandboxes per group: each is one create through the pacer (or one warm pod); a wider group
+# is several calls.
+MAX_GROUP = 256
+
+
+@dataclass(frozen=True, **_KW_ONLY)
+class GroupRequest(AcquireRequest):
+    """`POST /v1/groups`: an acquire's body and `count`: that many sandboxes of the spec, each
+    paced, capped and served from the warm pool as an acquire is, answered once all are ready.
+    All or nothing. `request_id`: a retry by the same caller gets the same group while it is in
+    flight or leased. `timeout_s`: for the whole group."""
+
+    count: int | None = None  # required (a default only because the fields before have one)
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        _check(not isinstance(self.count, bool) and isinstance(self.count, int)
+               and 1 <= self.count <= MAX_GROUP, f"count: must be an integer 1 to {MAX_GROUP}")
+
+
 @dataclass(frozen=True, **_KW_ONLY)
 class RenewRequest(_Model):
     """`POST /v1/sandboxes/{id}/renew`: expires_at becomes now + `lifetime_s` (None: the
@@ -715,8 +738,26 @@ class Forked(_Model):
     @staticmethod
     def read_children(data: Any, lease: type[_LeaseT]) -> list[_LeaseT]:
         """The children, each read as `lease` (Lease, or the SDK's subclass adding `raw`)."""
-        what = "fork answer"
-        return [lease.from_json(c) for c in _req(_answer(data, what), "children", list, what)]
+        return _leases(data, "children", lease, "fork answer")
+
+
+@dataclass(frozen=True)
+class Group(_Model):
+    """201 to a group acquire: each sandbox as an acquire answers it (its token included)."""
+
+    sandboxes: list[Lease]
+
+    @classmethod
+    def from_json(cls, data: Any) -> Group:
+        return cls(sandboxes=cls.read(data, Lease))
+
+    @staticmethod
+    def read(data: Any, lease: type[_LeaseT]) -> list[_LeaseT]:
+        return _leases(data, "sandboxes", lease, "group answer")
+
+
+def _leases(data: Any, key: str, lease: type[_LeaseT], what: str) -> list[_LeaseT]:
+    return [lease.from_json(c) for c in _req(_answer(data, what), key, list, what)]
 
 
 @dataclass(frozen=True)

@@ -46,6 +46,7 @@ REPLACEMENTS: list[tuple[str, str]] = [
     (r"\bAsyncBaseTransport\b", "BaseTransport"),
     (r"\bAsyncHTTPTransport\b", "HTTPTransport"),
     (r"\bAsyncClient\b", "Client"),
+    (r"\bAsyncSandboxGroup\b", "SandboxGroup"),
     (r"\bAsyncSandbox\b", "Sandbox"),
     (r"\bAsyncProcess\b", "Process"),
     (r"\bAsyncSession\b", "Session"),

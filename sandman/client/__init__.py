@@ -13,10 +13,10 @@ operations in it through its execd, release it. docs/sdk.md has the guide.
 
 from sandman._version import __version__
 from sandman.api import Checkpointed
-from sandman.client._async.client import AsyncClient
+from sandman.client._async.client import AsyncClient, AsyncSandboxGroup
 from sandman.client._async.sandbox import AsyncProcess, AsyncSandbox, AsyncSession
 from sandman.client._core import RetryPolicy
-from sandman.client._sync.client import Client
+from sandman.client._sync.client import Client, SandboxGroup
 from sandman.client._sync.sandbox import Process, Sandbox, Session
 from sandman.client.editing import (
     EditAmbiguous,
@@ -94,7 +94,7 @@ from sandman.client.models import (
 
 __all__ = [
     "AcquireTimeout", "AcquireTimings", "AsyncClient", "AuthUnavailable", "Forbidden",
-    "Unauthenticated", "AsyncSandbox", "BadOwner", "BadRequest", "CheckpointFailed",
+    "Unauthenticated", "AsyncSandbox", "AsyncSandboxGroup", "BadOwner", "BadRequest", "CheckpointFailed",
     "CheckpointGone", "Checkpointed", "Client",
     "CommandTimeout", "ConditionReadings", "Conditions", "ConditionsCheck", "ConditionsRefused", "ConfigurationError",
     "ControllerError",
@@ -102,7 +102,7 @@ __all__ = [
     "EditRefused", "EditResult", "ExecResult",
     "ExecdError", "FileContent", "FileNotFound", "ForkFailed", "Health", "ImageChanged", "ImageUnresolved", "Images", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",
-    "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGone", "SandboxInfo",
+    "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGroup", "SandboxGone", "SandboxInfo",
     "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
     "WriteResult", "__version__",
     # sb.spawn(): background processes

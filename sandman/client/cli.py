@@ -2,7 +2,7 @@
 `python3 -m sandman.client`). It reads the same environment as `Client()` ($SANDMAN_URL,
 $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE; `--url`, `--token-file`, `--ca-file` override them).
 
-    sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600]
+    sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600] [--count N]
     sandman fork ID -n N
     sandman checkpoint (--job JOB | ID ...) | restore CHECKPOINT
     sandman exec ID [--timeout S] [--idle-timeout S] [--] COMMAND ...
@@ -309,6 +309,8 @@ def _client(args: argparse.Namespace) -> Client:
 
 
 def cmd_acquire(args: argparse.Namespace) -> int:
+    if args.count is not None:
+        return _acquire_group(args)
     with _client(args) as c:
         sb = c.acquire(args.image, job=args.job, cpu=args.cpu, memory=args.memory,
                        egress=_egress(args), role=args.role, namespace=args.namespace,
@@ -348,9 +350,23 @@ def _keep_all(c: Client, sbs: Sequence[Sandbox]) -> list[tuple[Lease, Path]]:
     return kept
 
 
+def _acquire_group(args: argparse.Namespace) -> int:
+    """`acquire --count N`: one call for N sandboxes of the spec, all kept or none."""
+    with _client(args) as c:
+        kept = _keep_all(c, c.acquire_group(
+            args.image, args.count, job=args.job, cpu=args.cpu, memory=args.memory,
+            egress=_egress(args), role=args.role, namespace=args.namespace,
+            timeout_s=args.timeout, lifetime_s=args.lifetime, renew=False))
+    return _emit_kept(args, kept)
+
+
 def cmd_fork(args: argparse.Namespace) -> int:
     with _client(args) as c:
         kept = _keep_all(c, c.fork(args.id, args.n, timeout_s=args.timeout, renew=False))
+    return _emit_kept(args, kept)
+
+
+def _emit_kept(args: argparse.Namespace, kept: list[tuple[Lease, Path]]) -> int:
     emit(args, [{"id": lease.id, "pod": lease.pod, "expires_at": lease.expires_at,
                  "lease_file": str(path)} for lease, path in kept],
          lambda: [["ID", "POD", "EXPIRES"]] + [[lease.id, lease.pod, str(lease.expires_at)]
@@ -706,6 +722,9 @@ def parser() -> argparse.ArgumentParser:
                    help="seconds to wait for a ready sandbox")
     p.add_argument("--lifetime", type=float, default=None,
                    help="seconds the sandbox lives unless renewed (default the controller's)")
+    p.add_argument("--count", type=int, default=None,
+                   help=f"a group: this many sandboxes (1 to {api.MAX_GROUP}) in one call, "
+                        "all ready or none kept; prints one row each")
     p.set_defaults(func=cmd_acquire)
 
     p = sub.add_parser("fork", help="N new sandboxes holding a sandbox's state; keep their "

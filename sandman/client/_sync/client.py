@@ -153,15 +153,15 @@ class Client:
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(
-            api.AcquireRequest, image=image, job=job, cpu=str(cpu), memory=str(memory),
-            egress=_core.egress_of(egress), workspace=workspace, owner=_core.owner_of(owner),
-            labels=dict(labels or {}), timeout_s=timeout_s, warm_ok=bool(warm_ok),
-            wait=bool(wait), lifetime_s=lifetime_s, namespace=namespace, role=role,
-            conditions=_core.conditions_of(conditions), reused_ok=bool(reused_ok),
-            ephemeral_storage=ephemeral_storage, gpu=gpu,
+            api.AcquireRequest, image=image, job=job, timeout_s=timeout_s,
             # One id for every attempt: a retry whose first answer was lost gets the same
             # sandbox back from the controller instead of a second one.
-            request_id=_core.new_request_id())
+            request_id=_core.new_request_id(),
+            **_spec_fields(cpu=cpu, memory=memory, egress=egress, workspace=workspace,
+                           owner=owner, labels=labels, warm_ok=warm_ok, wait=wait,
+                           lifetime_s=lifetime_s, namespace=namespace, role=role,
+                           conditions=conditions, reused_ok=reused_ok,
+                           ephemeral_storage=ephemeral_storage, gpu=gpu))
         return self._acquire(body, renew)
 
     def _acquire(self, body: api.AcquireRequest, renew: bool = True) -> Sandbox:
@@ -218,6 +218,40 @@ class Client:
         kids = [self._adopt(lease, job, renew) for lease in leases]
         log.info("sandbox %s forked into %s", sandbox_id, ", ".join(k.id or "" for k in kids))
         return kids
+
+    def acquire_group(self, image: str, count: int, *, job: str,
+                      timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                      renew: bool = True, **spec: Any) -> SandboxGroup:
+        """`count` ready sandboxes of one spec in one call (1 to api.MAX_GROUP), for N
+        rollouts of one task: a list of handles, held like acquired ones; `with` it to
+        release them all on exit. `spec`: acquire's other keywords (cpu, memory, egress,
+        role, conditions, ...), the same for every member.
+
+        The controller paces the members as `count` creates under the job's budget and
+        fairness, and serves what the warm pool holds first. All or nothing: on any failure
+        (a member's AcquireTimeout, QueueFull, PodFailed; BadRequest for a group that can
+        never fit under the job's cap) no member is left and one error says why. `timeout_s`
+        bounds the whole group. A retry of a lost answer gets the same group back."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        body = _core.request(api.GroupRequest, image=image, job=job, count=count,
+                             timeout_s=timeout_s, request_id=_core.new_request_id(),
+                             **_spec_fields(**spec))
+        return self._group(body, renew)
+
+    def _group(self, body: api.GroupRequest, renew: bool) -> SandboxGroup:
+        resp = self._send(api.GROUP, json=body.to_json(),
+                          read_s=float(body.timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
+        try:
+            leases = api.Group.read(_core.decode_json(resp, "group"), Lease)
+        except api.AnswerError as e:
+            raise ProtocolError(str(e)) from None
+        if len(leases) != body.count:
+            raise ProtocolError(f"group: asked for {body.count} sandboxes, the controller "
+                                f"answered {len(leases)}")
+        got = SandboxGroup(self._adopt(lease, body.job, renew) for lease in leases)
+        log.info("group of %d acquired: %s", len(got), ", ".join(sb.id or "" for sb in got))
+        return got
 
     def checkpoint(self, *, job: str | None = None, ids: Sequence[str] | None = None,
                    namespace: str | None = None,
@@ -472,6 +506,47 @@ class Client:
             log.info("controller %s %s attempt %d failed (%s); retrying in %.2fs", method,
                      path, attempts.n, type(err).__name__, delay)
             time.sleep(delay)
+
+
+class SandboxGroup(list[Sandbox]):
+    """What `acquire_group` gives: the members, in order; `with` releases them all."""
+
+    def __enter__(self) -> SandboxGroup:
+        return self
+
+    def __exit__(self, exc_type: Any, exc: Any, tb: Any) -> None:
+        self.release()
+
+    def release(self) -> int:
+        """Every member given back (each release idempotent); how many this call released.
+        Every member is tried even if one fails; the first failure is raised after."""
+        n, first = 0, None
+        for sb in self:
+            try:
+                n += bool(sb.release())
+            except SandmanError as e:  # the client retries it when closed
+                first = first or e
+        if first is not None:
+            raise first
+        return n
+
+
+def _spec_fields(*, cpu: str | int | float = api.DEFAULT_CPU, memory: str = api.DEFAULT_MEMORY,
+                 egress: str | Mapping[str, Sequence[str]] = api.DEFAULT_EGRESS,
+                 workspace: str | None = None,
+                 owner: Owner | Mapping[str, str] | None = None,
+                 labels: Mapping[str, str] | None = None, warm_ok: bool = True,
+                 wait: bool = True, lifetime_s: float | None = None,
+                 namespace: str | None = None, role: str = api.DEFAULT_ROLE,
+                 conditions: api.Conditions | Mapping[str, Any] | None = None,
+                 reused_ok: bool = False, ephemeral_storage: str | None = None,
+                 gpu: int = 0) -> dict[str, Any]:
+    """An acquire's spec and options as the request's fields (acquire and acquire_group)."""
+    return dict(cpu=str(cpu), memory=str(memory), egress=_core.egress_of(egress),
+                workspace=workspace, owner=_core.owner_of(owner), labels=dict(labels or {}),
+                warm_ok=bool(warm_ok), wait=bool(wait), lifetime_s=lifetime_s,
+                namespace=namespace, role=role, conditions=_core.conditions_of(conditions),
+                reused_ok=bool(reused_ok), ephemeral_storage=ephemeral_storage, gpu=gpu)
 
 
 def _check_id(sandbox_id: str) -> str:
