@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
-        demo bench-loadtest bench-realnode bench-trees bench-replay bench-group
+        demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -157,6 +157,9 @@ bench-replay: deps  ## warm-pool policies (none, fixed 2 per key, demand-sized) 
 bench-realnode: REAL_NODE := 1
 bench-realnode: deps testbed-build  ## real node: create-to-Ready, acquire-to-first-command, execd echo vs a bare pod (docs/benchmarks.md)
 	$(VPY) -m bench.realnode --write-docs
+
+bench-fork: deps testbed-build  ## fork to 8 from a warm pool vs a warm acquire + the delta's upload; restore of 64 vs 64 fresh acquires (REAL_NODE=1: the real node too)
+	$(VPY) -m bench.fork --write-docs
 
 bench-group: deps testbed-build  ## one group acquire of N vs N parallel acquires: calls, time to the last sandbox, pacing
 	$(VPY) -m bench.group --write-docs

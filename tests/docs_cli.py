@@ -41,7 +41,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "testbed.images": ("testbed.images", "main"),
     "testbed.kind_up": ("testbed.kind_up", "main"),
     **{f"bench.{b}": (f"bench.{b}", "main")
-       for b in ("controller", "execd", "loadtest", "minisweagent", "netguard", "realnode",
+       for b in ("controller", "execd", "fork", "loadtest", "minisweagent", "netguard", "realnode",
                  "replay", "reuse", "swerex", "trees", "webhook", "group")},
 }
 # Entry points that read their argv by hand and take no flag at all.

@@ -13,6 +13,7 @@ import pytest
 from bench import (
     controller,
     execd,
+    fork,
     loadtest,
     minisweagent,
     reuse,
@@ -63,7 +64,7 @@ def test_reuse_execd_part(capsys, docs_untouched):
 
 
 def test_smoke_never_writes_docs():
-    for bench in (execd, swerex, minisweagent, reuse, webhook, controller, loadtest):
+    for bench in (execd, swerex, minisweagent, reuse, webhook, controller, loadtest, fork):
         with pytest.raises(SystemExit):
             bench.main(["--smoke", "--write-docs"])
 
@@ -74,6 +75,16 @@ def test_reuse_controller_part(cluster, tmp_path, docs_untouched):
     res = reuse_controller.measure(cluster, tmp_path, rounds=1)
     assert len(res["fresh"]) == len(res["reused"]) == len(res["give_back"]) == 1
     assert reuse_controller.render(res).startswith(reuse_controller.SECTION)
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(400)
+def test_fork(cluster, tmp_path, docs_untouched):
+    a = fork.parse(["--smoke"])
+    res = fork.measure(cluster, tmp_path, a)
+    assert res["checks"] == a.children and res["checkpoint"]["checks"] == a.checkpoint_count
+    section = fork.render(res, a, "python -m bench.fork --smoke", ("0", "0"))
+    assert section.startswith(fork.SECTION) and "goal <= 2x" in section
 
 
 @pytest.mark.testbed
