@@ -5,7 +5,12 @@ each (testbed/standin.py). What is asserted is what the controller and the API s
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import io
+import json
+import os
 import threading
+from pathlib import Path
 
 import httpx
 import pytest
@@ -177,10 +182,30 @@ def test_the_async_twin_acquires_a_group(cluster, namespace, bed):
     async def run() -> None:
         async with AsyncClient(ctl.url) as cl:
             async with cl.acquire_group(IMAGE, 2, job="async", timeout_s=60, **SIZE) as group:
-                assert len({sb.id for sb in group}) == 2
-                for sb in group:
-                    assert (await sb.exec("echo hi")).output == "hi\n"
+                outs = await asyncio.gather(*(sb.exec("echo hi") for sb in group))
+                assert [o.output for o in outs] == ["hi\n", "hi\n"]
             assert all(sb.released for sb in group)
 
     asyncio.run(asyncio.wait_for(run(), 120))
+    nothing_left(cluster, namespace, ctl)
+
+
+def test_the_cli_acquires_a_group_and_keeps_every_lease(cluster, namespace, bed, tmp_path):
+    ctl = bed
+    from sandman.client import cli
+
+    os.environ[cli.ENV_LEASE_DIR] = str(tmp_path / "leases")
+    try:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli.main(["--url", ctl.url, "-o", "json", "acquire", IMAGE, "--job", "cli",
+                             "--count", "3", "--cpu", "1", "--memory", "1Gi"]) == 0
+        got = json.loads(buf.getvalue())
+        assert [sorted(g) for g in got] == [["expires_at", "id", "lease_file", "pod"]] * 3
+        assert leased(ctl) == {g["id"] for g in got}
+        for g in got:
+            assert Path(g["lease_file"]).exists()
+            assert cli.main(["--url", ctl.url, "release", g["id"]]) == 0
+    finally:
+        os.environ.pop(cli.ENV_LEASE_DIR, None)
     nothing_left(cluster, namespace, ctl)
