@@ -14,6 +14,7 @@ from bench import (
     controller,
     execd,
     fork,
+    group,
     loadtest,
     minisweagent,
     reuse,
@@ -64,7 +65,7 @@ def test_reuse_execd_part(capsys, docs_untouched):
 
 
 def test_smoke_never_writes_docs():
-    for bench in (execd, swerex, minisweagent, reuse, webhook, controller, loadtest, fork):
+    for bench in (execd, swerex, minisweagent, reuse, webhook, controller, loadtest, fork, group):
         with pytest.raises(SystemExit):
             bench.main(["--smoke", "--write-docs"])
 
@@ -85,6 +86,17 @@ def test_fork(cluster, tmp_path, docs_untouched):
     assert res["checks"] == a.children and res["checkpoint"]["checks"] == a.checkpoint_count
     section = fork.render(res, a, "python -m bench.fork --smoke", ("0", "0"))
     assert section.startswith(fork.SECTION) and "goal <= 2x" in section
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_group(cluster, tmp_path, docs_untouched):
+    _, a = group.parse(["--smoke"])
+    res = group.measure(cluster, tmp_path, a)
+    assert [r["calls"] for r in res["group"]] == [1]
+    assert [r["calls"] for r in res["parallel"]] == [a.count]
+    assert all(r["creates"] == a.count for arm in group.ARMS for r in res[arm])
+    assert group.render(res, a, "python -m bench.group --smoke").startswith(group.SECTION)
 
 
 @pytest.mark.testbed
