@@ -188,3 +188,21 @@ def test_acquire_with_commands_in_steady_shape(stack):
     assert st["EXEC /exec (turn)"]["requests"] == 2 * cycles
     assert st["EXEC /exec (turn)"]["failures"] == 0
     assert [x["label"] for x in s["stages"]] == ["base0"]
+
+
+def test_acquire_burst_in_groups(stack):
+    """--group-size: each user's one GROUP call gets its members, released together; each
+    member is one of the run's acquires and nothing leaks."""
+    url = controller(stack)
+    log = stack["tmp"] / "groups.log"
+    code = locust("acquire_burst.py", ["--shape", "burst64", "--run-users", "4", "--group-size",
+                                       "3", "--hold-s", "1", "--max-leaked", "0",
+                                       "--max-p99-ms", "60000",
+                                       *common_args(stack, url, "groups")], log, timeout=180)
+    s = summary(stack, "groups")
+    assert code == 0, log.read_text()[-3000:]
+    st = s["stats"]
+    assert st["GROUP /v1/groups"]["requests"] == 4 and st["GROUP /v1/groups"]["failures"] == 0
+    assert "ACQUIRE /v1/sandboxes" not in st
+    assert st["RELEASE /v1/sandboxes/{id}"]["requests"] == 12
+    assert s["leaked"] == [] and s["audit"].startswith("0 pod(s)")
