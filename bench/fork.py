@@ -356,7 +356,7 @@ def real_lines(real: dict) -> list[str]:
         f"| the same pod without it, median of {len(none)} | {_ms(n50)} | 1.00x |", "",
         f"Checked: {f['kids_same']} of {real['children']} children and {f['restored_same']} of "
         f"{real['count']} restored sandboxes with their source's manifest (kinds, modes, link "
-        f"targets and sha256 of /work, /etc and /root, {f['manifest_lines']} lines) and, for "
+        f"targets and sha256 of the changed tree /work, {f['manifest_lines']} lines) and, for "
         "the restored, cwd and exported variable. The base's cost: labelled pods of the task "
         "image made by the webhook (no controller), one at a time, the two arms alternating; "
         "every agent pod the controller makes records the base before its execd serves.", ""]
