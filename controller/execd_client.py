@@ -18,10 +18,9 @@ from sandman import execd_api as X
 from sandman.api import Route
 
 APPLY_CHUNK = 1 << 20  # bytes of a spooled snapshot read per send
-# The most a fork spools: execd's cap on a snapshot's content bytes plus its tar framing, at
-# most 10 KiB a member (a header, a pax header naming a path and a link target of up to
-# TREE_NAME_MAX bytes each, padding) for SNAPSHOT_MAX_ENTRIES members.
-SNAPSHOT_ARCHIVE_MAX = X.SNAPSHOT_MAX_BYTES + X.SNAPSHOT_MAX_ENTRIES * (10 << 10)
+# The most a fork spools: execd's own bound on a snapshot archive (content, manifest and every
+# member's headers), so a snapshot execd sends at its caps is never refused here.
+SNAPSHOT_ARCHIVE_MAX = X.SNAPSHOT_ARCHIVE_MAX
 
 
 class SnapshotBroken(RuntimeError):

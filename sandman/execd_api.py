@@ -99,6 +99,11 @@ PTY_READ_WAIT_MAX = 30.0  # one /sessions/read waits at most this; the SDK asks 
 PTY_SIZE_MAX = 4096  # a session's columns and rows
 SNAPSHOT_MAX_BYTES = 1 << 30  # content bytes of one snapshot (execd's --max-snapshot-bytes)
 SNAPSHOT_MAX_ENTRIES = 200_000  # members of one snapshot (files, dirs, links), either way
+SNAPSHOT_MANIFEST_MAX = 64 << 20  # bytes of its first member, the manifest
+SNAPSHOT_MEMBER_MAX = 12288  # a member's headers at most (header, pax name and link target)
+# A whole snapshot archive at execd's default caps: what a relay of one must accept.
+SNAPSHOT_ARCHIVE_MAX = (SNAPSHOT_MAX_BYTES + SNAPSHOT_MANIFEST_MAX
+                        + (SNAPSHOT_MAX_ENTRIES + 2) * SNAPSHOT_MEMBER_MAX)
 
 
 # ---- request bodies

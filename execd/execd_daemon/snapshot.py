@@ -27,7 +27,11 @@ SNAPSHOT_MANIFEST_MAX = 64 << 20  # the manifest's bytes (its deleted list is mo
 SNAPSHOT_STAGING_PREFIX = ".execd-snapshot-"
 # A member's headers at most: its 512-byte header and a pax header holding a name and a link
 # target of TREE_NAME_MAX bytes each (the archive's bound beyond its content bytes).
-_MEMBER_MAX = 12288
+SNAPSHOT_MEMBER_MAX = 12288
+# A whole archive at the default caps: what a client that relays one (the controller's fork)
+# must accept.
+SNAPSHOT_ARCHIVE_MAX = (SNAPSHOT_MAX_BYTES + SNAPSHOT_MANIFEST_MAX
+                        + (SNAPSHOT_MAX_ENTRIES + 2) * SNAPSHOT_MEMBER_MAX)
 # Never carried, never written: the kubelet's and the runtime's per-pod files are mount points
 # (skipped by device); these are the pseudo file systems and execd's own read-only dir.
 SNAPSHOT_EXCLUDE = ("proc", "sys", "dev")
@@ -273,7 +277,7 @@ def _r_snapshot(handler, query):
         handler.wfile.write(("HTTP/1.1 200 OK\r\nServer: %s\r\nContent-Type: application/x-tar"
                              "\r\nTransfer-Encoding: chunked\r\nCache-Control: no-store\r\n\r\n"
                              % handler.server_version).encode("latin-1"))
-        out = TreeSender(handler, size + (len(carried) + 2) * _MEMBER_MAX + len(manifest)
+        out = TreeSender(handler, size + (len(carried) + 2) * SNAPSHOT_MEMBER_MAX + len(manifest)
                          + 20480)
         links = {}  # (dev, ino) -> the first member's name: later names are hard links
         try:
@@ -503,7 +507,7 @@ def _r_snapshot_apply(handler, query):
         raise HTTPError(409, "a snapshot was applied here already (one per pod)")
     cap = d.args.max_snapshot_bytes
     body = tree_body(handler, cap + SNAPSHOT_MANIFEST_MAX
-                     + (SNAPSHOT_MAX_ENTRIES + 2) * _MEMBER_MAX, "--max-snapshot-bytes")
+                     + (SNAPSHOT_MAX_ENTRIES + 2) * SNAPSHOT_MEMBER_MAX, "--max-snapshot-bytes")
     try:
         res = _apply(d, base, body, cap)
     except HTTPError as e:

@@ -69,6 +69,8 @@ def test_the_routes_without_a_token_are_the_same():
     ("BG_WAIT_MAX", "BG_WAIT_MAX"), ("PTY_WRITE_MAX", "PTY_WRITE_MAX"),
     ("PTY_READ_WAIT_MAX", "PTY_READ_WAIT_MAX"), ("PTY_SIZE_MAX", "PTY_SIZE_MAX"),
     ("SNAPSHOT_MAX_BYTES", "SNAPSHOT_MAX_BYTES"), ("SNAPSHOT_MAX_ENTRIES", "SNAPSHOT_MAX_ENTRIES"),
+    ("SNAPSHOT_MANIFEST_MAX", "SNAPSHOT_MANIFEST_MAX"),
+    ("SNAPSHOT_MEMBER_MAX", "SNAPSHOT_MEMBER_MAX"), ("SNAPSHOT_ARCHIVE_MAX", "SNAPSHOT_ARCHIVE_MAX"),
 ])
 def test_the_limits_both_sides_need_are_execds(ours, theirs):
     assert getattr(X, ours) == execd_limit(theirs)

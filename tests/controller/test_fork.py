@@ -81,7 +81,7 @@ class Ctl:
 
     def __init__(self, port: int, role: str = contract.ROLE_AGENT,
                  slow: tuple[float, ...] = ()):
-        self.s = SimpleNamespace(execd_port=port, health_timeout=5.0)
+        self.s = SimpleNamespace(execd_port=port, health_timeout=5.0, snapshot_base=True)
         spec = SimpleNamespace(role=role, image="img@sha256:" + "0" * 64)
         self.parent = SimpleNamespace(id="p", stage=State.LEASED, spec=spec, token=PARENT,
                                       ip="127.0.0.1", job="job", owner=None, labels={},
