@@ -143,9 +143,12 @@ GROUP_SECONDS = Histogram("sandman_controller_group_seconds",
 # sandbox, one not handed out, checkpoints off, another tenant's id); snapshot (an execd could
 # not give its state); registry (the registry refused or failed); tampered (an artifact not
 # the bytes its digest names, or not a checkpoint of that tenant); size (over the bound);
-# acquire / apply (a restore's sandbox could not be had, or refused the state); client_closed.
-CHECKPOINT_RESULTS = ("ok", "refused", "snapshot", "registry", "tampered", "size", "acquire",
-                      "apply", "client_closed")
+# client_closed. A restore: the same but snapshot, and acquire / apply (a sandbox of it could
+# not be had, or refused the state).
+CHECKPOINT_RESULTS = ("ok", "refused", "snapshot", "registry", "tampered", "size",
+                      "client_closed")
+RESTORE_RESULTS = ("ok", "refused", "registry", "tampered", "size", "acquire", "apply",
+                   "client_closed")
 CHECKPOINTS = Counter("sandman_controller_checkpoints_total", "Checkpoints by result",
                       ["result"])
 CHECKPOINT_BYTES = Histogram("sandman_controller_checkpoint_bytes",
@@ -268,7 +271,7 @@ def checkpointed(result: str, sandboxes: int = 0, seconds: float | None = None,
 
 
 def restored(result: str, sandboxes: int = 0, seconds: float | None = None) -> None:
-    RESTORES.labels(bounded(result, CHECKPOINT_RESULTS)).inc()
+    RESTORES.labels(bounded(result, RESTORE_RESULTS)).inc()
     if sandboxes:
         RESTORED_SANDBOXES.inc(sandboxes)
     if seconds is not None:
