@@ -358,7 +358,8 @@ def real_lines(real: dict) -> list[str]:
         f"{real['count']} restored sandboxes with their source's manifest (kinds, modes, link "
         f"targets and sha256 of the changed tree /work, {f['manifest_lines']} lines) and, for "
         "the restored, cwd and exported variable. The base's cost: labelled pods of the task "
-        "image made by the webhook (no controller), one at a time, the two arms alternating; "
+        "image made by the webhook (no controller), one at a time, the two arms alternating, "
+        "each checked by its execd's answer to `GET /snapshot` (a base, or 409 without); "
         "every agent pod the controller makes records the base before its execd serves.", ""]
 
 
@@ -374,14 +375,18 @@ def _pods_gone(core, ns: str, timeout: float = WAIT_S) -> None:
 def base_cost(core, ns: str, pairs: int, cpu: str, memory: str) -> dict[str, list[float]]:
     """create-to-Ready of a webhook-made sandbox pod of the task image with SANDMAN_SNAPSHOT=on
     and without, one pod at a time, the arms alternating."""
+    import httpx
+
     from bench.realnode import _token, sandbox_pod
-    from sandman.contract import EXECD_SNAPSHOT_ENV
+    from sandman.contract import EXECD_PORT, EXECD_SNAPSHOT_ENV
+    from sandman.execd_api import SNAPSHOT
 
     out: dict[str, list[float]] = {"base": [], "none": []}
     for i in range(pairs):
         for arm in (("base", "none") if i % 2 == 0 else ("none", "base")):
             name = f"base-{arm}-{i}"
-            pod = sandbox_pod(name, _token()[1], cpu, memory)
+            token, sha = _token()
+            pod = sandbox_pod(name, sha, cpu, memory)
             if arm == "base":
                 pod["spec"]["containers"][0]["env"] = [{"name": EXECD_SNAPSHOT_ENV,
                                                         "value": "on"}]
@@ -389,6 +394,13 @@ def base_cost(core, ns: str, pairs: int, cpu: str, memory: str) -> dict[str, lis
             core.create_namespaced_pod(ns, pod)
             wait_for(lambda n=name: _ready(core.read_namespaced_pod(n, ns)), f"{name} Ready")
             out[arm].append(time.monotonic() - t)
+            # Its execd answers GET /snapshot (an empty one) only with a base: 409 without.
+            ip = core.read_namespaced_pod(name, ns).status.pod_ip
+            r = httpx.get(f"http://{ip}:{EXECD_PORT}{SNAPSHOT.path}", timeout=30,
+                          headers={"Authorization": f"Bearer {token}"}, trust_env=False)
+            if r.status_code != (200 if arm == "base" else 409):
+                raise RuntimeError(f"bench.fork: {name}: GET /snapshot answered "
+                                   f"{r.status_code}, so its base is not what the arm says")
             core.delete_namespaced_pod(name, ns, grace_period_seconds=0)
             _pods_gone(core, ns)
     return out
