@@ -59,6 +59,7 @@
 {{- define "sandman.api.DRAIN" -}}/v1/jobs/{job}/drain{{- end -}}
 {{- define "sandman.api.FORK" -}}/v1/sandboxes/{id}/fork{{- end -}}
 {{- define "sandman.api.GET" -}}/v1/sandboxes/{id}{{- end -}}
+{{- define "sandman.api.GROUP" -}}/v1/groups{{- end -}}
 {{- define "sandman.api.HEALTHZ" -}}/healthz{{- end -}}
 {{- define "sandman.api.IMAGES" -}}/v1/images{{- end -}}
 {{- define "sandman.api.LIST" -}}/v1/sandboxes{{- end -}}
