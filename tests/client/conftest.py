@@ -54,9 +54,17 @@ FAST_RETRY = RetryPolicy(attempts=4, backoff_s=0.05, backoff_max_s=0.2, budget_s
 # ---------------------------------------------------------------- execd (testbed/execd.py)
 
 
+def _start(workdir: Path) -> Execd:
+    # An empty HOME of its own: the machine's ~/.bashrc is not the image's (one that runs
+    # `pyenv init` keeps an interactive bash, as `sandman shell` starts, from its prompt).
+    home = workdir.parent / f"{workdir.name}-home"  # beside the workspace, not in it
+    home.mkdir(parents=True)
+    return start_execd(workdir, "--kill-grace", "0.2", env={"HOME": str(home)})
+
+
 @pytest.fixture(scope="module")
 def execd(tmp_path_factory) -> Execd:
-    ex = start_execd(tmp_path_factory.mktemp("execd"), "--kill-grace", "0.2")
+    ex = _start(tmp_path_factory.mktemp("execd"))
     try:
         yield ex
     finally:
@@ -65,7 +73,7 @@ def execd(tmp_path_factory) -> Execd:
 
 @pytest.fixture
 def fresh_execd(tmp_path) -> Execd:
-    ex = start_execd(tmp_path / "execd", "--kill-grace", "0.2")
+    ex = _start(tmp_path / "execd")
     try:
         yield ex
     finally:
