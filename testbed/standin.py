@@ -49,6 +49,7 @@ from __future__ import annotations
 
 import argparse
 import ipaddress
+import json
 import os
 import shutil
 import signal
@@ -110,18 +111,45 @@ class Standin:
         from kubernetes import watch
 
         deadline = time.monotonic() + self.max_s
+        rv = None  # the resourceVersion the next watch goes on from; None: list again
         while not self._stop.is_set() and time.monotonic() < deadline:
-            w = watch.Watch()
             try:
+                if rv is None:
+                    rv = self._resync()
+                w = watch.Watch()
                 for ev in w.stream(self.core.list_namespaced_pod, self.namespace,
-                                   timeout_seconds=2, deserialize=False):
-                    self._on_event(ev["type"], ev["object"])
+                                   resource_version=rv, timeout_seconds=2,
+                                   deserialize=False):
+                    obj = ev["object"]
+                    if ev["type"] == "ERROR":  # 410 Gone: too old, list again
+                        rv = None
+                        break
+                    rv = (obj.get("metadata") or {}).get("resourceVersion") or rv
+                    self._on_event(ev["type"], obj)
                     if self._stop.is_set():
                         w.stop()
                         break
             except Exception as e:  # noqa: BLE001 - a broken watch restarts, bounded above
                 self.say(f"standin: watch restarts: {e}")
+                rv = None
                 time.sleep(0.5)
+
+    def _resync(self) -> str:
+        """Every pod as listed now, and the execds of pods that are gone killed: a pod deleted
+        while no watch ran sends no event, and its execd would go on holding its IP, which kwok
+        gives the next pod (that pod's execd cannot bind, and its callers reach the old one's
+        token: 401). Returns the list's resourceVersion, where the next watch starts."""
+        raw = self.core.list_namespaced_pod(self.namespace, _preload_content=False)
+        data = json.loads(raw.data)
+        names = set()
+        for pod in data.get("items") or []:
+            names.add((pod.get("metadata") or {}).get("name"))
+            self._on_event("ADDED", pod)
+        with self._lock:
+            gone = [n for n in self.procs if n not in names]
+        for name in gone:
+            self._kill(name)
+        return data["metadata"]["resourceVersion"]
 
     def _on_event(self, kind: str, pod: dict) -> None:
         md, st = pod.get("metadata") or {}, pod.get("status") or {}

@@ -4,8 +4,10 @@ nothing listens off loopback, and the stand-in's execd lives exactly as long as 
 from __future__ import annotations
 
 import hashlib
+import json
 import secrets
 import sys
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -81,5 +83,34 @@ def test_standin_execd_follows_its_pod(tmp_path):
         pid = s.procs["p1"].pid
         s._on_event("MODIFIED", _pod("p1", ip, sha, deleting=True))
         assert s.alive() == [] and not pid_runs(pid, sys.executable)
+    finally:
+        s.stop()
+
+
+def test_standin_kills_the_execd_of_a_pod_deleted_while_no_watch_ran(tmp_path):
+    """A pod that went between two watches sends no DELETED: the next list's resync kills its
+    execd, which would otherwise go on holding the IP kwok gives the next pod (whose callers
+    then reach the old token: 401)."""
+    token = "t0ken"
+    sha = hashlib.sha256(token.encode()).hexdigest()
+    listed: list[dict] = []
+
+    class Core:  # the list the resync reads, as the API server would answer it
+        def list_namespaced_pod(self, namespace, _preload_content=True):
+            return SimpleNamespace(data=json.dumps(
+                {"metadata": {"resourceVersion": "42"}, "items": listed}).encode())
+
+    s = Standin(core=Core(), namespace="ns", workdir=tmp_path, say=lambda m: None)
+    s.workdir.mkdir(parents=True, exist_ok=True)
+    ip = f"127.64.{secrets.randbelow(250)}.{secrets.randbelow(250) + 2}"
+    try:
+        s._on_event("ADDED", _pod("gone", ip, sha))
+        keep = _pod("kept", f"127.65.{secrets.randbelow(250)}.{secrets.randbelow(250) + 2}", sha)
+        s._on_event("ADDED", keep)
+        assert sorted(s.procs) == ["gone", "kept"]
+        pid = s.procs["gone"].pid
+        listed.append(keep)  # "gone" was deleted while no watch ran
+        assert s._resync() == "42"
+        assert sorted(s.procs) == ["kept"] and not pid_runs(pid, sys.executable)
     finally:
         s.stop()
