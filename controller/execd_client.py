@@ -75,14 +75,16 @@ class ExecdClient:
 
     # ---- the calls
 
-    async def ready(self, ip: str, connect: float | None = None) -> bool:
+    async def ready(self, ip: str, token: str | None = None,
+                    connect: float | None = None) -> bool:
         """`/ready` answered ok (it forks a process and writes a file in the pod within 2 s);
-        False for anything else, a failure to connect included. `connect`: a shorter connect
-        timeout than the client's."""
+        False for anything else, a failure to connect included. With `token`, execd checks it
+        (401 otherwise): the answer is the pod's own execd's, not another's at a reused IP.
+        `connect`: a shorter connect timeout than the client's."""
         timeout = (httpx.Timeout(self.timeout, connect=connect) if connect is not None
                    else httpx.USE_CLIENT_DEFAULT)
         try:
-            r = await self._call(ip, X.READY, timeout=timeout)
+            r = await self._call(ip, X.READY, token=token, timeout=timeout)
             return r.status_code == 200 and X.Health.from_json(r.json()).ok
         except Exception:  # noqa: BLE001 - not answering yet
             return False

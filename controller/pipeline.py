@@ -295,7 +295,7 @@ class Pipeline:
                     if (ready or early) and ip:  # (both need the IP)
                         e.ip = ip
                         if self.s.ready_check == "pod" or await self.healthy(
-                                ip, connect=EARLY_CONNECT_S if early else None):
+                                ip, e.token, connect=EARLY_CONNECT_S if early else None):
                             return True, ""
                 else:
                     ready = early = False
@@ -316,12 +316,16 @@ class Pipeline:
         finally:
             self.books.drop_waker(e.name)
 
-    async def healthy(self, ip: str, connect: float | None = None) -> bool:
+    async def healthy(self, ip: str, token: str | None,
+                      connect: float | None = None) -> bool:
         """execd's /ready: forks a process and writes a file in the pod (a wedged pod with its
-        pids or disk exhausted still answers /health), within 2 s. `connect`: a shorter connect
-        timeout, for the polls before the kubelet calls the pod Ready (a SYN the pod network
-        drops while it is still being set up must not hold the next poll back 3 s)."""
-        return await self._execd.ready(ip, connect)
+        pids or disk exhausted still answers /health), within 2 s. With the pod's `token`, only
+        its own execd passes: a pod IP handed on while the last holder's execd still answers
+        there (a lost node's pods, a lagging network teardown) is not Ready. `connect`: a
+        shorter connect timeout, for the polls before the kubelet calls the pod Ready (a SYN
+        the pod network drops while it is still being set up must not hold the next poll back
+        3 s)."""
+        return await self._execd.ready(ip, token, connect)
 
     # ---- deletes ------------------------------------------------------------------------------
     def delete(self, e: Entry, why: str) -> None:

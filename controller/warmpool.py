@@ -230,7 +230,7 @@ class WarmPool:
         if self.s.ready_check == "pod":
             ok = P.is_ready(self.books.pods.get(e.name))
         else:
-            ok = e.ip is not None and await self.pipeline.healthy(e.ip)  # a warm pod has its IP
+            ok = e.ip is not None and await self.pipeline.healthy(e.ip, e.token)  # has its IP
         if e.stage is not S.CHECKING:  # drained or deleted meanwhile: its delete stands
             return None
         if not ok:

@@ -55,6 +55,18 @@ def test_ready_without_token_forks_and_writes(execd):
     assert execd.others() == []  # the probe process is gone
 
 
+def test_ready_that_carries_a_token_is_checked(execd):
+    """The kubelet asks without a token; the controller asks with the pod's: a wrong one is 401,
+    so another pod's execd still answering at a reused IP never passes for this pod's."""
+    for headers, want in (({}, 200), ({"Authorization": f"Bearer {TOKEN}"}, 200),
+                          ({"Authorization": "Bearer another-pods-token"}, 401),
+                          ({"Authorization": "Basic x"}, 401), ({"Authorization": ""}, 401)):
+        r = httpx.get(execd.url + READY, headers=headers, timeout=10, trust_env=False)
+        assert r.status_code == want, (headers, r.text)
+        if want == 401:
+            assert "bearer token" in r.json()["error"]
+
+
 @pytest.mark.slow
 def test_ready_not_behind_a_busy_shell_and_concurrent_calls_share_one_check(execd):
     t = threading.Thread(target=execd.exec, args=("sleep 4",), kwargs={"timeout": 30})
