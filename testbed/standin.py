@@ -81,6 +81,7 @@ class Standin:
         self.before_start = before_start  # (pod name, its directory), before its execd starts
         self.max_procs, self.root, self.max_s, self.say = max_procs, root, max_s, say
         self.procs: dict[str, Proc] = {}
+        self.ips: dict[str, str] = {}  # pod name -> the IP its execd listens on
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._t = threading.Thread(target=self._run, daemon=True, name="standin")
@@ -166,6 +167,13 @@ class Standin:
                 self._refused.add(name)
                 self.say(f"standin: pod {name} has IP {ip}, not loopback: no execd started")
             return
+        # kwok gives an IP to one live pod at a time: an execd still on it is a gone pod's
+        # (its end unseen), and would answer this pod's callers with the old token.
+        with self._lock:
+            stale = [n for n, held in self.ips.items() if held == ip and n != name]
+        for other in stale:
+            self.say(f"standin: pod {name} has IP {ip}, still held by gone pod {other}'s execd")
+            self._kill(other)
         home = self.workdir / name
         home.mkdir(parents=True, exist_ok=True)
         croot = self.conditions_root(name) if self.conditions_root else None
@@ -186,10 +194,12 @@ class Standin:
             self.workdir / f"{name}.log", cwd=home).start()
         with self._lock:
             self.procs[name] = proc
+            self.ips[name] = ip
 
     def _kill(self, name: str, table: dict[int, int] | None = None) -> None:
         with self._lock:
             p = self.procs.pop(name, None)
+            self.ips.pop(name, None)
         if p is None or p.pid is None:
             return
         kids = descendants(p.pid, table)
