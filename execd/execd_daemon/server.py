@@ -334,10 +334,10 @@ class Handler(BaseHTTPRequestHandler):
             # The generation is read before the check: a rotation in between leaves this
             # request with the old one, refused at its action (still_authorized).
             _REQ.gen = None if route in PUBLIC_ROUTES else self.daemon.token_gen
-            # A public route answers without a token (the kubelet), but one that carries a token
-            # is checked: the controller's readiness probe proves it reached this pod's own
-            # execd, not another pod's that still holds a reused IP.
-            carries = "Authorization" in self.headers
+            # /ready answers without a token (the kubelet), but one that carries a token is
+            # checked: the controller's readiness probe proves it reached this pod's own execd,
+            # not another pod's that still holds a reused IP. /health stays open to any caller.
+            carries = route == EXECD_READY_PATH and "Authorization" in self.headers
             if (route not in PUBLIC_ROUTES or carries) and not self.authorized():
                 raise HTTPError(401, "missing or wrong bearer token", {"close_body": True})
             if self.daemon.stopping:
