@@ -22,6 +22,9 @@ from sandman import contract
 
 log = logging.getLogger("controller")
 S = State
+# A drain waits this long for the job's ConfigMap delete before it answers; an API server
+# that holds the delete longer must not hold the drain (the delete goes on in the background).
+DRAIN_DELETE_WAIT_S = 3.0
 FOREIGN_REMEMBERED = 10_000  # uids of ignored pods kept so each is logged and counted once
 
 
@@ -141,9 +144,9 @@ class Sweeper:
 
     async def drain(self, job: str) -> int:
         """Every pod of the job goes (queued creates are withdrawn, creates in flight are
-        deleted once they settle), and the job's owner ConfigMap with them, before the answer:
-        it holds the job's image pins, which an acquire of the same name after the drain must
-        not find."""
+        deleted once they settle), and the job's owner ConfigMap with them, before the answer
+        when the API server deletes it within DRAIN_DELETE_WAIT_S: it holds the job's image
+        pins, which an acquire of the same name after the drain must not find."""
         n = 0
         for e in list(self.books.entries.values()):
             if (e.job != job or e.stage in ENDING or e.stage in DRAINED
@@ -151,5 +154,11 @@ class Sweeper:
                 continue
             n += 1
             self.pipeline.unwant(e, "job drained")
-        await self.creator.delete_job_object(job)
+        gone = self.spawn(self.creator.delete_job_object(job), f"drain-{job}")
+        try:
+            await asyncio.wait_for(asyncio.shield(gone), DRAIN_DELETE_WAIT_S)
+        except TimeoutError:
+            log.warning("drain of job %s answers before its ConfigMap is deleted (the delete "
+                        "goes on): an acquire of that job name meanwhile keeps its old image "
+                        "pins", job)
         return n
