@@ -397,6 +397,21 @@ def cmd_restore(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_pause(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        ck = c.pause(args.id, timeout_s=args.timeout)
+    drop_lease(args.id)  # released: the handle is all that is left of it
+    emit(args, ck.to_json(), lambda: [["HANDLE", "SANDBOX", "BYTES", "EXPIRES"]]
+         + [[ck.id, s.id, str(s.bytes), ck.expires_at] for s in ck.sandboxes])
+    return 0
+
+
+def cmd_resume(args: argparse.Namespace) -> int:
+    with _client(args) as c:
+        kept = _keep_all(c, [c.resume(args.handle, timeout_s=args.timeout, renew=False)])
+    return _emit_kept(args, kept)
+
+
 def cmd_list(args: argparse.Namespace) -> int:
     with _client(args) as c:
         items = c.list(job=args.job, namespace=args.namespace)
@@ -750,6 +765,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
                    help="seconds for the whole restore")
     p.set_defaults(func=cmd_restore)
+
+    p = sub.add_parser("pause", help="checkpoint a sandbox, then release it; prints the "
+                                     "handle resume takes")
+    p.add_argument("id")
+    p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                   help="seconds for the checkpoint")
+    p.set_defaults(func=cmd_pause)
+
+    p = sub.add_parser("resume", help="a paused sandbox made anew; keep its lease here")
+    p.add_argument("handle")
+    p.add_argument("--timeout", type=float, default=api.DEFAULT_ACQUIRE_TIMEOUT_S,
+                   help="seconds for the whole resume")
+    p.set_defaults(func=cmd_resume)
 
     p = sub.add_parser("list", help="sandboxes the caller may list")
     p.add_argument("--job")

@@ -371,6 +371,44 @@ def test_the_cli_checkpoints_and_restores(cluster, namespace, bed, tmp_path):
         sb.release()
 
 
+def test_the_cli_pauses_and_resumes(cluster, namespace, bed, tmp_path):
+    """`sandman pause ID` (a lease kept here by acquire): checkpoint, release, the lease file
+    gone, the handle printed; `sandman resume HANDLE`: the sandbox made anew with its state,
+    its lease kept here."""
+    ctl, standin, _, _ = bed
+    import contextlib
+    import io
+
+    from sandman.client import cli
+
+    os.environ[cli.ENV_LEASE_DIR] = str(tmp_path / "leases")
+    try:
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli.main(["--url", ctl.url, "-o", "json", "acquire", IMAGE, "--job", "clip",
+                             "--cpu", SIZE["cpu"], "--memory", SIZE["memory"]]) == 0
+        held = json.loads(buf.getvalue())
+        assert cli.main(["--url", ctl.url, "exec", held["id"], "--",
+                         "printf paused > marker"]) == 0
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli.main(["--url", ctl.url, "-o", "json", "pause", held["id"]]) == 0
+        handle = json.loads(buf.getvalue())
+        assert [s["id"] for s in handle["sandboxes"]] == [held["id"]]
+        assert not Path(held["lease_file"]).exists()
+        wait_for(lambda: held["id"] not in leased(ctl), 30,
+                 "the paused sandbox released")
+        buf = io.StringIO()
+        with contextlib.redirect_stdout(buf):
+            assert cli.main(["--url", ctl.url, "-o", "json", "resume", handle["id"]]) == 0
+        got = json.loads(buf.getvalue())
+        assert len(got) == 1 and Path(got[0]["lease_file"]).exists()
+        assert (standin.workdir / got[0]["pod"] / "marker").read_bytes() == b"paused"
+        assert cli.main(["--url", ctl.url, "release", got[0]["id"]]) == 0
+    finally:
+        os.environ.pop(cli.ENV_LEASE_DIR, None)
+
+
 @pytest.mark.parametrize("bed", [("--books-key-file", BOOKS_KEY)], indirect=True)
 def test_an_index_rewritten_in_the_registry_fails_the_books_keys_proof(cluster, namespace,
                                                                         bed):

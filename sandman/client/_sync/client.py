@@ -314,6 +314,15 @@ class Client:
                                 "(restore it instead)")
         return next(iter(got.values()))
 
+    def pause(self, sandbox_id: str, *,
+              timeout_s: float = api.DEFAULT_ACQUIRE_TIMEOUT_S) -> api.Checkpointed:
+        """The sandbox `sandbox_id` checkpointed, then released (as `sandbox.pause()`, by id:
+        the CLI holds a lease, not a handle): the handle `resume()` makes it anew from. On
+        failure (CheckpointFailed) it is not released."""
+        if self._closed:
+            raise SandmanError("client is closed")
+        return self._pause(sandbox_id, timeout_s)
+
     def _pause(self, sandbox_id: str, timeout_s: float) -> api.Checkpointed:
         body = _core.request(api.RestoreRequest, timeout_s=timeout_s)
         resp = self._send(api.PAUSE, id=_check_id(sandbox_id), json=body.to_json(),
