@@ -381,10 +381,20 @@ def test_egress_reaches_fake_outside_and_nothing_else(real_cluster, real_namespa
 
 # --- teardown ----------------------------------------------------------------------------------
 
-def _machine_state() -> dict:
+def _machine_state(state_dir: Path) -> dict:
     def sh(cmd: str) -> str:
         return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
 
+    def ours(line: str) -> bool:
+        # Only the bed runs the node's own programs; a containerd, ctr or shim is the bed's
+        # when it names the bed's state dir (tests/images runs a containerd of its own in
+        # another tier at the same time, under its pytest tmp dir).
+        return (any(p in line for p in ("kubelet", "kube-proxy", "coredns", "kube-router"))
+                or str(state_dir) in line)
+
+    procs = sh("ps -ww -eo stat=,args= | awk '$1 !~ /^Z/' | "
+               "grep -E 'containerd|kubelet|kube-proxy|coredns|kube-router' | grep -v grep "
+               "|| true")
     return {
         "ip link": sh("ip -br link | awk '{print $1}'"),
         "ip netns": sh("ip netns list"),
@@ -393,9 +403,7 @@ def _machine_state() -> dict:
         "ip6tables": sh("ip6tables-save | grep -E '^(:|-A)' | grep -E 'KUBE-|SANDMAN-RN' || true"),
         "ipset": sh("ipset list -n"),
         # Zombies are not left running; anything else of the node's programs is.
-        "procs": sh("ps -eo stat=,args= | awk '$1 !~ /^Z/' | "
-                    "grep -E 'containerd|kubelet|kube-proxy|coredns|kube-router' | grep -v grep "
-                    "|| true"),
+        "procs": "".join(line + "\n" for line in procs.splitlines() if ours(line)),
     }
 
 
@@ -408,7 +416,7 @@ def test_stop_and_crash_leave_nothing(real_cluster, _real_bed):
     _real_bed.stop()  # raises if anything was left
     stop_s = time.monotonic() - t0
     assert realnode.leftovers() == []
-    st = _machine_state()
+    st = _machine_state(state_dir)
     assert not st["iptables"] and not st["ip6tables"] and not st["procs"], st
     assert realnode.OUTSIDE_NETNS not in st["ip netns"] and realnode.BRIDGE not in st["ip link"]
     assert not [m for m in Path("/proc/self/mountinfo").read_text().splitlines()
@@ -426,7 +434,7 @@ def test_stop_and_crash_leave_nothing(real_cluster, _real_bed):
     attached = Testbed.attach(tb.state_dir)  # what `make testbed-down` does
     attached.stop()
     assert realnode.leftovers() == []
-    st2 = _machine_state()
+    st2 = _machine_state(tb.state_dir)
     assert not st2["iptables"] and not st2["procs"], st2
     assert not [m for m in Path("/proc/self/mountinfo").read_text().splitlines()
                 if str(tb.state_dir) in m]
