@@ -386,11 +386,15 @@ def _machine_state(state_dir: Path) -> dict:
         return subprocess.run(cmd, shell=True, capture_output=True, text=True).stdout
 
     def ours(line: str) -> bool:
-        # Only the bed runs the node's own programs; a containerd, ctr or shim is the bed's
-        # when it names the bed's state dir (tests/images runs a containerd of its own in
-        # another tier at the same time, under its pytest tmp dir).
-        return (any(p in line for p in ("kubelet", "kube-proxy", "coredns", "kube-router"))
-                or str(state_dir) in line)
+        # By the program's name, never a word of its arguments (the kwok bed's kube-apiserver,
+        # in another tier at the same time, passes --kubelet-...). Only the bed runs the node's
+        # own programs; a containerd, ctr or shim is the bed's when it names the bed's state
+        # dir (tests/images runs a containerd of its own meanwhile, under its pytest tmp dir).
+        words = line.split()
+        prog = os.path.basename(words[1]) if len(words) > 1 else ""
+        if prog in ("kubelet", "kube-proxy", "coredns", "kube-router"):
+            return True
+        return prog.startswith(("containerd", "ctr")) and str(state_dir) in line
 
     procs = sh("ps -ww -eo stat=,args= | awk '$1 !~ /^Z/' | "
                "grep -E 'containerd|kubelet|kube-proxy|coredns|kube-router' | grep -v grep "
