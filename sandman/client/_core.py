@@ -14,6 +14,7 @@ import os
 import random
 import socket
 import ssl
+import threading
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
@@ -517,3 +518,23 @@ def check_write(path: str, data: bytes, result: WriteResult) -> WriteResult:
 
 def sha256_hex(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
+
+
+def release_in_background(sandbox: Any, client: Any, what: str, logger: logging.Logger,
+                          thread: str) -> None:
+    """A framework's object dropped without its own cleanup (the frameworks' runners never
+    call it): the sandbox released, and the client the object made closed, from a daemon
+    thread, never raising; where that fails the lease's lifetime ends it."""
+    def run() -> None:
+        try:
+            sandbox.release()
+            if client is not None:
+                client.close()
+        except Exception as e:
+            logger.warning("releasing sandbox %s of a dropped %s failed: %s (its lifetime "
+                           "ends the lease)", sandbox.id, what, e)
+
+    try:
+        threading.Thread(target=run, name=thread, daemon=True).start()
+    except Exception:  # interpreter shutdown: the lifetime ends the lease instead
+        pass

@@ -26,7 +26,6 @@ import logging
 import os
 import shlex
 import subprocess
-import threading
 from typing import Any
 
 try:
@@ -38,6 +37,7 @@ except ImportError as e:  # one clear line instead of a missing-module trace
                       f"'sandman-client[mini-swe-agent]' (Python >= 3.10) ({e})") from e
 
 from sandman import api
+from sandman.client import _core
 from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox
 from sandman.client.errors import CommandTimeout
@@ -256,17 +256,7 @@ class SandmanEnvironment:
         try:
             self.logger.warning("SandmanEnvironment dropped without cleanup(): releasing "
                                 "sandbox %s", sb.id)
-            threading.Thread(target=_release_quietly, args=(sb, client),
-                             name="sandman-minisweagent-release", daemon=True).start()
-        except Exception:  # interpreter shutdown: the lifetime ends the lease instead
+        except Exception:  # interpreter shutdown: logging may be gone
             pass
-
-
-def _release_quietly(sandbox: Sandbox, client: Client | None) -> None:
-    try:
-        sandbox.release()
-        if client is not None:
-            client.close()
-    except Exception as e:
-        log.warning("releasing sandbox %s of a dropped environment failed: %s (its lifetime "
-                    "ends the lease)", sandbox.id, e)
+        _core.release_in_background(sb, client, "environment", log,
+                                    "sandman-minisweagent-release")

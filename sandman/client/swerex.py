@@ -76,6 +76,7 @@ except ImportError as e:  # one clear line instead of a missing-module trace
                       f"'sandman-client[swerex]' (Python >= 3.10) ({e})") from e
 
 from sandman import api
+from sandman.client import _core
 from sandman.client._sync.client import Client
 from sandman.client._sync.sandbox import Sandbox, Session
 from sandman.client.errors import (
@@ -634,17 +635,7 @@ class SandmanDeployment(AbstractDeployment):
         try:
             self.logger.warning("SandmanDeployment dropped without stop(): releasing sandbox %s",
                                 rt.sandbox.id)
-            threading.Thread(target=_release_quietly, args=(rt.sandbox, client),
-                             name="sandman-swerex-release", daemon=True).start()
-        except Exception:  # interpreter shutdown: the lifetime ends the lease instead
+        except Exception:  # interpreter shutdown: logging may be gone
             pass
-
-
-def _release_quietly(sandbox: Sandbox, client: Client | None) -> None:
-    try:
-        sandbox.release()
-        if client is not None:
-            client.close()
-    except Exception as e:
-        log.warning("releasing sandbox %s of a dropped deployment failed: %s (its lifetime "
-                    "ends the lease)", sandbox.id, e)
+        _core.release_in_background(rt.sandbox, client, "deployment", log,
+                                    "sandman-swerex-release")
