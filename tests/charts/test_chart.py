@@ -1203,3 +1203,52 @@ def test_sandbox_snapshots_reach_the_controller_as_its_flag(helm):
         args = _container(_find(_render(helm, *extra), "Deployment", "-controller"))["args"]
         assert [a for a in args if a.startswith("--snapshot-base")] == [
             f"--snapshot-base={want}"], extra
+
+
+def test_flow_control_puts_the_charts_api_clients_in_their_own_priority_level(helm):
+    """API Priority and Fairness, on by default: one FlowSchema for the controller's and the
+    webhook's ServiceAccounts (every verb, resource and URL), ahead of the built-in
+    `service-accounts` schema (9000) that would put them in the shared workload-low level,
+    pointing at the chart's own PriorityLevelConfiguration, which lends and borrows nothing."""
+    objs = _render(helm)
+    fs = _find(objs, "FlowSchema")
+    plc = _find(objs, "PriorityLevelConfiguration")
+    assert fs["apiVersion"] == plc["apiVersion"] == "flowcontrol.apiserver.k8s.io/v1"
+    assert fs["metadata"]["name"] == plc["metadata"]["name"] == f"{RELEASE}-{NAMESPACE}"
+    assert fs["spec"]["priorityLevelConfiguration"] == {"name": plc["metadata"]["name"]}
+    assert fs["spec"]["matchingPrecedence"] < 9000
+    accounts = {(s["serviceAccount"]["namespace"], s["serviceAccount"]["name"])
+                for r in fs["spec"]["rules"] for s in r["subjects"]}
+    sas = {(o["metadata"]["namespace"], o["metadata"]["name"]) for o in objs
+           if o["kind"] == "ServiceAccount"}
+    assert accounts == {(NAMESPACE, f"{RELEASE}-controller"), (NAMESPACE, f"{RELEASE}-webhook")}
+    assert accounts <= sas
+    [rule] = fs["spec"]["rules"]
+    assert rule["resourceRules"] == [{"apiGroups": ["*"], "resources": ["*"], "verbs": ["*"],
+                                      "clusterScope": True, "namespaces": ["*"]}]
+    assert rule["nonResourceRules"] == [{"nonResourceURLs": ["*"], "verbs": ["*"]}]
+    limited = plc["spec"]["limited"]
+    assert plc["spec"]["type"] == "Limited"
+    assert (limited["lendablePercent"], limited["borrowingLimitPercent"]) == (0, 0)
+    assert limited["limitResponse"]["type"] == "Queue"
+    # Off: neither object; Reject: no queuing block (the API server refuses one); borrowing
+    # null: the field is left out (unlimited), not rendered as 0.
+    off = _render(helm, "--set", "apiPriorityAndFairness.enabled=false")
+    assert not [o for o in off if o["kind"] in ("FlowSchema", "PriorityLevelConfiguration")]
+    rej = _find(_render(helm, "--set", "apiPriorityAndFairness.limitResponse.type=Reject",
+                        "--set", "apiPriorityAndFairness.borrowingLimitPercent=null"),
+                "PriorityLevelConfiguration")["spec"]["limited"]
+    assert rej["limitResponse"] == {"type": "Reject"}
+    assert "borrowingLimitPercent" not in rej
+
+
+@pytest.mark.parametrize("setting", ["apiPriorityAndFairness.matchingPrecedence=9000",
+                                     "apiPriorityAndFairness.matchingPrecedence=1",
+                                     "apiPriorityAndFairness.limitResponse.type=Drop",
+                                     "apiPriorityAndFairness.lendablePercent=101",
+                                     "apiPriorityAndFairness.queueLength=5"])
+def test_flow_control_values_that_cannot_work_fail_the_install(helm, setting):
+    """A precedence at or past the built-in service-accounts schema would never match, 1 is
+    the API server's exempt schema: the schema refuses them, as it refuses unknown keys."""
+    res = helm.template("--set", setting, check=False)
+    assert res.returncode != 0 and "apiPriorityAndFairness" in res.stderr, res.stderr

@@ -41,7 +41,8 @@ from tests.charts.helm import CHART, ROOT, Helm, kubectl, objects
 TOKEN = "9f86d081884c7d659a2feaa0c55ad015a3bf4f1b2b0b822cd15d6c15b0f00a08"
 CLUSTER_KINDS = ("mutatingwebhookconfigurations", "validatingwebhookconfigurations",
                  "validatingadmissionpolicies", "validatingadmissionpolicybindings",
-                 "clusterroles", "clusterrolebindings", "priorityclasses")
+                 "clusterroles", "clusterrolebindings", "priorityclasses", "flowschemas",
+                 "prioritylevelconfigurations")
 
 
 @pytest.fixture
@@ -106,7 +107,8 @@ def _ref(obj: dict, default_ns: str) -> list[str]:
     ns = obj["metadata"].get("namespace")
     cluster_scoped = kind in ("MutatingWebhookConfiguration", "ValidatingWebhookConfiguration",
                               "ValidatingAdmissionPolicy", "ValidatingAdmissionPolicyBinding",
-                              "ClusterRole", "ClusterRoleBinding", "PriorityClass")
+                              "ClusterRole", "ClusterRoleBinding", "PriorityClass",
+                              "FlowSchema", "PriorityLevelConfiguration")
     args = [f"{kind}/{name}"]
     if not cluster_scoped:
         args += ["-n", ns or default_ns]
@@ -212,7 +214,8 @@ def test_install_upgrade_uninstall_and_rbac(cluster, namespace, helm, tmp_path, 
                     "MutatingWebhookConfiguration", "ValidatingAdmissionPolicy",
                     "ValidatingAdmissionPolicyBinding", "Role",
                     "RoleBinding", "ClusterRole", "ClusterRoleBinding", "ServiceAccount",
-                    "NetworkPolicy", "Job", "CronJob"} <= kinds, kinds
+                    "NetworkPolicy", "Job", "CronJob", "FlowSchema",
+                    "PriorityLevelConfiguration"} <= kinds, kinds
             for obj in first:
                 kubectl(cluster.kubeconfig, "get", *_ref(obj, namespace))
 

@@ -276,6 +276,12 @@ release name AND namespace, so releases of the same name in two namespaces never
 {{- printf "%s-%s" (include "sandman.webhook.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
 {{- end -}}
 
+{{- /* The FlowSchema and PriorityLevelConfiguration: cluster-scoped, so named after release AND
+namespace, like the webhook configurations. */ -}}
+{{- define "sandman.flowcontrol.name" -}}
+{{- printf "%s-%s" (include "sandman.fullname" .) .Release.Namespace | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
 {{- define "sandman.webhook.sandboxObjectSelector" -}}
 {{- if .Values.webhook.sandboxObjectSelector -}}
 {{- toYaml .Values.webhook.sandboxObjectSelector -}}
