@@ -36,8 +36,16 @@ def cache_dir() -> Path:
     return Path(root)
 
 
-def bin_dir() -> Path:
-    return cache_dir() / (f"k8s-{versions.KUBERNETES}_kwok-{versions.KWOK}"
+def kubernetes_version() -> str:
+    """The control plane's pinned version ($SANDMAN_K8S, testbed/versions.py)."""
+    try:
+        return versions.kubernetes()
+    except ValueError as e:
+        raise BuildError(str(e)) from None
+
+
+def bin_dir(kube_version: str | None = None) -> Path:
+    return cache_dir() / (f"k8s-{kube_version or kubernetes_version()}_kwok-{versions.KWOK}"
                           f"_etcd-{versions.ETCD}") / "bin"
 
 
@@ -128,26 +136,28 @@ def _helm_ldflags() -> str:
     return "-s -w " + " ".join(flags)
 
 
-def _build_k8s(names: list[str], out: Path, work: Path, log, env: dict[str, str]) -> None:
-    """`go build` k8s.io/kubernetes/cmd/<name> for each name from a wrapper module in `work`."""
+def _build_k8s(names: list[str], out: Path, work: Path, log, env: dict[str, str],
+               kube_version: str = versions.KUBERNETES) -> None:
+    """`go build` k8s.io/kubernetes/cmd/<name> at kube_version for each name from a wrapper
+    module in `work`."""
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     (work / "go.mod").write_text("module sandman.dev/probe\n\ngo 1.26\n")
     res = subprocess.run(
-        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{versions.KUBERNETES}"],
+        ["go", "mod", "download", "-json", f"k8s.io/kubernetes@{kube_version}"],
         cwd=work, env=env, capture_output=True, text=True)
     if res.returncode != 0:
         log.write(res.stdout + res.stderr)
-        raise BuildError(f"cannot download k8s.io/kubernetes@{versions.KUBERNETES}")
+        raise BuildError(f"cannot download k8s.io/kubernetes@{kube_version}")
     gomod = Path(json.loads(res.stdout)["GoMod"]).read_text()
-    (work / "go.mod").write_text(_wrapper_gomod(versions.KUBERNETES, staging_modules(gomod)))
+    (work / "go.mod").write_text(_wrapper_gomod(kube_version, staging_modules(gomod)))
     pkgs = [f"k8s.io/kubernetes/cmd/{n}" for n in names]
     _run(["go", "mod", "download"], work, log, env)
     for p in pkgs:
-        _run(["go", "get", f"{p}@{versions.KUBERNETES}"], work, log, env)
+        _run(["go", "get", f"{p}@{kube_version}"], work, log, env)
     for name, pkg in zip(names, pkgs, strict=True):
         tmp_out = out / f".{name}.tmp.{os.getpid()}"
-        _run(["go", "build", "-trimpath", "-ldflags", _ldflags(versions.KUBERNETES),
+        _run(["go", "build", "-trimpath", "-ldflags", _ldflags(kube_version),
               "-o", str(tmp_out), pkg], work, log, env)
         tmp_out.rename(out / name)  # atomic: a half-built binary never looks done
 
@@ -260,9 +270,19 @@ def _build(bins: dict[str, Path], log_path: Path | None, force: bool) -> dict[st
     missing = [n for n, p in bins.items() if force or not p.exists()]
     if not missing:
         return bins
-    out = bin_dir()
+    kube_version = kubernetes_version()
+    out = bin_dir(kube_version)
     out.mkdir(parents=True, exist_ok=True)
+    # etcd and kwok do not depend on the Kubernetes version: another minor's folder takes
+    # CI's copies (hard links) instead of building them again.
+    for name in ("etcd", "kwok"):
+        src = bin_dir(versions.KUBERNETES) / name
+        if name in missing and not force and src.exists() and src.parent != out:
+            os.link(src, out / name)
+            missing.remove(name)
     log_path = log_path or out.parent / "build.log"
+    if not missing:
+        return bins
     env = _go_env()
     if not shutil.which("go"):
         raise BuildError("`go` is not on PATH; the test bed builds its binaries with Go >= 1.26")
@@ -272,7 +292,7 @@ def _build(bins: dict[str, Path], log_path: Path | None, force: bool) -> dict[st
         try:
             k8s_missing = [n for n in missing if n in K8S_COMPONENTS]
             if k8s_missing:
-                _build_k8s(k8s_missing, out, work / "k8s", log, env)
+                _build_k8s(k8s_missing, out, work / "k8s", log, env, kube_version)
             if "etcd" in missing:
                 # etcd's own go.mod replaces its sibling modules with ../ paths, so it too is
                 # built from a wrapper module that requires it (the siblings are published).

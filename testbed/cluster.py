@@ -28,7 +28,7 @@ from pathlib import Path
 from kubernetes import client, config
 
 from sandman import contract
-from testbed import build, pki, versions
+from testbed import build, pki
 from testbed.procs import Proc, repo_root, reserve_port, wait_for
 
 KWOK_NODE_ANNOTATION = "kwok.x-k8s.io/node"
@@ -437,7 +437,7 @@ def node_manifest(i: int) -> dict:
                             "pods": "1000"},
             "capacity": {"cpu": "2000", "memory": "8Ti", "ephemeral-storage": "100Ti",
                          "pods": "1000"},
-            "nodeInfo": {"kubeletVersion": f"fake-{versions.KUBERNETES}",
+            "nodeInfo": {"kubeletVersion": f"fake-{build.kubernetes_version()}",
                          "architecture": "amd64", "operatingSystem": "linux"},
         },
     }
