@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 
 from controller import metrics
 from controller import pods as P
+from controller.auth import split_job
 from controller.pacer import Slot
 from controller.pods import SandboxSpec
 from sandman import contract
@@ -187,13 +188,22 @@ class Books:
     every change (`old` is None when an entry is added); the warm pool keeps its lists with it.
     """
 
-    def __init__(self, on_move: Callable[[Entry, State | None, State], None] | None = None):
+    def __init__(self, on_move: Callable[[Entry, State | None, State], None] | None = None,
+                 tenants: bool = False):
+        self.tenants = tenants  # --auth kubernetes: job keys are `<tenant>.<job>`
         self.entries: dict[str, Entry] = {}
         self.pods: dict[str, dict] = {}  # informer cache: name -> slim pod (pods.slim_pod)
         self.retired: set[str] = set()
         self.on_move = on_move or (lambda e, old, new: None)
         self.illegal = 0  # refused transitions (each also logged and counted in metrics)
         self._wakers: dict[str, asyncio.Event] = {}
+
+    def fields(self, e: Entry) -> dict[str, str | None]:
+        """The ids of a log line about `e` (`extra=`, sandman/logs.py): its sandbox id, its
+        job as the caller named it and its tenant (None, so left out even inside a tenant's
+        request, for the warm pool's and unscoped jobs)."""
+        tenant, job = split_job(e.job) if self.tenants else (None, e.job)
+        return {"sandbox": e.id, "job": job, "tenant": tenant}
 
     # ---- changes ---------------------------------------------------------------------------
     def add(self, e: Entry) -> Entry:
@@ -219,7 +229,7 @@ class Books:
             self.illegal += 1
             metrics.illegal_transition(frm.name, to.name)
             log.error("illegal transition of %s: %s -> %s (%s); refused", e.name, frm.name,
-                      to.name, why)
+                      to.name, why, extra=self.fields(e))
             raise IllegalTransition(e.name, frm, to, why)
         e._stage = to
         if to in TERMINAL:

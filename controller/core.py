@@ -70,7 +70,7 @@ class Controller:
         self.s = settings
         self.pacer = Pacer(settings.limits, clock=clock,
                            tenant_of=A.tenant_of if settings.tenants else one_tenant)
-        self.books = Books(on_move=self._moved)
+        self.books = Books(on_move=self._moved, tenants=settings.tenants)
         self.creator = Creator(kube, self.books, self.pacer, settings)
         self.pipeline = Pipeline(kube, self.books, self.pacer, self.creator, settings,
                                  self._spawn, has_room=lambda spec: self.warm.has_room(spec))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from prometheus_client import Counter, Gauge, Histogram
 
-from sandman import buildinfo, contract
+from sandman import api, buildinfo, contract
 
 ACQUIRE_RESULTS = ("ok", "timeout", "failed", "queue_full")
 WARM = ("true", "false")
@@ -203,6 +203,23 @@ for _r in PREPULL_RESULTS:
     IMAGES_PREPULLED.labels(_r)
 PREPULL_PENDING = Gauge("sandman_controller_images_prepull_pending",
                         "(node, image) pre-pulls not finished yet")
+# The HTTP API, per route (controller/routes.py RequestContext). `route` is the template the
+# call matched (sandman.api.ROUTES), `unmatched` when none did: the raw path carries ids and
+# anything a caller makes up, so it is never a label. `code` is the answer's status among those
+# the API gives (sandman.api.ERRORS' and the framework's), else `other`.
+ROUTE_TEMPLATES = tuple(dict.fromkeys(r.path for r in api.ROUTES)) + ("unmatched",)
+METHODS = ("GET", "POST", "DELETE", "PUT", "PATCH", "HEAD", "OPTIONS")
+CODES = tuple(str(c) for c in sorted({200, 201, 307, 404, 405, 500}
+                                     | {e.status for e in api.ERRORS})) + ("other",)
+HTTP_REQUESTS = Counter("sandman_controller_http_requests_total",
+                        "API requests by route template, method and status code",
+                        ["route", "method", "code"])
+# From a /livez (~1 ms) to an acquire that waits out a cold pull (minutes).
+HTTP_SECONDS = Histogram("sandman_controller_http_request_duration_seconds",
+                         "API request latency (to the end of the answer) by route template and "
+                         "method", ["route", "method"],
+                         buckets=(.001, .005, .01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30, 60,
+                                  120, 300, 600))
 BUILD_INFO = buildinfo.register("controller")
 
 
@@ -320,3 +337,11 @@ def pod_address_failures(scope: str, n: int = 1) -> None:
 
 def prepulled(result: str) -> None:
     IMAGES_PREPULLED.labels(bounded(result, PREPULL_RESULTS, "failed")).inc()
+
+
+def http_request(route: str | None, method: str, code: int, seconds: float) -> None:
+    """One API call: `route` the matched route's template (None: no route matched)."""
+    r = bounded(route or "unmatched", ROUTE_TEMPLATES, "unmatched")
+    m = bounded(method, METHODS)
+    HTTP_REQUESTS.labels(r, m, bounded(str(code), CODES)).inc()
+    HTTP_SECONDS.labels(r, m).observe(seconds)

@@ -144,7 +144,7 @@ class Pipeline:
             elif await self.conditions_hold(e):
                 await self._hand_out(e)
         except Exception as ex:  # noqa: BLE001 - the owner must clean up whatever happened
-            log.exception("owner task for %s failed", e.name)
+            log.exception("owner task for %s failed", e.name, extra=self.books.fields(e))
             self.fail_closed(e, f"owner error: {ex}")
             fail(e, AcquireError(f"internal error: {ex}"))
 
@@ -173,7 +173,7 @@ class Pipeline:
         for name, _, _ in v.contradicted:
             metrics.conditions_refused(name)
         msg = f"declared run conditions contradicted: {v.message()}"
-        log.info("refusing %s: %s", e.name, msg)
+        log.info("refusing %s: %s", e.name, msg, extra=self.books.fields(e))
         pod = self.books.pods.get(e.name) or {"metadata": {"name": e.name, "uid": e.uid}}
         self.spawn(self.kube.pod_event(pod, "ConditionsRefused", msg[:1000]),
                    f"event-{e.name}")
@@ -205,6 +205,7 @@ class Pipeline:
         if e.stage is S.STARTING:
             e.lifetime, e.expires_at = lifetime, expires
             self.books.move(e, S.LEASED, "handed out")
+            log.info("handed out %s (created)", e.name, extra=self.books.fields(e))
             assert e.handed is not None  # a create for a caller carries its future
             e.handed.set_result(self.result(e, warm=False))
             return
@@ -224,7 +225,8 @@ class Pipeline:
                                contract.LABEL_JOB: POOL_JOB},
                     "ownerReferences": [await self.creator.owner_ref(POOL_JOB)]}})
             except Exception as ex:  # noqa: BLE001
-                log.warning("parking %s failed (%s); deleting", e.name, ex)
+                log.warning("parking %s failed (%s); deleting", e.name, ex,
+                            extra=self.books.fields(e))
             else:
                 if e.stage is S.STARTING_ORPHANED:
                     e.job = POOL_JOB
@@ -333,14 +335,14 @@ class Pipeline:
         if e.stage in ENDING:
             return
         self.books.move(e, S.DELETING, why)
-        log.info("deleting %s: %s", e.name, why)
+        log.info("deleting %s: %s", e.name, why, extra=self.books.fields(e))
         self.spawn(self._delete(e), f"delete-{e.name}")
 
     def adopt_for_delete(self, pod: dict, why: str) -> Entry:
         """A pod found in the cluster that no entry owns: count it, then delete it."""
         job = P.labels(pod).get(contract.LABEL_JOB, POOL_JOB)
         e = self.books.found(pod, self.pacer.adopt(job), S.DELETING)
-        log.info("deleting %s: %s", e.name, why)
+        log.info("deleting %s: %s", e.name, why, extra=self.books.fields(e))
         self.spawn(self._delete(e), f"delete-{e.name}")
         return e
 

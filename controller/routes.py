@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import re
+import secrets
+import time
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -14,13 +17,14 @@ from fastapi.responses import JSONResponse, PlainTextResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller import auth as A
+from controller import metrics
 from controller.checkpoint import parse_id
 from controller.core import Controller
 from controller.errors import AcquireError, NotLeader, SandboxGone
 from controller.forward import not_leader_headers
 from controller.group import acquire_group
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
-from sandman import api
+from sandman import api, logs
 
 log = logging.getLogger("controller.routes")
 
@@ -42,6 +46,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     sandbox belongs to a tenant namespace, encoded in its job key (`auth.scoped_job`); a
     caller sees and touches only the tenants its RBAC allows."""
     app = FastAPI(title="sandman controller", version="0.1.0")
+    app.add_middleware(RequestContext)
     auth = auth or A.NoAuth()
     labels = labels or A.LabelPolicy()
 
@@ -97,8 +102,10 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
 
     @app.post(api.ACQUIRE.path, status_code=201)
     async def acquire(body: api.AcquireRequest, request: Request):
+        logs.add(job=body.job)
         who = await caller(request)
         tenant = tenant_for(who, body.namespace)
+        logs.add(tenant=tenant)
         if tenant is not None:
             await auth.require(who, A.CREATE, tenant)
         labels.check(body.labels)
@@ -161,6 +168,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
 
     @app.get(api.GET.path)
     async def get_sandbox(id: str, request: Request):
+        logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
         e = c.get(id)
@@ -172,6 +180,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
 
     async def let_go(id: str, request: Request, verb: str, act) -> dict:
         """Release or retire: the same rights (delete in the sandbox's tenant)."""
+        logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
         if auth.enabled:
@@ -206,6 +215,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
 
     @app.post(api.RENEW.path)
     async def renew(id: str, request: Request, body: api.RenewRequest | None = None):
+        logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
         if auth.enabled:
@@ -227,6 +237,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     async def fork(id: str, request: Request, body: api.ForkRequest):
         """Only a caller that may create sandboxes in the parent's tenant (its holder's
         rights): the children are made there and carry the parent's state."""
+        logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
         e = c.get(id)
@@ -251,8 +262,10 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     @app.post(api.GROUP.path, status_code=201)
     async def group(body: api.GroupRequest, request: Request):
         """The rights of an acquire; an acquire's own answer per member, in order."""
+        logs.add(job=body.job)
         who = await caller(request)
         tenant = tenant_for(who, body.namespace)
+        logs.add(tenant=tenant)
         if tenant is not None:
             await auth.require(who, A.CREATE, tenant)
         labels.check(body.labels)
@@ -316,6 +329,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         c = ctl()
         if body.job is not None:
             tenant = tenant_for(who, body.namespace)
+            logs.add(tenant=tenant, job=body.job)
             if tenant is not None:
                 await auth.require(who, A.CREATE, tenant)
             entries = c.checkpoints.of_job(A.scoped_job(tenant, body.job))
@@ -333,6 +347,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     @app.post(api.PAUSE.path)
     async def pause(id: str, request: Request, body: api.RestoreRequest | None = None):
         """A checkpoint of one sandbox, then its release (the rights of a checkpoint)."""
+        logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
         e = await checkpointable(who, c, id, "pause")
@@ -355,6 +370,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         tenant = None
         if auth.enabled:
             tenant = parse_id(id)[0]
+            logs.add(tenant=tenant)
             if not await auth.allowed(who, A.CREATE, tenant):
                 raise A.Forbidden(f"{who.username} may not restore checkpoint {id[:100]} "
                                   "(another tenant's)")
@@ -397,8 +413,10 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     @app.post(api.DRAIN.path)
     async def drain(job: str, request: Request, namespace: str | None = None):
         """The job of the caller's tenant (or of `namespace`): never another tenant's."""
+        logs.add(job=job)
         who = await caller(request)
         tenant = tenant_for(who, namespace)
+        logs.add(tenant=tenant)
         if tenant is not None:
             await auth.require(who, A.DELETECOLLECTION, tenant)
         key = A.scoped_job(tenant, job)
@@ -445,6 +463,49 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         return PlainTextResponse(generate_latest().decode(), media_type=CONTENT_TYPE_LATEST)
 
     return app
+
+
+# X-Request-Id: a caller's own id for its call (kept when it is a short plain token, so
+# nothing a caller sends can forge another field or flood a line), else one made here; the
+# answer carries it back, and every line logged while serving the call has it as `request_id`.
+REQUEST_ID_HEADER = "x-request-id"
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,64}")
+_REQUEST_ID_KEY = REQUEST_ID_HEADER.encode()
+
+
+class RequestContext:
+    """ASGI middleware around the API: the call's request id bound for its log lines, and the
+    per-route request metrics, labelled by the route's TEMPLATE (`/v1/sandboxes/{id}`, never
+    the path with an id in it; a path no route matches is `unmatched`), so no caller can add
+    a series (controller/metrics.py `http_request`)."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        given = dict(scope.get("headers") or ()).get(_REQUEST_ID_KEY, b"").decode("latin-1")
+        rid = given if _REQUEST_ID.fullmatch(given) else secrets.token_hex(8)
+        status = 500  # an exception before the answer started is a 500 to the caller
+        t0 = time.perf_counter()
+
+        async def sending(message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = message["status"]
+                message = {**message, "headers": [
+                    *(h for h in message.get("headers", ()) if h[0].lower() != _REQUEST_ID_KEY),
+                    (_REQUEST_ID_KEY, rid.encode())]}
+            await send(message)
+
+        try:
+            with logs.bind(request_id=rid):
+                await self.app(scope, receive, sending)
+        finally:
+            route = scope.get("route")
+            metrics.http_request(getattr(route, "path", None), scope.get("method", ""),
+                                 status, time.perf_counter() - t0)
 
 
 async def _disconnect(request: Request) -> None:

@@ -32,7 +32,7 @@ from controller.pacer import Pacer
 from controller.pipeline import Pipeline, ms
 from controller.pods import AcquireOrder, SandboxSpec
 from controller.settings import Settings
-from sandman import contract
+from sandman import contract, logs
 
 S = State
 log = logging.getLogger("controller.warmpool")
@@ -173,7 +173,8 @@ class WarmPool:
         need = pool.target - (len(pool.warm) + pool.building + pool.checking)
         for _ in range(max(0, need)):
             pool.building += 1
-            self.spawn(self._build(spec, pool), "warm-build")
+            # The pool's, not the request's that set it off: its lines carry no request id.
+            logs.unbound(self.spawn, self._build(spec, pool), "warm-build")
 
     async def _build(self, spec: SandboxSpec, pool: Pool) -> None:
         token, token_sha = token_pair()
@@ -270,6 +271,7 @@ class WarmPool:
         e.lifetime, e.expires_at = lifetime, expires
         e.conditions, e.conditions_check = conditions, check
         self.books.move(e, S.LEASED, "warm hand-out")
+        log.info("handed out %s (warm)", e.name, extra=self.books.fields(e))
         e.timings = {"queued_ms": 0.0, "create_ms": 0.0, "started_ms": 0.0,
                      "ready_ms": ms(time.monotonic() - t0)}
         # A pod an earlier grading ran in says so: the SDK may shadow its verdict.

@@ -53,3 +53,37 @@ def test_text_is_the_default_and_a_bad_format_is_one_clear_error(captured):
     with pytest.raises(ValueError, match="must be one of text, json"):
         logs.configure("INFO", "yaml")
     assert logs.uvicorn_log_config("json") is None and logs.uvicorn_log_config("text")
+
+
+def test_bound_ids_reach_the_tasks_started_inside_and_no_others(captured):
+    """`bind()`: the request's ids on every line logged in its block and in the tasks started
+    from it; a task started with `unbound()` (a warm build an acquire set off) and any line
+    after the block carry none. `extra=` wins, and its None leaves a bound field out."""
+    import asyncio
+
+    _configure(captured, "json")
+    log = logging.getLogger("controller")
+
+    async def line(msg: str, **extra) -> None:
+        log.info(msg, extra=extra)
+
+    async def run() -> None:
+        with logs.bind(request_id="r-1", tenant="team-a"):
+            log.info("in the block")
+            await asyncio.ensure_future(line("in a task"))
+            await logs.unbound(asyncio.ensure_future, line("in an unbound task"))
+            log.info("a pool pod's", extra={"sandbox": "sbx-warm-1", "tenant": None})
+            log.info("another tenant's", extra={"tenant": "team-b"})
+        log.info("after the block")
+
+    asyncio.run(run())
+    got = {x["message"]: {k: x[k] for k in logs.FIELDS if k in x}
+           for x in map(json.loads, captured.getvalue().splitlines())}
+    assert got == {
+        "in the block": {"request_id": "r-1", "tenant": "team-a"},
+        "in a task": {"request_id": "r-1", "tenant": "team-a"},
+        "in an unbound task": {},
+        "a pool pod's": {"request_id": "r-1", "sandbox": "sbx-warm-1"},
+        "another tenant's": {"request_id": "r-1", "tenant": "team-b"},
+        "after the block": {}}
+    assert logs.bound() == {}

@@ -17,6 +17,7 @@ from typing import Any
 from fastapi import FastAPI, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from sandman import contract
 from sandman.podspec import SandboxPolicy
 from webhook import admission
 from webhook.metrics import Metrics
@@ -65,12 +66,33 @@ def answer(operation: str, body: bytes, policy: SandboxPolicy,
         metrics.count(operation, "allowed" if allowed else "denied", reason)
         if not allowed:
             req = review["request"]
-            log.info("%s denied %s/%s: %s", operation, req.get("namespace"),
-                     (req.get("object") or {}).get("metadata", {}).get("name")
-                     or req.get("name"), out["response"]["status"]["message"])
+            f = review_fields(req)
+            log.info("%s denied %s/%s: %s", operation, f["namespace"], f["pod"],
+                     out["response"]["status"]["message"], extra=f)
         return 200, json.dumps(out, separators=(",", ":")).encode()
     finally:
         metrics.duration.labels(operation).observe(time.perf_counter() - start)
+
+
+def review_fields(req: dict) -> dict[str, str | None]:
+    """The ids of a log line about a review (sandman/logs.py FIELDS): the pod and namespace,
+    the review's uid as `request_id`, and for a pod the controller made, its sandbox id, job
+    and tenant (from its labels). Only strings, each cut to 253 characters: the object has
+    not been validated yet, so its labels may be anything."""
+    def text(v: Any) -> str | None:
+        return v[:253] if isinstance(v, str) and v else None
+
+    obj = req.get("object") if isinstance(req.get("object"), dict) else {}
+    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
+    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+    pod = text(meta.get("name")) or text(req.get("name"))
+    tenant, job = text(labels.get(contract.LABEL_TENANT)), text(labels.get(contract.LABEL_JOB))
+    if tenant and job and job.startswith(tenant + "."):
+        job = job[len(tenant) + 1:]  # the controller's job key: `<tenant>.<job>`
+    ours = labels.get(contract.LABEL_MANAGED_BY) == contract.MANAGED_BY_CONTROLLER
+    return {"namespace": text(req.get("namespace")), "pod": pod,
+            "request_id": text(req.get("uid")), "sandbox": pod if ours else None,
+            "job": job, "tenant": tenant}
 
 
 class AdmissionFastPath:

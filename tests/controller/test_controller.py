@@ -470,7 +470,8 @@ def test_acquire_request_id_is_idempotent(cluster, namespace, ctl):
 
 def test_json_logs_one_object_per_line(cluster, namespace, ctl):
     """`--log-format json`: the controller's lines (its own, uvicorn's, a start-up refusal)
-    are each one JSON object with time, level, logger and message."""
+    are each one JSON object with time, level, logger and message, and a sandbox's lines carry
+    its ids as fields."""
     import json
     import subprocess
     import sys
@@ -478,12 +479,28 @@ def test_json_logs_one_object_per_line(cluster, namespace, ctl):
     c = ctl("--log-format", "json")
     r = acquire(c.url)
     assert r.status_code == 201, r.text
+    # A sandbox's lines are found by its id as a field, not by matching messages: its
+    # hand-out and its release, each with the job and the id of the call that caused it (the
+    # acquire's made by the controller, the release's the caller's own X-Request-Id), and
+    # none of another sandbox's.
+    other = acquire(c.url, job="job-b")
+    assert other.status_code == 201, other.text
+    sid = r.json()["id"]
+    rel = httpx.delete(f"{c.url}/v1/sandboxes/{sid}", headers={"X-Request-Id": "release-1"},
+                       timeout=30)
+    assert rel.status_code == 200 and rel.headers["x-request-id"] == "release-1"
     c.kill()
     lines = [ln for ln in c.log.read_text().splitlines() if ln.strip()]
     assert lines
     parsed = [json.loads(ln) for ln in lines]  # every line, not only some
     assert all({"time", "level", "logger", "message"} <= set(x) for x in parsed)
     assert any(x["logger"].startswith("controller") for x in parsed)
+    mine = [x for x in parsed if x.get("sandbox") == sid]
+    assert [(x["message"], x["job"], x["request_id"]) for x in mine] == [
+        (f"handed out {sid} (created)", "job-a", r.headers["x-request-id"]),
+        (f"deleting {sid}: released", "job-a", "release-1")], mine
+    assert not any(x.get("sandbox") == sid for x in parsed
+                   if x.get("request_id") == other.headers["x-request-id"])
     bad = subprocess.run([sys.executable, "-m", "controller", "serve", "--namespace", namespace,
                           "--kubeconfig", str(cluster.kubeconfig), "--listen", "127.0.0.1:x",
                           "--log-format", "json"], capture_output=True, text=True, timeout=60)

@@ -13,6 +13,7 @@ import httpx
 import pytest
 from cryptography import x509
 
+from sandman import contract
 from testbed.webhook import start_webhook
 from tests.webhook import golden_cases
 from tests.webhook.test_golden import CASES, decode, load
@@ -242,10 +243,28 @@ def test_json_logs_one_object_per_line(tmp_path):
 
     server = start_webhook(tmp_path / "srv", "--log-format", "json")
     review, _ = load("mutate-minimal-default-size-and-guard")
+    # A refused pod the controller made (its labels name its job and tenant), and one whose
+    # labels an attacker filled with what is not a string or is far too long: its lines keep
+    # only strings, bounded, and never lose the pod's own ids.
+    denied, _ = load("validate-apparmor-pod-unconfined-refused")
+    denied["request"]["uid"] = "uid-ours"
+    meta = denied["request"]["object"]["metadata"]
+    meta["name"] = "sbx-grpo-7-0a1b2c3d4e"
+    meta["labels"].update({contract.LABEL_MANAGED_BY: contract.MANAGED_BY_CONTROLLER,
+                           contract.LABEL_JOB: "team-a.grpo-7",
+                           contract.LABEL_TENANT: "team-a"})
+    hostile = json.loads(json.dumps(denied))
+    hostile["request"]["uid"] = "uid-hostile"
+    hostile["request"]["object"]["metadata"]["name"] = "x" * 5000
+    hostile["request"]["object"]["metadata"]["labels"].update({
+        contract.LABEL_JOB: {"sandbox": "forged"}, contract.LABEL_TENANT: ["team-b"]})
     try:
         with httpx.Client(base_url=server.url, verify=ssl.create_default_context(
                 cafile=str(server.ca))) as c:
             assert c.post("/mutate", json=review).status_code == 200
+            for r in (denied, hostile):
+                answer = c.post("/validate", json=r)
+                assert answer.status_code == 200 and not answer.json()["response"]["allowed"]
         server.proc.send(signal.SIGTERM)
         server.proc.wait(15)
     finally:
@@ -257,3 +276,12 @@ def test_json_logs_one_object_per_line(tmp_path):
     assert any(x["logger"] == "webhook" and "certificate loaded" in x["message"] for x in parsed)
     assert any(x["logger"].startswith("uvicorn") for x in parsed)  # uvicorn's lines too
     assert not any("color_message" in x for x in parsed)  # its terminal colours stay out
+    # Found by field, not by matching the message.
+    ours = [x for x in parsed if x.get("sandbox") == "sbx-grpo-7-0a1b2c3d4e"]
+    assert len(ours) == 1 and "denied" in ours[0]["message"], ours
+    assert {k: ours[0][k] for k in ("pod", "namespace", "request_id", "job", "tenant")} == {
+        "pod": "sbx-grpo-7-0a1b2c3d4e", "namespace": "team-a", "request_id": "uid-ours",
+        "job": "grpo-7", "tenant": "team-a"}
+    bad = [x for x in parsed if x.get("request_id") == "uid-hostile"]
+    assert len(bad) == 1 and bad[0]["pod"] == "x" * 253 and bad[0]["sandbox"] == "x" * 253
+    assert "job" not in bad[0] and "tenant" not in bad[0]
