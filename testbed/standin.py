@@ -23,7 +23,11 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
   so every "pod" can reach every other and the host, and no NetworkPolicy applies;
 - the filesystem: commands run on the host's filesystem, as the user running the tests, in a
   per-pod directory under the stand-in's workdir; execd's file routes are confined to `root`
-  (default /tmp);
+  (default /tmp). With `private_dirs=("logs", ...)` (root only: a mount namespace) each pod's
+  execd sees its own empty /logs, ... (a directory of the pod's, bind-mounted over an empty
+  mount point the stand-in makes on the host and removes at stop()), and its file routes may
+  reach /: what a framework that writes fixed top-level paths (Harbor's /logs, /tests,
+  /solution) needs, as each container has its own;
 - checked reuse: execd's baseline covers the pod's own directory (its workspace) only, not
   /etc, /usr/local, /opt, $HOME or /tmp;
 - snapshots (fork): only with `snapshots=True`, and then an agent pod's execd (its container
@@ -51,6 +55,7 @@ import argparse
 import ipaddress
 import json
 import os
+import shlex
 import shutil
 import signal
 import sys
@@ -71,8 +76,16 @@ class Standin:
     def __init__(self, core, namespace: str, workdir: Path, max_procs: int = 200,
                  root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None,
                  conditions_root: Callable[[str], str | None] | None = None,
-                 snapshots: bool = False, before_start: Callable[[str, Path], None] | None = None):
+                 snapshots: bool = False, before_start: Callable[[str, Path], None] | None = None,
+                 private_dirs: tuple[str, ...] = ()):
         self.core, self.namespace, self.workdir = core, namespace, Path(workdir)
+        bad = [d for d in private_dirs if not d or "/" in d or d in (".", "..")]
+        if bad:
+            raise ValueError(f"standin: private_dirs are top-level names, not {bad}")
+        if private_dirs and os.geteuid() != 0:
+            raise PermissionError("standin: private_dirs needs root (a mount namespace per pod)")
+        self.private_dirs = tuple(private_dirs)
+        self._made_dirs: list[Path] = []  # mount points made on the host, removed at stop()
         self.conditions_root = conditions_root
         # A pod whose container sets SANDMAN_SNAPSHOT=on (agent pods) gets an execd rooted at
         # its own directory, recording its snapshot base there: the host's /tmp is shared by
@@ -89,6 +102,13 @@ class Standin:
 
     def start(self) -> Standin:
         self.workdir.mkdir(parents=True, exist_ok=True)
+        for d in self.private_dirs:
+            point = Path("/") / d
+            if not point.exists():
+                point.mkdir()
+                self._made_dirs.append(point)
+            elif not point.is_dir():
+                raise FileExistsError(f"standin: /{d} exists and is no directory")
         self._t.start()
         return self
 
@@ -107,6 +127,14 @@ class Standin:
         table = parents() if names else {}
         for name in names:
             self._kill(name, table)
+        # The mount points only: each pod's files were in its namespace's bind mount, gone
+        # with its processes. A point something else wrote into stays (rmdir refuses it).
+        for point in self._made_dirs:
+            try:
+                point.rmdir()
+            except OSError as e:
+                self.say(f"standin: mount point {point} not removed: {e}")
+        self._made_dirs = []
 
     def _run(self) -> None:
         from kubernetes import watch
@@ -182,10 +210,13 @@ class Standin:
         root, base = self.root, ("--baseline-at-start", "on")
         if self.snapshots and _env(pod, contract.EXECD_SNAPSHOT_ENV) == "on":
             root, base = str(home), ("--baseline-at-start", "off", "--snapshot-at-start", "on")
+        wrap: list[str] = []
+        if self.private_dirs:
+            root, wrap = "/", self._private_mounts(home)
         # The reuse baseline (execd's /diff, /restore) covers this pod's own directory only:
         # a stand-in must never restore, or delete additions in, the host's /etc or /tmp (nor
         # watch the host's whole root, whatever SANDMAN_BASELINE_SCOPE says).
-        proc = Proc(f"execd-{name}", execd_cmd(
+        proc = Proc(f"execd-{name}", wrap + execd_cmd(
             ip, contract.EXECD_PORT, sha, "--netguard-status", str(self.workdir / "none.json"),
             "--root", root, "--workspace", str(home), *base,
             "--baseline-store", str(self.workdir / f"{name}.baseline"), "--baseline-paths", "",
@@ -195,6 +226,19 @@ class Standin:
         with self._lock:
             self.procs[name] = proc
             self.ips[name] = ip
+
+    def _private_mounts(self, home: Path) -> list[str]:
+        """The argv prefix that runs execd in a mount namespace of its own where each of
+        private_dirs is the pod's directory `home/private/NAME` (unshare execs sh, sh execs
+        execd: one PID throughout, so killing it kills the namespace's last holder)."""
+        binds = []
+        for d in self.private_dirs:
+            mine = home / "private" / d
+            mine.mkdir(parents=True, exist_ok=True)
+            binds.append(f"mount --bind {shlex.quote(str(mine))} {shlex.quote('/' + d)}")
+        script = "set -e; " + "; ".join(binds) + '; exec "$@"'
+        return ["unshare", "--mount", "--propagation", "private", "--", "sh", "-c", script,
+                "standin-private"]
 
     def _kill(self, name: str, table: dict[int, int] | None = None) -> None:
         with self._lock:
