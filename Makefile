@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
-        demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
+        frameworks-venv demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,7 +28,12 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
+deps: $(STAMP) frameworks-venv sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), the frameworks' 3.12 venv, Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
+
+# Harbor needs Python >= 3.12, newer than the dev venv's: its tests drive it from .venv-frameworks
+# (requirements-frameworks.lock, hash-checked, and ./client editable; the machine's 3.12).
+frameworks-venv: $(STAMP)  ## the Python 3.12 venv of the framework tests (Harbor): tools/frameworks_venv.py
+	$(VPY) tools/frameworks_venv.py
 
 gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
 	@$(PY) tools/gotoolchain.py
@@ -59,6 +64,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/_version.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py sandman/client/minisweagent.py
+	$(VENV)/bin/mypy --python-version 3.12 sandman/client/harbor.py
 	$(VENV)/bin/mypy --config-file tools/mypy_server.ini
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
@@ -67,7 +73,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 # half of the tier's time is tests waiting, which other workers fill).
 CHECK_MARKERS := not testbed and not realnode and not netns and not e2e and not slow
 CHECK_WORKERS := 4
-check: lint  ## lint + every test that needs no test bed and no root (a few minutes on 2 cores)
+check: lint frameworks-venv  ## lint + every test that needs no test bed and no root (a few minutes on 2 cores)
 	$(VPY) tools/run_pytest.py -m "$(CHECK_MARKERS)" -n $(CHECK_WORKERS) $(PYTEST_ARGS)
 
 testbed-build: $(STAMP) gotoolchain  ## build the test-bed binaries into ~/.cache/sandman-testbed (once per version)
@@ -180,5 +186,5 @@ kind-up: $(STAMP)  ## with Docker: kind cluster, docker build + kind load, helm 
 kind-down: $(STAMP)  ## delete the kind cluster of kind-up
 	$(VPY) -m testbed.kind_up --down
 
-clean:  ## remove the venv (the test-bed binary cache stays in ~/.cache)
-	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache
+clean:  ## remove the venvs (the test-bed binary cache stays in ~/.cache)
+	rm -rf $(VENV) .venv-frameworks .pytest_cache .ruff_cache .mypy_cache

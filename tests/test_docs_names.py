@@ -202,6 +202,9 @@ OTHER_TOOLS = {
     "--build-arg": "docker/buildah build", "--target": "docker build", "--platform": "docker",
     "--push": "docker buildx", "--cacert": "curl", "--resolve": "curl",
     "--query": "aws", "--format": "gcloud",
+    # harbor trial start / harbor run (docs/sdk.md "Harbor")
+    "--environment-kwarg": "harbor", "--cpus": "harbor", "--extra-docker-compose": "harbor",
+    "--mounts": "harbor",
 }
 # Modules the docs run with `python -m` that are not this tree's.
 EXTERNAL_MODULES = {"pytest", "pip", "venv", "locust", "mypy", "ruff", "vermin", "uv",

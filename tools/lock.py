@@ -5,7 +5,10 @@ pyproject.toml (and client/pyproject.toml) declare ranges; what machines install
   (dev, the client's adapters; `make deps`, so CI);
 - requirements.lock: the server, the client and their build backend (images/Dockerfile),
 both `uv pip compile --universal --generate-hashes` for Python 3.11 (the server's floor and
-the image's interpreter), installed with `pip install --require-hashes --no-deps`. The runtime
+the image's interpreter), installed with `pip install --require-hashes --no-deps`;
+- requirements-frameworks.lock: the client, its build backend and the client's extras that
+need a newer Python than 3.11 (Harbor: 3.12), for Python 3.12: the venv the framework tests
+drive (.venv-frameworks, tools/frameworks_venv.py; `make deps`). The runtime
 lock is resolved under the dev lock's pins, so both name the same version of every package they
 share. Our own two distributions are not in them: they are installed from the tree.
 
@@ -13,7 +16,7 @@ Each lock's header records the SHA-256 of the requirement set it was generated f
 (tests/test_lock.py, offline) fails when a pyproject's declared set changed since, or when a
 pin no longer satisfies a declared range.
 
-    python3 tools/lock.py            # regenerate both (needs PyPI), after editing a pyproject
+    python3 tools/lock.py            # regenerate all three (needs PyPI), after editing a pyproject
     python3 tools/lock.py --upgrade  # the same, every package at its newest allowed version
     python3 tools/lock.py check      # are they current? (exit 1 with the reason)
 
@@ -39,7 +42,9 @@ SERVER = ROOT / "pyproject.toml"
 CLIENT = ROOT / "client" / "pyproject.toml"
 RUNTIME_LOCK = ROOT / "requirements.lock"
 DEV_LOCK = ROOT / "requirements-dev.lock"
+FRAMEWORKS_LOCK = ROOT / "requirements-frameworks.lock"
 PYTHON = "3.11"
+FRAMEWORKS_PYTHON = "3.12"
 OURS = {"sandman", "sandman-client"}
 HEADER = "# input-sha256: "
 
@@ -55,10 +60,21 @@ def _name(req: str) -> str:
     return canonical(m.group(1))
 
 
+def _newer_python_only(extra: list[str]) -> bool:
+    """An extra none of whose requirements installs on PYTHON (each is marked for a newer one):
+    it has no place in the 3.11 locks, only in the frameworks lock."""
+    from packaging.requirements import Requirement
+
+    env = {"python_version": PYTHON, "python_full_version": f"{PYTHON}.0"}
+    return all(Requirement(r).marker is not None and not Requirement(r).marker.evaluate(env)
+               for r in extra)
+
+
 def declared(dev: bool) -> list[str]:
     """The third-party requirements the lock must satisfy, sorted: the server's dependencies
     (without our own distributions), the client's, what builds both (setuptools: they are
-    installed without build isolation), and with `dev` every extra of both (dev included)."""
+    installed without build isolation), and with `dev` every extra of both (dev included)
+    but those for a newer Python only (the frameworks lock's)."""
     server_toml = tomllib.loads(SERVER.read_text())
     client_toml = tomllib.loads(CLIENT.read_text())
     server, client = server_toml["project"], client_toml["project"]
@@ -69,7 +85,20 @@ def declared(dev: bool) -> list[str]:
         # e.g. swerex) and of the load tests need their packages.
         for project in (server, client):
             for extra in project.get("optional-dependencies", {}).values():
-                reqs += extra
+                if not _newer_python_only(extra):
+                    reqs += extra
+    return sorted({r.strip() for r in reqs if _name(r) not in OURS})
+
+
+def declared_frameworks() -> list[str]:
+    """The frameworks lock's set: the client's dependencies and build backend, and its
+    extras for a newer Python than PYTHON."""
+    client_toml = tomllib.loads(CLIENT.read_text())
+    client = client_toml["project"]
+    reqs = list(client["dependencies"]) + client_toml["build-system"]["requires"]
+    for extra in client.get("optional-dependencies", {}).values():
+        if _newer_python_only(extra):
+            reqs += extra
     return sorted({r.strip() for r in reqs if _name(r) not in OURS})
 
 
@@ -95,14 +124,15 @@ def pins(lock: Path) -> dict[str, set[str]]:
     return out
 
 
-def problems(lock: Path, dev: bool) -> list[str]:
-    """Why `lock` is not the current lock of the declared set ([] when it is)."""
+def problems(lock: Path, dev: bool, reqs: list[str] | None = None) -> list[str]:
+    """Why `lock` is not the current lock of the declared set ([] when it is): `reqs`, else
+    declared(dev)."""
     from packaging.requirements import Requirement
 
     if not lock.exists():
         return [f"{lock.name} is missing"]
     text = lock.read_text()
-    reqs = declared(dev)
+    reqs = declared(dev) if reqs is None else reqs
     recorded = next((ln[len(HEADER):].strip() for ln in text.splitlines()
                      if ln.startswith(HEADER)), None)
     out = []
@@ -132,14 +162,15 @@ def _uv() -> str:
     return uv
 
 
-def _compile(reqs: list[str], out: Path, constraints: Path | None, upgrade: bool) -> None:
+def _compile(reqs: list[str], out: Path, constraints: Path | None, upgrade: bool,
+             python: str = PYTHON) -> None:
     with tempfile.TemporaryDirectory(prefix="sandman-lock-") as tmp:
         src = Path(tmp) / "requirements.in"
         src.write_text("\n".join(reqs) + "\n")
         if out.exists() and not upgrade:  # its pins become uv's preferences
             shutil.copyfile(out, Path(tmp) / "out.txt")
         cmd = [_uv(), "pip", "compile", "--quiet", "--universal", "--generate-hashes",
-               "--python-version", PYTHON, "--no-header", "--no-annotate", str(src),
+               "--python-version", python, "--no-header", "--no-annotate", str(src),
                "-o", str(Path(tmp) / "out.txt")]
         if constraints:
             cmd += ["--constraint", str(constraints)]
@@ -160,11 +191,13 @@ def generate(upgrade: bool = False) -> None:
         cons.write_text("".join(f"{n}=={v}" + (f" ; {m}" if m else "") + "\n"
                                 for n, v, m in entries(DEV_LOCK)))
         _compile(declared(dev=False), RUNTIME_LOCK, cons, upgrade)
+    _compile(declared_frameworks(), FRAMEWORKS_LOCK, None, upgrade, FRAMEWORKS_PYTHON)
 
 
 def main(argv: list[str]) -> int:
     if argv == ["check"]:
-        found = problems(DEV_LOCK, dev=True) + problems(RUNTIME_LOCK, dev=False)
+        found = (problems(DEV_LOCK, dev=True) + problems(RUNTIME_LOCK, dev=False)
+                 + problems(FRAMEWORKS_LOCK, dev=False, reqs=declared_frameworks()))
         for p in found:
             print(f"lock: {p}; run `make lock`", file=sys.stderr)
         return 1 if found else 0
