@@ -82,9 +82,12 @@ def review_fields(req: dict) -> dict[str, str | None]:
     def text(v: Any) -> str | None:
         return v[:253] if isinstance(v, str) and v else None
 
-    obj = req.get("object") if isinstance(req.get("object"), dict) else {}
-    meta = obj.get("metadata") if isinstance(obj.get("metadata"), dict) else {}
-    labels = meta.get("labels") if isinstance(meta.get("labels"), dict) else {}
+    def obj_at(d: dict, key: str) -> dict:
+        v = d.get(key)
+        return v if isinstance(v, dict) else {}
+
+    meta = obj_at(obj_at(req, "object"), "metadata")
+    labels = obj_at(meta, "labels")
     pod = text(meta.get("name")) or text(req.get("name"))
     tenant, job = text(labels.get(contract.LABEL_TENANT)), text(labels.get(contract.LABEL_JOB))
     if tenant and job and job.startswith(tenant + "."):
