@@ -311,7 +311,14 @@ class Checkpoints:
                       request_id: str | None) -> dict[str, dict]:
         """Every sandbox of the checkpoint made anew with its state: {old id: acquire
         answer}. Everything is read and checked against its digest before any pod is made;
-        on any failure every sandbox already made is released."""
+        on any failure every sandbox already made is released. `request_id` (caller-scoped)
+        keys the whole call (controller/requests.py): a retry gets the same sandboxes."""
+        return await self.c.requests.once(
+            "restore", tenant or "", request_id, cid,
+            lambda: self._restore(cid, tenant, timeout_s),
+            lambda got: all(self.c.leased(v["id"]) for v in got.values()))
+
+    async def _restore(self, cid: str, tenant: str | None, timeout_s: float) -> dict[str, dict]:
         t0 = time.monotonic()
         deadline = t0 + timeout_s
         spools: list[IO[bytes]] = []
@@ -346,7 +353,7 @@ class Checkpoints:
                                          labels=k.labels, lifetime=k.lifetime, conditions=None)
                 kids.append(asyncio.ensure_future(self.c.forker._child(
                     parent, i, len(kept), got, snap, spool, apply_gate, deadline,
-                    None if request_id is None else f"{request_id}/{cid}", what="restore")))
+                    what="restore")))
             await _all(kids, "restore")
             ok = True
         except _Step as ex:

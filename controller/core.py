@@ -39,7 +39,6 @@ from controller.errors import (
     BadOwner,
     BadRequest,
     ConditionsRefused,
-    FirstAttemptLeft,
     NotLeader,
     QueueFullError,
 )
@@ -51,6 +50,7 @@ from controller.pacer import Pacer, QueueFull, one_tenant
 from controller.pipeline import Pipeline
 from controller.pods import AcquireOrder, SandboxSpec
 from controller.prepull import Prepuller
+from controller.requests import Requests
 from controller.settings import Settings
 from controller.sweep import Sweeper
 from controller.warmpool import Pool, WarmPool
@@ -94,7 +94,7 @@ class Controller:
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
         self._bg: list[asyncio.Task] = []
-        self._requests: dict[tuple[str, str], asyncio.Future] = {}  # (job, request_id)
+        self.requests = Requests()  # calls keyed by the caller's request_id
 
     @property
     def entries(self) -> dict[str, Entry]:
@@ -220,42 +220,15 @@ class Controller:
         the pod before hand-out. `order.request_id` makes a retried acquire (its answer was
         lost) return the same sandbox instead of a second one, while the first is in flight or
         still leased."""
-        if order.request_id is None:
-            return await self._acquire(order)
-        key = (order.job, order.request_id)
-        for _ in range(100):  # bounded: each pass waits for a whole earlier attempt
-            prior = self._requests.get(key)
-            if prior is None:
-                break
-            if prior.done():
-                if not prior.cancelled() and prior.exception() is None:
-                    e = self.books.entries.get(prior.result()["id"])
-                    if e is not None and e.stage is S.LEASED:
-                        return prior.result()
-                break
-            try:
-                return await asyncio.shield(prior)
-            except FirstAttemptLeft:
-                # Its caller left before the answer (the sandbox is parked or deleted): this
-                # retry acquires anew. Looping lets a second concurrent retry wait on the
-                # first retry's attempt instead of starting a third.
-                continue
-        fut = asyncio.get_running_loop().create_future()
-        self._requests[key] = fut
-        while len(self._requests) > 10000:  # bounded: the oldest keys are forgotten
-            self._requests.pop(next(iter(self._requests)))
-        try:
-            result = await self._acquire(order)
-        except BaseException as ex:
-            self._requests.pop(key, None)
-            if not fut.done():
-                fut.set_exception(ex if isinstance(ex, AcquireError)
-                                  else FirstAttemptLeft("the first attempt of this request_id "
-                                                        "was abandoned; retry"))
-                fut.exception()
-            raise
-        fut.set_result(result)
-        return result
+        # Keyed by the job (tenant-scoped) too: the same id in another job is another call.
+        return await self.requests.once(
+            "acquire", order.job, order.request_id, order.spec, lambda: self._acquire(order),
+            lambda lease: self.leased(lease["id"]))
+
+    def leased(self, sid: str) -> bool:
+        """Is sandbox `sid` handed out (an earlier answer still good for a retry)?"""
+        e = self.books.entries.get(sid)
+        return e is not None and e.stage is S.LEASED
 
     async def _acquire(self, order: AcquireOrder) -> dict:
         order = replace(order, labels=dict(order.labels or {}))  # the books' own copy

@@ -72,7 +72,14 @@ class Forker:
     async def fork(self, sid: str, n: int, timeout_s: float,
                    request_id: str | None = None) -> list[dict]:
         """The children's acquire answers, in order; raises one AcquireError on any failure,
-        after every child was released."""
+        after every child was released. `request_id` (caller-scoped) keys the whole call
+        (controller/requests.py): a retry gets the same children, never a second copy of the
+        parent's state applied to them."""
+        return await self.c.requests.once(
+            "fork", sid, request_id, n, lambda: self._fork(sid, n, timeout_s),
+            lambda children: all(self.c.leased(ch["id"]) for ch in children))
+
+    async def _fork(self, sid: str, n: int, timeout_s: float) -> list[dict]:
         t0 = time.monotonic()
         try:
             snapshots_on(self.c.s, "fork")
@@ -86,7 +93,7 @@ class Forker:
         gate = asyncio.Semaphore(APPLY_CONCURRENCY)
         snap = asyncio.ensure_future(self._snapshot(parent, spool, deadline))
         kids = [asyncio.ensure_future(self._child(parent, i, n, got, snap, spool, gate,
-                                                  deadline, request_id)) for i in range(n)]
+                                                  deadline)) for i in range(n)]
         every: list[asyncio.Future] = [snap, *kids]
         ok = False
         try:
@@ -147,15 +154,14 @@ class Forker:
 
     async def _child(self, parent, i: int, n: int, got: list[dict | None],
                      snap: asyncio.Future, spool: IO[bytes], gate: asyncio.Semaphore,
-                     deadline: float, request_id: str | None, what: str = "fork") -> None:
+                     deadline: float, what: str = "fork") -> None:
         """One child acquired, then given the state in `spool` once `snap` has its (size,
         SHA-256). `what` names the call in errors (a checkpoint's restore uses it too)."""
         sid = parent.id
         order = AcquireOrder(
             parent.spec, parent.job, owner=parent.owner, labels=dict(parent.labels),
             timeout_s=_left(deadline), lifetime_s=parent.lifetime,
-            conditions=parent.conditions,
-            request_id=None if request_id is None else f"{request_id}/{what}/{sid}/{i}")
+            conditions=parent.conditions)
         try:
             lease = await self.c.acquire(order)
         except AcquireError as ex:

@@ -43,8 +43,16 @@ def never_fits(ctl: Controller, job: str, count: int) -> str | None:
 
 async def acquire_group(ctl: Controller, order: AcquireOrder, count: int) -> list[dict]:
     """The members' acquire answers, in order; one AcquireError on any failure, after every
-    member was released. `order.request_id` (caller-scoped) gives each member its own, so a
-    retry of the call finds the same members."""
+    member was released. `order.request_id` (caller-scoped) keys the whole call
+    (controller/requests.py): a retry gets the same group, the members have no key of their
+    own."""
+    return await ctl.requests.once(
+        "group", order.job, order.request_id, (order.spec, count),
+        lambda: _group(ctl, replace(order, request_id=None), count),
+        lambda leases: all(ctl.leased(g["id"]) for g in leases))
+
+
+async def _group(ctl: Controller, order: AcquireOrder, count: int) -> list[dict]:
     t0 = time.monotonic()
     cap = never_fits(ctl, order.job, count)
     if cap is not None:
@@ -53,8 +61,7 @@ async def acquire_group(ctl: Controller, order: AcquireOrder, count: int) -> lis
     got: list[dict | None] = [None] * count
 
     async def member(i: int) -> None:
-        rid = None if order.request_id is None else f"{order.request_id}/group/{i}"
-        got[i] = await ctl.acquire(replace(order, request_id=rid))
+        got[i] = await ctl.acquire(order)
 
     tasks = [asyncio.ensure_future(member(i)) for i in range(count)]
     ok = False

@@ -21,6 +21,7 @@ import pytest
 from controller import fork as F
 from controller.books import State
 from controller.errors import ForkFailed
+from controller.requests import Requests
 from sandman import contract, execd_api
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -92,6 +93,10 @@ class Ctl:
         self.acquired: list[str] = []
         self.released: list[str] = []
         self.tasks: set[asyncio.Task] = set()
+        self.requests = Requests()
+
+    def leased(self, cid: str) -> bool:
+        return cid in self.acquired and cid not in self.released
 
     async def acquire(self, order) -> dict:
         assert order.spec is self.parent.spec and order.job == "job"

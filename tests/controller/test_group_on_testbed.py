@@ -10,6 +10,7 @@ import io
 import json
 import os
 import threading
+import time
 from pathlib import Path
 
 import httpx
@@ -123,6 +124,39 @@ def test_a_caller_that_leaves_mid_group_leaves_nothing(cluster, namespace, bed):
     nothing_left(cluster, namespace, ctl)
     # The queued members were withdrawn, never sent: fewer creates than members.
     assert metric(ctl, 'sandman_controller_creates_total{result="ok"}') < 5
+
+
+@pytest.mark.parametrize("bed", [("--rate", "1", "--burst", "1")], indirect=True)
+def test_a_retry_sent_while_the_first_attempt_runs_keeps_nothing_the_leaver_releases(
+        cluster, namespace, bed):
+    """A hedged retry (the same request_id, sent while the first attempt still runs) and then
+    the first caller leaving: the retry's answer is sandboxes it holds, never members the
+    first attempt's undo releases under it. Creates paced at 1/s keep the first attempt
+    running when the retry arrives and when its caller leaves."""
+    ctl = bed
+    body = {"image": IMAGE, "job": "hedge", "count": 5, "request_id": "r-hedge", **SIZE}
+    out: dict = {}
+
+    def retry() -> None:
+        out["r"] = httpx.post(f"{ctl.url}{api.GROUP.path}", json=body, timeout=90)
+
+    t = threading.Thread(target=retry)
+    with pytest.raises(httpx.ReadTimeout):
+        with httpx.Client(timeout=httpx.Timeout(2.5)) as first:
+            threading.Timer(0.5, t.start).start()
+            first.post(f"{ctl.url}{api.GROUP.path}", json=body)
+    t.join(120)
+    r = out["r"]
+    assert r.status_code == 201, r.text
+    ids = [s["id"] for s in r.json()["sandboxes"]]
+    assert len(set(ids)) == 5
+    wait_for(lambda: metric(ctl, 'sandman_controller_groups_total{result="client_closed"}')
+             == 1, 30, "the first attempt saw its caller leave")
+    time.sleep(1)  # the first attempt's undo, had it anything of the retry's, is done by now
+    assert set(ids) <= leased(ctl), f"the retry was answered with released sandboxes: {ids}"
+    for sid in ids:
+        httpx.delete(f"{ctl.url}{api.RELEASE.url(id=sid)}", timeout=30)
+    nothing_left(cluster, namespace, ctl)
 
 
 def test_the_warm_pool_serves_a_group_first(cluster, namespace, bed):
