@@ -168,10 +168,7 @@ class Controller:
             await asyncio.sleep(1.0)
             self.warm.tick()
             self.sweeper.expire()
-            metrics.QUEUE_DEPTH.set(sum(self.pacer.queue_depth().values()))
-            by_role = self.pacer.queue_by_role()
-            for role in contract.ROLES:
-                metrics.QUEUE_BY_ROLE.labels(role).set(by_role.get(role, 0))
+            metrics.queued(self.pacer.queue_by_role())
             metrics.LIVE.set(self.pacer.live)
             metrics.CREATING.set(self.pacer.creating)
             metrics.pacing(self.pacer.limits, self.pacer.rate)

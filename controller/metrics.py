@@ -86,17 +86,19 @@ WARM_IDLE_POD_SECONDS = Counter("sandman_controller_warm_idle_pod_seconds_total"
 WARM_IDLE_CPU_SECONDS = Counter("sandman_controller_warm_idle_cpu_seconds_total",
                                 "CPU-seconds (requested cores x seconds) of pods warm or "
                                 "parked, unused")
-BUDGET_RESOURCES = ("pods", "cpu")
-WARM_BUDGET_USE = Gauge("sandman_controller_warm_budget_use",
-                        "Warm and building pool pods (pods) and their requested cores (cpu)",
-                        ["resource"])
-WARM_BUDGET = Gauge("sandman_controller_warm_budget",
-                    "The global warm budget (--warm-budget-pods, --warm-budget-cpu; 0: none)",
-                    ["resource"])
-QUEUE_DEPTH = Gauge("sandman_controller_queue_depth", "Acquires waiting for a create slot")
+# One metric per unit (pods, cores): a `resource` label mixing them made sum() meaningless.
+WARM_BUDGET_USED_PODS = Gauge("sandman_controller_warm_budget_used_pods",
+                              "Warm and building pool pods")
+WARM_BUDGET_USED_CORES = Gauge("sandman_controller_warm_budget_used_cpu_cores",
+                               "Requested CPU cores of the warm and building pool pods")
+WARM_BUDGET_PODS = Gauge("sandman_controller_warm_budget_pods",
+                         "The global warm budget in pods (--warm-budget-pods; 0: none)")
+WARM_BUDGET_CORES = Gauge("sandman_controller_warm_budget_cpu_cores",
+                          "The global warm budget in CPU cores (--warm-budget-cpu; 0: none)")
 # By role only: tenants are namespaces, an unbounded label (/v1/stats has them per tenant).
-QUEUE_BY_ROLE = Gauge("sandman_controller_queue_depth_by_role",
-                      "Acquires waiting for a create slot, by role (agent, grading)", ["role"])
+# sum() is the whole queue.
+QUEUED_ACQUIRES = Gauge("sandman_controller_queued_acquires",
+                        "Acquires waiting for a create slot, by role (agent, grading)", ["role"])
 LIVE = Gauge("sandman_controller_live_pods", "Pods the controller owns (any state)")
 CREATING = Gauge("sandman_controller_creating_pods", "Creates in flight or pods not yet Ready")
 # Declared run conditions (controller/conditions.py): field is api.CONDITION_FIELDS or "probe".
@@ -106,11 +108,20 @@ CONDITIONS_REFUSED = Counter("sandman_controller_conditions_refused_total",
                              "Pods refused at hand-out: a reading contradicted a declared "
                              "condition (probe: the pod did not answer the probe)", ["field"])
 LEADER = Gauge("sandman_controller_leader", "1 when this replica holds the Lease")
-# The pacing the leader applies, next to what it achieves (creates_total): `create_rate` is
-# the bucket's current rate (below limit{limit="rate"} while backing off from 429/5xx).
-CREATE_RATE = Gauge("sandman_controller_create_rate", "Current create rate limit (creates/s)")
-LIMITS = ("rate", "burst", "max_creating", "max_live")
-LIMIT = Gauge("sandman_controller_limit", "Configured pacing limits", ["limit"])
+# The pacing the leader applies, next to what it achieves (creates_total): the bucket's
+# current rate (below the configured one while backing off from 429/5xx), and the configured
+# limits, one metric each: they are in different units (creates/s, creates, pods).
+CREATE_RATE = Gauge("sandman_controller_create_rate_per_second",
+                    "The create bucket's current rate (creates/s), lowered while backing off")
+MAX_CREATE_RATE = Gauge("sandman_controller_max_create_rate_per_second",
+                        "Configured create rate (--rate, creates/s)")
+MAX_CREATE_BURST = Gauge("sandman_controller_max_create_burst",
+                         "Configured create burst (--burst, creates)")
+MAX_CREATING = Gauge("sandman_controller_max_creating_pods",
+                     "Configured cap on creates in flight and pods not yet Ready "
+                     "(--max-creating)")
+MAX_LIVE = Gauge("sandman_controller_max_live_pods",
+                 "Configured cap on the pods the controller owns (--max-live)")
 # A fork's end (controller/fork.py): ok; refused (a grading pod, a parent not handed out or
 # whose token this replica does not hold); acquire (a child could not be had); snapshot (the
 # parent's state could not be read, or its digest was wrong); apply (a child refused it);
@@ -222,6 +233,45 @@ HTTP_SECONDS = Histogram("sandman_controller_http_request_duration_seconds",
                                   120, 300, 600))
 BUILD_INFO = buildinfo.register("controller")
 
+# ---- deprecated names ------------------------------------------------------------------------
+# The names before the metrics followed Prometheus' naming rules (one unit per metric, the unit
+# in the name, no label in the name), still exported with the same values for one release so
+# dashboards and alerts built on them keep working while they move; docs/metrics.md lists each
+# with its replacement. Remove them in the release after next.
+BUDGET_RESOURCES = ("pods", "cpu")
+LIMITS = ("rate", "burst", "max_creating", "max_live")
+_OLD = "Deprecated, removed in the next release: use "
+DEPRECATED_WARM_BUDGET_USE = Gauge(
+    "sandman_controller_warm_budget_use", _OLD + "sandman_controller_warm_budget_used_pods and "
+    "sandman_controller_warm_budget_used_cpu_cores", ["resource"])
+DEPRECATED_WARM_BUDGET = Gauge(
+    "sandman_controller_warm_budget", _OLD + "sandman_controller_warm_budget_pods and "
+    "sandman_controller_warm_budget_cpu_cores", ["resource"])
+DEPRECATED_QUEUE_DEPTH = Gauge("sandman_controller_queue_depth",
+                               _OLD + "sum(sandman_controller_queued_acquires)")
+DEPRECATED_QUEUE_BY_ROLE = Gauge("sandman_controller_queue_depth_by_role",
+                                 _OLD + "sandman_controller_queued_acquires", ["role"])
+DEPRECATED_CREATE_RATE = Gauge("sandman_controller_create_rate",
+                               _OLD + "sandman_controller_create_rate_per_second")
+DEPRECATED_LIMIT = Gauge(
+    "sandman_controller_limit", _OLD + "sandman_controller_max_create_rate_per_second, "
+    "sandman_controller_max_create_burst, sandman_controller_max_creating_pods and "
+    "sandman_controller_max_live_pods", ["limit"])
+# Old name -> what replaces it (docs/metrics.md "Deprecated names" says the same).
+DEPRECATED = {
+    "sandman_controller_warm_budget_use": ("sandman_controller_warm_budget_used_pods",
+                                           "sandman_controller_warm_budget_used_cpu_cores"),
+    "sandman_controller_warm_budget": ("sandman_controller_warm_budget_pods",
+                                       "sandman_controller_warm_budget_cpu_cores"),
+    "sandman_controller_queue_depth": ("sandman_controller_queued_acquires",),
+    "sandman_controller_queue_depth_by_role": ("sandman_controller_queued_acquires",),
+    "sandman_controller_create_rate": ("sandman_controller_create_rate_per_second",),
+    "sandman_controller_limit": ("sandman_controller_max_create_rate_per_second",
+                                 "sandman_controller_max_create_burst",
+                                 "sandman_controller_max_creating_pods",
+                                 "sandman_controller_max_live_pods"),
+}
+
 
 def _warm(warm: bool) -> str:
     return "true" if warm is True else "false"
@@ -305,10 +355,22 @@ def warm_idle(pod_seconds: float, cpu_seconds: float) -> None:
 
 
 def warm_budget(pods: int, pods_budget: int, cpu: float, cpu_budget: float) -> None:
-    WARM_BUDGET_USE.labels("pods").set(pods)
-    WARM_BUDGET_USE.labels("cpu").set(cpu)
-    WARM_BUDGET.labels("pods").set(pods_budget)
-    WARM_BUDGET.labels("cpu").set(cpu_budget)
+    WARM_BUDGET_USED_PODS.set(pods)
+    WARM_BUDGET_USED_CORES.set(cpu)
+    WARM_BUDGET_PODS.set(pods_budget)
+    WARM_BUDGET_CORES.set(cpu_budget)
+    DEPRECATED_WARM_BUDGET_USE.labels("pods").set(pods)
+    DEPRECATED_WARM_BUDGET_USE.labels("cpu").set(cpu)
+    DEPRECATED_WARM_BUDGET.labels("pods").set(pods_budget)
+    DEPRECATED_WARM_BUDGET.labels("cpu").set(cpu_budget)
+
+
+def queued(by_role: dict[str, int]) -> None:
+    """The pacer's waiting acquires by role (controller.pacer.Pacer.queue_by_role)."""
+    for role in contract.ROLES:
+        QUEUED_ACQUIRES.labels(role).set(by_role.get(role, 0))
+        DEPRECATED_QUEUE_BY_ROLE.labels(role).set(by_role.get(role, 0))
+    DEPRECATED_QUEUE_DEPTH.set(sum(by_role.get(role, 0) for role in contract.ROLES))
 
 
 def illegal_transition(frm: str, to: str) -> None:
@@ -318,8 +380,13 @@ def illegal_transition(frm: str, to: str) -> None:
 def pacing(limits, rate: float) -> None:
     """`limits` is a controller.pacer.Limits (not imported: the pacer imports nothing of this)."""
     CREATE_RATE.set(rate)
+    MAX_CREATE_RATE.set(limits.rate)
+    MAX_CREATE_BURST.set(limits.burst)
+    MAX_CREATING.set(limits.max_creating)
+    MAX_LIVE.set(limits.max_live)
+    DEPRECATED_CREATE_RATE.set(rate)
     for name in LIMITS:
-        LIMIT.labels(name).set(getattr(limits, name))
+        DEPRECATED_LIMIT.labels(name).set(getattr(limits, name))
 
 
 def foreign(reason: str) -> None:

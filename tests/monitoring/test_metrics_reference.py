@@ -48,6 +48,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),
         ("sandman_controller_foreign_pods_total", "reason"): c.FOREIGN_REASONS,
         ("sandman_controller_queue_depth_by_role", "role"): contract.ROLES,
+        ("sandman_controller_queued_acquires", "role"): contract.ROLES,
         ("sandman_controller_warm_lookups_total", "role"): contract.ROLES + ("other",),
         ("sandman_controller_warm_lookups_total", "result"): c.WARM_RESULTS,
         ("sandman_controller_warm_budget_use", "resource"): c.BUDGET_RESOURCES,
@@ -128,6 +129,126 @@ def test_reference_lists_exactly_the_exported_metrics():
                     f"{name}{{{label}}}: documented {got}, code allows {list(want)}")
 
 
+# Units Prometheus' conventions reject (not base units) and words that, as a label's values,
+# say the label splits one metric into different quantities.
+NOT_BASE_UNITS = ("_ms", "_milliseconds", "_minutes", "_hours", "_days", "_kb", "_kib", "_mb",
+                  "_mib", "_gb", "_percent")
+QUANTITY_WORDS = {"pods", "cpu", "cores", "memory", "bytes", "seconds", "rate", "burst"}
+
+
+def naming_faults(e) -> list[str]:
+    """What in one exported metric breaks Prometheus' naming rules."""
+    faults = []
+    if (e.type == "counter") != e.name.endswith("_total"):
+        faults.append("a counter ends in _total, and only a counter")
+    if e.type == "histogram" and not e.name.endswith(("_seconds", "_bytes")):
+        faults.append("a histogram names its base unit")
+    if any(e.name.endswith(u) or f"{u}_" in e.name for u in NOT_BASE_UNITS):
+        faults.append("not a base unit")
+    if "_by_" in e.name:
+        faults.append("a label in the name")
+    for label in e.labels:
+        if e.name.removesuffix("_total").endswith("_" + label):
+            faults.append(f"label {label} repeats the name")
+        values = _code_values(e.name, label) or ()
+        if QUANTITY_WORDS & set(values):
+            faults.append(f"label {label} mixes quantities: {sorted(values)}")
+    return faults
+
+
+def test_names_follow_prometheus_naming_rules():
+    """Every name but the deprecated ones; the deprecated ones are what the rules catch."""
+    from controller.metrics import DEPRECATED
+
+    code = exported()
+    bad = {n: naming_faults(e) for n, e in code.items() if n not in DEPRECATED}
+    assert {n: f for n, f in bad.items() if f} == {}
+    # Two faults no rule here can see: a rate without its unit (no rule tells it from a count
+    # of things), and a total kept beside the per-role series it is the sum of.
+    unseen = {"sandman_controller_create_rate", "sandman_controller_queue_depth"}
+    for old in set(DEPRECATED) - unseen:
+        assert naming_faults(code[old]), old
+
+
+# Each series of a deprecated name and the series of its replacement that must read the same
+# (labels None: the sum of every series of that name).
+ALIASES = [
+    ("sandman_controller_limit", {"limit": "rate"},
+     "sandman_controller_max_create_rate_per_second", {}),
+    ("sandman_controller_limit", {"limit": "burst"}, "sandman_controller_max_create_burst", {}),
+    ("sandman_controller_limit", {"limit": "max_creating"},
+     "sandman_controller_max_creating_pods", {}),
+    ("sandman_controller_limit", {"limit": "max_live"}, "sandman_controller_max_live_pods", {}),
+    ("sandman_controller_create_rate", {}, "sandman_controller_create_rate_per_second", {}),
+    ("sandman_controller_warm_budget_use", {"resource": "pods"},
+     "sandman_controller_warm_budget_used_pods", {}),
+    ("sandman_controller_warm_budget_use", {"resource": "cpu"},
+     "sandman_controller_warm_budget_used_cpu_cores", {}),
+    ("sandman_controller_warm_budget", {"resource": "pods"},
+     "sandman_controller_warm_budget_pods", {}),
+    ("sandman_controller_warm_budget", {"resource": "cpu"},
+     "sandman_controller_warm_budget_cpu_cores", {}),
+    ("sandman_controller_queue_depth_by_role", {"role": "agent"},
+     "sandman_controller_queued_acquires", {"role": "agent"}),
+    ("sandman_controller_queue_depth_by_role", {"role": "grading"},
+     "sandman_controller_queued_acquires", {"role": "grading"}),
+    ("sandman_controller_queue_depth", {}, "sandman_controller_queued_acquires", None),
+]
+
+
+def alias_readings(samples: dict[tuple[str, frozenset], float]) -> list[tuple]:
+    """(old series, its value, its replacement's value) for every row of ALIASES, out of one
+    scrape's samples ((name, labels) -> value); an old series the table misses reads against
+    nothing, so a label value added to an old name without its new series fails too."""
+    def series(name: str, labels: dict[str, str] | None) -> float | None:
+        if labels is None:
+            got = [v for (n, _), v in samples.items() if n == name]
+            return sum(got) if got else None
+        return samples.get((name, frozenset(labels.items())))
+
+    from controller.metrics import DEPRECATED
+
+    out = [((old, old_labels), series(old, old_labels), series(new, new_labels))
+           for old, old_labels, new, new_labels in ALIASES]
+    known = {(old, frozenset(labels.items())) for old, labels, _, _ in ALIASES}
+    out += [((n, dict(labels)), v, None) for (n, labels), v in samples.items()
+            if n in DEPRECATED and (n, labels) not in known]
+    return out
+
+
+def test_deprecated_names_carry_their_replacements_values():
+    """Each old name is still exported, says it is deprecated and what replaces it, and reads
+    what its replacements read."""
+    from controller import metrics as c
+    from controller.pacer import Limits
+
+    c.pacing(Limits(rate=3.5, burst=11, max_creating=13, max_live=17), 2.5)
+    c.warm_budget(4, 10, 6.0, 20.0)
+    c.queued({"agent": 3, "grading": 2})
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for fam in REGISTRY.collect() for s in fam.samples}
+    readings = alias_readings(samples)
+    assert [(old, a) for old, a, _ in readings] == [(old, b) for old, _, b in readings]
+    assert {n for (n, _), _, _ in readings} == set(c.DEPRECATED)
+    assert samples[("sandman_controller_queue_depth", frozenset())] == 5
+    assert samples[("sandman_controller_limit", frozenset({("limit", "max_live")}))] == 17
+    # The check sees a value set on one name only.
+    c.MAX_LIVE.set(18)
+    try:
+        samples[("sandman_controller_max_live_pods", frozenset())] = 18
+        assert any(a != b for _, a, b in alias_readings(samples))
+    finally:
+        c.MAX_LIVE.set(17)
+    code, doc = exported(), DOC.read_text()
+    helps = {m.name: m.documentation for m in REGISTRY.collect()}
+    for old, new_names in c.DEPRECATED.items():
+        assert old in code and all(n in code and n not in c.DEPRECATED for n in new_names)
+        assert helps[old].startswith("Deprecated") and all(n in helps[old] for n in new_names)
+        assert {new for o, _, new, _ in ALIASES if o == old} == set(new_names), old
+        row = next(ln for ln in doc.splitlines() if ln.startswith(f"| `{old}` |"))
+        assert "deprecated: " in row and all(n in row for n in new_names), row
+
+
 def test_scrape_names_agree_with_the_collection():
     """The public scrape output names the same metrics (no private-attribute surprise)."""
     import webhook.metrics
@@ -169,31 +290,50 @@ def test_build_info_is_one_series_per_component(monkeypatch):
 @pytest.mark.testbed
 def test_running_controller_exports_build_info_and_its_pacing(cluster, namespace, tmp_path):
     """A controller process on the test bed: /metrics (no token) has its build series and the
-    pacing it was started with, set by its maintenance tick once it leads."""
+    pacing and warm budget it was started with, set by its maintenance tick once it leads,
+    under the new names and, with the same values, under the deprecated ones."""
     import time
 
     import httpx
+    from prometheus_client.parser import text_string_to_metric_families
 
     from testbed.controller import start_controller
 
     ctl = start_controller(namespace, str(cluster.kubeconfig), tmp_path / "controller.log",
                            ["--lease-name", f"m-{namespace}", "--rate", "7", "--burst", "9",
+                            "--max-creating", "13", "--max-live", "17",
+                            "--warm-budget-pods", "5", "--warm-budget-cpu", "2.5",
                             "--log-level", "WARNING"], "pod")
     try:
         deadline = time.monotonic() + 30
         while True:
             text = httpx.get(f"{ctl.url}/metrics", timeout=5).text
-            if 'sandman_controller_limit{limit="rate"} 7.0' in text or (
+            if ("sandman_controller_max_create_rate_per_second 7.0" in text
+                    and "sandman_controller_warm_budget_pods 5.0" in text) or (
                     time.monotonic() > deadline):
                 break
             time.sleep(0.5)
     finally:
         ctl.stop()
     lines = set(text.splitlines())
-    assert 'sandman_controller_limit{limit="rate"} 7.0' in lines
-    assert 'sandman_controller_limit{limit="burst"} 9.0' in lines
-    assert "sandman_controller_create_rate 7.0" in lines
-    assert "sandman_controller_leader 1.0" in lines
+    for line in ("sandman_controller_max_create_rate_per_second 7.0",
+                 "sandman_controller_max_create_burst 9.0",
+                 "sandman_controller_max_creating_pods 13.0",
+                 "sandman_controller_max_live_pods 17.0",
+                 "sandman_controller_create_rate_per_second 7.0",
+                 "sandman_controller_warm_budget_pods 5.0",
+                 "sandman_controller_warm_budget_cpu_cores 2.5",
+                 'sandman_controller_queued_acquires{role="agent"} 0.0',
+                 "sandman_controller_leader 1.0"):
+        assert line in lines, line
+    # The deprecated names, for one more release: every series of each reads what its
+    # replacement reads in the same scrape.
+    samples = {(s.name, frozenset(s.labels.items())): s.value
+               for fam in text_string_to_metric_families(text) for s in fam.samples}
+    readings = alias_readings(samples)
+    assert [(old, a) for old, a, _ in readings] == [(old, b) for old, _, b in readings]
+    assert None not in {a for _, a, _ in readings}
+    assert 'sandman_controller_limit{limit="max_live"} 17.0' in lines
     from sandman import buildinfo
     from sandman._version import __version__
 
