@@ -23,7 +23,6 @@ DS = {"type": "prometheus", "uid": "${datasource}"}
 NS = 'namespace="$namespace"'
 RI = "[$__rate_interval]"
 OK, WARM, DENIED = 'result="ok"', 'warm="true"', 'decision="denied"'
-RATE, MAX_CREATING = 'limit="rate"', 'limit="max_creating"'
 
 
 def sel(*matchers: str) -> str:
@@ -103,9 +102,10 @@ def dashboard() -> dict:
             "p50/p99 acquire latency by warm (true: handed out from the warm pool).",
             quantiles("sandman_controller_acquire_seconds", "warm", "warm={{warm}}"), unit="s")
     L.panel("Queue depth",
-            "Acquires waiting for a create slot (leader only). Growing for minutes: the caps "
-            "or the rate are too low, or pods are not becoming Ready.",
-            [target(f"sum(sandman_controller_queue_depth{sel()})", "waiting")])
+            "Acquires waiting for a create slot (leader only), by role. Growing for minutes: "
+            "the caps or the rate are too low, or pods are not becoming Ready.",
+            [target(f"sum by (role) (sandman_controller_queued_acquires{sel()})",
+                    "{{role}}")])
     L.panel("Queue wait",
             "Time from enqueue to a create slot (the pacing wait), p50/p99.",
             quantiles("sandman_controller_queue_seconds", "", ""), unit="s")
@@ -125,16 +125,17 @@ def dashboard() -> dict:
             "(lowered by back-off after 429/5xx) and the configured controller.rate.",
             [target(f"sum by (result) (rate(sandman_controller_creates_total{sel()}{RI}))",
                     "{{result}}"),
-             target(f"max(sandman_controller_create_rate{sel()})", "current limit", "B"),
-             target(f'max(sandman_controller_limit{sel(RATE)})',
+             target(f"max(sandman_controller_create_rate_per_second{sel()})", "current limit",
+                    "B"),
+             target(f"max(sandman_controller_max_create_rate_per_second{sel()})",
                     "configured rate", "C")], unit="reqps")
     L.panel("Live and creating pods",
             "Pods the controller owns (any state) and creates in flight + pods not yet Ready, "
             "against controller.maxCreating.",
             [target(f"sum(sandman_controller_live_pods{sel()})", "live"),
              target(f"sum(sandman_controller_creating_pods{sel()})", "creating", "B"),
-             target(f'max(sandman_controller_limit{sel(MAX_CREATING)})',
-                    "max creating", "C")])
+             target(f"max(sandman_controller_max_creating_pods{sel()})", "max creating",
+                    "C")])
     L.panel("API back-off and deletes",
             "API answers (429/5xx) that halved the create rate, and pod deletes by outcome.",
             [target(f"sum(rate(sandman_controller_api_backoff_total{sel()}{RI}))", "back-off"),
@@ -188,6 +189,19 @@ def dashboard() -> dict:
                     f"{sel()}[5m]))", "retired {{reason}}", "B"),
              target(f"sum(increase(sandman_controller_restore_failures_total{sel()}[5m]))",
                     "restore failed", "C")])
+
+    L.row("Controller API")
+    L.panel("API requests/s by route and status",
+            "Calls to the controller's API by route template and HTTP status (unmatched: no "
+            "route; 5xx: see the controller log, each line carries the call's request_id).",
+            [target(f"sum by (route, code) "
+                    f"(rate(sandman_controller_http_requests_total{sel()}{RI}))",
+                    "{{route}} {{code}}")], unit="reqps")
+    L.panel("API latency by route",
+            "p50/p99 of each route's calls to the end of the answer (an acquire includes its "
+            "queue and pod start; a get or list should stay in milliseconds).",
+            quantiles("sandman_controller_http_request_duration_seconds", "route",
+                      "{{route}}"), unit="s")
 
     L.row("Webhook")
     L.panel("Admission decisions/s",

@@ -111,6 +111,18 @@ def test_every_query_names_only_exported_metrics(rendered):
             assert "namespace=" in selector, f"{where}: unscoped selector in {expr}"
 
 
+def test_no_query_uses_a_deprecated_name(rendered):
+    """The dashboard and the alerts follow the renamed metrics (the old names are exported one
+    more release for the users' own queries, never for the chart's)."""
+    from controller.metrics import DEPRECATED
+
+    dash = json.loads(_one(rendered, "ConfigMap")["data"]["sandman.json"])
+    queries = dashboard_queries(dash) + rule_queries(_one(rendered, "PrometheusRule"))
+    old = {f"{where}: {n}" for where, expr in queries for n in metric_names(expr)
+           if n in DEPRECATED}
+    assert old == set()
+
+
 def test_the_check_catches_a_bogus_metric(rendered):
     """The same check on the rendered dashboard with one panel renamed to a metric nobody
     exports, and with a function typo that hides its metric."""
