@@ -28,6 +28,10 @@ Once, after the rounds (`--checkpoint-count` sandboxes of one job):
   crashed), wall time of the one call that hands out all N. Goal: restore <= 1.5x the fresh
   acquires of the same N of the same image: both make N pods through the same acquire path on
   the same empty bed; the ratio is of the set, which is also the ratio of per-sandbox means.
+  Its phases (read, fetch, sandboxes) come from the controller's
+  `sandman_controller_restore_phase_seconds`, and the state written into the N fresh
+  sandboxes at once (8 at a time, as a restore applies it) is this machine's bound on what a
+  restore adds to the fresh acquires.
 
 Every child's and every restored sandbox's tree is compared with its source's (a manifest of
 every entry: kind, mode, sha256 or link target, read from the host), and each restored shell's
@@ -215,7 +219,7 @@ def measure(cluster, workdir: Path, a: argparse.Namespace) -> dict:
                       f"({fork / (acq + up):.2f}x); the delta into {a.children} at once "
                       f"{fan * 1000:.0f} ms ({fork / (acq + fan):.2f}x)", file=sys.stderr)
                 gone()
-            res["checkpoint"] = checkpoint_part(cl, root, delta, a, gone)
+            res["checkpoint"] = checkpoint_part(cl, ctl.url, root, delta, a, gone)
     finally:
         if ctl is not None:
             ctl.stop()
@@ -225,7 +229,19 @@ def measure(cluster, workdir: Path, a: argparse.Namespace) -> dict:
     return res
 
 
-def checkpoint_part(cl, root: Path, delta: Path, a: argparse.Namespace, gone) -> dict:
+def restore_phases(url: str) -> dict[str, float]:
+    """The controller's sandman_controller_restore_phase_seconds sums, by phase (seconds)."""
+    import httpx
+
+    out: dict[str, float] = {}
+    for line in httpx.get(f"{url}/metrics", timeout=10).text.splitlines():
+        if line.startswith("sandman_controller_restore_phase_seconds_sum{"):
+            out[line.split('phase="', 1)[1].split('"', 1)[0]] = float(line.split()[-1])
+    return out
+
+
+def checkpoint_part(cl, url: str, root: Path, delta: Path, a: argparse.Namespace,
+                    gone) -> dict:
     n = a.checkpoint_count
     lat: list[float] = []
     lock = threading.Lock()
@@ -250,8 +266,11 @@ def checkpoint_part(cl, root: Path, delta: Path, a: argparse.Namespace, gone) ->
         r = sb.exec(f"printf {i} > repo/own-{i}; cd repo/pkg{i % 10}; export WHO=sb{i}")
         assert r.exit_code == 0, r
 
+    # The restore's bound on this machine: the same N sandboxes given state at once, 8 at a
+    # time as a restore applies them (controller/fork.py APPLY_CONCURRENCY), all N execds on
+    # this machine's CPUs.
     with ThreadPoolExecutor(8) as ex:
-        list(ex.map(shape, enumerate(sbs)))
+        shape_s, _ = timed(lambda: list(ex.map(shape, enumerate(sbs))))
     want = {sb.id: (tree(root / sb.pod), f"pkg{i % 10}", f"sb{i}") for i, sb in enumerate(sbs)}
     ck_s, ck = timed(cl.checkpoint, job="ck", timeout_s=WAIT_S)
     assert len(ck.sandboxes) == n, ck
@@ -259,7 +278,10 @@ def checkpoint_part(cl, root: Path, delta: Path, a: argparse.Namespace, gone) ->
     for sb in sbs:  # gone, as a crashed trainer's
         sb.release()
     gone()
+    before = restore_phases(url)
     restore_s, got = timed(cl.restore, ck.id, timeout_s=WAIT_S)
+    after = restore_phases(url)
+    phases = {k: after[k] - before.get(k, 0.0) for k in ("read", "fetch", "sandboxes")}
     assert set(got) == set(want), "the restore did not make every sandbox"
     checks = 0
     for old, sb in got.items():
@@ -273,9 +295,12 @@ def checkpoint_part(cl, root: Path, delta: Path, a: argparse.Namespace, gone) ->
     gone()
     print(f"# {n} fresh acquires {fresh_s * 1000:.0f} ms, checkpoint {ck_s * 1000:.0f} ms "
           f"({state} state bytes), restore {restore_s * 1000:.0f} ms "
-          f"({restore_s / fresh_s:.2f}x)", file=sys.stderr)
+          f"({restore_s / fresh_s:.2f}x; read {phases['read'] * 1000:.0f}, fetch "
+          f"{phases['fetch'] * 1000:.0f}, sandboxes {phases['sandboxes'] * 1000:.0f}; "
+          f"the state into {n} at once {shape_s * 1000:.0f})", file=sys.stderr)
     return {"n": n, "fresh": fresh_s, "fresh_each": lat, "checkpoint": ck_s,
-            "restore": restore_s, "bytes": state, "checks": checks}
+            "restore": restore_s, "bytes": state, "checks": checks, "phases": phases,
+            "shape": shape_s}
 
 
 def run_bed(a: argparse.Namespace) -> dict:
@@ -308,6 +333,7 @@ def render(res: dict, a: argparse.Namespace, command: str, load: tuple[str, str]
     fan_ratio = statistics.median(r["fork"] / (r["acquire"] + r["fan"]) for r in rounds)
     ck = res["checkpoint"]
     restore_ratio = ck["restore"] / ck["fresh"]
+    ph = ck["phases"]
     n = ck["n"]
     lines = [
         SECTION, "",
@@ -333,7 +359,14 @@ def render(res: dict, a: argparse.Namespace, command: str, load: tuple[str, str]
         f"{_ms(ck['checkpoint'])} | |",
         f"| restore of the {n} (one call), wall | {_ms(ck['restore'])} | "
         f"{restore_ratio:.2f}x the {n} fresh acquires, goal <= 1.5x: "
-        f"{'met' if restore_ratio <= 1.5 else 'NOT met'} |", "",
+        f"{'met' if restore_ratio <= 1.5 else 'NOT met'} |",
+        f"| - its read: the set's index and {n} manifests | {_ms(ph['read'])} | |",
+        f"| - its fetch: {n} states from the registry, each checked | {_ms(ph['fetch'])} | |",
+        f"| - its sandboxes: {n} acquired, each given its state | {_ms(ph['sandboxes'])} | "
+        f"{ph['sandboxes'] / ck['fresh']:.2f}x the fresh acquires |",
+        f"| the machine's bound: the state written into the {n} fresh sandboxes, 8 at a time | "
+        f"{_ms(ck['shape'])} | the fresh acquires + this: "
+        f"{(ck['fresh'] + ck['shape']) / ck['fresh']:.2f}x |", "",
         f"Checked: {res['checks']} children's and {ck['checks']} restored sandboxes' manifests "
         "(every entry's kind, mode, sha256 or link target) equal to their source's, and each "
         "restored shell's cwd and exported variable. The restore ratio is of the set: one "
@@ -344,7 +377,12 @@ def render(res: dict, a: argparse.Namespace, command: str, load: tuple[str, str]
         f"execds share this machine's {os.cpu_count()} CPUs: the goal's single upload is one "
         f"execd's work, a fork's is {a.children}. The bound row is that work done without "
         "fork (the same delta into the same children, in parallel), so the gap between the "
-        "two ratios is this machine's, and the second is fork's own cost.", ""]
+        "two ratios is this machine's, and the second is fork's own cost. The restore's "
+        "phases run one after the other (the controller's "
+        "`sandman_controller_restore_phase_seconds`): no pod is made before every state is read "
+        "and checked. Its sandboxes phase is the fresh acquires' work plus giving each its "
+        f"state, whose bound on this machine is the last row ({n} execds sharing "
+        f"{os.cpu_count()} CPUs, as no real node's pods do).", ""]
     if real:
         lines += real_lines(real)
     return "\n".join(lines)

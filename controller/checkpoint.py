@@ -324,6 +324,7 @@ class Checkpoints:
         spools: list[IO[bytes]] = []
         got: list[dict | None] = []
         kids: list[asyncio.Future] = []
+        phases: dict[str, float] = {}  # metrics.RESTORE_PHASES, seconds
         ok = False
         try:
             store = self._on()
@@ -333,6 +334,7 @@ class Checkpoints:
                 raise CheckpointGone(f"no checkpoint {cid} in this tenant")
             repo = store.repo(name)
             kept = await self._read(store, repo, name, cid, digest)
+            phases["read"] = time.monotonic() - t0
             gate = asyncio.Semaphore(CAPTURE_CONCURRENCY)
             spools = [tempfile.TemporaryFile(prefix="sandman-restore-") for _ in kept]
 
@@ -342,6 +344,7 @@ class Checkpoints:
                                     k.layer, k.size, out)
             await _all([asyncio.ensure_future(fetch(k, s)) for k, s in zip(kept, spools, strict=True)],
                        "restore")
+            phases["fetch"] = time.monotonic() - t0 - phases["read"]
             # Only now, every byte checked, are pods made.
             got = [None] * len(kept)
             apply_gate = asyncio.Semaphore(APPLY_CONCURRENCY)
@@ -377,7 +380,9 @@ class Checkpoints:
         for s in spools:
             s.close()
         out = {k.old_id: lease for k, lease in zip(kept, got, strict=True) if lease is not None}
-        metrics.restored("ok", len(out), time.monotonic() - t0)
+        took = time.monotonic() - t0
+        phases["sandboxes"] = took - phases["read"] - phases["fetch"]
+        metrics.restored("ok", len(out), took, phases)
         log.info("checkpoint %s restored: %s", cid,
                  ", ".join(f"{a} -> {b['id']}" for a, b in out.items()))
         return out

@@ -84,6 +84,11 @@ def test_fork(cluster, tmp_path, docs_untouched):
     a = fork.parse(["--smoke"])
     res = fork.measure(cluster, tmp_path, a)
     assert res["checks"] == a.children and res["checkpoint"]["checks"] == a.checkpoint_count
+    # The controller's restore phases, read from its /metrics: each ran, and together they
+    # fit in the call the client timed.
+    ph, ck = res["checkpoint"]["phases"], res["checkpoint"]
+    assert all(ph[k] > 0 for k in ("read", "fetch", "sandboxes")), ph
+    assert sum(ph.values()) <= ck["restore"], (ph, ck["restore"])
     section = fork.render(res, a, "python -m bench.fork --smoke", ("0", "0"))
     assert section.startswith(fork.SECTION) and "goal <= 2x" in section
 
