@@ -28,6 +28,9 @@ What it does NOT reproduce (a test that depends on one of these needs a real nod
   mount point the stand-in makes on the host and removes at stop()), and its file routes may
   reach /: what a framework that writes fixed top-level paths (Harbor's /logs, /tests,
   /solution) needs, as each container has its own;
+- $HOME: execd's, and so its commands', is the host's, unless `own_home=True` makes it the
+  pod's own directory (as a container's is its image's): a login shell (`bash -l`) then reads
+  no profile of the host's user, whose ~/.bashrc may run anything (pyenv, conda ...);
 - checked reuse: execd's baseline covers the pod's own directory (its workspace) only, not
   /etc, /usr/local, /opt, $HOME or /tmp;
 - snapshots (fork): only with `snapshots=True`, and then an agent pod's execd (its container
@@ -77,7 +80,7 @@ class Standin:
                  root: str = "/tmp", max_s: float = 3600.0, say=lambda msg: None,
                  conditions_root: Callable[[str], str | None] | None = None,
                  snapshots: bool = False, before_start: Callable[[str, Path], None] | None = None,
-                 private_dirs: tuple[str, ...] = ()):
+                 private_dirs: tuple[str, ...] = (), own_home: bool = False):
         self.core, self.namespace, self.workdir = core, namespace, Path(workdir)
         bad = [d for d in private_dirs if not d or "/" in d or d in (".", "..")]
         if bad:
@@ -85,6 +88,7 @@ class Standin:
         if private_dirs and os.geteuid() != 0:
             raise PermissionError("standin: private_dirs needs root (a mount namespace per pod)")
         self.private_dirs = tuple(private_dirs)
+        self.own_home = own_home
         self._made_dirs: list[Path] = []  # mount points made on the host, removed at stop()
         self.conditions_root = conditions_root
         # A pod whose container sets SANDMAN_SNAPSHOT=on (agent pods) gets an execd rooted at
@@ -222,7 +226,8 @@ class Standin:
             "--baseline-store", str(self.workdir / f"{name}.baseline"), "--baseline-paths", "",
             "--baseline-packages", "", "--baseline-scope", "listed",
             *(["--conditions-root", croot] if croot else [])),
-            self.workdir / f"{name}.log", cwd=home).start()
+            self.workdir / f"{name}.log", cwd=home,
+            env={"HOME": str(home)} if self.own_home else None).start()
         with self._lock:
             self.procs[name] = proc
             self.ips[name] = ip

@@ -15,16 +15,17 @@ from sandman import contract
 
 @contextlib.contextmanager
 def standin_stack(cluster, namespace: str, tmp_path: Path, lease: str,
-                  *args: str, private_dirs: tuple[str, ...] = ()) -> Iterator[tuple]:
+                  *args: str, private_dirs: tuple[str, ...] = (),
+                  own_home: bool = False) -> Iterator[tuple]:
     """(controller, stand-in): kwok pods with a real execd behind each (testbed/standin.py)
     and the real controller with its default readiness check (Ready AND execd /ready from the
-    pod IP); both stopped on the way out, whatever happened. `private_dirs`: the stand-in's
-    (each pod's own /NAME, root only)."""
+    pod IP); both stopped on the way out, whatever happened. `private_dirs`, `own_home`: the
+    stand-in's (each pod's own /NAME, root only; each execd's $HOME its pod's directory)."""
     from testbed.controller import ControllerProc
     from testbed.standin import Standin
 
     standin = Standin(cluster.core, namespace, tmp_path / "standin",
-                      private_dirs=private_dirs).start()
+                      private_dirs=private_dirs, own_home=own_home).start()
     ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
                          ["--lease-name", f"{lease}-{namespace}", *args], ready_check="execd")
     try:
