@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
-        frameworks-venv demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
+        frameworks-venv swerex-tests demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -28,12 +28,17 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) frameworks-venv sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), the frameworks' 3.12 venv, Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
+deps: $(STAMP) frameworks-venv swerex-tests sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), the frameworks' 3.12 venv, SWE-ReX's own tests, Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
 
 # Harbor needs Python >= 3.12, newer than the dev venv's: its tests drive it from .venv-frameworks
 # (requirements-frameworks.lock, hash-checked, and ./client editable; the machine's 3.12).
 frameworks-venv: $(STAMP)  ## the Python 3.12 venv of the framework tests (Harbor): tools/frameworks_venv.py
 	$(VPY) tools/frameworks_venv.py
+
+# SWE-ReX's runtime tests ship in its sdist only: fetched hash-checked by pip download (the lock's
+# hashes) into the bed's cache, where tests/controller/test_swerex_upstream.py finds them.
+swerex-tests: $(STAMP)  ## SWE-ReX's own runtime tests from its locked sdist into ~/.cache/sandman-testbed: tools/swerex_tests.py
+	$(VPY) tools/swerex_tests.py
 
 gotoolchain:  ## Go >= 1.26 for the test-bed builds: the one on PATH, else fetched from the Go module proxy
 	@$(PY) tools/gotoolchain.py
