@@ -47,6 +47,7 @@ def answer(operation: str, body: bytes, policy: SandboxPolicy,
         if len(body) > max_body:
             metrics.count(operation, "error", "bad-request")
             return 413, too_large(max_body)
+        review: Any = None
         try:
             review = json.loads(body)
             if operation == "mutate":
@@ -59,7 +60,9 @@ def answer(operation: str, body: bytes, policy: SandboxPolicy,
             metrics.count(operation, "error", "bad-request")
             return 400, json.dumps({"error": str(e)}).encode()
         except Exception:
-            log.exception("%s failed", operation)
+            req = review.get("request") if isinstance(review, dict) else None
+            log.exception("%s failed", operation,
+                          extra=review_fields(req) if isinstance(req, dict) else None)
             metrics.count(operation, "error", "internal-error")
             return 500, b'{"error":"internal error"}'
         allowed = out["response"]["allowed"]

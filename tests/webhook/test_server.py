@@ -179,6 +179,41 @@ def test_admission_routes_are_the_fast_paths_only():
     assert set(AdmissionFastPath.ROUTES) == {"/mutate", "/validate"}
 
 
+def test_a_review_that_fails_inside_is_logged_with_its_ids(monkeypatch, caplog):
+    """A fault while answering a review (here made to happen) is a 500 whose exception line
+    carries the review's ids, as a refusal's does; a body that fails before it is a review
+    (JSON nested past the parser's depth) is a 500 too, its line without ids."""
+    from sandman.podspec import SandboxPolicy
+    from webhook import admission
+    from webhook.app import answer
+    from webhook.metrics import Metrics
+
+    def broken(review, policy):
+        raise RuntimeError("a fault in the rules")
+
+    review, _ = load("validate-apparmor-pod-unconfined-refused")
+    review["request"]["uid"] = "uid-failing"
+    meta = review["request"]["object"]["metadata"]
+    meta["name"] = "sbx-grpo-7-0a1b2c3d4e"
+    meta["labels"].update({contract.LABEL_MANAGED_BY: contract.MANAGED_BY_CONTROLLER,
+                           contract.LABEL_JOB: "team-a.grpo-7",
+                           contract.LABEL_TENANT: "team-a"})
+    monkeypatch.setattr(admission, "validate", broken)
+    caplog.set_level("INFO", logger="webhook")
+    status, body = answer("validate", json.dumps(review).encode(), SandboxPolicy(), Metrics())
+    assert (status, json.loads(body)) == (500, {"error": "internal error"})
+    [line] = [r for r in caplog.records if r.getMessage() == "validate failed"]
+    assert line.exc_info and {k: getattr(line, k, None) for k in (
+        "pod", "namespace", "request_id", "sandbox", "job", "tenant")} == {
+        "pod": "sbx-grpo-7-0a1b2c3d4e", "namespace": "team-a", "request_id": "uid-failing",
+        "sandbox": "sbx-grpo-7-0a1b2c3d4e", "job": "grpo-7", "tenant": "team-a"}
+    caplog.clear()
+    deep = b"[" * 100_000 + b"]" * 100_000
+    assert answer("mutate", deep, SandboxPolicy(), Metrics())[0] == 500
+    [line] = [r for r in caplog.records if r.getMessage() == "mutate failed"]
+    assert getattr(line, "request_id", None) is None
+
+
 @pytest.mark.slow
 def test_sigterm_drains_serving_then_exits_and_a_second_signal_ends_it(tmp_path):
     """A deleted replica keeps answering admission calls for --drain-seconds while /readyz
