@@ -19,6 +19,7 @@ import uvicorn
 from controller.forward import LEADER_HEADER, ForwardToLeader
 from controller.routes import build_app
 from controller.tls import PeerCA, ServingTLS
+from sandman import logs
 from webhook import certs as C
 
 LOOPBACK = "127.0.0.1"
@@ -33,9 +34,11 @@ class StandIn:
         self.cancelled = threading.Event()
         self.block = False
         self.n = 0
+        self.fields: list[dict[str, str]] = []  # the log fields bound in each acquire
 
     async def acquire(self, order):
         self.n += 1
+        self.fields.append(logs.bound())
         if self.block:
             try:
                 await asyncio.sleep(60)
@@ -142,6 +145,20 @@ def test_standby_forwards_api_calls_and_the_answers_come_back_unchanged(pair):
     assert bad.status_code == 422 and bad.json()["error"]["type"] == "BadRequest"
     listed = httpx.get(standby + "/v1/sandboxes", params={"job": "j"})
     assert listed.status_code == 200 and listed.json() == {"items": []}
+
+
+def test_a_forwarded_call_keeps_its_request_id_on_the_leader(pair):
+    """The caller's X-Request-Id goes through the standby: the leader's lines about the call
+    carry it as `request_id` and the answer brings it back. Without one, the answer carries the
+    id the leader made, the one its lines carry."""
+    leader, standby, ctl, _ = pair
+    r = httpx.post(standby + "/v1/sandboxes", json={"image": "i", "job": "j"},
+                   headers={"x-request-id": "trace-77"})
+    assert r.status_code == 201 and r.headers["x-request-id"] == "trace-77"
+    assert ctl.fields[-1]["request_id"] == "trace-77"
+    r = httpx.post(standby + "/v1/sandboxes", json={"image": "i", "job": "j"})
+    assert r.status_code == 201 and ctl.fields[-1]["request_id"] == r.headers["x-request-id"]
+    assert r.headers.get_list("x-request-id") == [r.headers["x-request-id"]]
 
 
 def test_a_call_forwarded_to_a_replica_that_is_not_the_holder_is_refused(pair):
