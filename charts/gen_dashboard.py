@@ -7,8 +7,6 @@ metrics the components export (tests/charts/test_monitoring.py parses each query
 its names against the registries; docs/metrics.md lists them). The file is committed so the
 chart needs no Python; the test fails when it is stale. Regenerate with
 `.venv/bin/python charts/gen_dashboard.py` (or `make chart-golden`).
-
-Not here yet, until their metrics exist: refused run conditions, reuse and retirements.
 """
 
 from __future__ import annotations
