@@ -43,7 +43,8 @@ def test_swerex_runtime_tests_on_the_test_bed(stack, tmp_path):
     home = tmp_path / "home"
     home.mkdir()
     env = {**os.environ, "SANDMAN_URL": ctl.url, "PYTHONPATH": str(ROOT), "HOME": str(home)}
-    env.pop("SWEREX_EXECD", None)
+    for name in ("SWEREX_EXECD", "PYTEST_ADDOPTS", "PYTEST_PLUGINS"):  # none of the caller's
+        env.pop(name, None)
     # -c /dev/null: none of this repository's conftests or settings; --basetemp: the upstream
     # tests' tmp_path (files the sandbox writes on the host) goes with this test's.
     out = subprocess.run(
