@@ -232,14 +232,19 @@ FIXED_VARIABLES: list[dict] = [
         "(n.contains(':') ? n + '/128' : n + '/32')) + "
         "variables.egressNat64Never.map(n, string(n))"},
     # ...and a sandbox's guard (labelled, or installing already) installs execd
-    # (podspec.netguard_container).
-    {"name": "guardArgs", "expression":
+    # (podspec.netguard_container). The args are head + flag/value pairs + tail, kept apart:
+    # joining the pairs needs the lists extension's flatten(), which API servers before 1.35
+    # refuse in a new expression ("undeclared reference to 'flatten'" on 1.33, `make
+    # test-compat`); the validation below compares them index by index instead.
+    {"name": "guardHead", "expression":
         f"['{NETGUARD_FLAG_EGRESS}', variables.deny ? {_q(EGRESS_DENY)} : {_q(EGRESS_ALLOW)}, "
-        f"'{NETGUARD_FLAG_INGRESS_PORT}', {_q(str(EXECD_PORT))}] + "
-        f"variables.ingressFrom.map(c, ['{NETGUARD_FLAG_INGRESS_FROM}', c]).flatten() + "
-        f"variables.egressAllow.map(e, ['{NETGUARD_FLAG_ALLOW_EGRESS}', e]).flatten() + "
+        f"'{NETGUARD_FLAG_INGRESS_PORT}', {_q(str(EXECD_PORT))}]"},
+    {"name": "guardPairs", "expression":
+        f"variables.ingressFrom.map(c, ['{NETGUARD_FLAG_INGRESS_FROM}', c]) + "
+        f"variables.egressAllow.map(e, ['{NETGUARD_FLAG_ALLOW_EGRESS}', e]) + "
         "(variables.egressAllow.size() > 0 ? "
-        f"variables.egressNeverList.map(c, ['{NETGUARD_FLAG_NEVER_EGRESS}', c]).flatten() : []) + "
+        f"variables.egressNeverList.map(c, ['{NETGUARD_FLAG_NEVER_EGRESS}', c]) : [])"},
+    {"name": "guardTail", "expression":
         f"[{', '.join(_q(a) for a in GUARD_ARGS_TAIL)}] + "
         f"(variables.sandbox ? {_list(INSTALL_EXECD_ARGS)} : [])"},
     # Every container but the guard at initContainers[0] (names are unique in a pod).
@@ -365,6 +370,18 @@ def _same(a: str, b: str) -> str:
 
 def _guard(field: str) -> str:
     return f"variables.inits[0].{field}"
+
+
+def _guard_args_are(args: str) -> str:
+    """`args` is guardHead + guardPairs flattened + guardTail, compared index by index with
+    the two-variable all() (Kubernetes 1.32's CEL: 1.33 API servers accept it in new
+    expressions), not built with flatten() (1.35's)."""
+    head, pairs = "variables.guardHead.size()", "variables.guardPairs.size()"
+    return (f"{args}.size() == {head} + 2 * {pairs} + variables.guardTail.size() && "
+            f"variables.guardHead.all(i, a, {args}[i] == a) && "
+            f"variables.guardPairs.all(i, p, {args}[{head} + 2 * i] == p[0] && "
+            f"{args}[{head} + 2 * i + 1] == p[1]) && "
+            f"variables.guardTail.all(i, a, {args}[{head} + 2 * {pairs} + i] == a)")
 
 
 _G = _q(f"container {NETGUARD_CONTAINER}: ")
@@ -507,9 +524,11 @@ RULES: list[Validation] = [
     Validation("guard-misconfigured",
          "!variables.guardRequired || !variables.guardFirst || "
          f"({_guard('?command')}.orValue([]) == {_list(_GUARD_COMMAND)} && "
-         f"{_guard('?args')}.orValue([]) == variables.guardArgs)",
+         f"{_guard_args_are('variables.inits[0].?args.orValue([])')})",
          f"{_G} + 'command and args must be exactly ' + "
-         f"({_list(_GUARD_COMMAND)} + variables.guardArgs).join(' ') + ' (the pod\\'s policy)'"),
+         f"({_list(_GUARD_COMMAND)} + variables.guardHead).join(' ') + "
+         "variables.guardPairs.map(p, ' ' + p[0] + ' ' + p[1]).join('') + ' ' + "
+         "variables.guardTail.join(' ') + ' (the pod\\'s policy)'"),
     Validation("guard-misconfigured",
          "!variables.guardRequired || !variables.guardFirst || "
          f"(sets.equivalent({_added('variables.inits[0]')}, {_list(_CAPS)}) && "

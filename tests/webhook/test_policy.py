@@ -295,6 +295,53 @@ def test_policy_admits_the_controllers_pods_and_refuses_what_the_webhook_would_f
         assert e.value.status == 403 and f"sandman {rule}" in e.value.body, e.value.body
 
 
+def _guard_args_edits(args: list[str]) -> dict[str, list[str]]:
+    """Guard args an attacker writes near the exact ones: each pair still a flag and a value,
+    most of the same length, so only a comparison of every position refuses them all."""
+    allow = [i for i, a in enumerate(args) if a == "--allow-egress"]
+    never = args.index("--never-egress")
+    tail = len(args) - 1 - args[::-1].index("--ingress-from")  # --ingress-from $(SANDMAN_NODE_IP)
+    a, b = allow[0], allow[1]
+    return {
+        "two allow pairs swapped": args[:a] + args[b:b + 2] + args[a:a + 2] + args[b + 2:],
+        "a pair's flag and value swapped": args[:a] + [args[a + 1], args[a]] + args[a + 2:],
+        "the never pair dropped": args[:never] + args[never + 2:],
+        "the never pair replaced by a copy of an allow pair":
+            args[:never] + args[a:a + 2] + args[never + 2:],
+        "an allow pair repeated": args[:a] + args[a:a + 2] + args[a:],
+        "an argument appended": args + ["--ingress-from=0.0.0.0/0"],
+        "the last argument dropped": args[:-1],
+        "the tail moved before the pairs": args[:4] + args[tail:] + args[4:tail],
+        "egress allow in the head": ["--egress", "allow"] + args[2:],
+    }
+
+
+def test_policy_compares_the_guard_args_at_every_position(bed):
+    """The policy checks the guard's args as head, flag/value pairs and tail, position by
+    position (no flatten() before 1.35): as strict as comparing the lists. A sandbox with
+    allow-egress entries and a never range is admitted as rendered, and refused as
+    guard-misconfigured for each reordered, dropped, repeated or extra argument, as the
+    Python check refuses it."""
+    review = golden_cases.egress_allow_cases()["validate-egress-allow-within-ceiling-allowed"]
+    pol = golden_cases.EGRESS_POLICY
+    ns = bed.namespace_for(pol)
+    good = _clean(review["request"]["object"])
+    bed.cluster.core.create_namespaced_pod(ns, good, dry_run="All")
+    edits = _guard_args_edits(good["spec"]["initContainers"][0]["args"])
+    assert len({tuple(v) for v in edits.values()}) == len(edits), "two edits are the same"
+    for what, args in edits.items():
+        pod = copy.deepcopy(good)
+        g = pod["spec"]["initContainers"][0]
+        assert g["name"] == NETGUARD_CONTAINER and args != g["args"], what
+        g["args"] = args
+        out, _ = admission.validate(dict(review, request=dict(review["request"], object=pod)),
+                                    pol)
+        assert not out["response"]["allowed"], f"{what}: the Python check admits it"
+        body = _refused_by_policy(
+            lambda p=pod: bed.cluster.core.create_namespaced_pod(ns, p, dry_run="All"))
+        assert "sandman guard-misconfigured:" in body, f"{what}: {body}"
+
+
 def test_policy_rule_names_are_documented():
     doc = (Path(__file__).resolve().parents[2] / "docs" / "webhook.md").read_text()
     section = doc.split("## The policy", 1)[1].split("\n## ", 1)[0]

@@ -76,8 +76,12 @@ variables:
   expression: 'variables.egressCeiling.map(c, string(c)).map(c, c.substring(c.lastIndexOf('':'')).contains(''/'') ? c : c + ''/tcp'')'
 - name: egressNeverCidrs
   expression: '["169.254.0.0/16", "fe80::/10", "fd00:ec2::254/128", "100.100.100.200/32", "0.0.0.0/32", "::/128", "64:ff9b:1::/48", "2002::/16", "64:ff9b::a9fe:0/112", "64:ff9b::6464:64c8/128", "64:ff9b::/128"] + variables.egressNeverList.map(n, n.contains(''/'') ? n : (n.contains('':'') ? n + ''/128'' : n + ''/32'')) + variables.egressNat64Never.map(n, string(n))'
-- name: guardArgs
-  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"] + variables.ingressFrom.map(c, [''--ingress-from'', c]).flatten() + variables.egressAllow.map(e, [''--allow-egress'', e]).flatten() + (variables.egressAllow.size() > 0 ? variables.egressNeverList.map(c, [''--never-egress'', c]).flatten() : []) + ["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
+- name: guardHead
+  expression: '[''--egress'', variables.deny ? "deny" : "allow", ''--ingress-port'', "9470"]'
+- name: guardPairs
+  expression: 'variables.ingressFrom.map(c, [''--ingress-from'', c]) + variables.egressAllow.map(e, [''--allow-egress'', e]) + (variables.egressAllow.size() > 0 ? variables.egressNeverList.map(c, [''--never-egress'', c]) : [])'
+- name: guardTail
+  expression: '["--ingress-from", "$(SANDMAN_NODE_IP)", "--ingress-from-gateway"] + (variables.sandbox ? ["--install-execd", "/sandman"] : [])'
 - name: others
   expression: variables.inits.filter(c, !(variables.guardFirst && c.name == "sandman-netguard")) + object.spec.containers + variables.ephemeral
 - name: everyContainer
@@ -141,8 +145,8 @@ validations:
 - expression: '!variables.guardRequired || !variables.guardFirst || variables.inits[0].?image.orValue('''') == variables.image'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''image '' + variables.inits[0].?image.orValue('''') + '' is not '' + variables.image'
   reason: Forbidden
-- expression: '!variables.guardRequired || !variables.guardFirst || (variables.inits[0].?command.orValue([]) == ["python3", "-I", "-S", "/opt/sandman/netguard.py", "apply"] && variables.inits[0].?args.orValue([]) == variables.guardArgs)'
-  messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''command and args must be exactly '' + (["python3", "-I", "-S", "/opt/sandman/netguard.py", "apply"] + variables.guardArgs).join('' '') + '' (the pod\''s policy)'''
+- expression: '!variables.guardRequired || !variables.guardFirst || (variables.inits[0].?command.orValue([]) == ["python3", "-I", "-S", "/opt/sandman/netguard.py", "apply"] && variables.inits[0].?args.orValue([]).size() == variables.guardHead.size() + 2 * variables.guardPairs.size() + variables.guardTail.size() && variables.guardHead.all(i, a, variables.inits[0].?args.orValue([])[i] == a) && variables.guardPairs.all(i, p, variables.inits[0].?args.orValue([])[variables.guardHead.size() + 2 * i] == p[0] && variables.inits[0].?args.orValue([])[variables.guardHead.size() + 2 * i + 1] == p[1]) && variables.guardTail.all(i, a, variables.inits[0].?args.orValue([])[variables.guardHead.size() + 2 * variables.guardPairs.size() + i] == a))'
+  messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''command and args must be exactly '' + (["python3", "-I", "-S", "/opt/sandman/netguard.py", "apply"] + variables.guardHead).join('' '') + variables.guardPairs.map(p, '' '' + p[0] + '' '' + p[1]).join('''') + '' '' + variables.guardTail.join('' '') + '' (the pod\''s policy)'''
   reason: Forbidden
 - expression: '!variables.guardRequired || !variables.guardFirst || (sets.equivalent(variables.inits[0].?securityContext.?capabilities.?add.orValue([]).map(a, (a.upperAscii().startsWith(''CAP_'') ? a.upperAscii().substring(4) : a.upperAscii())), ["NET_ADMIN", "NET_RAW"]) && variables.inits[0].?securityContext.?capabilities.?drop.orValue([]).exists(d, (d.upperAscii().startsWith(''CAP_'') ? d.upperAscii().substring(4) : d.upperAscii()) == ''ALL'') && variables.inits[0].?securityContext.?readOnlyRootFilesystem.orValue(false) == true && variables.inits[0].?securityContext.?privileged.orValue(false) != true && !variables.inits[0].?restartPolicy.hasValue())'
   messageExpression: '''sandman guard-misconfigured: '' + "container sandman-netguard: " + ''capabilities must add exactly NET_ADMIN+NET_RAW and drop ALL, with a read-only root filesystem, not privileged, and no restartPolicy (it must finish before the pod starts)'''
