@@ -183,6 +183,8 @@ OTHER_TOOLS = {
     "--secure-port": "kube-controller-manager, kube-scheduler",
     "--endpoint-reconciler-type": "kube-apiserver", "--authorization-mode": "kube-apiserver",
     "--enable-aggregator-routing": "kube-apiserver", "--allow-privileged": "kube-apiserver",
+    "--max-requests-inflight": "kube-apiserver",
+    "--max-mutating-requests-inflight": "kube-apiserver",
     "--leader-elect": "kube-controller-manager, kube-scheduler",
     "--flex-volume-plugin-dir": "kube-controller-manager", "--unsafe-no-fsync": "etcd",
     "--run-firewall": "kube-router", "--runtime-endpoint": "crictl",
