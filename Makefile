@@ -102,6 +102,17 @@ demo-grading: deps testbed-build  ## the grading demo on the real node (docs/gra
 test-windows-full: deps testbed-build  ## the controller's 25 ownership windows, 20 repeats each
 	SANDMAN_WINDOW_REPEATS=20 $(VPY) tools/run_pytest.py tests/controller/test_windows.py $(PYTEST_ARGS)
 
+# The chart's admission on another Kubernetes minor (docs/install.md "Kubernetes versions"): a kwok
+# bed on K8S (a minor pinned in testbed/versions.py, its control plane built once into its own
+# cache folder), the chart installed, every admission golden and hostile case through the policy
+# with the webhook down and through the webhook with it up. Not in `make test`: CI keeps one
+# version. Under the machine's bed lock: one bed at a time.
+.PHONY: test-compat
+test-compat: $(STAMP) gotoolchain  ## the chart's admission on Kubernetes K8S=1.xx (testbed/versions.py): policy alone, then webhook
+	@test -n "$(K8S)" || { echo "make test-compat: set K8S=1.xx (testbed/versions.py KUBERNETES_MINORS)" >&2; exit 2; }
+	SANDMAN_K8S=$(K8S) $(VPY) -m testbed build
+	SANDMAN_COMPAT=1 SANDMAN_K8S=$(K8S) flock /tmp/sandman-bed.lock $(VPY) tools/run_pytest.py tests/compat $(PYTEST_ARGS)
+
 .PHONY: test-chart chart-golden chart-docs
 test-chart: deps testbed-build  ## the Helm chart: lint, golden renders, schema, install/upgrade/uninstall on the test bed
 	$(VPY) tools/run_pytest.py tests/charts $(PYTEST_ARGS)
