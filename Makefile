@@ -69,7 +69,7 @@ lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, t
 	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/_version.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py sandman/client/minisweagent.py
-	$(VENV)/bin/mypy --python-version 3.12 sandman/client/harbor.py
+	$(VENV)/bin/mypy --python-version 3.12 sandman/client/harbor.py sandman/client/nemo_gym.py
 	$(VENV)/bin/mypy --config-file tools/mypy_server.ini
 
 # The fast tier (docs/testbed.md "Test tiers"): every test that needs no test bed (neither its
