@@ -172,8 +172,8 @@ def _within(c: str, e: str) -> str:
 def _contains(outer: str, inner: str) -> str:
     """CIDR `outer` contains CIDR `inner`. Not containsCIDR: before Kubernetes 1.33 (and late
     1.31/1.32 patch releases) it refused every inner network whose address differs from the
-    outer one's (10.5.0.0/16 in 10.0.0.0/8), and the chart supports 1.30. containsIP and
-    prefixLength are right in every version."""
+    outer one's (10.5.0.0/16 in 10.0.0.0/8). containsIP and prefixLength are right in every
+    version, so the rule does not depend on which patch release a cluster runs."""
     return (f"({outer}.containsIP({inner}.ip()) && "
             f"{outer}.prefixLength() <= {inner}.prefixLength())")
 
