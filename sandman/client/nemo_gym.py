@@ -75,6 +75,10 @@ class SandmanOptions:
     workspace: str | None = None
     labels: dict[str, str] = field(default_factory=dict)
     warm_ok: bool = True
+    # A checkpoint of one sandbox (a pause's handle, or `checkpoint(ids=[one])`): the sandbox
+    # is made anew from it (as OpenSandbox's snapshot_id), its image, size and labels the
+    # checkpoint's.
+    checkpoint: str | None = None
 
     @classmethod
     def from_mapping(cls, options: Mapping[str, Any] | None) -> SandmanOptions:
@@ -138,17 +142,21 @@ class SandmanProvider:
 
     # ---- lifecycle
 
-    def _acquire_args(self, spec: SandboxSpec, opts: SandmanOptions) -> dict[str, Any]:
-        """The acquire's arguments, every refusal raised before a pod is made."""
-        if not spec.image:
-            raise SandboxCreateError("sandman provider: the spec names no image (sandman runs "
-                                     "prebuilt images)")
+    @staticmethod
+    def _refuse(spec: SandboxSpec, opts: SandmanOptions) -> None:
+        """What no sandbox can be, refused in one line before any call."""
         if spec.entrypoint:
             raise SandboxCreateError("sandman provider: a spec's entrypoint is not supported "
                                      "(the pod's process is execd; run the command with exec)")
-        res = spec.resources
-        if res.gpu:  # the controller refuses GPUs; say so before asking it
+        if spec.resources.gpu:  # the controller refuses GPUs; say so before asking it
             raise SandboxCreateError("sandman provider: GPU sandboxes are not supported")
+        if not spec.image and not opts.checkpoint:
+            raise SandboxCreateError("sandman provider: the spec names no image (sandman runs "
+                                     "prebuilt images)")
+
+    def _acquire_args(self, spec: SandboxSpec, opts: SandmanOptions) -> dict[str, Any]:
+        """The acquire's arguments."""
+        res = spec.resources
         labels = {k: _label(v) for k, v in {**spec.metadata, **opts.labels}.items()}
         return dict(
             job=opts.job or self._job,
@@ -169,11 +177,16 @@ class SandmanProvider:
             opts = SandmanOptions.from_mapping(spec.provider_options)
         except (TypeError, ValueError) as e:
             raise SandboxCreateError(str(e).splitlines()[0]) from None
-        args = self._acquire_args(spec, opts)
+        self._refuse(spec, opts)
+        timeout_s = float(spec.ready_timeout_s or self._acquire_timeout_s)
         try:
-            sb = await self._connected().acquire(spec.image or "", **args)
+            if opts.checkpoint:
+                sb = await self._connected().resume(opts.checkpoint, timeout_s=timeout_s)
+            else:
+                args = self._acquire_args(spec, opts)
+                sb = await self._connected().acquire(spec.image or "", **args)
         except SandmanError as e:
-            raise SandboxCreateError(f"sandman provider: {e}") from e
+            raise SandboxCreateError(f"sandman provider: {str(e).splitlines()[0]}") from e
         live = _Live(sb, spec.workdir, dict(spec.env))
         if spec.workdir:
             try:

@@ -5,11 +5,13 @@ driving sandman's provider. Prints one JSON object of what it found; the tests a
 
     python nemo_gym_checks.py refusals           # no controller: what is refused before a pod
     python nemo_gym_checks.py bed IMAGE WORKDIR  # $SANDMAN_URL: the controller on the test bed
+    python nemo_gym_checks.py resume CHECKPOINT  # a sandbox made anew from a checkpoint
 """
 
 from __future__ import annotations
 
 import asyncio
+import faulthandler
 import json
 import os
 import sys
@@ -131,9 +133,35 @@ def mini_swe(image: str, workdir: str) -> dict:
     return out
 
 
+def resume(checkpoint: str) -> dict:
+    """A NeMo Gym sandbox made from a sandman checkpoint (provider option `checkpoint`): the
+    checkpointed tree is there; a checkpoint that does not exist is a SandboxCreateError."""
+    spec = SandboxSpec(provider_options={"checkpoint": checkpoint})
+    with Sandbox(config()).start(spec) as sb:
+        r = sb.exec("cat note.txt")
+        found = {"note": [r.stdout, r.return_code]}
+    other = checkpoint[:-1] + ("0" if checkpoint[-1] != "0" else "1")  # no such checkpoint
+    # Stopped explicitly: NeMo Gym's sync Sandbox whose start failed otherwise stops in
+    # __del__, at interpreter exit, on its loop thread already gone (a hang).
+    box = Sandbox(config())
+    try:
+        box.start(SandboxSpec(provider_options={"checkpoint": other}))
+        found["missing"] = None
+    except SandboxCreateError as e:
+        found["missing"] = str(e)
+    finally:
+        box.stop()
+    return found
+
+
 def main(argv: list[str]) -> int:
+    faulthandler.dump_traceback_later(100, exit=True)  # a hang says where, before the test's
     if argv == ["refusals"]:
         print(json.dumps(asyncio.run(refusals())))
+        return 0
+    if len(argv) == 2 and argv[0] == "resume":
+        assert os.environ.get("SANDMAN_URL"), "SANDMAN_URL is not set"
+        print(json.dumps(resume(argv[1])))
         return 0
     if len(argv) == 3 and argv[0] == "bed":
         assert os.environ.get("SANDMAN_URL"), "SANDMAN_URL is not set"

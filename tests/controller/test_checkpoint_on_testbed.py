@@ -317,6 +317,23 @@ def test_pause_releases_and_resume_restores(cluster, namespace, bed):
         assert (tree(root / back.pod), shell_state(back, root / back.pod)) == want
 
 
+def test_nemo_gym_makes_a_sandbox_from_a_checkpoint(cluster, namespace, bed, tmp_path):
+    """NeMo Gym's Sandbox with sandman's provider option `checkpoint` (sandman.client.nemo_gym,
+    run by its own code in .venv-frameworks): the paused sandbox's tree is in the new one; an
+    id naming no checkpoint is NeMo Gym's SandboxCreateError in one line; nothing left."""
+    from tests.client.test_nemo_gym import run_checks
+
+    ctl = bed[0]
+    with Client(ctl.url) as cl:
+        sb = cl.acquire(IMAGE, job="nemo", timeout_s=60, **SIZE)
+        assert sb.exec("echo from-before > note.txt").exit_code == 0
+        handle = sb.pause()
+    got = run_checks("resume", handle.id, env={"SANDMAN_URL": ctl.url, "HOME": str(tmp_path)})
+    assert got["note"] == ["from-before\n", 0], got
+    assert got["missing"].startswith("sandman provider: ") and "\n" not in got["missing"], got
+    wait_for(lambda: leased(ctl) == set(), 30, "every sandbox released")
+
+
 def test_another_tenant_cannot_restore_my_checkpoint(tenants, authctl, registry):
     """With RBAC: tenant B may not restore an id of tenant A (403, before the registry is
     asked); A's own unknown id is CheckpointGone (404)."""
