@@ -84,6 +84,7 @@ def test_fork(cluster, tmp_path, docs_untouched):
     a = fork.parse(["--smoke"])
     res = fork.measure(cluster, tmp_path, a)
     assert res["checks"] == a.children and res["checkpoint"]["checks"] == a.checkpoint_count
+    assert res["checkpoint_checks"] == a.checkpoint_count and len(res["checkpoint_ratios"]) == 1
     # The controller's restore phases, read from its /metrics: each ran, and together they
     # fit in the call the client timed.
     ph, ck = res["checkpoint"]["phases"], res["checkpoint"]
