@@ -59,6 +59,7 @@ import datetime as dt
 import hashlib
 import os
 import platform
+import shutil
 import statistics
 import sys
 import tempfile
@@ -338,9 +339,22 @@ def run_bed(a: argparse.Namespace) -> dict:
     tb.start()
     try:
         with tempfile.TemporaryDirectory(prefix="sandman-bench-fork-") as tmp:
-            return measure(Cluster.connect(tb.kubeconfig, tb), Path(tmp), a)
+            try:
+                return measure(Cluster.connect(tb.kubeconfig, tb), Path(tmp), a)
+            except BaseException:
+                keep_logs(Path(tmp), state / "failed")
+                raise
     finally:
         tb.stop()
+
+
+def keep_logs(workdir: Path, dest: Path) -> None:
+    """A failed run's controller and execd logs, kept past its temporary directory (which
+    goes with the run) for the one who reads the failure."""
+    dest.mkdir(parents=True, exist_ok=True)
+    for log in workdir.rglob("*.log"):
+        shutil.copyfile(log, dest / log.name)
+    print(f"# the failed run's logs: {dest}", file=sys.stderr)
 
 
 def _busy(cpu_s: float, wall_s: float) -> str:
