@@ -170,3 +170,117 @@ def test_the_checks_see_wrong_statements():
         assert good in pages[page], (page, good)
         broken = {**pages, page: pages[page].replace(good, wrong, 1)}
         assert dependency_findings(broken, project, shipped), (page, wrong)
+
+
+# ---- the command line's verbs and options -----------------------------------------------------
+
+def cli_options() -> tuple[set[str], dict[str, set[str]]]:
+    """The `sandman` parser's own option strings (long and short) and each verb's."""
+    import argparse
+
+    from sandman.client import cli
+
+    top: set[str] = set()
+    verbs: dict[str, set[str]] = {}
+    for action in cli.parser()._actions:
+        if isinstance(action, argparse._SubParsersAction):
+            verbs = {v: {s for a in sp._actions for s in a.option_strings}
+                     for v, sp in action.choices.items()}
+        else:
+            top |= set(action.option_strings)
+    return top, verbs
+
+
+def _depth0_split(line: str) -> list[str]:
+    out, depth, cur = [], 0, ""
+    for word in line.split():
+        depth += word.count("(") + word.count("[") - word.count(")") - word.count("]")
+        if word == "|" and depth == 0:
+            out.append(cur)
+            cur = ""
+        else:
+            cur += f" {word}"
+    return [*out, cur]
+
+
+def command_line_findings(lines: list[tuple[str, str]]) -> list[str]:
+    """Each `sandman ...` usage line: its verbs exist, every option before the command (`--`)
+    is the verb's or a global one. A line is `sandman VERB ...`, alternatives after ` | `."""
+    top, verbs = cli_options()
+    bad = []
+    for where, line in lines:
+        line = line.split("  #")[0].strip()
+        for part in _depth0_split(line.removeprefix("sandman")):
+            words = [w.strip("[]()") for w in part.split()]
+            verb, expect_value = None, False
+            for w in words:
+                if w == "--":
+                    break  # the command, or `shell`'s
+                if w.startswith("-"):
+                    opt = w.split("=")[0]
+                    allowed = top | verbs.get(verb or "", set())
+                    if opt not in allowed:
+                        bad.append(f"{where}: `sandman {verb or ''}` has no option {opt}")
+                    expect_value = opt in ("-o", "--output", "--url", "--token-file",
+                                           "--ca-file", "--request-timeout")
+                    continue
+                if verb is None and not expect_value:
+                    verb = w
+                    if verb not in verbs:
+                        bad.append(f"{where}: `sandman {verb}`: no such command")
+                        break
+                expect_value = False
+    return bad
+
+
+def documented_command_lines() -> list[tuple[str, str]]:
+    from sandman.client import cli
+
+    lines = []
+    section = _section(SDK_MD.read_text(), "## Command-line client")
+    start = SDK_MD.read_text().index(section)
+    base = SDK_MD.read_text()[:start].count("\n") + 1
+    for n, line in enumerate(section.splitlines(), base):
+        if line.startswith("sandman "):
+            lines.append((f"docs/sdk.md:{n}", line))
+    for n, line in enumerate((cli.__doc__ or "").splitlines(), 1):
+        if line.startswith("    sandman "):
+            lines.append((f"sandman/client/cli.py docstring line {n}", line.strip()))
+    return lines
+
+
+def test_the_documented_command_lines_are_the_clis():
+    lines = documented_command_lines()
+    assert len(lines) >= 20, lines
+    bad = command_line_findings(lines)
+    assert not bad, "\n".join(bad)
+    # The global options the section lists are the parser's own.
+    top, _ = cli_options()
+    section = _section(SDK_MD.read_text(), "## Command-line client")
+    m = re.search(r"the global ones \(([^)]*)\)", section)
+    assert m, "docs/sdk.md's CLI section no longer lists the global options"
+    listed = {o for span in re.findall(r"`([^`]+)`", m.group(1)) for o in span.split("/")}
+    assert listed == top - {"--help", "-h", "--version"}, (listed, top)
+
+
+def test_the_command_line_check_sees_wrong_lines():
+    assert command_line_findings([("x", "sandman exec ID --idle-timeout 60 -- ls --nope")]) == []
+    assert command_line_findings([("x", "sandman -o json prewarm IMG 4 --role grading")]) == []
+    assert command_line_findings([("x", "sandman list [--job JOB] | get ID | renew ID")]) == []
+    assert command_line_findings([("x", "sandman checkpoint (--job JOB | ID ...) | restore C")]) \
+        == []
+    assert command_line_findings([("x", "sandman fork ID -n 4  # children")]) == []
+    assert command_line_findings([("x", "sandman renew ID --count 3")]) == [
+        "x: `sandman renew` has no option --count"]
+    assert command_line_findings([("x", "sandman list | snapshot ID")]) == [
+        "x: `sandman snapshot`: no such command"]
+
+
+def test_the_clis_usage_names_every_command():
+    """sandman/client/cli.py's docstring (its usage) names each command the parser has."""
+    from sandman.client import cli
+
+    _, verbs = cli_options()
+    usage = " ".join(line for where, line in documented_command_lines() if "docstring" in where)
+    named = set(re.findall(r"(?:sandman |\| )([a-z]+)", usage))
+    assert set(verbs) <= named, f"{cli.__name__}'s usage lacks {sorted(set(verbs) - named)}"

@@ -4,12 +4,12 @@ $SANDMAN_TOKEN_FILE, $SANDMAN_CA_FILE; `--url`, `--token-file`, `--ca-file` over
 
     sandman acquire IMAGE --job JOB [--cpu 1] [--memory 1Gi] [--lifetime 3600] [--count N]
     sandman fork ID -n N
-    sandman checkpoint (--job JOB | ID ...) | restore CHECKPOINT
+    sandman checkpoint (--job JOB | ID ...) | restore CHECKPOINT | pause ID | resume HANDLE
     sandman exec ID [--timeout S] [--idle-timeout S] [--] COMMAND ...
     sandman shell ID [-- COMMAND ...]
     sandman cp [ID:]SRC [ID:]DST
     sandman list [--job JOB] | get ID | renew ID | release ID | drain JOB | stats
-    sandman prewarm IMAGE COUNT
+    sandman prewarm IMAGE COUNT | prepull [REPO@sha256:HEX ...]
     sandman completion bash|zsh
 
 Global options go anywhere before the command (`--` or, for `exec`, its first word that is not
