@@ -161,3 +161,30 @@ def test_the_checks_see_wrong_statements():
         " (neither by name), `list/watch` events (read-only) and `list` nodes; webhook: ...")
     assert pairs == {("tokenreviews", "create"), ("subjectaccessreviews", "create"),
                      ("events", "list"), ("events", "watch"), ("nodes", "list")}
+
+
+# ---- the user and admin ClusterRoles ----------------------------------------------------------
+
+def documented_user_roles(text: str) -> tuple[set[str], set[str]]:
+    """docs/controller.md: "`sandman-user` (create, get, ...) and `sandman-admin`
+    (+ deletecollection, prewarm, ...)": the user's verbs on `sandboxes`, and what the admin
+    adds, each a verb on `sandboxes` or a subresource of it (`prewarm`: sandboxes/prewarm)."""
+    m = re.search(r"`sandman-user` \(([^)]*)\) and `sandman-admin` \(\+ ([^)]*)\)",
+                  re.sub(r"\s+", " ", text))
+    assert m, "docs/controller.md no longer lists what sandman-user and sandman-admin grant"
+    return set(m.group(1).split(", ")), set(m.group(2).split(", "))
+
+
+def _grants(objs: list[dict], name: str) -> tuple[set[str], set[str]]:
+    """(verbs on sandboxes, subresources of sandboxes) of a rendered ClusterRole."""
+    pairs = rendered_cluster_role(objs, name)
+    return ({v for r, v in pairs if r == "sandboxes"},
+            {r.split("/", 1)[1] for r, _ in pairs if r.startswith("sandboxes/")})
+
+
+def test_the_user_and_admin_cluster_roles_are_what_controller_md_lists(tmp_path):
+    user, extra = documented_user_roles((ROOT / "docs" / "controller.md").read_text())
+    objs = objects(Helm(tmp_path).template(release=RELEASE, namespace=NAMESPACE).stdout)
+    assert _grants(objs, "sandman-user") == (user, set())
+    verbs, subs = _grants(objs, "sandman-admin")
+    assert user <= verbs and verbs | subs == user | extra, (verbs, subs, user, extra)
