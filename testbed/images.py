@@ -32,6 +32,7 @@ annotation; `docker load` and podman read manifest.json. sandman is buildah's do
 from __future__ import annotations
 
 import argparse
+import fcntl
 import hashlib
 import io
 import json
@@ -551,6 +552,18 @@ def _build_dockerfile(img: Image, target: str, force: bool) -> Image:
         return img
     if os.geteuid() != 0:
         raise ImageError("buildah builds here as root (overlay storage, chroot isolation)")
+    # One buildah build at a time per cache: `make test`'s bed tier (tools/release.py's test)
+    # and real-node tier want the same image at once, and one's `rmi --prune` would remove
+    # the other's intermediate images mid-build. The second finds it built.
+    cache_dir().mkdir(parents=True, exist_ok=True)
+    with open(cache_dir() / ".images-buildah.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when closed, also if this process dies
+        if img.built and not force:
+            return img
+        return _buildah_build(img, target)
+
+
+def _buildah_build(img: Image, target: str) -> Image:
     base = build_base()
     t0 = time.monotonic()
     img.archive.parent.mkdir(parents=True, exist_ok=True)
