@@ -178,7 +178,7 @@ OTHER_TOOLS = {
     # helm
     "--wait": "helm install/upgrade/uninstall; iptables -w", "--force": "helm upgrade",
     "--reuse-values": "helm upgrade", "--no-hooks": "helm uninstall", "--logs": "helm test",
-    "--set": "helm", "--version": "helm",
+    "--set": "helm", "--version": "helm", "--plain-http": "helm install/show/push",
     # Kubernetes' own components and the test bed's other processes
     "--secure-port": "kube-controller-manager, kube-scheduler",
     "--endpoint-reconciler-type": "kube-apiserver", "--authorization-mode": "kube-apiserver",

@@ -94,7 +94,7 @@ def versions() -> str:
     if got != (version, version):
         raise ReleaseError(f"version mismatch: sandman/_version.py is {version}, "
                            f"charts/sandman/Chart.yaml has version {got[0]}, appVersion "
-                           f"{got[1]}; make all three equal")
+                           f"{got[1]}; the three must be equal")
     return version
 
 
