@@ -44,6 +44,8 @@ ENV = Route("ENV", "POST", "/env")
 RESET = Route("RESET", "POST", "/reset")
 STATE = Route("STATE", "GET", "/state")
 CONDITIONS = Route("CONDITIONS", "GET", "/conditions")  # ?egress_probe=host:port (optional)
+# When the holder last used execd (the controller's idle rule); reading it is not use.
+ACTIVITY = Route("ACTIVITY", "GET", "/activity")
 # Checked reuse of grading pods (docs/execd.md): record, compare, put back; the controller
 # rotates the token (TOKEN) and restores before a pod goes back to its warm pool.
 BASELINE = Route("BASELINE", "POST", "/baseline")
@@ -69,7 +71,7 @@ SESSION_CLOSE = Route("SESSION_CLOSE", "POST", "/sessions/close")
 SNAPSHOT = Route("SNAPSHOT", "GET", "/snapshot")
 SNAPSHOT_APPLY = Route("SNAPSHOT_APPLY", "POST", "/snapshot/apply")
 ROUTES = (HEALTH, READY, EXEC, EXEC_STREAM, FILE_READ, FILE_READ_JSON, FILE_WRITE, TREE_READ,
-          TREE_WRITE, ENV, RESET, STATE, CONDITIONS, BASELINE, DIFF, RESTORE, TOKEN, PROCESSES,
+          TREE_WRITE, ENV, RESET, STATE, CONDITIONS, ACTIVITY, BASELINE, DIFF, RESTORE, TOKEN, PROCESSES,
           PROCESS_SPAWN, PROCESS_INFO, PROCESS_OUTPUT, PROCESS_SIGNAL, PROCESS_WAIT, SESSIONS,
           SESSION_OPEN, SESSION_WRITE, SESSION_READ, SESSION_RESIZE, SESSION_SIGNAL,
           SESSION_CLOSE, SNAPSHOT, SNAPSHOT_APPLY)
@@ -403,6 +405,24 @@ class Health:
         d = _answer(data, "health answer")
         return cls(ok=d.get("ok") is True,
                    version=_opt(d, "version", str, "health answer"))
+
+
+@dataclass(frozen=True)
+class Activity:
+    """`GET /activity`: `busy` requests of the holder in flight; `idle_s` seconds since the
+    last one ended (0 while one runs)."""
+
+    idle_s: float
+    busy: int
+
+    @classmethod
+    def from_json(cls, data: Any) -> Activity:
+        what = "activity answer"
+        d = _answer(data, what)
+        idle, busy = d.get("idle_s"), _req(d, "busy", int, what)
+        if isinstance(idle, bool) or not isinstance(idle, (int, float)) or idle < 0 or busy < 0:
+            raise AnswerError(f"{what}: idle_s and busy must be non-negative numbers")
+        return cls(idle_s=float(idle), busy=busy)
 
 
 @dataclass(frozen=True)

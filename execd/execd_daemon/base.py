@@ -3,6 +3,7 @@ cannot import sandman.contract; a test keeps them equal), the request defaults a
 the stdlib SHA-256 without OpenSSL."""
 
 import re
+import threading
 import time
 
 try:
@@ -62,6 +63,32 @@ _ENV_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
 def now():
     return time.monotonic()
+
+
+class Activity(object):
+    """When the holder last used this execd: requests in flight, and the monotonic time the
+    last one ended. The controller's idle rule reads it (`GET /activity`); its own reads
+    (QUIET_ROUTES) are not activity, so reading never keeps a sandbox alive."""
+
+    def __init__(self):
+        self.lock = threading.Lock()
+        self.busy = 0
+        self.last = now()
+
+    def begin(self):
+        with self.lock:
+            self.busy += 1
+
+    def end(self):
+        with self.lock:
+            self.busy -= 1
+            self.last = now()
+
+    def read(self):
+        """`idle_s` is 0 while a request runs: a long command is never idle."""
+        with self.lock:
+            idle = 0.0 if self.busy else max(0.0, now() - self.last)
+            return {"idle_s": round(idle, 3), "busy": self.busy}
 
 
 def sh_quote(data):

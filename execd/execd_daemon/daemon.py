@@ -23,6 +23,7 @@ from .base import (
     READ_SIZE,
     TAG_VAR,
     VERSION,
+    Activity,
     now,
     sh_quote,
 )
@@ -91,6 +92,7 @@ class Daemon:
         self.shell = None
         self.retired = None  # why this execd starts no shell any more (a failed restore)
         self.token_gen = 0  # bumped at each /token rotation (still_authorized)
+        self.activity = Activity()  # the holder's last request (GET /activity)
         self.probe_lock = threading.Lock()  # /ready's named probe file vs the baseline walk
         self.umask = os.umask(0o022)
         os.umask(self.umask)

@@ -349,7 +349,15 @@ class Handler(BaseHTTPRequestHandler):
             if method != want_method:
                 raise HTTPError(405, "use %s for %s" % (want_method, route),
                                 {"close_body": True})
-            handler[1](self, query)
+            if route in QUIET_ROUTES:
+                handler[1](self, query)
+            else:
+                activity = self.daemon.activity
+                activity.begin()
+                try:
+                    handler[1](self, query)
+                finally:
+                    activity.end()
         except HTTPError as e:
             close = bool(e.extra.pop("close", False))
             if e.extra.pop("close_body", False) and self.headers.get("Content-Length", "0") \
@@ -432,6 +440,10 @@ def _r_conditions(handler, query):
     handler.reply(200, handler.daemon.conditions(query))
 
 
+def _r_activity(handler, query):
+    handler.reply(200, handler.daemon.activity.read())
+
+
 def _later(module, name):
     """The route `name` of `module`, imported by its first call: trees, background processes
     and sessions are CPU at every sandbox start that most sandboxes never spend on them."""
@@ -444,6 +456,10 @@ def _later(module, name):
 
 
 PUBLIC_ROUTES = ("/health", EXECD_READY_PATH)  # no token: the kubelet calls them
+# Authenticated but not the holder's activity: the controller's idle rule reads /activity,
+# and its pause reads /snapshot; counting either would keep an idle sandbox alive (or make
+# a pause look like use). Public routes are never activity either.
+QUIET_ROUTES = PUBLIC_ROUTES + ("/activity", "/snapshot")
 
 ROUTES = {
     "/health": ("GET", _r_health),
@@ -458,6 +474,7 @@ ROUTES = {
     "/env": ("POST", _r_env),
     "/reset": ("POST", _r_reset),
     "/state": ("GET", _r_state),
+    "/activity": ("GET", _r_activity),
     "/conditions": ("GET", _r_conditions),
     "/baseline": ("POST", _r_baseline),
     "/diff": ("GET", _r_diff),
