@@ -182,6 +182,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     s.add_argument("--checkpoint-sweep-interval", type=float,
                    default=Settings.checkpoint_sweep_interval,
                    help="seconds between sweeps of expired checkpoints")
+    s.add_argument("--pause-idle-after", type=float, default=Settings.pause_idle_after,
+                   metavar="SECONDS",
+                   help="pause (checkpoint, then release) a handed-out agent sandbox whose "
+                        "holder made no execd call for SECONDS; 0: off (needs "
+                        "--checkpoint-registry)")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -276,6 +281,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
                                                args.checkpoint_registry),
         checkpoint_ttl=args.checkpoint_ttl, checkpoint_max_bytes=args.checkpoint_max_bytes,
         checkpoint_sweep_interval=args.checkpoint_sweep_interval,
+        pause_idle_after=args.pause_idle_after,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

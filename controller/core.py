@@ -44,6 +44,7 @@ from controller.errors import (
 )
 from controller.events import CapacitySignals
 from controller.fork import Forker
+from controller.idle import IdleRule
 from controller.images import Pins, dockerconfigs
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
@@ -90,6 +91,7 @@ class Controller:
         self.prepull = Prepuller(kube, self.pacer, settings)
         self.forker = Forker(self)
         self.checkpoints = Checkpoints(self)
+        self.idle = IdleRule(self)
         self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
@@ -124,7 +126,8 @@ class Controller:
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
                     loop.create_task(self.sweeper.loop(), name="sweep"),
                     loop.create_task(self.prepull.run(), name="prepull"),
-                    loop.create_task(self.checkpoints.loop(), name="checkpoint-sweep")]
+                    loop.create_task(self.checkpoints.loop(), name="checkpoint-sweep"),
+                    loop.create_task(self.idle.loop(), name="idle-rule")]
         self.ready = True
 
     async def stop(self) -> None:
@@ -140,6 +143,7 @@ class Controller:
         await self.pipeline.close()
         await self.forker.close()
         await self.checkpoints.close()
+        await self.idle.close()
 
     def _spawn(self, coro, name: str) -> asyncio.Task:
         t = asyncio.get_running_loop().create_task(coro, name=name)

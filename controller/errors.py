@@ -98,3 +98,14 @@ class CheckpointGone(AcquireError):
     """No such checkpoint in that tenant, or past its TTL."""
 
     status, kind = api.CHECKPOINT_GONE
+
+
+class SandboxPaused(AcquireError):
+    """The idle rule paused the sandbox: `checkpoint` is the id to resume it from
+    (controller/idle.py). Sent only to callers of its tenant."""
+
+    status, kind = api.SANDBOX_PAUSED
+
+    def __init__(self, message: str, checkpoint: str):
+        super().__init__(message)
+        self.checkpoint = checkpoint

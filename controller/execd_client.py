@@ -102,6 +102,10 @@ class ExecdClient:
             raise RuntimeError(f"execd {X.CONDITIONS.path} answered no object")
         return data
 
+    async def activity(self, ip: str, token: str) -> X.Activity:
+        """When the holder last used the sandbox (this read is not use)."""
+        return X.Activity.from_json(await self._ok(ip, X.ACTIVITY, token=token))
+
     async def rotate_token(self, ip: str, token: str, token_sha256: str) -> None:
         """The next holder's token (its SHA-256), authorized with the current `token`."""
         await self._ok(ip, X.TOKEN, token=token, body=X.TokenRequest(token_sha256=token_sha256))

@@ -187,6 +187,12 @@ RESTORE_PHASE_SECONDS = Histogram("sandman_controller_restore_phase_seconds",
                                            300, 600))
 CHECKPOINTS_EXPIRED = Counter("sandman_controller_checkpoints_expired_total",
                               "Checkpoints the TTL sweep deleted from the registry")
+# The idle rule (controller/idle.py): ok paused (checkpointed, then released); failed its
+# checkpoint failed (left leased, backed off); used the holder called execd during the
+# checkpoint (left leased, the checkpoint expires unused).
+IDLE_PAUSE_RESULTS = ("ok", "failed", "used")
+IDLE_PAUSES = Counter("sandman_controller_idle_pauses_total",
+                      "Sandboxes the idle rule paused or tried to, by result", ["result"])
 
 # Capacity signals (controller/events.py). Create stored -> Ready and execd answering, by role
 # (sandman.contract.ROLES). Buckets from the paper's figures: 2 s at 2 vCPU, 4.1 s p50 with the
@@ -335,6 +341,10 @@ def grouped(result: str, leases: list[dict] | None = None,
         GROUP_SANDBOXES.labels("true" if lease.get("warm") else "false").inc()
     if seconds is not None:
         GROUP_SECONDS.observe(seconds)
+
+
+def idle_paused(result: str) -> None:
+    IDLE_PAUSES.labels(bounded(result, IDLE_PAUSE_RESULTS)).inc()
 
 
 def checkpointed(result: str, sandboxes: int = 0, seconds: float | None = None,

@@ -20,7 +20,7 @@ from controller import auth as A
 from controller import metrics
 from controller.checkpoint import parse_id
 from controller.core import Controller
-from controller.errors import AcquireError, NotLeader, SandboxGone
+from controller.errors import AcquireError, NotLeader, SandboxGone, SandboxPaused
 from controller.forward import not_leader_headers
 from controller.group import acquire_group
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
@@ -30,8 +30,9 @@ log = logging.getLogger("controller.routes")
 
 
 def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
-         status: int | None = None, headers: dict[str, str] | None = None) -> JSONResponse:
-    return JSONResponse(api.Error(e.type, message, events or []).to_json(),
+         status: int | None = None, headers: dict[str, str] | None = None,
+         checkpoint: str | None = None) -> JSONResponse:
+    return JSONResponse(api.Error(e.type, message, events or [], checkpoint).to_json(),
                         status_code=status or e.status, headers=headers)
 
 
@@ -70,6 +71,20 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     def split(key: str) -> tuple[str | None, str]:
         return A.split_job(key) if auth.enabled else (None, key)
 
+    async def paused(who: A.Caller, verb: str, sid: str) -> None:
+        """SandboxPaused naming its checkpoint when the idle rule paused `sid` and the caller
+        may `verb` in its tenant; nothing otherwise (the caller then gets what an unknown id
+        gets: another tenant learns neither the pause nor the checkpoint's id)."""
+        c = state.get("controller")
+        p = c.idle.paused.get(sid) if c is not None and c.ready else None
+        if p is None:
+            return
+        tenant, _job = split(p.job)
+        if auth.enabled and not await auth.allowed(who, verb, tenant or A.CLUSTER):
+            return
+        raise SandboxPaused(f"sandbox {sid} was paused for being idle; checkpoint: "
+                            f"{p.checkpoint} (resume it from there)", p.checkpoint)
+
     async def may_see(who: A.Caller, verb: str, e) -> bool:
         tenant, _job = split(e.job)
         # Unscoped entries (the warm pool) belong to no tenant: cluster-wide rights only.
@@ -87,7 +102,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         # retry on a fresh one may reach the other replica.
         headers = ({k.decode(): v.decode() for k, v in not_leader_headers()}
                    if isinstance(exc, NotLeader) else None)
-        return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events, headers=headers)
+        return _err(api.ErrorType(exc.status, exc.kind), str(exc), exc.events, headers=headers,
+                    checkpoint=getattr(exc, "checkpoint", None))
 
     @app.exception_handler(A.Unauthenticated)
     async def _unauth(_req, exc: A.Unauthenticated):
@@ -171,6 +187,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
+        await paused(who, A.GET, id)
         e = c.get(id)
         if e is None:
             return _err(api.SANDBOX_GONE, f"no sandbox {id}")
@@ -183,6 +200,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
+        await paused(who, A.DELETE, id)
         if auth.enabled:
             e = c.get(id)
             if e is None:
@@ -218,6 +236,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         logs.add(sandbox=id)
         who = await caller(request)
         c = ctl()
+        await paused(who, A.UPDATE, id)
         if auth.enabled:
             cur = c.get(id)
             if cur is None:

@@ -147,6 +147,9 @@ class Settings:
     checkpoint_ttl: float = 7 * 86400.0
     checkpoint_max_bytes: int = 16 << 30
     checkpoint_sweep_interval: float = 600.0
+    # The idle rule (controller/idle.py): a handed-out agent sandbox with no holder call to
+    # its execd for this many seconds is paused (checkpoint, then release). 0: off.
+    pause_idle_after: float = 0.0
 
     # The API server's addresses (KUBERNETES_SERVICE_HOST): never in an allowlist, besides
     # the policy's egress_never (chart sandbox.egressNever) and sandman/egress.py's NEVER.
@@ -172,6 +175,12 @@ class Settings:
             raise ValueError("checkpoint_registry must be HOST[:PORT]/PREFIX")
         if self.checkpoint_ttl <= 0 or self.checkpoint_max_bytes <= 0:
             raise ValueError("checkpoint_ttl and checkpoint_max_bytes must be > 0")
+        if self.pause_idle_after < 0:
+            raise ValueError("pause_idle_after must be >= 0 (0: off)")
+        if self.pause_idle_after and (self.checkpoint_registry is None
+                                      or not self.snapshot_base):
+            raise ValueError("pause_idle_after needs checkpoints (checkpoint_registry and "
+                             "snapshot_base)")
         if self.conditions_attempts < 1:
             raise ValueError("conditions_attempts must be >= 1")
         if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:

@@ -142,10 +142,14 @@ FORK_FAILED = ErrorType(502, "ForkFailed")
 CHECKPOINT_FAILED = ErrorType(502, "CheckpointFailed")
 # No such checkpoint in the caller's tenant, or past its TTL (deleted or about to be).
 CHECKPOINT_GONE = ErrorType(404, "CheckpointGone")
+# The controller's idle rule paused the sandbox (checkpoint, then release): the error's
+# `checkpoint` names the checkpoint to resume it from. Said only to callers of the sandbox's
+# tenant (anyone else gets SandboxGone), and only until that checkpoint expires.
+SANDBOX_PAUSED = ErrorType(410, "SandboxPaused")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
           INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,
           FORBIDDEN, AUTH_UNAVAILABLE, IMAGE_UNRESOLVED, FORK_FAILED, CHECKPOINT_FAILED,
-          CHECKPOINT_GONE)
+          CHECKPOINT_GONE, SANDBOX_PAUSED)
 ERROR_TYPES = frozenset(e.type for e in ERRORS)
 
 
@@ -974,6 +978,10 @@ class Error(_Model):
     type: str
     message: str
     events: list[str] = field(default_factory=list)
+    checkpoint: str | None = None  # SandboxPaused only: the checkpoint to resume from
 
     def to_json(self) -> dict[str, Any]:
-        return {"error": asdict(self)}
+        d = asdict(self)
+        if d["checkpoint"] is None:
+            del d["checkpoint"]
+        return {"error": d}

@@ -54,6 +54,7 @@ from sandman.client.errors import (
     QueueFull,
     SandboxBusy,
     SandboxGone,
+    SandboxPaused,
     SandboxUnreachable,
     SandmanError,
     SessionEnded,
@@ -103,7 +104,7 @@ __all__ = [
     "ExecdError", "FileContent", "FileNotFound", "ForkFailed", "Health", "ImageChanged", "ImageUnresolved", "Images", "IntegrityError", "Lease",
     "NotLeader", "Owner", "PodFailed", "PoolStatus", "ProcessInfo", "ProtocolError", "QueueFull",
     "ResetResult", "RetryPolicy", "Sandbox", "SandboxBusy", "SandboxGroup", "SandboxGone", "SandboxInfo",
-    "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
+    "SandboxPaused", "SandboxUnreachable", "SandmanError", "State", "Unauthorized", "WriteConflict",
     "WriteResult", "__version__",
     # sb.spawn(): background processes
     "AsyncProcess", "Process", "ProcessNotFound", "ProcessOutput", "ProcessStatus",

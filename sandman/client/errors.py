@@ -123,6 +123,18 @@ class SandboxGone(SandmanError):
     or deleted. Nothing sent to it can run."""
 
 
+class SandboxPaused(SandboxGone):
+    """The controller's idle rule paused the sandbox (its holder made no call for the
+    controller's --pause-idle-after): its state was checkpointed, then it was released (410).
+    `handle` is the checkpoint's id: `client.resume(err.handle)` makes it anew with its
+    state, until the checkpoint expires. A SandboxGone, so code that stops on one stops."""
+
+    def __init__(self, message: str, *, handle: str, status: int | None = None,
+                 type: str | None = None, events: list[str] | None = None) -> None:
+        super().__init__(message, status=status, type=type, events=events)
+        self.handle = handle
+
+
 class ControllerUnreachable(SandmanError, ConnectionError):
     """No answer from the controller after the retries (transport errors)."""
 
@@ -266,6 +278,7 @@ _CONTROLLER_TYPES: dict[str, type[SandmanError]] = {
     api.FORK_FAILED.type: ForkFailed,
     api.CHECKPOINT_FAILED.type: CheckpointFailed,
     api.CHECKPOINT_GONE.type: CheckpointGone,
+    api.SANDBOX_PAUSED.type: SandboxPaused,
     # No narrower type: a fault to report, and an answer sent only to a caller that had left.
     api.INTERNAL_ERROR.type: ControllerError,
     api.CLIENT_CLOSED.type: ControllerError,
@@ -292,6 +305,13 @@ def controller_error(status: int, body: Any) -> SandmanError:
         cls = _CONTROLLER_TYPES.get(typ or "")
         if cls is None:
             cls = ControllerError
+        if cls is SandboxPaused:
+            handle = err.get("checkpoint")
+            if not isinstance(handle, str) or not handle:
+                return ProtocolError(f"controller answered {typ} without its checkpoint",
+                                     status=status, type=typ)
+            return SandboxPaused(msg or f"controller error {typ}", handle=handle,
+                                 status=status, type=typ, events=events)
         return cls(msg or f"controller error {typ}", status=status, type=typ, events=events)
     cls = _CONTROLLER_STATUS.get(status, ControllerError)
     return cls(f"controller answered HTTP {status} without an error body", status=status)

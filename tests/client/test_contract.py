@@ -53,7 +53,8 @@ def _name(e: api.ErrorType) -> str:
 def test_the_sdk_maps_every_error_type_to_a_typed_error(err: api.ErrorType):
     cls = errors._CONTROLLER_TYPES[err.type]  # KeyError: an error type the SDK does not know
     assert issubclass(cls, SandmanError)
-    got = errors.controller_error(err.status, api.Error(err.type, "m", ["ev"]).to_json())
+    ck = "t." + "0" * 64 if err is api.SANDBOX_PAUSED else None
+    got = errors.controller_error(err.status, api.Error(err.type, "m", ["ev"], ck).to_json())
     assert type(got) is cls and got.status == err.status and got.type == err.type
     assert got.events == ["ev"]
 

@@ -44,6 +44,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_groups_total", "result"): c.GROUP_RESULTS + ("other",),
         ("sandman_controller_checkpoints_total", "result"): c.CHECKPOINT_RESULTS + ("other",),
         ("sandman_controller_restores_total", "result"): c.RESTORE_RESULTS + ("other",),
+        ("sandman_controller_idle_pauses_total", "result"): c.IDLE_PAUSE_RESULTS + ("other",),
         ("sandman_controller_restore_phase_seconds", "phase"): c.RESTORE_PHASES,
         ("sandman_controller_group_sandboxes_total", "warm"): ("true", "false"),
         ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),

@@ -33,6 +33,7 @@ from sandman.client.errors import (
     ProcessTimeout,
     ProtocolError,
     SandboxGone,
+    SandboxPaused,
     SandboxUnreachable,
     SandmanError,
     SessionNotFound,
@@ -786,6 +787,12 @@ class Sandbox:
             return
         try:
             self._client.get(self.id)
+        except SandboxPaused as e:
+            # The controller's idle rule paused it: the caller resumes from e.handle.
+            self._gone = True
+            self._client._forget(self.id)
+            raise SandboxPaused(f"sandbox {self.id} was paused ({route}): {e.message}",
+                                handle=e.handle, status=e.status, type=e.type) from e
         except SandboxGone as e:
             self._gone = True
             self._client._forget(self.id)
