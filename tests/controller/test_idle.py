@@ -5,12 +5,14 @@ ids, and the wire's SandboxPaused. The whole path runs on the bed
 
 from __future__ import annotations
 
+import asyncio
 from types import SimpleNamespace
 
 import pytest
 
 from controller import idle as I
 from controller.books import State
+from controller.errors import CheckpointFailed
 from controller.settings import Settings
 from sandman import api, contract
 from sandman.client import errors
@@ -101,3 +103,84 @@ def test_a_pause_answer_without_its_checkpoint_is_a_protocol_error():
     assert type(errors.controller_error(410, body)) is errors.ProtocolError
     body["error"]["checkpoint"] = 5
     assert type(errors.controller_error(410, body)) is errors.ProtocolError
+
+
+# ---- one tick, with the controller's parts faked (pure logic: no Kubernetes, no pod)
+
+class FakeExecd:
+    def __init__(self, answers: list[tuple[float, int]]):
+        self.answers = list(answers)
+        self.asked = 0
+
+    async def activity(self, ip: str, token: str):
+        self.asked += 1
+        idle_s, busy = self.answers.pop(0) if self.answers else (0.0, 1)
+        return SimpleNamespace(idle_s=idle_s, busy=busy)
+
+    async def aclose(self) -> None:
+        pass
+
+
+class FakeCheckpoints:
+    def __init__(self, fail: bool):
+        self.fail = fail
+        self.calls = 0
+
+    async def checkpoint(self, entries, timeout_s):
+        self.calls += 1
+        if self.fail:
+            raise CheckpointFailed("checkpoint registry: refused")
+        return SimpleNamespace(id=CK, expires_at="2026-01-08T00:00:00Z")
+
+
+def rule(e, execd: FakeExecd, fail: bool = False):
+    released: list[str] = []
+
+    async def release(sid: str) -> bool:
+        released.append(sid)
+        return True
+    s = SimpleNamespace(pause_idle_after=60.0, execd_port=9470, checkpoint_ttl=3600.0)
+    ctl = SimpleNamespace(s=s, books=SimpleNamespace(entries={e.id: e}),
+                          checkpoints=FakeCheckpoints(fail), release=release)
+    r = I.IdleRule(ctl)
+    asyncio.run(r.execd._http.aclose())
+    r.execd = execd
+    r.known[e.id] = -1e9  # handed out long ago
+    return r, ctl, released
+
+
+def tick(r) -> int:
+    return asyncio.run(r.tick())
+
+
+def test_an_idle_sandbox_is_paused_and_remembered_for_its_tenant():
+    e = entry("a")
+    e.job, e.name = "team-a/j", "pod-a"
+    r, ctl, released = rule(e, FakeExecd([(120.0, 0), (121.0, 0)]))
+    assert tick(r) == 1 and released == ["a"]
+    assert r.paused.get("a").checkpoint == CK and r.paused.get("a").job == "team-a/j"
+
+
+def test_a_failed_checkpoint_leaves_it_leased_and_backs_off():
+    e = entry("a")
+    e.job, e.name = "team-a/j", "pod-a"
+    execd = FakeExecd([(120.0, 0)] * 5)
+    r, ctl, released = rule(e, execd, fail=True)
+    assert tick(r) == 0 and released == [] and ctl.checkpoints.calls == 1
+    assert r.paused.get("a") is None
+    assert tick(r) == 0 and ctl.checkpoints.calls == 1 and execd.asked == 1  # backed off
+
+
+def test_a_sandbox_used_during_its_checkpoint_stays_leased():
+    e = entry("a")
+    e.job, e.name = "team-a/j", "pod-a"
+    r, ctl, released = rule(e, FakeExecd([(120.0, 0), (0.0, 1)]))
+    assert tick(r) == 0 and released == [] and r.paused.get("a") is None
+
+
+def test_a_busy_or_recent_sandbox_is_not_checkpointed():
+    for answer in ((0.0, 1), (30.0, 0)):
+        e = entry("a")
+        e.job, e.name = "team-a/j", "pod-a"
+        r, ctl, released = rule(e, FakeExecd([answer]))
+        assert tick(r) == 0 and ctl.checkpoints.calls == 0 and released == []
