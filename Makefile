@@ -137,12 +137,14 @@ images-list: $(STAMP)  ## ref, cache state and archive path of each real-node im
 # A release users install by name (docs/install.md "Install a release"; docs/testbed.md
 # "Releasing"): the images as `make images` builds them, pushed to REGISTRY, and the chart
 # pinned to their digests, pushed to oci://REGISTRY/charts. The version is sandman/_version.py's.
-# PLAIN_HTTP=1: a registry without TLS (a local one).
+# PLAIN_HTTP=1: a registry without TLS (a local one). ALLOW_DIRTY=1: uncommitted changes of
+# the image's sources or the chart ship too (refused otherwise).
 .PHONY: release
 REGISTRY ?=
 PLAIN_HTTP ?=
+ALLOW_DIRTY ?=
 release: $(STAMP) helm  ## push the sandman image and the chart pinned to its digest to REGISTRY=host/prefix (tools/release.py)
-	$(VPY) tools/release.py --registry "$(REGISTRY)" $(if $(filter-out 0,$(PLAIN_HTTP)),--plain-http)
+	$(VPY) tools/release.py --registry "$(REGISTRY)" $(if $(filter-out 0,$(PLAIN_HTTP)),--plain-http) $(if $(filter-out 0,$(ALLOW_DIRTY)),--allow-dirty)
 
 # INSTALL=1 (with REAL_NODE=1): also `helm install --wait` of charts/sandman on the real node
 # (testbed/install.py, values testbed/values-realnode.yaml), and how to reach the controller.

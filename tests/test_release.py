@@ -4,6 +4,7 @@ exits 1 (the pushes themselves: tests/charts/test_release_on_testbed.py, on the 
 from __future__ import annotations
 
 import shutil
+import subprocess
 
 import pytest
 import yaml
@@ -36,6 +37,7 @@ def test_an_unreachable_registry_is_refused_before_any_build(capsys, monkeypatch
         raise AssertionError("built or pushed for an unreachable registry")
 
     monkeypatch.setattr(release, "Tools", no_build)
+    monkeypatch.setattr(release, "uncommitted", lambda root, paths: [])  # whatever the tree's
     with refused_port() as port:
         _one_line_refusal(capsys, ["--registry", f"127.0.0.1:{port}/org", "--plain-http"],
                           f"registry 127.0.0.1:{port} unreachable")
@@ -79,3 +81,34 @@ def test_pinning_a_values_file_without_the_image_block_is_refused():
         release.pinned_values("replicas: 1\n", "r/sandman", DIGEST)
     with pytest.raises(release.ReleaseError, match="no `repository:` or `digest:` line"):
         release.pinned_values("image:\n  repository: x\n  tag: y\n", "r/sandman", DIGEST)
+
+
+def test_uncommitted_changes_of_what_ships_are_refused(capsys, monkeypatch):
+    monkeypatch.setattr(release, "uncommitted", lambda root, paths: [f"p{i}" for i in range(5)])
+    monkeypatch.setattr(release, "check_reachable", lambda *a: pytest.fail("went on"))
+    _one_line_refusal(capsys, ["--registry", "ghcr.io/org"],
+                      "uncommitted changes would ship: p0, p1, p2 and 2 more")
+
+
+def test_uncommitted_lists_edits_and_new_files_under_the_shipped_paths_only(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", "-C", str(tmp_path), "-c", "user.name=t", "-c",
+                        "user.email=t@t", *args], check=True, capture_output=True)
+
+    (tmp_path / "shipped").mkdir()
+    (tmp_path / "shipped" / "a.py").write_text("a\n")
+    (tmp_path / "docs.md").write_text("d\n")
+    git("init", "-q")
+    git("add", ".")
+    git("commit", "-q", "-m", "x")
+    assert release.uncommitted(tmp_path, ["shipped"]) == []
+    (tmp_path / "docs.md").write_text("edited\n")  # not shipped
+    assert release.uncommitted(tmp_path, ["shipped"]) == []
+    (tmp_path / "shipped" / "a.py").write_text("edited\n")
+    (tmp_path / "shipped" / "new.py").write_text("n\n")
+    assert release.uncommitted(tmp_path, ["shipped"]) == ["shipped/a.py", "shipped/new.py"]
+
+
+def test_no_git_checkout_is_refused(tmp_path):
+    with pytest.raises(release.ReleaseError, match="a release is built from a git checkout"):
+        release.uncommitted(tmp_path / "nowhere", ["x"])

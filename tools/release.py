@@ -317,9 +317,33 @@ def not_released(tools: Tools, registry: str, version: str) -> None:
                            f"replaced (bump the version)")
 
 
-def release(registry: str, plain_http: bool = False) -> Released:
+def shipped_paths() -> list[str]:
+    """What a release is made of: the image's build context (images/Dockerfile, what it COPYs,
+    .dockerignore) and the chart."""
+    rel = [str(images.DOCKERFILE.relative_to(ROOT)), str(images.DOCKERIGNORE.relative_to(ROOT)),
+           str(CHART.relative_to(ROOT))]
+    return sorted(set(rel + images.dockerfile_copy_sources()))
+
+
+def uncommitted(root: Path, paths: list[str]) -> list[str]:
+    """Paths under `paths` that differ from the commit checked out in `root` (untracked files
+    included): the image and chart are built from the working tree, so these would ship."""
+    res = subprocess.run(["git", "-C", str(root), "status", "--porcelain", "--untracked-files=all",
+                          "--", *paths], capture_output=True, text=True)
+    if res.returncode != 0:
+        raise ReleaseError(f"git status in {root}: {' '.join(res.stderr.split())[-300:]} "
+                           f"(a release is built from a git checkout)")
+    return [line[3:] for line in res.stdout.splitlines() if line.strip()]
+
+
+def release(registry: str, plain_http: bool = False, allow_dirty: bool = False) -> Released:
     version = versions()
     registry = parse_registry(registry)
+    dirty = uncommitted(ROOT, shipped_paths())
+    if dirty and not allow_dirty:
+        more = f" and {len(dirty) - 3} more" if len(dirty) > 3 else ""
+        raise ReleaseError(f"uncommitted changes would ship: {', '.join(dirty[:3])}{more}; "
+                           f"commit them (or ALLOW_DIRTY=1 for a test release)")
     check_reachable(registry, plain_http)
     tools = Tools(registry, plain_http)
     not_released(tools, registry, version)
@@ -336,9 +360,11 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--registry", default="", help="host[:port]/prefix (REGISTRY of make release)")
     ap.add_argument("--plain-http", action="store_true",
                     help="the registry speaks http, not https (a local one)")
+    ap.add_argument("--allow-dirty", action="store_true",
+                    help="release uncommitted changes of the image's sources or the chart")
     args = ap.parse_args(argv)
     try:
-        print(release(args.registry, args.plain_http).summary())
+        print(release(args.registry, args.plain_http, args.allow_dirty).summary())
     except (ReleaseError, images.ImageError) as e:
         print(f"release: {e}", file=sys.stderr)
         return 1

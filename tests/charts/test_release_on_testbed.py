@@ -69,7 +69,8 @@ def _left(cluster, name: str, *namespaces: str) -> list[str]:
 def test_a_release_installs_by_name_with_every_image_by_digest(cluster, namespace, registry,
                                                                helm_home, tmp_path, figures):
     t0 = time.monotonic()
-    done = release.release(f"{registry.host}/sandman-dev", plain_http=True)
+    # allow_dirty: the suite runs on checkouts with edits; the refusal is tests/test_release.py's.
+    done = release.release(f"{registry.host}/sandman-dev", plain_http=True, allow_dirty=True)
     t_release = time.monotonic() - t0
     assert done.chart == f"oci://{registry.host}/sandman-dev/charts/sandman"
     assert done.version == release.versions()
