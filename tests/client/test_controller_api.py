@@ -9,6 +9,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -24,6 +25,8 @@ from .conftest import FAST_RETRY, LOOPBACK, Execd, Flavor
 
 class StandIn:
     """What the API calls on the controller: acquire, get, release, `ready`."""
+
+    idle = SimpleNamespace(paused={})  # the idle rule's record: nothing paused
 
     def __init__(self, ex: Execd) -> None:
         self.ex = ex

@@ -13,6 +13,7 @@ import json
 import logging
 import random
 import string
+from types import SimpleNamespace
 
 import httpx
 import pytest
@@ -28,6 +29,8 @@ HTTP = "sandman_controller_http_requests_total"
 class StandIn:
     """What the acquire and get routes call on the controller; its acquire logs as the real
     one's hand-out does, from the task the route started."""
+
+    idle = SimpleNamespace(paused={})  # the idle rule's record: nothing paused
 
     ready = True
     entries: dict = {}

@@ -10,6 +10,7 @@ import socket
 import ssl
 import threading
 import time
+from types import SimpleNamespace
 from typing import Any
 
 import httpx
@@ -27,6 +28,8 @@ LOOPBACK = "127.0.0.1"
 
 class StandIn:
     """What the routes call on the controller."""
+
+    idle = SimpleNamespace(paused={})  # the idle rule's record: nothing paused
 
     def __init__(self) -> None:
         self.ready = True
