@@ -159,10 +159,12 @@ def test_client_files_import_only_stdlib_httpx_and_each_other(wheels):
     with zipfile.ZipFile(wheels["client"]) as z:
         py = {n: z.read(n).decode() for n in z.namelist() if n.endswith(".py")}
     shipped = {n[:-3].replace("/", ".").removesuffix(".__init__") for n in py}
-    # An adapter, sandman/client/NAME.py with an extra NAME (hyphens dropped, as the
-    # framework's import name: mini-swe-agent's is minisweagent), may import its framework
-    # (what the extra installs); still nothing first-party it does not ship.
-    adapters = {f"sandman/client/{e.replace('-', '')}.py" for e in _extras(wheels["client"])}
+    # An adapter, sandman/client/NAME.py with an extra NAME (hyphens dropped or made
+    # underscores, as the framework's import name: mini-swe-agent's is minisweagent,
+    # nemo-gym's nemo_gym), may import its framework (what the extra installs); still
+    # nothing first-party it does not ship.
+    adapters = {f"sandman/client/{e.replace('-', sep)}.py"
+                for e in _extras(wheels["client"]) for sep in ("", "_")}
     bad = []
     for name, source in py.items():
         for mod in _imports(source, name):
