@@ -186,8 +186,24 @@ def test_neutral_and_the_terminal_filter():
     assert out == "\x1b[1;31mred\x1b[0m ok\x1b=!"
 
 
+def _stacks(pid: int, master: int) -> str:
+    """The CLI's Python stacks (faulthandler on SIGABRT, into its terminal): where it is
+    stuck, for a failure's message."""
+    os.kill(pid, signal.SIGABRT)
+    got, end = b"", time.monotonic() + 3
+    while time.monotonic() < end and select.select([master], [], [], 0.2)[0]:
+        try:
+            chunk = os.read(master, 65536)
+        except OSError:
+            break
+        if not chunk:
+            break
+        got += chunk
+    return got.decode(errors="replace")[-4000:]
+
+
 def test_shell_is_a_terminal_in_the_sandbox(env):
-    pid, master = _pty_run(env, "shell", SID, size=(30, 100))
+    pid, master = _pty_run({**env, "PYTHONFAULTHANDLER": "1"}, "shell", SID, size=(30, 100))
     before = termios.tcgetattr(master)
     try:
         _read_until(master, rb"[$#] ")
@@ -203,7 +219,9 @@ def test_shell_is_a_terminal_in_the_sandbox(env):
                 _read_until(master, rb"40 120", timeout=1)
                 break
             except AssertionError:
-                assert time.monotonic() < deadline, "the resize never arrived"
+                if time.monotonic() >= deadline:
+                    raise AssertionError("the resize never arrived; the CLI's stacks:\n"
+                                         + _stacks(pid, master)) from None
         # The sandbox's title change and clipboard write stop at the CLI.
         os.write(master, (ATTACK.replace("after", "done") + "\r").encode())
         out = _read_until(master, rb"done\r\n")
