@@ -89,6 +89,18 @@ class SandmanOptions:
             raise ValueError(f"sandman provider: unknown provider option(s) "
                              f"{', '.join(sorted(unknown))}; known: "
                              f"{', '.join(sorted(cls.__dataclass_fields__))}")
+        for key, value in options.items():
+            if key == "labels":
+                ok, want = isinstance(value, Mapping) and all(
+                    isinstance(k, str) and isinstance(v, str) for k, v in value.items()), \
+                    "a mapping of strings"
+            elif key == "warm_ok":
+                ok, want = isinstance(value, bool), "true or false"
+            else:
+                ok, want = value is None or isinstance(value, str), "a string"
+            if not ok:
+                raise ValueError(f"sandman provider: provider option {key} must be {want}, "
+                                 f"not {type(value).__name__}")
         return cls(**dict(options))
 
 
@@ -194,8 +206,11 @@ class SandmanProvider:
                 if r.exit_code != 0:
                     raise SandboxCreateError(f"sandman provider: mkdir {spec.workdir}: "
                                              f"{r.output.strip()}")
-            except BaseException:
-                await sb.release()
+            except BaseException as e:
+                await sb.release()  # nothing left leased, whatever failed
+                if isinstance(e, SandmanError):
+                    raise SandboxCreateError(f"sandman provider: {str(e).splitlines()[0]}") \
+                        from e
                 raise
         return SandboxHandle(sandbox_id=sb.id or "", provider_name=self.name, raw=live)
 

@@ -58,6 +58,8 @@ async def refusals() -> dict:
         "gpu": await refused(SandboxSpec(image=image, resources={"gpu": 1})),
         "option": await refused(SandboxSpec(image=image, provider_options={"snapshot": "x"})),
         "entrypoint": await refused(SandboxSpec(image=image, entrypoint=["sleep", "1"])),
+        "bad_labels": await refused(SandboxSpec(image=image, provider_options={"labels": "x"})),
+        "bad_job": await refused(SandboxSpec(image=image, provider_options={"job": 7})),
         "no_image": await refused(SandboxSpec()),
     }
 

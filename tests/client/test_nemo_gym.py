@@ -47,4 +47,7 @@ def test_nemo_gym_finds_the_provider_and_refuses_what_a_sandbox_cannot_be() -> N
     assert got["option"].startswith("sandman provider: unknown provider option(s) snapshot;")
     assert "entrypoint is not supported" in got["entrypoint"]
     assert "names no image" in got["no_image"]
+    assert got["bad_labels"] == ("sandman provider: provider option labels must be a mapping "
+                                 "of strings, not str")
+    assert got["bad_job"] == "sandman provider: provider option job must be a string, not int"
     assert all("\n" not in v for k, v in got.items() if isinstance(v, str))
