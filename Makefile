@@ -6,7 +6,7 @@ VPY := $(VENV)/bin/python
 STAMP := $(VENV)/.deps-stamp
 PYTEST_ARGS ?=
 
-.PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
+.PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs jaeger lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
         frameworks-venv swerex-tests demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork
 
@@ -28,7 +28,7 @@ $(STAMP): pyproject.toml client/pyproject.toml requirements-dev.lock
 	$(PIP) check
 	@touch $@
 
-deps: $(STAMP) frameworks-venv swerex-tests sysdeps gotoolchain kubeconform helm helm-docs  ## install the venv (locked PyPI deps), the frameworks' 3.12 venv, SWE-ReX's own tests, Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs
+deps: $(STAMP) frameworks-venv swerex-tests sysdeps gotoolchain kubeconform helm helm-docs jaeger  ## install the venv (locked PyPI deps), the frameworks' 3.12 venv, SWE-ReX's own tests, Debian packages the tests need, Go when missing, kubeconform, helm, helm-docs, Jaeger
 
 # Harbor needs Python >= 3.12, newer than the dev venv's: its tests drive it from .venv-frameworks
 # (requirements-frameworks.lock, hash-checked, and ./client editable; the machine's 3.12).
@@ -51,6 +51,9 @@ helm: $(STAMP) gotoolchain  ## the test bed's helm into ~/.cache/sandman-testbed
 
 helm-docs: $(STAMP) gotoolchain  ## helm-docs (pinned in tools/helm_docs.py) from the Go module proxy into ~/.cache/sandman-testbed (the chart README)
 	$(VPY) tools/helm_docs.py
+
+jaeger: $(STAMP) gotoolchain  ## Jaeger v2 (pinned in tools/jaeger.py), built from the Go module proxy into ~/.cache/sandman-testbed: the OTLP receiver of the trace tests
+	$(VPY) tools/jaeger.py
 
 lock: $(STAMP)  ## regenerate requirements*.lock from the pyprojects (needs PyPI); commit them
 	$(VPY) tools/lock.py
