@@ -8,6 +8,9 @@ If the test bed cannot be built or started, every test that needs it FAILS with 
 (testbed/realnode.py, one per machine), started on first use; its tests are SKIPPED, with one
 line saying why, only when this machine cannot host a real node (not root, no cgroups, Debian
 packages missing and not installable).
+
+`otlp_receiver` is a running Jaeger (tests/otlp_receiver.py), the real OTLP/HTTP receiver of the
+trace tests; without a built Jaeger (`make jaeger`) its tests FAIL saying so.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ from testbed.cluster import (
     remove_stale_state_dirs,
     remove_state_dir,
 )
+from tests.otlp_receiver import Jaeger, JaegerError
 
 _BED: dict[str, object] = {}
 
@@ -156,6 +160,17 @@ def namespace(cluster: Cluster, request) -> str:
                                .replace("]", "")[:30])
     yield ns
     cluster.delete_namespace(ns)
+
+
+@pytest.fixture
+def otlp_receiver() -> Jaeger:
+    jaeger = Jaeger()
+    try:
+        jaeger.start()
+    except JaegerError as e:
+        pytest.fail(str(e), pytrace=False)
+    yield jaeger
+    jaeger.stop()
 
 
 def _beds_of(fixturenames) -> list[Testbed]:

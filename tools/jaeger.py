@@ -18,6 +18,7 @@ import subprocess
 import sys
 import tempfile
 from pathlib import Path
+from typing import IO
 
 ROOT = Path(__file__).resolve().parent.parent
 if str(ROOT) not in sys.path:  # run as a script by make
@@ -50,11 +51,13 @@ def replacements(gomod: str) -> list[str]:
             for old, old_ver, new, ver in _REPLACE_RE.findall(gomod)]
 
 
-def _build(dest: Path, work: Path, log) -> None:
+def _build(dest: Path, work: Path, log: IO[str]) -> None:
     env = dict(build._go_env(), GOFLAGS="-mod=mod -buildvcs=false")
     build._run(["go", "mod", "init", "sandman.dev/jaeger-build"], work, log, env)
-    info = subprocess.run(["go", "mod", "download", "-json", f"{MODULE}@{VERSION}"], cwd=work,
-                          env=env, capture_output=True, text=True)
+    download = ["go", "mod", "download", "-json", f"{MODULE}@{VERSION}"]
+    log.write(f"$ {' '.join(download)}\n")
+    log.flush()
+    info = subprocess.run(download, cwd=work, env=env, capture_output=True, text=True)
     log.write(info.stderr)
     if info.returncode != 0:
         raise build.BuildError(f"`go mod download {MODULE}@{VERSION}` exited {info.returncode}")
