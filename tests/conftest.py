@@ -164,11 +164,13 @@ def namespace(cluster: Cluster, request) -> str:
 
 @pytest.fixture
 def otlp_receiver() -> Jaeger:
-    jaeger = Jaeger()
+    jaeger, error = Jaeger(), ""
     try:
         jaeger.start()
     except JaegerError as e:
-        pytest.fail(str(e), pytrace=False)
+        error = str(e)
+    if error:  # outside the except: the reason alone, not a chained traceback
+        pytest.fail(error, pytrace=False)
     yield jaeger
     jaeger.stop()
 
