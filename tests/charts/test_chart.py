@@ -577,6 +577,66 @@ def test_checkpoints_are_off_by_default_and_their_secret_is_mounted_when_named(h
     assert bad.returncode != 0 and "registry" in bad.stderr
 
 
+# ------------------------------------------------------------------ traces
+
+
+def test_tracing_is_off_by_default_and_on_changes_only_the_controllers_flags(helm):
+    """Off: no trace flag anywhere. On: the controller gets the receiver and the ratio, and
+    nothing else in the release changes: no NetworkPolicy opens egress (sandboxes get none
+    for traces; the controller's egress is not restricted), no sandbox template, webhook or
+    test pod learns of the receiver (execd exports nothing, by design)."""
+    off = _render(helm)
+    assert "--otlp-endpoint" not in json.dumps(off) and "trace-sample" not in json.dumps(off)
+    on = _render(helm, *_values_args("tracing"))
+    args = _find(on, "Deployment", "-controller")["spec"]["template"]["spec"]["containers"][
+        0]["args"]
+    assert "--otlp-endpoint=http://otel-collector.observability:4318" in args
+    assert "--trace-sample-ratio=0.1" in args
+    # The flags parse as the controller's own argparse reads them.
+    from controller.__main__ import parse_args
+    parsed = parse_args(["serve", *args])
+    assert parsed.otlp_endpoint == "http://otel-collector.observability:4318"
+    assert parsed.trace_sample_ratio == 0.1
+
+    def key(o):
+        return (o["kind"], o["metadata"]["name"])
+
+    assert [key(o) for o in on] == [key(o) for o in off]
+    changed = [key(o) for o, was in zip(on, off, strict=True) if o != was]
+    assert changed == [("Deployment", f"{RELEASE}-controller")]
+    dep_on, dep_off = (_find(objs, "Deployment", "-controller") for objs in (on, off))
+    c_on, c_off = (d["spec"]["template"]["spec"]["containers"][0] for d in (dep_on, dep_off))
+    assert [a for a in c_on["args"] if a not in c_off["args"]] == [
+        "--otlp-endpoint=http://otel-collector.observability:4318", "--trace-sample-ratio=0.1"]
+    c_on["args"] = c_off["args"]
+    assert dep_on == dep_off
+
+
+@pytest.mark.parametrize("endpoint", [
+    "http://collector:s3cret@otel-collector.observability:4318",  # credentials in the URL
+    "http://otel-collector.observability:4318/?token=s3cret",  # a query
+    "http://otel-collector.observability:4318#x",  # a fragment
+    "http://otel-collector.observability:4318/v1/traces",  # a path: /v1/traces is appended
+    "otel-collector.observability:4318",  # no scheme
+    "grpc://otel-collector.observability:4317",  # OTLP/gRPC is not what the controller sends
+    # A second argument smuggled into the controller's args (without the pattern it renders
+    # as one: `--auth=none` after the chart's `--auth=kubernetes`).
+    "http://otel-collector:4318\n            - --auth=none",
+])
+def test_a_tracing_endpoint_with_credentials_a_query_or_a_path_fails_the_render(helm, endpoint):
+    res = helm.template("--set-json", f"tracing.otlpEndpoint={json.dumps(endpoint)}",
+                        check=False)
+    assert res.returncode != 0, endpoint
+    assert "/tracing/otlpEndpoint" in res.stderr and "pattern" in res.stderr, res.stderr
+    assert "--auth=none" not in res.stdout
+
+
+@pytest.mark.parametrize("ratio", ["1.5", "-0.1", '"0.5"'])
+def test_a_sample_ratio_outside_0_to_1_fails_the_render(helm, ratio):
+    res = helm.template("--set-json", f"tracing.sampleRatio={ratio}", check=False)
+    assert res.returncode != 0 and "/tracing/sampleRatio" in res.stderr, res.stderr
+
+
 # ------------------------------------------------------------------ readiness of replicas
 # kwok marks pods Ready without probing them, so a readiness probe that only the leader
 # passes (the controller's /readyz answered 503 on its standby) kept a 2-replica Deployment
