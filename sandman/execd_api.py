@@ -87,6 +87,11 @@ MAX_OUTPUT_LIMIT = 64 << 20  # the most max_output may ask for
 # tar, then TREE_DIGEST_LEN hex digits of its SHA-256).
 TREE_SHA256_HEADER = "X-Content-SHA256"
 CONTENT_SHA256_HEADER = TREE_SHA256_HEADER  # GET /files: the SHA-256 of the bytes sent
+# Traces (docs/metrics.md): execd reads a W3C traceparent into its log lines and answers
+# every non-streamed request with `Server-Timing: execd;dur=<ms>`, its own time on it.
+TRACEPARENT_HEADER = "traceparent"
+SERVER_TIMING_HEADER = "Server-Timing"
+SERVER_TIMING_NAME = "execd"
 TREE_DIGEST_LEN = 64
 TREE_MAX_BYTES = 1 << 30  # a whole archive, either way (execd's --max-tree-bytes)
 TREE_META_MAX = 1 << 20  # a pax or GNU long-name header, read whole

@@ -27,6 +27,14 @@ from .reuse import _r_baseline, _r_diff, _r_restore
 from .wire import _REQ, HTTPError, json_bytes, still_authorized, wire_uint
 
 _HEAD_END = re.compile(b"\n\r?\n")
+# Traces (docs/metrics.md): execd exports no spans (stdlib only, and the pod's egress is
+# the holder's); it takes a caller's W3C traceparent into its log line for the request and
+# answers its own time on it, which the caller's span keeps.
+TRACEPARENT_HEADER = "traceparent"
+SERVER_TIMING_HEADER = "Server-Timing"
+SERVER_TIMING_NAME = "execd"
+# version 00 as W3C Trace Context writes it: lower-case hex, ids not all zeros (checked apart).
+_TRACEPARENT = re.compile(r"00-([0-9a-f]{32})-([0-9a-f]{16})-[0-9a-f]{2}")
 
 
 def head_end(buf, start=0):
@@ -129,10 +137,12 @@ class Handler(BaseHTTPRequestHandler):
     def handle_one_request(self):
         """http.server's, with the header block read under a byte and time budget first (the
         stdlib allows 64 KiB per line, 100 lines and IDLE_TIMEOUT per read)."""
+        self.t_start = None
         head = self.read_head()
         if head is None:
             self.close_connection = True
             return
+        self.t_start = now()
         try:  # the header budget is over: writes (a slow reader of a big file) get the old limit
             self.connection.settimeout(IDLE_TIMEOUT)
         except OSError:
@@ -205,7 +215,19 @@ class Handler(BaseHTTPRequestHandler):
 
     def log_message(self, fmt, *args):
         if self.daemon.args.verbose:
-            sys.stderr.write("execd: %s %s\n" % (self.address_string(), fmt % args))
+            trace = self.trace_id()
+            sys.stderr.write("execd: %s %s%s\n" % (self.address_string(), fmt % args,
+                                                   " trace=" + trace if trace else ""))
+
+    def trace_id(self):
+        """The caller's trace id, when its traceparent is a valid W3C one (anything else is
+        ignored: it is the caller's data and goes into a log line)."""
+        headers = getattr(self, "headers", None)
+        value = headers.get(TRACEPARENT_HEADER, "") if headers is not None else ""
+        m = _TRACEPARENT.fullmatch(value.strip()) if len(value) <= 64 else None
+        if m is None or m.group(1) == "0" * 32 or m.group(2) == "0" * 16:
+            return None
+        return m.group(1)
 
     def send_error(self, code, message=None, explain=None):
         # http.server's own errors (bad request line, huge headers...): JSON, then close.
@@ -232,6 +254,14 @@ class Handler(BaseHTTPRequestHandler):
         if headers:
             for k, v in headers:
                 head.append("%s: %s" % (k, v))
+        started = getattr(self, "t_start", None)
+        if started is not None:
+            took = (now() - started) * 1000.0
+            head.append("%s: %s;dur=%.1f" % (SERVER_TIMING_HEADER, SERVER_TIMING_NAME, took))
+            # The route only (a query is the caller's), quoted: never a raw byte of theirs.
+            self.log_message("%r %d %.1fms", "%s %s" % (
+                getattr(self, "command", "") or "-",
+                urlsplit(getattr(self, "path", "") or "").path[:200]), code, took)
         if self.close_connection:
             head.append("Connection: close")
         self.wfile.write(("\r\n".join(head) + "\r\n\r\n").encode("latin-1") + body)

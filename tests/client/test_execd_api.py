@@ -71,6 +71,8 @@ def test_the_routes_without_a_token_are_the_same():
     ("SNAPSHOT_MAX_BYTES", "SNAPSHOT_MAX_BYTES"), ("SNAPSHOT_MAX_ENTRIES", "SNAPSHOT_MAX_ENTRIES"),
     ("SNAPSHOT_MANIFEST_MAX", "SNAPSHOT_MANIFEST_MAX"),
     ("SNAPSHOT_MEMBER_MAX", "SNAPSHOT_MEMBER_MAX"), ("SNAPSHOT_ARCHIVE_MAX", "SNAPSHOT_ARCHIVE_MAX"),
+    ("TRACEPARENT_HEADER", "TRACEPARENT_HEADER"), ("SERVER_TIMING_HEADER", "SERVER_TIMING_HEADER"),
+    ("SERVER_TIMING_NAME", "SERVER_TIMING_NAME"),
 ])
 def test_the_limits_both_sides_need_are_execds(ours, theirs):
     assert getattr(X, ours) == execd_limit(theirs)
