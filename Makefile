@@ -69,7 +69,7 @@ sysdeps:  ## install Debian packages the tests need (iptables, iproute2, bash; R
 lint: $(STAMP)  ## ruff on the tree; vermin: execd stays python3.8-compatible, the client distribution 3.9; mypy --strict on the client distribution, mypy on the server's packages
 	$(VENV)/bin/ruff check .
 	@if [ -d execd ]; then $(VENV)/bin/vermin -q --no-tips --violations -t=3.8- execd; fi
-	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/_version.py
+	$(VENV)/bin/vermin -q --no-tips --violations -t=3.9- sandman/client sandman/api.py sandman/execd_api.py sandman/contract.py sandman/egress.py sandman/quantity.py sandman/tracing.py sandman/_version.py
 	$(VENV)/bin/mypy
 	$(VENV)/bin/mypy --python-version 3.10 sandman/client/swerex.py sandman/client/minisweagent.py
 	$(VENV)/bin/mypy --python-version 3.12 sandman/client/harbor.py sandman/client/nemo_gym.py

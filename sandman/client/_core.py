@@ -17,13 +17,14 @@ import ssl
 import threading
 import time
 import uuid
-from collections.abc import Callable, Coroutine, Generator, Mapping, Sequence
+from collections.abc import Callable, Coroutine, Generator, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Generic, TypeVar
 
 import httpx
 
-from sandman import api, execd_api
+from sandman import api, execd_api, tracing
 from sandman._version import __version__
 from sandman.client.errors import (
     BadRequest,
@@ -78,6 +79,22 @@ def report(hook: OnRequest | None, route: Route, start: float, resp: httpx.Respo
         hook(route.kind, route.path, (time.perf_counter() - start) * 1000.0, size, exc)
     except Exception:  # a broken hook must not break the call it reports
         log.exception("on_request hook failed for %s %s", route.kind, route.path)
+
+
+@contextmanager
+def span(route: Route, service: str, sandbox_id: str | None) -> Iterator[Any]:
+    """One call's client span ("sandman ACQUIRE", "execd EXEC"), current while it is sent, so
+    its traceparent is what the controller or execd sees (sandman/tracing.py)."""
+    with tracing.span(f"{service} {route.kind}", "client", {
+            "sandman.operation": route.kind, "http.request.method": route.method,
+            "url.template": route.path, "sandman.sandbox.id": sandbox_id or None}) as s:
+        yield s
+
+
+def answered(s: Any, resp: httpx.Response) -> None:
+    """The answer's status, and execd's own time on the request when it says it."""
+    tracing.set_attributes(s, {"http.response.status_code": resp.status_code})
+    tracing.record_execd(s, resp.headers)
 
 
 @functools.cache

@@ -31,7 +31,7 @@ ALLOWED = {"sandman-client", "httpx", "httpcore", "anyio", "sniffio", "idna", "c
 SERVER = {"sandman", "fastapi", "starlette", "pydantic", "pydantic-core", "uvicorn",
           "kubernetes", "cryptography", "pyroute2", "prometheus-client", "jsonpatch", "pyyaml",
           "uvloop", "httptools", "locust"}
-CLIENT_FILES = {"client", "api.py", "execd_api.py", "contract.py", "egress.py", "quantity.py",
+CLIENT_FILES = {"client", "api.py", "execd_api.py", "contract.py", "egress.py", "quantity.py", "tracing.py",
                 "_version.py", "py.typed", "__pycache__"}
 
 SCRIPT = textwrap.dedent('''

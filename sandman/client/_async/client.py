@@ -14,7 +14,7 @@ from typing import Any
 
 import httpx
 
-from sandman import api
+from sandman import api, tracing
 from sandman.client import _core
 from sandman.client._core import OnRequest, RetryPolicy
 from sandman.client.errors import (
@@ -546,14 +546,16 @@ class AsyncClient:
         """One call to the controller, with its retries; reported once to `on_request`."""
         path = route.url(**path_params)
         start = time.perf_counter()
-        try:
-            resp = await self._attempts(route.method, path, read_s=read_s, json=json,
-                                        params=params)
-        except Exception as e:
-            _core.report(self._on_request, route, start, None, e)
-            raise
-        _core.report(self._on_request, route, start, resp, None)
-        return resp
+        with _core.span(route, "sandman", path_params.get("id")) as span:
+            try:
+                resp = await self._attempts(route.method, path, read_s=read_s, json=json,
+                                            params=params)
+            except Exception as e:
+                _core.report(self._on_request, route, start, None, e)
+                raise
+            _core.report(self._on_request, route, start, resp, None)
+            _core.answered(span, resp)
+            return resp
 
     async def _attempts(self, method: str, path: str, *, read_s: float, json: Any,
                         params: dict[str, str] | None) -> httpx.Response:
@@ -566,7 +568,8 @@ class AsyncClient:
             err: SandmanError | httpx.TransportError
             try:
                 resp = await self._http.request(method, path, json=json, params=params,
-                                                headers=self._token.header(), timeout=tmo)
+                                                headers=tracing.inject(self._token.header()),
+                                                timeout=tmo)
             except _core.RETRYABLE as e:
                 bad = _core.configuration_error(e)
                 if bad is not None:

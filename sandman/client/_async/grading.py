@@ -20,7 +20,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sandman import contract
+from sandman import contract, tracing
 from sandman.client._grading import (
     APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
@@ -652,11 +652,16 @@ async def grade(client: AsyncClient, task: Task, patch: bytes | str | None, *,
                           "retry_backoff_s": retry_backoff_s, "namespace": namespace}
     held: list[AsyncSandbox] = []
     sampled = reuse and shadow > 0 and random.random() < shadow
-    first = await _grade(client, task, patch, reuse=reuse, hold=held if sampled else None,
-                         **kw)
-    if not held:
-        return first
-    return await _shadow(client, task, patch, first, held[0], kw)
+    with tracing.span("sandman grade", attributes={"sandman.task": task.name,
+                                                    "sandman.reuse": reuse}) as span:
+        result = await _grade(client, task, patch, reuse=reuse,
+                              hold=held if sampled else None, **kw)
+        if held:
+            result = await _shadow(client, task, patch, result, held[0], kw)
+        tracing.set_attributes(span, {"sandman.verdict": result.verdict.value,
+                                      "sandman.attempts": result.attempts,
+                                      "sandman.shadow": result.shadow})
+        return result
 
 
 async def _shadow(client: AsyncClient, task: Task, patch: bytes | str | None,

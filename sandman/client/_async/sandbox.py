@@ -20,6 +20,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from sandman import execd_api as X
+from sandman import tracing
 from sandman.api import DEFAULT_ACQUIRE_TIMEOUT_S, Checkpointed, Route
 from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
@@ -446,6 +447,7 @@ class AsyncSandbox:
                 attempts.start()
                 try:
                     async with self._http.stream(route.method, path, json=body.to_json(),
+                                                  headers=tracing.inject({}),
                                                   timeout=tmo) as resp:
                         if resp.status_code != 200:
                             await resp.aread()
@@ -660,6 +662,7 @@ class AsyncSandbox:
                     size, digest = _tree.pack(os.fspath(local_dir), spool)
                 headers = {X.TREE_SHA256_HEADER: digest, "Content-Length": str(size),
                            "Content-Type": "application/x-tar"}
+                tracing.inject(headers)
                 attempts = _core.Attempts(self._retry, self._file_timeout_s)
                 tmo = _core.timeout(self._retry, self._file_timeout_s)
                 while True:
@@ -718,6 +721,7 @@ class AsyncSandbox:
                     try:
                         async with self._http.stream(route.method, path,
                                                      params={X.PATH_PARAM: remote_dir},
+                                                     headers=tracing.inject({}),
                                                      timeout=tmo) as resp:
                             if resp.status_code != 200:
                                 await resp.aread()
@@ -757,15 +761,17 @@ class AsyncSandbox:
         """One logical call: bounded retries on transport errors, then the typed error;
         reported once to `on_request`."""
         start = time.perf_counter()
-        try:
-            resp = await self._attempts(route, read_s=read_s, json=json, params=params,
-                                        request_id=request_id, retry_409=retry_409,
-                                        attempts_out=attempts_out)
-        except Exception as e:
-            _core.report(self._on_request, route, start, None, e)
-            raise
-        _core.report(self._on_request, route, start, resp, None)
-        return resp
+        with _core.span(route, "execd", self.id) as span:
+            try:
+                resp = await self._attempts(route, read_s=read_s, json=json, params=params,
+                                            request_id=request_id, retry_409=retry_409,
+                                            attempts_out=attempts_out)
+            except Exception as e:
+                _core.report(self._on_request, route, start, None, e)
+                raise
+            _core.report(self._on_request, route, start, resp, None)
+            _core.answered(span, resp)
+            return resp
 
     async def _attempts(self, route: Route, *, read_s: float, json: Any,
                         params: dict[str, str] | None, request_id: str | None,
@@ -784,7 +790,7 @@ class AsyncSandbox:
             why: str
             try:
                 resp = await self._http.request(method, path, json=json, params=params,
-                                                timeout=tmo)
+                                                headers=tracing.inject({}), timeout=tmo)
             except _core.RETRYABLE as e:
                 err: BaseException = e
                 why = f"{type(e).__name__}: {e}"

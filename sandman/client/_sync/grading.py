@@ -21,7 +21,7 @@ import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, NamedTuple
 
-from sandman import contract
+from sandman import contract, tracing
 from sandman.client._grading import (
     APPLY_PATH_REFUSALS,
     DEFAULT_EXCLUDE,
@@ -653,11 +653,16 @@ def grade(client: Client, task: Task, patch: bytes | str | None, *,
                           "retry_backoff_s": retry_backoff_s, "namespace": namespace}
     held: list[Sandbox] = []
     sampled = reuse and shadow > 0 and random.random() < shadow
-    first = _grade(client, task, patch, reuse=reuse, hold=held if sampled else None,
-                   **kw)
-    if not held:
-        return first
-    return _shadow(client, task, patch, first, held[0], kw)
+    with tracing.span("sandman grade", attributes={"sandman.task": task.name,
+                                                    "sandman.reuse": reuse}) as span:
+        result = _grade(client, task, patch, reuse=reuse,
+                        hold=held if sampled else None, **kw)
+        if held:
+            result = _shadow(client, task, patch, result, held[0], kw)
+        tracing.set_attributes(span, {"sandman.verdict": result.verdict.value,
+                                      "sandman.attempts": result.attempts,
+                                      "sandman.shadow": result.shadow})
+        return result
 
 
 def _shadow(client: Client, task: Task, patch: bytes | str | None,

@@ -21,6 +21,7 @@ from typing import IO, TYPE_CHECKING, Any
 import httpx
 
 from sandman import execd_api as X
+from sandman import tracing
 from sandman.api import DEFAULT_ACQUIRE_TIMEOUT_S, Checkpointed, Route
 from sandman.client import _core, _tree, editing
 from sandman.client._core import OnRequest, RetryPolicy
@@ -420,6 +421,7 @@ class Sandbox:
                 attempts.start()
                 try:
                     with self._http.stream(route.method, path, json=body.to_json(),
+                                                  headers=tracing.inject({}),
                                                   timeout=tmo) as resp:
                         if resp.status_code != 200:
                             resp.read()
@@ -630,6 +632,7 @@ class Sandbox:
                 size, digest = _tree.pack(os.fspath(local_dir), spool)
                 headers = {X.TREE_SHA256_HEADER: digest, "Content-Length": str(size),
                            "Content-Type": "application/x-tar"}
+                tracing.inject(headers)
                 attempts = _core.Attempts(self._retry, self._file_timeout_s)
                 tmo = _core.timeout(self._retry, self._file_timeout_s)
                 while True:
@@ -688,6 +691,7 @@ class Sandbox:
                     try:
                         with self._http.stream(route.method, path,
                                                params={X.PATH_PARAM: remote_dir},
+                                               headers=tracing.inject({}),
                                                timeout=tmo) as resp:
                             if resp.status_code != 200:
                                 resp.read()
@@ -724,15 +728,17 @@ class Sandbox:
         """One logical call: bounded retries on transport errors, then the typed error;
         reported once to `on_request`."""
         start = time.perf_counter()
-        try:
-            resp = self._attempts(route, read_s=read_s, json=json, params=params,
-                                  request_id=request_id, retry_409=retry_409,
-                                  attempts_out=attempts_out)
-        except Exception as e:
-            _core.report(self._on_request, route, start, None, e)
-            raise
-        _core.report(self._on_request, route, start, resp, None)
-        return resp
+        with _core.span(route, "execd", self.id) as span:
+            try:
+                resp = self._attempts(route, read_s=read_s, json=json, params=params,
+                                      request_id=request_id, retry_409=retry_409,
+                                      attempts_out=attempts_out)
+            except Exception as e:
+                _core.report(self._on_request, route, start, None, e)
+                raise
+            _core.report(self._on_request, route, start, resp, None)
+            _core.answered(span, resp)
+            return resp
 
     def _attempts(self, route: Route, *, read_s: float, json: Any,
                   params: dict[str, str] | None, request_id: str | None,
@@ -751,7 +757,7 @@ class Sandbox:
             why: str
             try:
                 resp = self._http.request(method, path, json=json, params=params,
-                                          timeout=tmo)
+                                          headers=tracing.inject({}), timeout=tmo)
             except _core.RETRYABLE as e:
                 err: BaseException = e
                 why = f"{type(e).__name__}: {e}"
