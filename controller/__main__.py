@@ -17,6 +17,7 @@ import uvicorn
 
 from controller import auth as A
 from controller import tls as T
+from controller import tracing
 from controller.core import Controller
 from controller.demand import Budget
 from controller.forward import ForwardToLeader
@@ -206,6 +207,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="serve plain http although --auth kubernetes: ServiceAccount and "
                         "sandbox tokens then cross the network in clear text (refused "
                         "otherwise; local use only)")
+    s.add_argument("--otlp-endpoint", default="", metavar="URL",
+                   help="export traces over OTLP/HTTP to URL (http(s)://host:port, the "
+                        "receiver's base: /v1/traces is added); empty: no traces")
+    s.add_argument("--trace-sample-ratio", type=float, default=1.0,
+                   help="the share of traces the controller starts that are kept; a "
+                        "caller's own sampling decision is followed")
     s.add_argument("--log-level", default="INFO")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: one object per line (time, level, logger, message)")
@@ -331,6 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     logs.configure(args.log_level, args.log_format)
     try:
         host, port = args.listen.rsplit(":", 1)
+        provider = tracing.configure(args.otlp_endpoint, args.trace_sample_ratio)
         settings = settings_from(args)
         https = check_tls_flags(args)
         serving_tls = T.ServingTLS(args.tls_cert_file, args.tls_key_file) if https else None
@@ -370,7 +378,7 @@ def main(argv: list[str] | None = None) -> int:
         auth = A.KubeAuth(api, audience=args.auth_audience, ttl=args.auth_cache_ttl,
                           timeout=min(5.0, args.api_timeout))
     state: dict = {"elector": elector}
-    app = build_app(state, auth, labels)
+    app = build_app(state, auth, labels, tracer_provider=provider)
 
     def serving() -> bool:
         c = state.get("controller")
@@ -435,6 +443,7 @@ def main(argv: list[str] | None = None) -> int:
             await forwarder.aclose()
             kube.shutdown()
             auth.close()
+            tracing.shutdown(provider)
 
     app.router.lifespan_context = lifespan
     # The ~65k objects of the imported libraries never die: freeze them out of the collector,

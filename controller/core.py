@@ -19,7 +19,7 @@ import time
 from dataclasses import replace
 
 from controller import auth as A
-from controller import metrics
+from controller import metrics, tracing
 from controller import pods as P
 from controller.books import (
     ENDING,
@@ -249,11 +249,14 @@ class Controller:
         # --conditions-attempts and the acquire's own timeout.
         refused: list[str] = []
         attempts = self.s.conditions_attempts if order.conditions else 1
+        tracing.attributes(job=job, role=spec.role, image=spec.image)
         if order.warm_ok:
             self.warm.acquired(spec, job)  # demand (validated above: never a bogus spec)
             got = await self.warm.take(order, lifetime, refused, attempts)
             metrics.warm_lookup(spec.role, got is not None)
+            tracing.attributes(warm=got is not None)
             if got is not None:
+                tracing.attributes(sandbox_id=got.get("id"))
                 metrics.acquired("ok", True, time.monotonic() - t0)
                 return got
         while True:
@@ -316,6 +319,7 @@ class Controller:
                 metrics.acquired("queue_full", False)
                 raise QueueFullError(f"no create slot free now: {q}") from None
         self.books.add(e)
+        tracing.attributes(sandbox_id=e.id, pod=e.name)
         e.handed = asyncio.get_running_loop().create_future()
         budget = max(timeout_s, self.s.ready_budget)
         self._spawn(self.pipeline.own(e, token_sha, budget), f"own-{e.name}")

@@ -14,6 +14,7 @@ from typing import IO, Any
 
 import httpx
 
+from controller import tracing
 from sandman import execd_api as X
 from sandman.api import Route
 
@@ -61,10 +62,16 @@ class ExecdClient:
     async def _call(self, ip: str, route: Route, *, token: str | None = None,
                     body: Any = None, params: dict[str, str] | None = None,
                     timeout: Any = httpx.USE_CLIENT_DEFAULT) -> httpx.Response:
-        headers = {"Authorization": f"Bearer {token}"} if token is not None else None
-        return await self._http.request(
-            route.method, self.url(ip, route), json=None if body is None else body.to_json(),
-            params=params, headers=headers, timeout=timeout)
+        headers = {"Authorization": f"Bearer {token}"} if token is not None else {}
+        with tracing.child(f"execd {route.kind}", {"server.address": ip,
+                                                   "url.template": route.path}, "client") as s:
+            r = await self._http.request(
+                route.method, self.url(ip, route),
+                json=None if body is None else body.to_json(), params=params,
+                headers=tracing.inject(headers), timeout=timeout)
+            tracing.set_attributes(s, {"http.response.status_code": r.status_code})
+            tracing.record_execd(s, r.headers)
+            return r
 
     async def _ok(self, ip: str, route: Route, **kw: Any) -> Any:
         """The JSON of a 200 answer; ExecdRefused for any other status."""
@@ -127,7 +134,7 @@ class ExecdClient:
         sha = hashlib.sha256()
         tail, size = b"", 0
         keep = X.TREE_DIGEST_LEN
-        headers = {"Authorization": f"Bearer {token}"}
+        headers = tracing.inject({"Authorization": f"Bearer {token}"})
         async with self._http.stream(X.SNAPSHOT.method, self.url(ip, X.SNAPSHOT),
                                      headers=headers, timeout=timeout) as r:
             if r.status_code != 200:
@@ -164,8 +171,8 @@ class ExecdClient:
                 pos += len(chunk)
                 yield chunk
 
-        headers = {"Authorization": f"Bearer {token}", X.TREE_SHA256_HEADER: sha256,
-                   "Content-Length": str(size)}
+        headers = tracing.inject({"Authorization": f"Bearer {token}",
+                                  X.TREE_SHA256_HEADER: sha256, "Content-Length": str(size)})
         r = await self._http.request(X.SNAPSHOT_APPLY.method, self.url(ip, X.SNAPSHOT_APPLY),
                                      content=body(), headers=headers, timeout=timeout)
         if r.status_code != 200:

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from kubernetes import client
 
-from controller import metrics
+from controller import metrics, tracing
 from controller import pods as P
 from controller.books import DRAINED, ENDING, ORPHANED, POOL_JOB, Books, Entry, State
 from controller.conditions import Checker, Comparison
@@ -94,7 +94,8 @@ class Pipeline:
             if e.slot is None and e.stage is S.QUEUED:
                 e.queue_wait = asyncio.ensure_future(self.pacer.acquire(e.job, role=e.spec.role))
                 try:
-                    e.slot = await e.queue_wait
+                    with tracing.child("sandman queue"):
+                        e.slot = await e.queue_wait
                 except asyncio.CancelledError:
                     if e.stage is S.QUEUED:  # cancelled by something else than a withdraw
                         self.books.move(e, S.WITHDRAWN, "queue wait cancelled")
@@ -107,7 +108,8 @@ class Pipeline:
             e.timings["queued_ms"] = ms(t_c - e.t_queued)
             if e.handed is not None:
                 metrics.QUEUE_SECONDS.observe(t_c - e.t_queued)
-            stored = await self.creator.create(e, token_sha)
+            with tracing.child("sandman create pod", {"k8s.pod.name": e.name}):
+                stored = await self.creator.create(e, token_sha)
             e.timings["create_ms"] = ms(time.monotonic() - t_c)
             if e.stage is S.GONE:  # stored, then deleted before the answer reached us
                 fail(e, PodFailed(f"pod {e.name} was deleted while starting"))
@@ -118,7 +120,9 @@ class Pipeline:
                 return
             self.books.move(e, STORED[e.stage], "stored")
             e.t_created = time.monotonic()
-            ok, why = await self.wait_ready(e, e.t_created + budget)
+            with tracing.child("sandman wait ready", {"k8s.pod.name": e.name}) as span:
+                ok, why = await self.wait_ready(e, e.t_created + budget)
+                tracing.set_attributes(span, {"sandman.ready": ok, "sandman.why": why or None})
             assert e.slot is not None  # a create holds its pacer slot (core.acquire) until here
             e.slot.done_creating()
             if ok and e.stage in DRAINED:  # drained during the last health probe

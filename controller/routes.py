@@ -14,10 +14,11 @@ from typing import Any
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, PlainTextResponse
+from opentelemetry.sdk.trace import TracerProvider
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from controller import auth as A
-from controller import metrics
+from controller import metrics, tracing
 from controller.checkpoint import parse_id
 from controller.core import Controller
 from controller.errors import AcquireError, NotLeader, SandboxGone, SandboxPaused
@@ -25,6 +26,7 @@ from controller.forward import not_leader_headers
 from controller.group import acquire_group
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
 from sandman import api, logs
+from sandman._version import __version__
 
 log = logging.getLogger("controller.routes")
 
@@ -37,7 +39,8 @@ def _err(e: api.ErrorType, message: str, events: list[str] | None = None, *,
 
 
 def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
-              labels: A.LabelPolicy | None = None) -> FastAPI:
+              labels: A.LabelPolicy | None = None,
+              tracer_provider: TracerProvider | None = None) -> FastAPI:
     """`state["controller"]` is set once this replica leads; until then the API routes answer
     NotLeader (503). `state["elector"]` (the LeaderElector) tells a standby's /readyz whether
     it is in touch with the API server; on a standby, controller/forward.py sends API calls to
@@ -46,7 +49,10 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
     `auth` checks every /v1 call (controller/auth.py; default: none, for local use). Each
     sandbox belongs to a tenant namespace, encoded in its job key (`auth.scoped_job`); a
     caller sees and touches only the tenants its RBAC allows."""
-    app = FastAPI(title="sandman controller", version="0.1.0")
+    # Server spans only (controller/tracing.py): the metrics are prometheus', the logs ours.
+    app = FastAPI(title="sandman controller", version=__version__, telemetry={
+        "tracer_provider": tracer_provider, "tracing": tracer_provider is not None,
+        "metrics": False, "logs": False, "operation_spans": False})
     app.add_middleware(RequestContext)
     auth = auth or A.NoAuth()
     labels = labels or A.LabelPolicy()
@@ -518,6 +524,7 @@ class RequestContext:
                     (_REQUEST_ID_KEY, rid.encode())]}
             await send(message)
 
+        tracing.attributes(request_id=rid)  # the server span's, when tracing is on
         try:
             with logs.bind(request_id=rid):
                 await self.app(scope, receive, sending)
