@@ -178,7 +178,7 @@ OTHER_TOOLS = {
     # helm
     "--wait": "helm install/upgrade/uninstall; iptables -w", "--force": "helm upgrade",
     "--reuse-values": "helm upgrade", "--no-hooks": "helm uninstall", "--logs": "helm test",
-    "--set": "helm", "--version": "helm", "--plain-http": "helm install/show/push",
+    "--set": "helm", "--set-json": "helm", "--version": "helm", "--plain-http": "helm install/show/push",
     # Kubernetes' own components and the test bed's other processes
     "--secure-port": "kube-controller-manager, kube-scheduler",
     "--endpoint-reconciler-type": "kube-apiserver", "--authorization-mode": "kube-apiserver",
@@ -471,7 +471,13 @@ def _key_paths(data: dict, prefix: tuple[str, ...] = ()):
 
 
 # Dotted names that are not Python although they start like a package of the tree.
-NOT_PYTHON = {"sandman.dev", "sandman.local"}  # the API group / label domain; image registry
+# OpenTelemetry span attributes (docs/metrics.md "Traces"), named like modules; each is set by
+# the code (test_every_span_attribute_named_is_set).
+SPAN_ATTRIBUTES = {"sandman.attempts", "sandman.execd.duration_ms", "sandman.image",
+                   "sandman.job", "sandman.pod", "sandman.request_id", "sandman.role",
+                   "sandman.sandbox_id", "sandman.shadow", "sandman.verdict", "sandman.warm"}
+NOT_PYTHON = {"sandman.dev", "sandman.local",  # the API group / label domain; image registry
+              *SPAN_ATTRIBUTES}
 NOT_PYTHON_TOPS: set[str] = set()
 PACKAGES = {"sandman", "controller", "webhook", "netguard", "execd", "loadtest", "testbed",
             "bench", "tools"}
@@ -529,6 +535,18 @@ def test_every_values_key_named_is_in_values_yaml():
                     found.add(doc, line, ".".join(path), f"values block: {'.'.join(path)} is "
                               "not a key of charts/sandman/values.yaml")
     check(found, "values key")
+
+
+def test_every_span_attribute_named_is_set():
+    """A literal in the SDK or sandman/tracing.py, or a keyword of the controller's
+    `tracing.attributes(...)` (which prefixes `sandman.`)."""
+    sources = "".join(p.read_text() for top in ("sandman", "controller")
+                      for p in sorted((REPO / top).rglob("*.py")))
+    kwargs = set(re.findall(r"tracing\.attributes\(([^)]*)\)", sources))
+    keys = {k for args in kwargs for k in re.findall(r"(\w+)=", args)}
+    missing = sorted(a for a in SPAN_ATTRIBUTES
+                     if f'"{a}"' not in sources and a.removeprefix("sandman.") not in keys)
+    assert not missing, f"span attributes the docs name and no code sets: {missing}"
 
 
 def test_every_python_name_named_exists():

@@ -87,7 +87,7 @@ def span(route: Route, service: str, sandbox_id: str | None) -> Iterator[Any]:
     its traceparent is what the controller or execd sees (sandman/tracing.py)."""
     with tracing.span(f"{service} {route.kind}", "client", {
             "sandman.operation": route.kind, "http.request.method": route.method,
-            "url.template": route.path, "sandman.sandbox.id": sandbox_id or None}) as s:
+            "url.template": route.path, "sandman.sandbox_id": sandbox_id or None}) as s:
         yield s
 
 

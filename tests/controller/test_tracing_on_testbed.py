@@ -118,7 +118,7 @@ def test_one_trace_from_the_trainer_through_the_controller_into_execd(stack, otl
     # The exec goes straight to execd: the trainer's span keeps execd's own time.
     ex, = [s for s in _by(spans, "trainer", "execd EXEC")
            if s["parent_span_id"] == root["span_id"]]
-    assert ex["attributes"]["sandman.sandbox.id"] == out["sandbox"]
+    assert ex["attributes"]["sandman.sandbox_id"] == out["sandbox"]
     assert 0 <= ex["attributes"]["sandman.execd.duration_ms"] <= \
         (ex["end_ns"] - ex["start_ns"]) / 1e6
 
