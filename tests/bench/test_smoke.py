@@ -20,6 +20,7 @@ from bench import (
     reuse,
     reuse_controller,
     swerex,
+    warmburst,
     webhook,
 )
 
@@ -103,6 +104,18 @@ def test_group(cluster, tmp_path, docs_untouched):
     assert [r["calls"] for r in res["parallel"]] == [a.count]
     assert all(r["creates"] == a.count for arm in group.ARMS for r in res[arm])
     assert group.render(res, a, "python -m bench.group --smoke").startswith(group.SECTION)
+
+
+@pytest.mark.testbed
+@pytest.mark.timeout(300)
+def test_warmburst(cluster, tmp_path, docs_untouched):
+    _, a = warmburst.parse(["--smoke"])
+    res = warmburst.measure(cluster, tmp_path, a)
+    for shape, n in (("burst", a.burst), ("sustained", int(a.rate_per_s * a.seconds))):
+        r = res[shape]
+        assert r["errors"] == [] and len(r["lat"]) == n and r["warm"] == n, (shape, r)
+    section = warmburst.render(res, a, "python -m bench.warmburst --smoke")
+    assert section.startswith(warmburst.SECTION) and "theirs 1470" in section
 
 
 @pytest.mark.testbed
