@@ -7,7 +7,6 @@ import asyncio
 import contextlib
 import gc
 import ipaddress
-import json
 import logging
 import os
 import socket
@@ -23,6 +22,7 @@ from controller.demand import Budget
 from controller.forward import ForwardToLeader
 from controller.kube import KubeClient, load_api_client
 from controller.leader import LeaderElector
+from controller.oci import AuthFile
 from controller.pacer import Limits
 from controller.prepull import check_images
 from controller.routes import build_app
@@ -316,14 +316,12 @@ def _read_key(path: str | None) -> bytes | None:
         return f.read().strip()
 
 
-def _registry_creds(path: str | None, registry: str | None) -> tuple[str, str] | None:
-    """(user, password) for the checkpoint registry's host from a docker config.json."""
+def _registry_creds(path: str | None, registry: str | None) -> AuthFile | None:
+    """The checkpoint registry's credentials from a docker config.json, read again whenever
+    the file changes (a rotated Secret); a file without them stops the start in one line."""
     if not path or not registry:
         return None
-    from controller.images import _auth_for
-
-    with open(path, encoding="utf-8") as f:
-        return _auth_for(registry.partition("/")[0], [json.load(f)])
+    return AuthFile(path, registry.partition("/")[0])
 
 
 def _ip_or_none(text: str) -> str | None:

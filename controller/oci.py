@@ -9,10 +9,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
+import os
 import re
+import threading
+from collections.abc import Callable
 from typing import IO, Any
 
 import requests
+
+log = logging.getLogger(__name__)
 
 INDEX = "application/vnd.oci.image.index.v1+json"
 MANIFEST = "application/vnd.oci.image.manifest.v1+json"
@@ -63,12 +69,68 @@ def client(host: str, insecure: bool, creds: tuple[str, str] | None, timeout: fl
     return reg
 
 
+Creds = tuple[str, str]
+
+
+class AuthFile:
+    """(user, password) for one registry host from a mounted dockerconfigjson, read again when
+    the file changes: an ECR password is a 12-hour token, refreshed into the Secret by a
+    CronJob, and the kubelet swaps a Secret volume's files in place (a `..data` link moved to a
+    new directory). A read that fails after a good one keeps the last credentials (logged once
+    per change); the first read's failure is the caller's, at start."""
+
+    def __init__(self, path: str, host: str):
+        self.path, self.host = path, host
+        self._key: tuple[int, int, int] | None = None
+        self._creds: Creds | None = None
+        self._broken: tuple[int, int, int] | None = None
+        self._lock = threading.Lock()
+        got = self()
+        if got is None:
+            raise ValueError(f"{path}: no credentials for {host}")
+
+    def _stat(self) -> tuple[int, int, int]:
+        st = os.stat(self.path)  # follows the Secret volume's links, as a read does
+        return st.st_ino, st.st_mtime_ns, st.st_size
+
+    def __call__(self) -> Creds | None:
+        from controller.images import _auth_for
+
+        with self._lock:
+            try:
+                key = self._stat()
+                if key == self._key or key == self._broken:
+                    return self._creds
+                with open(self.path, encoding="utf-8") as f:
+                    creds = _auth_for(self.host, [json.load(f)])
+                if creds is None:
+                    raise ValueError(f"no credentials for {self.host}")
+            except (OSError, ValueError) as e:  # JSONDecodeError is a ValueError
+                if self._creds is None:
+                    raise ValueError(f"{self.path}: {e}") from None
+                if self._broken is None:
+                    log.warning("checkpoint registry credentials %s unreadable (%s): "
+                                "keeping the last ones read", self.path, e)
+                try:
+                    self._broken = self._stat()
+                except OSError:
+                    self._broken = None
+                return self._creds
+            if self._creds is not None and creds != self._creds:
+                log.info("checkpoint registry credentials %s changed: using the new ones",
+                         self.path)
+            self._key, self._creds, self._broken = key, creds, None
+            return creds
+
+
 class Store:
-    """One registry `host`; repositories are `prefix/<name>`. `creds`: (user, password) or
-    None (anonymous, or the registry's bearer token flow)."""
+    """One registry `host`; repositories are `prefix/<name>`. `creds`: (user, password), a
+    source of them read at each call (AuthFile), or None (anonymous, or the registry's bearer
+    token flow)."""
 
     def __init__(self, host: str, prefix: str, *, insecure: bool = False,
-                 creds: tuple[str, str] | None = None, timeout: float = 60.0):
+                 creds: Creds | Callable[[], Creds | None] | None = None,
+                 timeout: float = 60.0):
         self.host, self.prefix = host, prefix.strip("/")
         self.insecure, self.creds, self.timeout = insecure, creds, timeout
 
@@ -77,7 +139,8 @@ class Store:
 
     def _client(self) -> Any:
         """A fresh client per call (a requests Session is not shared across threads)."""
-        return client(self.host, self.insecure, self.creds, self.timeout)
+        creds = self.creds() if callable(self.creds) else self.creds
+        return client(self.host, self.insecure, creds, self.timeout)
 
     def _url(self, repo: str, kind: str, ref: str) -> str:
         return f"{'http' if self.insecure else 'https'}://{self.host}/v2/{repo}/{kind}/{ref}"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import yaml
 
@@ -143,7 +144,8 @@ class Settings:
     # is kept, the most state bytes one holds, and the seconds between TTL sweeps.
     checkpoint_registry: str | None = None
     checkpoint_insecure: bool = False
-    checkpoint_credentials: tuple[str, str] | None = None
+    # (user, password), or a source read at each registry call (controller/oci.py AuthFile)
+    checkpoint_credentials: Any = None
     checkpoint_ttl: float = 7 * 86400.0
     checkpoint_max_bytes: int = 16 << 30
     checkpoint_sweep_interval: float = 600.0
