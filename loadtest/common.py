@@ -15,6 +15,7 @@ import time
 import gevent
 import gevent.event
 from locust import events
+from locust.runners import MasterRunner, WorkerRunner
 
 from loadtest import cotenant, users
 from loadtest.audit import (
@@ -103,10 +104,61 @@ def opts(env):
     return env.parsed_options
 
 
+def is_worker(env) -> bool:
+    return isinstance(env.runner, WorkerRunner)
+
+
 def job_of(env) -> str:
     if not RUN.job:
         RUN.job = opts(env).job or f"lt-{secrets.token_hex(3)}"
     return RUN.job
+
+
+# ---- distributed runs (--master / --worker; loadtest/job.py --workers N) ----------------------
+# The users run on the workers, everything about the run as a whole on the master: the shape
+# (which advances on live and finished counts), the pod watch, the stats sampler, the leak
+# audit, the thresholds (over locust's aggregated stats) and the summary. A worker only
+# releases what its own users hold, and reports its counts and acquire rows to the master.
+
+COUNTS = "sandman_counts"
+COUNTS_EVERY_S = 0.5
+_WORKERS: dict[str, tuple[int, int]] = {}  # worker id -> its (live, done)
+_SENT: list[int] = [0]  # acquire rows a worker has sent
+
+
+def _on_counts(environment, msg, **kw) -> None:
+    """Master: a worker's live and finished counts, and its new acquire rows."""
+    _WORKERS[msg.node_id] = (int(msg.data["live"]), int(msg.data["done"]))
+    RUN.live = sum(v[0] for v in _WORKERS.values())
+    RUN.done = sum(v[1] for v in _WORKERS.values())
+    RUN.acquires.extend(msg.data["acquires"])
+    w = RUN.extra.setdefault("workers", {}).setdefault(msg.node_id, {"done": 0, "acquires": 0})
+    w["done"] = _WORKERS[msg.node_id][1]
+    w["acquires"] += len(msg.data["acquires"])
+
+
+def _send_counts(environment) -> None:
+    rows = RUN.acquires[_SENT[0]:]
+    _SENT[0] += len(rows)
+    environment.runner.send_message(COUNTS, {"live": RUN.live, "done": RUN.done,
+                                             "acquires": rows})
+
+
+def report_counts(environment, stop: gevent.event.Event, max_s: float = 86400) -> None:
+    """Worker: send the counts every COUNTS_EVERY_S until the run stops (test_stop sends the
+    last ones itself, before the master's quit can kill this greenlet)."""
+    deadline = time.monotonic() + max_s
+    while not stop.wait(COUNTS_EVERY_S) and time.monotonic() < deadline:
+        _send_counts(environment)
+
+
+@events.init.add_listener
+def _on_init_distributed(environment, **kw) -> None:
+    o = opts(environment)
+    if isinstance(environment.runner, MasterRunner):
+        environment.runner.register_message(COUNTS, _on_counts)
+        # The workers take the master's options with each spawn: they label the run the same.
+        o.job = job_of(environment)
 
 
 def label_of(env) -> str:
@@ -148,7 +200,7 @@ def _one_line(e: BaseException) -> str:
 def _on_init(environment, **kw) -> None:
     """The co-tenant baseline, measured before the run starts (locust starts after `init`)."""
     o = opts(environment)
-    if not o or o.cotenant_baseline_s == 0:
+    if not o or o.cotenant_baseline_s == 0 or is_worker(environment):
         return
     rule = _rule(o)
     try:
@@ -207,6 +259,10 @@ def _on_start(environment, **kw) -> None:
     o = opts(environment)
     RUN.t0 = time.time()  # the shape's clock starts here too
     job_of(environment)  # the run's job name is fixed at start
+    if is_worker(environment):
+        _STOP.clear()
+        gevent.spawn(report_counts, environment, _STOP)
+        return
     RUN.extra.update({"controller_url": o.controller_url, "namespace": o.namespace})
     if o.kubeconfig and RUN.extra.get("uses_controller"):
         try:
@@ -226,6 +282,10 @@ def _on_start(environment, **kw) -> None:
 def _on_stop(environment, **kw) -> None:
     o = opts(environment)
     users.release_all()
+    if is_worker(environment):
+        _STOP.set()
+        _send_counts(environment)  # the master audits and judges
+        return
     if RUN.extra.get("uses_controller") and o.max_leaked >= 0:
         if not o.kubeconfig:
             RUN.audit = "skipped: no --kubeconfig"
@@ -259,6 +319,8 @@ def _on_stop(environment, **kw) -> None:
 @events.quitting.add_listener
 def _on_quit(environment, **kw) -> None:
     o = opts(environment)
+    if is_worker(environment):
+        return  # the verdict is the master's, over the stats of every worker
     verdicts = check_thresholds(environment.stats, _PRIMARY, o.max_p99_ms, o.max_error_rate,
                                 o.max_leaked, RUN.leaked, RUN.audit,
                                 environment.runner.exceptions if environment.runner else None)

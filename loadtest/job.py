@@ -16,6 +16,14 @@ What it renders, in this order (apply it whole; delete it whole with `kubectl de
   (a load test never re-runs by itself), bounded by activeDeadlineSeconds. Its exit code is
   locust's, so the Job fails when a threshold fails or a task raised.
 
+With --workers N (0, the default, is the one process above), locust runs distributed: the Job
+above is the master (`--master --expect-workers N`, the same run options: the shape, the pod
+watch, the leak audit, the thresholds and the exit code are the master's), a Job <name>-worker
+of N pods (`--worker --master-host <name>-master`) runs the users, a ClusterIP Service
+<name>-master gives the master's port (MASTER_PORT) a name, and a NetworkPolicy admits the
+workers to that port and nothing else to the master. The workers exit when the master quits
+(locust's quit message), so the run ends when the master's Job does.
+
 The controller's URL, token file and CA file reach the SDK as $SANDMAN_URL,
 $SANDMAN_TOKEN_FILE and (only with --ca-configmap, for an https URL) $SANDMAN_CA_FILE.
 """
@@ -37,6 +45,10 @@ TOKEN_DIR = "/var/run/secrets/sandman"
 CA_DIR = "/var/run/secrets/sandman-ca"
 LOCUSTFILE_DIR = "/etc/loadtest"
 OUT_DIR = "/tmp/loadtest"
+MASTER_PORT = 5557  # locust's default --master-bind-port
+COMPONENT = "app.kubernetes.io/component"
+# How long the master waits for all its workers before giving up (locust then exits 1).
+EXPECT_WORKERS_MAX_WAIT_S = 300
 
 
 def render(*, name: str, namespace: str, sandbox_namespace: str, image: str,
@@ -46,7 +58,10 @@ def render(*, name: str, namespace: str, sandbox_namespace: str, image: str,
            user_clusterrole: str = "sandman-user", cpu: str = "500m", memory: str = "512Mi",
            deadline_s: int = 1800, image_pull_policy: str = "IfNotPresent",
            node_selector: dict[str, str] | None = None,
-           tolerations: list[dict] | None = None) -> list[dict]:
+           tolerations: list[dict] | None = None, workers: int = 0,
+           worker_cpu: str = "500m", worker_memory: str = "512Mi") -> list[dict]:
+    if workers < 0:
+        raise ValueError(f"--workers {workers}: 0 (one process) or more")
     if not controller_url.startswith("https://"):
         # The Job's pod always carries a projected token, and the SDK never sends one over
         # plain http; the chart's controller serves https only.
@@ -109,36 +124,78 @@ def render(*, name: str, namespace: str, sandbox_namespace: str, image: str,
     args = [target, "--only-summary", "--kubeconfig", "in-cluster",
             "--namespace", sandbox_namespace, "--job", name, "--csv", f"{OUT_DIR}/run",
             *locust_args]
-    pod_labels = {**labels, TRAINER_LABEL: "true"}
-    spec: dict = {
-        "serviceAccountName": name,
-        # The API token (in-cluster config of the watch and the audit) is the pod's own.
-        "automountServiceAccountToken": True,
-        "enableServiceLinks": False,
-        "restartPolicy": "Never",
-        "terminationGracePeriodSeconds": 30,
-        "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
-                            "seccompProfile": {"type": "RuntimeDefault"}},
-        "containers": [{
-            "name": "locust", "image": image, "imagePullPolicy": image_pull_policy,
-            "command": ["python3", "-m", "loadtest"], "args": args, "env": env,
-            "workingDir": OUT_DIR,
-            "volumeMounts": mounts,
-            "resources": {"requests": {"cpu": cpu, "memory": memory},
-                          "limits": {"cpu": cpu, "memory": memory}},
-            "securityContext": {"allowPrivilegeEscalation": False,
-                                "readOnlyRootFilesystem": True,
-                                "capabilities": {"drop": ["ALL"]}}}],
-        "volumes": volumes}
-    if node_selector:
-        spec["nodeSelector"] = node_selector
-    if tolerations:
-        spec["tolerations"] = tolerations
+    master = f"{name}-master"
+    if workers:
+        args += ["--master", "--master-bind-port", str(MASTER_PORT),
+                 "--expect-workers", str(workers),
+                 "--expect-workers-max-wait", str(min(EXPECT_WORKERS_MAX_WAIT_S, deadline_s))]
+
+    def job(job_name: str, component: str | None, job_args: list[str], job_cpu: str,
+            job_memory: str, count: int = 1) -> dict:
+        pod_labels = {**labels, TRAINER_LABEL: "true", **({COMPONENT: component} if component
+                                                          else {})}
+        spec: dict = {
+            "serviceAccountName": name,
+            # The API token (in-cluster config of the watch and the audit) is the pod's own.
+            "automountServiceAccountToken": True,
+            "enableServiceLinks": False,
+            "restartPolicy": "Never",
+            "terminationGracePeriodSeconds": 30,
+            "securityContext": {"runAsNonRoot": True, "runAsUser": 65532,
+                                "seccompProfile": {"type": "RuntimeDefault"}},
+            "containers": [{
+                "name": "locust", "image": image, "imagePullPolicy": image_pull_policy,
+                "command": ["python3", "-m", "loadtest"], "args": job_args, "env": env,
+                "workingDir": OUT_DIR,
+                "volumeMounts": mounts,
+                "resources": {"requests": {"cpu": job_cpu, "memory": job_memory},
+                              "limits": {"cpu": job_cpu, "memory": job_memory}},
+                "securityContext": {"allowPrivilegeEscalation": False,
+                                    "readOnlyRootFilesystem": True,
+                                    "capabilities": {"drop": ["ALL"]}}}],
+            "volumes": volumes}
+        if component == "locust-master":
+            spec["containers"][0]["ports"] = [{"name": "locust-master",
+                                               "containerPort": MASTER_PORT}]
+        if node_selector:
+            spec["nodeSelector"] = node_selector
+        if tolerations:
+            spec["tolerations"] = tolerations
+        counts = {"completions": count, "parallelism": count} if count > 1 else {}
+        return {
+            "apiVersion": "batch/v1", "kind": "Job",
+            "metadata": {"name": job_name, "namespace": namespace, "labels": labels},
+            "spec": {"backoffLimit": 0, "activeDeadlineSeconds": deadline_s, **counts,
+                     "template": {"metadata": {"labels": pod_labels}, "spec": spec}}}
+
+    if not workers:
+        objs.append(job(name, None, args, cpu, memory))
+        return objs
+    master_sel = {"app.kubernetes.io/instance": name, COMPONENT: "locust-master"}
+    worker_sel = {"app.kubernetes.io/instance": name, COMPONENT: "locust-worker"}
     objs.append({
-        "apiVersion": "batch/v1", "kind": "Job",
-        "metadata": {"name": name, "namespace": namespace, "labels": labels},
-        "spec": {"backoffLimit": 0, "activeDeadlineSeconds": deadline_s,
-                 "template": {"metadata": {"labels": pod_labels}, "spec": spec}}})
+        "apiVersion": "v1", "kind": "Service",
+        "metadata": {"name": master, "namespace": namespace, "labels": labels},
+        # A ClusterIP, not headless: its name resolves before the master's pod is up, and
+        # the workers' connection retries until it is.
+        "spec": {"selector": master_sel,
+                 "ports": [{"name": "locust-master", "port": MASTER_PORT,
+                            "targetPort": MASTER_PORT, "protocol": "TCP"}]}})
+    # The master listens on MASTER_PORT for its workers and serves nothing else (headless: no
+    # web UI): only its own workers may connect, and only to that port.
+    objs.append({
+        "apiVersion": "networking.k8s.io/v1", "kind": "NetworkPolicy",
+        "metadata": {"name": master, "namespace": namespace, "labels": labels},
+        "spec": {"podSelector": {"matchLabels": master_sel}, "policyTypes": ["Ingress"],
+                 "ingress": [{"from": [{"podSelector": {"matchLabels": worker_sel}}],
+                              "ports": [{"protocol": "TCP", "port": MASTER_PORT}]}]}})
+    objs.append(job(name, "locust-master", args, cpu, memory))
+    # A worker takes the run's options from the master with each spawn message; its own
+    # command line only says where the master is.
+    worker_args = [target, "--worker", "--master-host", master, "--master-port",
+                   str(MASTER_PORT)]
+    objs.append(job(f"{name}-worker", "locust-worker", worker_args, worker_cpu, worker_memory,
+                    count=workers))
     return objs
 
 
@@ -186,6 +243,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cpu", default="500m")
     p.add_argument("--memory", default="512Mi")
     p.add_argument("--deadline-s", type=int, default=1800)
+    p.add_argument("--workers", type=int, default=0,
+                   help="locust workers (0: one process); N > 0: a master and N worker pods")
+    p.add_argument("--worker-cpu", default="500m", help="each worker's (--cpu: the master's)")
+    p.add_argument("--worker-memory", default="512Mi")
     p.add_argument("--node-selector", type=_kv, action="append", default=[])
     p.add_argument("--toleration", type=_toleration, action="append", default=[])
     o = p.parse_args(argv)
@@ -199,7 +260,8 @@ def main(argv: list[str] | None = None) -> int:
             ca_configmap=cm, ca_key=key or "ca.crt", audience=o.audience,
             user_clusterrole=o.user_clusterrole, cpu=o.cpu, memory=o.memory,
             deadline_s=o.deadline_s, image_pull_policy=o.image_pull_policy,
-            node_selector=dict(o.node_selector), tolerations=o.toleration)
+            node_selector=dict(o.node_selector), tolerations=o.toleration,
+            workers=o.workers, worker_cpu=o.worker_cpu, worker_memory=o.worker_memory)
     except (ValueError, OSError) as e:
         print(f"loadtest.job: {e}", file=sys.stderr)
         return 2

@@ -126,6 +126,8 @@ def write_summary(environment, verdicts) -> None:
                                  if environment.runner else [])],
         "exit_code": environment.process_exit_code,
         "cotenant": RUN.extra.get("cotenant"),
+        # A distributed run: per worker, its users' finished cycles and the acquire rows it sent.
+        "workers": RUN.extra.get("workers"),
     }
     Path(path).parent.mkdir(parents=True, exist_ok=True)
     Path(path).write_text(json.dumps(doc))

@@ -107,3 +107,69 @@ def test_runner_passes_locusts_exit_code_and_prints_the_summary(tmp_path):
         srv.server_close()
     with pytest.raises(SystemExit, match="unknown locustfile"):
         runner.main(["nope"])
+
+
+def _matches(selector: dict, labels: dict) -> bool:
+    return all(labels.get(k) == v for k, v in selector.items())
+
+
+def test_workers_zero_is_the_single_process_job():
+    assert [o["kind"] for o in render(**BASE)] == [
+        "ServiceAccount", "RoleBinding", "Role", "RoleBinding", "Job"]
+    args = render(**BASE)[-1]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not {"--master", "--worker", "--expect-workers"} & set(args)
+    with pytest.raises(ValueError, match="--workers -1"):
+        render(**{**BASE, "workers": -1})
+
+
+def test_workers_render_a_master_n_workers_and_only_the_master_port_between_them():
+    objs = render(**BASE, workers=2, worker_cpu="1", worker_memory="1Gi")
+    by_name = {(o["kind"], o["metadata"]["name"]): o for o in objs}
+    master, workers = by_name[("Job", "lt")], by_name[("Job", "lt-worker")]
+    svc, netpol = by_name[("Service", "lt-master")], by_name[("NetworkPolicy", "lt-master")]
+    m_pod, w_pod = master["spec"]["template"], workers["spec"]["template"]
+    m_args = m_pod["spec"]["containers"][0]["args"]
+    # The master keeps every run option of the single process, plus the master's own.
+    assert m_args[:len(m_args) - 7] == render(**BASE)[-1]["spec"]["template"]["spec"][
+        "containers"][0]["args"]
+    assert m_args[-7:] == ["--master", "--master-bind-port", "5557", "--expect-workers", "2",
+                           "--expect-workers-max-wait", "300"]
+    w = w_pod["spec"]["containers"][0]
+    assert w["args"] == ["acquire_burst", "--worker", "--master-host", "lt-master",
+                         "--master-port", "5557"]
+    assert w["resources"]["limits"] == {"cpu": "1", "memory": "1Gi"}
+    assert workers["spec"]["completions"] == workers["spec"]["parallelism"] == 2
+    assert workers["spec"]["backoffLimit"] == 0 and workers["spec"]["activeDeadlineSeconds"]
+    # Workers call the controller as trainers, with the same token and URL as the master.
+    assert w_pod["metadata"]["labels"]["sandman.dev/trainer"] == "true"
+    assert w["env"] == m_pod["spec"]["containers"][0]["env"]
+    # The Service reaches the master's pod, never a worker's.
+    assert _matches(svc["spec"]["selector"], m_pod["metadata"]["labels"])
+    assert not _matches(svc["spec"]["selector"], w_pod["metadata"]["labels"])
+    assert svc["spec"]["ports"] == [{"name": "locust-master", "port": 5557,
+                                     "targetPort": 5557, "protocol": "TCP"}]
+    # The policy isolates the master; its one rule admits the workers on 5557 and nothing else.
+    spec = netpol["spec"]
+    assert _matches(spec["podSelector"]["matchLabels"], m_pod["metadata"]["labels"])
+    assert not _matches(spec["podSelector"]["matchLabels"], w_pod["metadata"]["labels"])
+    assert spec["policyTypes"] == ["Ingress"]
+    [rule] = spec["ingress"]
+    assert rule["ports"] == [{"protocol": "TCP", "port": 5557}]
+    [peer] = rule["from"]
+    assert list(peer) == ["podSelector"]  # no namespaceSelector, no ipBlock: this run's pods
+    assert _matches(peer["podSelector"]["matchLabels"], w_pod["metadata"]["labels"])
+    assert not _matches(peer["podSelector"]["matchLabels"], m_pod["metadata"]["labels"])
+    # Another run's workers in the same namespace are not admitted.
+    other = {o["metadata"]["name"]: o for o in render(**{**BASE, "name": "lt2"}, workers=1)}
+    assert not _matches(peer["podSelector"]["matchLabels"],
+                        other["lt2-worker"]["spec"]["template"]["metadata"]["labels"])
+
+
+def test_cli_workers(capsys):
+    assert main(["--namespace", "t", "--image", "i", "--controller-url", "https://c:1",
+                 "--ca-configmap", "ca", "--workers", "3", "--worker-cpu", "2"]) == 0
+    objs = {o["metadata"]["name"]: o for o in yaml.safe_load_all(capsys.readouterr().out)
+            if o["kind"] == "Job"}
+    spec = objs["sandman-loadtest-worker"]["spec"]
+    assert spec["parallelism"] == 3
+    assert spec["template"]["spec"]["containers"][0]["resources"]["requests"]["cpu"] == "2"

@@ -6,11 +6,15 @@ user counts."""
 from __future__ import annotations
 
 import json
+import socket
+import sys
 
 import pytest
 
 from loadtest import report
+from loadtest.job import MASTER_PORT, render
 from testbed.controller import start_controller
+from testbed.procs import Proc
 from testbed.stack import locust
 from testbed.standin import start_standin
 from testbed.webhook import registration, start_webhook, wait_webhook_active
@@ -206,3 +210,62 @@ def test_acquire_burst_in_groups(stack):
     assert "ACQUIRE /v1/sandboxes" not in st
     assert st["RELEASE /v1/sandboxes/{id}"]["requests"] == 12
     assert s["leaked"] == [] and s["audit"].startswith("0 pod(s)")
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_distributed_master_and_two_workers_as_the_job_renders_them(stack):
+    """loadtest/job.py --workers 2: the master's and the workers' command lines as rendered,
+    run here as local processes (kwok runs no container); only the in-cluster bits are swapped
+    for the bed's (kubeconfig, csv dir, master address, a free port). The shape runs on the
+    master and advances on the counts the workers report: 8 users finish on 2 workers."""
+    url = controller(stack)
+    name = "lt-dist"
+    objs = render(name=name, namespace="trainers", sandbox_namespace=stack["ns"], image="i",
+                  controller_url="https://c:1", ca_configmap="ca", workers=2,
+                  locust_args=["--shape", "burst64", "--run-users", "8", "--hold-s", "1",
+                               "--max-leaked", "0", "--leak-settle-s", "20"])
+    jobs = {o["metadata"]["name"]: o for o in objs if o["kind"] == "Job"}
+    assert jobs[f"{name}-worker"]["spec"]["parallelism"] == 2
+
+    def cmd(job: dict) -> list[str]:
+        c = job["spec"]["template"]["spec"]["containers"][0]
+        assert c["command"] == ["python3", "-m", "loadtest"]
+        return [sys.executable, "-m", "loadtest", *c["args"]]
+
+    port, csv = str(_free_port()), str(stack["tmp"] / "dist")
+    local = {"in-cluster": stack["kc"], "/tmp/loadtest/run": csv, f"{name}-master": "127.0.0.1",
+             str(MASTER_PORT): port}
+    master_cmd = [local.get(a, a) for a in cmd(jobs[name])] + ["--master-bind-host",
+                                                               "127.0.0.1"]
+    worker_cmd = [local.get(a, a) for a in cmd(jobs[f"{name}-worker"])]
+    env = {"SANDMAN_URL": url, "SANDMAN_TOKEN_FILE": "", "SANDMAN_CA_FILE": ""}
+    master = Proc("master", master_cmd, stack["tmp"] / "master.log", env=env).start()
+    workers = [Proc(f"worker{i}", worker_cmd, stack["tmp"] / f"worker{i}.log", env=env).start()
+               for i in range(2)]
+    procs = [master, *workers]
+    try:
+        code = master.wait(120)
+        worker_codes = [w.wait(30) for w in workers]
+    finally:
+        for p in procs:
+            p.stop()
+    log = master.tail(6000)
+    assert code == 0, log
+    assert worker_codes == [0, 0], [w.tail() for w in workers]
+    assert "2 workers connected" in master.log.read_text()
+    s = summary(stack, "dist")
+    assert s["job"] == name
+    assert s["stats"]["ACQUIRE /v1/sandboxes"]["requests"] == 8
+    assert s["stats"]["ACQUIRE /v1/sandboxes"]["failures"] == 0
+    assert s["stats"]["RELEASE /v1/sandboxes/{id}"]["requests"] == 8
+    # Both workers ran users and acquired; the master's watch and audit saw the run's pods.
+    assert len(s["workers"]) == 2 and all(w["acquires"] > 0 for w in s["workers"].values())
+    assert sum(w["done"] for w in s["workers"].values()) == 8
+    assert s["stats"]["POD_READY pod first seen -> Ready"]["requests"] == 8
+    assert s["leaked"] == [] and s["audit"].startswith("0 pod(s)")
+    assert not any(p.group_alive() for p in procs)
