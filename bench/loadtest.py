@@ -33,8 +33,13 @@ def measure(stack, out: Path, a) -> int:
                           timeout=demo.ramp_timeout(a))
 
 
-def render(out: Path, a, cmdline: str, code: int, wall_s: float) -> str:
+def render(out: Path, a, cmdline: str, code: int, wall_s: float,
+           loads: tuple[float, float] | None = None) -> str:
+    """`loads`: the machine's 1-minute load average before the stack started and after it
+    stopped (the report's "other processes" column says what else ran meanwhile)."""
     text, page = report.build(out, "sandman bench-loadtest")
+    load = (f"1-minute load {loads[0]:.2f} at the start, {loads[1]:.2f} at the end; "
+            if loads else "")
     return "\n".join([
         SECTION, "",
         f"The locust ramp through the whole stack (`make bench-loadtest`, i.e. `{cmdline}`): "
@@ -42,8 +47,8 @@ def render(out: Path, a, cmdline: str, code: int, wall_s: float) -> str:
         f"(`--rate {a.rate:g} --burst {a.burst}`), one locust process; each step adds users "
         "that acquire and keep a sandbox, holds 5 s once that many are live, and a step that "
         "does not fill within its budget ends the ramp. "
-        f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; {wall_s:.0f} s from start to "
-        f"teardown; locust exit {code}. Reading guide: `docs/loadtest.md`.", "",
+        f"{os.cpu_count()} cores, {time.strftime('%Y-%m-%d')}; {load}{wall_s:.0f} s from "
+        f"start to teardown; locust exit {code}. Reading guide: `docs/loadtest.md`.", "",
         text.rstrip("\n"), ""])
 
 
@@ -67,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
                   controller_flags=["--rate", f"{a.rate:g}", "--burst", str(a.burst),
                                     "--max-creating", "200", "--sweep-interval", "30",
                                     "--log-level", "INFO"])
+    load_start = docs.load1()
     t0 = time.monotonic()
     code = 1
     try:
@@ -77,8 +83,11 @@ def main(argv: list[str] | None = None) -> int:
         if left:
             demo.say(f"teardown: STILL RUNNING {left}")
             code = code or 1
-    section = render(out, a, docs.command("bench.loadtest", argv), code,
-                     time.monotonic() - t0)
+    wall_s = time.monotonic() - t0
+    # For docs, the end's load once the stack's own has decayed (bounded: bench/docs.py).
+    load_end = docs.settle() if a.write_docs else docs.load1()
+    section = render(out, a, docs.command("bench.loadtest", argv), code, wall_s,
+                     (load_start, load_end))
     print(section)
     if a.write_docs:
         print(f"wrote {docs.write_section(section)}", file=sys.stderr)

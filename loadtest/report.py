@@ -9,6 +9,10 @@ For every `<run>_sandman.json` in OUT_DIR (written by the locustfiles next to lo
   <run>_ready.png      create-to-Ready p50/p99 per stage (per ramp step: the paper's fig. 3a)
   <run>_acquire.png    acquire latency CDF (the pacing queue included)
 and `report.html` (the table, the plots, links to locust's own HTML reports); prints the table.
+With a `<run>_procs.json` beside a run (the stack's CPU and memory sampler, testbed/procstat.py)
+it also tells, per ramp step and for the whole run, each process's CPU-seconds and share of the
+machine's, and the controller's and the webhook's CPU per 1,000 sandboxes created and RSS per
+1,000 live.
 """
 
 from __future__ import annotations
@@ -161,6 +165,126 @@ def step_table(doc: dict) -> str:
     return "\n".join(lines)
 
 
+# Where the CPU went: <run>_procs.json, written beside the run by the stack's sampler
+# (testbed/procstat.py): counters since boot / process start, sampled every 1-2 s.
+STACK_ORDER = ("kube-apiserver", "etcd", "kube-scheduler", "kube-controller-manager", "kwok",
+               "webhook", "controller", "locust")
+PER_SANDBOX = ("controller", "webhook")  # the figures that carry to a real cluster
+
+
+def load_procs(doc: dict) -> dict | None:
+    path = doc["dir"] / f"{doc['run']}_procs.json"
+    return json.loads(path.read_text()) if path.exists() else None
+
+
+def _interp(series: list[tuple[float, float]], t: float) -> float:
+    """A counter's value at `t`, linear between its samples (the first or last outside)."""
+    if t <= series[0][0]:
+        return series[0][1]
+    for (t0, v0), (t1, v1) in zip(series, series[1:], strict=False):
+        if t <= t1:
+            return v0 + (v1 - v0) * (t - t0) / (t1 - t0) if t1 > t0 else v1
+    return series[-1][1]
+
+
+class ProcSeries:
+    """The sampler's file as series: machine CPU-seconds, idle, and per process CPU-seconds
+    and RSS, each readable at any time of the run."""
+
+    def __init__(self, procs: dict):
+        sm = procs["samples"]
+        self.cores = procs.get("cores")
+        self.total = [(x[0], x[1]) for x in sm]
+        self.idle = [(x[0], x[2]) for x in sm]
+        present = {n for x in sm for n in x[3]}
+        self.names = ([n for n in STACK_ORDER if n in present]
+                      + sorted(n for n in present if n not in STACK_ORDER))
+        self.cpu = {n: [(x[0], x[3][n][0]) for x in sm if n in x[3]] for n in self.names}
+        self.rss = {n: [(x[0], x[3][n][1]) for x in sm if n in x[3]] for n in self.names}
+        self.start, self.end = sm[0][0], sm[-1][0]
+
+    def window(self, a: float, b: float) -> dict:
+        """CPU-seconds in [a, b]: the machine's (all cores, idle included), busy, idle, and
+        per process; RSS per process at `b`."""
+        total = _interp(self.total, b) - _interp(self.total, a)
+        idle = _interp(self.idle, b) - _interp(self.idle, a)
+        cpu = {n: _interp(self.cpu[n], b) - _interp(self.cpu[n], a) for n in self.names}
+        rss = {n: _interp(self.rss[n], b) for n in self.names}
+        peak = {n: max([rss[n], _interp(self.rss[n], a),
+                        *(v for t, v in self.rss[n] if a <= t <= b)]) for n in self.names}
+        return {"s": b - a, "total": total, "idle": idle, "busy": total - idle, "cpu": cpu,
+                "rss": rss, "rss_peak": peak}
+
+
+def _windows(doc: dict, ps: ProcSeries) -> list[tuple[str, dict, dict | None]]:
+    """(label, window, stage) per ramp step, then the whole run (stage None)."""
+    t0 = doc["started"]
+    out = []
+    for st in doc.get("stages") or []:
+        end = st["ended"] if st.get("ended") is not None else doc.get("duration_s") or 0
+        out.append((st["label"], ps.window(t0 + st["started"], t0 + end), st))
+    out.append(("whole run", ps.window(t0, t0 + (doc.get("duration_s") or ps.end - t0)), None))
+    return out
+
+
+def _cpu_cell(cpu: float, total: float) -> str:
+    return f"{cpu:.1f} ({cpu / total:.0%})" if total > 0 else f"{cpu:.1f}"
+
+
+def cpu_table(doc: dict, procs: dict) -> str:
+    """Per step: each process's CPU-seconds and its share of the machine's CPU-seconds (every
+    core, idle included), the rest of the machine's busy time, and idle."""
+    ps = ProcSeries(procs)
+    head = (["step", "s", f"machine CPU-s ({ps.cores} cores)"] + ps.names
+            + ["other processes", "idle"])
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for label, w, _ in _windows(doc, ps):
+        other = w["busy"] - sum(w["cpu"].values())
+        cells = [label, f"{w['s']:.0f}", f"{w['total']:.0f}"]
+        cells += [_cpu_cell(w["cpu"][n], w["total"]) for n in ps.names]
+        cells += [_cpu_cell(max(other, 0.0), w["total"]), _cpu_cell(w["idle"], w["total"])]
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _mb(b: float) -> str:
+    return f"{b / 2**20:.0f} MB"
+
+
+def per_sandbox_table(doc: dict, procs: dict) -> str:
+    """The controller's and the webhook's cost per 1,000 sandboxes, per step: CPU-seconds per
+    1,000 created in the step; RSS at the step's end (the whole run: its peak), and its growth
+    since the run's start per 1,000 live sandboxes (the whole run: the most live)."""
+    ps = ProcSeries(procs)
+    names = [n for n in PER_SANDBOX if n in ps.names]
+    if not names:
+        return ""
+    t0 = doc["started"]
+    base = {n: _interp(ps.rss[n], t0) for n in names}
+    ts = created(doc)
+    head = ["step", "created in step", "live at end"]
+    for n in names:
+        head += [f"{n} CPU-s per 1,000 created", f"{n} RSS (growth per 1,000 live)"]
+    lines = ["| " + " | ".join(head) + " |", "|---" * len(head) + "|"]
+    for label, w, st in _windows(doc, ps):
+        if st is not None:
+            end = st["ended"] if st.get("ended") is not None else math.inf
+            made = sum(1 for t in ts if st["started"] <= t < end)
+            live = st.get("peak_live") or 0
+        else:
+            made = len(ts)
+            live = max((s.get("peak_live") or 0 for s in doc.get("stages") or []), default=0)
+        rss = w["rss"] if st is not None else w["rss_peak"]
+        cells = [label, f"{made:,}", f"{live:,}"]
+        for n in names:
+            cells.append(f"{w['cpu'][n] / made * 1000:.1f}" if made else "-")
+            grow = (f"{(rss[n] - base[n]) / live * 1000 / 2**20:+.1f} MB" if live
+                    else "-")
+            cells.append(f"{_mb(rss[n])} ({grow})")
+        lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
 def plots(doc: dict) -> list[Path]:
     import matplotlib
 
@@ -269,6 +393,16 @@ def build(out_dir: Path, title: str = "sandman load test") -> tuple[str, Path]:
         steps = step_table(doc)
         if steps:
             text += ["", f"{doc['run']} per step ({row['stop_reason']}):", steps]
+        procs = load_procs(doc)
+        usage = []
+        if procs and procs.get("samples"):
+            usage = [("where the CPU went: CPU-seconds per process (share of the machine's "
+                      "CPU-seconds, every core, idle included)", cpu_table(doc, procs))]
+            per = per_sandbox_table(doc, procs)
+            if per:
+                usage.append(("the controller and the webhook per 1,000 sandboxes", per))
+        for what, tab in usage:
+            text += ["", f"{doc['run']}, {what}:", tab]
         pngs = plots(doc)
         body.append(f"<h2>{html.escape(doc['run'])}</h2>")
         if (doc["dir"] / f"{doc['run']}.html").exists():
@@ -280,6 +414,8 @@ def build(out_dir: Path, title: str = "sandman load test") -> tuple[str, Path]:
             body.append(f"<p><b>{html.escape(row['cotenant'])}</b></p>")
         if steps:
             body.append(_html_table(steps))
+        for what, tab in usage:
+            body += [f"<p>{html.escape(what)}</p>", _html_table(tab)]
         body.append("<ul>" + "".join(f"<li>{html.escape(t['check'])}: "
                                      f"{'ok' if t['ok'] else '<b>FAIL</b>'}</li>"
                                      for t in doc.get("thresholds", [])) + "</ul>")

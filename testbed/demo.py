@@ -21,6 +21,7 @@ import time
 from pathlib import Path
 
 from loadtest import report, shapes
+from testbed import procstat
 from testbed.cluster import default_state_dir
 from testbed.procs import ROOT
 from testbed.stack import Stack, locust
@@ -38,7 +39,16 @@ def run_shape(stack: Stack, out: Path, name: str, shape: str, a, extra: list[str
             "--pacing-rate", str(a.rate), "--pacing-burst", str(a.burst), "--max-error-rate", "0", "--max-leaked", "0", *extra]
     say(f"locust: {name} (acquire_burst.py --shape {shape} {' '.join(extra)})")
     t = time.monotonic()
-    code = locust("acquire_burst.py", args, out / f"{name}.log", timeout)
+    # Where the CPU went, per process (loadtest/report.py reads <name>_procs.json).
+    sampler = procstat.Sampler(out / f"{name}_procs.json")
+    for pname, pid in (stack.pids() if hasattr(stack, "pids") else {}).items():
+        sampler.add(pname, pid)
+    sampler.start()
+    try:
+        code = locust("acquire_burst.py", args, out / f"{name}.log", timeout,
+                      on_start=lambda p: sampler.add("locust", p.pid))
+    finally:
+        sampler.stop()
     say(f"locust: {name} finished in {time.monotonic() - t:.0f} s, exit {code} "
         f"(log {out / f'{name}.log'})")
     return code

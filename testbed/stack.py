@@ -11,6 +11,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,15 +23,18 @@ from testbed.webhook import registration, start_webhook, wait_webhook_active
 from webhook.manifests import Registration
 
 
-def locust(locustfile: str, args: list[str], log: Path, timeout: float) -> int:
+def locust(locustfile: str, args: list[str], log: Path, timeout: float,
+           on_start: Callable[[Proc], None] | None = None) -> int:
     """One headless locust run of loadtest/<locustfile> (a path with a `/`: relative to the
     repository) as a process; its exit code is the thresholds' verdict (124 when it ran past
-    `timeout` s and was stopped)."""
+    `timeout` s and was stopped). `on_start(proc)` once it is started (a CPU sampler)."""
     path = ROOT / locustfile if "/" in locustfile else ROOT / "loadtest" / locustfile
     cmd = [sys.executable, "-m", "locust", "-f", str(path),
            "--headless", "--only-summary", "--loglevel", "INFO", *args]
     p = Proc("locust", cmd, log).start()
     try:
+        if on_start is not None:
+            on_start(p)
         return p.wait(timeout)
     except subprocess.TimeoutExpired:
         p.stop()
@@ -102,6 +106,12 @@ class Stack:
         self.procs.append(self.controller.proc)
         say(f"controller ready at {self.controller_url} ({' '.join(self.controller_flags)})")
         return self
+
+    def pids(self) -> dict[str, int]:
+        """name -> pid of every process this stack started (the test bed's components, the
+        webhook, the controller, the stand-in), for a CPU and memory sampler."""
+        comps = self.testbed.components if self.testbed is not None else []
+        return {p.name: p.pid for p in [*comps, *self.procs] if p.pid is not None}
 
     def stop(self) -> list[str]:
         """Stops everything, newest first; returns what is still running (should be nothing)."""

@@ -152,8 +152,12 @@ def test_loadtest_ramp(cluster, namespace, tmp_path, docs_untouched):
         ctl = start_controller(namespace, cluster.kubeconfig, tmp_path / "controller.log",
                                ["--lease-name", f"lt-{namespace}", "--rate", "20",
                                 "--burst", "40", "--log-level", "WARNING"], "pod")
+        # The stack's processes for the CPU and memory sampler, by the pids started here.
+        comps = cluster.testbed.components if cluster.testbed is not None else []
+        pids = {c.name: c.pid for c in comps}
+        pids.update(webhook=wh.proc.pid, controller=ctl.proc.pid)
         stack = types.SimpleNamespace(controller_url=ctl.url, kubeconfig=cluster.kubeconfig,
-                                      namespace=namespace)
+                                      namespace=namespace, pids=lambda: pids)
         a = types.SimpleNamespace(ramp_max=3, rate=20.0, burst=40, nodes=0)
         out = tmp_path / "report"
         out.mkdir()
@@ -161,6 +165,10 @@ def test_loadtest_ramp(cluster, namespace, tmp_path, docs_untouched):
         section = loadtest.render(out, a, "python -m bench.loadtest --smoke", code, 1.0)
         assert code == 0, (out / "ramp.log").read_text()[-3000:]
         assert section.startswith(loadtest.SECTION)
+        cpu = section.split("where the CPU went", 1)[1]
+        assert "| webhook | controller | locust |" in cpu, section
+        assert not comps or "| kube-apiserver | etcd | kube-scheduler |" in cpu, section
+        assert "\n| 3 | 3 | 3 | " in section.split("per 1,000 sandboxes", 1)[1], section
     finally:
         if ctl is not None:
             ctl.stop()
