@@ -257,8 +257,12 @@ class Testbed:
                 f"--authentication-kubeconfig={kc}", f"--authorization-kubeconfig={kc}",
                 "--leader-elect=false", "--bind-address=127.0.0.1", "--secure-port=0",
                 "--kube-api-qps=500", "--kube-api-burst=1000"])
+            kwok_config = self.state_dir / "kwok.json"
+            kwok_config.write_text(json.dumps(kwok_configuration(self.nodes)))
             kwok = self._spawn("kwok", [
-                str(bins["kwok"]), f"--kubeconfig={kc}", "--manage-all-nodes=false",
+                # Our own file: without --config kwok reads ~/.kwok/kwok.yaml, whatever is there.
+                str(bins["kwok"]), f"--config={kwok_config}",
+                f"--kubeconfig={kc}", "--manage-all-nodes=false",
                 f"--manage-nodes-with-annotation-selector={KWOK_NODE_ANNOTATION}=fake",
                 f"--cidr={POD_CIDR}", f"--node-ip={NODE_IP}",
                 # Node heartbeats by Lease: without them kwok refreshed node status about once
@@ -414,6 +418,16 @@ def remove_state_dir(path: Path) -> None:
     if still:
         raise TestbedError(f"test bed: cannot remove {path}: still mounted {still[:3]}")
     shutil.rmtree(path)
+
+
+def kwok_configuration(nodes: int) -> dict:
+    """kwok's options (docs/testbed.md, "Tuning"). kwok plays every node's kubelet, and by
+    default moves pods through their stages (scheduled -> Running/Ready, deleting -> gone) with
+    4 workers for all its nodes together: on a real cluster each node's kubelet writes its own
+    pods' status, so the writers in parallel are at least one per node. At 4, a status PATCH that
+    takes 0.5 s on a loaded API server caps the whole bed at ~8 pods Ready per second."""
+    return {"apiVersion": "config.kwok.x-k8s.io/v1alpha1", "kind": "KwokConfiguration",
+            "options": {"podPlayStageParallelism": max(4, nodes)}}
 
 
 def node_manifest(i: int) -> dict:

@@ -187,6 +187,9 @@ OTHER_TOOLS = {
     "--max-mutating-requests-inflight": "kube-apiserver",
     "--leader-elect": "kube-controller-manager, kube-scheduler",
     "--flex-volume-plugin-dir": "kube-controller-manager", "--unsafe-no-fsync": "etcd",
+    "--kube-api-qps": "kube-scheduler, kube-controller-manager",
+    "--kube-api-burst": "kube-scheduler, kube-controller-manager", "--event-ttl": "kube-apiserver",
+    "--quota-backend-bytes": "etcd", "--node-lease-duration-seconds": "kwok",
     "--run-firewall": "kube-router", "--runtime-endpoint": "crictl",
     "--enable-certificate-owner-ref": "cert-manager's controller",
     # iptables
