@@ -507,16 +507,23 @@ class Checkpoints:
         """Sets past their TTL deleted: the index (tag and digest), its sandboxes' manifests,
         and the blobs no live set of the repository still names. Returns the sets deleted."""
         store = self._on()
-        gone = 0
+        swept: set[str] = set()
         for repo in await asyncio.to_thread(store.repositories):
-            gone += await asyncio.to_thread(_sweep_repo, store, repo, iso_utc(time.time()))
-        if gone:
-            metrics.CHECKPOINTS_EXPIRED.inc(gone)
-        return gone
+            tenant = repo.removeprefix(f"{store.prefix}/") if store.prefix else repo
+            swept |= {checkpoint_id(tenant, d) for d in await asyncio.to_thread(
+                _sweep_repo, store, repo, iso_utc(time.time()))}
+        if swept:
+            metrics.CHECKPOINTS_EXPIRED.inc(len(swept))
+        # A paused sandbox's record goes with its checkpoint (or its TTL).
+        paused = self.c.paused
+        await paused.unrecord(paused.expired() + [sid for sid, p in list(paused.items.items())
+                                                  if p.checkpoint in swept])
+        return len(swept)
 
 
-def _sweep_repo(store: oci.Store, repo: str, now: str) -> int:
-    """One repository's expired sets (blocking; the sweep's thread)."""
+def _sweep_repo(store: oci.Store, repo: str, now: str) -> list[str]:
+    """One repository's expired sets deleted (blocking; the sweep's thread): their index
+    digests."""
     live_blobs: set[str] = set()
     dead: list[tuple[str, str, list[str], set[str]]] = []
     for tag in store.tags(repo):
@@ -547,7 +554,7 @@ def _sweep_repo(store: oci.Store, repo: str, now: str) -> int:
         for b in blobs - live_blobs:
             store.delete(repo, "blobs", b)
         log.info("checkpoint sweep: %s@%s expired, deleted", repo, digest)
-    return len(dead)
+    return [digest for _, digest, _, _ in dead]
 
 
 def _json(raw: bytes, cid: str, what: str) -> dict:

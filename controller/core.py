@@ -48,6 +48,7 @@ from controller.idle import IdleRule
 from controller.images import Pins, dockerconfigs
 from controller.kube import Informer, Kube
 from controller.pacer import Pacer, QueueFull, one_tenant
+from controller.paused import LOAD_ATTEMPTS, Paused
 from controller.pipeline import Pipeline
 from controller.pods import AcquireOrder, SandboxSpec
 from controller.prepull import Prepuller
@@ -91,6 +92,10 @@ class Controller:
         self.prepull = Prepuller(kube, self.pacer, settings)
         self.forker = Forker(self)
         self.checkpoints = Checkpoints(self)
+        # Paused sandboxes (the pause route's and the idle rule's), recorded in the API
+        # server so that a new leader still answers their holders 410 (controller/paused.py).
+        self.paused = Paused(kube=kube, tenants=settings.tenants, key=settings.books_key,
+                             scope=settings.namespace)
         self.idle = IdleRule(self)
         self._event_watches: list = []
         self.ready = False
@@ -122,6 +127,7 @@ class Controller:
             _, late = await asyncio.wait(waits, timeout=30)
             for t in late:
                 t.cancel()
+        await self._load_paused()
         self.prepull.add(list(self.s.prepull_images), pinned=True)
         self._bg = [loop.create_task(self._maintain(), name="maintain"),
                     loop.create_task(self.sweeper.loop(), name="sweep"),
@@ -129,6 +135,21 @@ class Controller:
                     loop.create_task(self.checkpoints.loop(), name="checkpoint-sweep"),
                     loop.create_task(self.idle.loop(), name="idle-rule")]
         self.ready = True
+
+    async def _load_paused(self) -> None:
+        """The paused record, read before this leader answers: a holder asking about a
+        paused sandbox never gets 404 from a leader that has not read it (bounded retries; the
+        start fails after them, as it does when the informer never syncs)."""
+        for attempt in range(LOAD_ATTEMPTS):
+            try:
+                await self.paused.load()
+                return
+            except Exception as ex:  # noqa: BLE001 - the API server's answer, or none
+                if attempt == LOAD_ATTEMPTS - 1:
+                    raise RuntimeError(f"the paused record ({self.paused.where()}) could "
+                                       f"not be read: {ex}") from None
+                log.warning("paused record: read failed (%s), retrying", ex)
+                await asyncio.sleep(min(5.0, 0.5 * 2 ** attempt))
 
     async def stop(self) -> None:
         self.ready = False

@@ -101,8 +101,8 @@ class CheckpointGone(AcquireError):
 
 
 class SandboxPaused(AcquireError):
-    """The idle rule paused the sandbox: `checkpoint` is the id to resume it from
-    (controller/idle.py). Sent only to callers of its tenant."""
+    """The sandbox was paused (its holder's pause, or the idle rule): `checkpoint` is the id
+    to resume it from (controller/paused.py). Sent only to callers of its tenant."""
 
     status, kind = api.SANDBOX_PAUSED
 

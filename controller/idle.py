@@ -14,19 +14,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import httpx
 
-from controller import auth as A
 from controller import metrics
 from controller.books import State
 from controller.errors import AcquireError
 from controller.execd_client import ExecdClient, ExecdRefused
 from controller.fork import one_line
+from controller.paused import Paused, PausedSandbox, Unrecorded, until_of
 from sandman import contract
 
 if TYPE_CHECKING:
@@ -40,7 +38,6 @@ ASK_CONCURRENCY = 8
 ASK_TIMEOUT_S = 5.0
 PAUSE_TIMEOUT_S = 600.0  # one pause's checkpoint
 BACKOFF_MAX_S = 3600.0
-PAUSED_MAX = 10000  # paused ids remembered (the oldest forgotten first)
 USED_SLACK_S = 0.5  # clock rounding between two /activity reads
 
 
@@ -82,44 +79,11 @@ def used_since(first_at: float, first_idle: float, now: float, idle_s: float,
     return bool(busy) or (now - idle_s) > (first_at - first_idle) + USED_SLACK_S
 
 
-@dataclass(frozen=True)
-class PausedSandbox:
-    job: str  # the scoped job key: its tenant decides who may learn `checkpoint`
-    checkpoint: str
-    until: float  # wall clock: the checkpoint's expiry
-
-
-class Paused:
-    """Sandboxes the rule paused: id -> its checkpoint, kept until the checkpoint expires and
-    at most PAUSED_MAX (the oldest forgotten first)."""
-
-    def __init__(self, cap: int = PAUSED_MAX):
-        self.cap = cap
-        self.items: OrderedDict[str, PausedSandbox] = OrderedDict()
-
-    def add(self, sid: str, p: PausedSandbox) -> None:
-        self.items[sid] = p
-        self.items.move_to_end(sid)
-        while len(self.items) > self.cap:
-            self.items.popitem(last=False)
-
-    def get(self, sid: str, now: float | None = None) -> PausedSandbox | None:
-        p = self.items.get(sid)
-        if p is not None and p.until <= (time.time() if now is None else now):
-            del self.items[sid]
-            return None
-        return p
-
-
-def tenant_of(job: str, tenants: bool) -> str | None:
-    return A.split_job(job)[0] if tenants else None
-
-
 class IdleRule:
     def __init__(self, ctl: Controller):
         self.c = ctl
         self.after = ctl.s.pause_idle_after
-        self.paused = Paused()
+        self.paused: Paused = ctl.paused  # the controller's, shared with the pause route
         self.known: dict[str, float] = {}  # id -> monotonic time first seen handed out
         self.asked: dict[str, float] = {}
         self.retry_at: dict[str, float] = {}
@@ -199,12 +163,22 @@ class IdleRule:
             log.info("idle rule: sandbox %s (job %s) was used during its checkpoint %s: "
                      "left leased", sid, e.job, ck.id)
             return False
-        # Recorded before the release: the holder's next look finds the checkpoint, never
-        # a bare 404.
-        until = time.time() + self.c.s.checkpoint_ttl
-        self.paused.add(sid, PausedSandbox(e.job, ck.id, until))
+        # Recorded (in the API server too) before the release: the holder's next look finds
+        # the checkpoint, never a bare 404, also from a new leader.
+        try:
+            await self.paused.record(sid, PausedSandbox(e.job, ck.id, until_of(ck.expires_at)))
+        except Unrecorded as ex:
+            n = self.fails.get(sid, 0) + 1
+            self.fails[sid] = n
+            wait = backoff_s(self.after, n)
+            self.retry_at[sid] = time.monotonic() + wait
+            metrics.idle_paused("failed")
+            log.warning("idle rule: sandbox %s (job %s) left leased (next try in %.0fs): "
+                        "%s; its checkpoint %s is valid until its TTL", sid, e.job, wait,
+                        ex, ck.id)
+            return False
         if not await self.c.release(sid):  # its holder released it meanwhile
-            self.paused.items.pop(sid, None)
+            await self.paused.unrecord([sid])
             return False
         metrics.idle_paused("ok")
         log.info("idle rule: paused sandbox %s (job %s, pod %s) after %.0fs idle: checkpoint "

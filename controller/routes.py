@@ -21,9 +21,16 @@ from controller import auth as A
 from controller import metrics, tracing
 from controller.checkpoint import parse_id
 from controller.core import Controller
-from controller.errors import AcquireError, NotLeader, SandboxGone, SandboxPaused
+from controller.errors import (
+    AcquireError,
+    CheckpointFailed,
+    NotLeader,
+    SandboxGone,
+    SandboxPaused,
+)
 from controller.forward import not_leader_headers
 from controller.group import acquire_group
+from controller.paused import PausedSandbox, Unrecorded, until_of
 from controller.pods import AcquireOrder, SandboxSpec, iso_utc
 from sandman import api, logs
 from sandman._version import __version__
@@ -78,18 +85,23 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         return A.split_job(key) if auth.enabled else (None, key)
 
     async def paused(who: A.Caller, verb: str, sid: str) -> None:
-        """SandboxPaused naming its checkpoint when the idle rule paused `sid` and the caller
-        may `verb` in its tenant; nothing otherwise (the caller then gets what an unknown id
-        gets: another tenant learns neither the pause nor the checkpoint's id)."""
+        """SandboxPaused naming its checkpoint when `sid` was paused (by its holder or the
+        idle rule; controller/paused.py) and the caller may `verb` in its tenant; nothing
+        otherwise (the caller then gets what an unknown id gets: another tenant learns neither
+        the pause nor the checkpoint's id). A record naming another tenant than the live
+        sandbox of that id is ignored: a record never speaks for another tenant's sandbox."""
         c = state.get("controller")
         p = c.idle.paused.get(sid) if c is not None and c.ready else None
-        if p is None:
+        if c is None or p is None:
             return
         tenant, _job = split(p.job)
+        live = c.entries.get(sid)
+        if live is not None and split(live.job)[0] != tenant:
+            return
         if auth.enabled and not await auth.allowed(who, verb, tenant or A.CLUSTER):
             return
-        raise SandboxPaused(f"sandbox {sid} was paused for being idle; checkpoint: "
-                            f"{p.checkpoint} (resume it from there)", p.checkpoint)
+        raise SandboxPaused(f"sandbox {sid} was paused; checkpoint: {p.checkpoint} (resume "
+                            "it from there)", p.checkpoint)
 
     async def may_see(who: A.Caller, verb: str, e) -> bool:
         tenant, _job = split(e.job)
@@ -383,7 +395,20 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             [e], body.timeout_s if body else api.DEFAULT_ACQUIRE_TIMEOUT_S), keep)
         if not done:
             return _err(api.CLIENT_CLOSED, "client disconnected")
-        await c.release(id)
+        # Recorded before the release: a holder that lost this answer still finds the
+        # checkpoint (410) by the old id, from this leader or the next. Unrecorded: the
+        # sandbox stays leased and the answer says so (the checkpoint itself is valid).
+        try:
+            await c.paused.record(id, PausedSandbox(e.job, result.id,
+                                                    until_of(result.expires_at)))
+        except Unrecorded as ex:
+            log.error("pause of %s: %s; left leased (checkpoint %s is valid)", id, ex,
+                      result.id)
+            raise CheckpointFailed(f"{ex}: the sandbox stays leased, not paused; its "
+                                   f"checkpoint {result.id} is valid (restore it, or pause "
+                                   "again)") from None
+        if not await c.release(id):
+            await c.paused.unrecord([id])  # released meanwhile by its holder: not paused
         return result.to_json()
 
     @app.post(api.RESTORE.path, status_code=201)

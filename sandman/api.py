@@ -142,9 +142,9 @@ FORK_FAILED = ErrorType(502, "ForkFailed")
 CHECKPOINT_FAILED = ErrorType(502, "CheckpointFailed")
 # No such checkpoint in the caller's tenant, or past its TTL (deleted or about to be).
 CHECKPOINT_GONE = ErrorType(404, "CheckpointGone")
-# The controller's idle rule paused the sandbox (checkpoint, then release): the error's
-# `checkpoint` names the checkpoint to resume it from. Said only to callers of the sandbox's
-# tenant (anyone else gets SandboxGone), and only until that checkpoint expires.
+# The sandbox was paused (its holder's pause or the idle rule: checkpoint, then release): the
+# error's `checkpoint` names the checkpoint to resume it from. Said only to callers of the
+# sandbox's tenant (anyone else gets SandboxGone), and only until that checkpoint expires.
 SANDBOX_PAUSED = ErrorType(410, "SandboxPaused")
 ERRORS = (BAD_REQUEST, BAD_OWNER, INVALID_BODY, SANDBOX_GONE, QUEUE_FULL, CLIENT_CLOSED,
           INTERNAL_ERROR, POD_FAILED, CONDITIONS_REFUSED, NOT_LEADER, NOT_READY, ACQUIRE_TIMEOUT, UNAUTHENTICATED,

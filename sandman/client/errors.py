@@ -124,8 +124,9 @@ class SandboxGone(SandmanError):
 
 
 class SandboxPaused(SandboxGone):
-    """The controller's idle rule paused the sandbox (its holder made no call for the
-    controller's --pause-idle-after): its state was checkpointed, then it was released (410).
+    """The sandbox was paused (by a `pause()` whose answer this caller may not have kept,
+    or by the controller's idle rule, --pause-idle-after): its state was checkpointed, then it
+    was released (410), also when asked of a controller that restarted since.
     `handle` is the checkpoint's id: `client.resume(err.handle)` makes it anew with its
     state, until the checkpoint expires. A SandboxGone, so code that stops on one stops."""
 

@@ -248,7 +248,12 @@ class FakeKube:
         if name not in self.config_maps:
             raise client.ApiException(status=404, reason="NotFound")
         cm = self.config_maps[name]
-        cm.setdefault("data", {}).update((patch or {}).get("data") or {})
+        data = cm.setdefault("data", {})
+        for k, v in ((patch or {}).get("data") or {}).items():  # a merge patch: null deletes
+            if v is None:
+                data.pop(k, None)
+            else:
+                data[k] = v
         return copy.deepcopy(cm)
 
     def informer(self, loop, on_event) -> FakeInformer:

@@ -130,7 +130,7 @@ class FakeCheckpoints:
         self.calls += 1
         if self.fail:
             raise CheckpointFailed("checkpoint registry: refused")
-        return SimpleNamespace(id=CK, expires_at="2026-01-08T00:00:00Z")
+        return SimpleNamespace(id=CK, expires_at="2099-01-08T00:00:00Z")
 
 
 def rule(e, execd: FakeExecd, fail: bool = False):
@@ -141,7 +141,8 @@ def rule(e, execd: FakeExecd, fail: bool = False):
         return True
     s = SimpleNamespace(pause_idle_after=60.0, execd_port=9470, checkpoint_ttl=3600.0)
     ctl = SimpleNamespace(s=s, books=SimpleNamespace(entries={e.id: e}),
-                          checkpoints=FakeCheckpoints(fail), release=release)
+                          checkpoints=FakeCheckpoints(fail), release=release,
+                          paused=I.Paused())
     r = I.IdleRule(ctl)
     asyncio.run(r.execd._http.aclose())
     r.execd = execd

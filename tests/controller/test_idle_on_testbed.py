@@ -5,11 +5,14 @@ and as an attacker of another tenant."""
 
 from __future__ import annotations
 
+import json
 import threading
+import time
 
 import httpx
 import pytest
 
+from controller.paused import RECORD_NAME
 from sandman import api
 from sandman.client import Client, RetryPolicy, SandboxPaused
 from testbed.procs import wait_for
@@ -20,8 +23,7 @@ from tests.controller.test_fork_on_testbed import IMAGE, SIZE
 AFTER_S = 2
 
 
-@pytest.fixture
-def stack(cluster, namespace, tmp_path, registry, tenants):  # noqa: F811
+def _stack(cluster, namespace, tmp_path, registry, tenants, *flags: str):  # noqa: F811
     from testbed.controller import ControllerProc, local_tls_dir
     from testbed.standin import Standin
     from tests.controller.test_fork_on_testbed import Image
@@ -34,15 +36,20 @@ def stack(cluster, namespace, tmp_path, registry, tenants):  # noqa: F811
                       before_start=Image()).start()
     ctl = ControllerProc(namespace, cluster.kubeconfig, tmp_path / "controller.log",
                          ["--lease-name", f"idle-{namespace}", "--checkpoint-registry",
-                          f"{registry.host}/{PREFIX}", "--checkpoint-insecure",
-                          "--pause-idle-after", str(AFTER_S)],
+                          f"{registry.host}/{PREFIX}", "--checkpoint-insecure", *flags],
                          ready_check="execd", auth="kubernetes", tls=local_tls_dir())
     try:
         ctl.start()
-        yield ctl, standin, tenants.token(a, "trainer"), tenants.token(b, "trainer")
+        yield ctl, standin, tenants.token(a, "trainer"), tenants.token(b, "trainer"), a, b
     finally:
         ctl.kill()
         standin.stop()
+
+
+@pytest.fixture
+def stack(cluster, namespace, tmp_path, registry, tenants):  # noqa: F811
+    yield from _stack(cluster, namespace, tmp_path, registry, tenants,
+                      "--pause-idle-after", str(AFTER_S))
 
 
 def leased(h: httpx.Client, ctl, tok: str) -> set[str]:
@@ -51,7 +58,7 @@ def leased(h: httpx.Client, ctl, tok: str) -> set[str]:
 
 
 def test_an_idle_sandbox_is_paused_and_only_its_tenant_learns_where_it_went(stack):
-    ctl, _, tok_a, tok_b = stack
+    ctl, _, tok_a, tok_b, _, _ = stack
     ca = str(ctl.tls / "ca.crt")
     quick = RetryPolicy(attempts=2, budget_s=2.0, connect_timeout_s=2.0)
     with Client(ctl.url, token=tok_a, ca_file=ca, retry=quick) as cl, \
@@ -112,3 +119,98 @@ def test_an_idle_sandbox_is_paused_and_only_its_tenant_learns_where_it_went(stac
         text = h.get(ctl.url + "/metrics").text
     assert 'sandman_controller_idle_pauses_total{result="ok"} ' in text
     assert 'sandman_controller_idle_pauses_total{result="ok"} 0.0' not in text
+
+
+RESTART_AFTER_S = 4  # long enough that the explicitly paused sandbox is not the rule's first
+
+
+@pytest.fixture
+def restartable(cluster, namespace, tmp_path, registry, tenants):  # noqa: F811
+    key = tmp_path / "books.key"
+    key.write_bytes(b"p" * 32)
+    # A short lease: the restarted controller leads within seconds of the crash.
+    yield from _stack(cluster, namespace, tmp_path, registry, tenants,
+                      "--pause-idle-after", str(RESTART_AFTER_S), "--books-key-file", str(key),
+                      "--lease-duration", "3", "--lease-renew", "1")
+
+
+def paused_record(cluster, namespace) -> dict:
+    from kubernetes.client import ApiException
+
+    try:
+        cm = cluster.core.read_namespaced_config_map(RECORD_NAME, namespace)
+    except ApiException as ex:
+        if ex.status == 404:
+            return {}
+        raise
+    return dict(cm.data or {})
+
+
+def test_a_paused_sandbox_is_still_found_by_its_holder_after_a_controller_crash(
+        cluster, namespace, restartable):
+    ctl, _, tok_a, tok_b, ns_a, ns_b = restartable
+    ca = str(ctl.tls / "ca.crt")
+    quick = RetryPolicy(attempts=2, budget_s=2.0, connect_timeout_s=2.0)
+
+    def asked_by_b(h: httpx.Client, sid: str, cids: list[str]) -> None:
+        # Another tenant: what an unknown id gets, and never a checkpoint's id.
+        r = h.get(ctl.url + api.GET.url(id=sid), headers=bearer(tok_b))
+        assert r.status_code == 404, r.text
+        assert "aused" not in r.text and not any(c.split(".")[1] in r.text for c in cids)
+
+    with Client(ctl.url, token=tok_a, ca_file=ca, retry=quick) as cl, \
+            httpx.Client(verify=ctl.verify(), timeout=30) as h:
+        held = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        idle = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        # Grading: never paused, it stays a live sandbox of tenant a through the test.
+        live = cl.acquire(IMAGE, job="crash", timeout_s=60, role="grading", **SIZE)
+        assert held.exec("echo kept > note.txt").exit_code == 0
+        cid = held.pause(timeout_s=60).id  # the holder's pause: the handle it may lose
+        wait_for(lambda: idle.id not in leased(h, ctl, tok_a), 30, "the idle one paused")
+        idle_cid = h.get(ctl.url + api.GET.url(id=idle.id),
+                         headers=bearer(tok_a)).json()["error"]["checkpoint"]
+        # Recorded in the API server before the pause was done.
+        record = paused_record(cluster, namespace)
+        assert {held.id, idle.id} <= set(record), record
+        for sid in (held.id, idle.id):
+            asked_by_b(h, sid, [cid, idle_cid])
+
+        # Planted entries (anyone who may write the object): a live sandbox of tenant a
+        # claimed for tenant b (no proof under the books key), a checkpoint of tenant a under
+        # tenant b's job, garbage. None of them decides an answer after the restart.
+        forged = {
+            live.id: json.dumps({"job": f"{ns_b}.crash", "checkpoint": f"{ns_b}." + "a" * 64,
+                                 "until": int(time.time()) + 3600}),
+            "sbx-planted-0123456789": json.dumps(
+                {"job": f"{ns_b}.crash", "checkpoint": cid, "until": int(time.time()) + 3600}),
+            "sbx-garbage-0123456789": "{" * 2000,
+        }
+        cluster.core.patch_namespaced_config_map(RECORD_NAME, namespace, {"data": forged})
+
+        ctl.kill()  # a crash: nothing of the leader's memory survives
+        ctl.start(timeout=30)
+        for sid, want in ((held.id, cid), (idle.id, idle_cid)):
+            r = h.get(ctl.url + api.GET.url(id=sid), headers=bearer(tok_a))
+            assert r.status_code == 410, r.text
+            err = r.json()["error"]
+            assert err["type"] == "SandboxPaused" and err["checkpoint"] == want, err
+            with pytest.raises(SandboxPaused) as e:
+                cl.get(sid)
+            assert e.value.handle == want
+            asked_by_b(h, sid, [cid, idle_cid])
+        with pytest.raises(SandboxPaused) as e:  # the idle one's handle, its next command
+            idle.exec("true")
+        assert e.value.handle == idle_cid
+        for sid in ("sbx-planted-0123456789", "sbx-garbage-0123456789"):
+            r = h.get(ctl.url + api.GET.url(id=sid), headers=bearer(tok_b))
+            assert r.status_code == 404, r.text
+        r = h.get(ctl.url + api.GET.url(id=live.id), headers=bearer(tok_b))
+        assert r.status_code in (403, 404) and "aused" not in r.text, r.text
+        # The planted entries were refused and deleted; the real ones kept.
+        record = paused_record(cluster, namespace)
+        assert set(record) == {held.id, idle.id}, record
+
+        back = cl.resume(cid, timeout_s=60)
+        assert back.exec("cat note.txt").output == "kept\n"
+        back.release()
+        cl.release(live.id)
