@@ -12,7 +12,7 @@ import time
 import httpx
 import pytest
 
-from controller.paused import RECORD_NAME
+from controller.paused import RECORD_NAME, PausedSandbox, encode
 from sandman import api
 from sandman.client import Client, RetryPolicy, SandboxPaused
 from testbed.procs import wait_for
@@ -121,13 +121,14 @@ def test_an_idle_sandbox_is_paused_and_only_its_tenant_learns_where_it_went(stac
     assert 'sandman_controller_idle_pauses_total{result="ok"} 0.0' not in text
 
 
+KEY = b"p" * 32
 RESTART_AFTER_S = 4  # long enough that the explicitly paused sandbox is not the rule's first
 
 
 @pytest.fixture
 def restartable(cluster, namespace, tmp_path, registry, tenants):  # noqa: F811
     key = tmp_path / "books.key"
-    key.write_bytes(b"p" * 32)
+    key.write_bytes(KEY)
     # A short lease: the restarted controller leads within seconds of the crash.
     yield from _stack(cluster, namespace, tmp_path, registry, tenants,
                       "--pause-idle-after", str(RESTART_AFTER_S), "--books-key-file", str(key),
@@ -175,14 +176,17 @@ def test_a_paused_sandbox_is_still_found_by_its_holder_after_a_controller_crash(
         for sid in (held.id, idle.id):
             asked_by_b(h, sid, [cid, idle_cid])
 
-        # Planted entries (anyone who may write the object): a live sandbox of tenant a
-        # claimed for tenant b (no proof under the books key), a checkpoint of tenant a under
-        # tenant b's job, garbage. None of them decides an answer after the restart.
+        # Planted entries: tenant a's live sandbox claimed for tenant b with a valid proof (the
+        # key's holder: only the live sandbox's own tenant decides), an id claimed for tenant
+        # b without one, a checkpoint of tenant a under tenant b's job, garbage. None of them
+        # makes an answer 410 for tenant b.
+        until = int(time.time()) + 3600
+        claim = PausedSandbox(f"{ns_b}.crash", f"{ns_b}." + "a" * 64, until)
         forged = {
-            live.id: json.dumps({"job": f"{ns_b}.crash", "checkpoint": f"{ns_b}." + "a" * 64,
-                                 "until": int(time.time()) + 3600}),
+            live.id: encode(live.id, claim, KEY, namespace),
+            "sbx-forged-0123456789": encode("sbx-forged-0123456789", claim, None, namespace),
             "sbx-planted-0123456789": json.dumps(
-                {"job": f"{ns_b}.crash", "checkpoint": cid, "until": int(time.time()) + 3600}),
+                {"job": f"{ns_b}.crash", "checkpoint": cid, "until": until}),
             "sbx-garbage-0123456789": "{" * 2000,
         }
         cluster.core.patch_namespaced_config_map(RECORD_NAME, namespace, {"data": forged})
@@ -201,14 +205,18 @@ def test_a_paused_sandbox_is_still_found_by_its_holder_after_a_controller_crash(
         with pytest.raises(SandboxPaused) as e:  # the idle one's handle, its next command
             idle.exec("true")
         assert e.value.handle == idle_cid
-        for sid in ("sbx-planted-0123456789", "sbx-garbage-0123456789"):
+        for sid in ("sbx-forged-0123456789", "sbx-planted-0123456789",
+                    "sbx-garbage-0123456789"):
             r = h.get(ctl.url + api.GET.url(id=sid), headers=bearer(tok_b))
             assert r.status_code == 404, r.text
         r = h.get(ctl.url + api.GET.url(id=live.id), headers=bearer(tok_b))
         assert r.status_code in (403, 404) and "aused" not in r.text, r.text
-        # The planted entries were refused and deleted; the real ones kept.
+        r = h.get(ctl.url + api.GET.url(id=live.id), headers=bearer(tok_a))
+        assert r.status_code == 200 and r.json()["state"] == "leased", r.text
+        # The planted entries were refused and deleted; the real ones (and the one with a
+        # valid proof, which decides nothing) kept.
         record = paused_record(cluster, namespace)
-        assert set(record) == {held.id, idle.id}, record
+        assert set(record) == {held.id, idle.id, live.id}, record
 
         back = cl.resume(cid, timeout_s=60)
         assert back.exec("cat note.txt").output == "kept\n"
