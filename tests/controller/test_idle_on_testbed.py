@@ -14,7 +14,7 @@ import pytest
 
 from controller.paused import RECORD_NAME, PausedSandbox, encode
 from sandman import api
-from sandman.client import Client, RetryPolicy, SandboxPaused
+from sandman.client import CheckpointFailed, Client, RetryPolicy, SandboxPaused
 from testbed.procs import wait_for
 from tests.controller.test_auth import bearer
 from tests.controller.test_checkpoint_on_testbed import PREFIX, registry  # noqa: F401
@@ -162,6 +162,15 @@ def test_a_paused_sandbox_is_still_found_by_its_holder_after_a_controller_crash(
     with Client(ctl.url, token=tok_a, ca_file=ca, retry=quick) as cl, \
             httpx.Client(verify=ctl.verify(), timeout=30) as h:
         held = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        # A record that cannot be written (the API server refuses to change an immutable
+        # ConfigMap): the pause fails, naming its checkpoint, and the sandbox stays leased.
+        cluster.core.create_namespaced_config_map(namespace, {
+            "metadata": {"name": RECORD_NAME}, "immutable": True, "data": {}})
+        with pytest.raises(CheckpointFailed, match="stays leased") as e:
+            held.pause(timeout_s=60)
+        assert "could not be recorded" in str(e.value) and "\n" not in str(e.value)
+        cluster.core.delete_namespaced_config_map(RECORD_NAME, namespace)
+        assert held.id in leased(h, ctl, tok_a)
         idle = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
         # Grading: never paused, it stays a live sandbox of tenant a through the test.
         live = cl.acquire(IMAGE, job="crash", timeout_s=60, role="grading", **SIZE)
