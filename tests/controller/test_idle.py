@@ -1,6 +1,6 @@
 """The idle rule's pure parts (controller/idle.py): which sandboxes a tick asks, when one
 counts as idle or as used during its checkpoint, the back-off, the bounded record of paused
-ids, and the wire's SandboxPaused. The whole path runs on the bed
+ids, a pause whose record fails, and the wire's SandboxPaused. The whole path runs on the bed
 (test_checkpoint_on_testbed.py, the idle pause)."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ from types import SimpleNamespace
 import pytest
 
 from controller import idle as I
+from controller import paused as P
 from controller.books import State
 from controller.errors import CheckpointFailed
 from controller.settings import Settings
 from sandman import api, contract
 from sandman.client import errors
+from tests.controller.fakekube import FakeKube, Fault
 
 CK = "team-a." + "ab" * 32
 
@@ -185,3 +187,15 @@ def test_a_busy_or_recent_sandbox_is_not_checkpointed():
         e.job, e.name = "team-a/j", "pod-a"
         r, ctl, released = rule(e, FakeExecd([answer]))
         assert tick(r) == 0 and ctl.checkpoints.calls == 0 and released == []
+
+
+def test_a_pause_whose_record_fails_leaves_it_leased_and_backs_off():
+    e = entry("sbx-a")
+    e.job, e.name = "team-a.j", "pod-a"
+    kube = FakeKube()
+    kube.faults.append(Fault("create_cm", "500"))
+    r, ctl, released = rule(e, FakeExecd([(120.0, 0)] * 4))
+    r.paused = P.Paused(kube=kube, tenants=True, scope="sbx")
+    assert tick(r) == 0 and released == [] and r.paused.get("sbx-a") is None
+    assert r.fails["sbx-a"] == 1 and r.retry_at["sbx-a"] > 0  # backed off, as a failed checkpoint
+    assert P.RECORD_NAME not in kube.config_maps
