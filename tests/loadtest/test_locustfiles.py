@@ -6,7 +6,6 @@ user counts."""
 from __future__ import annotations
 
 import json
-import socket
 import sys
 
 import pytest
@@ -14,7 +13,7 @@ import pytest
 from loadtest import report
 from loadtest.job import MASTER_PORT, render
 from testbed.controller import start_controller
-from testbed.procs import Proc
+from testbed.procs import Proc, reserve_port
 from testbed.stack import locust
 from testbed.standin import start_standin
 from testbed.webhook import registration, start_webhook, wait_webhook_active
@@ -212,12 +211,6 @@ def test_acquire_burst_in_groups(stack):
     assert s["leaked"] == [] and s["audit"].startswith("0 pod(s)")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_distributed_master_and_two_workers_as_the_job_renders_them(stack):
     """loadtest/job.py --workers 2: the master's and the workers' command lines as rendered,
     run here as local processes (kwok runs no container); only the in-cluster bits are swapped
@@ -237,7 +230,9 @@ def test_distributed_master_and_two_workers_as_the_job_renders_them(stack):
         assert c["command"] == ["python3", "-m", "loadtest"]
         return [sys.executable, "-m", "loadtest", *c["args"]]
 
-    port, csv = str(_free_port()), str(stack["tmp"] / "dist")
+    # locust's master takes its port on its command line: one outside the ephemeral range,
+    # held for this process (a bind(0)-and-close port goes back to the kernel).
+    port, csv = str(reserve_port()), str(stack["tmp"] / "dist")
     local = {"in-cluster": stack["kc"], "/tmp/loadtest/run": csv, f"{name}-master": "127.0.0.1",
              str(MASTER_PORT): port}
     master_cmd = [local.get(a, a) for a in cmd(jobs[name])] + ["--master-bind-host",
