@@ -42,7 +42,7 @@ ENTRIES: dict[str, tuple[str, str]] = {
     "testbed.kind_up": ("testbed.kind_up", "main"),
     **{f"bench.{b}": (f"bench.{b}", "main")
        for b in ("controller", "execd", "fork", "loadtest", "minisweagent", "netguard", "realnode",
-                 "replay", "reuse", "swerex", "trees", "webhook", "group")},
+                 "replay", "reuse", "swerex", "trees", "webhook", "group", "warmburst")},
 }
 # Entry points that read their argv by hand and take no flag at all.
 NO_FLAGS = {"execd.install"}  # python3 -m execd.install DIR
