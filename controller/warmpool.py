@@ -14,6 +14,7 @@ tick on the pool's injected clock, so the sizing is deterministic given that clo
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
 import time
@@ -35,6 +36,12 @@ from controller.settings import Settings
 from sandman import contract, logs
 
 S = State
+# A burst of hand-outs and their pool's refills meet at the same API server: the hand-outs are
+# callers waiting now, the refills the pool's next callers (seconds away: a create, a start).
+# So a hand-out's refill waits while other hand-outs of its pool are in flight, at most
+# REFILL_DEFER_S; a lone hand-out refills at once, as before.
+REFILL_DEFER_S = 2.0
+REFILL_POLL_S = 0.02
 log = logging.getLogger("controller.warmpool")
 
 
@@ -47,6 +54,7 @@ class Pool:
     warm: list[Entry] = field(default_factory=list)  # WARM or PARKED, oldest first
     building: int = 0  # warm builds whose owner task runs
     checking: int = 0  # taken for an acquire, being checked and patched (CHECKING)
+    refill_waiting: bool = False  # a refill waits for this pool's hand-outs in flight
 
 
 class WarmPool:
@@ -176,6 +184,27 @@ class WarmPool:
             # The pool's, not the request's that set it off: its lines carry no request id.
             logs.unbound(self.spawn, self._build(spec, pool), "warm-build")
 
+    def refill(self, spec: SandboxSpec, pool: Pool) -> None:
+        """fill() after a hand-out: at once when no other hand-out of the pool is in flight,
+        else once none is (at most REFILL_DEFER_S later; one waiting refill per pool)."""
+        if pool.checking == 0:
+            self.fill(spec)
+            return
+        if pool.refill_waiting:
+            return
+        pool.refill_waiting = True
+
+        async def later() -> None:
+            deadline = time.monotonic() + REFILL_DEFER_S
+            try:
+                while pool.checking > 0 and time.monotonic() < deadline:
+                    await asyncio.sleep(REFILL_POLL_S)
+            finally:
+                pool.refill_waiting = False
+                self.fill(spec)
+
+        logs.unbound(self.spawn, later(), "warm-refill")
+
     async def _build(self, spec: SandboxSpec, pool: Pool) -> None:
         token, token_sha = token_pair()
         e = self.books.add(Entry(new_name("warm"), spec, POOL_JOB, secrets.token_hex(8), token,
@@ -219,7 +248,7 @@ class WarmPool:
                 raise
             finally:
                 if pool.target > 0:
-                    self.fill(spec)  # the replacement goes through the same bucket
+                    self.refill(spec, pool)  # the replacement goes through the same bucket
             if got is not None:
                 return got
         return None
