@@ -143,6 +143,9 @@ class Entry:
     _stage: State = State.QUEUED  # written only by Books.move
     uid: str | None = None
     ip: str | None = None
+    # The pod's annotation, for an entry found without its token (a restart): a holder's
+    # token that hashes to it is learned back (Controller.prove).
+    token_sha256: str | None = None
     slot: Slot | None = None
     warm_build: bool = False  # created for a pool, not for a caller
     handed: asyncio.Future | None = None  # the caller's answer; None for warm builds
@@ -218,7 +221,8 @@ class Books:
         labels = P.labels(pod)
         e = Entry(P.name(pod), P.spec_of(pod), labels.get(contract.LABEL_JOB, POOL_JOB),
                   labels.get(contract.LABEL_NONCE, ""), None, uid=P.uid(pod),
-                  ip=P.pod_ip(pod), slot=slot, _stage=stage)
+                  ip=P.pod_ip(pod), slot=slot, _stage=stage,
+                  token_sha256=P.annotation(pod, contract.ANNOTATION_TOKEN_SHA256))
         # The lease survives a restart or a new leader: it is read back from the pod.
         e.lifetime, e.expires_at = P.lifetime(pod), P.expires_at(pod)
         return self.add(e)

@@ -13,6 +13,8 @@ work (docs/controller.md, "Module map"):
 from __future__ import annotations
 
 import asyncio
+import hashlib
+import hmac
 import logging
 import secrets
 import time
@@ -246,6 +248,21 @@ class Controller:
         return await self.requests.once(
             "acquire", order.job, order.request_id, order.spec, lambda: self._acquire(order),
             lambda lease: self.leased(lease["id"]))
+
+    def prove(self, e: Entry, tokens: dict[str, str] | None) -> None:
+        """Learn back a sandbox's execd token from its holder after a restart: the token the
+        caller sent for `e` is kept when its SHA-256 is the pod's annotation (constant-time
+        compare). A known token is never replaced; a wrong one changes nothing (the call then
+        fails as it would without it). Never an authorization: the route checked the
+        caller's rights on `e` first."""
+        given = (tokens or {}).get(e.id)
+        if e.token or not given or not e.token_sha256 or e.stage is not S.LEASED:
+            return
+        if hmac.compare_digest(hashlib.sha256(given.encode()).hexdigest(),
+                               e.token_sha256.lower()):
+            e.token = given
+            log.info("sandbox %s: execd token learned back from its holder", e.id,
+                     extra=self.books.fields(e))
 
     def leased(self, sid: str) -> bool:
         """Is sandbox `sid` handed out (an earlier answer still good for a retry)?"""

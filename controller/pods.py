@@ -88,7 +88,9 @@ def slim_pod(pod: dict) -> dict:
                                      "creationTimestamp", "deletionTimestamp") if k in meta}
     lease = {k: v for k, v in (meta.get("annotations") or {}).items()
              if k in LEASE_ANNOTATIONS or k in (contract.ANNOTATION_PROOF,
-                                                 contract.ANNOTATION_EGRESS_ALLOW)}
+                                                 contract.ANNOTATION_EGRESS_ALLOW,
+                                                 # a restarted leader checks a holder's token
+                                                 contract.ANNOTATION_TOKEN_SHA256)}
     if lease:
         out_meta["annotations"] = lease
     out_c = {k: c[k] for k in ("name", "image", "workingDir") if k in c}

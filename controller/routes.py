@@ -264,6 +264,10 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
                 # owner's lifetime.
                 raise A.Forbidden(f"{who.username} may not renew sandbox {id} "
                                   "(another tenant's)")
+        if body is not None and body.tokens:
+            cur = c.get(id)
+            if cur is not None:  # its tenant checked above
+                c.prove(cur, body.tokens)
         e = await c.renew(id, body.lifetime_s if body else None)
         if e is None:
             return _err(api.SANDBOX_GONE, f"no handed-out sandbox {id} (released, drained or "
@@ -284,6 +288,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             return _err(api.SANDBOX_GONE, f"no sandbox {id}")
         if auth.enabled and not await may_see(who, A.CREATE, e):
             raise A.Forbidden(f"{who.username} may not fork sandbox {id} (another tenant's)")
+        c.prove(e, body.tokens)
         # Scoped to the caller as an acquire's: nobody else's replay finds these children.
         rid = None if body.request_id is None else f"{who.key}:{body.request_id}"
 
@@ -372,6 +377,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             entries = c.checkpoints.of_job(A.scoped_job(tenant, body.job))
         else:
             entries = [await checkpointable(who, c, sid, "checkpoint") for sid in body.ids or ()]
+        for e in entries:  # each of the caller's tenant (checked above)
+            c.prove(e, body.tokens)
 
         async def nothing(_r) -> None:
             return None  # a set nobody got the id of expires with its TTL
@@ -388,6 +395,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         who = await caller(request)
         c = ctl()
         e = await checkpointable(who, c, id, "pause")
+        c.prove(e, body.tokens if body else None)
 
         async def keep(_r) -> None:
             return None  # the caller never got the id: the sandbox stays leased, not lost

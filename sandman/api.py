@@ -456,9 +456,11 @@ class RenewRequest(_Model):
     lifetime the sandbox was acquired or last renewed with), bounded by the controller's max."""
 
     lifetime_s: float | None = None
+    tokens: dict[str, str] | None = None  # {id: its execd token}: see MAX_TOKEN_LEN
 
     def __post_init__(self) -> None:
         _check_lifetime(self.lifetime_s)
+        _check_tokens(self.tokens)
 
 
 @dataclass(frozen=True, **_KW_ONLY)
@@ -476,6 +478,20 @@ class ShadowReport(_Model):
 # Children per fork: every one is a pod made through the pacer and holds a copy of the
 # parent's changes; a search wider than this forks in several calls.
 MAX_FORK = 64
+# A sandbox's execd token as its holder has it: a controller that restarted since the hand-out
+# learns it back (its SHA-256 is on the pod) from the first holder call that carries it, to
+# fork, checkpoint, pause or watch the sandbox for idleness (docs/controller.md "Tokens after a
+# restart"). Never an authorization: the caller's rights are checked as before.
+MAX_TOKEN_LEN = 256
+
+
+def _check_tokens(tokens: Any) -> None:
+    _check(tokens is None or (
+        isinstance(tokens, dict) and len(tokens) <= MAX_CHECKPOINT
+        and all(isinstance(k, str) and 0 < len(k) <= 253 and isinstance(v, str)
+                and 0 < len(v) <= MAX_TOKEN_LEN for k, v in tokens.items())),
+        f"tokens: at most {MAX_CHECKPOINT} sandbox ids, each with its token "
+        f"(1 to {MAX_TOKEN_LEN} characters)")
 
 
 @dataclass(frozen=True, **_KW_ONLY)
@@ -488,8 +504,10 @@ class ForkRequest(_Model):
     n: int
     request_id: str | None = None
     timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+    tokens: dict[str, str] | None = None  # {id: its execd token}: see MAX_TOKEN_LEN
 
     def __post_init__(self) -> None:
+        _check_tokens(self.tokens)
         _check(not isinstance(self.n, bool) and isinstance(self.n, int)
                and 1 <= self.n <= MAX_FORK, f"n: must be an integer 1 to {MAX_FORK}")
         _check(not isinstance(self.timeout_s, bool) and isinstance(self.timeout_s, (int, float))
@@ -522,8 +540,10 @@ class CheckpointRequest(_Model):
     ids: list[str] | None = None
     namespace: str | None = None
     timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
+    tokens: dict[str, str] | None = None  # {id: its execd token}: see MAX_TOKEN_LEN
 
     def __post_init__(self) -> None:
+        _check_tokens(self.tokens)
         _check((self.job is None) != (self.ids is None), "job or ids: exactly one of the two")
         if self.job is not None:
             _check(isinstance(self.job, str) and bool(self.job), "job: must not be empty")
@@ -543,9 +563,11 @@ class RestoreRequest(_Model):
 
     timeout_s: float = DEFAULT_ACQUIRE_TIMEOUT_S
     request_id: str | None = None
+    tokens: dict[str, str] | None = None  # a pause's: {id: its execd token} (MAX_TOKEN_LEN)
 
     def __post_init__(self) -> None:
         _check_timeout(self.timeout_s)
+        _check_tokens(self.tokens)
         _check(self.request_id is None or (isinstance(self.request_id, str)
                                            and 0 < len(self.request_id) <= MAX_REQUEST_ID_LEN),
                f"request_id: must be 1 to {MAX_REQUEST_ID_LEN} characters")

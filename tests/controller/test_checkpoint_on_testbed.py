@@ -482,3 +482,27 @@ def test_a_caller_that_leaves_mid_restore_leaves_no_sandbox(cluster, namespace, 
         assert unowned(cluster.core, namespace, ctl.url, pods) == []
         for name in live(cluster, namespace) - pods:
             assert not (standin.workdir / name / "work").exists(), name
+
+
+@pytest.mark.parametrize("bed", [("--lease-duration", "3", "--lease-renew", "1")],
+                         indirect=True)
+def test_after_a_controller_crash_the_holder_still_checkpoints_and_pauses(cluster, namespace,
+                                                                          bed):
+    """As fork (test_fork_on_testbed.py): the new leader learns each token back from the
+    holder's call, checkpoint by ids and by job, and pause; a caller without the tokens is
+    refused as before."""
+    ctl, standin, _, _ = bed
+    with Client(ctl.url) as cl:
+        a = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        b = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        a.exec("printf kept > marker")
+        ctl.kill()
+        ctl.start(timeout=30)
+        r = httpx.post(ctl.url + api.CHECKPOINT.path, json={"job": "crash"}, timeout=60)
+        assert r.status_code == 502 and "token" in r.json()["error"]["message"], r.text
+        assert cl.checkpoint(job="crash", timeout_s=60).id  # the SDK sends both tokens
+        handle = a.pause(timeout_s=60)
+        back = cl.resume(handle, timeout_s=60)
+        assert back.exec("cat marker").output == "kept"
+        for sb in (back, b):
+            sb.release()

@@ -338,3 +338,32 @@ def test_the_async_twin_forks_too(cluster, namespace, bed):
             await parent.release()
 
     asyncio.run(run())
+
+
+@pytest.mark.parametrize("bed", [("--lease-duration", "3", "--lease-renew", "1")],
+                         indirect=True)
+def test_after_a_controller_crash_the_holder_still_forks(cluster, namespace, bed):
+    """A new leader has no sandbox's execd token (only its SHA-256, on the pod): it learns it
+    back from the holder's next call that carries it (the SDK sends the tokens it holds), and
+    from nothing else: no token, a wrong one or another sandbox's is refused as before.
+    Checkpoint and pause: test_checkpoint_on_testbed.py."""
+    ctl, standin, _ = bed
+    with Client(ctl.url) as cl:
+        parent = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        other = cl.acquire(IMAGE, job="crash", timeout_s=60, **SIZE)
+        parent.exec("printf kept > marker")
+        ctl.kill()  # a crash: the tokens were in the leader's memory only
+        ctl.start(timeout=30)
+        fork = ctl.url + api.FORK.url(id=parent.id)
+        wrong = "A" * len(parent._token)
+        for body in ({"n": 1}, {"n": 1, "tokens": {parent.id: wrong}},
+                     {"n": 1, "tokens": {other.id: other._token}}):  # another sandbox's
+            r = httpx.post(fork, json=body, timeout=60)
+            assert r.status_code == 502 and "token" in r.json()["error"]["message"], r.text
+        r = httpx.post(fork, json={"n": 1, "tokens": {parent.id: "x" * 300}}, timeout=60)
+        assert r.status_code == 422 and "tokens:" in r.text, r.text
+
+        kid, = parent.fork(1, timeout_s=60)  # its holder: the SDK sends the token it holds
+        assert (standin.workdir / kid.pod / "marker").read_bytes() == b"kept"
+        for sb in (kid, parent, other):
+            sb.release()

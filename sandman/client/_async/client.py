@@ -229,7 +229,8 @@ class AsyncClient:
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(api.ForkRequest, n=n, timeout_s=timeout_s,
-                             request_id=_core.new_request_id())
+                             request_id=_core.new_request_id(),
+                             tokens=self._tokens([sandbox_id]))
         if True:  # ASYNC
             task = _core.keep(asyncio.ensure_future(self._fork(sandbox_id, body, renew, job)))
             try:
@@ -326,7 +327,9 @@ class AsyncClient:
         in `ids` is refused (BadRequest), a job's are left out."""
         body = _core.request(api.CheckpointRequest, job=job,
                              ids=None if ids is None else list(ids), namespace=namespace,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s,
+                             tokens=self._tokens(ids) if ids is not None
+                             else self._tokens(None, job=job))
         resp = await self._send(api.CHECKPOINT, json=body.to_json(),
                                 read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         try:
@@ -396,7 +399,8 @@ class AsyncClient:
         return await self._pause(sandbox_id, timeout_s)
 
     async def _pause(self, sandbox_id: str, timeout_s: float) -> api.Checkpointed:
-        body = _core.request(api.RestoreRequest, timeout_s=timeout_s)
+        body = _core.request(api.RestoreRequest, timeout_s=timeout_s,
+                             tokens=self._tokens([sandbox_id]))
         resp = await self._send(api.PAUSE, id=_check_id(sandbox_id), json=body.to_json(),
                                 read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         self._forget(sandbox_id)
@@ -454,7 +458,8 @@ class AsyncClient:
     async def renew(self, sandbox_id: str, lifetime_s: float | None = None) -> SandboxInfo:
         """Push a sandbox's expiry to now + `lifetime_s` (None: its current lifetime).
         SandboxGone when it was released, drained or expired."""
-        body = _core.request(api.RenewRequest, lifetime_s=lifetime_s)
+        body = _core.request(api.RenewRequest, lifetime_s=lifetime_s,
+                             tokens=self._tokens([sandbox_id]))
         resp = await self._send(api.RENEW, id=_check_id(sandbox_id), json=body.to_json(),
                                 read_s=self._timeout_s)
         return SandboxInfo.from_json(_core.decode_json(resp, "renew"))
@@ -535,6 +540,19 @@ class AsyncClient:
         tenant, creates in flight, live pods, the pacing rate, warm pools."""
         resp = await self._send(api.STATS, read_s=self._timeout_s)
         return Stats.from_json(_core.decode_json(resp, "stats"))
+
+    def _tokens(self, ids: Sequence[str] | None, *,
+                job: str | None = None) -> dict[str, str] | None:
+        """The execd tokens of the sandboxes named (or of `job`'s) that this client holds: a
+        controller that restarted since their hand-out learns them back from these (its
+        fork, checkpoint, pause and idle rule need them). None when it holds none."""
+        with self._lock:
+            live = dict(self._live)
+        if ids is not None:
+            got = {i: live[i]._token for i in ids if i in live}
+        else:
+            got = {i: sb._token for i, sb in live.items() if sb.job == job}
+        return dict(list(got.items())[:api.MAX_CHECKPOINT]) or None
 
     def _forget(self, sandbox_id: str | None) -> None:
         with self._lock:

@@ -201,7 +201,8 @@ class Client:
         if self._closed:
             raise SandmanError("client is closed")
         body = _core.request(api.ForkRequest, n=n, timeout_s=timeout_s,
-                             request_id=_core.new_request_id())
+                             request_id=_core.new_request_id(),
+                             tokens=self._tokens([sandbox_id]))
         return self._fork(sandbox_id, body, renew, job)
 
     def _fork(self, sandbox_id: str, body: api.ForkRequest, renew: bool,
@@ -263,7 +264,9 @@ class Client:
         in `ids` is refused (BadRequest), a job's are left out."""
         body = _core.request(api.CheckpointRequest, job=job,
                              ids=None if ids is None else list(ids), namespace=namespace,
-                             timeout_s=timeout_s)
+                             timeout_s=timeout_s,
+                             tokens=self._tokens(ids) if ids is not None
+                             else self._tokens(None, job=job))
         resp = self._send(api.CHECKPOINT, json=body.to_json(),
                           read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         try:
@@ -324,7 +327,8 @@ class Client:
         return self._pause(sandbox_id, timeout_s)
 
     def _pause(self, sandbox_id: str, timeout_s: float) -> api.Checkpointed:
-        body = _core.request(api.RestoreRequest, timeout_s=timeout_s)
+        body = _core.request(api.RestoreRequest, timeout_s=timeout_s,
+                             tokens=self._tokens([sandbox_id]))
         resp = self._send(api.PAUSE, id=_check_id(sandbox_id), json=body.to_json(),
                           read_s=float(timeout_s) + _core.ACQUIRE_ANSWER_GRACE_S)
         self._forget(sandbox_id)
@@ -382,7 +386,8 @@ class Client:
     def renew(self, sandbox_id: str, lifetime_s: float | None = None) -> SandboxInfo:
         """Push a sandbox's expiry to now + `lifetime_s` (None: its current lifetime).
         SandboxGone when it was released, drained or expired."""
-        body = _core.request(api.RenewRequest, lifetime_s=lifetime_s)
+        body = _core.request(api.RenewRequest, lifetime_s=lifetime_s,
+                             tokens=self._tokens([sandbox_id]))
         resp = self._send(api.RENEW, id=_check_id(sandbox_id), json=body.to_json(),
                           read_s=self._timeout_s)
         return SandboxInfo.from_json(_core.decode_json(resp, "renew"))
@@ -463,6 +468,19 @@ class Client:
         tenant, creates in flight, live pods, the pacing rate, warm pools."""
         resp = self._send(api.STATS, read_s=self._timeout_s)
         return Stats.from_json(_core.decode_json(resp, "stats"))
+
+    def _tokens(self, ids: Sequence[str] | None, *,
+                job: str | None = None) -> dict[str, str] | None:
+        """The execd tokens of the sandboxes named (or of `job`'s) that this client holds: a
+        controller that restarted since their hand-out learns them back from these (its
+        fork, checkpoint, pause and idle rule need them). None when it holds none."""
+        with self._lock:
+            live = dict(self._live)
+        if ids is not None:
+            got = {i: live[i]._token for i in ids if i in live}
+        else:
+            got = {i: sb._token for i, sb in live.items() if sb.job == job}
+        return dict(list(got.items())[:api.MAX_CHECKPOINT]) or None
 
     def _forget(self, sandbox_id: str | None) -> None:
         with self._lock:
