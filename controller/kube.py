@@ -25,6 +25,8 @@ from kubernetes.watch.watch import iter_resp_lines
 from controller.pods import slim_pod
 from sandman import contract
 
+# Pods per page of the sweep's list (list_pods_slim).
+LIST_PAGE = 500
 log = logging.getLogger("controller.kube")
 
 # Answers after which the API server may or may not have stored the object.
@@ -74,6 +76,10 @@ class Kube(Protocol):
     async def delete_pod(self, name: str, uid: str | None) -> dict: ...
 
     async def list_pods(self, selector: str) -> list[dict]: ...
+
+    async def list_pods_slim(self, selector: str) -> list[dict]:
+        """Every pod matching `selector` as `pods.slim_pod` copies (the sweep's read)."""
+        ...
 
     async def list_nodes(self, selector: str) -> list[dict]:
         """Nodes matching a label selector (the image pre-pull's node pool)."""
@@ -152,6 +158,29 @@ class KubeClient:
     async def list_pods(self, selector: str) -> list[dict]:
         return (await self._raw(self.core.list_namespaced_pod, self.ns,
                                 label_selector=selector))["items"]
+
+    async def list_pods_slim(self, selector: str) -> list[dict]:
+        """Read LIST_PAGE pods at a time, each page decoded and slimmed in a pool thread: one
+        list of thousands of whole pods held the GIL while json.loads ran (~0.7 s at 2,800
+        pods, measured) and every hand-out waited behind it; between pages the loop runs."""
+        out: list[dict] = []
+        token: str | None = None
+        loop = asyncio.get_running_loop()
+        while True:
+            def page(token: str | None = token) -> tuple[list[dict], str | None]:
+                kw: dict[str, Any] = {"label_selector": selector, "limit": LIST_PAGE,
+                                      "_preload_content": False,
+                                      "_request_timeout": self.timeout}
+                if token:
+                    kw["_continue"] = token
+                body = json.loads(self.core.list_namespaced_pod(self.ns, **kw).data)  # type: ignore[attr-defined]
+                return ([slim_pod(p) for p in body.get("items") or ()],
+                        (body.get("metadata") or {}).get("continue") or None)
+
+            items, token = await loop.run_in_executor(self._pool, page)
+            out += items
+            if not token:
+                return out
 
     async def list_nodes(self, selector: str) -> list[dict]:
         return (await self._raw(self.core.list_node, label_selector=selector))["items"]

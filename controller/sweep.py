@@ -101,7 +101,7 @@ class Sweeper:
     async def sweep(self) -> int:
         """Delete the controller's pods that nothing owns (the paper had no such sweep)."""
         sel = f"{contract.LABEL_MANAGED_BY}={contract.MANAGED_BY_CONTROLLER}"
-        pods = await self.kube.list_pods(sel)
+        pods = await self.kube.list_pods_slim(sel)
         seen = set()
         n = 0
         now = time.time()

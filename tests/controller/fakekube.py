@@ -212,6 +212,11 @@ class FakeKube:
                 if (p["metadata"].get("labels") or {}).get(k) == v
                 or not eq and k in (p["metadata"].get("labels") or {})]
 
+    async def list_pods_slim(self, selector: str) -> list[dict]:
+        from controller.pods import slim_pod
+
+        return [slim_pod(p) for p in await self.list_pods(selector)]
+
     async def list_nodes(self, selector: str) -> list[dict]:
         return copy.deepcopy(self.nodes)
 
