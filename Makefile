@@ -8,7 +8,7 @@ PYTEST_ARGS ?=
 
 .PHONY: help deps sysdeps gotoolchain kubeconform helm helm-docs jaeger lock kind-up kind-down lint check test test-windows-full demo-grading testbed-build testbed-up testbed-down \
         testbed-status e2e bench-execd bench-swerex bench-minisweagent bench-reuse bench-netguard bench-webhook bench-controller clean \
-        frameworks-venv swerex-tests demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork bench-warm
+        frameworks-venv swerex-tests demo bench-loadtest bench-realnode bench-trees bench-replay bench-group bench-fork bench-warmburst
 
 help:  ## list targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | sed 's/:.*## /\t/'
@@ -201,7 +201,7 @@ bench-fork: deps testbed-build  ## fork to 8 from a warm pool vs a warm acquire 
 bench-group: deps testbed-build  ## one group acquire of N vs N parallel acquires: calls, time to the last sandbox, pacing
 	$(VPY) -m bench.group --write-docs
 
-bench-warm: deps testbed-build  ## warm acquires as agent-sandbox publishes them: 300 at once, 45/s for 60 s (docs/benchmarks.md)
+bench-warmburst: deps testbed-build  ## warm acquires as agent-sandbox publishes them: 300 at once, 45/s for 60 s (docs/benchmarks.md)
 	$(VPY) -m bench.warmburst --write-docs
 
 SHAPE ?= burst64

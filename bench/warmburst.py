@@ -136,7 +136,7 @@ def measure(cluster, workdir: Path, a: argparse.Namespace) -> dict:
     from testbed.controller import ControllerProc
 
     load0 = docs.load1()
-    ns = cluster.new_namespace("bench-warm")
+    ns = cluster.new_namespace("bench-warmburst")
     need = max(a.burst, int(a.rate_per_s * a.seconds))
     ctl = None
     res: dict = {}
@@ -167,7 +167,7 @@ def run_bed(a: argparse.Namespace) -> dict:
     from testbed.cluster import Cluster, Testbed, default_state_dir
 
     if a.kubeconfig:
-        with tempfile.TemporaryDirectory(prefix="sandman-bench-warm-") as tmp:
+        with tempfile.TemporaryDirectory(prefix="sandman-bench-warmburst-") as tmp:
             return measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a)
     state = default_state_dir("bench-warmburst")
     tb = Testbed(state, nodes=4)

@@ -128,7 +128,8 @@ def test_nothing_the_chart_or_image_runs_needs_testbed_or_bench():
     texts = [p for d in ("charts", "images") for p in (ROOT / d).rglob("*")
              if p.is_file() and p.suffix in ("", ".yaml", ".tpl", ".sh", ".py", ".txt")]
     bad = [f"{p.relative_to(ROOT)}: {m}" for p in texts
-           for m in re.findall(r"\b(?:testbed|bench)\.[a-z_]+\b|-m (?:testbed|bench)\b",
+           # a module (`testbed.cluster`), not a page (`docs/testbed.md` in a changelog text)
+           for m in re.findall(r"\b(?:testbed|bench)\.(?!md\b)[a-z_]+\b|-m (?:testbed|bench)\b",
                                p.read_text(errors="replace"))]
     assert not bad, bad
 

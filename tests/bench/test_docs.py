@@ -44,7 +44,7 @@ def test_rewriting_every_section_with_its_own_text_changes_nothing(tmp_path):
 
 
 BENCHES = ("execd", "swerex", "minisweagent", "reuse", "netguard", "webhook", "controller",
-           "loadtest", "realnode", "trees", "replay", "group", "fork")
+           "loadtest", "realnode", "trees", "replay", "group", "fork", "warmburst")
 
 
 def test_each_section_heading_names_its_command_and_percentiles_are_stated():

@@ -1,6 +1,6 @@
 """A hand-out's refill waits for its pool's other hand-outs in flight (controller/warmpool.py
 `refill`): in a burst, the refills' creates would otherwise meet the hand-outs' patches at the
-API server. The burst's figures are make bench-warm's; this pins the rule."""
+API server. The burst's figures are make bench-warmburst's; this pins the rule."""
 
 import asyncio
 
