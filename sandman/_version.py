@@ -3,4 +3,4 @@
 `sandman-client==` pin is checked against it (tests/test_distributions.py). Shipped by the
 client distribution; `sandman` is a namespace package (PEP 420) shared by both."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -203,7 +203,7 @@ def is_dns_subdomain(name: str) -> bool:
     return isinstance(name, str) and len(name) <= 253 and _fullmatch(_DNS_SUBDOMAIN, name)
 
 # The one sandman image: it carries netguard and the execd.py that the webhook copies into pods.
-SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.1.0"
+SANDMAN_IMAGE = "ghcr.io/sandman-dev/sandman:0.2.0"
 # Names the webhook (sandman/podspec.py) gives what it injects into a sandbox pod.
 NETGUARD_CONTAINER = "sandman-netguard"  # always initContainers[0] when present
 EXECD_INSTALL_CONTAINER = "sandman-execd-install"  # copies execd.py into SANDMAN_VOLUME

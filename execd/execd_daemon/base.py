@@ -19,7 +19,7 @@ except ImportError:
     from hmac import compare_digest  # noqa: F401
 
 
-VERSION = "0.1.0"
+VERSION = "0.2.0"
 
 # Copies of sandman/contract.py (execd cannot import it); a test keeps them equal.
 EXECD_PORT = 9470

@@ -1161,8 +1161,8 @@ def test_component_knobs_render_where_they_belong(helm):
         assert c["args"] == was["args"] + v["extraArgs"], comp
         assert c.get("env", []) == was.get("env", []) + v["extraEnv"], comp
         assert f"--image={contract.SANDMAN_IMAGE}" in c["args"], comp
-    assert _container(deps["webhook"])["image"] == "mirror.example.com/sandman/sandman:0.1.0"
-    assert _container(deps["controller"])["image"] == "ghcr.io/sandman-dev/sandman:0.1.0-debug"
+    assert _container(deps["webhook"])["image"] == "mirror.example.com/sandman/sandman:0.2.0"
+    assert _container(deps["controller"])["image"] == "ghcr.io/sandman-dev/sandman:0.2.0-debug"
     # The webhook keeps its anti-affinity beside the spread.
     assert deps["webhook"]["spec"]["template"]["spec"]["affinity"]["podAntiAffinity"]
     # The certificate pods (Job and CronJob): digest and pull policy of their own.
@@ -1185,7 +1185,7 @@ def test_component_knobs_render_where_they_belong(helm):
         c = _container(obj)
         assert c["args"] == was["args"] + values[comp]["extraArgs"], comp
         assert c["env"][-1] == values[comp]["extraEnv"][0], comp
-        assert c["image"] == "mirror.example.com/sandman/sandman:0.1.0", comp
+        assert c["image"] == "mirror.example.com/sandman/sandman:0.2.0", comp
     test_pod = _find(objs, "Pod", "-test")["metadata"]["annotations"]
     assert test_pod["helm.sh/hook"] == "test"
     assert test_pod["sidecar.istio.io/inject"] == "false"
@@ -1246,7 +1246,7 @@ def test_component_image_falls_back_to_the_global_image(helm):
     # A tag of its own: the global repository with it (the global digest is another image's).
     assert image(f"image.digest={digest}", "webhook.image.tag=0.2.0") == (
         "ghcr.io/sandman-dev/sandman:0.2.0", "IfNotPresent")
-    assert image("webhook.image.repository=r.example/s") == ("r.example/s:0.1.0",
+    assert image("webhook.image.repository=r.example/s") == ("r.example/s:0.2.0",
                                                                "IfNotPresent")
     assert image("webhook.image.repository=r.example/s", f"webhook.image.digest={digest}",
                  "webhook.image.tag=9", "webhook.image.pullPolicy=Never") == (

@@ -45,7 +45,7 @@
 {{- define "sandman.contract.ROLE_AGENT" -}}agent{{- end -}}
 {{- define "sandman.contract.ROLE_GRADING" -}}grading{{- end -}}
 {{- define "sandman.contract.SANDBOX_TRUE" -}}true{{- end -}}
-{{- define "sandman.contract.SANDMAN_IMAGE" -}}ghcr.io/sandman-dev/sandman:0.1.0{{- end -}}
+{{- define "sandman.contract.SANDMAN_IMAGE" -}}ghcr.io/sandman-dev/sandman:0.2.0{{- end -}}
 {{- define "sandman.contract.SANDMAN_VOLUME" -}}sandman{{- end -}}
 {{- define "sandman.contract.SHADOW_AGREE" -}}agree{{- end -}}
 {{- define "sandman.contract.SHADOW_CONTRADICT" -}}contradict{{- end -}}
