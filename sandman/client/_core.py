@@ -81,20 +81,35 @@ def report(hook: OnRequest | None, route: Route, start: float, resp: httpx.Respo
         log.exception("on_request hook failed for %s %s", route.kind, route.path)
 
 
+class Call:
+    """One logical call in flight (`call`): `done(resp)` reports its answer."""
+
+    def __init__(self, hook: OnRequest | None, route: Route, span: Any) -> None:
+        self.hook, self.route, self.span = hook, route, span
+        self.start = time.perf_counter()
+
+    def done(self, resp: httpx.Response) -> None:
+        report(self.hook, self.route, self.start, resp, None)
+        tracing.set_attributes(self.span, {"http.response.status_code": resp.status_code})
+        tracing.record_execd(self.span, resp.headers)  # execd's own time, when it says it
+
+
 @contextmanager
-def span(route: Route, service: str, sandbox_id: str | None) -> Iterator[Any]:
-    """One call's client span ("sandman ACQUIRE", "execd EXEC"), current while it is sent, so
-    its traceparent is what the controller or execd sees (sandman/tracing.py)."""
+def call(hook: OnRequest | None, route: Route, service: str,
+         sandbox_id: str | None) -> Iterator[Call]:
+    """One logical call (its retries included): its client span ("sandman ACQUIRE", "execd
+    EXEC") current while it is sent, so its traceparent is what the controller or execd sees
+    (sandman/tracing.py), and one report to `on_request`: the answer (`done`) or the
+    exception that left the block."""
     with tracing.span(f"{service} {route.kind}", "client", {
             "sandman.operation": route.kind, "http.request.method": route.method,
             "url.template": route.path, "sandman.sandbox_id": sandbox_id or None}) as s:
-        yield s
-
-
-def answered(s: Any, resp: httpx.Response) -> None:
-    """The answer's status, and execd's own time on the request when it says it."""
-    tracing.set_attributes(s, {"http.response.status_code": resp.status_code})
-    tracing.record_execd(s, resp.headers)
+        c = Call(hook, route, s)
+        try:
+            yield c
+        except Exception as e:
+            report(hook, route, c.start, None, e)
+            raise
 
 
 @functools.cache

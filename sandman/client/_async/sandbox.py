@@ -760,17 +760,11 @@ class AsyncSandbox:
                     attempts_out: list[int] | None = None) -> httpx.Response:
         """One logical call: bounded retries on transport errors, then the typed error;
         reported once to `on_request`."""
-        start = time.perf_counter()
-        with _core.span(route, "execd", self.id) as span:
-            try:
-                resp = await self._attempts(route, read_s=read_s, json=json, params=params,
-                                            request_id=request_id, retry_409=retry_409,
-                                            attempts_out=attempts_out)
-            except Exception as e:
-                _core.report(self._on_request, route, start, None, e)
-                raise
-            _core.report(self._on_request, route, start, resp, None)
-            _core.answered(span, resp)
+        with _core.call(self._on_request, route, "execd", self.id) as call:
+            resp = await self._attempts(route, read_s=read_s, json=json, params=params,
+                                        request_id=request_id, retry_409=retry_409,
+                                        attempts_out=attempts_out)
+            call.done(resp)
             return resp
 
     async def _attempts(self, route: Route, *, read_s: float, json: Any,

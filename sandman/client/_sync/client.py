@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
+import time  # noqa: F401 - the sync twin sleeps with time.sleep (tools/gen_sync.py)
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -491,16 +491,10 @@ class Client:
               **path_params: str) -> httpx.Response:
         """One call to the controller, with its retries; reported once to `on_request`."""
         path = route.url(**path_params)
-        start = time.perf_counter()
-        with _core.span(route, "sandman", path_params.get("id")) as span:
-            try:
-                resp = self._attempts(route.method, path, read_s=read_s, json=json,
-                                      params=params)
-            except Exception as e:
-                _core.report(self._on_request, route, start, None, e)
-                raise
-            _core.report(self._on_request, route, start, resp, None)
-            _core.answered(span, resp)
+        with _core.call(self._on_request, route, "sandman", path_params.get("id")) as call:
+            resp = self._attempts(route.method, path, read_s=read_s, json=json,
+                                  params=params)
+            call.done(resp)
             return resp
 
     def _attempts(self, method: str, path: str, *, read_s: float, json: Any,
