@@ -103,6 +103,15 @@ class IdleRule:
             except Exception as ex:  # noqa: BLE001 - the next tick tries again
                 log.warning("idle rule: %s", one_line(ex))
 
+    def _failed(self, sid: str) -> float:
+        """One more failed pause of `sid` (counted): the seconds before its next try."""
+        n = self.fails.get(sid, 0) + 1
+        self.fails[sid] = n
+        wait = backoff_s(self.after, n)
+        self.retry_at[sid] = time.monotonic() + wait
+        metrics.idle_paused("failed")
+        return wait
+
     def _forget_gone(self, now: float) -> None:
         live = {e.id for e in list(self.c.books.entries.values()) if pausable(e)}
         for d in (self.known, self.asked, self.retry_at, self.fails):
@@ -147,11 +156,7 @@ class IdleRule:
         try:
             ck = await self.c.checkpoints.checkpoint([e], PAUSE_TIMEOUT_S)
         except AcquireError as ex:
-            n = self.fails.get(sid, 0) + 1
-            self.fails[sid] = n
-            wait = backoff_s(self.after, n)
-            self.retry_at[sid] = time.monotonic() + wait
-            metrics.idle_paused("failed")
+            wait = self._failed(sid)
             log.warning("idle rule: sandbox %s (job %s) idle %.0fs, its checkpoint failed "
                         "(left leased, next try in %.0fs): %s", sid, e.job, idle, wait,
                         one_line(ex))
@@ -168,11 +173,7 @@ class IdleRule:
         try:
             await self.paused.record(sid, PausedSandbox(e.job, ck.id, until_of(ck.expires_at)))
         except Unrecorded as ex:
-            n = self.fails.get(sid, 0) + 1
-            self.fails[sid] = n
-            wait = backoff_s(self.after, n)
-            self.retry_at[sid] = time.monotonic() + wait
-            metrics.idle_paused("failed")
+            wait = self._failed(sid)
             log.warning("idle rule: sandbox %s (job %s) left leased (next try in %.0fs): "
                         "%s; its checkpoint %s is valid until its TTL", sid, e.job, wait,
                         ex, ck.id)
