@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import sys
-import tempfile
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -30,7 +29,7 @@ from pathlib import Path
 
 import httpx
 
-from bench import docs
+from bench import bed, docs
 from bench.stats import median, percentile
 from sandman.client import Client, Sandbox
 
@@ -118,19 +117,7 @@ def measure(cluster, workdir: Path, a: argparse.Namespace) -> dict:
 
 
 def run_bed(a: argparse.Namespace) -> dict:
-    from testbed.cluster import Cluster, Testbed, default_state_dir
-
-    if a.kubeconfig:
-        with tempfile.TemporaryDirectory(prefix="sandman-bench-group-") as tmp:
-            return measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a)
-    state = default_state_dir("bench-group")
-    tb = Testbed(state, nodes=2)
-    print(f"# starting the test bed in {state}", file=sys.stderr)
-    tb.start()
-    try:
-        return measure(Cluster.connect(tb.kubeconfig, tb), state, a)
-    finally:
-        tb.stop()
+    return bed.run("bench-group", 2, measure, a)
 
 
 def render(res: dict, a: argparse.Namespace, command: str) -> str:

@@ -24,13 +24,12 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
-import tempfile
 import time
 from pathlib import Path
 
 import httpx
 
-from bench import docs
+from bench import bed, docs
 from bench.stats import percentile
 from sandman import api
 
@@ -164,19 +163,7 @@ def measure(cluster, workdir: Path, a: argparse.Namespace) -> dict:
 
 
 def run_bed(a: argparse.Namespace) -> dict:
-    from testbed.cluster import Cluster, Testbed, default_state_dir
-
-    if a.kubeconfig:
-        with tempfile.TemporaryDirectory(prefix="sandman-bench-warmburst-") as tmp:
-            return measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a)
-    state = default_state_dir("bench-warmburst")
-    tb = Testbed(state, nodes=4)
-    print(f"# starting the test bed in {state}", file=sys.stderr)
-    tb.start()
-    try:
-        return measure(Cluster.connect(tb.kubeconfig, tb), state, a)
-    finally:
-        tb.stop()
+    return bed.run("bench-warmburst", 4, measure, a)
 
 
 def _row(what: str, r: dict, theirs: dict) -> str:
