@@ -161,8 +161,9 @@ class KubeClient:
 
     async def list_pods_slim(self, selector: str) -> list[dict]:
         """Read LIST_PAGE pods at a time, each page decoded and slimmed in a pool thread: one
-        list of thousands of whole pods held the GIL while json.loads ran (~0.7 s at 2,800
-        pods, measured) and every hand-out waited behind it; between pages the loop runs."""
+        list of thousands of whole pods held the GIL while json.loads ran, and every hand-out
+        waited behind it once per sweep (make bench-warmburst's p99); between pages the loop
+        runs."""
         out: list[dict] = []
         token: str | None = None
         loop = asyncio.get_running_loop()
