@@ -293,13 +293,18 @@ def test_another_tenant_cannot_fork_my_sandbox(tenants, authctl):
     ctl = authctl()
     r = acquire(ctl.url, tok_a, job="mine")
     assert r.status_code == 201, r.text
-    sid = r.json()["id"]
+    sid, token = r.json()["id"], r.json()["token"]
     with httpx.Client(verify=ctl.verify(), timeout=30) as h:
-        r = h.post(ctl.url + api.FORK.url(id=sid), json={"n": 1}, headers=bearer(tok_b))
-        assert r.status_code == 403, r.text
-        err = r.json()["error"]
-        assert err["type"] == api.FORBIDDEN.type and "\n" not in err["message"]
-        assert "another tenant" in err["message"]
+        # With or without A's very token (leaked to B): a token is learned back, never a right.
+        for extra in ({}, {"tokens": {sid: token}}):
+            for route in (api.FORK, api.PAUSE):
+                body = {"n": 1} if route is api.FORK else {}
+                r = h.post(ctl.url + route.url(id=sid), json={**body, **extra},
+                           headers=bearer(tok_b))
+                assert r.status_code == 403, r.text
+                err = r.json()["error"]
+                assert err["type"] == api.FORBIDDEN.type and "\n" not in err["message"]
+                assert "another tenant" in err["message"]
         r = h.post(ctl.url + api.FORK.url(id=sid), json={"n": 0}, headers=bearer(tok_a))
         assert r.status_code == 422 and "n:" in r.json()["error"]["message"]
         r = h.delete(ctl.url + api.RELEASE.url(id=sid), headers=bearer(tok_a))
