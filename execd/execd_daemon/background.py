@@ -10,7 +10,7 @@ import time
 
 from .base import _ENV_NAME, PIPE_SIZE, SHELL_STARTUP_VARS, TAG_VAR, now, sh_quote
 from .children import ChildTable, reply_output
-from .procs import all_pids, exit_code_of, proc_tag, process_tree
+from .procs import all_pids, exit_code_of, freeze, proc_tag, process_tree
 from .wire import HTTPError, still_authorized, wire_uint
 
 # sb.spawn(): commands that run beside the shell, each with a handle (an id) the SDK can
@@ -274,6 +274,12 @@ class Background(ChildTable):
         else:
             raise HTTPError(400, "signal must be a name (TERM, KILL...) or a number in 1..64")
         rounds = 20 if num == signal.SIGKILL else 1  # a tree may fork while it is killed
+        if num == signal.SIGKILL:
+            # Stopped first, all of it (as kill_sandbox does), so none acts on another's death
+            # before its own: a `wait` whose children died first exited 0, not 137. Under the
+            # reaper's lock an unreaped leader is still this process.
+            with self.d.reaper.lock:
+                freeze(lambda: self._tree(p) | ({p.pid} if p.status is None else set()))
         sent = set()
         for _ in range(rounds):
             pids = self._tree(p)

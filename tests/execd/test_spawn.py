@@ -367,3 +367,19 @@ def test_one_byte_writes_do_not_multiply_the_ring(execd):
     for p in ps:
         obj, data = output(execd, p["id"])
         assert data == b"x" * RING and obj["start"] == 1500000 - RING
+
+
+def test_a_killed_tree_acts_on_none_of_its_members_deaths(execd, tmp_path):
+    """SIGKILL to a spawn: the leader must not outlive its children long enough to act on
+    their deaths (`wait -n` wakes on the first; `:>` needs no fork). Killed one by one, a child
+    killed before the leader let it write `acted` (and a plain `wait` exit 0, not 137): the
+    whole tree is stopped first."""
+    for i in range(12):
+        acted = tmp_path / f"acted-{i}"
+        p = spawn(execd, "for i in $(seq 24); do sleep 300 & done; echo forked; "
+                         f"wait -n; : > {acted}; wait")
+        assert wait_for(lambda p=p: b"forked" in output(execd, p["id"])[1], 10)
+        r = execd.post("/processes/signal", {"id": p["id"], "signal": "KILL"})
+        assert r.status_code == 200 and r.json()["signalled"] >= 25, r.text
+        assert wait(execd, p["id"])["exit_code"] == 137
+        assert not acted.exists(), f"round {i}: the leader acted on a child's death"
