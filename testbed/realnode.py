@@ -368,7 +368,11 @@ def _owner_alive(rec: dict) -> bool:
 # --- cleanup: works from the fixed names and the record, on a live or crashed node ----------
 
 def _kubepods_cgroups() -> list[Path]:
-    return [m / "kubepods" for m in _cgroup_mounts() if (m / "kubepods").is_dir()]
+    """The pods' cgroups of both nodes: kubelet's default root, and the second node's."""
+    from testbed import secondnode
+
+    return [m / d for m in _cgroup_mounts() for d in ("kubepods", secondnode.CGROUP)
+            if (m / d).is_dir()]
 
 
 def _cgroup_pids(root: Path) -> list[int]:
@@ -451,6 +455,9 @@ def _iptables_leftovers() -> list[str]:
 
 
 def _network_down() -> None:
+    from testbed import secondnode
+
+    secondnode.network_down()  # its rules and guard entries first: they name our table and chain
     for prio in RULE_PRIORITIES:
         while _quiet(["ip", "rule", "del", "priority", str(prio)]) == 0:
             pass
@@ -573,6 +580,9 @@ def leftovers(rec: dict | None = None, machine: bool = True) -> list[str]:
     if rec.get("state_dir"):
         found += [f"mount {m}" for m in _mounts_under(Path(rec["state_dir"]))]
     found += [f"link {n}" for n in (BRIDGE, NODE_LINK, NODE_PEER, OUT_LINK) if _link_exists(n)]
+    from testbed import secondnode
+
+    found += [x for x in secondnode.leftovers() if not x.startswith("cgroup ")]  # cgroups above
     if OUTSIDE_NETNS in _netns_names():
         found.append(f"netns {OUTSIDE_NETNS}")
     for r in _ip_json("rule"):
@@ -648,7 +658,10 @@ def claim_machine(rec: dict, wait: float = 0.0) -> None:
             json.dump(rec, f, indent=1)
         break
     # Holding the slot, anything with a fixed name is a leftover of a run that lost its record.
-    if any(_link_exists(n) for n in (BRIDGE, NODE_LINK, OUT_LINK)) or OUTSIDE_NETNS in _netns_names():
+    from testbed import secondnode
+
+    if (any(_link_exists(n) for n in (BRIDGE, NODE_LINK, OUT_LINK)) or OUTSIDE_NETNS in _netns_names()
+            or secondnode.leftovers()):
         cleanup({}, machine=True)
 
 
@@ -658,6 +671,12 @@ class RealNode:
     """The real node of one Testbed. `prepare()` runs before the API server starts (it needs
     the node IP to listen on), `start()` after the control plane is up, `stop()` first on the
     way down. Use through `Testbed(..., real_node=True)`."""
+
+    # What a second node (testbed/secondnode.py) names differently.
+    name = NODE_NAME
+    bridge = BRIDGE
+    cni_network = CNI_NETWORK
+    cgroup_root: str | None = None  # kubelet's default, "/": pods under /kubepods
 
     def __init__(self, tb: Testbed, owner_pid: int | None = None, wait: float = 0.0) -> None:
         self.tb = tb
@@ -669,6 +688,7 @@ class RealNode:
         self.ports: dict[str, int] = {}
         self.bins: dict[str, Path] = {}
         self.images: list[str] = []
+        self.image_names: list[str] = []  # testbed.images' short names of `images`
         self.timings: dict[str, float] = {}
 
     # Paths and addresses ------------------------------------------------------------------
@@ -888,7 +908,7 @@ class RealNode:
         return path
 
     def _node_ready(self) -> bool:
-        node = self.tb.request("GET", f"/api/v1/nodes/{NODE_NAME}")
+        node = self.tb.request("GET", f"/api/v1/nodes/{self.name}")
         return any(c["type"] == "Ready" and c["status"] == "True"
                    for c in node.get("status", {}).get("conditions", []))
 
@@ -944,9 +964,9 @@ class RealNode:
         cni = self.dir / "cni"
         (cni / "net.d").mkdir(parents=True, exist_ok=True)
         (cni / "net.d" / "10-sandman.conflist").write_text(json.dumps({
-            "cniVersion": "1.0.0", "name": CNI_NETWORK,
+            "cniVersion": "1.0.0", "name": self.cni_network,
             "plugins": [{
-                "type": "bridge", "bridge": BRIDGE, "isGateway": True, "hairpinMode": True,
+                "type": "bridge", "bridge": self.bridge, "isGateway": True, "hairpinMode": True,
                 # No masquerade: pod traffic keeps its source and goes only where the pods'
                 # routing table allows (pods, the fake outside).
                 "ipMasq": False,
@@ -1028,7 +1048,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "volumePluginDir": str(self.dir / "volume-plugins"),
             # Tainted only beside kwok nodes, to keep their pods off; in a bed with no kwok
             # node every pod is meant to run for real (sandboxes carry no toleration).
-            "registerWithTaints": [TAINT] if self.tb.nodes > 0 else [],
+            "registerWithTaints": self.taints(),
             "failSwapOn": False,
             # Images cannot be pulled again here: never garbage-collect them.
             "imageGCHighThresholdPercent": 100, "imageGCLowThresholdPercent": 99,
@@ -1038,16 +1058,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             "shutdownGracePeriod": "0s", "shutdownGracePeriodCriticalPods": "0s",
             "nodeStatusUpdateFrequency": "5s", "syncFrequency": "10s",
         }
+        if self.cgroup_root:
+            cfg["cgroupRoot"] = self.cgroup_root
         path = self.dir / "kubelet-config.json"
         path.write_text(json.dumps(cfg, indent=1))
         return path
+
+    def taints(self) -> list[dict]:
+        return [dict(TAINT)] if self.tb.nodes > 0 else []
 
     def _kube_proxy_config(self, kubeconfig: Path) -> Path:
         cfg = {
             "apiVersion": "kubeproxy.config.k8s.io/v1alpha1", "kind": "KubeProxyConfiguration",
             "clientConnection": {"kubeconfig": str(kubeconfig)},
             "mode": "iptables",  # no IPVS in this kernel
-            "hostnameOverride": NODE_NAME, "bindAddress": self.node_ip,
+            "hostnameOverride": self.name, "bindAddress": self.node_ip,
             "healthzBindAddress": f"{self.node_ip}:{self.ports['kube-proxy-healthz']}",
             "metricsBindAddress": f"127.0.0.1:{self.ports['kube-proxy-metrics']}",
             "clusterCIDR": self.pod_cidr, "detectLocalMode": "ClusterCIDR",
@@ -1114,6 +1139,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
                                     f"{self.tb.logs / 'containerd.log'}") from None
             if ref not in self.images:
                 self.images.append(ref)
+                self.image_names.append(name)
             refs.append(ref)
         return refs
 
