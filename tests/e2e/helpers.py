@@ -140,6 +140,7 @@ class E2E:
         self.cluster = cluster
         self.inst = inst
         self.rn = cluster.testbed.realnode
+        self.nodes: dict[str, object] = {}  # more real nodes by name (testbed/secondnode.py)
         self.install_error: str | None = None
 
     @property
@@ -225,9 +226,15 @@ class E2E:
         return self.core.read_namespaced_pod(name, ns).status.pod_ip
 
     # --- inside a pod ---------------------------------------------------------------------
+    def node_of(self, ns: str, name: str):
+        """The real node (testbed RealNode) a pod runs on."""
+        if not self.nodes:
+            return self.rn
+        return self.nodes.get(self.core.read_namespaced_pod(name, ns).spec.node_name, self.rn)
+
     def netns(self, ns: str, name: str, argv: list[str], timeout: float = 60
               ) -> subprocess.CompletedProcess:
-        return self.rn.in_pod_netns(ns, name, argv, timeout=timeout)
+        return self.node_of(ns, name).in_pod_netns(ns, name, argv, timeout=timeout)
 
     def probe(self, ns: str, name: str, *args: str) -> Probe:
         """One probe (tests/e2e/probe.py) from inside the pod's network namespace."""
