@@ -135,6 +135,11 @@ class ReplayKube:
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         return []
 
+    async def read_node(self, name: str) -> dict | None:
+        # Every replayed node is up: no lease is ever lost to one.
+        return {"metadata": {"name": name},
+                "status": {"conditions": [{"type": "Ready", "status": "True"}]}}
+
     async def pod_event(self, pod: dict, reason: str, message: str) -> None:
         return None
 

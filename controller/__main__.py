@@ -188,6 +188,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="pause (checkpoint, then release) a handed-out agent sandbox whose "
                         "holder made no execd call for SECONDS; 0: off (needs "
                         "--checkpoint-registry)")
+    s.add_argument("--node-lost-after", type=float, default=Settings.node_lost_after,
+                   metavar="SECONDS",
+                   help="end a handed-out sandbox, with a reason, once its Node has been "
+                        "not Ready for SECONDS (one whose Node is deleted: at once); 0: only "
+                        "deleted Nodes (default %(default)g)")
     s.add_argument("--tls-cert-file", default=None,
                    help="PEM serving certificate: the API is served over https; the file is "
                         "re-read when it changes (a renewed Secret), no restart")
@@ -289,6 +294,7 @@ def settings_from(args: argparse.Namespace) -> Settings:
         checkpoint_ttl=args.checkpoint_ttl, checkpoint_max_bytes=args.checkpoint_max_bytes,
         checkpoint_sweep_interval=args.checkpoint_sweep_interval,
         pause_idle_after=args.pause_idle_after,
+        node_lost_after=args.node_lost_after,
         policy=SandboxPolicy(image=args.image, guard=args.guard,
                              ingress_from=tuple(args.ingress_from or ("0.0.0.0/0",)),
                              # The pods this replica builds admit its execd check's source.

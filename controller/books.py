@@ -17,6 +17,7 @@ import logging
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from controller import metrics
 from controller import pods as P
@@ -24,6 +25,9 @@ from controller.auth import split_job
 from controller.pacer import Slot
 from controller.pods import SandboxSpec
 from sandman import contract
+
+if TYPE_CHECKING:
+    from controller.lost import Ending
 
 log = logging.getLogger("controller.books")
 
@@ -166,6 +170,9 @@ class Entry:
     # The tenant whose grading ran in it last (None: unscoped): a reused pod goes back only to
     # that tenant's gradings, never across tenants.
     reuse_tenant: str | None = None
+    # Why it ended under its holder (pod deleted by another party, failed, node lost),
+    # set before it goes; kept past GONE in the controller's record (controller/lost.py).
+    lost: Ending | None = None
 
     @property
     def stage(self) -> State:

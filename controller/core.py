@@ -21,6 +21,7 @@ import time
 from dataclasses import replace
 
 from controller import auth as A
+from controller import lost as L
 from controller import metrics, tracing
 from controller import pods as P
 from controller.books import (
@@ -99,6 +100,11 @@ class Controller:
         self.paused = Paused(kube=kube, tenants=settings.tenants, key=settings.books_key,
                              scope=settings.namespace)
         self.idle = IdleRule(self)
+        # Why handed-out sandboxes ended under their holders, and the nodes of leased pods
+        # that are not Ready (controller/lost.py).
+        self.lost = L.LostRecord()
+        self.nodes = L.Nodes(self.books, lambda name: self.kube.read_node(name), self._end_lost,
+                             settings.node_lost_after)
         self._event_watches: list = []
         self.ready = False
         self._tasks: set[asyncio.Task] = set()
@@ -135,7 +141,8 @@ class Controller:
                     loop.create_task(self.sweeper.loop(), name="sweep"),
                     loop.create_task(self.prepull.run(), name="prepull"),
                     loop.create_task(self.checkpoints.loop(), name="checkpoint-sweep"),
-                    loop.create_task(self.idle.loop(), name="idle-rule")]
+                    loop.create_task(self.idle.loop(), name="idle-rule"),
+                    loop.create_task(self.nodes.loop(), name="node-check")]
         self.ready = True
 
     async def _load_paused(self) -> None:
@@ -179,9 +186,37 @@ class Controller:
         if kind == "SYNC":
             self.sweeper.rebuild(obj)
             return
+        self._leased_pod(kind, obj)
         late = self.books.observe(kind, obj)
         if late is not None and self.sweeper.mine(late):  # a create we had given up on was stored after all
             self.pipeline.adopt_for_delete(late, "late create")
+
+    def _leased_pod(self, kind: str, pod: dict) -> None:
+        """A handed-out sandbox's pod changed: deleted by another party (its reason is kept
+        once the books call it gone), ended (Failed/Succeeded: it never runs again, so the
+        lease ends), or not Ready (its node is read: controller/lost.py)."""
+        e = self.books.entries.get(P.name(pod))
+        if e is None or e.stage is not S.LEASED or (e.uid and e.uid != P.uid(pod)):
+            return
+        node = self.nodes.down(P.node_name(pod))
+        if kind == "DELETED":
+            e.lost = L.deleted_while_leased(pod, node)
+        elif (pod.get("status") or {}).get("phase") in ("Failed", "Succeeded"):
+            self._end_lost(e, L.ended_while_leased(pod, node))
+        elif not P.is_ready(pod):
+            self.nodes.poke()
+
+    def _end_lost(self, e: Entry, ending: L.Ending) -> None:
+        """End a lease under its holder (its pod failed, its node was lost): the pod is
+        deleted and the reason kept for its holder's next call."""
+        if e.stage is not S.LEASED:
+            return
+        e.lost = ending
+        log.warning("sandbox %s lost: %s", e.id, ending.why, extra=self.books.fields(e))
+        self.pipeline.delete(e, f"lost: {ending.why}")
+        pod = self.books.pods.get(e.name) or {"metadata": {"name": e.name, "uid": e.uid}}
+        self._spawn(self.kube.pod_event(pod, "SandboxLost", f"sandman ended the lease: "
+                                        f"{ending.why}"), f"event-{e.name}")
 
     def _moved(self, e: Entry, old: State | None, new: State) -> None:
         self.warm.moved(e, old, new)
@@ -189,6 +224,9 @@ class Controller:
             self.signals.remember(e.uid, e.spec.role)
         if new in TERMINAL:
             metrics.LIVE.set(self.pacer.live)
+            if e.lost is not None and new is S.GONE:
+                self.lost.add(e.id, e.job, e.lost)
+                metrics.lease_lost(e.lost.kind)
 
     async def _maintain(self) -> None:
         while True:
@@ -449,8 +487,20 @@ class Controller:
 
     # ---- release, drain, prewarm, sweep -----------------------------------------------------
     def get(self, sid: str) -> Entry | None:
+        """The sandbox `sid` unless it is gone, or lost and going (its reason: `ended`)."""
         e = self.books.entries.get(sid)
-        return e if e and e.state != "gone" else None
+        if e is None or e.state == "gone" or (e.lost is not None and e.stage in ENDING):
+            return None
+        return e
+
+    def ended(self, sid: str) -> L.LostSandbox | None:
+        """Why the handed-out sandbox `sid` ended under its holder, while kept
+        (controller/lost.py); None when it did not (released, expired, never existed). The
+        caller's rights on the record's tenant are the route's to check."""
+        e = self.books.entries.get(sid)
+        if e is not None and e.lost is not None and e.stage in ENDING:
+            return L.LostSandbox(e.job, e.lost, time.time())
+        return self.lost.get(sid)
 
     async def release(self, sid: str) -> bool:
         e = self.books.entries.get(sid)

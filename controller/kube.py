@@ -85,6 +85,11 @@ class Kube(Protocol):
         """Nodes matching a label selector (the image pre-pull's node pool)."""
         ...
 
+    async def read_node(self, name: str) -> dict | None:
+        """The Node named `name`, None when there is none (a lost node's leases,
+        controller/lost.py)."""
+        ...
+
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         """The pod's last events as one line each; [] when they cannot be read."""
         ...
@@ -185,6 +190,12 @@ class KubeClient:
 
     async def list_nodes(self, selector: str) -> list[dict]:
         return (await self._raw(self.core.list_node, label_selector=selector))["items"]
+
+    async def read_node(self, name: str) -> dict | None:
+        # A list by name: the chart grants list on nodes, not get.
+        items = (await self._raw(self.core.list_node,
+                                 field_selector=f"metadata.name={name}"))["items"]
+        return items[0] if items else None
 
     async def create_config_map(self, body: dict) -> dict:
         return await self._raw(self.core.create_namespaced_config_map, self.ns, body)

@@ -43,6 +43,15 @@ EXPIRED = Counter("sandman_controller_expired_total",
                   "Handed-out sandboxes deleted because their lifetime ran out; renewed: "
                   "whether any renew had come (true: the renewing caller went away)",
                   ["renewed"])
+# Handed-out sandboxes that ended without their holder's release (controller/lost.py's
+# LOST_REASONS, checked equal in tests/controller/test_lost.py).
+LOST_REASONS = ("deleted", "evicted", "failed", "node_lost")
+LEASES_LOST = Counter("sandman_controller_leases_lost_total",
+                      "Handed-out sandboxes that ended without their holder's release, by "
+                      "reason: deleted by another party, evicted, failed, node_lost",
+                      ["reason"])
+for _r in LOST_REASONS:
+    LEASES_LOST.labels(_r)
 RENEWS = Counter("sandman_controller_renews_total", "Renew requests by result", ["result"])
 RENEW_RESULTS = ("ok", "gone", "refused", "failed")
 # Pods with the controller's labels it did not make (logged once, never touched).
@@ -312,6 +321,10 @@ def deleted(result: str) -> None:
 
 def expired(renewed: bool) -> None:
     EXPIRED.labels(_warm(renewed)).inc()
+
+
+def lease_lost(reason: str) -> None:
+    LEASES_LOST.labels(bounded(reason, LOST_REASONS)).inc()
 
 
 def renewed(result: str) -> None:

@@ -99,8 +99,13 @@ def slim_pod(pod: dict) -> dict:
         out_c["resources"] = {"requests": req}
     out_st = {k: st[k] for k in ("phase", "reason", "message", "podIP") if k in st}
     if st.get("conditions"):
-        out_st["conditions"] = [{"type": x.get("type"), "status": x.get("status")}
-                                for x in st["conditions"]]
+        # DisruptionTarget keeps its reason and message: why kube is deleting the pod
+        # (disruption(), the reason a lost lease reports).
+        out_st["conditions"] = [
+            {"type": x.get("type"), "status": x.get("status"),
+             **({k: x[k] for k in ("reason", "message") if k in x}
+                if x.get("type") == DISRUPTION_TARGET else {})}
+            for x in st["conditions"]]
     for key in ("containerStatuses", "initContainerStatuses"):
         kept = []
         for x in st.get(key) or []:
@@ -111,7 +116,10 @@ def slim_pod(pod: dict) -> dict:
                 kept.append({"name": x.get("name"), "state": {"running": {}}})  # started()
         if kept:
             out_st[key] = kept
-    return {"metadata": out_meta, "spec": {"containers": [out_c]}, "status": out_st}
+    out_spec: dict = {"containers": [out_c]}
+    if spec.get("nodeName"):
+        out_spec["nodeName"] = spec["nodeName"]  # node_name(): a lost node's leases
+    return {"metadata": out_meta, "spec": out_spec, "status": out_st}
 
 
 # ---- readers: pods travel as plain JSON dicts (see kube.KubeClient) ------------------------
@@ -171,6 +179,25 @@ def deleting(pod: dict) -> bool:
 
 def pod_ip(pod: dict) -> str | None:
     return (pod.get("status") or {}).get("podIP")
+
+
+def node_name(pod: dict) -> str | None:
+    """The node the scheduler bound the pod to (None: not bound yet)."""
+    return (pod.get("spec") or {}).get("nodeName") or None
+
+
+# The condition kube's own deleters (pod GC, the taint manager, the eviction API, the
+# scheduler's preemption, the kubelet) set on a pod before they delete it.
+DISRUPTION_TARGET = "DisruptionTarget"
+
+
+def disruption(pod: dict) -> tuple[str, str] | None:
+    """(reason, message) of the pod's DisruptionTarget condition, or None. Written by kube
+    components through the pods/status API, never by the pod's own processes."""
+    for c in (pod.get("status") or {}).get("conditions") or []:
+        if c.get("type") == DISRUPTION_TARGET and c.get("status") == "True":
+            return str(c.get("reason") or ""), str(c.get("message") or "")
+    return None
 
 
 def is_ready(pod: dict | None) -> bool:

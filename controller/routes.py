@@ -103,6 +103,24 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         raise SandboxPaused(f"sandbox {sid} was paused; checkpoint: {p.checkpoint} (resume "
                             "it from there)", p.checkpoint)
 
+    async def why_gone(who: A.Caller, verb: str, sid: str) -> str | None:
+        """Why the handed-out sandbox `sid` ended under its holder (controller/lost.py), for
+        a caller that may `verb` in its tenant; None otherwise (another tenant learns what an
+        unknown id gets)."""
+        c = state.get("controller")
+        lost = c.ended(sid) if c is not None and c.ready else None
+        if lost is None:
+            return None
+        tenant, _job = split(lost.job)
+        if auth.enabled and not await auth.allowed(who, verb, tenant or A.CLUSTER):
+            return None
+        return lost.ending.why
+
+    async def gone(who: A.Caller, verb: str, sid: str, plain: str) -> JSONResponse:
+        """SANDBOX_GONE: with its reason when it was lost and the caller may know it."""
+        why = await why_gone(who, verb, sid)
+        return _err(api.SANDBOX_GONE, f"sandbox {sid} is gone: {why}" if why else plain)
+
     async def may_see(who: A.Caller, verb: str, e) -> bool:
         tenant, _job = split(e.job)
         # Unscoped entries (the warm pool) belong to no tenant: cluster-wide rights only.
@@ -208,7 +226,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         await paused(who, A.GET, id)
         e = c.get(id)
         if e is None:
-            return _err(api.SANDBOX_GONE, f"no sandbox {id}")
+            return await gone(who, A.GET, id, f"no sandbox {id}")
         if not await may_see(who, A.GET, e):
             raise A.Forbidden(f"{who.username} may not get sandbox {id} (another tenant's)")
         return _view(c, e, split).to_json()
@@ -224,12 +242,13 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
             if e is None:
                 # Nothing to release; a caller without delete rights learns nothing either way.
                 await auth.require(who, A.DELETE, who.namespace or A.CLUSTER)
-                return api.Released(id, False).to_json()
+                return api.Released(id, False, lost=await why_gone(who, A.DELETE, id)).to_json()
             if not await may_see(who, A.DELETE, e):
                 raise A.Forbidden(f"{who.username} may not {verb} sandbox {id} "
                                   "(another tenant's)")
         released, reused = await act(c)
-        return api.Released(id, released, reused).to_json()
+        lost = None if released else await why_gone(who, A.DELETE, id)
+        return api.Released(id, released, reused, lost=lost).to_json()
 
     @app.delete(api.RELEASE.path)
     async def release(id: str, request: Request, reuse: bool = False):
@@ -270,8 +289,8 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
                 c.prove(cur, body.tokens)
         e = await c.renew(id, body.lifetime_s if body else None)
         if e is None:
-            return _err(api.SANDBOX_GONE, f"no handed-out sandbox {id} (released, drained or "
-                                          "expired)")
+            return await gone(who, A.UPDATE, id, f"no handed-out sandbox {id} (released, "
+                                                 "drained or expired)")
         return _view(c, e, split).to_json()
 
     @app.post(api.FORK.path, status_code=201)
@@ -285,7 +304,7 @@ def build_app(state: dict, auth: A.KubeAuth | A.NoAuth | None = None,
         if e is None:
             if auth.enabled:  # a caller without create rights learns nothing either way
                 await auth.require(who, A.CREATE, who.namespace or A.CLUSTER)
-            return _err(api.SANDBOX_GONE, f"no sandbox {id}")
+            return await gone(who, A.CREATE, id, f"no sandbox {id}")
         if auth.enabled and not await may_see(who, A.CREATE, e):
             raise A.Forbidden(f"{who.username} may not fork sandbox {id} (another tenant's)")
         c.prove(e, body.tokens)
@@ -584,10 +603,12 @@ def _lease(result: dict) -> api.Lease:
 
 
 def _view(c: Controller, e, split) -> api.SandboxView:
+    """`problem`: its node is down (controller/lost.py), read from the Node object only."""
     tenant, job = split(e.job)
     return api.SandboxView(id=e.id, pod=e.name, job=job, state=e.state, address=e.ip,
                            port=c.s.execd_port, image=e.spec.image, cpu=e.spec.cpu,
                            memory=e.spec.memory, egress=e.spec.egress, tenant=tenant,
                            egress_allow=list(e.spec.egress_allow) or None,
                            expires_at=iso_utc(e.expires_at) if e.expires_at else None,
-                           lifetime_s=e.lifetime if e.expires_at else None)
+                           lifetime_s=e.lifetime if e.expires_at else None,
+                           problem=c.nodes.problem(e))

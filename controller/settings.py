@@ -152,6 +152,12 @@ class Settings:
     # The idle rule (controller/idle.py): a handed-out agent sandbox with no holder call to
     # its execd for this many seconds is paused (checkpoint, then release). 0: off.
     pause_idle_after: float = 0.0
+    # A handed-out sandbox whose Node is not Ready this long (this controller's clock) is ended
+    # with a reason (controller/lost.py); one whose Node is deleted at once. 0: only then.
+    # 120 s: past a kubelet restart or a short partition (the node is already 40-50 s
+    # silent when it turns NotReady), well before kube's own eviction (300 s, and the pod then
+    # stays Terminating until the Node is deleted).
+    node_lost_after: float = 120.0
 
     # The API server's addresses (KUBERNETES_SERVICE_HOST): never in an allowlist, besides
     # the policy's egress_never (chart sandbox.egressNever) and sandman/egress.py's NEVER.
@@ -183,6 +189,8 @@ class Settings:
                                       or not self.snapshot_base):
             raise ValueError("pause_idle_after needs checkpoints (checkpoint_registry and "
                              "snapshot_base)")
+        if not self.node_lost_after >= 0:
+            raise ValueError("node_lost_after must be >= 0 (0: end leases only on deleted nodes)")
         if self.conditions_attempts < 1:
             raise ValueError("conditions_attempts must be >= 1")
         if not 0 < self.min_lifetime <= self.default_lifetime <= self.max_lifetime:

@@ -114,6 +114,9 @@ BAD_REQUEST = ErrorType(400, "BadRequest")  # refused by the controller's checks
 # the garbage collector would delete the sandbox at once, so the acquire is refused instead.
 BAD_OWNER = ErrorType(400, "BadOwner")
 INVALID_BODY = ErrorType(422, "BadRequest")  # refused by the body's validation: same type
+# No such sandbox (released, expired, never made). One that ended under its holder (its pod
+# deleted by another party, failed, its node lost) says why, in one line, to callers that
+# may see it: "sandbox ID is gone: its pod was deleted while leased (...)".
 SANDBOX_GONE = ErrorType(404, "SandboxGone")
 UNAUTHENTICATED = ErrorType(401, "Unauthenticated")  # no token, or one the API server refused
 FORBIDDEN = ErrorType(403, "Forbidden")  # the caller's RBAC does not allow it in that tenant
@@ -170,7 +173,8 @@ class _Model:
 # Fields added to the bodies after their first release, with their defaults: left out of a
 # body at their default, so this SDK still talks to a controller that predates them (it
 # refuses unknown fields), and a body that does not use them reads as it always did.
-_LATE_FIELDS: dict[str, Any] = {"ephemeral_storage": None, "gpu": 0, "egress_allow": None}
+_LATE_FIELDS: dict[str, Any] = {"ephemeral_storage": None, "gpu": 0, "egress_allow": None,
+                                "problem": None, "lost": None}
 
 
 def _drop_late_defaults(obj: Any) -> Any:
@@ -858,6 +862,10 @@ class SandboxView(_Model):
     # With egress deny: the allowlist (canonical entries); None: none. Last, so positional
     # use keeps its meaning; left out of the answer when None (older readers).
     egress_allow: list[str] | None = None
+    # One line when the controller knows the sandbox cannot work: its pod's Node is not Ready
+    # or deleted (naming the node, since when, and when the controller ends the lease); None
+    # when it knows of nothing wrong. Left out when None.
+    problem: str | None = None
 
     @classmethod
     def from_json(cls: type[_SandboxViewT], data: Any, **extra: Any) -> _SandboxViewT:
@@ -873,7 +881,8 @@ class SandboxView(_Model):
                    memory=_req(d, "memory", str, what), egress=_req(d, "egress", str, what),
                    expires_at=_opt(d, "expires_at", str, what),
                    lifetime_s=_opt(d, "lifetime_s", _NUM, what),
-                   tenant=_opt(d, "tenant", str, what), egress_allow=allow, **extra)
+                   tenant=_opt(d, "tenant", str, what), egress_allow=allow,
+                   problem=_opt(d, "problem", str, what), **extra)
 
 
 @dataclass(frozen=True)
@@ -893,6 +902,9 @@ class Released(_Model):
     id: str
     released: bool
     reused: bool = False
+    # Not released because it had ended under its holder: why (its pod deleted by another
+    # party, failed, its node lost), to a caller that may see it; left out when None.
+    lost: str | None = None
 
 
 # A subclass (the SDK's model, adding `raw`) reads itself with the same code.

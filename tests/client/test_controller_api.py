@@ -46,6 +46,9 @@ class StandIn:
     def get(self, sid: str) -> None:
         return None  # every lookup: no such sandbox
 
+    def ended(self, sid: str) -> None:
+        return None  # nor a lost one's reason
+
     async def release(self, sid: str) -> bool:
         return self.leased.pop(sid, None) is not None
 

@@ -220,6 +220,10 @@ class FakeKube:
     async def list_nodes(self, selector: str) -> list[dict]:
         return copy.deepcopy(self.nodes)
 
+    async def read_node(self, name: str) -> dict | None:
+        return next((copy.deepcopy(n) for n in self.nodes
+                     if (n.get("metadata") or {}).get("name") == name), None)
+
     async def pod_events(self, name: str, limit: int = 10) -> list[str]:
         return []
 

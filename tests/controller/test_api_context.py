@@ -48,6 +48,9 @@ class StandIn:
     def get(self, sid):
         return None
 
+    def ended(self, sid):
+        return None  # no lost sandbox's reason (controller/lost.py)
+
     async def release(self, sid):
         return False
 

@@ -54,6 +54,9 @@ class StandIn:
     def get(self, sid):
         return None
 
+    def ended(self, sid):
+        return None  # no lost sandbox's reason
+
     async def release(self, sid):
         return sid == "sb-1"
 

@@ -54,6 +54,11 @@ CASES = {
     "fatal-init": {"phase": "Pending", "initContainerStatuses": [
         {"name": "netguard", "state": {"waiting": {"reason": "InvalidImageName", "message": "x"}}}]},
     "failed": {"phase": "Failed", "reason": "Evicted", "message": "The node was low on memory."},
+    # Pod GC's mark before it deletes a pod whose Node is gone (a lost lease's reason).
+    "pod-gc": {"phase": "Failed", "conditions": [
+        {"type": "DisruptionTarget", "status": "True", "reason": "DeletionByPodGC",
+         "message": "PodGC: node no longer exists", "lastTransitionTime": "t"},
+        {"type": "Ready", "status": "False", "reason": "PodFailed"}]},
     "succeeded": {"phase": "Succeeded"},
 }
 
@@ -65,12 +70,14 @@ def test_every_reading_is_the_same_on_the_slim_copy(case):
     for read in (pods.name, pods.uid, pods.labels, pods.deleting, pods.pod_ip,
                  pods.is_ready, pods.started, pods.failure, pods.spec_of,
                  lambda p: pods.age(p, 1.8e9),
-                 pods.expires_at, pods.lifetime):
+                 pods.expires_at, pods.lifetime, pods.node_name, pods.disruption):
         assert read(slim) == read(full), read.__name__
     assert pods.meta(slim)["creationTimestamp"] == pods.meta(full)["creationTimestamp"]
     # The cases do reach the interesting answers, so equality above is not None == None.
     assert (pods.failure(slim) is not None) == (case.startswith("fatal") or case in (
-        "failed", "succeeded"))
+        "failed", "succeeded", "pod-gc"))
+    assert pods.node_name(slim) == "kwok-node-1"
+    assert (pods.disruption(slim) is not None) == (case == "pod-gc")
     assert pods.is_ready(slim) == (case == "ready")
     assert pods.started(slim) == (case in ("ready", "not-ready"))
 

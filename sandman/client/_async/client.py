@@ -450,8 +450,10 @@ class AsyncClient:
         self._forget(sandbox_id)
         released = isinstance(data, dict) and data.get("released") is True
         reused = isinstance(data, dict) and data.get("reused") is True
+        lost = data.get("lost") if isinstance(data, dict) else None
         log.info("sandbox %s %s", sandbox_id,
                  ("released for reuse" if reused else "released") if released
+                 else f"was already gone: {lost}" if isinstance(lost, str)
                  else "was already released")
         return released, reused
 

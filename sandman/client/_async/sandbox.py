@@ -52,6 +52,7 @@ from sandman.client.models import (
     ProcessOutput,
     ProcessStatus,
     ResetResult,
+    SandboxInfo,
     SessionOutput,
     SessionStatus,
     State,
@@ -477,10 +478,11 @@ class AsyncSandbox:
                         raise
                     await asyncio.sleep(delay)
                 except httpx.TransportError as e:
-                    await self._check_gone(path)
+                    says = _says(await self._check_gone(path))
                     raise SandboxUnreachable(
                         f"sandbox {self.id or self.url}: {path} cut after {size} bytes "
-                        f"({type(e).__name__}: {e}); the command may still be running") from e
+                        f"({type(e).__name__}: {e}); the command may still be running"
+                        f"{says}") from e
             if result is None:
                 raise ProtocolError(f"{path}: the stream ended without a result")
         except GeneratorExit:
@@ -809,17 +811,18 @@ class AsyncSandbox:
         return resp
 
     async def _unreachable(self, route: str, err: BaseException, n: int) -> None:
-        await self._check_gone(route)
+        says = _says(await self._check_gone(route))
         raise SandboxUnreachable(f"sandbox {self.id or self.url}: {route} got no answer after "
-                                 f"{n} attempts: {type(err).__name__}: {err}") from err
+                                 f"{n} attempts: {type(err).__name__}: {err}{says}") from err
 
-    async def _check_gone(self, route: str) -> None:
+    async def _check_gone(self, route: str) -> SandboxInfo | None:
         """execd did not answer, or answered as someone else's (a reused pod address): ask the
-        controller whether the sandbox still exists."""
+        controller whether the sandbox still exists. Its view when it does (its `problem`
+        says why execd cannot be reached, when the controller knows: a node down)."""
         if self._client is None or self.id is None:
-            return
+            return None
         try:
-            await self._client.get(self.id)
+            return await self._client.get(self.id)
         except SandboxPaused as e:
             # The controller's idle rule paused it: the caller resumes from e.handle.
             self._gone = True
@@ -829,10 +832,18 @@ class AsyncSandbox:
         except SandboxGone as e:
             self._gone = True
             self._client._forget(self.id)
-            raise SandboxGone(f"sandbox {self.id} no longer exists ({route}): {e.message}",
+            # The controller's "sandbox ID is gone: <why>" (a lost sandbox) reads as one line.
+            why = e.message.replace(f"sandbox {self.id} is gone: ", "", 1)
+            raise SandboxGone(f"sandbox {self.id} no longer exists ({route}): {why}",
                               status=e.status, type=e.type) from e
         except SandmanError as e:
             log.info("sandbox %s: controller check failed: %s", self.id, e)
+        return None
+
+
+def _says(info: SandboxInfo | None) -> str:
+    """The controller's reason a sandbox cannot be reached, for a SandboxUnreachable."""
+    return f"; the controller says: {info.problem}" if info is not None and info.problem else ""
 
 
 class AsyncProcess:

@@ -53,6 +53,7 @@ from sandman.client.models import (
     ProcessOutput,
     ProcessStatus,
     ResetResult,
+    SandboxInfo,
     SessionOutput,
     SessionStatus,
     State,
@@ -451,10 +452,11 @@ class Sandbox:
                         raise
                     time.sleep(delay)
                 except httpx.TransportError as e:
-                    self._check_gone(path)
+                    says = _says(self._check_gone(path))
                     raise SandboxUnreachable(
                         f"sandbox {self.id or self.url}: {path} cut after {size} bytes "
-                        f"({type(e).__name__}: {e}); the command may still be running") from e
+                        f"({type(e).__name__}: {e}); the command may still be running"
+                        f"{says}") from e
             if result is None:
                 raise ProtocolError(f"{path}: the stream ended without a result")
         except GeneratorExit:
@@ -776,17 +778,18 @@ class Sandbox:
         return resp
 
     def _unreachable(self, route: str, err: BaseException, n: int) -> None:
-        self._check_gone(route)
+        says = _says(self._check_gone(route))
         raise SandboxUnreachable(f"sandbox {self.id or self.url}: {route} got no answer after "
-                                 f"{n} attempts: {type(err).__name__}: {err}") from err
+                                 f"{n} attempts: {type(err).__name__}: {err}{says}") from err
 
-    def _check_gone(self, route: str) -> None:
+    def _check_gone(self, route: str) -> SandboxInfo | None:
         """execd did not answer, or answered as someone else's (a reused pod address): ask the
-        controller whether the sandbox still exists."""
+        controller whether the sandbox still exists. Its view when it does (its `problem`
+        says why execd cannot be reached, when the controller knows: a node down)."""
         if self._client is None or self.id is None:
-            return
+            return None
         try:
-            self._client.get(self.id)
+            return self._client.get(self.id)
         except SandboxPaused as e:
             # The controller's idle rule paused it: the caller resumes from e.handle.
             self._gone = True
@@ -796,10 +799,18 @@ class Sandbox:
         except SandboxGone as e:
             self._gone = True
             self._client._forget(self.id)
-            raise SandboxGone(f"sandbox {self.id} no longer exists ({route}): {e.message}",
+            # The controller's "sandbox ID is gone: <why>" (a lost sandbox) reads as one line.
+            why = e.message.replace(f"sandbox {self.id} is gone: ", "", 1)
+            raise SandboxGone(f"sandbox {self.id} no longer exists ({route}): {why}",
                               status=e.status, type=e.type) from e
         except SandmanError as e:
             log.info("sandbox %s: controller check failed: %s", self.id, e)
+        return None
+
+
+def _says(info: SandboxInfo | None) -> str:
+    """The controller's reason a sandbox cannot be reached, for a SandboxUnreachable."""
+    return f"; the controller says: {info.problem}" if info is not None and info.problem else ""
 
 
 class Process:
