@@ -65,6 +65,7 @@ def test_a_leased_pod_deleted_by_another_party_is_gone_with_its_reason(cluster, 
         with Client(ctl.url, retry=FAST) as cl:
             sb = cl.acquire(IMAGE, job="lost", **SIZE)
             kept = cl.acquire(IMAGE, job="lost", **SIZE)
+            evicted = cl.acquire(IMAGE, job="lost", **SIZE)
             assert sb.exec("echo hi").output == "hi\n"
             # Another party (an admin's `kubectl delete`, an eviction): not the holder's release.
             cluster.core.delete_namespaced_pod(sb.pod, namespace)
@@ -87,7 +88,16 @@ def test_a_leased_pod_deleted_by_another_party_is_gone_with_its_reason(cluster, 
                 f"no sandbox {kept.id}"
             r = httpx.delete(ctl.url + api.RELEASE.url(id=kept.id), timeout=10)
             assert "lost" not in r.json(), r.text
+            # Its kubelet evicts a pod (kwok plays no kubelet: the test writes what it would):
+            # a Failed pod never runs again, so the lease ends at once, with the reason.
+            cluster.core.patch_namespaced_pod_status(evicted.pod, namespace, {"status": {
+                "phase": "Failed", "reason": "Evicted",
+                "message": "The node was low on resource: memory."}})
+            said = _until("the evicted one gone", 30, lambda: _gone(cl, evicted.id))
+            assert said == (f"sandbox {evicted.id} is gone: its pod ended while leased (phase "
+                            "Failed: Evicted: The node was low on resource: memory.)"), said
         assert _lost_count(ctl.url, "deleted") == 1
+        assert _lost_count(ctl.url, "evicted") == 1
         _until("nothing live", 20, lambda: httpx.get(
             ctl.url + api.STATS.path, timeout=10).json()["live"] == 0)
         _until("no pods left", 20, lambda: not pods(cluster.core, namespace))
