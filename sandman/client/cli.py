@@ -533,6 +533,28 @@ def _raise_signalled(signum: int, frame: Any) -> None:
     raise _Signalled(signum)
 
 
+class _Resized:
+    """SIGWINCH's handler and the flag it raises for the shell's loop. The handler only stores
+    an attribute: CPython runs handlers in the main thread between any two bytecodes, inside
+    the previous SIGWINCH's handler too, so one that takes a lock (threading.Event.set does)
+    deadlocks on a SIGWINCH that comes while that lock is held, and the session's output stops
+    for good. A terminal sends them in bursts while its window is dragged."""
+
+    def __init__(self) -> None:
+        self.flag = False
+
+    def __call__(self, signum: int, frame: Any) -> None:
+        self.flag = True
+
+    def take(self) -> bool:
+        """Whether a SIGWINCH came since the last take. Read the size after this: one that
+        comes after the flag is lowered raises it again."""
+        if not self.flag:
+            return False
+        self.flag = False
+        return True
+
+
 def cmd_shell(args: argparse.Namespace) -> int:
     import termios
     import tty
@@ -540,19 +562,20 @@ def cmd_shell(args: argparse.Namespace) -> int:
     if not (os.isatty(0) and os.isatty(1)):
         raise CliError("shell: stdin and stdout must be a terminal (for a command without "
                        "one: sandman exec ID -- COMMAND)", EXIT_USAGE)
-    cols, rows = os.get_terminal_size(1)
     env = {"TERM": os.environ.get("TERM") or "xterm-256color"}
     sb = _connect(args.id)
     saved = termios.tcgetattr(0)
     old_handlers: dict[signal.Signals, Any] = {}
-    resized = threading.Event()
+    resized = _Resized()
     done = threading.Event()
     session = None
     try:
+        # Listening before the size is read: a resize while the session opens is the loop's
+        # to send (SIGWINCH's default is to ignore it).
+        old_handlers[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, resized)
+        cols, rows = os.get_terminal_size(1)
         live = session = sb.session(_line(args.command) if args.command else "bash",
                                     env=env, cols=max(1, cols), rows=max(1, rows))
-        old_handlers[signal.SIGWINCH] = signal.signal(signal.SIGWINCH,
-                                                      lambda *_: resized.set())
         for signum in (signal.SIGTERM, signal.SIGHUP):
             old_handlers[signum] = signal.signal(signum, _raise_signalled)
         tty.setraw(0)
@@ -577,8 +600,7 @@ def cmd_shell(args: argparse.Namespace) -> int:
         filt = None if args.raw else TerminalFilter()
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         while not done.is_set():
-            if resized.is_set():
-                resized.clear()
+            if resized.take():
                 c, r = os.get_terminal_size(1)
                 live.resize(max(1, c), max(1, r))
             out = live.read(timeout=0.25)

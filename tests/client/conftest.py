@@ -117,7 +117,9 @@ class CutProxy:
     """Forwards 127.0.0.1:port to execd. `plan` entries are consumed by matching requests:
     ("after_answer", path): execd answers, the proxy drops the answer and both connections;
     ("before_answer", path): the proxy drops the client as soon as the request is forwarded;
-    ("corrupt", path): one byte of the answer's body is flipped."""
+    ("corrupt", path): one byte of the answer's body is flipped;
+    ("hold", path): execd answers, the proxy sets `holding` and keeps the answer until
+    `release` is set (for what a caller does while it waits)."""
 
     def __init__(self, upstream_port: int) -> None:
         self.upstream = (LOOPBACK, upstream_port)
@@ -131,6 +133,8 @@ class CutProxy:
         self._srv.listen(64)
         self.port = self._srv.getsockname()[1]
         self._stop = threading.Event()
+        self.holding = threading.Event()
+        self.release = threading.Event()
         self._threads: list[threading.Thread] = []
         t = threading.Thread(target=self._accept, daemon=True)
         t.start()
@@ -187,6 +191,9 @@ class CutProxy:
                     return
                 if action == "after_answer":
                     return
+                if action == "hold":
+                    self.holding.set()
+                    self.release.wait(60)
                 if action == "corrupt":
                     head_end = resp.index(b"\r\n\r\n") + 4
                     if len(resp) > head_end:
@@ -209,6 +216,7 @@ class CutProxy:
 
     def close(self) -> None:
         self._stop.set()
+        self.release.set()
         self._srv.close()
         for t in self._threads:
             t.join(5)

@@ -25,6 +25,7 @@ import pytest
 from sandman.client import cli
 from sandman.client import errors as E
 from sandman.client.models import Lease
+from sandman.execd_api import SESSION_OPEN
 
 REPO = Path(__file__).resolve().parents[2]
 SID = "0123456789abcdef"
@@ -32,14 +33,14 @@ SID = "0123456789abcdef"
 ATTACK = r"printf '\033]52;c;cm0gLXJmIH4K\007\033]0;pwned\007\033[2Jafter\n'"
 
 
-@pytest.fixture
-def env(execd, tmp_path):
+def _env(execd, tmp_path: Path, port: int) -> dict[str, str]:
+    """The CLI's environment, with a lease for SID at execd's token and `port` (execd's, or a
+    proxy's in front of it)."""
     leases = tmp_path / "leases"
     os.environ[cli.ENV_LEASE_DIR] = str(leases)
     try:
         cli.save_lease(Lease.from_json({"id": SID, "pod": "sbx-cli", "address": execd.address,
-                                        "port": execd.port, "token": execd.token,
-                                        "warm": False}))
+                                        "port": port, "token": execd.token, "warm": False}))
     finally:
         del os.environ[cli.ENV_LEASE_DIR]
     home = tmp_path / "home"
@@ -48,6 +49,11 @@ def env(execd, tmp_path):
          "SANDMAN_URL": "http://127.0.0.1:9"}
     e.pop("SANDMAN_TOKEN_FILE", None)
     return e
+
+
+@pytest.fixture
+def env(execd, tmp_path):
+    return _env(execd, tmp_path, execd.port)
 
 
 def sandman(env, *argv: str, timeout: float = 60) -> subprocess.CompletedProcess:
@@ -202,6 +208,28 @@ def _stacks(pid: int, master: int) -> str:
     return got.decode(errors="replace")[-4000:]
 
 
+def _sized(pid: int, master: int, rows: int, cols: int) -> None:
+    """`stty size` in the sandbox says rows x cols within 10 s (asked again each second)."""
+    deadline = time.monotonic() + 10
+    while True:
+        os.write(master, b"stty size\r")
+        try:
+            _read_until(master, rb"%d %d" % (rows, cols), timeout=1)
+            return
+        except AssertionError:
+            if time.monotonic() >= deadline:
+                raise AssertionError("the resize never arrived; the CLI's stacks:\n"
+                                     + _stacks(pid, master)) from None
+
+
+def _kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    except (ProcessLookupError, ChildProcessError):
+        pass
+
+
 def test_shell_is_a_terminal_in_the_sandbox(env):
     pid, master = _pty_run({**env, "PYTHONFAULTHANDLER": "1"}, "shell", SID, size=(30, 100))
     before = termios.tcgetattr(master)
@@ -209,19 +237,11 @@ def test_shell_is_a_terminal_in_the_sandbox(env):
         _read_until(master, rb"[$#] ")
         os.write(master, b"stty size; echo $((6*7))\r")
         _read_until(master, rb"30 100.*\r\n42")
-        # A resize of the operator's terminal reaches the sandbox's.
+        # A resize of the operator's terminal reaches the sandbox's. The kernel sends the
+        # CLI a SIGWINCH for the new size, and a second one comes on top.
         fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
         os.kill(pid, signal.SIGWINCH)
-        deadline = time.monotonic() + 10
-        while True:
-            os.write(master, b"stty size\r")
-            try:
-                _read_until(master, rb"40 120", timeout=1)
-                break
-            except AssertionError:
-                if time.monotonic() >= deadline:
-                    raise AssertionError("the resize never arrived; the CLI's stacks:\n"
-                                         + _stacks(pid, master)) from None
+        _sized(pid, master, 40, 120)
         # The sandbox's title change and clipboard write stop at the CLI.
         os.write(master, (ATTACK.replace("after", "done") + "\r").encode())
         out = _read_until(master, rb"done\r\n")
@@ -231,13 +251,53 @@ def test_shell_is_a_terminal_in_the_sandbox(env):
         os.write(master, b"exit 5\r")
         assert _wait(pid, master) == 5
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(pid)
     # The terminal is back in the mode it had (raw mode undone).
     assert termios.tcgetattr(master)[3] == before[3]
+
+
+def test_shell_survives_a_burst_of_resizes(env):
+    """A window dragged by its corner: SIGWINCH after SIGWINCH, each landing wherever the CLI
+    is, in the handler of the one before too. The shell still answers and gets the last size.
+    (A handler that took a lock, threading.Event.set's, deadlocked the CLI's main thread on a
+    SIGWINCH that came while the previous one held it: output stopped for good.)"""
+    pid, master = _pty_run({**env, "PYTHONFAULTHANDLER": "1"}, "shell", SID, size=(30, 100))
+    try:
+        _read_until(master, rb"[$#] ")
+        end = time.monotonic() + 1.0
+        for i in range(1_000_000):  # 1 s of them, as dense as they come
+            if i % 64 == 0:
+                if time.monotonic() > end:
+                    break
+                fcntl.ioctl(master, termios.TIOCSWINSZ,
+                            struct.pack("HHHH", 31 + i // 64 % 2, 101, 0, 0))
+            os.kill(pid, signal.SIGWINCH)
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 50, 150, 0, 0))
+        _sized(pid, master, 50, 150)
+        os.write(master, b"exit 5\r")
+        assert _wait(pid, master) == 5
+    finally:
+        _kill(pid)
+
+
+def test_shell_gets_a_resize_made_while_the_session_opens(execd, proxy, tmp_path):
+    """The operator resizes the window while `sandman shell` still waits for the session: the
+    sandbox's terminal gets the new size (the old CLI read the size, then opened the session,
+    and only then listened for SIGWINCH: a resize in between was lost for good)."""
+    proxy.plan.append(("hold", SESSION_OPEN.path))
+    pid, master = _pty_run({**_env(execd, tmp_path, proxy.port), "PYTHONFAULTHANDLER": "1"},
+                           "shell", SID, size=(30, 100))
+    try:
+        assert proxy.holding.wait(20), "the CLI never opened the session"
+        # The kernel sends the CLI its SIGWINCH for the new size.
+        fcntl.ioctl(master, termios.TIOCSWINSZ, struct.pack("HHHH", 40, 120, 0, 0))
+        proxy.release.set()
+        _read_until(master, rb"[$#] ")
+        _sized(pid, master, 40, 120)
+        os.write(master, b"exit 5\r")
+        assert _wait(pid, master) == 5
+    finally:
+        _kill(pid)
 
 
 def test_shell_restores_the_terminal_on_a_signal(env):
@@ -250,11 +310,7 @@ def test_shell_restores_the_terminal_on_a_signal(env):
         assert _wait(pid, master) == 128 + signal.SIGTERM
         assert termios.tcgetattr(master)[3] & termios.ICANON
     finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-            os.waitpid(pid, 0)
-        except (ProcessLookupError, ChildProcessError):
-            pass
+        _kill(pid)
 
 
 def test_shell_without_a_terminal_says_so_in_one_line(env):
