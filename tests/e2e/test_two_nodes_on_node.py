@@ -123,7 +123,7 @@ from concurrent.futures import ThreadPoolExecutor
 from sandman.client import Client, SandboxGone
 
 N = int(os.environ["N"])
-out = {"errors": {}, "gone": {}}
+out = {"errors": {}, "gone": {}, "problems": {}}
 def emit(tag, obj):
     print(tag + " " + json.dumps(obj), flush=True)
 
@@ -146,8 +146,11 @@ with Client(timeout_s=60) as c:
                 live.remove(sb); failed.append(sb)
         for sb in list(failed):
             try:
-                view = c.get(sb.id)
-                out.setdefault("views", {})[sb.pod] = view.to_json() if hasattr(view, "to_json") else str(view)
+                problem = c.get(sb.id).problem
+                if problem and sb.pod not in out["problems"]:
+                    out["problems"][sb.pod] = [problem, round(time.monotonic() - t0, 1)]
+                    if len(out["problems"]) == len(out["errors"]):
+                        emit("E2E-PROBLEMS", out["problems"])
             except SandboxGone as e:
                 out["gone"][sb.pod] = [str(e), round(time.monotonic() - t0, 1)]
                 failed.remove(sb)
@@ -158,6 +161,12 @@ with Client(timeout_s=60) as c:
                       for sb in live]
     for sb in live:
         sb.release()
+    # The controller's books: nothing of the job is left once the released pods are deleted.
+    for _ in range(60):
+        out["left"] = [[v.id, v.state] for v in c.list(job="e2e-two-nodes")]
+        if not out["left"]:
+            break
+        time.sleep(1)
 emit("E2E-RESULT", out)
 """
 
@@ -184,9 +193,9 @@ def _node_ready(core, name: str) -> bool:
 def test_spread_then_a_node_lost_mid_trajectory(sandman, ns, second, figures):
     """Last of the module. N sandboxes acquired at once spread over the two nodes (soft,
     maxSkew 2); the second node is then killed under the trainer: its next call on those
-    sandboxes fails with one clear line, the controller reports them gone once the cluster
-    has given the node up (NotReady, then deleted), the trainer's other sandboxes never
-    notice, and nothing of the dead node's sandboxes is left."""
+    sandboxes fails with one clear line, the controller's view names the NotReady node, and
+    once the Node is deleted the controller reports them gone with that reason; the trainer's
+    other sandboxes never notice, and nothing of the dead node's sandboxes is left."""
     core, sbx_ns = sandman.core, sandman.inst.sandbox_namespace
     url = sandman.inst.controller_url_in_cluster()
     bind_trainer(sandman.cluster.api_client, ns)
@@ -208,12 +217,21 @@ def test_spread_then_a_node_lost_mid_trajectory(sandman, ns, second, figures):
         time.sleep(2)
     assert not _node_ready(core, SECOND), "the killed node still Ready"
     not_ready_s = time.monotonic() - t_kill
-    # The cluster gives the machine up: its Node goes, and with it (pod GC) its pods.
+    # The controller says so to the holder before the lease ends (the view's problem) ...
+    problems = _logs_line(sandman, ns, "trainer", "E2E-PROBLEMS", 120)
+    assert sorted(problems) == lost, problems
+    for problem, _t in problems.values():
+        assert f"node {SECOND} is not Ready" in problem and "\n" not in problem, problems
+    # ... then the cluster gives the machine up: its Node is deleted, and the controller
+    # ends those leases with that reason (pod GC would delete the pods too).
     second.delete_node()
     res = _logs_line(sandman, ns, "trainer", "E2E-RESULT", 300)
-    figures.add(f"e2e node lost: NotReady after {not_ready_s:.0f}s; trainer errors "
-                f"{ {p: e[:1] + e[2:] for p, e in res['errors'].items()} }; gone after "
-                f"{ {p: g[1] for p, g in res['gone'].items()} }s")
+    figures.add(f"e2e node lost: NotReady after {not_ready_s:.0f}s; the trainer's next call "
+                f"failed after {sorted(e[2] for e in res['errors'].values())}s "
+                f"({sorted({e[0] for e in res['errors'].values()})}), the view's problem after "
+                f"{sorted(p[1] for p in problems.values())}s, gone after "
+                f"{sorted(g[1] for g in res['gone'].values())}s; e.g. "
+                f"{next(iter(res['gone'].values()))[0]!r}")
     # Exactly the lost node's sandboxes failed, each with one line, and each was then
     # reported gone by the controller; the others went on to the end.
     assert sorted(res["errors"]) == lost, res
@@ -221,6 +239,9 @@ def test_spread_then_a_node_lost_mid_trajectory(sandman, ns, second, figures):
         assert kind in ("SandboxUnreachable", "SandboxGone"), res["errors"]
         assert "\n" not in message and message, res["errors"]
     assert sorted(res["gone"]) == lost, res
+    for message, _t in res["gone"].values():
+        assert f"node {SECOND} was deleted" in message and "\n" not in message, res["gone"]
+    assert res["left"] == [], res
     assert res["healthy"] == ["step-1"] * (N - len(lost)), res
     # Nothing left: no pod of the job, no pod bound to the deleted node.
     deadline = time.monotonic() + 60
