@@ -104,6 +104,7 @@ BG_WAIT_MAX = 30.0  # one /processes/wait answers within this; the SDK asks agai
 PTY_WRITE_MAX = 64 << 10  # bytes of one /sessions/write: longer data goes in several
 PTY_READ_WAIT_MAX = 30.0  # one /sessions/read waits at most this; the SDK asks again
 PTY_SIZE_MAX = 4096  # a session's columns and rows
+PTY_ABANDON_MAX = 86400.0  # a session's abandon_after (seconds) at most
 SNAPSHOT_MAX_BYTES = 1 << 30  # content bytes of one snapshot (execd's --max-snapshot-bytes)
 SNAPSHOT_MAX_ENTRIES = 200_000  # members of one snapshot (files, dirs, links), either way
 SNAPSHOT_MANIFEST_MAX = 64 << 20  # bytes of its first member, the manifest
@@ -210,7 +211,8 @@ class SpawnRequest(_Body):
 
 @dataclass(frozen=True)
 class SessionOpenRequest(_Body):
-    """`POST /sessions/open`: `command` (bash -c) on its own pty of cols x rows."""
+    """`POST /sessions/open`: `command` (bash -c) on its own pty of cols x rows;
+    `abandon_after`: execd closes it once no call has named it for that many seconds."""
 
     command: str
     request_id: str
@@ -218,13 +220,16 @@ class SessionOpenRequest(_Body):
     env: dict[str, str] | None = None
     cols: int | None = None
     rows: int | None = None
+    abandon_after: float | None = None
 
 
 @dataclass(frozen=True)
-class IdRequest(_Body):
-    """`POST /sessions/close`: the session's id."""
+class SessionCloseRequest(_Body):
+    """`POST /sessions/close`: the session's `id`, or `open_request_id`, the request_id of the
+    open that started it (closes it if it opened, and refuses that open from then on)."""
 
-    id: str
+    id: str | None = None
+    open_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -655,6 +660,7 @@ class SessionStatus:
     started_at: float  # Unix time
     output_bytes: int
     output_open: bool
+    abandon_after: float | None = None  # seconds without a call, then execd closes it
     raw: dict[str, Any] = field(default_factory=dict, repr=False)
 
     @classmethod
@@ -669,7 +675,8 @@ class SessionStatus:
                    signal=_opt(d, "signal", int, what),
                    started_at=float(_opt(d, "started_at", _NUM, what, 0.0)),
                    output_bytes=_req(d, "output_bytes", int, what),
-                   output_open=bool(_opt(d, "output_open", bool, what, False)), raw=d)
+                   output_open=bool(_opt(d, "output_open", bool, what, False)),
+                   abandon_after=_opt(d, "abandon_after", _NUM, what), raw=d)
 
 
 @dataclass(frozen=True)

@@ -84,6 +84,10 @@ class ChildTable(object):
         """Called under the lock with output the reader took from `child`'s fd."""
         child.add(data)
 
+    def tick(self):
+        """Called by the reader thread, without the lock, after each poll (at least once a
+        second)."""
+
     # ---- the reader thread
 
     def _start_reader(self):
@@ -123,6 +127,7 @@ class ChildTable(object):
                 events = poller.poll(1000)
             except InterruptedError:
                 continue
+            self.tick()
             for fd, _ev in events:
                 if fd == wake:
                     try:

@@ -8,6 +8,8 @@ import fcntl
 import os
 import re
 import signal
+import sys
+import threading
 import time
 
 from .background import _BG_SIGNALS, BG_COMMAND_MAX, BG_LISTED_COMMAND, BgProc
@@ -29,6 +31,11 @@ PTY_WRITE_WAIT = 10.0  # a write the program does not read within this is cut sh
 PTY_READ_WAIT_MAX = 30.0  # one read waits at most this for new output; the SDK asks again
 PTY_SIZE_MAX = 4096  # columns and rows
 PTY_REQUEST_IDS = 64  # answers kept per session (and of opens) for request_id retries
+# `abandon_after` (seconds, at most this): a session no call names for that long is closed as
+# /sessions/close does, checked every PTY_ABANDON_CHECK s by the reader thread. Its client is
+# gone (killed before the open's answer came, or since): nobody else knows its id.
+PTY_ABANDON_MAX = 86400.0
+PTY_ABANDON_CHECK = 0.5
 _PTY_ID = re.compile(r"s[0-9]{1,12}-[0-9a-f]{24}")  # fullmatch: `$` would take a newline
 _PTY_SECONDS = re.compile(r"[0-9]{1,6}(?:\.[0-9]{1,20})?")
 
@@ -43,10 +50,17 @@ class PtySession(BgProc):
         self.cols = cols
         self.rows = rows
         self.answers = collections.OrderedDict()  # request_id -> answer of a write or signal
+        self.abandon_after = None  # seconds, or None: open until closed or reset
+        self.used = now()  # the last time a call named it (a waiting read: when it ends)
+        self.abandoned = False  # its close is under way
+
+    def use(self, until=0.0):
+        """A call names it now (and waits on it `until` seconds more)."""
+        self.used = max(self.used, now() + until)
 
     def info(self):
         out = BgProc.info(self)
-        out.update({"cols": self.cols, "rows": self.rows})
+        out.update({"cols": self.cols, "rows": self.rows, "abandon_after": self.abandon_after})
         return out
 
 
@@ -72,10 +86,12 @@ class Sessions(ChildTable):
     READER = "execd-pty-output"
     ID, WHAT, LISTING = _PTY_ID, ("session", "s12", "closed, ended by a reset"), "sessions"
     MAX_LIVE = PTY_MAX_LIVE
+    _check_at = 0.0  # when the reader next looks for abandoned sessions
 
     def open(self, req):
         d = self.d
-        unknown = sorted(set(req) - {"command", "cwd", "env", "cols", "rows", "request_id"})
+        unknown = sorted(set(req) - {"command", "cwd", "env", "cols", "rows", "request_id",
+                                     "abandon_after"})
         if unknown:
             raise HTTPError(400, "unknown field(s): %s" % ", ".join(unknown)[:200])
         cmd = req.get("command")
@@ -106,6 +122,11 @@ class Sessions(ChildTable):
         cols = _pty_dim(req, "cols", 80)
         rows = _pty_dim(req, "rows", 24)
         rid = _request_id(req)
+        abandon = req.get("abandon_after")
+        if abandon is not None and (isinstance(abandon, bool)
+                                    or not isinstance(abandon, (int, float))
+                                    or not 0 < abandon <= PTY_ABANDON_MAX):
+            raise HTTPError(400, "abandon_after must be seconds in (0, %d]" % PTY_ABANDON_MAX)
         cwd = d.bg._cwd(req.get("cwd"))
         sigs = [signal.SIGPIPE, signal.SIGXFSZ, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM,
                 signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2]
@@ -116,9 +137,14 @@ class Sessions(ChildTable):
             if d.resetting or self.held:
                 raise HTTPError(409, "a reset or restore is running; open a session after it")
             still_authorized(d)
+            if rid is not None and rid in self.rids and self.rids[rid] is None:
+                # Closed by its request_id before this (late) open came: its caller is gone.
+                raise HTTPError(409, "the session of request_id %s was closed before it opened"
+                                % rid[:100], {"closed": True})
             # A retry of an open whose answer was lost: the same session, never a second one.
             known = self.items.get(self.rids.get(rid)) if rid is not None else None
             if known is not None:
+                known.use()
                 return known.info()
             live = sum(1 for s in self.items.values() if s.fd is not None or s.status is None)
             if live >= PTY_MAX_LIVE:
@@ -157,6 +183,7 @@ class Sessions(ChildTable):
                                          setsigmask=[])
                     s = PtySession(pid, sid, tag, (cmd or "bash -i")[:BG_LISTED_COMMAND], cwd,
                                    master, cols, rows)
+                    s.abandon_after = abandon
                     d.reaper.procs[pid] = s
             except OSError as ex:
                 os.close(master)
@@ -191,6 +218,7 @@ class Sessions(ChildTable):
         rid = _request_id(req)
         with self.lock:
             s = self.get(req.get("id"))
+            s.use(PTY_WRITE_WAIT)
             fd = s.fd
             if rid is not None and rid in s.answers:
                 return s.answers[rid]  # a retry: these bytes were written once already
@@ -232,6 +260,7 @@ class Sessions(ChildTable):
         self.d.reaper.reap()
         with self.cond:
             s = self.get(sid)
+            s.use(wait)
             if since > s.total:
                 raise HTTPError(400, "since=%d is past the end of the output (%d bytes so far)"
                                 % (since, s.total))
@@ -259,6 +288,7 @@ class Sessions(ChildTable):
         rows = _pty_dim(req, "rows", None)
         with self.lock:
             s = self.get(req.get("id"))
+            s.use()
             if s.fd is None:
                 raise HTTPError(409, "session %s ended" % s.id, {"ended": True})
             _pty_winsize(s.fd, cols, rows)  # the kernel sends SIGWINCH to its foreground job
@@ -271,6 +301,7 @@ class Sessions(ChildTable):
         rid = _request_id(req)
         with self.lock:
             s = self.get(req.get("id"))
+            s.use()
             if rid is not None and rid in s.answers:
                 return s.answers[rid]  # a retry: sent once already
             fd = s.fd
@@ -301,9 +332,30 @@ class Sessions(ChildTable):
 
     def close(self, req):
         """SIGKILL the session's tree (its descendants and whatever carries its tag, in
-        rounds since it may fork meanwhile), reap it, close the pty, forget the id."""
+        rounds since it may fork meanwhile), reap it, close the pty, forget the id. By
+        `open_request_id` instead of `id`: the session an open with that request_id started,
+        and that open refused from now on (its caller stopped before the answer came)."""
+        unknown = sorted(set(req) - {"id", "open_request_id"})
+        if unknown:
+            raise HTTPError(400, "unknown field(s): %s" % ", ".join(unknown)[:200])
+        if "open_request_id" not in req:
+            with self.lock:
+                s = self.get(req.get("id"))
+            return self._close(s)
+        if "id" in req:
+            raise HTTPError(400, "give id or open_request_id, not both")
+        rid = req["open_request_id"]
+        if not isinstance(rid, str) or not rid or len(rid) > 256:
+            raise HTTPError(400, "open_request_id must be a non-empty string of at most 256 "
+                                 "chars")
         with self.lock:
-            s = self.get(req.get("id"))
+            s = self.items.get(self.rids.get(rid))
+            _remember(self.rids, rid, None)
+        if s is None:
+            return {"closed": False, "open_request_id": rid}
+        return self._close(s)
+
+    def _close(self, s):
         for _ in range(50):
             pids = self.d.bg._tree(s)
             with self.d.reaper.lock:
@@ -328,6 +380,33 @@ class Sessions(ChildTable):
         s.drop()
         out["closed"] = True
         return out
+
+    def tick(self):
+        """In the reader thread: close the sessions no call named for their abandon_after,
+        each in a thread of its own (a close kills in rounds: the reader never waits on it)."""
+        t = now()
+        if t < self._check_at:
+            return
+        self._check_at = t + PTY_ABANDON_CHECK
+        gone = []
+        with self.lock:
+            for s in self.items.values():
+                if (s.abandon_after is not None and not s.abandoned
+                        and t - s.used >= s.abandon_after):
+                    s.abandoned = True
+                    gone.append(s)
+        for s in gone:
+            threading.Thread(target=self._abandon, args=(s,), name="execd-pty-abandoned",
+                             daemon=True).start()
+
+    def _abandon(self, s):
+        with self.lock:
+            if now() - s.used < s.abandon_after:  # named since the check
+                s.abandoned = False
+                return
+        sys.stderr.write("execd: session %s: no call named it for %g s; closing it\n"
+                         % (s.id, s.abandon_after))
+        self._close(s)
 
 
 def _request_id(req):

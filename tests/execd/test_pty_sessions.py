@@ -260,7 +260,8 @@ def test_every_session_route_needs_the_token(execd, headers):
 @pytest.mark.parametrize("body", [
     {"command": ""}, {"command": 5}, {"command": "x\0y"}, {"cols": 0}, {"rows": 5000},
     {"env": {"A B": "x"}}, {"env": {"__SANDMAN_CALL": "x"}}, {"env": []}, {"cwd": "/nonexistent"},
-    {"shell": "zsh"},
+    {"shell": "zsh"}, {"abandon_after": 0}, {"abandon_after": -1}, {"abandon_after": True},
+    {"abandon_after": "5"}, {"abandon_after": sessions.PTY_ABANDON_MAX + 1},
 ])
 def test_bad_opens_get_one_line_errors(execd, body):
     error_of(execd.post("/sessions/open", body), 400)
@@ -330,3 +331,53 @@ def test_retried_open_write_and_signal_act_once(execd):
     close(execd, sig["id"])
     error_of(execd.post("/sessions/open", {"command": "true", "request_id": ""}), 400)
     close(execd, first["id"])
+
+
+def _kids(execd) -> list[int]:
+    return [p for p in descendants(execd.pid) if alive(p) and p != execd.shell_pid()]
+
+
+def test_a_close_by_the_opens_request_id_ends_it_and_refuses_that_open_later(execd):
+    """A caller stopped while its open's answer was on its way (`sandman shell` on a SIGTERM)
+    knows only the request_id it sent: a close naming it kills the session's tree, and that
+    open arriving only afterwards (a retry, a slow network) starts nothing."""
+    s = open_session(execd, command="sleep 305 & sleep 306", request_id="stopped-1")
+    assert wait_for(lambda: len(_kids(execd)) >= 2, 5)
+    kids = _kids(execd)
+    out = execd.post("/sessions/close", {"open_request_id": "stopped-1"}).json()
+    assert out["closed"] is True and out["id"] == s["id"]
+    assert wait_for(lambda: not [p for p in kids if alive(p)], 5), "a child survived"
+    assert execd.get("/sessions").json()["sessions"] == []
+    assert "closed before it opened" in error_of(execd.post(
+        "/sessions/open", {"command": "sleep 307", "request_id": "stopped-1"}), 409)
+    # The close came first: the open is refused when it comes.
+    r = execd.post("/sessions/close", {"open_request_id": "late-1"})
+    assert r.status_code == 200 and r.json() == {"closed": False, "open_request_id": "late-1"}
+    error_of(execd.post("/sessions/open", {"command": "sleep 308", "request_id": "late-1"}),
+             409)
+    assert execd.get("/sessions").json()["sessions"] == [] and _kids(execd) == []
+    for bad in ({"open_request_id": ""}, {"open_request_id": 5}, {"open_request_id": "x" * 257},
+                {"id": s["id"], "open_request_id": "x"}, {"id": s["id"], "force": True}):
+        error_of(execd.post("/sessions/close", bad), 400)
+
+
+def test_a_session_no_call_names_for_abandon_after_is_closed(execd):
+    """A client killed before the open's answer came (a SIGKILLed `sandman shell`), or since:
+    nobody knows the id, nobody closes it. With abandon_after, execd closes it once no call
+    named it that long; one that is read (a waiting read counts throughout) stays."""
+    kept = open_session(execd, command="sleep 309", abandon_after=4)
+    left = open_session(execd, command="sleep 310 & sleep 311", abandon_after=1)
+    assert (kept["abandon_after"], left["abandon_after"]) == (4, 1)
+    assert wait_for(lambda: len(_kids(execd)) >= 3, 5)
+    kids = [p for p in _kids(execd) if p != kept["pid"]]
+    t0 = time.monotonic()
+    listed = {left["id"]}
+    # Bounded: 1 s and the 0.5 s check, with room for a loaded machine; and past kept's 4 s.
+    while left["id"] in listed or time.monotonic() - t0 < 6:
+        assert time.monotonic() - t0 < 30, "the abandoned session is still open"
+        read(execd, kept["id"], timeout=1)
+        listed = {x["id"] for x in execd.get("/sessions").json()["sessions"]}
+    assert not [p for p in kids if alive(p)], "a child of the abandoned session survived"
+    assert listed == {kept["id"]} and alive(kept["pid"])
+    error_of(execd.get("/sessions/read", params={"id": left["id"]}), 404)
+    close(execd, kept["id"])
