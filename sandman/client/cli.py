@@ -46,6 +46,10 @@ from sandman.client.models import ExecResult, Lease
 
 ENV_LEASE_DIR = "SANDMAN_LEASE_DIR"
 PROG = "sandman"
+# `shell`'s session is closed by execd once no call named it for this long: a CLI killed
+# (SIGKILL, a lost machine) leaves nothing running for longer. The loop reads every 0.25 s;
+# this is above what the SDK's retries ride out (a 30 s read, then its 30 s retry budget).
+SHELL_ABANDON_AFTER_S = 120.0
 
 # The CLI's own exit codes sit above what commands usually use, next to the conventions of
 # timeout(1) and `docker run` (124 timed out, 125 the tool's own usage error; 126 and 127 stay
@@ -573,11 +577,14 @@ def cmd_shell(args: argparse.Namespace) -> int:
         # Listening before the size is read: a resize while the session opens is the loop's
         # to send (SIGWINCH's default is to ignore it).
         old_handlers[signal.SIGWINCH] = signal.signal(signal.SIGWINCH, resized)
-        cols, rows = os.get_terminal_size(1)
-        live = session = sb.session(_line(args.command) if args.command else "bash",
-                                    env=env, cols=max(1, cols), rows=max(1, rows))
+        # And for a stop before the open: one while it waits for its answer comes out of the
+        # SDK's open, which closes what it opened (SIGINT's KeyboardInterrupt does the same).
         for signum in (signal.SIGTERM, signal.SIGHUP):
             old_handlers[signum] = signal.signal(signum, _raise_signalled)
+        cols, rows = os.get_terminal_size(1)
+        live = session = sb.session(_line(args.command) if args.command else "bash",
+                                    env=env, cols=max(1, cols), rows=max(1, rows),
+                                    abandon_after=SHELL_ABANDON_AFTER_S)
         tty.setraw(0)
         failed: list[BaseException] = []
 

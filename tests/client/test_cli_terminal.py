@@ -1,8 +1,8 @@
 """The command-line client as people drive it, against a real execd (tests/client/conftest.py)
 through a lease file that points at it: options anywhere and `--`, exit codes (the docs'
 table against the CLI's constants), JSON errors, `--version`, completion, the interactive
-`shell` on a real pseudo-terminal, and control sequences from the sandbox kept off the
-operator's terminal."""
+`shell` on a real pseudo-terminal (stopped or killed while it opens its session: nothing left
+in the sandbox), and control sequences from the sandbox kept off the operator's terminal."""
 
 from __future__ import annotations
 
@@ -11,6 +11,7 @@ import json
 import os
 import pty
 import re
+import secrets
 import select
 import signal
 import struct
@@ -22,10 +23,12 @@ from pathlib import Path
 
 import pytest
 
-from sandman.client import cli
+from sandman.client import Sandbox, cli
 from sandman.client import errors as E
 from sandman.client.models import Lease
 from sandman.execd_api import SESSION_OPEN
+
+from .test_sdk_session import held_open, marked, wait_marked
 
 REPO = Path(__file__).resolve().parents[2]
 SID = "0123456789abcdef"
@@ -300,6 +303,61 @@ def test_shell_gets_a_resize_made_while_the_session_opens(execd, proxy, tmp_path
         _kill(pid)
 
 
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+def test_a_stop_while_the_shell_opens_leaves_no_session(execd, proxy, tmp_path, sig):
+    """The operator's SIGTERM, closed terminal (SIGHUP) or ^C lands while `sandman shell`
+    waits for the open's answer (held back; execd has opened it, its program runs): once the
+    CLI exits, execd lists no session of it and its program is gone. (The CLI died at once
+    before its handlers were in place, or got the error out of the open with no session to
+    close: the pty and its program stayed until the sandbox was reset.)"""
+    marker = f"sm-open-42-{secrets.token_hex(6)}"
+    with Sandbox.connect(execd.address, execd.port, execd.token) as sb:
+        before = {x.id for x in sb.sessions()}
+        proxy.plan.append(("hold", SESSION_OPEN.path))
+        pid, master = _pty_run(_env(execd, tmp_path, proxy.port), "shell", SID, "--",
+                               held_open(marker))
+        try:
+            assert proxy.holding.wait(20), "the CLI never opened the session"
+            wait_marked(marker)
+            os.kill(pid, sig)
+            code = _wait(pid, master)
+        finally:
+            proxy.release.set()
+            _kill(pid)
+        assert {x.id for x in sb.sessions()} == before
+        assert marked(marker) == []
+        assert code == 128 + sig
+
+
+def test_a_shell_killed_while_it_opens_leaves_its_session_for_a_bound(execd, proxy, tmp_path):
+    """SIGKILL: the CLI closes nothing. Its open asked execd to close the session once no call
+    names it for SHELL_ABANDON_AFTER_S (made 2 s here): it ends within that, program and all."""
+    marker = f"sm-open-42-{secrets.token_hex(6)}"
+    proxy.plan.append(("hold", SESSION_OPEN.path))
+    pid, master = pty.fork()
+    if pid == 0:
+        os.chdir(REPO)
+        os.execve(sys.executable, [
+            sys.executable, "-c", "import sys; from sandman.client import cli; "
+            "cli.SHELL_ABANDON_AFTER_S = 2.0; sys.exit(cli.main())",
+            "shell", SID, "--", held_open(marker)], _env(execd, tmp_path, proxy.port))
+    try:
+        assert proxy.holding.wait(20), "the CLI never opened the session"
+        wait_marked(marker)
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    finally:
+        proxy.release.set()
+        _kill(pid)
+    deadline = time.monotonic() + 30  # 2 s and execd's 0.5 s check, on a loaded machine
+    while marked(marker):
+        assert time.monotonic() < deadline, "the killed CLI's session is still running"
+        time.sleep(0.1)
+    with Sandbox.connect(execd.address, execd.port, execd.token) as sb:
+        assert [x for x in sb.sessions() if "sm-open-" in x.command] == []
+    assert proxy.requests_to(SESSION_OPEN.path)[0].json()["abandon_after"] == 2.0
+
+
 def test_shell_restores_the_terminal_on_a_signal(env):
     pid, master = _pty_run(env, "shell", SID)
     try:
@@ -355,3 +413,4 @@ def test_the_docs_options_are_the_clis():
     assert named <= known, named - known
     for opt in ("--raw", "--version", "--output"):
         assert opt in section, opt
+    assert f"`SHELL_ABANDON_AFTER_S` ({cli.SHELL_ABANDON_AFTER_S:g} s)" in section

@@ -2,12 +2,15 @@
 fixture): a python REPL round trip with expect, the window size the child sees after a
 resize, ^C by signal, the cursor and `since`, expect's timeout error, close killing a tree
 that ignores SIGHUP, the listing, the live cap and reset as typed errors, forged ids and a
-wrong token."""
+wrong token; an open stopped before its answer (a signal, a cancellation) leaves nothing."""
 
 from __future__ import annotations
 
+import asyncio
 import os
 import secrets
+import signal
+import threading
 import time
 
 import pytest
@@ -21,8 +24,9 @@ from sandman.client import (
     TooManySessions,
     Unauthorized,
 )
+from sandman.execd_api import SESSION_CLOSE, SESSION_OPEN
 
-from .conftest import Execd, Flavor
+from .conftest import CutProxy, Execd, Flavor
 
 
 def _alive(pid: int) -> bool:
@@ -192,3 +196,97 @@ def test_cap_reset_forged_ids_and_token(flavor: Flavor, fresh_execd: Execd) -> N
         assert not os.path.exists("/tmp/never-" + str(os.getpid()))
 
     flavor.run(body, timeout_s=60)
+
+
+def marked(marker: str) -> list[int]:
+    """The pids whose command line holds `marker`."""
+    pids = []
+    for name in os.listdir("/proc"):
+        if name.isdigit():
+            try:
+                with open(f"/proc/{name}/cmdline", "rb") as f:
+                    if marker.encode() in f.read():
+                        pids.append(int(name))
+            except OSError:
+                pass
+    return [p for p in pids if _alive(p)]
+
+
+def held_open(marker: str) -> str:
+    """A session's command whose running program is `marker` (argv[0]); the line itself says
+    $((6*7)) where the marker says 42, so only the program matches."""
+    return f'exec -a "{marker.replace("-42-", "-$((6*7))-")}" sleep 600'
+
+
+def wait_marked(marker: str) -> list[int]:
+    deadline = time.monotonic() + 20
+    while not marked(marker):
+        assert time.monotonic() < deadline, "the session's program never started"
+        time.sleep(0.05)
+    return marked(marker)
+
+
+class _Stop(Exception):
+    pass
+
+
+def test_an_open_stopped_before_its_answer_leaves_no_session(flavor: Flavor, execd: Execd,
+                                                              proxy: CutProxy) -> None:
+    """execd opened the session; its answer is on its way when the caller stops (the sync
+    twin: a signal handler raises, as `sandman shell`'s SIGTERM does; async: the task is
+    cancelled). The caller never learns the id: the SDK closes the session by the open's
+    request_id. (It stayed open, its program running, until the sandbox was reset.)"""
+    marker = f"sm-open-42-{secrets.token_hex(6)}"
+    proxy.plan.append(("hold", SESSION_OPEN.path))
+
+    async def body():
+        async with flavor.connect(execd, port=proxy.port) as sb:
+            before = {x.id for x in await sb.sessions()}
+            if flavor.is_async:
+                task = asyncio.ensure_future(sb.session(held_open(marker)))
+                assert await asyncio.to_thread(proxy.holding.wait, 20)
+                await asyncio.to_thread(wait_marked, marker)
+                task.cancel()
+                with pytest.raises(asyncio.CancelledError):
+                    await task
+            else:
+                main = threading.get_ident()
+
+                def stop_when_held() -> None:
+                    if proxy.holding.wait(20):
+                        wait_marked(marker)
+                        signal.pthread_kill(main, signal.SIGUSR1)
+
+                def raise_stop(signum, frame):
+                    raise _Stop()
+
+                old = signal.signal(signal.SIGUSR1, raise_stop)
+                t = threading.Thread(target=stop_when_held)
+                t.start()
+                try:
+                    with pytest.raises(_Stop):
+                        await sb.session(held_open(marker))
+                finally:
+                    t.join(30)
+                    signal.signal(signal.SIGUSR1, old)
+            proxy.release.set()
+            assert {x.id for x in await sb.sessions()} == before
+            assert marked(marker) == []
+            rid = proxy.requests_to(SESSION_OPEN.path)[0].json()["request_id"]
+            closes = [f.json() for f in proxy.requests_to(SESSION_CLOSE.path)]
+            assert closes == [{"open_request_id": rid}]
+
+    flavor.run(body, timeout_s=60)
+
+
+def test_abandon_after_is_sent_and_checked(flavor: Flavor, execd: Execd) -> None:
+    async def body():
+        async with flavor.connect(execd) as sb:
+            s = await sb.session("sleep 300", abandon_after=60)
+            assert s.last.abandon_after == 60
+            assert (await s.close()).abandon_after == 60
+            for bad in (0, -1, True, "5", 86401):
+                with pytest.raises(BadRequest):
+                    await sb.session("sleep 1", abandon_after=bad)
+
+    flavor.run(body)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import base64
 import codecs
+import dataclasses
 import logging
 import os
 import re
@@ -82,6 +83,9 @@ PROCESS_WAIT_ROUND_S = X.BG_WAIT_MAX
 # One /sessions/read waits at most execd's PTY_READ_WAIT_MAX; read() asks again.
 SESSION_READ_ROUND_S = X.PTY_READ_WAIT_MAX
 SESSION_WRITE_MAX = X.PTY_WRITE_MAX  # longer data goes in several writes
+# An open stopped before its answer (a signal, a cancellation, no answer) is followed by one
+# close by its request_id, waiting this long: the caller is on its way out.
+SESSION_STOP_CLOSE_S = 5.0
 
 
 def _spooled(spool: IO[bytes], size: int) -> Iterator[bytes]:
@@ -590,22 +594,49 @@ class Sandbox:
 
     def session(self, command: str = "bash", cwd: str | None = None,
                 env: dict[str, str] | None = None, cols: int = 80,
-                rows: int = 24) -> Session:
+                rows: int = 24, abandon_after: float | None = None) -> Session:
         """Start `command` (bash -c) on its own pseudo-terminal of `cols` x `rows`, in its own
         session with that terminal as its controlling one, and return its handle: write to
         it, read or expect its output, resize it, signal it, close it. TERM is "dumb" unless
         `env` names one. cwd and env as for `spawn()`. Sent with one request_id for all
-        retries: a lost answer never opens it twice. TooManySessions at 8 open."""
+        retries: a lost answer never opens it twice. TooManySessions at 8 open.
+        `abandon_after` (seconds): execd closes the session once no call has named it for
+        that long (None: it stays until closed or the sandbox is reset). An open stopped
+        before its answer (an exception, a signal, a cancellation) closes what it opened."""
         for name, v in (("cols", cols), ("rows", rows)):
             if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= X.PTY_SIZE_MAX:
                 raise BadRequest(f"{name} must be an int in 1..{X.PTY_SIZE_MAX}, not {v!r}")
+        if abandon_after is not None and (
+                isinstance(abandon_after, bool) or not isinstance(abandon_after, (int, float))
+                or not 0 < abandon_after <= X.PTY_ABANDON_MAX):
+            raise BadRequest(f"abandon_after must be seconds in (0, {X.PTY_ABANDON_MAX:g}], "
+                             f"not {abandon_after!r}")
         rid = _core.new_request_id()
         spawn = _core.spawn_body(command, cwd, env, rid)
         body = X.SessionOpenRequest(command=spawn.command, request_id=rid, cwd=spawn.cwd,
-                                    env=spawn.env, cols=cols, rows=rows)
-        resp = self._call(SESSION_OPEN, json=body.to_json(), read_s=30.0,
-                          request_id=rid)
-        return Session(self, SessionStatus.from_json(_core.decode_json(resp, "session")))
+                                    env=spawn.env, cols=cols, rows=rows,
+                                    abandon_after=abandon_after)
+        try:
+            resp = self._call(SESSION_OPEN, json=body.to_json(), read_s=30.0,
+                              request_id=rid)
+            return Session(self, SessionStatus.from_json(_core.decode_json(resp, "session")))
+        except BaseException as e:
+            # The session may be open with nobody holding its id: close it by the open's
+            # request_id (which also refuses the open, should it reach execd only now). An
+            # error status execd answered opened nothing.
+            if not (isinstance(e, SandmanError) and (e.status or 0) >= 400):
+                self._close_opening(rid)
+            raise
+
+    def _close_opening(self, rid: str) -> None:
+        try:
+            self._call(SESSION_CLOSE, read_s=SESSION_STOP_CLOSE_S,
+                       retry=dataclasses.replace(self._retry, attempts=1),
+                       json=X.SessionCloseRequest(open_request_id=rid).to_json())
+        except Exception as e:  # noqa: BLE001 - the open's own error is the one to report
+            log.warning("sandbox %s: the session of an open stopped before its answer was not "
+                        "closed (%s); execd ends it with the sandbox, or past abandon_after",
+                        self.id, e)
 
     def sessions(self) -> list[Session]:
         """Every session open or ended since the last reset (not closed), oldest first."""
@@ -725,27 +756,28 @@ class Sandbox:
 
     def _call(self, route: Route, *, read_s: float, json: Any = None,
               params: dict[str, str] | None = None, request_id: str | None = None,
-              retry_409: bool = False,
-              attempts_out: list[int] | None = None) -> httpx.Response:
-        """One logical call: bounded retries on transport errors, then the typed error;
-        reported once to `on_request`."""
+              retry_409: bool = False, attempts_out: list[int] | None = None,
+              retry: RetryPolicy | None = None) -> httpx.Response:
+        """One logical call: bounded retries on transport errors (`retry`, the sandbox's
+        policy by default), then the typed error; reported once to `on_request`."""
         with _core.call(self._on_request, route, "execd", self.id) as call:
             resp = self._attempts(route, read_s=read_s, json=json, params=params,
                                   request_id=request_id, retry_409=retry_409,
-                                  attempts_out=attempts_out)
+                                  attempts_out=attempts_out, retry=retry or self._retry)
             call.done(resp)
             return resp
 
     def _attempts(self, route: Route, *, read_s: float, json: Any,
                   params: dict[str, str] | None, request_id: str | None,
-                  retry_409: bool, attempts_out: list[int] | None) -> httpx.Response:
+                  retry_409: bool, attempts_out: list[int] | None,
+                  retry: RetryPolicy) -> httpx.Response:
         method, path = route.method, route.path
         if self._closed:
             raise SandboxGone(f"sandbox {self.id or self.url} was released; {path} not sent")
         if self._gone:
             raise SandboxGone(f"sandbox {self.id} no longer exists; {path} not sent")
-        attempts = _core.Attempts(self._retry, read_s)
-        tmo = _core.timeout(self._retry, read_s)
+        attempts = _core.Attempts(retry, read_s)
+        tmo = _core.timeout(retry, read_s)
         while True:
             attempts.start()
             if attempts_out is not None:
@@ -1015,7 +1047,7 @@ class Session:
         attempts = [0]
         try:
             resp = self.sandbox._call(SESSION_CLOSE, read_s=30.0,
-                                      json=X.IdRequest(id=self.id).to_json(),
+                                      json=X.SessionCloseRequest(id=self.id).to_json(),
                                       attempts_out=attempts)
         except SessionNotFound:
             if attempts[0] <= 1 and self.last.raw.get("closed") is not True:
