@@ -49,6 +49,7 @@ def _code_values(metric: str, label: str) -> tuple[str, ...] | None:
         ("sandman_controller_group_sandboxes_total", "warm"): ("true", "false"),
         ("sandman_controller_conditions_refused_total", "field"): c.CONDITION_LABELS + ("other",),
         ("sandman_controller_foreign_pods_total", "reason"): c.FOREIGN_REASONS,
+        ("sandman_controller_leases_lost_total", "reason"): c.LOST_REASONS + ("other",),
         ("sandman_controller_queue_depth_by_role", "role"): contract.ROLES,
         ("sandman_controller_queued_acquires", "role"): contract.ROLES,
         ("sandman_controller_warm_lookups_total", "role"): contract.ROLES + ("other",),
