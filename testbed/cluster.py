@@ -296,10 +296,13 @@ class Testbed:
         self._write_pids()
         return comp
 
-    def _wait(self, comp: Proc, ready, timeout: float, what: str) -> None:
+    def _wait(self, comp: Proc, ready, timeout: float, what: str,
+              watch: list[Proc] | None = None) -> None:
+        """Until ready() is true; raise if it is not by `timeout` or if any of `watch` (the
+        bed's components) exits meanwhile."""
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
-            for c in self.components:
+            for c in self.components if watch is None else watch:
                 if not c.alive():
                     raise TestbedError(f"{c.name}: exited with code {c.exit_code()} during start; "
                                        f"log {c.log}: {_tail(c.log)}")

@@ -1173,17 +1173,21 @@ disabled_plugins = ["io.containerd.snapshotter.v1.aufs", "io.containerd.snapshot
             if name in comps:
                 comps[name].stop(timeout)
         ctd = comps.get("containerd")
+        self.remove_pods(ctd)
+        if ctd is not None:
+            ctd.stop(timeout)
+        self.tb.components = [c for c in self.tb.components if c.name not in REAL_COMPONENTS]
+        self.timings["stop"] = time.monotonic() - t0
+
+    def remove_pods(self, ctd: Proc | None) -> None:
+        """Every pod through the CRI, while containerd runs: the CNI plugin then releases each
+        pod's address and veth."""
         if ctd is not None and ctd.alive() and self.sock.exists():
-            # Through the CRI, so the CNI plugin releases each pod's address and veth.
             with contextlib.suppress(subprocess.TimeoutExpired, OSError):
                 pods = self.crictl("pods", "-q", timeout=30).stdout.split()
                 if pods:
                     self.crictl("stopp", *pods, timeout=60)
                     self.crictl("rmp", "-f", *pods, timeout=60)
-        if ctd is not None:
-            ctd.stop(timeout)
-        self.tb.components = [c for c in self.tb.components if c.name not in REAL_COMPONENTS]
-        self.timings["stop"] = time.monotonic() - t0
 
     def cleanup(self) -> list[str]:
         """Remove everything the node put on the machine; return leftovers (empty: clean)."""

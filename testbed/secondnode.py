@@ -299,20 +299,7 @@ class SecondNode(RealNode):
         return proc
 
     def _until(self, ready, timeout: float, comp: str, what: str) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            for name, proc in self.procs.items():
-                if not proc.alive():
-                    raise RealNodeError(f"second node {name}: exited {proc.exit_code()} during "
-                                        f"start; log {proc.log}: {proc.tail(400)}")
-            try:
-                if ready():
-                    return
-            except Exception:  # noqa: BLE001 - not ready yet; the deadline decides
-                pass
-            time.sleep(0.2)
-        log = self.procs[comp].log if comp in self.procs else self.tb.logs
-        raise RealNodeError(f"second node {comp}: not {what} after {timeout:.0f}s; log {log}")
+        self.tb._wait(self.procs[comp], ready, timeout, what, watch=list(self.procs.values()))
 
     def http_ok(self, url: str) -> bool:
         """GET `url` from inside the node's namespace (its proxies listen there only)."""
@@ -355,12 +342,7 @@ class SecondNode(RealNode):
             if name in self.procs:
                 self.procs[name].stop(timeout)
         ctd = self.procs.get("containerd")
-        if ctd is not None and ctd.alive() and self.sock.exists():
-            with contextlib.suppress(subprocess.TimeoutExpired, OSError):
-                pods = self.crictl("pods", "-q", timeout=30).stdout.split()
-                if pods:
-                    self.crictl("stopp", *pods, timeout=60)
-                    self.crictl("rmp", "-f", *pods, timeout=60)
+        self.remove_pods(ctd)
         if ctd is not None:
             ctd.stop(timeout)
         sockets = realnode._shim_sockets(self.pids())

@@ -25,10 +25,12 @@ from tests.testbed.test_realnode import (
     RESOLVE_CODE,
     connect_code,
     dns_query,
+    pause_pod,
     wait_running,
 )
 
 FIRST, SECOND = realnode.NODE_NAME, secondnode.NAME
+HOSTNAME = "kubernetes.io/hostname"
 
 # Answers each connection with the peer's address: what the server saw (no masquerade).
 PEER_SERVER = ("import socket, time\n"
@@ -62,25 +64,10 @@ def second(_real_bed, figures):
 
 
 def pod_on(node: str, name: str, labels: dict | None = None) -> dict:
-    from testbed import images
-
-    return {"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "labels": labels or {}},
-            "spec": {
-                "containers": [{
-                    "name": "c", "image": images.PAUSE_REF, "command": ["/pause"],
-                    "imagePullPolicy": "Never",
-                    "resources": {"requests": {"cpu": "10m", "memory": "16Mi"},
-                                  "limits": {"cpu": "10m", "memory": "16Mi"}},
-                    "securityContext": {"allowPrivilegeEscalation": False,
-                                        "capabilities": {"drop": ["ALL"]},
-                                        "seccompProfile": {"type": "RuntimeDefault"}}}],
-                "terminationGracePeriodSeconds": 0, "automountServiceAccountToken": False,
-                "nodeSelector": {"kubernetes.io/hostname": node},
-                "tolerations": [dict(realnode.TOLERATION)]}}
-
-
-def node_obj(cluster, second, pod: client.V1Pod):
-    return second if pod.spec.node_name == SECOND else cluster.testbed.realnode
+    """test_realnode's pause pod, on the named node."""
+    pod = pause_pod(name, labels)
+    pod["spec"]["nodeSelector"][HOSTNAME] = node
+    return pod
 
 
 def run(cluster, ns: str, *pods: dict) -> dict[str, client.V1Pod]:
