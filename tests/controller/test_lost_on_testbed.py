@@ -26,6 +26,7 @@ from testbed.cluster import KWOK_NODE_ANNOTATION
 from testbed.controller import local_tls_dir, start_controller
 from tests.controller.harness import pods, standin_stack
 from tests.controller.test_auth import IMAGE, bearer
+from tests.controller.test_prepull_on_testbed import wait_for
 
 pytestmark = pytest.mark.testbed
 
@@ -35,13 +36,7 @@ FAST = RetryPolicy(attempts=2, backoff_s=0.05, budget_s=3)  # execd of a kwok po
 
 def _until(what: str, timeout: float, probe):
     """probe()'s first truthy answer within `timeout` s (each probe bounded by its own)."""
-    deadline = time.monotonic() + timeout
-    while True:
-        got = probe()
-        if got:
-            return got
-        assert time.monotonic() < deadline, f"{what}: not within {timeout:g}s"
-        time.sleep(0.3)
+    return wait_for(probe, timeout, what)
 
 
 def _gone(cl: Client, sid: str) -> str | None:
