@@ -184,7 +184,7 @@ class SecondNode(RealNode):
             ["ip", "route", "add", f"{self.node_ip}/32", "dev", LINK, "src", host_ip, "table", t],
             ["ip", "route", "add", self.pod_cidr, "via", self.node_ip, "dev", LINK, "onlink",
              "src", host_ip, "table", t],
-            ["ip", "-n", OUTSIDE_NETNS, "route", "add", self.pod_cidr, "via", TRANSIT_HOST],
+            ["ip", "-n", OUTSIDE_NETNS, "route", "replace", self.pod_cidr, "via", TRANSIT_HOST],
             # ... and all of its traffic, and the host's to it, is routed by that table.
             ["ip", "rule", "add", "from", self.pod_cidr, "lookup", t,
              "priority", str(RULE_PRIORITIES[0])],
@@ -228,13 +228,15 @@ class SecondNode(RealNode):
         t0 = time.monotonic()
         self.bins = self.first.bins or build.realnode_binaries()
         self.dir.mkdir(parents=True, exist_ok=True)
-        for m in realnode._cgroup_mounts():  # kubelet refuses a cgroupRoot that does not exist
-            d = m / CGROUP
-            d.mkdir(exist_ok=True)
-            for f in ("cpuset.cpus", "cpuset.mems"):  # an empty cpuset holds no task
-                if (m / f).exists() and not (d / f).read_text().strip():
-                    (d / f).write_text((m / f).read_text())
+        if leftovers():  # a second node of an earlier start that was never removed
+            self.stop()
         try:
+            for m in realnode._cgroup_mounts():  # kubelet refuses a cgroupRoot that is missing
+                d = m / CGROUP
+                d.mkdir(exist_ok=True)
+                for f in ("cpuset.cpus", "cpuset.mems"):  # an empty cpuset holds no task
+                    if (m / f).exists() and not (d / f).read_text().strip():
+                        (d / f).write_text((m / f).read_text())
             self._pick_addresses()
             self._network_up()
             self.timings["network"] = time.monotonic() - t0

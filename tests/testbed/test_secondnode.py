@@ -196,7 +196,7 @@ def test_network_policy_guards_the_second_nodes_pods(real_cluster, real_namespac
 
 
 def test_a_killed_second_node_is_removed_without_a_trace(real_cluster, real_namespace, second):
-    """Last of the module: killed (every process SIGKILLed, its pod running), then removed:
+    """Last of the module fixture's tests: killed (every process SIGKILLed, its pod running), then removed:
     nothing of it stays on the machine, its Node object is gone, and the first node still
     runs pods."""
     ns = real_namespace
@@ -213,3 +213,20 @@ def test_a_killed_second_node_is_removed_without_a_trace(real_cluster, real_name
     # Its pod's node is gone: nothing will ever confirm its end, so it goes by force.
     real_cluster.core.delete_namespaced_pod("victim", ns, grace_period_seconds=0)
     run(real_cluster, ns, pod_on(FIRST, "after"))
+
+
+def test_a_second_node_left_behind_is_removed_by_the_next_start(real_cluster, real_namespace):
+    """A node killed and never removed (its namespace, link, rules, cgroups and pods left, as
+    after a crashed test): the next start removes all of it first, then runs."""
+    ns = real_namespace
+    old = secondnode.SecondNode(real_cluster.testbed).start()
+    run(real_cluster, ns, pod_on(SECOND, "left"))
+    old.kill()
+    assert secondnode.leftovers()
+    new = secondnode.SecondNode(real_cluster.testbed).start()
+    try:
+        assert real_cluster.core.read_node(SECOND).metadata.uid  # registered anew
+        run(real_cluster, ns, pod_on(SECOND, "again"))
+    finally:
+        left = new.stop()
+    assert left == [] and secondnode.leftovers() == [], left
