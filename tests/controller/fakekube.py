@@ -7,7 +7,7 @@ the real one (test_windows.py). What it models is what the books must survive:
 - lag: the informer's events and `list_pods` show the cluster as it was `lag` seconds ago
   (a stale cache); `read_pod` and the writes see the truth, as a quorum read does;
 - a kubelet: a created pod turns Ready (Running, a pod IP) `start_s` seconds after its create
-  (None: stays Pending);
+  (None: stays Pending until the test calls `start(name)`);
 - a slow create: it is stored `create_s` seconds after the call (which runs on when its caller
   gives up waiting, as the real client's thread does);
 - nodes: `nodes` is what `list_nodes` answers, whatever the selector;
@@ -83,6 +83,10 @@ class FakeKube:
 
     def release_held(self) -> None:
         self._held.set()
+
+    def start(self, name: str) -> None:
+        """The kubelet turns pod `name` Ready now: the pod moves when the test says."""
+        self._kubelet(name, self.pods[name]["metadata"]["uid"])
 
     def count(self, method: str) -> int:
         return sum(1 for m, _ in self.calls if m == method)
