@@ -41,12 +41,25 @@ def test_sync_sdk_end_to_end(cluster, namespace, stack):
             with pytest.raises(CommandTimeout):
                 sb.exec("sleep 30", timeout=1)
             sid, pod = sb.id, sb.pod
-        # Leaving the block released it: the pod goes, and its execd with it.
+        # Leaving the block released it: from the release's answer it is never leased again,
+        # and the pod goes, and its execd with it.
+        assert state(cl, sid) in ("deleting", "gone")
         wait_for(lambda: pod not in {p.metadata.name for p in pods(cluster.core, namespace)
-                                     if not p.metadata.deletion_timestamp}, 20, "release")
+                                     if not p.metadata.deletion_timestamp}, 60, "release")
+        # The controller reads it `deleting` until its watch brings the pod's delete, which
+        # may come after the API server shows the pod gone (CI, 2 busy cores: DID NOT RAISE).
+        wait_for(lambda: state(cl, sid) == "gone", 60, "the controller to see the pod gone")
         with pytest.raises(SandboxGone):
             cl.get(sid)
     os.unlink(path)
+
+
+def state(cl: Client, sid: str) -> str:
+    """The controller's word for the sandbox, `gone` for SandboxGone."""
+    try:
+        return cl.get(sid).state
+    except SandboxGone:
+        return "gone"
 
 
 def test_async_sdk_end_to_end(cluster, namespace, stack):
