@@ -49,7 +49,8 @@ KW = dict(acquire_timeout_s=150, retry_backoff_s=1.0)
 def show(r):
     return {"verdict": str(r.verdict), "reason": r.reason, "attempts": r.attempts,
             "summary": r.summary, "excluded": [e.path for e in r.excluded],
-            "infra": list(r.infra_errors), "exit_code": r.exit_code, "pods": list(r.pods)}
+            "infra": list(r.infra_errors), "exit_code": r.exit_code, "pods": list(r.pods),
+            "shadow": r.shadow}
 res = {}
 """
 
@@ -205,7 +206,8 @@ def test_grading_pod_reused_then_retired_and_a_contradicted_pod_refused(sandman,
     took = time.monotonic() - t0
     rounds = res["rounds"]
     assert [r["verdict"] for r in rounds] == ["passed"] * 10, rounds
-    assert all(r["attempts"] == 1 and not r["infra"] for r in rounds), rounds
+    assert all(r["attempts"] == 1 and not r["infra"] and not r["shadow"] for r in rounds), [
+        (r["attempts"], r["infra"], r["shadow"], r["pods"]) for r in rounds]
     first = rounds[0]["pods"]
     assert len(first) == 1, rounds[0]
     # One pod for nine gradings (reused 8 times), deleted at its ninth release.
