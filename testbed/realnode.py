@@ -878,12 +878,7 @@ class RealNode:
         tb._wait(kubelet, self._node_ready, timeout, f"node {NODE_NAME} Ready")
         self.timings["node-ready"] = time.monotonic() - t0
         # kube-router looks its Node object up once, at start: only now does it exist.
-        self._spawn("kube-router", [
-            str(self.bins["kube-router"]), f"--kubeconfig={kc_admin}",
-            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
-            "--run-loadbalancer=false", f"--hostname-override={NODE_NAME}",
-            f"--service-cluster-ip-range={self.tb_service_cidr()}", "--enable-ipv6=false",
-            "--health-port=0", "--metrics-port=0", "--v=1"])
+        self._spawn("kube-router", self.kube_router_cmd(kc_admin))
         comps = {c.name: c for c in tb.components}
         tb._wait(comps["kube-proxy"], lambda: _http_ok(
             f"http://{self.node_ip}:{self.ports['kube-proxy-healthz']}/healthz"), 60,
@@ -893,6 +888,14 @@ class RealNode:
         tb._wait(comps["kube-router"], lambda: _kube_router_synced(comps["kube-router"].log), 60,
                  "NetworkPolicy chains installed and synced")
         self.timings["start"] = time.monotonic() - t0
+
+    def kube_router_cmd(self, kubeconfig: Path) -> list[str]:
+        """kube-router as the NetworkPolicy engine only, for this node's pods."""
+        return [str(self.bins["kube-router"]), f"--kubeconfig={kubeconfig}",
+                "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
+                "--run-loadbalancer=false", f"--hostname-override={self.name}",
+                f"--service-cluster-ip-range={self.tb_service_cidr()}", "--enable-ipv6=false",
+                "--health-port=0", "--metrics-port=0", "--v=1"]
 
     def tb_service_cidr(self) -> str:
         from testbed.cluster import SERVICE_CIDR

@@ -277,12 +277,7 @@ class SecondNode(RealNode):
                                    f"--config={self._kube_proxy_config(kc_proxy)}", "--v=1"])
         self._until(self._node_ready, timeout, "kubelet", f"node {NAME} Ready")
         self.timings["node-ready"] = time.monotonic() - t0
-        self._spawn("kube-router", [
-            str(self.bins["kube-router"]), f"--kubeconfig={kc_admin}",
-            "--run-firewall=true", "--run-router=false", "--run-service-proxy=false",
-            "--run-loadbalancer=false", f"--hostname-override={NAME}",
-            f"--service-cluster-ip-range={self.tb_service_cidr()}", "--enable-ipv6=false",
-            "--health-port=0", "--metrics-port=0", "--v=1"])
+        self._spawn("kube-router", self.kube_router_cmd(kc_admin))
         self._until(lambda: self.http_ok(
             f"http://{self.node_ip}:{self.ports['kube-proxy-healthz']}/healthz"), 60,
             "kube-proxy", "/healthz ok (rules synced)")
@@ -385,11 +380,3 @@ class SecondNode(RealNode):
         with contextlib.suppress(Exception):
             ok = self._node_ready()
         return [(f"node {NAME}", ok, f"{self.node_ip}, pods {self.pod_cidr}, netns {NETNS}")]
-
-
-def node_of(tb: Testbed, namespace: str, pod: str) -> str:
-    """The node a pod was scheduled to ("" while pending)."""
-    return (tb.request("GET", f"/api/v1/namespaces/{namespace}/pods/{pod}")
-            .get("spec", {}).get("nodeName") or "")
-
-
