@@ -49,7 +49,7 @@ import time
 import urllib.request
 from pathlib import Path
 
-from bench import docs
+from bench import bed, docs
 from bench import reuse_controller as pool
 from testbed.execd import execd_cmd, start_execd
 
@@ -223,13 +223,8 @@ def main(argv: list[str] | None = None) -> int:
     if a.part in ("execd", "both"):
         sections.append(execd_part(a))
     if a.part in ("controller", "both"):
-        if a.kubeconfig:
-            from testbed.cluster import Cluster
-
-            with tempfile.TemporaryDirectory(prefix="sandman-bench-reuse-") as tmp:
-                res = pool.measure(Cluster.connect(Path(a.kubeconfig)), Path(tmp), a.rounds)
-        else:
-            res = pool.run(a.rounds)
+        # Its own test bed of 2 kwok nodes, or --kubeconfig's cluster.
+        res = bed.run("bench-reuse", 2, lambda c, workdir, a: pool.measure(c, workdir, a.rounds), a)
         sections.append(pool.render(res))
         print(sections[-1])
     if a.write_docs:

@@ -24,7 +24,7 @@ import time
 from pathlib import Path
 
 from sandman.client import Client
-from testbed.cluster import Cluster, Testbed, default_state_dir
+from testbed.cluster import Cluster
 from testbed.controller import ControllerProc
 from testbed.standin import Standin
 
@@ -73,18 +73,6 @@ def measure(cluster: Cluster, workdir: Path, rounds: int) -> dict:
         cluster.delete_namespace(ns)
     return {"rounds": rounds, "fresh": fresh, "reused": reused, "give_back": give_back,
             "load": (load0, os.getloadavg()[0])}
-
-
-def run(rounds: int) -> dict:
-    """measure() on a test bed of its own (2 kwok nodes), stopped after."""
-    state = default_state_dir("bench-reuse")
-    tb = Testbed(state, nodes=2)
-    print(f"# starting the test bed in {state}", file=sys.stderr)
-    tb.start()
-    try:
-        return measure(Cluster.connect(tb.kubeconfig, tb), state, rounds)
-    finally:
-        tb.stop()
 
 
 def render(res: dict) -> str:
