@@ -123,6 +123,9 @@ def test_hostile_another_tenant_learns_no_reason(cluster, namespace, tenants, au
         assert got.status_code == 404 and got.json()["error"]["message"] == f"no sandbox {sid}"
         got = h.post(ctl.url + api.RENEW.url(id=sid), headers=bearer(tok_b), json={})
         assert got.status_code == 404 and "deleted" not in got.text, got.text
+        for route, body in ((api.FORK, {"n": 1}), (api.PAUSE, {})):  # the same id, other routes
+            got = h.post(ctl.url + route.url(id=sid), headers=bearer(tok_b), json=body)
+            assert got.status_code in (403, 404) and "deleted" not in got.text, (route, got.text)
         got = h.delete(ctl.url + api.RELEASE.url(id=sid), headers=bearer(tok_b))
         assert got.status_code == 200 and got.json()["released"] is False
         assert "lost" not in got.json(), got.text
